@@ -1,0 +1,19 @@
+"""The KV cache layer: per-layer caches that speak mlx-lm's model-facing protocol.
+
+Imports nothing from `mlxkv.runner`: generation builds on this layer, never the reverse.
+"""
+
+from mlxkv.cache.base import LayerCache
+from mlxkv.cache.kv import KVCache
+from mlxkv.cache.model_cache import ModelCache, make_cache
+from mlxkv.cache.quantized import QuantizedKVCache
+from mlxkv.cache.window import SlidingWindowCache
+
+__all__ = [
+    "KVCache",
+    "LayerCache",
+    "ModelCache",
+    "QuantizedKVCache",
+    "SlidingWindowCache",
+    "make_cache",
+]

@@ -1,0 +1,107 @@
+"""KVCache: one attention layer's keys and values, contiguous in time order.
+
+Owns: the growable K/V buffer of a global-attention layer. Trim is O(1): it only moves the
+offset; the slots past it are overwritten by the next update. `shrink()` gives memory back.
+
+Invariants:
+  - slots [0, offset) hold the K/V of positions 0..offset-1;
+  - capacity is a multiple of `step` tokens (or exactly offset after `from_state`);
+  - `state` is the used part only, so saved caches carry no padding.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxkv.cache.base import DEFAULT_STEP_TOKENS, ContiguousCache, resized_buffer, round_up
+
+
+class KVCache(ContiguousCache):
+    """Keys and values of one layer, grown `step` tokens at a time.
+
+    Args:
+        step: growth granularity in tokens; larger steps mean fewer reallocations.
+    """
+
+    def __init__(self, step: int = DEFAULT_STEP_TOKENS):
+        if step <= 0:
+            raise ValueError(f"step must be a positive number of tokens, got {step}")
+        self.step = step
+        self.keys: mx.array | None = None  # (B, H, capacity, D)
+        self.values: mx.array | None = None  # (B, H, capacity, Dv)
+        self.offset = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev = self.offset
+        num_new = keys.shape[2]
+        if prev + num_new > self.capacity_tokens:
+            self._reallocate(keys, values, round_up(prev + num_new, self.step))
+        self.keys[..., prev : prev + num_new, :] = keys
+        self.values[..., prev : prev + num_new, :] = values
+        self.offset = prev + num_new
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def _reallocate(self, keys: mx.array, values: mx.array, capacity: int) -> None:
+        """Moves the used part into a fresh buffer of `capacity` tokens (a copy, never a view,
+        so the old buffer is freed)."""
+        self.keys = resized_buffer(self.keys, keys, self.offset, capacity)
+        self.values = resized_buffer(self.values, values, self.offset, capacity)
+
+    def shrink(self) -> int:
+        """Frees the slots beyond the next step boundary above the offset.
+
+        Returns:
+            The bytes given back (0 when there was nothing to free).
+        """
+        target = round_up(self.offset, self.step)
+        if self.keys is None or target >= self.capacity_tokens:
+            return 0
+        before = self.nbytes
+        if target == 0:
+            self.keys = self.values = None
+        else:
+            self._reallocate(self.keys, self.values, target)
+        return before - self.nbytes
+
+    def to_quantized(self, group_size: int = 64, bits: int = 8):
+        """A QuantizedKVCache holding the same tokens (lossy: see QuantizedKVCache)."""
+        from mlxkv.cache.quantized import QuantizedKVCache
+
+        quantized = QuantizedKVCache(group_size=group_size, bits=bits, step=self.step)
+        if self.offset:
+            keys, values = self.state
+            quantized.update_and_fetch(keys, values)
+        return quantized
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array] | tuple[()]:
+        if self.keys is None or self.offset == 0:
+            return ()
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    @state.setter
+    def state(self, value: tuple[mx.array, mx.array] | tuple[()]) -> None:
+        if not value:
+            self.keys = self.values = None
+            self.offset = 0
+            return
+        self.keys, self.values = value
+        self.offset = self.keys.shape[2]
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (str(self.step),)
+
+    @meta_state.setter
+    def meta_state(self, value: tuple[str, ...]) -> None:
+        (self.step,) = (int(v) for v in value)
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes

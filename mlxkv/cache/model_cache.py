@@ -1,0 +1,245 @@
+"""ModelCache: a whole model's cache, one cache per layer plus the token ids they hold.
+
+Owns: building the per-layer caches for any mlx-lm model (`make_cache`), running the model on
+new tokens so that K/V and token ids always change together (`forward`), and the management
+operations Ollama's cache interface has: trim to a length (all or nothing), free, bytes.
+
+Invariants:
+  - the token list always has exactly as many entries as the tokens the layers have seen; a
+    forward pass that raises (KeyboardInterrupt included) leaves both as they were;
+  - all attention layers share one offset (== num_tokens);
+  - `trim_to(n)` changes nothing unless every layer can go back to n (`can_trim_to`).
+
+Layers whose own cache mlx-lm defines for recurrent state (`ArraysCache`, inside a `CacheList`
+for hybrid models) are kept as they are: they are not trimmable, so `can_trim_to` is False for
+any n below num_tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as mlx_cache
+
+from mlxkv.cache.kv import KVCache
+from mlxkv.cache.quantized import QuantizedKVCache, check_quantization
+from mlxkv.cache.window import SlidingWindowCache
+from mlxkv.errors import NotSupportedError
+
+logger = logging.getLogger(__name__)
+
+
+class ModelCache:
+    """Per-layer caches of one model and the token ids whose K/V they hold.
+
+    Models index it like mlx-lm's list of caches (`cache[i]`, `len(cache)`).
+
+    Args:
+        layers: one cache per model layer.
+        make_layers: builds a fresh, empty list of layers; `free()` calls it.
+    """
+
+    def __init__(self, layers: list[Any], make_layers: Callable[[], list[Any]]):
+        self.layers = layers
+        self._make_layers = make_layers
+        self._tokens: list[int] = []
+        self._pending: list[mx.array] = []  # fed token ids not yet read back from the device
+
+    def __getitem__(self, index: int) -> Any:
+        return self.layers[index]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose K/V (or recurrent state) the layers hold."""
+        return len(self._tokens) + sum(p.size for p in self._pending)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids held, oldest first (a copy)."""
+        self._settle()
+        return list(self._tokens)
+
+    def _settle(self) -> None:
+        for pending in self._pending:
+            self._tokens.extend(pending.tolist())
+        self._pending.clear()
+
+    def forward(self, model: nn.Module, token_ids: Sequence[int] | mx.array) -> mx.array:
+        """Runs `model` on `token_ids` after the held tokens and records them as held.
+
+        All or nothing: if the model raises, every layer is put back as it was.
+
+        Args:
+            model: an mlx-lm model, called as `model(ids[None], cache=layers)`.
+            token_ids: 1-D token ids. An `mx.array` may still be lazy (decode pipelining):
+                its values are read back only when `tokens` is next asked for.
+
+        Returns:
+            Logits (1, L, vocab), lazy.
+        """
+        is_array = isinstance(token_ids, mx.array)
+        ids = token_ids if is_array else mx.array(list(token_ids), dtype=mx.uint32)
+        marks = [_mark(layer) for layer in self.layers]
+        try:
+            logits = model(ids.reshape(1, -1), cache=self.layers)
+        except BaseException:
+            for layer, mark in zip(self.layers, marks, strict=True):
+                _restore(layer, mark)
+            raise
+        if is_array:
+            self._pending.append(ids.reshape(-1))
+        else:
+            self._tokens.extend(int(t) for t in token_ids)
+        return logits
+
+    def can_trim_to(self, num_tokens: int) -> bool:
+        """True when every layer can go back to holding exactly `num_tokens` tokens."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            return False
+        drop = self.num_tokens - num_tokens
+        return all(_layer_can_trim(layer, drop) for layer in self.layers)
+
+    def trim_to(self, num_tokens: int) -> int:
+        """Keeps the first `num_tokens` tokens and drops the rest, in every layer or none.
+
+        Returns:
+            The number of tokens dropped.
+
+        Raises:
+            ValueError: num_tokens is negative or more than are held.
+            NotSupportedError: some layer cannot go back that far (recurrent state, or a
+                sliding window that no longer holds what position `num_tokens` needs).
+        """
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(
+                f"cannot trim to {num_tokens} tokens; the cache holds {self.num_tokens}"
+            )
+        if not self.can_trim_to(num_tokens):
+            blocking = sorted(
+                {
+                    type(layer).__name__
+                    for layer in self.layers
+                    if not _layer_can_trim(layer, self.num_tokens - num_tokens)
+                }
+            )
+            raise NotSupportedError(
+                f"cannot go back from {self.num_tokens} to {num_tokens} tokens: layers of type "
+                f"{', '.join(blocking)} cannot trim that far; free() the cache and prefill again"
+            )
+        drop = self.num_tokens - num_tokens
+        if drop:
+            for layer in self.layers:
+                layer.trim(drop)
+            self._settle()
+            del self._tokens[num_tokens:]
+        return drop
+
+    def free(self) -> None:
+        """Drops every token and the memory that held them."""
+        self.layers = self._make_layers()
+        self._tokens.clear()
+        self._pending.clear()
+
+    def shrink(self) -> int:
+        """Gives back buffer slots beyond the next growth step above the held tokens.
+
+        Returns:
+            Bytes freed.
+        """
+        return sum(layer.shrink() for layer in _leaves(self.layers) if hasattr(layer, "shrink"))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated by all layers (including unused slots)."""
+        return sum(layer.nbytes for layer in _leaves(self.layers))
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes holding the tokens' K/V and recurrent state."""
+        return sum(getattr(layer, "used_bytes", layer.nbytes) for layer in _leaves(self.layers))
+
+
+def make_cache(
+    model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64
+) -> ModelCache:
+    """Builds an empty ModelCache for any mlx-lm model.
+
+    The model's own `make_cache()` decides the layout (which layers are global, which use a
+    sliding window, which keep recurrent state); mlxkv's classes replace mlx-lm's KV classes.
+
+    Args:
+        model: a model from `mlx_lm.models` (or anything with `layers` and mlx-lm's call).
+        kv_bits: quantize global-attention K/V to 8 or 4 bits; None keeps the model's dtype.
+            Sliding-window layers stay unquantized: their memory is already bounded.
+        kv_group_size: head-dimension elements per quantization scale (32, 64 or 128).
+
+    Raises:
+        ValueError: for kv_bits or kv_group_size that `mx.quantize` does not support.
+    """
+    if kv_bits is not None:
+        check_quantization(kv_bits, kv_group_size)
+
+    def convert(layer: Any) -> Any:
+        if type(layer) in (mlx_cache.KVCache, mlx_cache.QuantizedKVCache):
+            return KVCache() if kv_bits is None else QuantizedKVCache(kv_group_size, kv_bits)
+        if type(layer) is mlx_cache.RotatingKVCache:
+            return SlidingWindowCache(layer.max_size, keep=layer.keep)
+        if type(layer) is mlx_cache.CacheList:
+            return mlx_cache.CacheList(*(convert(c) for c in layer.caches))
+        return layer
+
+    def make_layers() -> list[Any]:
+        if hasattr(model, "make_cache"):
+            template = model.make_cache()
+        else:
+            template = [mlx_cache.KVCache() for _ in model.layers]
+        return [convert(layer) for layer in template]
+
+    return ModelCache(make_layers(), make_layers)
+
+
+def _leaves(layers: Sequence[Any]) -> list[Any]:
+    """The per-layer caches with mlx-lm `CacheList` containers flattened out."""
+    out = []
+    for layer in layers:
+        out.extend(_leaves(layer.caches) if isinstance(layer, mlx_cache.CacheList) else [layer])
+    return out
+
+
+def _layer_can_trim(layer: Any, num_tokens: int) -> bool:
+    if num_tokens == 0:
+        return True
+    if isinstance(layer, mlx_cache.CacheList):
+        return all(_layer_can_trim(c, num_tokens) for c in layer.caches)
+    if hasattr(layer, "can_trim"):
+        return layer.can_trim(num_tokens)
+    return layer.is_trimmable() and num_tokens <= getattr(layer, "offset", 0)
+
+
+def _mark(layer: Any) -> Any:
+    """What `_restore` needs to undo a forward pass on this layer."""
+    if isinstance(layer, mlx_cache.CacheList):
+        return [_mark(c) for c in layer.caches]
+    if isinstance(layer, mlx_cache.ArraysCache):
+        return list(layer.cache)  # recurrent state arrays are replaced, never mutated
+    return layer.offset
+
+
+def _restore(layer: Any, mark: Any) -> None:
+    if isinstance(layer, mlx_cache.CacheList):
+        for c, m in zip(layer.caches, mark, strict=True):
+            _restore(c, m)
+    elif isinstance(layer, mlx_cache.ArraysCache):
+        layer.cache = list(mark)
+    elif layer.offset > mark:
+        layer.trim(layer.offset - mark)
