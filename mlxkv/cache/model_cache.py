@@ -86,9 +86,14 @@ class ModelCache:
 
         Returns:
             Logits (1, L, vocab), lazy.
+
+        Raises:
+            ValueError: token_ids is empty.
         """
         is_array = isinstance(token_ids, mx.array)
         ids = token_ids if is_array else mx.array(list(token_ids), dtype=mx.uint32)
+        if ids.size == 0:
+            raise ValueError("forward needs at least one token id; got none")
         marks = [_mark(layer) for layer in self.layers]
         try:
             logits = model(ids.reshape(1, -1), cache=self.layers)

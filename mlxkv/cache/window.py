@@ -171,7 +171,7 @@ class SlidingWindowCache:
         if n == 0 or new_offset <= self.keep:
             return True
         needed_from = max(self.keep, new_offset - self._ring_window + 1)
-        return self.oldest_position <= needed_from
+        return needed_from >= new_offset or self.oldest_position <= needed_from
 
     def is_trimmable(self) -> bool:
         return self.can_trim(1)

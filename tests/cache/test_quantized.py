@@ -1,0 +1,48 @@
+"""QuantizedKVCache: bytes per element and reconstruction error, scales and biases included."""
+
+import mlx.core as mx
+import pytest
+
+from mlxkv.cache import KVCache, QuantizedKVCache
+
+# (bits, bytes per K/V element allowed, max |error| / max |x| allowed)
+BUDGETS = [(8, 1.13, 0.01), (4, 0.63, 0.1)]
+
+
+@pytest.mark.parametrize(("bits", "max_bytes", "max_rel_err"), BUDGETS)
+def test_bytes_per_element_and_error_within_budget(bits, max_bytes, max_rel_err):
+    mx.random.seed(1)
+    keys = mx.random.normal((1, 4, 256, 128))
+    values = mx.random.normal((1, 4, 256, 128))
+    cache = QuantizedKVCache(group_size=64, bits=bits)
+    cache.update_and_fetch(keys, values)
+    elements = keys.size + values.size
+    assert cache.capacity_tokens == 256  # exactly one step: allocated == used
+    assert cache.nbytes / elements <= max_bytes
+    assert cache.nbytes == sum(a.nbytes for a in cache.keys + cache.values)
+    got_k, got_v = cache.dequantized()
+    for got, want in ((got_k, keys), (got_v, values)):
+        rel = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+        assert rel < max_rel_err, f"{bits}-bit relative error {rel:.3g}"
+
+
+def test_from_float_cache_holds_same_tokens():
+    keys, values = mx.random.normal((1, 2, 10, 64)), mx.random.normal((1, 2, 10, 64))
+    float_cache = KVCache()
+    float_cache.update_and_fetch(keys, values)
+    quantized = float_cache.to_quantized(group_size=64, bits=8)
+    assert quantized.offset == 10
+    got_k, _ = quantized.dequantized()
+    assert mx.abs(got_k - keys).max().item() < 0.05
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(3, 64), (8, 16)])
+def test_unsupported_settings_name_the_allowed_values(bits, group_size):
+    with pytest.raises(ValueError, match="use one of"):
+        QuantizedKVCache(group_size=group_size, bits=bits)
+
+
+def test_head_dim_not_divisible_by_group_is_a_clear_error():
+    cache = QuantizedKVCache(group_size=64, bits=8)
+    with pytest.raises(ValueError, match="head dimension 16 is not a multiple"):
+        cache.update_and_fetch(mx.zeros((1, 1, 2, 16)), mx.zeros((1, 1, 2, 16)))

@@ -1,0 +1,30 @@
+import logging
+
+import pytest
+
+from tests.factories import tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def load_tiny(model_root):
+    """Loads a tiny factory model through mlx-lm's real loading code, once per architecture."""
+    from mlx_lm import load
+
+    loaded = {}
+
+    def _load(arch: str):
+        if arch not in loaded:
+            loaded[arch] = load(str(tiny_model_dir(arch, model_root)))
+        return loaded[arch]
+
+    return _load
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    logging.getLogger("transformers").setLevel(logging.ERROR)
