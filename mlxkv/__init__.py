@@ -1,0 +1,35 @@
+"""mlxkv: an LLM runner on MLX whose KV cache never pays twice for the same tokens."""
+
+from mlxkv.cache import KVCache, ModelCache, QuantizedKVCache, SlidingWindowCache, make_cache
+from mlxkv.errors import (
+    CacheFullError,
+    CacheStateError,
+    ContextLengthError,
+    MlxkvError,
+    ModelLoadError,
+    NotSupportedError,
+    UnsupportedFormatError,
+)
+from mlxkv.runner.generate import Completion, GenerationChunk
+from mlxkv.runner.memory import MemoryReport, format_bytes
+from mlxkv.runner.runner import Runner
+
+__all__ = [
+    "CacheFullError",
+    "CacheStateError",
+    "Completion",
+    "ContextLengthError",
+    "GenerationChunk",
+    "KVCache",
+    "MemoryReport",
+    "MlxkvError",
+    "ModelCache",
+    "ModelLoadError",
+    "NotSupportedError",
+    "QuantizedKVCache",
+    "Runner",
+    "SlidingWindowCache",
+    "UnsupportedFormatError",
+    "format_bytes",
+    "make_cache",
+]

@@ -23,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
 from mlxkv.cache.kv import KVCache
@@ -73,6 +74,16 @@ class ModelCache:
         for pending in self._pending:
             self._tokens.extend(pending.tolist())
         self._pending.clear()
+
+    def materialize(self) -> None:
+        """Evaluates every lazy array and reads back pending token ids.
+
+        MLX streams belong to the thread that made them: a lazy array built on one thread
+        cannot be evaluated on another. Materializing at the end of each request lets the next
+        one run on any thread.
+        """
+        mx.eval(self.arrays() + self._pending)
+        self._settle()
 
     def forward(self, model: nn.Module, token_ids: Sequence[int] | mx.array) -> mx.array:
         """Runs `model` on `token_ids` after the held tokens and records them as held.
@@ -162,6 +173,17 @@ class ModelCache:
             Bytes freed.
         """
         return sum(layer.shrink() for layer in _leaves(self.layers) if hasattr(layer, "shrink"))
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the layers hold: pass them to `mx.eval` to materialize a prefill."""
+        held = []
+        for layer in _leaves(self.layers):
+            if isinstance(layer, mlx_cache.ArraysCache):
+                parts = layer.cache
+            else:  # the raw buffers: `state` of a window cache would build a time-ordered copy
+                parts = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+            held += [a for _, a in tree_flatten(parts) if isinstance(a, mx.array)]
+        return held
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,1 @@
+"""Generation on top of the cache layer: loading, prompt cache policy, streaming."""

@@ -1,0 +1,188 @@
+"""Prefill and decode on a ModelCache, plus the results they produce.
+
+Owns: `prefill` (the prompt in chunks), `decode_tokens` (the pipelined token loop), stop-string
+matching on streamed text, and the `Completion` / `GenerationChunk` results. Does not own the
+prompt cache policy (`mlxkv.cache.prefix`) or sampling math (mlx-lm).
+
+The decode loop keeps the device busy the way mlx-lm's does: step n+1 is queued with
+`mx.async_eval` before token n is read back into Python, so the host never waits on the device
+for bookkeeping. Everything runs on MLX's default stream, not mlx-lm's thread-local
+`generation_stream`: the cache outlives a request and may be continued from another thread,
+and arrays built on one thread's local stream cannot be evaluated on another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.runner.sampling import LogitsProcessor, Sampler
+
+ProgressCallback = Callable[[int, int], None]
+
+# MLX keeps freed buffers for reuse; returning them every so often bounds that pool, as mlx-lm
+# does (https://github.com/ml-explore/mlx-lm/blob/main/mlx_lm/generate.py, generate_step).
+_CLEAR_CACHE_EVERY_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The result of one generation.
+
+    Attributes:
+        text: generated text, without the EOS token and cut before any stop string.
+        tokens: generated token ids (without EOS).
+        finish_reason: "stop" (EOS or a stop string), "length" (max_tokens or the context
+            limit) or "cancelled" (`Runner.cancel()`).
+        prompt_tokens: tokens in the prompt.
+        cached_tokens: prompt tokens whose K/V were reused from the prompt cache.
+        prompt_tps: prompt tokens processed (not reused) per second of prefill.
+        generation_tokens: tokens sampled, EOS included.
+        generation_tps: sampled tokens per second after the first one (mlx-lm's measure).
+        ttft: seconds from the request to the first sampled token.
+        peak_memory: MLX's peak memory during the request, in bytes.
+    """
+
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    ttft: float
+    peak_memory: int
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One piece of a streamed generation.
+
+    Attributes:
+        text: text added by this chunk (may be empty while a stop string could be forming).
+        token: the token sampled for this chunk; None on the final chunk.
+        finish_reason: set on the final chunk only.
+        completion: the whole result with its statistics, on the final chunk only.
+    """
+
+    text: str
+    token: int | None
+    finish_reason: str | None = None
+    completion: Completion | None = None
+
+
+def prefill(
+    model: nn.Module,
+    cache: ModelCache,
+    tokens: Sequence[int],
+    *,
+    step_tokens: int,
+    progress: ProgressCallback | None = None,
+) -> mx.array:
+    """Feeds `tokens` through the model in chunks of at most `step_tokens`.
+
+    Args:
+        tokens: at least one token id, fed after what `cache` holds (which grows in place).
+        progress: called as progress(done, total) in tokens after each chunk.
+
+    Returns:
+        Logits of the last token, shape (1, vocab), lazy.
+    """
+    total = len(tokens)
+    done = 0
+    while total - done > step_tokens:
+        cache.forward(model, tokens[done : done + step_tokens])
+        mx.eval(cache.arrays())
+        done += step_tokens
+        if progress:
+            progress(done, total)
+        mx.clear_cache()
+    logits = cache.forward(model, tokens[done:])[:, -1, :]
+    if progress:
+        progress(total, total)
+    return logits
+
+
+class TokenPicker:
+    """Turns logits into the next token: logits processors (with the token history), then the
+    sampler. Keeps the history lazily on the device."""
+
+    def __init__(self, sampler: Sampler, processors: list[LogitsProcessor], history: Sequence[int]):
+        self._sampler = sampler
+        self._processors = processors
+        self._history = mx.array(list(history), dtype=mx.uint32) if processors else None
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        for processor in self._processors:
+            logits = processor(self._history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = self._sampler(logprobs).reshape(-1)
+        if self._history is not None:
+            self._history = mx.concatenate([self._history, token.astype(mx.uint32)])
+        return token
+
+
+def decode_tokens(
+    model: nn.Module,
+    cache: ModelCache,
+    logits: mx.array,
+    pick: TokenPicker,
+    max_tokens: int,
+) -> Iterator[int]:
+    """Yields up to `max_tokens` sampled token ids, starting from the prompt's last logits.
+
+    Each yielded token except the last has already been fed to the model (its step is queued
+    before it is yielded), so the cache holds it even if the caller stops right there. The
+    caller stops early by closing the generator.
+    """
+    if max_tokens <= 0:
+        return
+    token = pick(logits)
+    mx.async_eval(token)
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            next_token = pick(cache.forward(model, token)[:, -1, :])
+            mx.async_eval(next_token)
+        yield token.item()
+        if n % _CLEAR_CACHE_EVERY_TOKENS == _CLEAR_CACHE_EVERY_TOKENS - 1:
+            mx.clear_cache()
+        if n + 1 < max_tokens:
+            token = next_token
+
+
+class StopStrings:
+    """Cuts streamed text at the first stop string, holding back text that may start one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self._stops = tuple(stops)
+        self._held = ""
+
+    def push(self, segment: str) -> tuple[str, bool]:
+        """Adds a text segment; returns (text safe to emit now, whether a stop string ended it)."""
+        text = self._held + segment
+        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        if found:
+            self._held = ""
+            return text[: min(found)], True
+        hold = self._longest_partial_stop(text)
+        self._held = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], False
+
+    def flush(self) -> str:
+        """Text held back at the end of generation (it did not become a stop string)."""
+        text, self._held = self._held, ""
+        return text
+
+    def _longest_partial_stop(self, text: str) -> int:
+        longest = 0
+        for stop in self._stops:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
