@@ -1,5 +1,11 @@
 """mlxkv: an LLM runner on MLX whose KV cache never pays twice for the same tokens."""
 
+from mlxkv._blas import select_blas
+
+select_blas()  # must run before mlx is first imported (see mlxkv._blas)
+
+# ruff: noqa: E402
+
 from mlxkv.cache import KVCache, ModelCache, QuantizedKVCache, SlidingWindowCache, make_cache
 from mlxkv.errors import (
     CacheFullError,

@@ -2,6 +2,7 @@ import logging
 
 import pytest
 
+import mlxkv  # noqa: F401  (first: it picks the BLAS before mlx is imported)
 from tests.factories import tiny_model_dir
 
 

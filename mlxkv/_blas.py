@@ -1,0 +1,70 @@
+"""Choosing the BLAS that MLX's CPU backend calls, on Linux. Runs at `import mlxkv`, before mlx.
+
+The `mlx[cpu]` wheel links a reference BLAS; loading the system's OpenBLAS first with
+RTLD_GLOBAL makes MLX's BLAS calls resolve to it (measured here: SmolLM2 float32 prefill about
+20x faster). Set MLXKV_OPENBLAS=0 to keep the reference BLAS, or MLXKV_OPENBLAS=/path/to/lib to
+name the library.
+
+Owns nothing else; logs which BLAS is in use at DEBUG and warns once when only the slow one is
+available.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Debian/Ubuntu `libopenblas0-pthread` (or -openmp / -serial) and common other layouts.
+_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/x86_64-linux-gnu/openblas-openmp/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-openmp/libblas.so.3",
+    "/usr/lib/x86_64-linux-gnu/openblas-serial/libblas.so.3",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+INSTALL_HINT = "sudo apt-get install libopenblas0-pthread"
+
+blas_in_use = "platform default"
+
+
+def select_blas() -> str:
+    """Loads OpenBLAS for MLX on Linux if it is installed and allowed; returns what is used."""
+    global blas_in_use
+    if not sys.platform.startswith("linux"):
+        return blas_in_use
+    setting = os.environ.get("MLXKV_OPENBLAS", "1")
+    if setting.lower() in ("0", "false", "no", "off"):
+        blas_in_use = "reference (MLXKV_OPENBLAS=0)"
+    elif "mlx.core" in sys.modules:
+        blas_in_use = "reference (mlx was imported before mlxkv)"
+        logger.debug("blas: mlx.core already imported; import mlxkv first to use OpenBLAS")
+    else:
+        path = _find(setting)
+        if path is not None:
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            blas_in_use = f"OpenBLAS ({path})"
+        else:
+            blas_in_use = "reference"
+            warnings.warn(
+                "mlxkv: OpenBLAS not found, so MLX's CPU backend uses its slow reference BLAS "
+                f"(about 20x slower prefill). Install it: {INSTALL_HINT}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    logger.debug("blas: %s", blas_in_use)
+    return blas_in_use
+
+
+def _find(setting: str) -> Path | None:
+    if setting not in ("1", "true", "yes", "on"):
+        named = Path(setting)
+        return named if named.exists() else None
+    return next((Path(p) for p in _CANDIDATES if Path(p).exists()), None)
