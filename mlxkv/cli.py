@@ -1,0 +1,212 @@
+"""The `mlxkv` command: generate, chat, convert, info.
+
+Owns: argument parsing, logging setup and everything printed (the only module that prints).
+Text goes to stdout; statistics, progress and logs go to stderr, so piping stays clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import mlxkv  # noqa: F401  (picks the BLAS before mlx is imported)
+from mlxkv.errors import MlxkvError
+from mlxkv.runner.generate import Completion
+from mlxkv.runner.runner import Runner
+
+CHAT_HELP = "commands: /reset (forget the conversation), /stats (cache memory), /quit"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.run(args)
+    except (MlxkvError, ValueError, FileNotFoundError) as error:
+        print(f"mlxkv: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlxkv", description="Run LLMs on MLX with a prompt cache that is never paid twice."
+    )
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    generate = commands.add_parser("generate", help="generate a completion for one prompt")
+    generate.add_argument("-p", "--prompt", required=True, help="the user message")
+    generate.add_argument(
+        "--raw", action="store_true", help="send the prompt without the chat template"
+    )
+    _add_model_options(generate)
+    generate.set_defaults(run=_generate)
+
+    chat = commands.add_parser("chat", help="multi-turn chat (one user line per turn)")
+    chat.add_argument("--system", help="system prompt")
+    _add_model_options(chat)
+    chat.set_defaults(run=_chat)
+
+    convert = commands.add_parser("convert", help="convert a GGUF file to an mlx-lm directory")
+    convert.add_argument("gguf", type=Path)
+    convert.add_argument("out_dir", type=Path)
+    convert.add_argument("-v", "--verbose", action="store_true")
+    convert.set_defaults(run=_convert)
+
+    info = commands.add_parser("info", help="architecture, layers and KV bytes per token")
+    info.add_argument("model", nargs="?", default=None, help="default: the bundled SmolLM2")
+    info.add_argument("-v", "--verbose", action="store_true")
+    info.set_defaults(run=_info)
+    return parser
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help="model directory, .gguf file, Ollama name or Hugging Face repo (default: SmolLM2)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-context", type=int, default=None, help="tokens (default: model's)")
+    parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None)
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="statistics and the cache log on stderr"
+    )
+
+
+def _setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+    root = logging.getLogger("mlxkv")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _progress_bar(label: str) -> Callable[[int, int], None] | None:
+    """A one-line progress bar on a terminal; nothing when stderr is piped."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        end = "\n" if done >= total else ""
+        bar = "#" * filled + "-" * (width - filled)
+        print(f"\r{label} [{bar}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+def _load(args: argparse.Namespace) -> Runner:
+    from mlxkv.runner.loading import load_model
+
+    loaded = load_model(args.model, progress=_progress_bar("converting GGUF (tensors)"))
+    return Runner(loaded, max_context=args.max_context, kv_bits=args.kv_bits)
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temp,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
+
+
+def _stream_reply(runner: Runner, prompt, args: argparse.Namespace) -> Completion:
+    """Streams one reply to stdout and returns its Completion."""
+    completion = None
+    progress = _progress_bar("prefill (tokens)")
+    for chunk in runner.stream(prompt, progress=progress, **_sampling(args)):
+        print(chunk.text, end="", flush=True)
+        completion = chunk.completion or completion
+    print(flush=True)
+    return completion
+
+
+def _print_stats(out: Completion) -> None:
+    print(
+        f"[prompt {out.prompt_tokens} tokens, cached {out.cached_tokens} | "
+        f"prefill {out.prompt_tps:.1f} tok/s | generation {out.generation_tokens} tokens, "
+        f"{out.generation_tps:.1f} tok/s | ttft {out.ttft * 1000:.0f} ms | "
+        f"finish {out.finish_reason}]",
+        file=sys.stderr,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    runner = _load(args)
+    prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+    if not args.raw and not getattr(runner.tokenizer, "chat_template", None):
+        prompt = args.prompt
+    out = _stream_reply(runner, prompt, args)
+    if args.verbose:
+        _print_stats(out)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    runner = _load(args)
+    interactive = sys.stdin.isatty()
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    if interactive:
+        print(f"mlxkv chat ({CHAT_HELP})", file=sys.stderr)
+    while True:
+        line = _read_line(interactive)
+        if line is None or line.strip() == "/quit":
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/reset":
+            messages = messages[:1] if args.system else []
+            runner.reset()
+            print("[conversation and cache cleared]", file=sys.stderr)
+            continue
+        if line == "/stats":
+            print(f"[{runner.cache_info().log_line()}]", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        out = _stream_reply(runner, messages, args)
+        messages.append({"role": "assistant", "content": out.text})
+        if args.verbose:
+            _print_stats(out)
+
+
+def _read_line(interactive: bool) -> str | None:
+    try:
+        return input(">>> ") if interactive else sys.stdin.readline() or None
+    except EOFError:
+        return None
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from mlxkv.runner.gguf import convert_gguf
+
+    out = convert_gguf(args.gguf, args.out_dir, progress=_progress_bar("converting (tensors)"))
+    print(out)
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from mlxkv.runner.inspect import describe
+    from mlxkv.runner.loading import load_model
+
+    loaded = load_model(args.model, progress=_progress_bar("converting GGUF (tensors)"))
+    for key, value in describe(loaded).items():
+        print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

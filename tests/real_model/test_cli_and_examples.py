@@ -1,0 +1,56 @@
+"""The command line and the examples, run as a user would (subprocesses, default model)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args, converted_cache, stdin=None, timeout=240):
+    return subprocess.run(
+        [sys.executable, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_chat_through_a_pipe_reuses_the_cache(converted_cache):
+    questions = "What is the capital of France?\nWhat river flows through it?\nAnd Italy?\n"
+    result = _run(
+        ["-m", "mlxkv.cli", "chat", "--verbose", "--max-tokens", "24"], converted_cache, questions
+    )
+    assert result.returncode == 0, result.stderr
+    cached = [int(n) for n in re.findall(r"cached (\d+) \|", result.stderr)]
+    assert len(cached) == 3, result.stderr
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0
+    assert "Paris" in result.stdout
+
+
+def test_generate_prints_the_answer_and_stats(converted_cache):
+    result = _run(
+        ["-m", "mlxkv.cli", "generate", "-p", "What is the capital of France?", "--verbose"],
+        converted_cache,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "kv cache:" in result.stderr and "ttft" in result.stderr
+
+
+def test_bad_model_is_a_one_line_error(converted_cache):
+    result = _run(["-m", "mlxkv.cli", "generate", "-p", "hi", "-m", "/no/such"], converted_cache)
+    assert result.returncode == 2
+    assert result.stderr.startswith("mlxkv: error:") and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("example", ["chat.py", "stream.py", "memory.py"])
+def test_example_runs(converted_cache, example):
+    result = _run([f"examples/{example}"], converted_cache)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
