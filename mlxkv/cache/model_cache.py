@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlx_cache
 
 from mlxkv.cache.kv import KVCache
@@ -160,6 +160,13 @@ class ModelCache:
             del self._tokens[num_tokens:]
         return drop
 
+    def copy(self) -> ModelCache:
+        """An independent cache holding the same tokens (copies the used K/V, not the slack)."""
+        self._settle()
+        clone = ModelCache([_copy_layer(layer) for layer in self.layers], self._make_layers)
+        clone._tokens = list(self._tokens)
+        return clone
+
     def free(self) -> None:
         """Drops every token and the memory that held them."""
         self.layers = self._make_layers()
@@ -233,6 +240,18 @@ def make_cache(
         return [convert(layer) for layer in template]
 
     return ModelCache(make_layers(), make_layers)
+
+
+def _copy_layer(layer: Any) -> Any:
+    if isinstance(layer, mlx_cache.CacheList):
+        return mlx_cache.CacheList(*(_copy_layer(c) for c in layer.caches))
+    if isinstance(layer, mlx_cache.ArraysCache):
+        clone = mlx_cache.ArraysCache(len(layer.cache))
+        clone.cache = list(layer.cache)  # recurrent arrays are replaced, never mutated
+        return clone
+    # Our caches write into their buffers in place, so the copy needs arrays of its own.
+    state = tuple(tree_map(lambda a: mx.array(a) * 1, layer.state))
+    return type(layer).from_state(state, layer.meta_state)
 
 
 def _leaves(layers: Sequence[Any]) -> list[Any]:

@@ -86,6 +86,10 @@ def prefill(
 ) -> mx.array:
     """Feeds `tokens` through the model in chunks of at most `step_tokens`.
 
+    All but the last token only fill the cache: their logits are never evaluated, so MLX never
+    computes the vocabulary projection for them (as in mlx-lm). The last token is fed alone for
+    the logits generation starts from.
+
     Args:
         tokens: at least one token id, fed after what `cache` holds (which grows in place).
         progress: called as progress(done, total) in tokens after each chunk.
@@ -94,15 +98,14 @@ def prefill(
         Logits of the last token, shape (1, vocab), lazy.
     """
     total = len(tokens)
-    done = 0
-    while total - done > step_tokens:
-        cache.forward(model, tokens[done : done + step_tokens])
+    for done in range(0, total - 1, step_tokens):
+        end = min(done + step_tokens, total - 1)
+        cache.forward(model, tokens[done:end])
         mx.eval(cache.arrays())
-        done += step_tokens
         if progress:
-            progress(done, total)
+            progress(end, total)
         mx.clear_cache()
-    logits = cache.forward(model, tokens[done:])[:, -1, :]
+    logits = cache.forward(model, tokens[-1:])[:, -1, :]
     if progress:
         progress(total, total)
     return logits

@@ -113,3 +113,20 @@ def test_empty_forward_is_refused(load_tiny):
     model, _ = load_tiny("llama")
     with pytest.raises(ValueError, match="at least one token"):
         make_cache(model).forward(model, [])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_copy_is_independent_and_continues_identically(load_tiny, arch):
+    model, tokenizer = load_tiny(arch)
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog, 42 times. " * 4)
+    assert len(ids) >= 30
+    cache = make_cache(model)
+    cache.forward(model, ids[:15])
+    for token in ids[15:20]:
+        cache.forward(model, [token])
+    clone = cache.copy()
+    want = cache.forward(model, ids[20:24])
+    cache.forward(model, ids[24:30])  # the original moves on; the clone must not see it
+    got = clone.forward(model, ids[20:24])
+    assert clone.tokens == ids[:24] and cache.tokens == ids[:30]
+    assert mx.abs(got - want).max().item() < 1e-5
