@@ -11,9 +11,13 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
 from mlxkv.cache.base import DEFAULT_STEP_TOKENS, ContiguousCache, resized_buffer, round_up
+
+Rotation = Callable[[mx.array, int], mx.array]  # (keys (B, H, L, D), position delta) -> keys
 
 
 class KVCache(ContiguousCache):
@@ -66,6 +70,31 @@ class KVCache(ContiguousCache):
         else:
             self._reallocate(self.keys, self.values, target)
         return before - self.nbytes
+
+    def shift(self, keep: int, drop: int, rotate: Rotation) -> None:
+        """Removes positions [keep, keep + drop) and moves the later tokens back by `drop`.
+
+        Their keys were rotated (RoPE) for their old positions; `rotate(keys, -drop)` must turn
+        them into keys for the new ones. RoPE composes, so this is exact for the RoPE kinds
+        whose rotation angle is linear in the position (see `mlxkv.runner.context`).
+        Costs one copy of the held K/V.
+
+        Raises:
+            ValueError: the span is not inside the held tokens.
+        """
+        if keep < 0 or drop < 0 or keep + drop > self.offset:
+            raise ValueError(
+                f"cannot drop tokens {keep}..{keep + drop - 1}; the cache holds {self.offset}"
+            )
+        if drop == 0:
+            return
+        keys, values = self.state
+        keys = mx.concatenate([keys[..., :keep, :], rotate(keys[..., keep + drop :, :], -drop)], 2)
+        values = mx.concatenate([values[..., :keep, :], values[..., keep + drop :, :]], 2)
+        held = keys.shape[2]
+        self.keys = resized_buffer(keys, keys, held, round_up(held, self.step))
+        self.values = resized_buffer(values, values, held, round_up(held, self.step))
+        self.offset = held
 
     def to_quantized(self, group_size: int = 64, bits: int = 8):
         """A QuantizedKVCache holding the same tokens (lossy: see QuantizedKVCache)."""

@@ -12,7 +12,8 @@ Invariants:
 
 Layers whose own cache mlx-lm defines for recurrent state (`ArraysCache`, inside a `CacheList`
 for hybrid models) are kept as they are: they are not trimmable, so `can_trim_to` is False for
-any n below num_tokens.
+any n below num_tokens. Checkpoints make up for it: `checkpoint()` snapshots those layers (and
+sliding windows) at the current length, and `rewind_to(n)` restores one, trimming the rest.
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.cache.kv import KVCache
+from mlxkv.cache.kv import KVCache, Rotation
 from mlxkv.cache.quantized import QuantizedKVCache, check_quantization
 from mlxkv.cache.window import SlidingWindowCache
 from mlxkv.errors import NotSupportedError
 
 logger = logging.getLogger(__name__)
+
+# Snapshots of non-trimmable layers kept for rewinding: the newest prompts' ends. Two cover
+# the usual chat (this turn and a regenerated one) while bounding memory.
+MAX_CHECKPOINTS = 2
 
 
 class ModelCache:
@@ -49,6 +54,8 @@ class ModelCache:
         self._make_layers = make_layers
         self._tokens: list[int] = []
         self._pending: list[mx.array] = []  # fed token ids not yet read back from the device
+        # num_tokens -> per-layer snapshot (None for layers that can simply trim back)
+        self._checkpoints: dict[int, list[Any]] = {}
 
     def __getitem__(self, index: int) -> Any:
         return self.layers[index]
@@ -158,7 +165,99 @@ class ModelCache:
                 layer.trim(drop)
             self._settle()
             del self._tokens[num_tokens:]
+            self._drop_checkpoints_after(num_tokens)
         return drop
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        """True when some layer cannot go back by trimming (recurrent or sliding window)."""
+        return any(not _always_trimmable(layer) for layer in _leaves(self.layers))
+
+    def checkpoint(self) -> None:
+        """Snapshots, at the current length, the layers that cannot trim back, so a later
+        request can return here (`rewind_to`). Keeps the `MAX_CHECKPOINTS` newest; their bytes
+        are `checkpoint_bytes`."""
+        if not self.needs_checkpoints:
+            return
+        snapshot = [
+            None if _always_trimmable(layer) else _copy_layer(layer) for layer in self.layers
+        ]
+        mx.eval([a for layer in _leaves([s for s in snapshot if s]) for a in _arrays_of(layer)])
+        self._checkpoints[self.num_tokens] = snapshot
+        while len(self._checkpoints) > MAX_CHECKPOINTS:
+            del self._checkpoints[next(iter(self._checkpoints))]
+
+    def nearest_restorable(self, num_tokens: int) -> int:
+        """The largest length <= num_tokens this cache can go back to, by trimming or from a
+        checkpoint (0 means starting over)."""
+        if self.can_trim_to(num_tokens):
+            return num_tokens
+        return max((n for n in self._checkpoints if n <= num_tokens), default=0)
+
+    def rewind_to(self, num_tokens: int) -> int:
+        """Goes back to `num_tokens` by trimming, or by restoring the checkpoint taken there.
+
+        Returns:
+            The number of tokens dropped.
+
+        Raises:
+            NotSupportedError: neither is possible (see `nearest_restorable`).
+        """
+        if self.can_trim_to(num_tokens) or num_tokens not in self._checkpoints:
+            return self.trim_to(num_tokens)
+        dropped = self.num_tokens - num_tokens
+        snapshot = self._checkpoints[num_tokens]
+        for i, saved in enumerate(snapshot):
+            if saved is None:
+                self.layers[i].trim(self.layers[i].offset - num_tokens)
+            else:
+                self.layers[i] = _copy_layer(saved)  # the checkpoint stays reusable
+        self._settle()
+        del self._tokens[num_tokens:]
+        self._drop_checkpoints_after(num_tokens)
+        return dropped
+
+    def _drop_checkpoints_after(self, num_tokens: int) -> None:
+        for n in [n for n in self._checkpoints if n > num_tokens]:
+            del self._checkpoints[n]
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes held by checkpoints (bounded: at most `MAX_CHECKPOINTS` snapshots)."""
+        saved = [layer for snap in self._checkpoints.values() for layer in snap if layer]
+        return sum(layer.nbytes for layer in _leaves(saved))
+
+    def can_shift(self, rotations: Sequence[Rotation | None] | None) -> bool:
+        """True when `shift` can run: every layer a float KVCache with a rotation."""
+        if rotations is None or len(rotations) != len(self.layers):
+            return False
+        return all(
+            type(layer) is KVCache and rotate is not None
+            for layer, rotate in zip(self.layers, rotations, strict=True)
+        )
+
+    def shift(self, keep: int, drop: int, rotations: Sequence[Rotation | None]) -> None:
+        """Drops tokens [keep, keep + drop) from every layer and the token list, moving later
+        tokens back `drop` positions (their keys re-rotated by `rotations[i]` per layer).
+
+        Raises:
+            NotSupportedError: some layer cannot shift (`can_shift` is False).
+            ValueError: the span is not inside the held tokens.
+        """
+        if not self.can_shift(rotations):
+            raise NotSupportedError(
+                "this cache cannot shift: it needs float KVCache layers and a known RoPE per "
+                "layer; free() it and prefill the kept tokens instead"
+            )
+        if keep < 0 or drop < 0 or keep + drop > self.num_tokens:
+            raise ValueError(
+                f"cannot drop tokens {keep}..{keep + drop - 1}; the cache holds {self.num_tokens}"
+            )
+        self._settle()
+        for layer, rotate in zip(self.layers, rotations, strict=True):
+            layer.shift(keep, drop, rotate)
+        del self._tokens[keep : keep + drop]
+        self._checkpoints.clear()  # positions moved
 
     def copy(self) -> ModelCache:
         """An independent cache holding the same tokens (copies the used K/V, not the slack)."""
@@ -172,6 +271,7 @@ class ModelCache:
         self.layers = self._make_layers()
         self._tokens.clear()
         self._pending.clear()
+        self._checkpoints.clear()
 
     def shrink(self) -> int:
         """Gives back buffer slots beyond the next growth step above the held tokens.
@@ -183,14 +283,7 @@ class ModelCache:
 
     def arrays(self) -> list[mx.array]:
         """Every array the layers hold: pass them to `mx.eval` to materialize a prefill."""
-        held = []
-        for layer in _leaves(self.layers):
-            if isinstance(layer, mlx_cache.ArraysCache):
-                parts = layer.cache
-            else:  # the raw buffers: `state` of a window cache would build a time-ordered copy
-                parts = [getattr(layer, "keys", None), getattr(layer, "values", None)]
-            held += [a for _, a in tree_flatten(parts) if isinstance(a, mx.array)]
-        return held
+        return [a for layer in _leaves(self.layers) for a in _arrays_of(layer)]
 
     @property
     def nbytes(self) -> int:
@@ -252,6 +345,19 @@ def _copy_layer(layer: Any) -> Any:
     # Our caches write into their buffers in place, so the copy needs arrays of its own.
     state = tuple(tree_map(lambda a: mx.array(a) * 1, layer.state))
     return type(layer).from_state(state, layer.meta_state)
+
+
+def _arrays_of(layer: Any) -> list[mx.array]:
+    if isinstance(layer, mlx_cache.ArraysCache):
+        parts = layer.cache
+    else:  # the raw buffers: `state` of a window cache would build a time-ordered copy
+        parts = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+    return [a for _, a in tree_flatten(parts) if isinstance(a, mx.array)]
+
+
+def _always_trimmable(layer: Any) -> bool:
+    """Float or quantized KV layers go back any number of tokens by trimming."""
+    return isinstance(layer, KVCache | QuantizedKVCache)
 
 
 def _leaves(layers: Sequence[Any]) -> list[Any]:

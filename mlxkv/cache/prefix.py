@@ -4,8 +4,8 @@ Owns: deciding, for each request, how much of the entry to reuse. Longest common
 the request's tokens and the entry's:
   - zero: free the entry and start fresh (a miss);
   - partial: trim the entry to the prefix (a hit), or, when a layer cannot go back that far
-    (recurrent state, a sliding window that no longer holds the needed tokens), free it and
-    reprocess, logging why;
+    (recurrent state, a sliding window that no longer holds the needed tokens), restore the
+    nearest checkpoint before it, else free it and reprocess, logging why;
   - the whole request: keep all but its last token, because generation needs logits, which
     only come from feeding at least one token.
 
@@ -62,20 +62,23 @@ class PrefixCache:
         held = self.entry.tokens
         common = common_prefix_length(held, tokens)
         reuse = min(common, len(tokens) - 1)
-        if reuse < len(held) and reuse > 0 and not self.entry.can_trim_to(reuse):
-            logger.info(
-                "prefix cache reprocess: cannot go back from %d to %d tokens "
-                "(recurrent or sliding-window layers no longer hold them)",
-                len(held),
-                reuse,
-            )
-            reuse = 0
+        if 0 < reuse < len(held):
+            reachable = self.entry.nearest_restorable(reuse)
+            if reachable < reuse:
+                logger.info(
+                    "prefix cache: cannot go back from %d to %d tokens (recurrent or "
+                    "sliding-window layers no longer hold them); %s",
+                    len(held),
+                    reuse,
+                    f"restoring the checkpoint at {reachable}" if reachable else "reprocessing",
+                )
+            reuse = reachable
         if reuse == 0:
             if held:
                 self.entry.free()
             logger.info("prefix cache miss total=%d left=%d", len(tokens), len(tokens))
         else:
-            trimmed = self.entry.trim_to(reuse)
+            trimmed = self.entry.rewind_to(reuse)
             # Keep allocation within one growth step of what is held after a large trim.
             freed = self.entry.shrink() if trimmed else 0
             logger.debug("prefix cache trim tokens=%d freed_bytes=%d", trimmed, freed)

@@ -76,6 +76,31 @@ class GenerationChunk:
     completion: Completion | None = None
 
 
+def fill(
+    model: nn.Module,
+    cache: ModelCache,
+    tokens: Sequence[int],
+    *,
+    step_tokens: int,
+    progress: ProgressCallback | None = None,
+) -> None:
+    """Feeds `tokens` into the cache in chunks of at most `step_tokens`, computing no logits:
+    only the cache's arrays are evaluated, so MLX never runs the vocabulary projection for them
+    (as in mlx-lm).
+
+    Args:
+        progress: called as progress(done, len(tokens)) in tokens after each chunk.
+    """
+    total = len(tokens)
+    for start in range(0, total, step_tokens):
+        end = min(start + step_tokens, total)
+        cache.forward(model, tokens[start:end])
+        mx.eval(cache.arrays())
+        if progress:
+            progress(end, total)
+        mx.clear_cache()
+
+
 def prefill(
     model: nn.Module,
     cache: ModelCache,
@@ -84,11 +109,8 @@ def prefill(
     step_tokens: int,
     progress: ProgressCallback | None = None,
 ) -> mx.array:
-    """Feeds `tokens` through the model in chunks of at most `step_tokens`.
-
-    All but the last token only fill the cache: their logits are never evaluated, so MLX never
-    computes the vocabulary projection for them (as in mlx-lm). The last token is fed alone for
-    the logits generation starts from.
+    """Feeds `tokens` through the model: all but the last with `fill`, the last alone for the
+    logits generation starts from.
 
     Args:
         tokens: at least one token id, fed after what `cache` holds (which grows in place).
@@ -98,13 +120,8 @@ def prefill(
         Logits of the last token, shape (1, vocab), lazy.
     """
     total = len(tokens)
-    for done in range(0, total - 1, step_tokens):
-        end = min(done + step_tokens, total - 1)
-        cache.forward(model, tokens[done:end])
-        mx.eval(cache.arrays())
-        if progress:
-            progress(end, total)
-        mx.clear_cache()
+    body_progress = (lambda done, _: progress(done, total)) if progress else None
+    fill(model, cache, tokens[:-1], step_tokens=step_tokens, progress=body_progress)
     logits = cache.forward(model, tokens[-1:])[:, -1, :]
     if progress:
         progress(total, total)
@@ -136,12 +153,16 @@ def decode_tokens(
     logits: mx.array,
     pick: TokenPicker,
     max_tokens: int,
+    make_room: Callable[[ModelCache, int], None] | None = None,
 ) -> Iterator[int]:
     """Yields up to `max_tokens` sampled token ids, starting from the prompt's last logits.
 
     Each yielded token except the last has already been fed to the model (its step is queued
     before it is yielded), so the cache holds it even if the caller stops right there. The
     caller stops early by closing the generator.
+
+    Args:
+        make_room: called as make_room(cache, 1) before each token is fed (context shift).
     """
     if max_tokens <= 0:
         return
@@ -149,6 +170,8 @@ def decode_tokens(
     mx.async_eval(token)
     for n in range(max_tokens):
         if n + 1 < max_tokens:
+            if make_room:
+                make_room(cache, 1)
             next_token = pick(cache.forward(model, token)[:, -1, :])
             mx.async_eval(next_token)
         yield token.item()

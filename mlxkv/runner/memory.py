@@ -23,6 +23,7 @@ class MemoryReport:
         peak_bytes: MLX's peak memory since the last reset (per generation in the runner).
         active_bytes: memory MLX arrays hold right now.
         mlx_cache_bytes: memory MLX keeps for reuse (freed arrays not yet returned).
+        checkpoint_bytes: snapshots of recurrent / sliding-window layers kept for rewinding.
     """
 
     num_tokens: int
@@ -31,6 +32,7 @@ class MemoryReport:
     peak_bytes: int
     active_bytes: int
     mlx_cache_bytes: int
+    checkpoint_bytes: int = 0
 
     @classmethod
     def measure(cls, cache: ModelCache) -> MemoryReport:
@@ -41,14 +43,18 @@ class MemoryReport:
             peak_bytes=mx.get_peak_memory(),
             active_bytes=mx.get_active_memory(),
             mlx_cache_bytes=mx.get_cache_memory(),
+            checkpoint_bytes=cache.checkpoint_bytes,
         )
 
     def log_line(self) -> str:
         """The one line logged after each generation."""
-        return (
+        line = (
             f"kv cache: {self.num_tokens} tokens, {format_bytes(self.used_bytes)} in use, "
             f"{format_bytes(self.allocated_bytes)} allocated, peak {format_bytes(self.peak_bytes)}"
         )
+        if self.checkpoint_bytes:
+            line += f", checkpoints {format_bytes(self.checkpoint_bytes)}"
+        return line
 
 
 def format_bytes(num_bytes: int) -> str:

@@ -15,14 +15,15 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.cache.model_cache import make_cache
-from mlxkv.cache.prefix import PrefixCache
-from mlxkv.errors import ContextLengthError
+from mlxkv.cache.model_cache import ModelCache, make_cache
+from mlxkv.cache.prefix import PrefixCache, PrefixHit, common_prefix_length
+from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, ContextWindow, fit_prompt, rope_rotations
 from mlxkv.runner.generate import (
     Completion,
     GenerationChunk,
@@ -30,11 +31,12 @@ from mlxkv.runner.generate import (
     StopStrings,
     TokenPicker,
     decode_tokens,
+    fill,
     prefill,
 )
 from mlxkv.runner.loading import LoadedModel, load_model
-from mlxkv.runner.memory import MemoryReport, format_bytes
-from mlxkv.runner.prompt import Prompt, encode_prompt
+from mlxkv.runner.memory import MemoryReport
+from mlxkv.runner.prompt import Message, Prompt, encode_prompt
 from mlxkv.runner.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,8 +47,11 @@ class Runner:
 
     Args:
         loaded: the model and tokenizer (see `Runner.load`).
-        max_context: most tokens (prompt + generated) one conversation may hold; None uses the
-            model's `max_position_embeddings` (unbounded if the config has none).
+        max_context: most tokens (prompt + generated) the cache holds; None uses the model's
+            `max_position_embeddings`, capped to what half the machine's memory can hold.
+            Longer prompts are cut from the front; generation that reaches it shifts the cache.
+        keep: tokens at the start that truncation and shifts never drop; None keeps the system
+            prompt's tokens for chat messages, else the first 4.
         kv_bits: quantize global-attention K/V to 8 or 4 bits; None keeps the model's dtype.
         kv_group_size: head-dimension elements per quantization scale.
         prefill_step_size: most prompt tokens fed per model call; bounds prefill memory.
@@ -57,18 +62,23 @@ class Runner:
         loaded: LoadedModel,
         *,
         max_context: int | None = None,
+        keep: int | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         prefill_step_size: int = 512,
     ):
         if max_context is not None and max_context < 2:
             raise ValueError(f"max_context must be at least 2 tokens, got {max_context}")
+        if keep is not None and keep < 0:
+            raise ValueError(f"keep must be >= 0 tokens, got {keep}")
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1 token, got {prefill_step_size}")
         self.loaded = loaded
-        self.max_context = max_context or loaded.max_position_embeddings
+        self.keep = keep
         self.prefill_step_size = prefill_step_size
         cache = make_cache(loaded.model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        self.max_context = max_context or default_max_context(loaded, cache)
+        self._rotations = rope_rotations(loaded.model)
         self._prefix = PrefixCache(cache)
         self._lock = threading.Lock()
         self._cancel = threading.Event()
@@ -79,6 +89,7 @@ class Runner:
         path_or_repo: str | Path,
         *,
         max_context: int | None = None,
+        keep: int | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         prefill_step_size: int = 512,
@@ -92,6 +103,7 @@ class Runner:
         return cls(
             load_model(path_or_repo),
             max_context=max_context,
+            keep=keep,
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
             prefill_step_size=prefill_step_size,
@@ -129,49 +141,108 @@ class Runner:
 
         Raises:
             ValueError: bad prompt or sampling settings (raised here, before anything changes).
-            ContextLengthError: the prompt does not fit in `max_context`.
+            ContextLengthError: `keep` leaves no room in `max_context`.
         """
         params = SamplingParams(**sampling)
         tokens = self.encode(prompt)
-        if self.max_context is not None and len(tokens) > self.max_context:
-            raise ContextLengthError(
-                f"prompt is {len(tokens):,} tokens; context limit is {self.max_context:,} "
-                "tokens. Shorten the prompt or raise max_context"
-            )
-        return self._stream(tokens, params, progress)
+        keep = self._keep_for(prompt, tokens)
+        if len(tokens) > self.max_context:
+            # Leave room to generate, so the answer does not start with a shift.
+            room = max(1, min(params.max_tokens, self.max_context // 4))
+            tokens = fit_prompt(tokens, self.max_context - room, keep, **self._drops(prompt))
+        elif keep >= self.max_context:
+            fit_prompt(tokens, self.max_context, keep)  # raises with the explanation
+        checkpoint_at = len(tokens) - self._generation_prompt_length(prompt)
+        return self._stream(_Request(tokens, keep, checkpoint_at, params, progress))
 
-    def _stream(
-        self, tokens: list[int], params: SamplingParams, progress: ProgressCallback | None
-    ) -> Iterator[GenerationChunk]:
+    def _generation_prompt_length(self, prompt: Prompt) -> int:
+        """Tokens the chat template appends to open the assistant's turn (at least 1): the next
+        turn re-renders from there, so it is where a checkpoint is most useful."""
+        if not _is_messages(prompt):
+            return 1
+        with_header = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+        without = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=False)
+        return max(1, len(with_header) - common_prefix_length(list(without), list(with_header)))
+
+    def _keep_for(self, prompt: Prompt, tokens: list[int]) -> int:
+        """Tokens truncation and shifts never drop: the setting, else the system prompt."""
+        if self.keep is not None:
+            return self.keep
+        system = _leading_system_messages(prompt)
+        if not system:
+            return min(DEFAULT_KEEP_TOKENS, len(tokens))
+        rendered = self.tokenizer.apply_chat_template(system, add_generation_prompt=False)
+        return common_prefix_length(list(rendered), tokens)
+
+    def _drops(self, prompt: Prompt) -> dict:
+        """How `fit_prompt` may drop whole chat messages (none for text or token prompts)."""
+        if not _is_messages(prompt):
+            return {}
+        system = _leading_system_messages(prompt)
+        return {
+            "render_from": lambda first: self.encode(system + list(prompt[first:])),
+            "num_messages": len(prompt),
+            "first_droppable": len(system),
+        }
+
+    def _stream(self, request: _Request) -> Iterator[GenerationChunk]:
         with self._lock:
             self._cancel.clear()
             mx.reset_peak_memory()
             try:
-                yield from self._run(tokens, params, progress)
+                yield from self._run(request)
             finally:
                 self._prefix.entry.materialize()
                 self._log_memory()
 
-    def _run(
-        self, tokens: list[int], params: SamplingParams, progress: ProgressCallback | None
-    ) -> Iterator[GenerationChunk]:
+    def _prefill(self, request: _Request) -> tuple[mx.array, PrefixHit]:
+        """Reuses what the cache holds and feeds the rest; checkpoints the layers that cannot
+        trim at `request.checkpoint_at` on the way (the next turn can come back there)."""
+        hit = self._prefix.fetch_nearest(request.tokens)
+        model, cache, remaining = self.loaded.model, hit.cache, hit.remaining
+        total, progress = len(remaining), request.progress
+        split = request.checkpoint_at - hit.num_cached
+        if cache.needs_checkpoints and 0 < split < total:
+            fill(model, cache, remaining[:split], step_tokens=self._step, progress=progress)
+            cache.checkpoint()
+            remaining = remaining[split:]
+            progress = progress and (lambda done, _: request.progress(split + done, total))
+        logits = prefill(model, cache, remaining, step_tokens=self._step, progress=progress)
+        return logits, hit
+
+    @property
+    def _step(self) -> int:
+        """Prefill chunk size: never more than the context can hold."""
+        return min(self.prefill_step_size, self.max_context)
+
+    def _run(self, request: _Request) -> Iterator[GenerationChunk]:
         start = time.perf_counter()
+        params, tokens = request.params, request.tokens
         if params.seed is not None:
             mx.random.seed(params.seed)
-        hit = self._prefix.fetch_nearest(tokens)
-        model, tokenizer = self.loaded.model, self.loaded.tokenizer
-        step = min(self.prefill_step_size, self.max_context or self.prefill_step_size)
-        logits = prefill(model, hit.cache, hit.remaining, step_tokens=step, progress=progress)
-        room = params.max_tokens
-        if self.max_context is not None:
-            room = min(room, self.max_context - len(tokens))
+        logits, hit = self._prefill(request)
+        model = self.loaded.model
+        window = ContextWindow(
+            self.max_context,
+            request.keep,
+            self._rotations,
+            refill=lambda cache, ids: fill(model, cache, ids, step_tokens=self._step),
+        )
         pick = TokenPicker(params.make_sampler(), params.make_logits_processors(), tokens)
         stats = _Stats(start, len(tokens), hit.num_cached, len(hit.remaining))
+        decoded = decode_tokens(model, hit.cache, logits, pick, params.max_tokens, window.make_room)
+        yield from self._emit(decoded, stats, params)
+
+    def _emit(
+        self, decoded: Iterator[int], stats: _Stats, params: SamplingParams
+    ) -> Iterator[GenerationChunk]:
+        """Turns sampled tokens into text chunks: EOS, stop strings and cancel end them."""
+        tokenizer = self.loaded.tokenizer
         stops = StopStrings(params.stop)
         detokenizer = tokenizer.detokenizer
         detokenizer.reset()
         finish, cut_by_stop_string = "length", False
-        for token in decode_tokens(model, hit.cache, logits, pick, room):
+        for token in decoded:
             stats.sampled()
             if token in tokenizer.eos_token_ids:
                 finish = "stop"
@@ -218,14 +289,53 @@ class Runner:
             self._prefix.clear()
 
     def _log_memory(self) -> None:
-        report = MemoryReport.measure(self._prefix.entry)
-        logger.info(
-            "kv cache: %d tokens, %s in use, %s allocated, peak %s",
-            report.num_tokens,
-            format_bytes(report.used_bytes),
-            format_bytes(report.allocated_bytes),
-            format_bytes(report.peak_bytes),
-        )
+        logger.info("%s", MemoryReport.measure(self._prefix.entry).log_line())
+
+
+def default_max_context(loaded: LoadedModel, cache: ModelCache) -> int:
+    """The model's own maximum, capped to the tokens whose K/V fit in half the machine's
+    memory (measured by feeding one token through a scratch copy of the cache layout)."""
+    scratch = cache.copy()
+    scratch.forward(loaded.model, [0])
+    per_token = max(scratch.used_bytes, 1)
+    budget = _physical_memory_bytes() // 2
+    fits = max(2, budget // per_token)
+    return min(loaded.max_position_embeddings or fits, fits)
+
+
+def _physical_memory_bytes() -> int:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30  # unknown: assume 8 GiB
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One validated request: its tokens (already fitted to the context) and settings."""
+
+    tokens: list[int]
+    keep: int
+    checkpoint_at: int
+    params: SamplingParams
+    progress: ProgressCallback | None
+
+
+def _is_messages(prompt: Prompt) -> bool:
+    return not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def _leading_system_messages(prompt: Prompt) -> list[Message]:
+    if not _is_messages(prompt):
+        return []
+    system = []
+    for message in prompt:
+        if message.get("role") != "system":
+            break
+        system.append(message)
+    return system
 
 
 class _Stats:
