@@ -30,6 +30,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 
 from mlxkv.cache.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
+from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.errors import ContextLengthError
 
 logger = logging.getLogger(__name__)
@@ -67,53 +68,68 @@ def _rotation(rope: Any) -> Rotation | None:
     return rotate
 
 
+def check_keep(keep: int, budget: int) -> None:
+    """Raises ContextLengthError when `keep` leaves no room in a window of `budget` tokens."""
+    if keep >= budget:
+        raise ContextLengthError(
+            f"keep is {keep} tokens but only {budget} fit in the context; "
+            "lower keep (or shorten the system prompt) or raise max_context"
+        )
+
+
 def fit_prompt(
     tokens: list[int],
-    max_tokens_in_context: int,
+    budget: int,
     keep: int,
+    *,
+    held: Sequence[int] = (),
     render_from: Callable[[int], list[int]] | None = None,
     num_messages: int = 0,
     first_droppable: int = 0,
+    cut_points: Sequence[int] = (),
 ) -> list[int]:
-    """Returns `tokens` cut to at most `max_tokens_in_context`, keeping the first `keep`.
+    """Returns `tokens` cut to at most `budget` tokens, keeping the first `keep`.
+
+    For chat messages (`render_from` given), whole messages are dropped after the system
+    prompt. Among the cuts that fit, the one sharing the longest prefix with what the cache
+    `held` is taken, so a conversation that already lives cut in the cache is reused exactly.
+    When no cut reuses a quarter of the budget, the cut goes deep enough to fit in half the
+    budget instead, so the next turns find the same start in the cache rather than missing on
+    every turn (the cost of a cut is paid once per half window, not once per turn).
 
     Args:
-        render_from: for chat messages, renders the prompt with messages[first_droppable:i]
-            dropped, for i = first_droppable + 1, ...; messages are dropped whole, oldest first,
-            while more than the last one remains.
-        num_messages: how many messages `render_from` may drop from.
-        first_droppable: index of the first message that may be dropped (after the system
-            prompt).
+        held: the token ids the prompt cache holds.
+        render_from: renders the prompt keeping messages[:first_droppable] and messages[i:].
+        num_messages: how many messages there are.
+        first_droppable: index of the first message that may be dropped.
+        cut_points: message indices a cut may start at (default: any after first_droppable);
+            chat templates expect the kept history to start with a user message.
 
     Raises:
-        ContextLengthError: `keep` leaves no room in the window.
+        ContextLengthError: `keep` leaves no room in the budget.
     """
-    if keep >= max_tokens_in_context:
-        raise ContextLengthError(
-            f"keep is {keep} tokens but only {max_tokens_in_context} fit in the context; "
-            "lower keep (or shorten the system prompt) or raise max_context"
-        )
-    if len(tokens) <= max_tokens_in_context:
+    check_keep(keep, budget)
+    if len(tokens) <= budget:
         return tokens
-    original = len(tokens)
+    fitting = []
     if render_from is not None:
-        for first_kept in range(first_droppable + 1, num_messages):
-            tokens = render_from(first_kept)
-            if len(tokens) <= max_tokens_in_context:
-                logger.info(
-                    "context: dropped %d oldest messages (%d tokens) to fit %d tokens",
-                    first_kept - first_droppable,
-                    original - len(tokens),
-                    max_tokens_in_context,
-                )
-                return tokens
-    cut = len(tokens) - max_tokens_in_context
-    logger.info(
-        "context: dropped %d tokens after the first %d to fit %d tokens",
-        cut,
-        keep,
-        max_tokens_in_context,
-    )
+        for first in cut_points or range(first_droppable + 1, num_messages):
+            candidate = render_from(first)
+            if len(candidate) <= budget:
+                fitting.append((first, candidate))
+    if fitting:
+        first, chosen = max(fitting, key=lambda fc: common_prefix_length(held, fc[1]))
+        if common_prefix_length(held, chosen) < budget // 4:  # not a cut the cache holds
+            first, chosen = next((fc for fc in fitting if len(fc[1]) <= budget // 2), fitting[-1])
+        logger.info(
+            "context: dropped %d oldest messages (%d tokens) to fit %d tokens",
+            first - first_droppable,
+            len(tokens) - len(chosen),
+            budget,
+        )
+        return chosen
+    cut = len(tokens) - budget
+    logger.info("context: dropped %d tokens after the first %d to fit %d tokens", cut, keep, budget)
     return tokens[:keep] + tokens[keep + cut :]
 
 

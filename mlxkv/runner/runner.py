@@ -23,7 +23,13 @@ import mlx.core as mx
 
 from mlxkv.cache.model_cache import ModelCache, make_cache
 from mlxkv.cache.prefix import PrefixCache, PrefixHit, common_prefix_length
-from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, ContextWindow, fit_prompt, rope_rotations
+from mlxkv.runner.context import (
+    DEFAULT_KEEP_TOKENS,
+    ContextWindow,
+    check_keep,
+    fit_prompt,
+    rope_rotations,
+)
 from mlxkv.runner.generate import (
     Completion,
     GenerationChunk,
@@ -146,14 +152,26 @@ class Runner:
         params = SamplingParams(**sampling)
         tokens = self.encode(prompt)
         keep = self._keep_for(prompt, tokens)
+        # A prompt that must be cut leaves room to answer, so the answer does not begin with a
+        # shift; it is cut later, under the lock, where the cache's contents are known.
+        budget = self.max_context
         if len(tokens) > self.max_context:
-            # Leave room to generate, so the answer does not start with a shift.
-            room = max(1, min(params.max_tokens, self.max_context // 4))
-            tokens = fit_prompt(tokens, self.max_context - room, keep, **self._drops(prompt))
-        elif keep >= self.max_context:
-            fit_prompt(tokens, self.max_context, keep)  # raises with the explanation
-        checkpoint_at = len(tokens) - self._generation_prompt_length(prompt)
-        return self._stream(_Request(tokens, keep, checkpoint_at, params, progress))
+            budget -= max(1, min(params.max_tokens, self.max_context // 4))
+        check_keep(keep, budget)
+        header = self._generation_prompt_length(prompt)
+        return self._stream(_Request(prompt, tokens, keep, budget, header, params, progress))
+
+    def _fit(self, request: _Request) -> list[int]:
+        """The request's tokens cut to its budget, reusing the cache where a cut allows."""
+        if len(request.tokens) <= request.budget:
+            return request.tokens
+        return fit_prompt(
+            request.tokens,
+            request.budget,
+            request.keep,
+            held=self._prefix.entry.tokens,
+            **self._drops(request.prompt),
+        )
 
     def _generation_prompt_length(self, prompt: Prompt) -> int:
         """Tokens the chat template appends to open the assistant's turn (at least 1): the next
@@ -179,10 +197,12 @@ class Runner:
         if not _is_messages(prompt):
             return {}
         system = _leading_system_messages(prompt)
+        users = [i for i, m in enumerate(prompt) if i > len(system) and m.get("role") == "user"]
         return {
             "render_from": lambda first: self.encode(system + list(prompt[first:])),
             "num_messages": len(prompt),
             "first_droppable": len(system),
+            "cut_points": users,
         }
 
     def _stream(self, request: _Request) -> Iterator[GenerationChunk]:
@@ -195,13 +215,13 @@ class Runner:
                 self._prefix.entry.materialize()
                 self._log_memory()
 
-    def _prefill(self, request: _Request) -> tuple[mx.array, PrefixHit]:
+    def _prefill(self, request: _Request, tokens: list[int]) -> tuple[mx.array, PrefixHit]:
         """Reuses what the cache holds and feeds the rest; checkpoints the layers that cannot
-        trim at `request.checkpoint_at` on the way (the next turn can come back there)."""
-        hit = self._prefix.fetch_nearest(request.tokens)
+        trim where the generation prompt starts (the next turn re-renders from there)."""
+        hit = self._prefix.fetch_nearest(tokens)
         model, cache, remaining = self.loaded.model, hit.cache, hit.remaining
         total, progress = len(remaining), request.progress
-        split = request.checkpoint_at - hit.num_cached
+        split = len(tokens) - request.header_tokens - hit.num_cached
         if cache.needs_checkpoints and 0 < split < total:
             fill(model, cache, remaining[:split], step_tokens=self._step, progress=progress)
             cache.checkpoint()
@@ -217,10 +237,10 @@ class Runner:
 
     def _run(self, request: _Request) -> Iterator[GenerationChunk]:
         start = time.perf_counter()
-        params, tokens = request.params, request.tokens
+        params, tokens = request.params, self._fit(request)
         if params.seed is not None:
             mx.random.seed(params.seed)
-        logits, hit = self._prefill(request)
+        logits, hit = self._prefill(request, tokens)
         model = self.loaded.model
         window = ContextWindow(
             self.max_context,
@@ -314,11 +334,20 @@ def _physical_memory_bytes() -> int:
 
 @dataclass(frozen=True)
 class _Request:
-    """One validated request: its tokens (already fitted to the context) and settings."""
+    """One validated request.
 
+    Attributes:
+        tokens: the whole prompt, before any cut to the context.
+        keep: leading tokens no cut or shift drops.
+        budget: most prompt tokens that may be fed (the context less room to answer).
+        header_tokens: tokens of the template's generation prompt at the end.
+    """
+
+    prompt: Prompt
     tokens: list[int]
     keep: int
-    checkpoint_at: int
+    budget: int
+    header_tokens: int
     params: SamplingParams
     progress: ProgressCallback | None
 

@@ -101,7 +101,9 @@ def test_long_prompt_keeps_its_first_tokens(make_runner, loaded_tiny, caplog):
     assert out.tokens == unlimited.tokens
 
 
-def test_long_chat_drops_whole_old_messages(make_runner):
+def test_long_chat_drops_whole_old_messages_and_keeps_the_cut(make_runner):
+    """Whole messages go, the system prompt stays; with nothing cached the cut goes to half the
+    budget, so the next turns keep the same start and reuse the cache."""
     runner = make_runner("llama", max_context=120)
     messages = [{"role": "system", "content": "Be brief."}]
     for i in range(12):
@@ -110,14 +112,20 @@ def test_long_chat_drops_whole_old_messages(make_runner):
             {"role": "assistant", "content": f"Answer {i}: it is sunny."},
         ]
     messages.append({"role": "user", "content": "And tomorrow?"})
-    runner.generate(messages, max_tokens=8)
-    held = runner.cache_tokens
-    fits = [
-        runner.encode(messages[:1] + messages[first:])
-        for first in range(1, len(messages))
-        if len(runner.encode(messages[:1] + messages[first:])) <= 120 - 8
+    out = runner.generate(messages, max_tokens=8)
+    budget = 120 - 8
+    cuts = {
+        first: runner.encode(messages[:1] + messages[first:]) for first in range(1, len(messages))
+    }
+    first = next(f for f, ids in cuts.items() if len(ids) <= budget // 2)
+    assert runner.cache_tokens[: len(cuts[first])] == cuts[first]
+    assert out.prompt_tokens == len(cuts[first])
+    messages += [
+        {"role": "assistant", "content": out.text},
+        {"role": "user", "content": "And the day after?"},
     ]
-    assert held[: len(fits[0])] == fits[0]  # the longest suffix of whole messages that fits
+    again = runner.generate(messages, max_tokens=8)
+    assert again.cached_tokens >= len(cuts[first]) - 1  # same cut: the whole prompt reused
 
 
 def test_keep_that_leaves_no_room_is_a_clear_error(make_runner):
