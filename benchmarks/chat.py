@@ -62,8 +62,8 @@ def _conversation(loaded, turns, reply_tokens, fresh_turns, final_samples):
     lru = LRUPromptCache(max_size=10)
     messages = [{"role": "system", "content": "You are a helpful assistant."}]
     for turn in range(1, turns + 1):
-        words = rng.randint(110, 180)  # about 150-250 tokens of user text
-        messages.append({"role": "user", "content": filler_text(words, seed=turn)})
+        text = _user_text(loaded, rng.randint(150, 250), seed=turn)
+        messages.append({"role": "user", "content": text})
         ids = list(loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         samples = final_samples if turn == turns else 1
         row = {"d_floor_s": [_floor(runner, ids) for _ in range(samples)]}
@@ -92,6 +92,14 @@ def _conversation(loaded, turns, reply_tokens, fresh_turns, final_samples):
                 "peak_rss_bytes": peak_rss_bytes(),
             },
         )
+
+
+def _user_text(loaded: LoadedModel, num_tokens: int, seed: int) -> str:
+    """Filler text of about `num_tokens` tokens for this model's tokenizer."""
+    words = 8
+    while len(loaded.tokenizer.encode(filler_text(words, seed))) < num_tokens:
+        words += 8
+    return filler_text(words, seed)
 
 
 def _ttft_mlx_lm(loaded, ids, cache=None, max_tokens=1, start=None):

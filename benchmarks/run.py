@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import cache_ops, chat, kv_quant, throughput
+from benchmarks import blas, cache_ops, chat, kv_quant, throughput
 from benchmarks.common import Stat, load_models
 from mlxkv import _blas, format_bytes
 
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     report: dict = {"machine": _machine(), "quick": args.quick, "models": {}}
     print(f"# mlxkv benchmarks ({'quick' if args.quick else 'full'})\n\n{report['machine']}\n")
-    for name, loaded in load_models(args.models or plan.models, args.out).items():
+    names = args.models or plan.models
+    for name, loaded in load_models(names, args.out).items():
         print(f"## {name}\n", flush=True)
         results = {
             "throughput": throughput.measure(
@@ -98,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         _print_model(results)
     report["cache_ops"] = cache_ops.measure(plan.op_sizes, plan.reps * 5)
     _print_ops(report["cache_ops"])
+    report["blas"] = blas.measure()
+    _print_blas(report["blas"])
     report["seconds"] = time.perf_counter() - started
     print(f"\ntotal {report['seconds']:.0f} s")
-    path = args.out / ("quick.json" if args.quick else "full.json")
+    path = args.out / f"{'quick' if args.quick else 'full'}-{'-'.join(names)}.json"
     path.write_text(json.dumps(report, indent=2, default=_jsonable))
     print(f"wrote {path}")
     _plot(report, args.out)
@@ -187,6 +190,20 @@ def _print_ops(rows: dict) -> None:
             f"| {size} | {format_bytes(row['kv_bytes'])} | {row['trim_us']} | "
             f"{row['prefix_match_us']} | {row['log_call_us']} |"
         )
+
+
+def _print_blas(row: dict) -> None:
+    if not row:
+        return
+    print("\n## BLAS on Linux (SmolLM2, 128-token prefill, 16-token decode, tokens/s)\n")
+    print("| BLAS | prefill | decode |\n|---|---|---|")
+    for name in ("reference", "openblas"):
+        r = row[name]
+        print(f"| {r['blas']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} |")
+    print(
+        f"| speedup | {row['prefill_speedup']:.1f}x | {row['decode_speedup']:.1f}x |",
+        flush=True,
+    )
 
 
 def _jsonable(value):

@@ -2,8 +2,8 @@
 
 Both run with their default settings (mlxkv prefills in 512-token steps, mlx-lm in 2048), on a
 fresh cache each repetition, and are timed the same way from outside: the time to the first
-token for prefill, the spacing of the later tokens for decode. Runs alternate between the two so
-that machine drift affects both alike.
+token for prefill, the spacing of the later tokens for decode. Runs alternate in ABBA order so
+that machine drift and warm-up affect both alike; decode, the noisiest, gets at least 5 runs.
 """
 
 from __future__ import annotations
@@ -37,25 +37,36 @@ def measure(loaded: LoadedModel, prefill_sizes: list[int], decode_tokens: int, r
     """Returns {"prefill": {n: {...}}, "decode": {...}} with tokens/s Stats and ratios."""
     runner = Runner(loaded)
     results: dict = {"prefill": {}, "decode": {}}
+
+    def prefill_tps(run, ids):
+        start, times = run(ids, 1)
+        return len(ids) / (times[0] - start)
+
+    def decode_tps(run, ids):
+        _, times = run(ids, decode_tokens)
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    ours = lambda ids, n: _token_times_mlxkv(runner, ids, n)  # noqa: E731
+    theirs = lambda ids, n: _token_times_mlx_lm(loaded, ids, n)  # noqa: E731
     for n in prefill_sizes:
         ids = token_prompt(loaded, n, seed=n)
-        ours, theirs = [], []
-        for _ in range(reps):
-            start, times = _token_times_mlxkv(runner, ids, 1)
-            ours.append(n / (times[0] - start))
-            start, times = _token_times_mlx_lm(loaded, ids, 1)
-            theirs.append(n / (times[0] - start))
-        results["prefill"][n] = _pair(ours, theirs)
+        results["prefill"][n] = _abba(
+            ours, theirs, lambda run, ids=ids: prefill_tps(run, ids), reps
+        )
     ids = token_prompt(loaded, 64, seed=7)
-    ours, theirs, counts = [], [], []
-    for _ in range(reps):
-        _, times = _token_times_mlxkv(runner, ids, decode_tokens)
-        ours.append((len(times) - 1) / (times[-1] - times[0]))
-        _, times = _token_times_mlx_lm(loaded, ids, decode_tokens)
-        theirs.append((len(times) - 1) / (times[-1] - times[0]))
-        counts.append(len(times))
-    results["decode"] = {**_pair(ours, theirs), "tokens": min(counts)}
+    results["decode"] = _abba(ours, theirs, lambda run: decode_tps(run, ids), max(reps, 5))
+    results["decode"]["tokens"] = decode_tokens
     return results
+
+
+def _abba(ours, theirs, measure_one, reps: int) -> dict:
+    """`reps` measurements of each, in ABBA order."""
+    mine, other = [], []
+    for rep in range(reps):
+        order = ((ours, mine), (theirs, other))
+        for run, samples in order if rep % 2 == 0 else reversed(order):
+            samples.append(measure_one(run))
+    return _pair(mine, other)
 
 
 def _pair(ours: list[float], theirs: list[float]) -> dict:

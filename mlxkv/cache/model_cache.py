@@ -30,7 +30,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlxkv.cache.kv import KVCache, Rotation
 from mlxkv.cache.quantized import QuantizedKVCache, check_quantization
 from mlxkv.cache.window import SlidingWindowCache
-from mlxkv.errors import NotSupportedError
+from mlxkv.errors import CacheFullError, NotSupportedError
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,22 @@ class ModelCache:
     Args:
         layers: one cache per model layer.
         make_layers: builds a fresh, empty list of layers; `free()` calls it.
+        capacity_tokens: most tokens the cache may hold (the runner's context window); None
+            for no limit. `forward` refuses a batch that would pass it.
     """
 
-    def __init__(self, layers: list[Any], make_layers: Callable[[], list[Any]]):
+    def __init__(
+        self,
+        layers: list[Any],
+        make_layers: Callable[[], list[Any]],
+        capacity_tokens: int | None = None,
+    ):
         self.layers = layers
         self._make_layers = make_layers
+        self.capacity_tokens = capacity_tokens
         self._tokens: list[int] = []
         self._pending: list[mx.array] = []  # fed token ids not yet read back from the device
+        self._num_pending = 0  # their count, kept so num_tokens is O(1) in the decode loop
         # num_tokens -> per-layer snapshot (None for layers that can simply trim back)
         self._checkpoints: dict[int, list[Any]] = {}
 
@@ -69,7 +78,7 @@ class ModelCache:
     @property
     def num_tokens(self) -> int:
         """Tokens whose K/V (or recurrent state) the layers hold."""
-        return len(self._tokens) + sum(p.size for p in self._pending)
+        return len(self._tokens) + self._num_pending
 
     @property
     def tokens(self) -> list[int]:
@@ -81,6 +90,7 @@ class ModelCache:
         for pending in self._pending:
             self._tokens.extend(pending.tolist())
         self._pending.clear()
+        self._num_pending = 0
 
     def materialize(self) -> None:
         """Evaluates every lazy array and reads back pending token ids.
@@ -107,11 +117,18 @@ class ModelCache:
 
         Raises:
             ValueError: token_ids is empty.
+            CacheFullError: the batch does not fit in `capacity_tokens` (nothing changes).
         """
         is_array = isinstance(token_ids, mx.array)
         ids = token_ids if is_array else mx.array(list(token_ids), dtype=mx.uint32)
         if ids.size == 0:
             raise ValueError("forward needs at least one token id; got none")
+        if self.capacity_tokens is not None and self.num_tokens + ids.size > self.capacity_tokens:
+            raise CacheFullError(
+                f"cannot add {ids.size} tokens to {self.num_tokens}: the cache holds at most "
+                f"{self.capacity_tokens} tokens. Trim or shift it first, or raise max_context",
+                self.capacity_tokens,
+            )
         marks = [_mark(layer) for layer in self.layers]
         try:
             logits = model(ids.reshape(1, -1), cache=self.layers)
@@ -121,6 +138,7 @@ class ModelCache:
             raise
         if is_array:
             self._pending.append(ids.reshape(-1))
+            self._num_pending += ids.size
         else:
             self._tokens.extend(int(t) for t in token_ids)
         return logits
@@ -262,7 +280,8 @@ class ModelCache:
     def copy(self) -> ModelCache:
         """An independent cache holding the same tokens (copies the used K/V, not the slack)."""
         self._settle()
-        clone = ModelCache([_copy_layer(layer) for layer in self.layers], self._make_layers)
+        layers = [_copy_layer(layer) for layer in self.layers]
+        clone = ModelCache(layers, self._make_layers, self.capacity_tokens)
         clone._tokens = list(self._tokens)
         return clone
 
@@ -271,6 +290,7 @@ class ModelCache:
         self.layers = self._make_layers()
         self._tokens.clear()
         self._pending.clear()
+        self._num_pending = 0
         self._checkpoints.clear()
 
     def shrink(self) -> int:

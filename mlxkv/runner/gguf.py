@@ -117,7 +117,7 @@ def convert_gguf(
     The directory appears complete or not at all: files are written to a sibling temporary
     directory that is renamed at the end.
     """
-    tensors, metadata = mx.load(str(gguf_path), return_metadata=True)
+    tensors, metadata = mx.load(str(gguf_path), format="gguf", return_metadata=True)
     config = _config(metadata, tensors)
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".partial")

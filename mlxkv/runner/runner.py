@@ -84,6 +84,7 @@ class Runner:
         self.prefill_step_size = prefill_step_size
         cache = make_cache(loaded.model, kv_bits=kv_bits, kv_group_size=kv_group_size)
         self.max_context = max_context or default_max_context(loaded, cache)
+        cache.capacity_tokens = self.max_context  # the window is enforced by the cache too
         self._rotations = rope_rotations(loaded.model)
         self._prefix = PrefixCache(cache)
         self._lock = threading.Lock()

@@ -130,3 +130,17 @@ def test_copy_is_independent_and_continues_identically(load_tiny, arch):
     got = clone.forward(model, ids[20:24])
     assert clone.tokens == ids[:24] and cache.tokens == ids[:30]
     assert mx.abs(got - want).max().item() < 1e-5
+
+
+def test_full_cache_refuses_the_batch_and_changes_nothing(load_tiny):
+    from mlxkv import CacheFullError
+
+    model, _ = load_tiny("llama")
+    cache = make_cache(model)
+    cache.capacity_tokens = 10
+    cache.forward(model, list(range(8)))
+    with pytest.raises(CacheFullError, match="at most 10 tokens") as raised:
+        cache.forward(model, [1, 2, 3])
+    assert raised.value.capacity_tokens == 10
+    assert cache.num_tokens == 8 and {layer.offset for layer in cache} == {8}
+    cache.forward(model, [1, 2])  # exactly full is fine
