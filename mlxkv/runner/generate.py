@@ -157,9 +157,10 @@ def decode_tokens(
 ) -> Iterator[int]:
     """Yields up to `max_tokens` sampled token ids, starting from the prompt's last logits.
 
-    Each yielded token except the last has already been fed to the model (its step is queued
-    before it is yielded), so the cache holds it even if the caller stops right there. The
-    caller stops early by closing the generator.
+    Pipelined: every yielded token except the first and the last has already been fed to the
+    model (its step is queued before it is yielded). The first is yielded as soon as it exists,
+    then fed. Either way `cache` records exactly what was fed, so the caller may stop early by
+    closing the generator.
 
     Args:
         make_room: called as make_room(cache, 1) before each token is fed (context shift).
@@ -169,12 +170,17 @@ def decode_tokens(
     token = pick(logits)
     mx.async_eval(token)
     for n in range(max_tokens):
+        if n == 0:
+            # Out before anything else is queued: on MLX's CPU backend, queuing a step before
+            # reading the first token added a whole decode step to the time to first token.
+            yield token.item()
         if n + 1 < max_tokens:
             if make_room:
                 make_room(cache, 1)
             next_token = pick(cache.forward(model, token)[:, -1, :])
             mx.async_eval(next_token)
-        yield token.item()
+        if n > 0:
+            yield token.item()
         if n % _CLEAR_CACHE_EVERY_TOKENS == _CLEAR_CACHE_EVERY_TOKENS - 1:
             mx.clear_cache()
         if n + 1 < max_tokens:

@@ -93,7 +93,7 @@ class Runner:
     @classmethod
     def load(
         cls,
-        path_or_repo: str | Path,
+        path_or_repo: str | Path | None = None,
         *,
         max_context: int | None = None,
         keep: int | None = None,
@@ -101,7 +101,11 @@ class Runner:
         kv_group_size: int = 64,
         prefill_step_size: int = 512,
     ) -> Runner:
-        """Loads a model (local directory or Hugging Face repo id) and wraps it in a Runner.
+        """Loads a model and wraps it in a Runner.
+
+        Args:
+            path_or_repo: a Hugging Face-layout directory, a .gguf file, an Ollama model name,
+                a Hugging Face repo id, or None for the bundled default (SmolLM2-135M-Instruct).
 
         Raises:
             ModelLoadError: nothing loadable at `path_or_repo` (the message says what was tried).

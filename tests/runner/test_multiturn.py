@@ -14,10 +14,11 @@ MAX_TOKENS = 6
 
 def _fed_tokens(prompt: list[int], out, eos: int) -> list[int]:
     """What the spec says the entry holds after a request: the prompt plus the tokens fed back,
-    which is every sampled token but the last when generation ran out of max_tokens."""
+    which is every sampled token but the last when generation ran out of max_tokens. A later
+    EOS was fed before it was seen (pipelining); a first-token EOS was not."""
     sampled = list(out.tokens)
-    if out.finish_reason == "stop" and len(sampled) < out.generation_tokens:
-        sampled.append(eos)  # EOS was sampled and, before it was seen, fed
+    if out.finish_reason == "stop" and sampled and len(sampled) < out.generation_tokens:
+        sampled.append(eos)
     return prompt + (sampled[:-1] if out.finish_reason == "length" else sampled)
 
 
