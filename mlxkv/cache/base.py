@@ -16,9 +16,13 @@ Invariants every implementation keeps:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
+
+from mlxkv.errors import CacheStateError
 
 DEFAULT_STEP_TOKENS = 256
 
@@ -165,12 +169,29 @@ class ContiguousCache:
 
     @classmethod
     def from_state(cls, state: Any, meta_state: tuple[str, ...] = ()):
-        """Rebuilds a cache from `state` and `meta_state` (as saved by a cache of this class)."""
+        """Rebuilds a cache from `state` and `meta_state` (as saved by a cache of this class).
+
+        Raises:
+            CacheStateError: they are not what a cache of this class saves.
+        """
         cache = cls()
-        if meta_state:
-            cache.meta_state = meta_state
-        cache.state = state
+        with state_errors(cls.__name__):
+            if meta_state:
+                cache.meta_state = meta_state
+            cache.state = state
         return cache
+
+
+@contextmanager
+def state_errors(class_name: str) -> Iterator[None]:
+    """Turns the errors of unpacking a malformed saved state into a CacheStateError."""
+    try:
+        yield
+    except (ValueError, TypeError, AttributeError, IndexError) as error:
+        raise CacheStateError(
+            f"this state and meta_state were not saved by a {class_name}: {error}. "
+            "Rebuild the cache with the class that saved it"
+        ) from error
 
 
 def resized_buffer(old: mx.array | None, like: mx.array, num_used: int, capacity: int) -> mx.array:

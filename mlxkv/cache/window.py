@@ -24,7 +24,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxkv.cache.base import DEFAULT_STEP_TOKENS, causal_mask, check_trim_count, resized_buffer
+from mlxkv.cache.base import (
+    DEFAULT_STEP_TOKENS,
+    causal_mask,
+    check_trim_count,
+    resized_buffer,
+    state_errors,
+)
 from mlxkv.errors import NotSupportedError
 
 
@@ -235,10 +241,16 @@ class SlidingWindowCache:
 
     @classmethod
     def from_state(cls, state, meta_state: tuple[str, ...]) -> SlidingWindowCache:
-        _, window, keep, step = (int(v) for v in meta_state)
-        cache = cls(window, keep, step)
-        cache.meta_state = meta_state
-        cache.state = state
+        """Rebuilds a cache from `state` and `meta_state`.
+
+        Raises:
+            CacheStateError: they are not what a SlidingWindowCache saves.
+        """
+        with state_errors(cls.__name__):
+            _, window, keep, step = (int(v) for v in meta_state)
+            cache = cls(window, keep, step)
+            cache.meta_state = meta_state
+            cache.state = state
         return cache
 
     def size(self) -> int:

@@ -47,3 +47,14 @@ def test_state_round_trip_continues_identically(kind):
 def test_empty_state_round_trip():
     cache = KVCache.from_state(KVCache().state, KVCache().meta_state)
     assert cache.empty() and cache.offset == 0
+
+
+@pytest.mark.parametrize("kind", MAKERS)
+def test_a_state_from_another_class_is_a_clear_error(kind):
+    from mlxkv import CacheStateError
+
+    cache = MAKERS[kind]()
+    _feed(cache, range(3))
+    other = KVCache if kind != "kv" else SlidingWindowCache
+    with pytest.raises(CacheStateError, match="were not saved by"):
+        other.from_state(cache.state, ("1", "2", "3", "4", "5", "6"))
