@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from mlxkv.errors import CacheStateError
 
@@ -128,7 +129,33 @@ class LayerCache(Protocol):
         ...
 
 
-class ContiguousCache:
+class BufferedCache:
+    """Byte accounting shared by caches that keep K/V in `keys` / `values` buffers (arrays, or
+    tuples of arrays when quantized) with `capacity_tokens` slots, `_used_slots()` of them held."""
+
+    keys: Any
+    values: Any
+
+    def _used_slots(self) -> int:
+        raise NotImplementedError
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(a.nbytes for _, a in tree_flatten([self.keys, self.values]))
+
+    @property
+    def used_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.nbytes * self._used_slots() // self.capacity_tokens
+
+
+class ContiguousCache(BufferedCache):
     """Offset bookkeeping shared by caches that hold positions 0..offset-1 in slots 0..offset-1.
 
     Subclasses provide `capacity_tokens`, `nbytes`, `state` and `meta_state`. Trim is O(1): it
@@ -158,14 +185,8 @@ class ContiguousCache:
     def size(self) -> int:
         return self.offset
 
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def used_bytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.nbytes * self.offset // self.capacity_tokens
+    def _used_slots(self) -> int:
+        return self.offset
 
     @classmethod
     def from_state(cls, state: Any, meta_state: tuple[str, ...] = ()):

@@ -128,9 +128,3 @@ class KVCache(ContiguousCache):
     @meta_state.setter
     def meta_state(self, value: tuple[str, ...]) -> None:
         (self.step,) = (int(v) for v in value)
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes

@@ -108,12 +108,6 @@ class QuantizedKVCache(ContiguousCache):
     def meta_state(self, value: tuple[str, ...]) -> None:
         self.step, self.group_size, self.bits = (int(v) for v in value)
 
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return sum(a.nbytes for a in self.keys + self.values)
-
 
 def _resized_triple(old: Triple | None, like: Triple, num_used: int, capacity: int) -> Triple:
     parts = (None, None, None) if old is None else old

@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from mlxkv.cache.base import (
     DEFAULT_STEP_TOKENS,
+    BufferedCache,
     causal_mask,
     check_trim_count,
     resized_buffer,
@@ -34,7 +35,7 @@ from mlxkv.cache.base import (
 from mlxkv.errors import NotSupportedError
 
 
-class SlidingWindowCache:
+class SlidingWindowCache(BufferedCache):
     """Keys and values of a sliding-window layer.
 
     Args:
@@ -256,17 +257,5 @@ class SlidingWindowCache:
     def size(self) -> int:
         return self._num_slots
 
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
-
-    @property
-    def used_bytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.nbytes * self._num_slots // self.capacity_tokens
+    def _used_slots(self) -> int:
+        return self._num_slots
