@@ -14,6 +14,7 @@ from mlxkv.errors import (
     MlxkvError,
     ModelLoadError,
     NotSupportedError,
+    RunnerBusyError,
     UnsupportedFormatError,
 )
 from mlxkv.runner.generate import Completion, GenerationChunk
@@ -34,6 +35,7 @@ __all__ = [
     "NotSupportedError",
     "QuantizedKVCache",
     "Runner",
+    "RunnerBusyError",
     "SlidingWindowCache",
     "UnsupportedFormatError",
     "format_bytes",

@@ -39,3 +39,7 @@ class UnsupportedFormatError(ModelLoadError):
 
 class ContextLengthError(MlxkvError, ValueError):
     """A request does not fit in the context window."""
+
+
+class RunnerBusyError(MlxkvError, RuntimeError):
+    """A Runner call that would wait forever: this thread holds an unfinished `stream()`."""

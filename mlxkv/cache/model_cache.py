@@ -242,7 +242,8 @@ class ModelCache:
     @property
     def checkpoint_bytes(self) -> int:
         """Bytes held by checkpoints (bounded: at most `MAX_CHECKPOINTS` snapshots)."""
-        saved = [layer for snap in self._checkpoints.values() for layer in snap if layer]
+        # list(): a consistent view even while a generation on another thread adds one
+        saved = [layer for snap in list(self._checkpoints.values()) for layer in snap if layer]
         return sum(layer.nbytes for layer in _leaves(saved))
 
     def can_shift(self, rotations: Sequence[Rotation | None] | None) -> bool:

@@ -20,6 +20,7 @@ the first layer (and a one-layer model) equals a fresh prefill of the kept token
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,60 +78,144 @@ def check_keep(keep: int, budget: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class ChatCut:
+    """How `fit_prompt` may cut a chat: whole messages, oldest first, after the system prompt.
+
+    Attributes:
+        render_from: token ids of the chat keeping the system messages and messages[i:].
+        cut_points: ascending message indices a cut may start at (chat templates expect the
+            kept history to start with a user message).
+        preferred: the cut the cache probably holds (the last one taken); used only when the
+            cache really shares a quarter of the budget with it.
+    """
+
+    render_from: Callable[[int], list[int]]
+    cut_points: Sequence[int]
+    preferred: int | None = None
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A prompt cut to the window: its tokens, and the first message kept (None: no chat
+    cut was made)."""
+
+    tokens: list[int]
+    first_message: int | None = None
+
+
 def fit_prompt(
     tokens: list[int],
     budget: int,
     keep: int,
     *,
     held: Sequence[int] = (),
-    render_from: Callable[[int], list[int]] | None = None,
-    num_messages: int = 0,
-    first_droppable: int = 0,
-    cut_points: Sequence[int] = (),
-) -> list[int]:
+    chat: ChatCut | None = None,
+) -> Fitted:
     """Returns `tokens` cut to at most `budget` tokens, keeping the first `keep`.
 
-    For chat messages (`render_from` given), whole messages are dropped after the system
-    prompt. Among the cuts that fit, the one sharing the longest prefix with what the cache
-    `held` is taken, so a conversation that already lives cut in the cache is reused exactly.
-    When no cut reuses a quarter of the budget, the cut goes deep enough to fit in half the
-    budget instead, so the next turns find the same start in the cache rather than missing on
-    every turn (the cost of a cut is paid once per half window, not once per turn).
+    Chat messages (`chat` given) are dropped whole, never splitting a template marker. The cut
+    the cache holds (`chat.preferred`, verified against `held`) is kept while it fits, so a
+    conversation that lives cut in the cache is reused exactly. Otherwise the cut goes deep
+    enough to fit in half the budget, so the next turns find the same start in the cache
+    instead of missing on every turn (a cut's cost is paid once per half window, not once per
+    turn). Rendering cost is O(log n) renders of at most about twice the window, so a long
+    history costs time linear in its length (the full render), not quadratic.
 
     Args:
         held: the token ids the prompt cache holds.
-        render_from: renders the prompt keeping messages[:first_droppable] and messages[i:].
-        num_messages: how many messages there are.
-        first_droppable: index of the first message that may be dropped.
-        cut_points: message indices a cut may start at (default: any after first_droppable);
-            chat templates expect the kept history to start with a user message.
 
     Raises:
-        ContextLengthError: `keep` leaves no room in the budget.
+        ContextLengthError: `keep` leaves no room in the budget, or the chat's last user turn
+            (with the system prompt) alone is longer than the budget.
     """
     check_keep(keep, budget)
     if len(tokens) <= budget:
-        return tokens
-    fitting = []
-    if render_from is not None:
-        for first in cut_points or range(first_droppable + 1, num_messages):
-            candidate = render_from(first)
-            if len(candidate) <= budget:
-                fitting.append((first, candidate))
-    if fitting:
-        first, chosen = max(fitting, key=lambda fc: common_prefix_length(held, fc[1]))
-        if common_prefix_length(held, chosen) < budget // 4:  # not a cut the cache holds
-            first, chosen = next((fc for fc in fitting if len(fc[1]) <= budget // 2), fitting[-1])
+        return Fitted(tokens)
+    if chat is None:
+        cut = len(tokens) - budget
         logger.info(
-            "context: dropped %d oldest messages (%d tokens) to fit %d tokens",
-            first - first_droppable,
-            len(tokens) - len(chosen),
-            budget,
+            "context: dropped %d tokens after the first %d to fit %d tokens", cut, keep, budget
         )
-        return chosen
-    cut = len(tokens) - budget
-    logger.info("context: dropped %d tokens after the first %d to fit %d tokens", cut, keep, budget)
-    return tokens[:keep] + tokens[keep + cut :]
+        return Fitted(tokens[:keep] + tokens[keep + cut :])
+    first, chosen = _chat_cut(chat, budget, held)
+    logger.info(
+        "context: dropped the messages before message %d (%d tokens) to fit %d tokens",
+        first,
+        len(tokens) - len(chosen),
+        budget,
+    )
+    return Fitted(chosen, first)
+
+
+def _chat_cut(chat: ChatCut, budget: int, held: Sequence[int]) -> tuple[int, list[int]]:
+    if chat.preferred is not None:
+        candidate = chat.render_from(chat.preferred)
+        if len(candidate) <= budget and common_prefix_length(held, candidate) >= budget // 4:
+            return chat.preferred, candidate
+    points = list(chat.cut_points)
+    for limit in (budget // 2, budget):
+        found = _first_fitting(points, chat.render_from, limit)
+        if found is not None:
+            return found
+    last = chat.render_from(points[-1]) if points else None
+    shortest = f"{len(last)} tokens" if last is not None else "the whole prompt"
+    raise ContextLengthError(
+        f"the last user message with the system prompt and what follows it takes {shortest}; "
+        f"only {budget} tokens fit in the context with room left to answer. Shorten that "
+        "message or raise max_context"
+    )
+
+
+def _first_fitting(
+    points: list[int], render_from: Callable[[int], list[int]], limit: int
+) -> tuple[int, list[int]] | None:
+    """The earliest cut point whose render fits in `limit` tokens (renders shrink as the cut
+    moves later), found by galloping back from the latest cut and then bisecting, so only
+    O(log n) renders of about the fitting size are made."""
+    rendered: dict[int, list[int]] = {}
+
+    def fits(i: int) -> bool:
+        if i not in rendered:
+            rendered[i] = render_from(points[i])
+        return len(rendered[i]) <= limit
+
+    if not points or not fits(len(points) - 1):
+        return None
+    good, bad, step = len(points) - 1, -1, 1
+    while good - step >= 0:
+        if not fits(good - step):
+            bad = good - step
+            break
+        good -= step
+        step *= 2
+    while good - bad > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return points[good], rendered[good]
+
+
+def default_max_context(
+    model: nn.Module, max_position_embeddings: int | None, cache: ModelCache
+) -> int:
+    """The model's own maximum, capped to the tokens whose K/V fit in half the machine's
+    memory (measured by feeding one token through a scratch copy of the cache layout)."""
+    scratch = cache.copy()
+    scratch.forward(model, [0])
+    per_token = max(scratch.used_bytes, 1)
+    budget = _physical_memory_bytes() // 2
+    fits = max(2, budget // per_token)
+    return min(max_position_embeddings or fits, fits)
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30  # unknown: assume 8 GiB
 
 
 @dataclass

@@ -13,6 +13,7 @@ and arrays built on one thread's local stream cannot be evaluated on another.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ class Completion:
         text: generated text, without the EOS token and cut before any stop string.
         tokens: generated token ids (without EOS).
         finish_reason: "stop" (EOS or a stop string), "length" (max_tokens or the context
-            limit) or "cancelled" (`Runner.cancel()`).
+            limit) or "cancelled" (`Runner.cancel()`, during prefill or decode).
         prompt_tokens: tokens in the prompt.
         cached_tokens: prompt tokens whose K/V were reused from the prompt cache.
         prompt_tps: prompt tokens processed (not reused) per second of prefill.
@@ -74,6 +75,63 @@ class GenerationChunk:
     token: int | None
     finish_reason: str | None = None
     completion: Completion | None = None
+
+
+class PrefillCancelled(Exception):
+    """Raised between prefill chunks when the request was cancelled; the chunks already fed
+    stay in the cache."""
+
+
+class CompletionStats:
+    """Timing and counts of one request, turned into a Completion at the end.
+
+    Args:
+        start: `time.perf_counter()` when the request began.
+        prompt_tokens: tokens of the (fitted) prompt.
+        cached: prompt tokens reused from the cache.
+    """
+
+    def __init__(self, start: float, prompt_tokens: int, cached: int):
+        self.start = start
+        self.prompt_tokens = prompt_tokens
+        self.cached = cached
+        self.processed = 0
+        self.first_token_at: float | None = None
+        self.num_sampled = 0
+        self.tokens: list[int] = []
+        self.text: list[str] = []
+
+    def sampled(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.num_sampled += 1
+
+    def final_chunk(self, text: str, finish_reason: str) -> GenerationChunk:
+        """The last chunk of a stream: its text, the reason it ended and the Completion."""
+        return GenerationChunk(
+            text=text,
+            token=None,
+            finish_reason=finish_reason,
+            completion=self.completion(finish_reason),
+        )
+
+    def completion(self, finish_reason: str) -> Completion:
+        end = time.perf_counter()
+        first = self.first_token_at or end
+        prefill_s = first - self.start
+        decode_s = end - first
+        return Completion(
+            text="".join(self.text),
+            tokens=list(self.tokens),
+            finish_reason=finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached,
+            prompt_tps=self.processed / prefill_s if prefill_s > 0 else 0.0,
+            generation_tokens=self.num_sampled,
+            generation_tps=self.num_sampled / decode_s if decode_s > 0 else 0.0,
+            ttft=prefill_s,
+            peak_memory=mx.get_peak_memory(),
+        )
 
 
 def fill(

@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlxkv.errors import ModelLoadError
 from mlxkv.runner import gguf
@@ -69,8 +70,19 @@ def load_model(
         raise ModelLoadError(f"could not load a model from {path}: {error}") from error
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)  # half-precision matmuls are several times slower on CPU
+    materialize(model)
     logger.info("loaded model path=%s type=%s", path, config.get("model_type"))
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+
+
+def materialize(model: nn.Module) -> None:
+    """Evaluates every array the model holds, private ones (e.g. RoPE frequencies) included.
+
+    MLX streams belong to the thread that made them: a lazy array left here (the float32 cast
+    above is lazy) would fail with "There is no Stream(cpu, 0) in current thread" the first
+    time another thread runs the model.
+    """
+    mx.eval([leaf for _, leaf in tree_flatten(model) if isinstance(leaf, mx.array)])
 
 
 def default_model_path() -> str:

@@ -1,10 +1,23 @@
 """Turning what a user passes as a prompt into token ids, with clear errors for bad input.
 
-Owns: the three prompt forms (text, token ids, chat messages) and their validation.
+Owns: the three prompt forms (text, token ids, chat messages), their validation, and rendering
+chat messages through the model's chat template so that message content is only ever text.
+
+Terms:
+  - control token: a special added token of the tokenizer (`<|im_start|>`, `<|im_end|>`, ...).
+    The chat template's own markers are control tokens; the same strings inside a message's
+    content are tokenized as plain text, so a client cannot forge a system turn by writing
+    `<|im_end|>\\n<|im_start|>system\\n...` in a user message. `parse_control_tokens=True` is
+    the opt-out for callers that pass pre-rendered control tokens on purpose. A plain string
+    prompt is taken as already rendered: its control-token strings are parsed.
+  - lone surrogates (from JSON escapes such as "\\ud800", or undecodable bytes on a command
+    line) cannot be encoded as UTF-8; they become U+FFFD instead of failing in the tokenizer.
 """
 
 from __future__ import annotations
 
+import numbers
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,53 +25,185 @@ Message = dict[str, str]
 Prompt = str | Sequence[int] | Sequence[Message]
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+_ACCEPTED = (
+    "a str, a list of token ids (int) or a list of chat messages (dicts with 'role' and 'content')"
+)
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
-def encode_prompt(tokenizer: Any, prompt: Prompt, vocab_size: int) -> list[int]:
-    """Token ids for a prompt.
+class PromptEncoder:
+    """Prompts to token ids for one tokenizer (mlx-lm's TokenizerWrapper).
 
-    Args:
-        tokenizer: mlx-lm's TokenizerWrapper.
-        prompt: text; token ids; or chat messages, rendered with the tokenizer's chat template
-            and a generation prompt.
-        vocab_size: token ids must be below this.
-
-    Raises:
-        ValueError: an empty prompt, ids outside the vocabulary, malformed messages, or
-            messages for a tokenizer without a chat template.
+    Thread-safe: it keeps no per-call state, and the plain-text tokenizer is a separate copy
+    of the model's, never switched back and forth.
     """
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt is empty; pass some text, token ids or chat messages")
-        bos = tokenizer.bos_token
-        add_special = bos is None or not prompt.startswith(bos)
-        tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
-    elif not isinstance(prompt, Sequence) or len(prompt) == 0:
-        raise ValueError("prompt is empty; pass some text, token ids or chat messages")
-    elif all(isinstance(m, dict) for m in prompt):
-        tokens = _render_messages(tokenizer, prompt)
-    elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        tokens = list(prompt)
-    else:
-        raise ValueError("prompt must be a string, a list of token ids, or a list of messages")
-    bad = [t for t in tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(
-            f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1}); "
-            "encode the prompt with this model's tokenizer"
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        controls = sorted(_control_tokens(hf), key=len, reverse=True)
+        self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
+        self._plain = _plain_text_tokenizer(hf) if controls else None
+
+    def encode(self, prompt: Prompt, *, parse_control_tokens: bool = False) -> list[int]:
+        """Token ids for a prompt.
+
+        Args:
+            prompt: text (taken as already rendered); token ids; or chat messages, rendered
+                with the chat template and a generation prompt.
+            parse_control_tokens: let control-token strings inside message content become
+                control tokens (only for content you wrote yourself).
+
+        Raises:
+            ValueError: a prompt of another type, an empty prompt, ids outside the vocabulary,
+                malformed messages, or messages for a tokenizer without a chat template.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompt is empty; pass {_ACCEPTED}")
+            text = _valid_text(prompt)
+            bos = self.tokenizer.bos_token
+            add_bos = bos is None or not text.startswith(bos)
+            tokens = self.tokenizer.encode(text, add_special_tokens=add_bos)
+        elif isinstance(prompt, bytes | bytearray | memoryview):
+            raise ValueError("prompt is bytes; decode it to a str first (prompt.decode('utf-8'))")
+        elif not isinstance(prompt, Sequence):
+            hint = (
+                " (for an array of token ids, pass array.tolist())"
+                if hasattr(prompt, "tolist")
+                else ""
+            )
+            raise ValueError(f"prompt must be {_ACCEPTED}; got {type(prompt).__name__}{hint}")
+        elif len(prompt) == 0:
+            raise ValueError(f"prompt is empty; pass {_ACCEPTED}")
+        elif all(isinstance(m, dict) for m in prompt):
+            tokens = self.render(prompt, parse_control_tokens=parse_control_tokens)
+        elif all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            tokens = [int(t) for t in prompt]
+        else:
+            kinds = sorted({type(x).__name__ for x in prompt})
+            raise ValueError(f"prompt must be {_ACCEPTED}; got a list of {', '.join(kinds)}")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1}); "
+                "encode the prompt with this model's tokenizer"
+            )
+        if not tokens:
+            raise ValueError("prompt encodes to no tokens")
+        return list(tokens)
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        parse_control_tokens: bool = False,
+    ) -> list[int]:
+        """Token ids of chat messages through the chat template; content stays text.
+
+        Raises:
+            ValueError: malformed messages, no chat template, or content holding control-token
+                text that the template rewrites (so it cannot be located and kept as text).
+        """
+        messages = _checked_messages(messages)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass a plain string")
+        tainted = (
+            []
+            if parse_control_tokens or self._controls is None
+            else [i for i, m in enumerate(messages) if self._controls.search(m["content"])]
         )
-    if not tokens:
-        raise ValueError("prompt encodes to no tokens")
-    return tokens
+        if not tainted:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt
+                )
+            )
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return self._tokenize_keeping_content_as_text(text, messages, tainted)
+
+    def _tokenize_keeping_content_as_text(
+        self, text: str, messages: list[Message], tainted: list[int]
+    ) -> list[int]:
+        """Template text with control tokens parsed; tainted messages' content as plain text.
+        Segments break where the content starts and ends, as the template placed it."""
+        ids: list[int] = []
+        cursor = 0
+        for i in tainted:
+            content = messages[i]["content"]
+            start = text.find(content, cursor)
+            if start < 0 or self._plain is None:
+                found = self._controls.search(content).group(0)
+                raise ValueError(
+                    f"message {i} contains the control token text {found!r}, which this "
+                    "model's chat template or tokenizer cannot keep as plain text; remove it "
+                    "from the message"
+                )
+            ids += self.tokenizer.encode(text[cursor:start], add_special_tokens=False)
+            ids += self._plain.encode(content, add_special_tokens=False).ids
+            cursor = start + len(content)
+        ids += self.tokenizer.encode(text[cursor:], add_special_tokens=False)
+        return ids
 
 
-def _render_messages(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+def is_messages(prompt: Prompt) -> bool:
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, str)
+        and bool(prompt)
+        and isinstance(prompt[0], dict)
+    )
+
+
+def leading_system_messages(prompt: Prompt) -> list[Message]:
+    """The system messages a chat starts with (none for text or token prompts)."""
+    if not is_messages(prompt):
+        return []
+    system = []
+    for message in prompt:
+        if message.get("role") != "system":
+            break
+        system.append(message)
+    return system
+
+
+def _valid_text(text: str) -> str:
+    return _SURROGATES.sub("\ufffd", text)
+
+
+def _checked_messages(messages: Sequence[Message]) -> list[Message]:
+    checked = []
     for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise ValueError(f"message {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise ValueError(f"message {i} needs a string 'content'")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; pass a plain string")
-    return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True))
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"message {i} needs a string 'content', got {type(content).__name__}")
+        checked.append({**message, "content": _valid_text(content)})
+    return checked
+
+
+def _control_tokens(hf_tokenizer: Any) -> list[str]:
+    """The strings of the tokenizer's special added tokens."""
+    decoder = getattr(hf_tokenizer, "added_tokens_decoder", None) or {}
+    return [t.content for t in decoder.values() if getattr(t, "special", False) and t.content]
+
+
+def _plain_text_tokenizer(hf_tokenizer: Any) -> Any:
+    """A copy of the fast tokenizer that tokenizes control-token strings as plain text, or
+    None for tokenizers without a `tokenizers` backend."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_str(backend.to_str())
+    plain.encode_special_tokens = True
+    return plain

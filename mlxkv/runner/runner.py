@@ -14,25 +14,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.cache.model_cache import ModelCache, make_cache
-from mlxkv.cache.prefix import PrefixCache, PrefixHit, common_prefix_length
-from mlxkv.runner.context import (
-    DEFAULT_KEEP_TOKENS,
-    ContextWindow,
-    check_keep,
-    fit_prompt,
-    rope_rotations,
-)
+from mlxkv.cache.model_cache import make_cache
+from mlxkv.cache.prefix import PrefixCache, PrefixHit
+from mlxkv.errors import RunnerBusyError
+from mlxkv.runner.checks import check_int
+from mlxkv.runner.context import ContextWindow, default_max_context, rope_rotations
 from mlxkv.runner.generate import (
     Completion,
+    CompletionStats,
     GenerationChunk,
+    PrefillCancelled,
     ProgressCallback,
     StopStrings,
     TokenPicker,
@@ -42,14 +40,18 @@ from mlxkv.runner.generate import (
 )
 from mlxkv.runner.loading import LoadedModel, load_model
 from mlxkv.runner.memory import MemoryReport
-from mlxkv.runner.prompt import Message, Prompt, encode_prompt
-from mlxkv.runner.sampling import SamplingParams
+from mlxkv.runner.mlx_state import clean_random_state, release_streams_at_thread_exit
+from mlxkv.runner.prompt import Prompt, PromptEncoder
+from mlxkv.runner.request import Request, RequestBuilder
 
 logger = logging.getLogger(__name__)
 
 
 class Runner:
     """A loaded model plus its prompt cache.
+
+    Every method may be called from any thread. Generations run one at a time, in the order
+    their turn comes; `cache_info`, `tokenizer`, `encode` and `cancel` never wait for one.
 
     Args:
         loaded: the model and tokenizer (see `Runner.load`).
@@ -61,6 +63,9 @@ class Runner:
         kv_bits: quantize global-attention K/V to 8 or 4 bits; None keeps the model's dtype.
         kv_group_size: head-dimension elements per quantization scale.
         prefill_step_size: most prompt tokens fed per model call; bounds prefill memory.
+
+    Raises:
+        ValueError: a setting of the wrong type or out of range.
     """
 
     def __init__(
@@ -73,22 +78,31 @@ class Runner:
         kv_group_size: int = 64,
         prefill_step_size: int = 512,
     ):
-        if max_context is not None and max_context < 2:
-            raise ValueError(f"max_context must be at least 2 tokens, got {max_context}")
-        if keep is not None and keep < 0:
-            raise ValueError(f"keep must be >= 0 tokens, got {keep}")
-        if prefill_step_size < 1:
-            raise ValueError(f"prefill_step_size must be >= 1 token, got {prefill_step_size}")
+        if max_context is not None:
+            check_int("max_context (tokens)", max_context, low=2)
+        if keep is not None:
+            check_int("keep (tokens)", keep, low=0)
+        if kv_bits is not None:
+            check_int("kv_bits", kv_bits, low=1)
+        check_int("kv_group_size", kv_group_size, low=1)
+        check_int("prefill_step_size (tokens)", prefill_step_size, low=1)
         self.loaded = loaded
         self.keep = keep
         self.prefill_step_size = prefill_step_size
+        self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
         cache = make_cache(loaded.model, kv_bits=kv_bits, kv_group_size=kv_group_size)
-        self.max_context = max_context or default_max_context(loaded, cache)
+        self.max_context = max_context or default_max_context(
+            loaded.model, loaded.max_position_embeddings, cache
+        )
         cache.capacity_tokens = self.max_context  # the window is enforced by the cache too
         self._rotations = rope_rotations(loaded.model)
         self._prefix = PrefixCache(cache)
-        self._lock = threading.Lock()
-        self._cancel = threading.Event()
+        self._lock = threading.Lock()  # held for a whole generation
+        self._owner: int | None = None  # the thread that holds it
+        self._held: list[int] = []  # the entry's tokens after the last request, for fitting
+        self._builder = RequestBuilder(self._prompts, self.max_context, keep)
+        self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
+        self._requests_lock = threading.Lock()
 
     @classmethod
     def load(
@@ -124,25 +138,44 @@ class Runner:
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """The token ids a prompt becomes (chat messages through the chat template)."""
-        return encode_prompt(self.loaded.tokenizer, prompt, self.loaded.vocab_size)
+    def encode(self, prompt: Prompt, *, parse_control_tokens: bool = False) -> list[int]:
+        """The token ids a prompt becomes (chat messages through the chat template, with
+        control-token text inside message content kept as text unless
+        `parse_control_tokens`)."""
+        return self._prompts.encode(prompt, parse_control_tokens=parse_control_tokens)
 
     def generate(
-        self, prompt: Prompt, *, progress: ProgressCallback | None = None, **sampling: Any
+        self,
+        prompt: Prompt,
+        *,
+        progress: ProgressCallback | None = None,
+        parse_control_tokens: bool = False,
+        **sampling: Any,
     ) -> Completion:
         """Generates a whole completion. Takes the same arguments as `stream`."""
-        chunks = list(self.stream(prompt, progress=progress, **sampling))
+        chunks = list(
+            self.stream(
+                prompt, progress=progress, parse_control_tokens=parse_control_tokens, **sampling
+            )
+        )
         return chunks[-1].completion
 
     def stream(
-        self, prompt: Prompt, *, progress: ProgressCallback | None = None, **sampling: Any
+        self,
+        prompt: Prompt,
+        *,
+        progress: ProgressCallback | None = None,
+        parse_control_tokens: bool = False,
+        **sampling: Any,
     ) -> Iterator[GenerationChunk]:
         """Streams a completion chunk by chunk.
 
         Args:
-            prompt: a string, token ids, or chat messages ([{"role": ..., "content": ...}]).
+            prompt: a string (taken as already rendered), token ids, or chat messages
+                ([{"role": ..., "content": ...}]).
             progress: called as progress(done, total) in prompt tokens during prefill.
+            parse_control_tokens: let control-token strings inside chat message content
+                become control tokens; only for content you wrote yourself.
             **sampling: `SamplingParams` fields: max_tokens, temperature, top_p, top_k, min_p,
                 repetition_penalty, seed, stop.
 
@@ -152,100 +185,91 @@ class Runner:
 
         Raises:
             ValueError: bad prompt or sampling settings (raised here, before anything changes).
-            ContextLengthError: `keep` leaves no room in `max_context`.
+            ContextLengthError: `keep`, or the chat's last turn, leaves no room in
+                `max_context`.
+            RunnerBusyError (when iterated): this thread is still inside another `stream()`.
         """
-        params = SamplingParams(**sampling)
-        tokens = self.encode(prompt)
-        keep = self._keep_for(prompt, tokens)
-        # A prompt that must be cut leaves room to answer, so the answer does not begin with a
-        # shift; it is cut later, under the lock, where the cache's contents are known.
-        budget = self.max_context
-        if len(tokens) > self.max_context:
-            budget -= max(1, min(params.max_tokens, self.max_context // 4))
-        check_keep(keep, budget)
-        header = self._generation_prompt_length(prompt)
-        return self._stream(_Request(prompt, tokens, keep, budget, header, params, progress))
-
-    def _fit(self, request: _Request) -> list[int]:
-        """The request's tokens cut to its budget, reusing the cache where a cut allows."""
-        if len(request.tokens) <= request.budget:
-            return request.tokens
-        return fit_prompt(
-            request.tokens,
-            request.budget,
-            request.keep,
-            held=self._prefix.entry.tokens,
-            **self._drops(request.prompt),
+        # Fitted to what the cache held after the last request (a cut the cache holds is
+        # reused); another request running meanwhile costs only reuse, never correctness.
+        request = self._builder.build(
+            prompt, sampling, progress, parse_control_tokens, held=self._held
         )
+        with self._requests_lock:
+            self._requests.add(request.cancelled)
+        return self._stream(request)
 
-    def _generation_prompt_length(self, prompt: Prompt) -> int:
-        """Tokens the chat template appends to open the assistant's turn (at least 1): the next
-        turn re-renders from there, so it is where a checkpoint is most useful."""
-        if not _is_messages(prompt):
-            return 1
-        with_header = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
-        without = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=False)
-        return max(1, len(with_header) - common_prefix_length(list(without), list(with_header)))
-
-    def _keep_for(self, prompt: Prompt, tokens: list[int]) -> int:
-        """Tokens truncation and shifts never drop: the setting, else the system prompt."""
-        if self.keep is not None:
-            return self.keep
-        system = _leading_system_messages(prompt)
-        if not system:
-            return min(DEFAULT_KEEP_TOKENS, len(tokens))
-        rendered = self.tokenizer.apply_chat_template(system, add_generation_prompt=False)
-        return common_prefix_length(list(rendered), tokens)
-
-    def _drops(self, prompt: Prompt) -> dict:
-        """How `fit_prompt` may drop whole chat messages (none for text or token prompts)."""
-        if not _is_messages(prompt):
-            return {}
-        system = _leading_system_messages(prompt)
-        users = [i for i, m in enumerate(prompt) if i > len(system) and m.get("role") == "user"]
-        return {
-            "render_from": lambda first: self.encode(system + list(prompt[first:])),
-            "num_messages": len(prompt),
-            "first_droppable": len(system),
-            "cut_points": users,
-        }
-
-    def _stream(self, request: _Request) -> Iterator[GenerationChunk]:
+    def _stream(self, request: Request) -> Iterator[GenerationChunk]:
+        if self._owner == threading.get_ident():
+            raise RunnerBusyError(
+                "this thread is still iterating another stream() of this Runner; finish it or "
+                "close() it before starting a new generation (waiting would never end)"
+            )
         with self._lock:
-            self._cancel.clear()
+            self._owner = threading.get_ident()
             mx.reset_peak_memory()
             try:
-                yield from self._run(request)
+                with clean_random_state():
+                    yield from self._run(request)
             finally:
-                self._prefix.entry.materialize()
-                self._log_memory()
+                self._owner = None
+                with self._requests_lock:
+                    self._requests.discard(request.cancelled)
+                self._end_request()
 
-    def _prefill(self, request: _Request, tokens: list[int]) -> tuple[mx.array, PrefixHit]:
-        """Reuses what the cache holds and feeds the rest; checkpoints the layers that cannot
-        trim where the generation prompt starts (the next turn re-renders from there)."""
-        hit = self._prefix.fetch_nearest(tokens)
+    def _end_request(self) -> None:
+        """Leaves nothing lazy or thread-bound behind, so the next request may run on any
+        thread, and logs the memory line."""
+        try:
+            self._prefix.entry.materialize()
+        except RuntimeError as error:  # a failed lazy computation: never keep a broken entry
+            logger.warning("prompt cache dropped: its arrays could not be evaluated (%s)", error)
+            self._prefix.clear()
+        self._held = self._prefix.entry.tokens
+        release_streams_at_thread_exit()
+        self._log_memory()
+
+    def _prefill(self, request: Request, hit: PrefixHit, stats: CompletionStats) -> mx.array:
+        """Feeds what the cache does not hold; checkpoints the layers that cannot trim where
+        the generation prompt starts (the next turn re-renders from there). Between chunks it
+        reports progress and honours `cancel()` (the chunks fed stay cached)."""
         model, cache, remaining = self.loaded.model, hit.cache, hit.remaining
-        total, progress = len(remaining), request.progress
-        split = len(tokens) - request.header_tokens - hit.num_cached
+        total, offset = len(remaining), 0
+
+        def after_chunk(done: int, _: int) -> None:
+            stats.processed = offset + done
+            if request.progress:
+                request.progress(stats.processed, total)
+            if request.cancelled.is_set():
+                raise PrefillCancelled
+
+        split = len(request.tokens) - request.header_tokens - hit.num_cached
         if cache.needs_checkpoints and 0 < split < total:
-            fill(model, cache, remaining[:split], step_tokens=self._step, progress=progress)
+            fill(model, cache, remaining[:split], step_tokens=self._step, progress=after_chunk)
             cache.checkpoint()
-            remaining = remaining[split:]
-            progress = progress and (lambda done, _: request.progress(split + done, total))
-        logits = prefill(model, cache, remaining, step_tokens=self._step, progress=progress)
-        return logits, hit
+            offset, remaining = split, remaining[split:]
+        return prefill(model, cache, remaining, step_tokens=self._step, progress=after_chunk)
 
     @property
     def _step(self) -> int:
         """Prefill chunk size: never more than the context can hold."""
         return min(self.prefill_step_size, self.max_context)
 
-    def _run(self, request: _Request) -> Iterator[GenerationChunk]:
-        start = time.perf_counter()
-        params, tokens = request.params, self._fit(request)
+    def _run(self, request: Request) -> Iterator[GenerationChunk]:
+        params, tokens = request.params, request.tokens
+        if request.cancelled.is_set():  # cancelled while waiting its turn: touch nothing
+            stats = CompletionStats(time.perf_counter(), len(tokens), 0)
+            yield stats.final_chunk("", "cancelled")
+            return
+        stats_start = time.perf_counter()
         if params.seed is not None:
             mx.random.seed(params.seed)
-        logits, hit = self._prefill(request, tokens)
+        hit = self._prefix.fetch_nearest(tokens)
+        stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
+        try:
+            logits = self._prefill(request, hit, stats)
+        except PrefillCancelled:
+            yield stats.final_chunk("", "cancelled")
+            return
         model = self.loaded.model
         window = ContextWindow(
             self.max_context,
@@ -253,17 +277,17 @@ class Runner:
             self._rotations,
             refill=lambda cache, ids: fill(model, cache, ids, step_tokens=self._step),
         )
-        pick = TokenPicker(params.make_sampler(), params.make_logits_processors(), tokens)
-        stats = _Stats(start, len(tokens), hit.num_cached, len(hit.remaining))
+        sampler = params.make_sampler(self.loaded.vocab_size)
+        pick = TokenPicker(sampler, params.make_logits_processors(), tokens)
         decoded = decode_tokens(model, hit.cache, logits, pick, params.max_tokens, window.make_room)
-        yield from self._emit(decoded, stats, params)
+        yield from self._emit(decoded, stats, request)
 
     def _emit(
-        self, decoded: Iterator[int], stats: _Stats, params: SamplingParams
+        self, decoded: Iterator[int], stats: CompletionStats, request: Request
     ) -> Iterator[GenerationChunk]:
         """Turns sampled tokens into text chunks: EOS, stop strings and cancel end them."""
         tokenizer = self.loaded.tokenizer
-        stops = StopStrings(params.stop)
+        stops = StopStrings(request.params.stop)
         detokenizer = tokenizer.detokenizer
         detokenizer.reset()
         finish, cut_by_stop_string = "length", False
@@ -280,7 +304,7 @@ class Runner:
             if stopped:
                 finish, cut_by_stop_string = "stop", True
                 break
-            if self._cancel.is_set():
+            if request.cancelled.is_set():
                 finish = "cancelled"
                 break
         tail = ""
@@ -289,121 +313,43 @@ class Runner:
             tail, _ = stops.push(detokenizer.last_segment)
             tail += stops.flush()
             stats.text.append(tail)
-        completion = stats.completion(finish)
-        yield GenerationChunk(text=tail, token=None, finish_reason=finish, completion=completion)
+        yield stats.final_chunk(tail, finish)
 
     def cancel(self) -> None:
-        """Asks the generation in progress (from another thread) to end after its next token,
-        with finish_reason "cancelled". The cache keeps every token fed so far."""
-        self._cancel.set()
+        """Ends every request already started (the one generating, and those waiting their
+        turn) with finish_reason "cancelled": between prefill chunks or decode steps. The
+        cache keeps every token fed so far. Requests started later are not affected."""
+        with self._requests_lock:
+            started = list(self._requests)
+        for cancelled in started:
+            cancelled.set()
 
     def cache_info(self) -> MemoryReport:
-        """Tokens held by the prompt cache and its bytes (waits for a running generation)."""
-        with self._lock:
-            return MemoryReport.measure(self._prefix.entry)
+        """Tokens held by the prompt cache and its bytes. Never waits: during a generation on
+        another thread it is a live reading of a cache that is changing."""
+        return MemoryReport.measure(self._prefix.entry)
 
     @property
     def cache_tokens(self) -> list[int]:
-        """The token ids the prompt cache holds (a copy; waits for a running generation)."""
+        """The token ids the prompt cache holds (a copy). Waits for a generation running on
+        another thread; inside this thread's own stream it reads the cache as it is."""
+        if self._owner == threading.get_ident():
+            return self._prefix.entry.tokens
         with self._lock:
             return self._prefix.entry.tokens
 
     def reset(self) -> None:
-        """Drops the prompt-cache entry and its memory."""
+        """Drops the prompt-cache entry and its memory (waits for a running generation).
+
+        Raises:
+            RunnerBusyError: called from inside this thread's own unfinished `stream()`.
+        """
+        if self._owner == threading.get_ident():
+            raise RunnerBusyError("cannot reset the cache inside its own stream(); close it first")
         with self._lock:
             self._prefix.clear()
+            self._held = []
+            self._builder.forget_cut()
 
     def _log_memory(self) -> None:
         logger.info("%s", MemoryReport.measure(self._prefix.entry).log_line())
-
-
-def default_max_context(loaded: LoadedModel, cache: ModelCache) -> int:
-    """The model's own maximum, capped to the tokens whose K/V fit in half the machine's
-    memory (measured by feeding one token through a scratch copy of the cache layout)."""
-    scratch = cache.copy()
-    scratch.forward(loaded.model, [0])
-    per_token = max(scratch.used_bytes, 1)
-    budget = _physical_memory_bytes() // 2
-    fits = max(2, budget // per_token)
-    return min(loaded.max_position_embeddings or fits, fits)
-
-
-def _physical_memory_bytes() -> int:
-    import os
-
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30  # unknown: assume 8 GiB
-
-
-@dataclass(frozen=True)
-class _Request:
-    """One validated request.
-
-    Attributes:
-        tokens: the whole prompt, before any cut to the context.
-        keep: leading tokens no cut or shift drops.
-        budget: most prompt tokens that may be fed (the context less room to answer).
-        header_tokens: tokens of the template's generation prompt at the end.
-    """
-
-    prompt: Prompt
-    tokens: list[int]
-    keep: int
-    budget: int
-    header_tokens: int
-    params: SamplingParams
-    progress: ProgressCallback | None
-
-
-def _is_messages(prompt: Prompt) -> bool:
-    return not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], dict)
-
-
-def _leading_system_messages(prompt: Prompt) -> list[Message]:
-    if not _is_messages(prompt):
-        return []
-    system = []
-    for message in prompt:
-        if message.get("role") != "system":
-            break
-        system.append(message)
-    return system
-
-
-class _Stats:
-    """Timing and counts of one request, turned into a Completion at the end."""
-
-    def __init__(self, start: float, prompt_tokens: int, cached: int, processed: int):
-        self.start = start
-        self.prompt_tokens = prompt_tokens
-        self.cached = cached
-        self.processed = processed
-        self.first_token_at: float | None = None
-        self.num_sampled = 0
-        self.tokens: list[int] = []
-        self.text: list[str] = []
-
-    def sampled(self) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        self.num_sampled += 1
-
-    def completion(self, finish_reason: str) -> Completion:
-        end = time.perf_counter()
-        first = self.first_token_at or end
-        prefill_s = first - self.start
-        decode_s = end - first
-        return Completion(
-            text="".join(self.text),
-            tokens=list(self.tokens),
-            finish_reason=finish_reason,
-            prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached,
-            prompt_tps=self.processed / prefill_s if prefill_s > 0 else 0.0,
-            generation_tokens=self.num_sampled,
-            generation_tps=self.num_sampled / decode_s if decode_s > 0 else 0.0,
-            ttft=prefill_s,
-            peak_memory=mx.get_peak_memory(),
-        )

@@ -6,11 +6,13 @@ Owns: `SamplingParams` (validated user settings). Does not own any sampling math
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from mlxkv.runner.checks import check_int, check_real
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -20,13 +22,19 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 class SamplingParams:
     """How to pick each next token and when to stop.
 
+    Every field is checked for type and range when the object is built, before a request
+    touches the cache or MLX (a sampler that fails inside MLX's compiled code would leave the
+    process's random state broken).
+
     Attributes:
         max_tokens: most tokens to generate (0: only process the prompt).
-        temperature: 0 picks the most likely token (greedy).
-        top_p, top_k, min_p: nucleus, top-k and min-p filtering (0 turns each off).
+        temperature: 0 picks the most likely token (greedy); finite.
+        top_p, top_k, min_p: nucleus, top-k and min-p filtering (0 turns each off; a top_k of
+            at least the vocabulary size keeps every token, as 0 does).
         repetition_penalty: >1 discourages tokens seen in the last 20; None turns it off.
-        seed: seeds MLX's random generator for reproducible sampling.
-        stop: strings that end generation; the text returned stops before them.
+        seed: seeds MLX's random generator for reproducible sampling; 0 <= seed < 2**64.
+        stop: strings that end generation; the text returned stops before them. A single
+            string or None is accepted.
     """
 
     max_tokens: int = 256
@@ -39,28 +47,35 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        _check(self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}")
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0 <= self.top_p <= 1, f"top_p must be in [0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        penalty = self.repetition_penalty
-        _check(penalty is None or penalty > 0, f"repetition_penalty must be > 0, got {penalty}")
-        _check(all(s for s in self.stop), "stop strings must be non-empty")
+        check_int("max_tokens", self.max_tokens, low=0)
+        check_real("temperature", self.temperature, low=0.0)
+        check_real("top_p", self.top_p, low=0.0, high=1.0)
+        check_int("top_k", self.top_k, low=0)
+        check_real("min_p", self.min_p, low=0.0, high=1.0)
+        if self.repetition_penalty is not None:
+            check_real("repetition_penalty", self.repetition_penalty, low=0.0)
+            if self.repetition_penalty == 0:
+                raise ValueError("repetition_penalty must be > 0 (None turns it off), got 0")
+        if self.seed is not None:
+            check_int("seed", self.seed, low=0, high=2**64 - 1)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
 
-    def make_sampler(self) -> Sampler:
-        return make_sampler(
-            temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k
-        )
+    def make_sampler(self, vocab_size: int) -> Sampler:
+        top_k = self.top_k if self.top_k < vocab_size else 0  # keeping every token: no filter
+        return make_sampler(temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=top_k)
 
     def make_logits_processors(self) -> list[LogitsProcessor]:
         return make_logits_processors(repetition_penalty=self.repetition_penalty)
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, Sequence | set | frozenset) or isinstance(stop, bytes):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+    return tuple(stop)
