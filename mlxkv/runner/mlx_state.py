@@ -17,6 +17,7 @@ Does not own the model's or the cache's arrays (see `loading.materialize` and
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,8 +33,7 @@ _thread_local = threading.local()
 def clean_random_state() -> Iterator[None]:
     """Leaves `mx.random.state` evaluated after the block, and as it was before the block if
     the block broke it (a sampler that failed while being traced)."""
-    mx.eval(mx.random.state)
-    saved = mx.random.state[0]
+    saved = _usable_key()
     try:
         yield
     finally:
@@ -41,7 +41,19 @@ def clean_random_state() -> Iterator[None]:
             mx.eval(mx.random.state)
         except (RuntimeError, ValueError):
             logger.warning("random state left unusable by a failed request; restored it")
-            mx.random.state[0] = saved
+            mx.random.seed(saved)
+
+
+def _usable_key() -> int:
+    """The current random key as the seed that recreates it (MLX's key for seed s is
+    [s >> 32, s & 0xFFFFFFFF]); reseeds first if something outside mlxkv broke the key."""
+    try:
+        high, low = mx.random.state[0].tolist()
+    except (RuntimeError, ValueError):
+        logger.warning("random state found unusable; reseeded it")
+        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+        high, low = mx.random.state[0].tolist()
+    return (high << 32) | low
 
 
 class _StreamReleaser:

@@ -105,12 +105,13 @@ def test_read_only_calls_inside_a_stream_and_a_progress_callback(make_runner):
     def progress(done, total):
         seen.append(runner.cache_info().num_tokens)
 
+    chunks = []
     for chunk in runner.stream(CHAT, max_tokens=4, progress=progress):
-        info = runner.cache_info()
-        assert info.num_tokens == len(runner.cache_tokens)
+        chunks.append(chunk)
+        assert runner.cache_info().num_tokens == len(runner.cache_tokens)
         assert runner.encode("hi") and runner.tokenizer is not None
     assert seen == sorted(seen) and seen[-1] > 0
-    assert chunk.completion is not None
+    assert chunks[-1].completion is not None
 
 
 def test_cache_info_does_not_wait_for_a_generation_on_another_thread(make_runner):
