@@ -157,3 +157,40 @@ def test_sliding_window_reuse_only_when_the_window_still_holds_it(model_root, di
     out = runner.generate(second, max_tokens=5)
     assert out.cached_tokens == reused
     assert out.tokens == Runner(loaded).generate(second, max_tokens=5).tokens
+
+
+def _messages_rendered(runner, monkeypatch):
+    """Counts the messages passed to the chat template (its work grows with them)."""
+    count = {"messages": 0}
+    tokenizer = runner.tokenizer._tokenizer
+    real = type(tokenizer).apply_chat_template
+
+    def counting(self, conversation, *args, **kwargs):
+        count["messages"] += len(conversation)
+        return real(self, conversation, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template", counting)
+    return count
+
+
+def test_fitting_a_long_chat_renders_linearly_in_its_length(make_runner, monkeypatch):
+    """A fully cached request on a long history in a small window used to render the chat
+    once per possible cut (quadratic). Count the rendered messages at 100 and 400 turns: a
+    linear cost grows 4x, a quadratic one 16x."""
+    rendered = {}
+    for turns in (100, 400):
+        runner = make_runner("llama", max_context=256)
+        messages = [{"role": "system", "content": "Be brief."}]
+        for i in range(turns):
+            messages += [
+                {"role": "user", "content": f"Question {i}?"},
+                {"role": "assistant", "content": f"Answer {i}."},
+            ]
+        messages.append({"role": "user", "content": "And now?"})
+        runner.generate(messages, max_tokens=2)
+        count = _messages_rendered(runner, monkeypatch)
+        out = runner.generate(messages, max_tokens=2)
+        monkeypatch.undo()
+        assert out.cached_tokens == out.prompt_tokens - 1  # the same cut, fully reused
+        rendered[turns] = count["messages"]
+    assert rendered[400] <= 5 * rendered[100], rendered
