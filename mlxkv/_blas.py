@@ -47,9 +47,8 @@ def select_blas() -> str:
         blas_in_use = "reference (mlx was imported before mlxkv)"
         logger.debug("blas: mlx.core already imported; import mlxkv first to use OpenBLAS")
     else:
-        path = _find(setting)
+        path = _load(setting)
         if path is not None:
-            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
             blas_in_use = f"OpenBLAS ({path})"
         else:
             blas_in_use = "reference"
@@ -63,8 +62,27 @@ def select_blas() -> str:
     return blas_in_use
 
 
-def _find(setting: str) -> Path | None:
-    if setting not in ("1", "true", "yes", "on"):
-        named = Path(setting)
-        return named if named.exists() else None
-    return next((Path(p) for p in _CANDIDATES if Path(p).exists()), None)
+def _load(setting: str) -> Path | None:
+    """Loads the named library, else the first installed candidate; returns what loaded. A
+    setting that names no loadable library is warned about, never fatal to `import mlxkv`."""
+    named = [] if setting.lower() in ("1", "true", "yes", "on") else [Path(setting)]
+    for path in [*named, *(Path(p) for p in _CANDIDATES)]:
+        if not path.exists():
+            if path in named:
+                warnings.warn(
+                    f"mlxkv: MLXKV_OPENBLAS={setting} does not exist; trying the usual places",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            continue
+        try:
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            return path
+        except OSError as error:
+            warnings.warn(
+                f"mlxkv: could not load {path} as a BLAS library ({error}); trying the usual "
+                "places. Set MLXKV_OPENBLAS to a libblas.so, 1 (find it) or 0 (MLX's own)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    return None

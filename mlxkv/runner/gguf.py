@@ -18,6 +18,8 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.errors import UnsupportedFormatError
+from mlxkv.errors import ModelLoadError, UnsupportedFormatError
+from mlxkv.runner.gguf_header import check_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +72,24 @@ _PRE_TOKENIZERS = {
 }
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+_MANIFEST = "mlxkv-conversion.json"  # file name -> size in bytes, written last
 
 
 def default_cache_root() -> Path:
     """Where converted models go: $MLXKV_CACHE_DIR, else $XDG_CACHE_HOME/mlxkv, else
-    ~/.cache/mlxkv."""
+    ~/.cache/mlxkv.
+
+    Raises:
+        ModelLoadError: MLXKV_CACHE_DIR names something that is not a directory.
+    """
     if os.environ.get("MLXKV_CACHE_DIR"):
-        return Path(os.environ["MLXKV_CACHE_DIR"])
+        root = Path(os.environ["MLXKV_CACHE_DIR"]).expanduser()
+        if root.exists() and not root.is_dir():
+            raise ModelLoadError(
+                f"MLXKV_CACHE_DIR={root} is not a directory; point it at a directory (or unset "
+                "it to use ~/.cache/mlxkv)"
+            )
+        return root
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "mlxkv"
 
@@ -88,25 +102,28 @@ def converted_dir(
 ) -> Path:
     """The mlx-lm directory for a GGUF file, converting it on first use.
 
+    A conversion found in the cache is reused only if its files have the sizes recorded when
+    it was written; otherwise (truncated, half deleted) it is converted again.
+
     Args:
         gguf_path: the .gguf file.
         cache_root: parent of converted models (default `default_cache_root()`).
         progress: called as progress(done, total) in tensors while converting.
 
     Raises:
-        UnsupportedFormatError: not a llama-architecture GGUF of a supported tensor type.
-        FileNotFoundError: no such file.
+        UnsupportedFormatError: not a valid llama-architecture GGUF of a supported tensor type.
+        ModelLoadError: no such file, or the cache directory cannot be written.
     """
-    path = Path(gguf_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {path}")
+    path = _checked_source(Path(gguf_path))
     out = (cache_root or default_cache_root()) / "gguf" / _content_hash(path)
-    if (out / "config.json").exists():
+    if is_conversion(out):
         logger.info("gguf: reusing conversion of %s at %s", path.name, out)
         return out
+    if out.exists():
+        logger.warning("gguf: conversion at %s is incomplete or corrupt; converting again", out)
+        shutil.rmtree(out, ignore_errors=True)  # the cache directory is ours
     logger.info("gguf: converting %s to %s", path.name, out)
-    convert_gguf(path, out, progress=progress)
-    return out
+    return convert_gguf(path, out, progress=progress)
 
 
 def convert_gguf(
@@ -114,24 +131,103 @@ def convert_gguf(
 ) -> Path:
     """Writes the model in `gguf_path` to `out_dir` in Hugging Face layout (mlx-lm loads it).
 
-    The directory appears complete or not at all: files are written to a sibling temporary
-    directory that is renamed at the end.
-    """
-    tensors, metadata = mx.load(str(gguf_path), format="gguf", return_metadata=True)
-    config = _config(metadata, tensors)
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    weights = _weights(tensors, config, progress)
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _write_tokenizer(metadata, tmp)
-    if out.exists():
-        import shutil
+    Everything checkable (header, metadata, tokenizer, tensor names) is checked before any
+    weight is converted. Files are written to a temporary directory of this process beside
+    `out_dir`, which is renamed into place at the end: the directory appears complete or not
+    at all, an error leaves nothing behind, and two processes converting at once do not
+    collide. `out_dir` may be new, empty, or an earlier conversion; anything else is refused,
+    never deleted.
 
-        shutil.rmtree(out)
-    tmp.rename(out)
+    Raises:
+        UnsupportedFormatError: the file is not a valid, supported GGUF.
+        ModelLoadError: `gguf_path` is not a file, or `out_dir` is a file, a non-empty
+            directory that is not a conversion, or cannot be written.
+    """
+    path = _checked_source(Path(gguf_path))
+    out = Path(out_dir)
+    _check_destination(out)
+    check_gguf(path)
+    try:
+        tensors, metadata = mx.load(str(path), format="gguf", return_metadata=True)
+    except (RuntimeError, ValueError) as error:
+        raise UnsupportedFormatError(f"{path.name}: MLX could not read it: {error}") from error
+    config = _config(metadata, tensors, path.name)
+    _check_tokenizer(metadata, path.name)
+    for name in tensors:
+        _target_name(name.rsplit(".", 1)[0])
+    tmp = _temporary_dir(out)
+    try:
+        weights = _weights(tensors, config, progress)
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        _write_tokenizer(metadata, tmp)
+        _write_manifest(tmp, path.name)
+        _move_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def is_conversion(directory: Path) -> bool:
+    """True when `directory` holds a complete conversion: every file the manifest lists, at
+    the size it had when written."""
+    try:
+        manifest = json.loads((directory / _MANIFEST).read_text())
+        return all((directory / n).stat().st_size == size for n, size in manifest["files"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _checked_source(path: Path) -> Path:
+    if path.is_dir():
+        raise ModelLoadError(f"{path} is a directory, not a GGUF file")
+    if not path.is_file():
+        raise ModelLoadError(f"no GGUF file at {path}")
+    return path
+
+
+def _check_destination(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ModelLoadError(f"{out} is a file; give a new or empty directory to convert into")
+    if out.is_dir() and any(out.iterdir()) and not (out / _MANIFEST).exists():
+        raise ModelLoadError(
+            f"{out} is not empty and is not an mlxkv conversion; nothing was written. Give a "
+            "new or empty directory"
+        )
+
+
+def _temporary_dir(out: Path) -> Path:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as error:
+        raise ModelLoadError(
+            f"cannot write a conversion in {out.parent} ({error.strerror or error}); choose a "
+            "writable directory (for the conversion cache: set MLXKV_CACHE_DIR)"
+        ) from error
+
+
+def _write_manifest(directory: Path, source: str) -> None:
+    files = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
+    manifest = {"format": 1, "source": source, "files": files}
+    (directory / _MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Renames `tmp` to `out`; an earlier conversion there is replaced. If another process
+    put a complete conversion there first, that one is kept and `tmp` is dropped."""
+    old = None
+    if out.is_dir():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if not is_conversion(out):
+            raise
+        logger.info("gguf: another process finished the conversion at %s first", out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _content_hash(path: Path) -> str:
@@ -147,7 +243,7 @@ def _scalar(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     return value.item() if isinstance(value, mx.array) else value
 
 
-def _config(metadata: dict[str, Any], tensors: dict[str, mx.array]) -> dict[str, Any]:
+def _config(metadata: dict[str, Any], tensors: dict[str, mx.array], name: str) -> dict[str, Any]:
     arch = _scalar(metadata, "general.architecture")
     if arch not in _SUPPORTED_ARCHITECTURES:
         raise UnsupportedFormatError(
@@ -164,14 +260,22 @@ def _config(metadata: dict[str, Any], tensors: dict[str, mx.array]) -> dict[str,
         raise UnsupportedFormatError(
             "GGUF with a rope_freqs tensor (Llama 3.1-style RoPE scaling) is not supported yet"
         )
-    heads = _scalar(metadata, f"{arch}.attention.head_count")
-    hidden = _scalar(metadata, f"{arch}.embedding_length")
+    size = {
+        key: _positive_int(metadata, f"{arch}.{key}", name)
+        for key in ("embedding_length", "block_count", "feed_forward_length")
+    }
+    heads = _positive_int(metadata, f"{arch}.attention.head_count", name)
+    hidden = size["embedding_length"]
+    if f"{arch}.attention.key_length" not in metadata and hidden % heads:
+        raise UnsupportedFormatError(
+            f"{name}: embedding_length {hidden} is not a multiple of head_count {heads}"
+        )
     tokens = metadata.get("tokenizer.ggml.tokens", [])
     return {
         "model_type": "llama",
         "hidden_size": hidden,
-        "num_hidden_layers": _scalar(metadata, f"{arch}.block_count"),
-        "intermediate_size": _scalar(metadata, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": size["block_count"],
+        "intermediate_size": size["feed_forward_length"],
         "num_attention_heads": heads,
         "num_key_value_heads": _scalar(metadata, f"{arch}.attention.head_count_kv", heads),
         "head_dim": _scalar(metadata, f"{arch}.attention.key_length", hidden // heads),
@@ -184,6 +288,30 @@ def _config(metadata: dict[str, Any], tensors: dict[str, mx.array]) -> dict[str,
         "eos_token_id": _scalar(metadata, "tokenizer.ggml.eos_token_id"),
         "source_gguf_file_type": _FILE_TYPES.get(file_type, "unknown"),
     }
+
+
+def _positive_int(metadata: dict[str, Any], key: str, name: str) -> int:
+    value = _scalar(metadata, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UnsupportedFormatError(
+            f"{name}: GGUF metadata {key} is {'missing' if value is None else repr(value)}; "
+            "a llama model needs a positive integer there"
+        )
+    return value
+
+
+def _check_tokenizer(metadata: dict[str, Any], name: str) -> None:
+    """Refuses, before any weight is converted, a tokenizer `_write_tokenizer` cannot build."""
+    kind = _scalar(metadata, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedFormatError(
+            f"{name}: GGUF tokenizer model {kind!r} is not supported; only byte-level BPE "
+            "('gpt2', as in SmolLM2, Llama 3 and Qwen GGUFs). SentencePiece ('llama') files "
+            "such as Llama 2 or Mistral GGUFs cannot be converted"
+        )
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise UnsupportedFormatError(f"{name}: GGUF metadata has no tokenizer.ggml.tokens")
 
 
 def _weights(
@@ -247,11 +375,6 @@ def _write_tokenizer(metadata: dict[str, Any], out: Path) -> None:
         processors,
     )
 
-    kind = _scalar(metadata, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedFormatError(
-            f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2')"
-        )
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)

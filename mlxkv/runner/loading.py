@@ -66,7 +66,7 @@ def load_model(
         path = gguf.converted_dir(path, progress=progress)
     try:
         model, tokenizer, config = load(str(path), return_config=True)
-    except (ValueError, FileNotFoundError, KeyError, OSError) as error:
+    except (ValueError, FileNotFoundError, KeyError, OSError, RuntimeError) as error:
         raise ModelLoadError(f"could not load a model from {path}: {error}") from error
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)  # half-precision matmuls are several times slower on CPU
@@ -122,8 +122,9 @@ def _resolve(path_or_repo: str) -> Path:
         return blob
     if path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1:
         raise ModelLoadError(
-            f"no model at {local}: the path does not exist and {path_or_repo!r} is not a "
-            "Hugging Face repo id (owner/name)"
+            f"no model at {local}: the path does not exist, {path_or_repo!r} is not a model "
+            f"pulled with Ollama (searched {_ollama_root() / 'manifests'}; OLLAMA_MODELS "
+            "sets that directory) and not a Hugging Face repo id (owner/name)"
         )
     from huggingface_hub import snapshot_download
 
@@ -145,9 +146,8 @@ def _ollama_blob(name: str) -> Path | None:
     (OLLAMA_MODELS overrides the models directory) and the weights as content-addressed blobs.
     """
     import json
-    import os
 
-    root = Path(os.environ.get("OLLAMA_MODELS", Path.home() / ".ollama" / "models"))
+    root = _ollama_root()
     model, _, tag = name.partition(":")
     parts = model.split("/")
     if len(parts) == 1:
@@ -163,3 +163,9 @@ def _ollama_blob(name: str) -> Path | None:
         return None
     blob = root / "blobs" / digests[0].replace(":", "-")
     return blob if blob.is_file() else None
+
+
+def _ollama_root() -> Path:
+    import os
+
+    return Path(os.environ.get("OLLAMA_MODELS", Path.home() / ".ollama" / "models")).expanduser()

@@ -31,7 +31,7 @@ def _llama_cpp_permute(w: mx.array, heads: int) -> mx.array:
     return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def write_gguf(model_dir, out_path, *, architecture="llama", dtype=mx.float16):
+def write_gguf(model_dir, out_path, *, architecture="llama", dtype=mx.float16, **overrides):
     config = json.loads((model_dir / "config.json").read_text())
     weights = mx.load(str(model_dir / "model.safetensors"))
     tensors = {}
@@ -81,6 +81,7 @@ def write_gguf(model_dir, out_path, *, architecture="llama", dtype=mx.float16):
         "tokenizer.ggml.bos_token_id": u32(config["bos_token_id"]),
         "tokenizer.chat_template": tok_config["chat_template"],
     }
+    metadata.update(overrides)
     mx.save_gguf(str(out_path), tensors, metadata)
     return out_path
 
