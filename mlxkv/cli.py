@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 
 import mlxkv  # noqa: F401  (picks the BLAS before mlx is imported)
@@ -17,27 +20,62 @@ from mlxkv.errors import MlxkvError
 from mlxkv.runner.generate import Completion
 from mlxkv.runner.runner import Runner
 
-CHAT_HELP = "commands: /reset (forget the conversation), /stats (cache memory), /quit"
+CHAT_COMMANDS = {
+    "/reset": "forget the conversation and the cache",
+    "/stats": "show the cache's tokens and memory",
+    "/help": "list these commands",
+    "/quit": "leave (Ctrl-D too; Ctrl-C stops a reply, or leaves at the prompt)",
+}
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE
 
 
 def main(argv: list[str] | None = None) -> int:
+    _reopen_closed_standard_streams()
+    argv = [_as_text(a) for a in (sys.argv[1:] if argv is None else argv)]
     args = _parser().parse_args(argv)
     _setup_logging(args.verbose)
     try:
         return args.run(args)
-    except (MlxkvError, ValueError, FileNotFoundError) as error:
+    except (MlxkvError, ValueError) as error:
         print(f"mlxkv: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except OSError as error:  # a full disk, an unwritable directory
+        print(f"mlxkv: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+
+
+def _reopen_closed_standard_streams() -> None:
+    """A closed stdin/stdout/stderr (`0<&-`) would hand its descriptor to the next file opened,
+    which then gets read or written as if it were that stream: put /dev/null there instead."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # takes the lowest free descriptor: this one
+    if sys.stdin is None:
+        sys.stdin = open(os.devnull)  # noqa: SIM115 (lives as long as the process)
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 become U+FFFD
+
+
+def _as_text(arg: str) -> str:
+    """A command-line argument with undecodable bytes (kept by Python as lone surrogates)
+    turned into U+FFFD."""
+    return arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlxkv", description="Run LLMs on MLX with a prompt cache that is never paid twice."
     )
-    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"mlxkv {version('mlxkv')}")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND", parser_class=_DefaultsParser)
 
     generate = commands.add_parser("generate", help="generate a completion for one prompt")
     generate.add_argument("-p", "--prompt", required=True, help="the user message")
@@ -47,7 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_options(generate)
     generate.set_defaults(run=_generate)
 
-    chat = commands.add_parser("chat", help="multi-turn chat (one user line per turn)")
+    chat = commands.add_parser(
+        "chat",
+        help="multi-turn chat (one user line per turn)",
+        epilog="commands: " + "; ".join(f"{c} {h}" for c, h in CHAT_COMMANDS.items()),
+    )
     chat.add_argument("--system", help="system prompt")
     _add_model_options(chat)
     chat.set_defaults(run=_chat)
@@ -65,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _DefaultsParser(argparse.ArgumentParser):
+    """Every command's --help shows each option's default."""
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+
+
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-m",
@@ -72,12 +121,16 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="model directory, .gguf file, Ollama name or Hugging Face repo (default: SmolLM2)",
     )
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--max-context", type=int, default=None, help="tokens (default: model's)")
-    parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None)
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    parser.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling; 0 = off")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    parser.add_argument(
+        "--max-context", type=int, default=None, help="tokens the cache holds (None: model's)"
+    )
+    parser.add_argument(
+        "--kv-bits", type=int, choices=(4, 8), default=None, help="quantize K/V (None: off)"
+    )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="statistics and the cache log on stderr"
     )
@@ -89,6 +142,8 @@ def _setup_logging(verbose: bool) -> None:
     root = logging.getLogger("mlxkv")
     root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
+    # Cutting a prompt to the window or shifting the cache changes what the model sees: say so.
+    logging.getLogger("mlxkv.runner.context").setLevel(logging.INFO)
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
@@ -123,13 +178,21 @@ def _sampling(args: argparse.Namespace) -> dict:
     }
 
 
-def _stream_reply(runner: Runner, prompt, args: argparse.Namespace) -> Completion:
-    """Streams one reply to stdout and returns its Completion."""
+def _stream_reply(
+    runner: Runner, prompt, args: argparse.Namespace, *, ctrl_c_cancels: bool = False
+) -> Completion:
+    """Streams one reply to stdout and returns its Completion. With `ctrl_c_cancels`, Ctrl-C
+    ends the reply (finish "cancelled") instead of the program."""
     completion = None
     progress = _progress_bar("prefill (tokens)")
-    for chunk in runner.stream(prompt, progress=progress, **_sampling(args)):
-        print(chunk.text, end="", flush=True)
-        completion = chunk.completion or completion
+    previous = signal.signal(signal.SIGINT, lambda *_: runner.cancel()) if ctrl_c_cancels else None
+    try:
+        for chunk in runner.stream(prompt, progress=progress, **_sampling(args)):
+            print(chunk.text, end="", flush=True)
+            completion = chunk.completion or completion
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     print(flush=True)
     return completion
 
@@ -160,7 +223,7 @@ def _chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if interactive:
-        print(f"mlxkv chat ({CHAT_HELP})", file=sys.stderr)
+        print("mlxkv chat (/help lists the commands; Ctrl-C stops a reply)", file=sys.stderr)
     while True:
         line = _read_line(interactive)
         if line is None or line.strip() == "/quit":
@@ -168,19 +231,35 @@ def _chat(args: argparse.Namespace) -> int:
         line = line.strip()
         if not line:
             continue
-        if line == "/reset":
-            messages = messages[:1] if args.system else []
-            runner.reset()
-            print("[conversation and cache cleared]", file=sys.stderr)
-            continue
-        if line == "/stats":
-            print(f"[{runner.cache_info().log_line()}]", file=sys.stderr)
+        if line.startswith("/"):
+            messages = _chat_command(line, runner, messages, args)
             continue
         messages.append({"role": "user", "content": line})
-        out = _stream_reply(runner, messages, args)
-        messages.append({"role": "assistant", "content": out.text})
+        out = _stream_reply(runner, messages, args, ctrl_c_cancels=interactive)
+        if out.finish_reason == "cancelled":
+            print("[reply stopped]", file=sys.stderr)
+        if out.text or out.finish_reason != "cancelled":
+            messages.append({"role": "assistant", "content": out.text})
+        else:
+            messages.pop()  # stopped before a word: the question stays unasked
         if args.verbose:
             _print_stats(out)
+
+
+def _chat_command(line: str, runner: Runner, messages: list, args: argparse.Namespace) -> list:
+    """Runs a /command; returns the conversation after it. Nothing here reaches the model."""
+    if line == "/reset":
+        runner.reset()
+        print("[conversation and cache cleared]", file=sys.stderr)
+        return messages[:1] if args.system else []
+    if line == "/stats":
+        print(f"[{runner.cache_info().log_line()}]", file=sys.stderr)
+    elif line == "/help":
+        for command, what in CHAT_COMMANDS.items():
+            print(f"  {command:8} {what}", file=sys.stderr)
+    else:
+        print(f"[unknown command {line.split()[0]}; /help lists them]", file=sys.stderr)
+    return messages
 
 
 def _read_line(interactive: bool) -> str | None:

@@ -54,3 +54,56 @@ def test_example_runs(converted_cache, example):
     result = _run([f"examples/{example}"], converted_cache)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def _run_bytes(args, stdin=None, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "mlxkv.cli", *args],
+        input=stdin,
+        capture_output=True,
+        timeout=240,
+        cwd=ROOT,
+        **kwargs,
+    )
+
+
+def test_closed_stdin_and_non_utf8_argument(converted_cache):
+    result = subprocess.run(
+        f"{sys.executable} -m mlxkv.cli generate --max-tokens 8 -p $'caf\\xe9 France?' 0<&-",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr.decode(errors="replace")[-1500:]
+    assert b"Traceback" not in result.stderr and result.stdout.strip()
+
+
+def test_output_into_a_closed_pipe_exits_quietly(converted_cache):
+    result = subprocess.run(
+        f"{sys.executable} -m mlxkv.cli generate --max-tokens 40 -p 'Count to ten.' | head -c 3;"
+        " exit ${PIPESTATUS[0]}",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert result.returncode == 141, result.stderr.decode(errors="replace")[-1500:]
+    assert b"Traceback" not in result.stderr and b"Exception" not in result.stderr
+
+
+def test_chat_commands_never_reach_the_model_and_bad_bytes_are_replaced(converted_cache):
+    result = _run_bytes(["chat", "--max-tokens", "6", "-v"], stdin=b"/foo\n/help\n\xff\xfe hi\n")
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr[-1500:]
+    assert "unknown command /foo" in stderr and "/reset" in stderr
+    assert len(re.findall(r"cached (\d+) \|", stderr)) == 1  # one model turn: the text line
+
+
+def test_version_and_defaults_in_help():
+    version = _run_bytes(["--version"])
+    assert version.returncode == 0 and version.stdout.startswith(b"mlxkv ")
+    help_text = _run_bytes(["generate", "--help"]).stdout.decode()
+    assert "(default: 256)" in help_text and "(default: 0.0)" in help_text
