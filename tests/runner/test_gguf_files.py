@@ -97,7 +97,7 @@ def test_sentencepiece_tokenizer_is_refused_before_any_weight_is_converted(
     assert _leftovers(tmp_path) == [] and not list((tmp_path / "cache").rglob("*.safetensors"))
 
 
-def test_corrupt_conversion_is_converted_again(good_gguf, tmp_path, caplog):
+def test_corrupt_conversion_is_converted_again(good_gguf, tmp_path, caplog, monkeypatch):
     first = converted_dir(good_gguf, cache_root=tmp_path)
     weights = first / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # a truncated cache entry
@@ -106,12 +106,8 @@ def test_corrupt_conversion_is_converted_again(good_gguf, tmp_path, caplog):
         again = converted_dir(good_gguf, cache_root=tmp_path)
     assert again == first and is_conversion(again)
     assert any("incomplete or corrupt" in r.getMessage() for r in caplog.records)
-    monkey_env = {"MLXKV_CACHE_DIR": str(tmp_path)}
-    os.environ.update(monkey_env)
-    try:
-        assert load_model(good_gguf).config["model_type"] == "llama"
-    finally:
-        del os.environ["MLXKV_CACHE_DIR"]
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
+    assert load_model(good_gguf).config["model_type"] == "llama"
 
 
 # Each process waits, with its weights written, until both are there: the two conversions
