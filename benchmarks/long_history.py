@@ -43,11 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     for turns in args.turns:
         messages = _chat(turns)
         runner.generate(messages, max_tokens=1)  # puts the fitted chat in the cache
-        outs = []
-        stat = repeat(
-            lambda m=messages: timed(lambda: outs.append(runner.generate(m, max_tokens=1))), 3
-        )
-        out = outs[-1]
+        stat = repeat(lambda m=messages: timed(lambda: runner.generate(m, max_tokens=1)), 3)
+        out = runner.generate(messages, max_tokens=1)
         rows.append(
             {
                 "turns": turns,
