@@ -56,39 +56,33 @@ def test_example_runs(converted_cache, example):
     assert result.stdout.strip()
 
 
-def _run_bytes(args, stdin=None, **kwargs):
+def _run_bytes(args, stdin=None):
     return subprocess.run(
         [sys.executable, "-m", "mlxkv.cli", *args],
         input=stdin,
         capture_output=True,
         timeout=240,
         cwd=ROOT,
-        **kwargs,
+    )
+
+
+def _bash(command: str):
+    """`mlxkv` (as `{mlxkv}` in command) run by bash, for redirections and pipes."""
+    full = command.format(mlxkv=f"{sys.executable} -m mlxkv.cli")
+    return subprocess.run(
+        full, shell=True, executable="/bin/bash", capture_output=True, timeout=240, cwd=ROOT
     )
 
 
 def test_closed_stdin_and_non_utf8_argument(converted_cache):
-    result = subprocess.run(
-        f"{sys.executable} -m mlxkv.cli generate --max-tokens 8 -p $'caf\\xe9 France?' 0<&-",
-        shell=True,
-        executable="/bin/bash",
-        capture_output=True,
-        timeout=240,
-        cwd=ROOT,
-    )
+    result = _bash("{mlxkv} generate --max-tokens 8 -p $'caf\\xe9 France?' 0<&-")
     assert result.returncode == 0, result.stderr.decode(errors="replace")[-1500:]
     assert b"Traceback" not in result.stderr and result.stdout.strip()
 
 
 def test_output_into_a_closed_pipe_exits_quietly(converted_cache):
-    result = subprocess.run(
-        f"{sys.executable} -m mlxkv.cli generate --max-tokens 40 -p 'Count to ten.' | head -c 3;"
-        " exit ${PIPESTATUS[0]}",
-        shell=True,
-        executable="/bin/bash",
-        capture_output=True,
-        timeout=240,
-        cwd=ROOT,
+    result = _bash(
+        "{mlxkv} generate --max-tokens 40 -p 'Count to ten.' | head -c 3; exit ${{PIPESTATUS[0]}}"
     )
     assert result.returncode == 141, result.stderr.decode(errors="replace")[-1500:]
     assert b"Traceback" not in result.stderr and b"Exception" not in result.stderr
