@@ -1,4 +1,4 @@
-"""The `mlxkv` command: generate, chat, convert, info.
+"""The `mlxkv` command: generate, chat, serve, convert, info.
 
 Owns: argument parsing, logging setup and everything printed (the only module that prints).
 Text goes to stdout; statistics, progress and logs go to stderr, so piping stays clean.
@@ -26,6 +26,10 @@ CHAT_COMMANDS = {
     "/help": "list these commands",
     "/quit": "leave (Ctrl-D too; Ctrl-C stops a reply, or leaves at the prompt)",
 }
+_MODEL_HELP = "model directory, .gguf file, Ollama name or Hugging Face repo (default: SmolLM2)"
+_MAX_CONTEXT_HELP = "tokens the cache holds (None: model's)"
+_KV_BITS_HELP = "quantize K/V (None: off)"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE
 
 
@@ -94,6 +98,38 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_options(chat)
     chat.set_defaults(run=_chat)
 
+    serve = commands.add_parser(
+        "serve",
+        help="OpenAI- and Anthropic-compatible HTTP server",
+        epilog="OpenAI clients: base_url http://HOST:PORT/v1; Anthropic clients: "
+        "ANTHROPIC_BASE_URL=http://HOST:PORT",
+    )
+    serve.add_argument("-m", "--model", default=None, help=_MODEL_HELP)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    serve.add_argument("--max-context", type=int, default=None, help=_MAX_CONTEXT_HELP)
+    serve.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("MLXKV_API_KEY"),
+        help="require this key from clients (default: $MLXKV_API_KEY, else none)",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a browser origin allowed to call the API; repeat for more, '*' for any",
+    )
+    serve.add_argument(
+        "--max-tokens", type=int, default=1024, help="tokens generated when a request sets none"
+    )
+    serve.add_argument(
+        "--max-body-bytes", type=int, default=32 * 1024**2, help="largest request body accepted"
+    )
+    serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
+    serve.set_defaults(run=_serve)
+
     convert = commands.add_parser("convert", help="convert a GGUF file to an mlx-lm directory")
     convert.add_argument("gguf", type=Path)
     convert.add_argument("out_dir", type=Path)
@@ -115,22 +151,13 @@ class _DefaultsParser(argparse.ArgumentParser):
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "-m",
-        "--model",
-        default=None,
-        help="model directory, .gguf file, Ollama name or Hugging Face repo (default: SmolLM2)",
-    )
+    parser.add_argument("-m", "--model", default=None, help=_MODEL_HELP)
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
     parser.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling; 0 = off")
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    parser.add_argument(
-        "--max-context", type=int, default=None, help="tokens the cache holds (None: model's)"
-    )
-    parser.add_argument(
-        "--kv-bits", type=int, choices=(4, 8), default=None, help="quantize K/V (None: off)"
-    )
+    parser.add_argument("--max-context", type=int, default=None, help=_MAX_CONTEXT_HELP)
+    parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="statistics and the cache log on stderr"
     )
@@ -267,6 +294,41 @@ def _read_line(interactive: bool) -> str | None:
         return input(">>> ") if interactive else sys.stdin.readline() or None
     except EOFError:
         return None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import socket
+
+    import uvicorn
+
+    from mlxkv.server import create_app
+
+    logging.getLogger("mlxkv.server").setLevel(logging.INFO)  # one access line per request
+    if not args.verbose:  # the access line carries the memory line already
+        logging.getLogger("mlxkv.runner.runner").setLevel(logging.WARNING)
+    runner = _load(args)
+    name = args.model or "SmolLM2-135M-Instruct"
+    app = create_app(
+        runner,
+        model_name=name,
+        api_key=args.api_key,
+        cors_origins=args.cors_origin,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.max_tokens,
+    )
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))  # an address in use fails here, as one line
+    sock.listen(128)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
+    if args.host not in _LOOPBACK and not args.api_key:
+        print(f"mlxkv: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    print(f"mlxkv: serving {name} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -16,7 +16,9 @@ Architectures (`ARCHITECTURES`):
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,32 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# A ChatML template that takes tools and renders tool calls and results the way Qwen2.5 and
+# Hermes models do; mlx-lm picks its `json_tools` parser for it (`<tool_call>`, tool_call.name).
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "You may call functions:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Call one as <tool_call>{"name": name, "arguments": {...}}</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}"
+    "<|im_start|>assistant\n{{ message['content'] }}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>{{ message['content'] }}</tool_response><|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 _CORPUS = """
 The cache holds keys and values for every token the model has seen. A chat grows by a few
@@ -128,6 +156,8 @@ def build_model(
     vocab_size: int = 512,
     seed: int = 0,
     config_overrides: dict[str, Any] | None = None,
+    chat_template: str = CHAT_TEMPLATE,
+    added_tokens: Sequence[str] = (),
 ) -> Path:
     """Writes a random-weight model of architecture `arch` in Hugging Face layout.
 
@@ -138,6 +168,9 @@ def build_model(
         vocab_size: tokens in the trained tokenizer and the embedding table.
         seed: seeds the weights, so the same arguments give the same model.
         config_overrides: keys replaced in the config (e.g. a longer sliding window).
+        chat_template: the tokenizer's Jinja chat template.
+        added_tokens: strings the tokenizer keeps whole, each one token after the trained
+            vocabulary (the embedding table grows to hold them).
 
     Returns:
         The directory, ready for `mlx_lm.load` or `mlxkv.Runner.load`.
@@ -156,7 +189,7 @@ def build_model(
     if arch == "lfm2":
         config["block_dim"] = config["hidden_size"]
         config["block_ff_dim"] = config["intermediate_size"]
-    tokenizer_ids = _write_tokenizer(out, vocab_size)
+    tokenizer_ids = _write_tokenizer(out, vocab_size, chat_template, added_tokens)
     config.update(tokenizer_ids)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_weights(out, config, seed)
@@ -175,7 +208,50 @@ def _write_weights(out: Path, config: dict[str, Any], seed: int) -> None:
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
 
-def _write_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
+def build_scripted_model(out_dir: str | Path, script: Sequence[str]) -> Path:
+    """Writes a llama that answers every chat with `script`, then EOS, when sampled greedily:
+    a generation tests control (tool calls, stop strings) through the real model code.
+
+    Each piece of `script` becomes one token of its own. Every layer's output projections are
+    zero, so the logits depend on the current token alone, and the LM head maps the last token
+    of the generation prompt to the first piece, each piece to the next, the last to EOS. The
+    template is `TOOLS_CHAT_TEMPLATE`.
+
+    Args:
+        out_dir: directory to create.
+        script: the answer, in pieces of printable ASCII without spaces; no piece repeats.
+
+    Raises:
+        ValueError: pieces that repeat or are empty.
+    """
+    if len(set(script)) != len(script) or not all(script):
+        raise ValueError("script pieces must be distinct and non-empty")
+    out = build_model(
+        "llama", out_dir, chat_template=TOOLS_CHAT_TEMPLATE, added_tokens=tuple(script)
+    )
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    config = json.loads((out / "config.json").read_text())
+    chain = [tokenizer.encode("<|im_start|>assistant\n").ids[-1]]
+    chain += [tokenizer.token_to_id(piece) for piece in script] + [config["eos_token_id"]]
+    weights = dict(mx.load(str(out / "model.safetensors")))
+    for name, value in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(value)
+    embed, norm = weights["model.embed_tokens.weight"], weights["model.norm.weight"]
+    normed = embed * mx.rsqrt(mx.mean(embed * embed, axis=-1, keepdims=True)) * norm
+    head = mx.zeros_like(weights["lm_head.weight"])
+    for current, following in itertools.pairwise(chain):
+        head[following] = 10.0 * normed[current] / mx.sum(normed[current] * normed[current])
+    weights["lm_head.weight"] = head
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return out
+
+
+def _write_tokenizer(
+    out: Path, vocab_size: int, chat_template: str, added_tokens: Sequence[str]
+) -> dict[str, int]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -188,6 +264,7 @@ def _write_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
         show_progress=False,
     )
     tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tokenizer.add_tokens(list(added_tokens))
     tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -198,10 +275,11 @@ def _write_tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 4096,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return {
+        "vocab_size": max(vocab_size, tokenizer.get_vocab_size()),
         "eos_token_id": tokenizer.token_to_id("<|im_end|>"),
         "bos_token_id": tokenizer.token_to_id("<|endoftext|>"),
     }

@@ -29,3 +29,18 @@ def load_tiny(model_root):
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="session")
+def loaded_tiny(model_root):
+    """LoadedModel per architecture, through mlxkv's own loading path, once per session."""
+    from mlxkv.runner.loading import load_model
+
+    loaded = {}
+
+    def _get(arch: str):
+        if arch not in loaded:
+            loaded[arch] = load_model(tiny_model_dir(arch, model_root))
+        return loaded[arch]
+
+    return _get

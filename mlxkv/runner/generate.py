@@ -14,6 +14,7 @@ and arrays built on one thread's local stream cannot be evaluated on another.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class Completion:
         generation_tps: sampled tokens per second after the first one (mlx-lm's measure).
         ttft: seconds from the request to the first sampled token.
         peak_memory: MLX's peak memory during the request, in bytes.
+        stop_string: the stop string that ended it, if one did.
     """
 
     text: str
@@ -58,6 +60,28 @@ class Completion:
     generation_tps: float
     ttft: float
     peak_memory: int
+    stop_string: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probabilities (natural log) at one generated token.
+
+    Attributes:
+        logprob: the sampled token's.
+        top: the most likely tokens and theirs, most likely first: ((token id, logprob), ...).
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class PromptUsage:
+    """The prompt's size and how much of it the prompt cache supplied, in tokens."""
+
+    prompt_tokens: int
+    cached_tokens: int
 
 
 @dataclass(frozen=True)
@@ -69,12 +93,17 @@ class GenerationChunk:
         token: the token sampled for this chunk; None on the final chunk.
         finish_reason: set on the final chunk only.
         completion: the whole result with its statistics, on the final chunk only.
+        logprob: the token's log-probabilities when the request asked for them.
+        prompt: on the first token's chunk and on the final chunk: the prompt's tokens and
+            cached tokens (known before any text, e.g. for a response header).
     """
 
     text: str
     token: int | None
     finish_reason: str | None = None
     completion: Completion | None = None
+    logprob: TokenLogprob | None = None
+    prompt: PromptUsage | None = None
 
 
 class PrefillCancelled(Exception):
@@ -106,16 +135,22 @@ class CompletionStats:
             self.first_token_at = time.perf_counter()
         self.num_sampled += 1
 
-    def final_chunk(self, text: str, finish_reason: str) -> GenerationChunk:
+    def final_chunk(
+        self, text: str, finish_reason: str, stop_string: str | None = None
+    ) -> GenerationChunk:
         """The last chunk of a stream: its text, the reason it ended and the Completion."""
         return GenerationChunk(
             text=text,
             token=None,
             finish_reason=finish_reason,
-            completion=self.completion(finish_reason),
+            completion=self.completion(finish_reason, stop_string),
+            prompt=self.usage(),
         )
 
-    def completion(self, finish_reason: str) -> Completion:
+    def usage(self) -> PromptUsage:
+        return PromptUsage(self.prompt_tokens, self.cached)
+
+    def completion(self, finish_reason: str, stop_string: str | None = None) -> Completion:
         end = time.perf_counter()
         first = self.first_token_at or end
         prefill_s = first - self.start
@@ -131,6 +166,7 @@ class CompletionStats:
             generation_tps=self.num_sampled / decode_s if decode_s > 0 else 0.0,
             ttft=prefill_s,
             peak_memory=mx.get_peak_memory(),
+            stop_string=stop_string,
         )
 
 
@@ -188,12 +224,26 @@ def prefill(
 
 class TokenPicker:
     """Turns logits into the next token: logits processors (with the token history), then the
-    sampler. Keeps the history lazily on the device."""
+    sampler. Keeps the history lazily on the device.
 
-    def __init__(self, sampler: Sampler, processors: list[LogitsProcessor], history: Sequence[int]):
+    With `top_logprobs` set it also keeps, per picked token and in pick order, the token's
+    log-probability and the `top_logprobs` most likely alternatives (after the logits
+    processors, before temperature: what the model assigns, as OpenAI reports it).
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        processors: list[LogitsProcessor],
+        history: Sequence[int],
+        *,
+        top_logprobs: int | None = None,
+    ):
         self._sampler = sampler
         self._processors = processors
         self._history = mx.array(list(history), dtype=mx.uint32) if processors else None
+        self._top_logprobs = top_logprobs
+        self._pending: deque[tuple[mx.array, mx.array, mx.array]] = deque()
 
     def __call__(self, logits: mx.array) -> mx.array:
         for processor in self._processors:
@@ -202,7 +252,21 @@ class TokenPicker:
         token = self._sampler(logprobs).reshape(-1)
         if self._history is not None:
             self._history = mx.concatenate([self._history, token.astype(mx.uint32)])
+        if self._top_logprobs is not None:
+            row = logprobs[0]
+            k = self._top_logprobs
+            top = mx.argsort(-row)[:k] if k else mx.array([], dtype=mx.uint32)
+            self._pending.append((row[token[0]], top, row[top]))
         return token
+
+    def pop_logprob(self) -> TokenLogprob | None:
+        """The log-probabilities of the oldest picked token not yet popped; None when not
+        asked for."""
+        if self._top_logprobs is None:
+            return None
+        own, top, values = self._pending.popleft()
+        alternatives = tuple(zip(top.tolist(), values.tolist(), strict=True))
+        return TokenLogprob(own.item(), alternatives)
 
 
 def decode_tokens(
@@ -251,15 +315,17 @@ class StopStrings:
     def __init__(self, stops: Sequence[str]):
         self._stops = tuple(stops)
         self._held = ""
+        self.matched: str | None = None  # the stop string found, once one is
 
     def push(self, segment: str) -> tuple[str, bool]:
         """Adds a text segment; returns (text safe to emit now, whether a stop string ended it)."""
         text = self._held + segment
-        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        found = [(i, s) for s in self._stops if (i := text.find(s)) >= 0]
         if found:
             self._held = ""
-            return text[: min(found)], True
-        hold = self._longest_partial_stop(text)
+            start, self.matched = min(found)
+            return text[:start], True
+        hold = partial_suffix_length(text, self._stops)
         self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False
 
@@ -268,11 +334,14 @@ class StopStrings:
         text, self._held = self._held, ""
         return text
 
-    def _longest_partial_stop(self, text: str) -> int:
-        longest = 0
-        for stop in self._stops:
-            for size in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
+
+def partial_suffix_length(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest end of `text` that is a proper beginning of one of `markers`:
+    what must be held back because the next text may complete a marker."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:size]):
+                longest = size
+                break
+    return longest

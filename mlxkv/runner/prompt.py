@@ -21,8 +21,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-Message = dict[str, str]
+Message = dict[str, Any]
 Prompt = str | Sequence[int] | Sequence[Message]
+Tools = Sequence[dict[str, Any]]
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _ACCEPTED = (
@@ -46,7 +47,9 @@ class PromptEncoder:
         self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
         self._plain = _plain_text_tokenizer(hf) if controls else None
 
-    def encode(self, prompt: Prompt, *, parse_control_tokens: bool = False) -> list[int]:
+    def encode(
+        self, prompt: Prompt, *, parse_control_tokens: bool = False, tools: Tools | None = None
+    ) -> list[int]:
         """Token ids for a prompt.
 
         Args:
@@ -54,11 +57,18 @@ class PromptEncoder:
                 with the chat template and a generation prompt.
             parse_control_tokens: let control-token strings inside message content become
                 control tokens (only for content you wrote yourself).
+            tools: function definitions (OpenAI's `{"type": "function", "function": {...}}`
+                form) handed to the chat template; chat messages only.
 
         Raises:
             ValueError: a prompt of another type, an empty prompt, ids outside the vocabulary,
-                malformed messages, or messages for a tokenizer without a chat template.
+                malformed messages or tools, or messages for a tokenizer without a chat
+                template.
         """
+        if tools is not None and not is_messages(prompt):
+            raise ValueError(
+                "tools need a prompt of chat messages; a text or token prompt is already rendered"
+            )
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt is empty; pass {_ACCEPTED}")
@@ -78,7 +88,7 @@ class PromptEncoder:
         elif len(prompt) == 0:
             raise ValueError(f"prompt is empty; pass {_ACCEPTED}")
         elif all(isinstance(m, dict) for m in prompt):
-            tokens = self.render(prompt, parse_control_tokens=parse_control_tokens)
+            tokens = self.render(prompt, parse_control_tokens=parse_control_tokens, tools=tools)
         elif all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             tokens = [int(t) for t in prompt]
         else:
@@ -100,14 +110,20 @@ class PromptEncoder:
         *,
         add_generation_prompt: bool = True,
         parse_control_tokens: bool = False,
+        tools: Tools | None = None,
     ) -> list[int]:
-        """Token ids of chat messages through the chat template; content stays text.
+        """Token ids of chat messages (and tools) through the chat template; content stays
+        text.
 
         Raises:
-            ValueError: malformed messages, no chat template, or content holding control-token
-                text that the template rewrites (so it cannot be located and kept as text).
+            ValueError: malformed messages or tools, no chat template, or content holding
+                control-token text that the template rewrites (so it cannot be located and
+                kept as text).
         """
         messages = _checked_messages(messages)
+        template_args: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
+        if tools:
+            template_args["tools"] = _checked_tools(tools)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain string")
         tainted = (
@@ -116,14 +132,8 @@ class PromptEncoder:
             else [i for i, m in enumerate(messages) if self._controls.search(m["content"])]
         )
         if not tainted:
-            return list(
-                self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=add_generation_prompt
-                )
-            )
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+            return list(self.tokenizer.apply_chat_template(messages, **template_args))
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
         return self._tokenize_keeping_content_as_text(text, messages, tainted)
 
     def _tokenize_keeping_content_as_text(
@@ -188,6 +198,15 @@ def _checked_messages(messages: Sequence[Message]) -> list[Message]:
             raise ValueError(f"message {i} needs a string 'content', got {type(content).__name__}")
         checked.append({**message, "content": _valid_text(content)})
     return checked
+
+
+def _checked_tools(tools: Tools) -> list[dict[str, Any]]:
+    if isinstance(tools, str | bytes) or not isinstance(tools, Sequence):
+        raise ValueError(f"tools must be a list of dicts, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ValueError(f"tool {i} must be a dict, got {type(tool).__name__}")
+    return list(tools)
 
 
 def _control_tokens(hf_tokenizer: Any) -> list[str]:

@@ -10,22 +10,29 @@ Does not own the cut itself (`context.fit_prompt`) or prompt encoding (`prompt`)
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from mlxkv.cache.prefix import common_prefix_length
+from mlxkv.errors import ContextLengthError
+from mlxkv.runner.checks import check_int
 from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt
 from mlxkv.runner.generate import ProgressCallback
 from mlxkv.runner.prompt import (
     Message,
     Prompt,
     PromptEncoder,
+    Tools,
     is_messages,
     leading_system_messages,
 )
 from mlxkv.runner.sampling import SamplingParams
+
+# The most alternatives per token that logprobs reports (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
@@ -40,7 +47,9 @@ class Request:
         header_tokens: tokens of the template's generation prompt at the end.
         params: sampling settings.
         progress: called as progress(done, total) in prompt tokens during prefill.
-        cancelled: set by `Runner.cancel()`.
+        cancelled: set by `Runner.cancel()` or by the caller that passed it.
+        top_logprobs: None for no log-probabilities; else how many alternatives to report
+            with each sampled token's own.
     """
 
     tokens: list[int]
@@ -49,6 +58,46 @@ class Request:
     params: SamplingParams
     progress: ProgressCallback | None
     cancelled: threading.Event
+    top_logprobs: int | None = None
+
+
+# PromptEncoder.render with the request's control-token and tool settings bound.
+Render = Callable[..., list[int]]
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """How a request is rendered and run, besides its sampling settings (see `Runner.stream`).
+
+    Attributes:
+        progress: called as progress(done, total) in prompt tokens during prefill.
+        parse_control_tokens: let control-token strings in message content be control tokens.
+        tools: function definitions for the chat template.
+        cancel: an Event that ends this request when set; None makes a private one.
+        top_logprobs: None for no log-probabilities, else alternatives per token (0..20).
+        truncate: cut a prompt that does not fit; False raises ContextLengthError.
+    """
+
+    progress: ProgressCallback | None = None
+    parse_control_tokens: bool = False
+    tools: Tools | None = None
+    cancel: threading.Event | None = None
+    top_logprobs: int | None = None
+    truncate: bool = True
+
+    def check(self) -> None:
+        if self.progress is not None and not callable(self.progress):
+            raise ValueError(
+                f"progress must be a callable or None, got {type(self.progress).__name__}"
+            )
+        if self.cancel is not None and not isinstance(self.cancel, threading.Event):
+            raise ValueError(
+                f"cancel must be a threading.Event or None, got {type(self.cancel).__name__}"
+            )
+        if self.top_logprobs is not None:
+            check_int(
+                "logprobs (alternatives per token)", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS
+            )
 
 
 class RequestBuilder:
@@ -70,67 +119,78 @@ class RequestBuilder:
         self,
         prompt: Prompt,
         sampling: dict[str, Any],
-        progress: ProgressCallback | None,
-        parse_control_tokens: bool,
+        options: RequestOptions,
         *,
         held: Sequence[int],
     ) -> Request:
         """Raises ValueError (ContextLengthError for a prompt that cannot fit) on bad input."""
         params = _sampling_params(sampling)
-        if progress is not None and not callable(progress):
-            raise ValueError(f"progress must be a callable or None, got {type(progress).__name__}")
-        tokens = self._prompts.encode(prompt, parse_control_tokens=parse_control_tokens)
-        keep = self._keep_for(prompt, tokens, parse_control_tokens)
+        options.check()
+        tokens = self._prompts.encode(
+            prompt, parse_control_tokens=options.parse_control_tokens, tools=options.tools
+        )
+        render = functools.partial(
+            self._prompts.render,
+            parse_control_tokens=options.parse_control_tokens,
+            tools=options.tools,
+        )
+        if not options.truncate and len(tokens) >= self._max_context:
+            raise ContextLengthError(
+                f"the prompt is {len(tokens):,} tokens and the context holds {self._max_context:,}"
+                " (at least 1 must stay free for the answer); shorten the prompt or raise "
+                "max_context"
+            )
+        keep = self._keep_for(prompt, tokens, render)
         # A prompt that must be cut leaves room to answer, so the answer does not begin with a
         # shift.
         budget = self._max_context
         if len(tokens) > budget:
             budget -= max(1, min(params.max_tokens, self._max_context // 4))
-        chat = self._chat_cut(prompt, parse_control_tokens) if is_messages(prompt) else None
+        chat = self._chat_cut(prompt, render) if is_messages(prompt) else None
         fitted = fit_prompt(tokens, budget, keep, held=held, chat=chat)
         if fitted.first_message is not None:
             self._cut_start = prompt[fitted.first_message]
-        header = self._generation_prompt_length(prompt, tokens, parse_control_tokens)
-        return Request(fitted.tokens, keep, header, params, progress, threading.Event())
+        header = self._generation_prompt_length(prompt, tokens, render)
+        return Request(
+            fitted.tokens,
+            keep,
+            header,
+            params,
+            options.progress,
+            options.cancel or threading.Event(),
+            options.top_logprobs,
+        )
 
     def forget_cut(self) -> None:
         """Called when the cache is dropped: no cut lives in it any more."""
         self._cut_start = None
 
-    def _generation_prompt_length(
-        self, prompt: Prompt, tokens: list[int], parse_control_tokens: bool
-    ) -> int:
+    def _generation_prompt_length(self, prompt: Prompt, tokens: list[int], render: Render) -> int:
         """Tokens the chat template appends to open the assistant's turn (at least 1): the next
         turn re-renders from there, so it is where a checkpoint is most useful."""
         if not is_messages(prompt):
             return 1
-        without = self._prompts.render(
-            prompt, add_generation_prompt=False, parse_control_tokens=parse_control_tokens
-        )
+        without = render(prompt, add_generation_prompt=False)
         return max(1, len(tokens) - common_prefix_length(without, tokens))
 
-    def _keep_for(self, prompt: Prompt, tokens: list[int], parse_control_tokens: bool) -> int:
+    def _keep_for(self, prompt: Prompt, tokens: list[int], render: Render) -> int:
         """Tokens truncation and shifts never drop: the setting, else the system prompt."""
         if self._keep is not None:
             return self._keep
         system = leading_system_messages(prompt)
         if not system:
             return min(DEFAULT_KEEP_TOKENS, len(tokens))
-        rendered = self._prompts.render(
-            system, add_generation_prompt=False, parse_control_tokens=parse_control_tokens
-        )
+        rendered = render(system, add_generation_prompt=False)
         return common_prefix_length(rendered, tokens)
 
-    def _chat_cut(self, prompt: Sequence[Message], parse_control_tokens: bool) -> ChatCut:
+    def _chat_cut(self, prompt: Sequence[Message], render: Render) -> ChatCut:
         """How a chat may be cut: at user messages after the first, keeping the system prompt;
         the cut taken last time is preferred (found by its first message, newest first)."""
         system = leading_system_messages(prompt)
         points = [i for i in range(len(system) + 1, len(prompt)) if prompt[i].get("role") == "user"]
         preferred = next((i for i in reversed(points) if prompt[i] == self._cut_start), None)
         return ChatCut(
-            render_from=lambda first: self._prompts.render(
-                system + list(prompt[first:]), parse_control_tokens=parse_control_tokens
-            ),
+            render_from=lambda first: render(system + list(prompt[first:])),
             cut_points=points,
             preferred=preferred,
         )

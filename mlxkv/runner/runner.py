@@ -41,8 +41,8 @@ from mlxkv.runner.generate import (
 from mlxkv.runner.loading import LoadedModel, load_model
 from mlxkv.runner.memory import MemoryReport
 from mlxkv.runner.mlx_state import clean_random_state, release_streams_at_thread_exit
-from mlxkv.runner.prompt import Prompt, PromptEncoder
-from mlxkv.runner.request import Request, RequestBuilder
+from mlxkv.runner.prompt import Prompt, PromptEncoder, Tools
+from mlxkv.runner.request import Request, RequestBuilder, RequestOptions
 
 logger = logging.getLogger(__name__)
 
@@ -138,11 +138,13 @@ class Runner:
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
-    def encode(self, prompt: Prompt, *, parse_control_tokens: bool = False) -> list[int]:
-        """The token ids a prompt becomes (chat messages through the chat template, with
-        control-token text inside message content kept as text unless
+    def encode(
+        self, prompt: Prompt, *, parse_control_tokens: bool = False, tools: Tools | None = None
+    ) -> list[int]:
+        """The token ids a prompt becomes (chat messages and tools through the chat template,
+        with control-token text inside message content kept as text unless
         `parse_control_tokens`)."""
-        return self._prompts.encode(prompt, parse_control_tokens=parse_control_tokens)
+        return self._prompts.encode(prompt, parse_control_tokens=parse_control_tokens, tools=tools)
 
     def generate(
         self,
@@ -150,12 +152,23 @@ class Runner:
         *,
         progress: ProgressCallback | None = None,
         parse_control_tokens: bool = False,
+        tools: Tools | None = None,
+        cancel: threading.Event | None = None,
+        logprobs: int | None = None,
+        truncate: bool = True,
         **sampling: Any,
     ) -> Completion:
         """Generates a whole completion. Takes the same arguments as `stream`."""
         chunks = list(
             self.stream(
-                prompt, progress=progress, parse_control_tokens=parse_control_tokens, **sampling
+                prompt,
+                progress=progress,
+                parse_control_tokens=parse_control_tokens,
+                tools=tools,
+                cancel=cancel,
+                logprobs=logprobs,
+                truncate=truncate,
+                **sampling,
             )
         )
         return chunks[-1].completion
@@ -166,6 +179,10 @@ class Runner:
         *,
         progress: ProgressCallback | None = None,
         parse_control_tokens: bool = False,
+        tools: Tools | None = None,
+        cancel: threading.Event | None = None,
+        logprobs: int | None = None,
+        truncate: bool = True,
         **sampling: Any,
     ) -> Iterator[GenerationChunk]:
         """Streams a completion chunk by chunk.
@@ -176,6 +193,14 @@ class Runner:
             progress: called as progress(done, total) in prompt tokens during prefill.
             parse_control_tokens: let control-token strings inside chat message content
                 become control tokens; only for content you wrote yourself.
+            tools: function definitions ([{"type": "function", "function": {...}}]) given to
+                the chat template with chat messages; the model's tool calls come back as
+                text (`mlxkv.server` parses them).
+            cancel: an Event that ends this request alone when set (as `cancel()` ends all).
+            logprobs: None for none; else each chunk carries its token's log-probability and
+                this many (0..20) most likely alternatives.
+            truncate: cut a prompt longer than `max_context` (chats at user turns, keeping
+                the system prompt); False raises ContextLengthError instead.
             **sampling: `SamplingParams` fields: max_tokens, temperature, top_p, top_k, min_p,
                 repetition_penalty, seed, stop.
 
@@ -186,14 +211,13 @@ class Runner:
         Raises:
             ValueError: bad prompt or sampling settings (raised here, before anything changes).
             ContextLengthError: `keep`, or the chat's last turn, leaves no room in
-                `max_context`.
+                `max_context`; or the prompt does not fit and `truncate` is False.
             RunnerBusyError (when iterated): this thread is still inside another `stream()`.
         """
+        options = RequestOptions(progress, parse_control_tokens, tools, cancel, logprobs, truncate)
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.
-        request = self._builder.build(
-            prompt, sampling, progress, parse_control_tokens, held=self._held
-        )
+        request = self._builder.build(prompt, sampling, options, held=self._held)
         with self._requests_lock:
             self._requests.add(request.cancelled)
         return self._stream(request)
@@ -278,12 +302,18 @@ class Runner:
             refill=lambda cache, ids: fill(model, cache, ids, step_tokens=self._step),
         )
         sampler = params.make_sampler(self.loaded.vocab_size)
-        pick = TokenPicker(sampler, params.make_logits_processors(), tokens)
+        pick = TokenPicker(
+            sampler, params.make_logits_processors(), tokens, top_logprobs=request.top_logprobs
+        )
         decoded = decode_tokens(model, hit.cache, logits, pick, params.max_tokens, window.make_room)
-        yield from self._emit(decoded, stats, request)
+        yield from self._emit(decoded, stats, request, pick)
 
     def _emit(
-        self, decoded: Iterator[int], stats: CompletionStats, request: Request
+        self,
+        decoded: Iterator[int],
+        stats: CompletionStats,
+        request: Request,
+        pick: TokenPicker,
     ) -> Iterator[GenerationChunk]:
         """Turns sampled tokens into text chunks: EOS, stop strings and cancel end them."""
         tokenizer = self.loaded.tokenizer
@@ -293,6 +323,7 @@ class Runner:
         finish, cut_by_stop_string = "length", False
         for token in decoded:
             stats.sampled()
+            logprob = pick.pop_logprob()
             if token in tokenizer.eos_token_ids:
                 finish = "stop"
                 break
@@ -300,7 +331,10 @@ class Runner:
             stats.tokens.append(token)
             text, stopped = stops.push(detokenizer.last_segment)
             stats.text.append(text)
-            yield GenerationChunk(text=text, token=token)
+            first = stats.num_sampled == 1
+            yield GenerationChunk(
+                text=text, token=token, logprob=logprob, prompt=stats.usage() if first else None
+            )
             if stopped:
                 finish, cut_by_stop_string = "stop", True
                 break
@@ -313,7 +347,7 @@ class Runner:
             tail, _ = stops.push(detokenizer.last_segment)
             tail += stops.flush()
             stats.text.append(tail)
-        yield stats.final_chunk(tail, finish)
+        yield stats.final_chunk(tail, finish, stops.matched)
 
     def cancel(self) -> None:
         """Ends every request already started (the one generating, and those waiting their

@@ -1,0 +1,9 @@
+"""An OpenAI- and Anthropic-compatible HTTP server over a Runner (`mlxkv serve`).
+
+Owns HTTP only: requests become Runner calls and results become each API's responses. Cache
+policy stays in the Runner.
+"""
+
+from mlxkv.server.app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,156 @@
+"""ASGI middleware: the access log, the API key and the request-body limit.
+
+Plain ASGI (not Starlette's BaseHTTPMiddleware), so streamed responses pass through untouched
+and a client that disconnects is still seen by the route.
+
+Owns: `AccessLog` (one line per request: method, path, status, seconds, and for generations the
+prompt, cached and generated tokens, time to first token and the cache's memory line),
+`ApiKeyCheck` (401 without the key) and `BodyLimit` (413 over the limit, in bytes).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mlxkv.runner.generate import Completion
+from mlxkv.server.errors import error_response
+
+logger = logging.getLogger("mlxkv.server.access")
+
+_OPEN_PATHS = ("/health",)  # answered without the API key, for load balancers and scripts
+
+
+class AccessLog:
+    """Logs one INFO line per HTTP request when the response ends.
+
+    Args:
+        memory_line: returns the cache's memory line, appended after a generation.
+    """
+
+    def __init__(self, app: ASGIApp, memory_line: Callable[[], str]):
+        self.app = app
+        self.memory_line = memory_line
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), [0]
+
+        async def record(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record)
+        finally:
+            line = (
+                f"{scope['method']} {scope['path']} {status[0]} {time.perf_counter() - start:.3f}s"
+            )
+            completion = scope.get("state", {}).get("completion")
+            if isinstance(completion, Completion):
+                line += (
+                    f" prompt={completion.prompt_tokens} cached={completion.cached_tokens}"
+                    f" generated={completion.generation_tokens} ttft={completion.ttft:.3f}s"
+                    f" finish={completion.finish_reason} | {self.memory_line()}"
+                )
+            logger.info("%s", line)
+
+
+class ApiKeyCheck:
+    """Requires `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic
+    clients) on every path but /health; CORS preflights pass."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] == "OPTIONS"
+            or scope["path"] in _OPEN_PATHS
+            or self._presented(scope)
+        ):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(
+            scope["path"],
+            401,
+            "missing or wrong API key; send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
+
+    def _presented(self, scope: Scope) -> bool:
+        headers = dict(scope["headers"])
+        bearer = headers.get(b"authorization", b"")
+        candidates = [headers.get(b"x-api-key", b"")]
+        if bearer[:7].lower() == b"bearer ":
+            candidates.append(bearer[7:].strip())
+        return any(hmac.compare_digest(c, self._key) for c in candidates)
+
+
+class BodyLimit:
+    """Reads the whole request body first, refusing one larger than `max_bytes` with 413
+    (declared by Content-Length or counted as it arrives), then hands it to the app."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(scope, receive, send, declared.isdigit())
+            return
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send, True)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(parts), receive), send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, too_large: bool) -> None:
+        if too_large:
+            message = (
+                f"request body is larger than this server's limit of {self.max_bytes:,} bytes;"
+                " send less, or start the server with a larger --max-body-bytes"
+            )
+            response = error_response(scope["path"], 413, message)
+        else:
+            response = error_response(scope["path"], 400, "Content-Length is not a number")
+        await response(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the buffered body once, then waits for the client's disconnect."""
+    delivered = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -1,0 +1,225 @@
+"""OpenAI's request bodies as pydantic models: what `/v1/chat/completions` and
+`/v1/completions` accept, checked strictly (a string where a number belongs is a 400, not a
+guess). Fields clients send that do not change the answer (`user`, `metadata`, `store`, ...)
+are accepted and ignored.
+
+Owns the schemas and their translation into Runner arguments; the routes are in `openai.py`.
+Reference: https://platform.openai.com/docs/api-reference/chat/create
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mlxkv.server.errors import ApiError
+
+_SEED_BITS = 2**64  # OpenAI's seed is any integer; MLX's is unsigned 64-bit
+
+
+class Lenient(BaseModel):
+    """Strict types, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class ContentPart(Lenient):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Lenient):
+    name: str
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+
+
+class GenerationFields(Lenient):
+    """What both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling(self, max_tokens: int | None, default_max_tokens: int) -> dict[str, Any]:
+        """Runner sampling arguments; checks what the schema cannot express."""
+        if self.n != 1:
+            raise ApiError(400, f"n={self.n} is not supported; send n=1", param="n")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and not all(stop):
+            raise ApiError(400, "stop strings must not be empty", param="stop")
+        chosen = {
+            "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": None if self.seed is None else self.seed % _SEED_BITS,
+            "stop": stop,
+        }
+        return {key: value for key, value in chosen.items() if value is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template takes them: text content, `developer` as `system`,
+        tool-call arguments as objects (templates serialize them themselves)."""
+        return [_template_message(i, m) for i, m in enumerate(self.messages)]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template, as `tool_choice` narrows them."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            tools = [t for t in tools if t["function"]["name"] == name]
+            if not tools:
+                raise ApiError(
+                    400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+                )
+        return tools
+
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(GenerationFields):
+    max_tokens: int | None = Field(16, ge=0)  # the legacy endpoint's documented default
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if self.echo or self.suffix:
+            field = "echo" if self.echo else "suffix"
+            raise ApiError(400, f"{field} is not supported; leave it out", param=field)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ApiError(
+                    400, f"{len(prompt)} prompts sent; send one per request", param="prompt"
+                )
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        return prompt
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": _text(index, message.content)}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments(index, call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    return out
+
+
+def _text(index: int, content: str | list[ContentPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    kinds = sorted({part.type for part in content if part.type != "text"})
+    if kinds:
+        raise ApiError(
+            400,
+            f"messages[{index}] has content of type {', '.join(kinds)}; this server takes text "
+            "only",
+            param=f"messages[{index}].content",
+        )
+    return "".join(part.text or "" for part in content)
+
+
+def _arguments(index: int, arguments: str | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments or "{}")
+    except json.JSONDecodeError as error:
+        raise ApiError(
+            400,
+            f"messages[{index}] has tool call arguments that are not JSON ({error})",
+            param=f"messages[{index}].tool_calls",
+        ) from error
+    if not isinstance(parsed, dict):
+        raise ApiError(
+            400,
+            f"messages[{index}] has tool call arguments that are not an object",
+            param=f"messages[{index}].tool_calls",
+        )
+    return parsed

@@ -1,0 +1,69 @@
+"""What every route needs: the generation worker, the model's name and the server's defaults.
+
+Owns: `ServerContext` (kept on `app.state.mlxkv`), the `server_context` dependency, and the
+server-sent-events framing both streaming APIs use.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.responses import StreamingResponse
+
+from mlxkv.server.turn import Turn
+from mlxkv.server.worker import GenerationWorker
+
+# Tell proxies (nginx) not to buffer the events.
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """Attributes:
+    worker: runs generations one at a time.
+    model_name: the id `/v1/models` lists and responses carry.
+    default_max_tokens: tokens generated when a request gives no limit.
+    created: when the server started (Unix seconds), for `/v1/models`.
+    """
+
+    worker: GenerationWorker
+    model_name: str
+    default_max_tokens: int
+    created: int = 0
+
+    @classmethod
+    def make(cls, worker: GenerationWorker, model_name: str, default_max_tokens: int):
+        return cls(worker, model_name, default_max_tokens, int(time.time()))
+
+
+def server_context(request: Request) -> ServerContext:
+    return request.app.state.mlxkv
+
+
+# A route parameter of this type receives the app's ServerContext.
+Context = Annotated[ServerContext, Depends(server_context)]
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
+    """One server-sent event; `data` as JSON unless it is already a string."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n"
+
+
+def event_stream(events: AsyncIterator[str], turn: Turn) -> StreamingResponse:
+    """A response of server-sent events; a client that leaves cancels the turn at once."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:  # harmless after the end: the turn's cancel flag is its own
+            turn.cancel()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=_SSE_HEADERS)

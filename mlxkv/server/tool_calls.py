@@ -1,0 +1,127 @@
+"""Finding tool calls in generated text as it streams, with mlx-lm's parser for the model.
+
+Owns: `ToolCallSplitter`, which splits streamed text into plain text and `ToolCall`s at the
+model's tool-call markers (mlx-lm's `TokenizerWrapper.tool_call_start` / `tool_call_end`) and
+parses each call with the model's parser (`mlx_lm.tool_parsers`). Does not own the API formats.
+
+Text that only might begin a start marker is held back until it is known, so a client never
+sees half a marker. A call that cannot be parsed (cut off by max_tokens, malformed) comes back
+as plain text with a warning: nothing the model wrote is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlxkv.runner.generate import partial_suffix_length
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call.
+
+    Attributes:
+        id: a fresh id ("call_..."), unique per call.
+        name: the function's name.
+        arguments: the arguments as a dict (Anthropic's `input`); `arguments_json` is the
+            JSON text OpenAI sends.
+    """
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+Piece = str | ToolCall
+
+
+class ToolCallSplitter:
+    """Splits a stream of text into text and tool calls.
+
+    Args:
+        start, end: the model's markers; an empty `end` means a call runs to the end of the
+            generation.
+        parse: mlx-lm's `parse_tool_call(text, tools)`, returning a dict (or list of dicts)
+            with "name" and "arguments".
+        tools: the request's tool definitions, handed to the parser.
+    """
+
+    def __init__(
+        self,
+        start: str,
+        end: str | None,
+        parse: Callable[[str, Any], Any],
+        tools: Sequence[dict[str, Any]] | None,
+    ):
+        self._start = start
+        self._end = end or ""
+        self._parse = parse
+        self._tools = tools
+        self._buffer = ""
+        self._in_call = False
+        self.num_calls = 0
+
+    def push(self, text: str) -> list[Piece]:
+        """Adds generated text; returns what is now known to be text or a complete call."""
+        self._buffer += text
+        pieces: list[Piece] = []
+        while True:
+            if self._in_call:
+                at = self._buffer.find(self._end) if self._end else -1
+                if at < 0:
+                    return pieces
+                pieces += self._parsed(self._buffer[:at])
+                self._buffer = self._buffer[at + len(self._end) :]
+                self._in_call = False
+                continue
+            at = self._buffer.find(self._start)
+            if at < 0:
+                hold = partial_suffix_length(self._buffer, (self._start,))
+                safe = self._buffer[: len(self._buffer) - hold]
+                self._buffer = self._buffer[len(safe) :]
+                return pieces + ([safe] if safe else [])
+            if at:
+                pieces.append(self._buffer[:at])
+            self._buffer = self._buffer[at + len(self._start) :]
+            self._in_call = True
+
+    def finish(self) -> list[Piece]:
+        """What is left at the end of generation: an unterminated call is parsed if it can
+        be (a parser without an end marker relies on this), else returned as text."""
+        rest, self._buffer = self._buffer, ""
+        if not self._in_call:
+            return [rest] if rest else []
+        self._in_call = False
+        return self._parsed(rest, unterminated=True)
+
+    def _parsed(self, body: str, unterminated: bool = False) -> list[Piece]:
+        raw = self._start + body + ("" if unterminated else self._end)
+        try:
+            found = self._parse(body, self._tools)
+            found = found if isinstance(found, list) else [found]
+            calls = [_tool_call(item) for item in found]
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            logger.warning("tool call not parsed, returned as text (%s): %.200r", error, raw)
+            return [raw]
+        self.num_calls += len(calls)
+        return list(calls)
+
+
+def _tool_call(item: Any) -> ToolCall:
+    name, arguments = item["name"], item.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments or "{}")
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise TypeError("a tool call needs a string name and an object of arguments")
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name, arguments=arguments)

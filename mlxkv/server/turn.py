@@ -1,0 +1,162 @@
+"""One generation as both APIs see it: text deltas with their log-probabilities, tool calls,
+and the finished Completion. Shared by the OpenAI and Anthropic routers, which only format.
+
+Owns: `start_turn` (queue a generation with the request's tools and settings) and `Turn`
+(its events). Does not own the wire formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from mlxkv.errors import ContextLengthError
+from mlxkv.runner.generate import Completion, PromptUsage, TokenLogprob
+from mlxkv.server.errors import ApiError
+from mlxkv.server.tool_calls import Piece, ToolCall, ToolCallSplitter
+from mlxkv.server.worker import GenerationStream, GenerationWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A generated token's text and log-probability, with the most likely alternatives."""
+
+    text: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass
+class TextDelta:
+    text: str
+    logprobs: list[TokenInfo] = field(default_factory=list)
+
+
+Event = TextDelta | ToolCall | Completion
+
+
+class Turn:
+    """The events of one generation: `TextDelta`s and `ToolCall`s in order, then the
+    `Completion`. Leaving the iteration early cancels the generation."""
+
+    def __init__(
+        self,
+        stream: GenerationStream,
+        splitter: ToolCallSplitter | None,
+        tokenizer: Any,
+        with_logprobs: bool,
+    ):
+        self._stream = stream
+        self._splitter = splitter
+        self._tokenizer = tokenizer
+        self._with_logprobs = with_logprobs
+        self.prompt: PromptUsage | None = None  # known from the first event on
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+    async def events(self) -> AsyncIterator[Event]:
+        pending: list[TokenInfo] = []
+        async for chunk in self._stream:
+            self.prompt = self.prompt or chunk.prompt
+            if self._with_logprobs and chunk.logprob is not None:
+                pending.append(self._token_info(chunk.token, chunk.logprob))
+            pieces = self._split(chunk.text)
+            if chunk.completion is not None:
+                pieces += self._splitter.finish() if self._splitter else []
+            for piece in pieces:
+                if isinstance(piece, ToolCall):
+                    yield piece
+                else:
+                    yield TextDelta(piece, pending)
+                    pending = []
+            if chunk.completion is not None:
+                if pending:
+                    yield TextDelta("", pending)
+                yield chunk.completion
+
+    def _split(self, text: str) -> list[Piece]:
+        if self._splitter is None:
+            return [text] if text else []
+        return self._splitter.push(text)
+
+    def _token_info(self, token: int, logprob: TokenLogprob) -> TokenInfo:
+        decode = self._tokenizer.decode
+        top = [(decode([alternative]), value) for alternative, value in logprob.top]
+        return TokenInfo(decode([token]), logprob.logprob, top)
+
+
+async def start_turn(
+    worker: GenerationWorker,
+    messages: Sequence[dict[str, Any]] | str | list[int],
+    *,
+    tools: list[dict[str, Any]] | None,
+    sampling: dict[str, Any],
+    top_logprobs: int | None = None,
+) -> Turn:
+    """Validates and queues one generation; a prompt longer than the context is refused, not
+    cut (clients such as agents compact their history when told).
+
+    Raises:
+        ApiError: 400 for bad input; OpenAI's code "context_length_exceeded" for a prompt
+            that does not fit.
+    """
+    tokenizer = worker.runner.tokenizer
+    splitter = None
+    if tools and tokenizer.has_tool_calling:
+        splitter = ToolCallSplitter(
+            tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools
+        )
+    elif tools:
+        _warn_no_tool_parser()
+    try:
+        stream = await worker.start(
+            messages, tools=tools or None, logprobs=top_logprobs, truncate=False, **sampling
+        )
+    except ContextLengthError as error:
+        raise ApiError(
+            400,
+            f"{error}; this server's context is set by --max-context",
+            code="context_length_exceeded",
+        ) from error
+    except ValueError as error:
+        raise ApiError(400, str(error)) from error
+    return Turn(stream, splitter, tokenizer, top_logprobs is not None)
+
+
+async def collect(turn: Turn, request: Request) -> tuple[list[Event], Completion]:
+    """All of a turn's events, for a response that is not streamed; a client that
+    disconnects meanwhile cancels the generation."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(turn, request))
+    try:
+        events = [event async for event in turn.events()]
+    finally:
+        watcher.cancel()
+    completion = events.pop()
+    assert isinstance(completion, Completion)
+    request.state.completion = completion  # for the access log
+    return events, completion
+
+
+async def _cancel_on_disconnect(turn: Turn, request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            turn.cancel()
+            return
+
+
+@functools.cache  # once per process
+def _warn_no_tool_parser() -> None:
+    logger.warning(
+        "request has tools but this model has no tool-call format mlx-lm can parse; the "
+        "tools go to the chat template and any call comes back as text"
+    )

@@ -1,0 +1,109 @@
+"""A real server (uvicorn on 127.0.0.1, an ephemeral port, its own thread) per app, and the
+real OpenAI and Anthropic clients pointed at it."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import anthropic
+import openai
+import pytest
+import uvicorn
+
+from mlxkv import Runner
+from mlxkv.factory import build_scripted_model
+from mlxkv.server import create_app
+
+TOOL_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+SCRIPT = ("Let", "<tool_call>", TOOL_CALL, "</tool_call>")
+_START_TIMEOUT_S = 30
+
+
+@dataclass
+class Served:
+    """A running server: its address, its Runner, and clients for it."""
+
+    host: str
+    port: int
+    runner: Runner
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def openai(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+    def anthropic(self, **kwargs) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0, **kwargs)
+
+    def post(self, path: str, body: bytes | dict | list | str, headers: dict | None = None):
+        """Raw POST (for bodies no client would send): (status, parsed JSON or text)."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return self.request("POST", path, data, headers)
+
+    def request(self, method: str, path: str, data: bytes | None = None, headers=None):
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        try:
+            connection.request(
+                method,
+                path,
+                body=data,
+                headers={"Content-Type": "application/json", **(headers or {})},
+            )
+            response = connection.getresponse()
+            raw = response.read().decode()
+        finally:
+            connection.close()
+        try:
+            return response.status, json.loads(raw)
+        except json.JSONDecodeError:
+            return response.status, raw
+
+
+@contextlib.contextmanager
+def serve(runner: Runner, **app_options) -> Iterator[Served]:
+    """Serves `runner` until the block ends; the port is picked by the OS."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(runner, **app_options), log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield Served("127.0.0.1", port, runner)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=_START_TIMEOUT_S)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def scripted_dir(tmp_path_factory):
+    """A model that answers every chat with SCRIPT (text, then one tool call) when greedy."""
+    return build_scripted_model(tmp_path_factory.mktemp("scripted") / "model", SCRIPT)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(loaded_tiny):
+    """The tiny random llama behind a server (its answers are deterministic when greedy)."""
+    with serve(Runner(loaded_tiny("llama"), max_context=1024)) as served:
+        yield served
+
+
+@pytest.fixture
+def fresh_runner(loaded_tiny):
+    """An independent reference: a new Runner on the same weights, with an empty cache."""
+    return lambda **kw: Runner(loaded_tiny("llama"), **{"max_context": 1024, **kw})
