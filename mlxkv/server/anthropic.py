@@ -29,7 +29,7 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, ctx: Context):
     turn = await start_turn(
-        ctx.worker, body.chat_messages(), tools=body.template_tools(), sampling=body.sampling()
+        request, body.chat_messages(), tools=body.template_tools(), sampling=body.sampling()
     )
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
@@ -151,7 +151,6 @@ async def _message_events(
             yield _block_stop(index)
             index += 1
         elif isinstance(event, Completion):
-            request.state.completion = event
             if text_open:
                 yield _block_stop(index)
             body = {"type": "message_delta", "delta": _stop(event, calls), "usage": _usage(event)}

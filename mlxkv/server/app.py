@@ -123,6 +123,8 @@ def _describe(errors: Sequence[Any]) -> tuple[str, str | None]:
         if error.get("type") == "json_invalid":
             detail = error.get("ctx", {}).get("error", "")
             return f"request body is not valid JSON ({detail})", None
+        if tuple(error.get("loc", ())) == ("body",) and error.get("type") == "missing":
+            return "the request body is empty; send a JSON object", None
         location = [str(part) for part in error.get("loc", ()) if part != "body"]
         # A union's branches add their type names to the path; they say nothing to a client.
         location = [part for part in location if not _is_type_tag(part)]

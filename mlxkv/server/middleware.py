@@ -18,7 +18,6 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mlxkv.runner.generate import Completion
 from mlxkv.server.errors import error_response
 
 logger = logging.getLogger("mlxkv.server.access")
@@ -54,8 +53,10 @@ class AccessLog:
             line = (
                 f"{scope['method']} {scope['path']} {status[0]} {time.perf_counter() - start:.3f}s"
             )
-            completion = scope.get("state", {}).get("completion")
-            if isinstance(completion, Completion):
+            turn = scope.get("state", {}).get("turn")
+            # A client that left early: its generation ends within a step of the cancel.
+            completion = await turn.finished() if turn is not None else None
+            if completion is not None:
                 line += (
                     f" prompt={completion.prompt_tokens} cached={completion.cached_tokens}"
                     f" generated={completion.generation_tokens} ttft={completion.ttft:.3f}s"

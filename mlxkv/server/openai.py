@@ -36,7 +36,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     if max_tokens is None:
         max_tokens = body.max_tokens
     turn = await start_turn(
-        ctx.worker,
+        request,
         body.chat_messages(),
         tools=body.template_tools(),
         sampling=body.sampling(max_tokens, ctx.default_max_tokens),
@@ -63,7 +63,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: Context):
     turn = await start_turn(
-        ctx.worker,
+        request,
         body.single_prompt(),
         tools=None,
         sampling=body.sampling(body.max_tokens, ctx.default_max_tokens),
@@ -115,7 +115,6 @@ async def _chat_events(
             yield chunk({"tool_calls": [{"index": len(calls), **_tool_call(event)}]})
             calls.append(event)
         elif isinstance(event, Completion):
-            request.state.completion = event
             yield chunk({}, finish=_finish_reason(event, calls))
             if include_usage:
                 yield sse(reply.body([], usage=_usage(event)))
@@ -131,7 +130,6 @@ async def _completion_events(
             choice = {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": None}
             yield sse(reply.body([choice]))
         elif isinstance(event, Completion):
-            request.state.completion = event
             finish = _finish_reason(event, [])
             choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
             yield sse(reply.body([choice]))

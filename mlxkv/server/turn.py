@@ -63,6 +63,11 @@ class Turn:
     def cancel(self) -> None:
         self._stream.cancel()
 
+    async def finished(self) -> Completion | None:
+        """The Completion once the generation has ended, even if nobody read it (a client
+        that left); None if it failed."""
+        return await self._stream.finished
+
     async def events(self) -> AsyncIterator[Event]:
         pending: list[TokenInfo] = []
         async for chunk in self._stream:
@@ -95,20 +100,22 @@ class Turn:
 
 
 async def start_turn(
-    worker: GenerationWorker,
+    request: Request,
     messages: Sequence[dict[str, Any]] | str | list[int],
     *,
     tools: list[dict[str, Any]] | None,
     sampling: dict[str, Any],
     top_logprobs: int | None = None,
 ) -> Turn:
-    """Validates and queues one generation; a prompt longer than the context is refused, not
-    cut (clients such as agents compact their history when told).
+    """Validates and queues one generation for an HTTP request (kept on `request.state.turn`
+    for the access log); a prompt longer than the context is refused, not cut (clients such
+    as agents compact their history when told).
 
     Raises:
         ApiError: 400 for bad input; OpenAI's code "context_length_exceeded" for a prompt
             that does not fit.
     """
+    worker: GenerationWorker = request.app.state.mlxkv.worker
     tokenizer = worker.runner.tokenizer
     splitter = None
     if tools and tokenizer.has_tool_calling:
@@ -129,7 +136,8 @@ async def start_turn(
         ) from error
     except ValueError as error:
         raise ApiError(400, str(error)) from error
-    return Turn(stream, splitter, tokenizer, top_logprobs is not None)
+    request.state.turn = Turn(stream, splitter, tokenizer, top_logprobs is not None)
+    return request.state.turn
 
 
 async def collect(turn: Turn, request: Request) -> tuple[list[Event], Completion]:
@@ -142,7 +150,6 @@ async def collect(turn: Turn, request: Request) -> tuple[list[Event], Completion
         watcher.cancel()
     completion = events.pop()
     assert isinstance(completion, Completion)
-    request.state.completion = completion  # for the access log
     return events, completion
 
 

@@ -13,6 +13,7 @@ any free thread breaks that); and one thread gives the requests' first-come-firs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -21,12 +22,16 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from mlxkv.runner.generate import GenerationChunk
+from mlxkv.runner.generate import Completion, GenerationChunk
 from mlxkv.runner.runner import Runner
 
 logger = logging.getLogger(__name__)
 
 _END = object()  # put on a stream's queue after its last chunk
+
+
+class _LoopClosed(Exception):
+    """The event loop a stream delivers to has closed (the server shut down)."""
 
 
 class GenerationStream:
@@ -41,27 +46,43 @@ class GenerationStream:
         self._cancel = cancel
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        # The Completion once the generation has ended, however it ended (None if it failed);
+        # set even when the consumer left early.
+        self.finished: asyncio.Future[Completion | None] = self._loop.create_future()
 
     def cancel(self) -> None:
         self._cancel.set()
 
     def pump(self) -> None:
         """Runs the generation on the worker thread, passing each chunk to the loop."""
+        completion = None
         try:
             for chunk in self._chunks:
+                completion = chunk.completion or completion
                 self._deliver(chunk)
             self._deliver(_END)
-        except RuntimeError as error:  # the event loop is gone (shutdown): stop generating
-            if self._loop.is_closed():
-                self._chunks.close()
-                return
-            self._deliver(error)
+        except _LoopClosed:  # the server shut down: stop generating
+            self._chunks.close()
         except Exception as error:
             logger.exception("generation failed")
-            self._deliver(error)
+            with contextlib.suppress(_LoopClosed):
+                self._deliver(error)
+        finally:
+            with contextlib.suppress(_LoopClosed):
+                self._call(self._settle, completion)
 
     def _deliver(self, item: Any) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._call(self._queue.put_nowait, item)
+
+    def _call(self, function: Any, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(function, *args)
+        except RuntimeError as error:  # asyncio's "Event loop is closed"
+            raise _LoopClosed from error
+
+    def _settle(self, completion: Completion | None) -> None:
+        if not self.finished.done():
+            self.finished.set_result(completion)
 
     async def __aiter__(self) -> AsyncIterator[GenerationChunk]:
         finished = False

@@ -39,10 +39,12 @@ class Served:
         return f"http://{self.host}:{self.port}"
 
     def openai(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
+        options = {"api_key": "unused", "max_retries": 0, **kwargs}
+        return openai.OpenAI(base_url=f"{self.url}/v1", **options)
 
     def anthropic(self, **kwargs) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0, **kwargs)
+        options = {"api_key": "unused", "max_retries": 0, **kwargs}
+        return anthropic.Anthropic(base_url=self.url, **options)
 
     def post(self, path: str, body: bytes | dict | list | str, headers: dict | None = None):
         """Raw POST (for bodies no client would send): (status, parsed JSON or text)."""
