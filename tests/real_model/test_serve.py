@@ -1,0 +1,71 @@
+"""`mlxkv serve` as a user starts it (a subprocess, the default model, port 0), asked through the
+real OpenAI and Anthropic clients."""
+
+from __future__ import annotations
+
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+_READY_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def server_url(converted_cache):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlxkv.cli", "serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        yield _ready_url(process)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            _, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        assert process.returncode == 130, stderr  # the shell's code for Ctrl-C
+        assert "Traceback" not in stderr
+        assert re.search(r"POST /v1/messages 200 .* cached=\d+ .*kv cache:", stderr), stderr
+
+
+def _ready_url(process: subprocess.Popen) -> str:
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if selector.select(timeout=1):
+            line = process.stdout.readline()
+            if found := re.search(r"at (http://\S+)", line):
+                return found.group(1)
+        assert process.poll() is None, process.stderr.read()
+    raise AssertionError("mlxkv serve printed no ready line")
+
+
+def test_openai_client_gets_paris(server_url):
+    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0)
+    out = client.chat.completions.create(model="gpt-4o-mini", messages=QUESTION, max_tokens=24)
+    assert "Paris" in out.choices[0].message.content
+
+
+def test_anthropic_client_gets_paris_and_a_cache_read(server_url):
+    client = anthropic.Anthropic(base_url=server_url, api_key="unused", max_retries=0)
+    with client.messages.stream(model="claude-local", messages=QUESTION, max_tokens=24) as stream:
+        text = "".join(stream.text_stream)
+        usage = stream.get_final_message().usage
+    assert "Paris" in text
+    assert usage.cache_read_input_tokens > 0  # the OpenAI test asked the same just before
