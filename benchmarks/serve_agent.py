@@ -132,7 +132,7 @@ def http_stream(url: str, reply_tokens: int) -> Stream:
 
     def stream(messages: list[dict]) -> Iterator[str]:
         for chunk in client.chat.completions.create(
-            model="default",
+            model="default_model",  # mlx_lm.server: the model it was started with
             messages=messages,
             max_tokens=reply_tokens,
             temperature=0.0,

@@ -33,7 +33,7 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
     )
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
-        return event_stream(_message_events(turn, message_id, ctx.model_name, request), turn)
+        return event_stream(_message_events(turn, message_id, ctx.model_name), turn, _error_event)
     events, completion = await collect(turn, request)
     calls = [event for event in events if isinstance(event, ToolCall)]
     content = _blocks(events)
@@ -110,9 +110,7 @@ def _usage(completion: Completion) -> dict[str, int]:
     }
 
 
-async def _message_events(
-    turn: Turn, message_id: str, model: str, request: Request
-) -> AsyncIterator[str]:
+async def _message_events(turn: Turn, message_id: str, model: str) -> AsyncIterator[str]:
     """message_start (once the prompt is processed, so its usage is exact), then content
     blocks (start, deltas, stop), message_delta with the stop reason, message_stop."""
     started, index, text_open = False, 0, False
@@ -167,6 +165,10 @@ def _start_usage(turn: Turn) -> dict[str, int]:
         "cache_read_input_tokens": prompt.cached_tokens,
         "output_tokens": 0,
     }
+
+
+def _error_event(message: str) -> str:
+    return sse({"type": "error", "error": {"type": "api_error", "message": message}}, "error")
 
 
 def _block_start(index: int, block: dict[str, Any]) -> str:

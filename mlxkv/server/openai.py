@@ -44,7 +44,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     )
     reply = _Reply(ctx.model_name, "chatcmpl", "chat.completion")
     if body.stream:
-        return event_stream(_chat_events(turn, reply, body.include_usage, request), turn)
+        return event_stream(_chat_events(turn, reply, body.include_usage), turn, _error_event)
     events, completion = await collect(turn, request)
     message: dict[str, Any] = {"role": "assistant", "content": _text(events)}
     calls = [event for event in events if isinstance(event, ToolCall)]
@@ -71,7 +71,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context):
     )
     reply = _Reply(ctx.model_name, "cmpl", "text_completion")
     if body.stream:
-        return event_stream(_completion_events(turn, reply, body, request), turn)
+        return event_stream(_completion_events(turn, reply, body), turn, _error_event)
     events, completion = await collect(turn, request)
     choice = {
         "index": 0,
@@ -96,9 +96,7 @@ class _Reply:
         return {**head, "choices": choices, **extra}
 
 
-async def _chat_events(
-    turn: Turn, reply: _Reply, include_usage: bool, request: Request
-) -> AsyncIterator[str]:
+async def _chat_events(turn: Turn, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
     reply.kind = "chat.completion.chunk"
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
@@ -122,7 +120,7 @@ async def _chat_events(
 
 
 async def _completion_events(
-    turn: Turn, reply: _Reply, body: CompletionRequest, request: Request
+    turn: Turn, reply: _Reply, body: CompletionRequest
 ) -> AsyncIterator[str]:
     async for event in turn.events():
         if isinstance(event, TextDelta) and (event.text or event.logprobs):
@@ -136,6 +134,10 @@ async def _completion_events(
             if body.include_usage:
                 yield sse(reply.body([], usage=_usage(event)))
     yield sse("[DONE]")
+
+
+def _error_event(message: str) -> str:
+    return sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
 
 
 def _text(events: list[Event]) -> str:

@@ -7,8 +7,9 @@ server-sent-events framing both streaming APIs use.
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -17,6 +18,8 @@ from fastapi.responses import StreamingResponse
 
 from mlxkv.server.turn import Turn
 from mlxkv.server.worker import GenerationWorker
+
+logger = logging.getLogger(__name__)
 
 # Tell proxies (nginx) not to buffer the events.
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -56,13 +59,20 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
     return f"{head}data: {payload}\n\n"
 
 
-def event_stream(events: AsyncIterator[str], turn: Turn) -> StreamingResponse:
-    """A response of server-sent events; a client that leaves cancels the turn at once."""
+def event_stream(
+    events: AsyncIterator[str], turn: Turn, error_event: Callable[[str], str]
+) -> StreamingResponse:
+    """A response of server-sent events. A client that leaves cancels the turn at once; a
+    generation that fails after the response has started ends the stream with
+    `error_event(message)` (the API's own error event) instead of a cut connection."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield event
+        except Exception as error:  # the status line is sent: say it in the stream
+            logger.error("stream failed: %s", error)
+            yield error_event(f"generation failed ({type(error).__name__}); see the server log")
         finally:  # harmless after the end: the turn's cancel flag is its own
             turn.cancel()
 
