@@ -7,8 +7,10 @@ float32 copy of the default model (SmolLM2-135M-Instruct) and run greedy. mlx_lm
 its own process, so it gets the same OpenBLAS through LD_PRELOAD (without it MLX's reference
 BLAS makes the comparison about 20x in our favour, and worthless).
 
-Each configuration replays the session `--reps` times with different tasks (the system prompt
-is shared, as an agent's is); figures are medians over the replays. Targets: turn-10 TTFT of
+Both servers run at once (idle while the other is measured); each round replays the session
+once per configuration, one after the other, with a new task per round (the system prompt is
+shared, as an agent's is, so after the first round it is cached everywhere). Figures are
+medians over the rounds. Targets: turn-10 TTFT of
 mlxkv <= 0.9x mlx_lm.server's; mlxkv over HTTP within 5% of the in-process Runner (total).
 Prints Markdown tables and writes JSON.
 
@@ -183,13 +185,18 @@ def blas_env() -> dict[str, str]:
     return {**os.environ, "LD_PRELOAD": library}
 
 
-def measure(name: str, stream: Stream, system: str, runner: Runner, args) -> list[list[float]]:
-    runs = []
+def measure(
+    streams: dict[str, Stream], system: str, runner: Runner, args
+) -> dict[str, list[list[float]]]:
+    """Replays in turns (each configuration once per round, so drift in the machine's speed
+    hits all of them alike); one replay per configuration and round."""
+    runs: dict[str, list[list[float]]] = {name: [] for name in streams}
     for rep in range(args.reps):
         results = [tool_result(runner, turn, rep) for turn in range(args.turns)]
         task = f"Task {rep}: {filler_text(30, seed=1000 + rep)}"
-        runs.append(replay(stream, system, results, task))
-        print(f"  {name} replay {rep + 1}: total TTFT {sum(runs[-1]):.3f} s", flush=True)
+        for name, stream in streams.items():
+            runs[name].append(replay(stream, system, results, task))
+            print(f"  {name} replay {rep + 1}: total TTFT {sum(runs[name][-1]):.3f} s", flush=True)
     return runs
 
 
@@ -230,19 +237,18 @@ def main(argv: list[str] | None = None) -> int:
             "--port",
         ],
     }
-    runs: dict[str, list[list[float]]] = {}
-    for name, command in servers.items():
-        port = _free_port()
-        process = start_server([*command, str(port)], port, env)
-        try:
-            stream = http_stream(f"http://127.0.0.1:{port}", args.reply_tokens)
-            runs[name] = measure(name, stream, system, runner, args)
-        finally:
+    processes, streams = [], {}
+    try:
+        for name, command in servers.items():
+            port = _free_port()
+            processes.append(start_server([*command, str(port)], port, env))
+            streams[name] = http_stream(f"http://127.0.0.1:{port}", args.reply_tokens)
+        streams["Runner (in process)"] = runner_stream(runner, args.reply_tokens)
+        runs = measure(streams, system, runner, args)
+    finally:
+        for process in processes:
             process.terminate()
             process.wait(timeout=60)
-    runs["Runner (in process)"] = measure(
-        "Runner", runner_stream(runner, args.reply_tokens), system, runner, args
-    )
     report(runs, args)
     shutil.rmtree(work, ignore_errors=True)
     return 0

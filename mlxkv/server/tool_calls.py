@@ -70,7 +70,6 @@ class ToolCallSplitter:
         self._tools = tools
         self._buffer = ""
         self._in_call = False
-        self.num_calls = 0
 
     def push(self, text: str) -> list[Piece]:
         """Adds generated text; returns what is now known to be text or a complete call."""
@@ -114,7 +113,6 @@ class ToolCallSplitter:
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             logger.warning("tool call not parsed, returned as text (%s): %.200r", error, raw)
             return [raw]
-        self.num_calls += len(calls)
         return list(calls)
 
 
