@@ -146,32 +146,10 @@ class Runner:
         `parse_control_tokens`)."""
         return self._prompts.encode(prompt, parse_control_tokens=parse_control_tokens, tools=tools)
 
-    def generate(
-        self,
-        prompt: Prompt,
-        *,
-        progress: ProgressCallback | None = None,
-        parse_control_tokens: bool = False,
-        tools: Tools | None = None,
-        cancel: threading.Event | None = None,
-        logprobs: int | None = None,
-        truncate: bool = True,
-        **sampling: Any,
-    ) -> Completion:
-        """Generates a whole completion. Takes the same arguments as `stream`."""
-        chunks = list(
-            self.stream(
-                prompt,
-                progress=progress,
-                parse_control_tokens=parse_control_tokens,
-                tools=tools,
-                cancel=cancel,
-                logprobs=logprobs,
-                truncate=truncate,
-                **sampling,
-            )
-        )
-        return chunks[-1].completion
+    def generate(self, prompt: Prompt, **options: Any) -> Completion:
+        """Generates a whole completion. Takes the same arguments as `stream` (and raises the
+        same errors)."""
+        return list(self.stream(prompt, **options))[-1].completion
 
     def stream(
         self,
