@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from benchmarks.common import Stat
 from mlxkv.cache import KVCache, ModelCache
-from mlxkv.cache.prefix import PrefixCache
+from mlxkv.cache.pool import CachePool
 from mlxkv.runner.memory import MemoryReport
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
@@ -56,11 +56,13 @@ def measure(sizes: list[int], reps: int) -> dict:
 
 def _measure_size(size: int, reps: int) -> dict:
     cache = _filled(size)
-    prefix = PrefixCache(cache)
+    pool = CachePool(lambda: cache)  # its first (missing) lookup adopts the filled cache
+    pool.fetch_nearest([0])
+    pool.release()
     extension = cache.tokens + [1, 2, 3]
     return {
-        "prefix_match_us": _micros(lambda: prefix.fetch_nearest(extension), reps),
-        "log_call_us": _micros(lambda: MemoryReport.measure(cache).log_line(), reps),
+        "prefix_match_us": _micros(lambda: pool.fetch_nearest(extension), reps),
+        "log_call_us": _micros(lambda: MemoryReport.measure(pool).log_line(), reps),
         # Each trim drops one token: O(1) whatever the size.
         "trim_us": _micros(lambda: cache.trim_to(cache.num_tokens - 1), reps),
         "kv_bytes": cache.used_bytes,

@@ -34,9 +34,10 @@ from mlxkv.errors import CacheFullError, NotSupportedError
 
 logger = logging.getLogger(__name__)
 
-# Snapshots of non-trimmable layers kept for rewinding: the newest prompts' ends. Two cover
-# the usual chat (this turn and a regenerated one) while bounding memory.
-MAX_CHECKPOINTS = 2
+# Snapshots of non-trimmable layers kept for rewinding: the earliest one (where a system prompt
+# ends, shared by conversations) and the newest prompts' ends (this turn and a regenerated one).
+# Three bound the memory while covering the usual chat.
+MAX_CHECKPOINTS = 3
 
 
 class ModelCache:
@@ -193,9 +194,9 @@ class ModelCache:
 
     def checkpoint(self) -> None:
         """Snapshots, at the current length, the layers that cannot trim back, so a later
-        request can return here (`rewind_to`). Keeps the `MAX_CHECKPOINTS` newest; their bytes
-        are `checkpoint_bytes`."""
-        if not self.needs_checkpoints:
+        request can return here (`rewind_to`). Keeps the earliest and the newest, at most
+        `MAX_CHECKPOINTS`; their bytes are `checkpoint_bytes`."""
+        if not self.needs_checkpoints or self.num_tokens in self._checkpoints:
             return
         snapshot = [
             None if _always_trimmable(layer) else _copy_layer(layer) for layer in self.layers
@@ -203,7 +204,32 @@ class ModelCache:
         mx.eval([a for layer in _leaves([s for s in snapshot if s]) for a in _arrays_of(layer)])
         self._checkpoints[self.num_tokens] = snapshot
         while len(self._checkpoints) > MAX_CHECKPOINTS:
-            del self._checkpoints[next(iter(self._checkpoints))]
+            earliest = min(self._checkpoints)
+            del self._checkpoints[next(n for n in self._checkpoints if n != earliest)]
+
+    @property
+    def checkpoints(self) -> dict[int, list[Any]]:
+        """Checkpoints by length in tokens: per layer a snapshot, or None for layers that trim
+        back instead. Read-only: snapshots are never changed in place, so they may be shared."""
+        return dict(self._checkpoints)
+
+    def adopt(self, layers: list[Any], tokens: list[int], checkpoints: dict[int, list[Any]]):
+        """Replaces everything held with `layers` holding `tokens` (a loaded or copied state).
+
+        Raises:
+            ValueError: a layer's offset is not len(tokens), or a checkpoint lies past it.
+        """
+        offsets = {layer.offset for layer in _leaves(layers) if hasattr(layer, "offset")}
+        if offsets - {len(tokens)} or any(n > len(tokens) for n in checkpoints):
+            raise ValueError(
+                f"layers at offsets {sorted(offsets)} with checkpoints at {sorted(checkpoints)} "
+                f"do not hold {len(tokens)} tokens"
+            )
+        self.layers = layers
+        self._pending.clear()
+        self._num_pending = 0
+        self._tokens = list(tokens)
+        self._checkpoints = dict(checkpoints)
 
     def nearest_restorable(self, num_tokens: int) -> int:
         """The largest length <= num_tokens this cache can go back to, by trimming or from a
@@ -242,9 +268,7 @@ class ModelCache:
     @property
     def checkpoint_bytes(self) -> int:
         """Bytes held by checkpoints (bounded: at most `MAX_CHECKPOINTS` snapshots)."""
-        # list(): a consistent view even while a generation on another thread adds one
-        saved = [layer for snap in list(self._checkpoints.values()) for layer in snap if layer]
-        return sum(layer.nbytes for layer in _leaves(saved))
+        return sum(layer.nbytes for layer in checkpoint_layers(self))
 
     def can_shift(self, rotations: Sequence[Rotation | None] | None) -> bool:
         """True when `shift` can run: every layer a float KVCache with a rotation."""
@@ -280,10 +304,38 @@ class ModelCache:
 
     def copy(self) -> ModelCache:
         """An independent cache holding the same tokens (copies the used K/V, not the slack)."""
+        return self.copy_prefix(self.num_tokens)
+
+    def copy_prefix(self, num_tokens: int) -> ModelCache:
+        """An independent cache holding the first `num_tokens` tokens, for a request that
+        shares only that prefix: K/V copied up to there (not the rest, not the slack), layers
+        that cannot trim taken from the checkpoint there. Checkpoints at or before it are
+        shared, not copied (they are never changed in place). This cache is unchanged.
+
+        Raises:
+            NotSupportedError: neither trimming nor a checkpoint reaches `num_tokens`
+                (`nearest_restorable(num_tokens) != num_tokens`).
+        """
+        if self.nearest_restorable(num_tokens) != num_tokens:
+            raise NotSupportedError(
+                f"cannot copy the first {num_tokens} of {self.num_tokens} tokens: some layers "
+                "cannot go back there and no checkpoint was taken there"
+            )
         self._settle()
-        layers = [_copy_layer(layer) for layer in self.layers]
-        clone = ModelCache(layers, self._make_layers, self.capacity_tokens)
-        clone._tokens = list(self._tokens)
+        drop = self.num_tokens - num_tokens
+        snapshot = None if self.can_trim_to(num_tokens) else self._checkpoints[num_tokens]
+        layers = []
+        for i, layer in enumerate(self.layers):
+            if snapshot is not None and snapshot[i] is not None:
+                layers.append(_copy_layer(snapshot[i]))
+            else:
+                layers.append(_copy_layer(layer, drop))
+        clone = ModelCache([], self._make_layers, self.capacity_tokens)
+        clone.adopt(
+            layers,
+            self._tokens[:num_tokens],
+            {n: s for n, s in self._checkpoints.items() if n <= num_tokens},
+        )
         return clone
 
     def free(self) -> None:
@@ -356,16 +408,34 @@ def make_cache(
     return ModelCache(make_layers(), make_layers)
 
 
-def _copy_layer(layer: Any) -> Any:
+def checkpoint_layers(cache: ModelCache) -> list[Any]:
+    """The per-layer caches of all its checkpoints (`CacheList`s flattened). Snapshots may be
+    shared with copies of the cache: count bytes once per object."""
+    # list(): a consistent view even while a generation on another thread adds one
+    saved = [layer for snap in list(cache.checkpoints.values()) for layer in snap if layer]
+    return _leaves(saved)
+
+
+def _copy_layer(layer: Any, drop: int = 0) -> Any:
+    """An independent copy of a layer without its last `drop` tokens (the layer must be able
+    to trim them: K/V layers copy only what they keep; others copy, then trim)."""
     if isinstance(layer, mlx_cache.CacheList):
-        return mlx_cache.CacheList(*(_copy_layer(c) for c in layer.caches))
+        return mlx_cache.CacheList(*(_copy_layer(c, drop) for c in layer.caches))
     if isinstance(layer, mlx_cache.ArraysCache):
+        assert drop == 0, "recurrent state cannot trim"
         clone = mlx_cache.ArraysCache(len(layer.cache))
         clone.cache = list(layer.cache)  # recurrent arrays are replaced, never mutated
         return clone
     # Our caches write into their buffers in place, so the copy needs arrays of its own.
+    if _always_trimmable(layer) and drop:  # state is (B, H, L, D) arrays: slice L
+        keep = layer.offset - drop
+        state = tree_map(lambda a: a[..., :keep, :] * 1, layer.state)
+        return type(layer).from_state(state, layer.meta_state)
     state = tuple(tree_map(lambda a: mx.array(a) * 1, layer.state))
-    return type(layer).from_state(state, layer.meta_state)
+    clone = type(layer).from_state(state, layer.meta_state)
+    if drop:
+        clone.trim(drop)
+    return clone
 
 
 def _arrays_of(layer: Any) -> list[mx.array]:

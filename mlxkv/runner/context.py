@@ -31,7 +31,6 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 
 from mlxkv.cache.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.errors import ContextLengthError
 
 logger = logging.getLogger(__name__)
@@ -109,13 +108,13 @@ def fit_prompt(
     budget: int,
     keep: int,
     *,
-    held: Sequence[int] = (),
+    cached_prefix: Callable[[Sequence[int]], int] = lambda tokens: 0,
     chat: ChatCut | None = None,
 ) -> Fitted:
     """Returns `tokens` cut to at most `budget` tokens, keeping the first `keep`.
 
     Chat messages (`chat` given) are dropped whole, never splitting a template marker. The cut
-    the cache holds (`chat.preferred`, verified against `held`) is kept while it fits, so a
+    the cache holds (`chat.preferred`, verified with `cached_prefix`) is kept while it fits, so a
     conversation that lives cut in the cache is reused exactly. Otherwise the cut goes deep
     enough to fit in half the budget, so the next turns find the same start in the cache
     instead of missing on every turn (a cut's cost is paid once per half window, not once per
@@ -123,7 +122,7 @@ def fit_prompt(
     history costs time linear in its length (the full render), not quadratic.
 
     Args:
-        held: the token ids the prompt cache holds.
+        cached_prefix: how many leading tokens of a token list the prompt cache holds.
 
     Raises:
         ContextLengthError: `keep` leaves no room in the budget, or the chat's last user turn
@@ -138,7 +137,7 @@ def fit_prompt(
             "context: dropped %d tokens after the first %d to fit %d tokens", cut, keep, budget
         )
         return Fitted(tokens[:keep] + tokens[keep + cut :])
-    first, chosen = _chat_cut(chat, budget, held)
+    first, chosen = _chat_cut(chat, budget, cached_prefix)
     logger.info(
         "context: dropped the messages before message %d (%d tokens) to fit %d tokens",
         first,
@@ -148,10 +147,12 @@ def fit_prompt(
     return Fitted(chosen, first)
 
 
-def _chat_cut(chat: ChatCut, budget: int, held: Sequence[int]) -> tuple[int, list[int]]:
+def _chat_cut(
+    chat: ChatCut, budget: int, cached_prefix: Callable[[Sequence[int]], int]
+) -> tuple[int, list[int]]:
     if chat.preferred is not None:
         candidate = chat.render_from(chat.preferred)
-        if len(candidate) <= budget and common_prefix_length(held, candidate) >= budget // 4:
+        if len(candidate) <= budget and cached_prefix(candidate) >= budget // 4:
             return chat.preferred, candidate
     points = list(chat.cut_points)
     for limit in (budget // 2, budget):

@@ -1,14 +1,11 @@
 """Process-wide MLX state that every request must leave clean, whatever thread it ran on.
 
-Owns: the two pieces of global MLX state a request touches:
+Owns: the global MLX state a request touches:
   - the random key (`mx.random.state`): mlx-lm's samplers are `mx.compile`d with the key as an
     input and an output, so a sampler that raises while it is traced leaves a tracer without a
     primitive in the key, and every later sampled generation in the process fails ("Attempting
     to eval an array without a primitive") until something reseeds;
-  - thread-local streams: MLX gives each thread its own default stream. When a thread that ran
-    MLX work ends, the C++ teardown of its streams can race the process's own exit and abort it
-    ("terminate called without an active exception", exit 134). Destroying them on that thread,
-    when its Python state is cleared (before `Thread.join` returns), removes the race.
+  - thread-local streams (see `mlxkv._mlx_threads`, shared with the disk tier's writer).
 
 Does not own the model's or the cache's arrays (see `loading.materialize` and
 `ModelCache.materialize`).
@@ -18,15 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import mlx.core as mx
 
 logger = logging.getLogger(__name__)
-
-_thread_local = threading.local()
 
 
 @contextmanager
@@ -54,20 +48,3 @@ def _usable_key() -> int:
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
         high, low = mx.random.state[0].tolist()
     return (high << 32) | low
-
-
-class _StreamReleaser:
-    """Lives in one thread's `threading.local`; freed on that thread when the thread ends."""
-
-    def __del__(self) -> None:
-        mx.synchronize()
-        mx.clear_streams()
-
-
-def release_streams_at_thread_exit() -> None:
-    """Arranges for the calling thread's MLX streams to be destroyed on that thread when it
-    ends (no-op on the main thread, whose streams live as long as the process)."""
-    if threading.current_thread() is threading.main_thread():
-        return
-    if not hasattr(_thread_local, "releaser"):
-        _thread_local.releaser = _StreamReleaser()

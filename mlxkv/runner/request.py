@@ -121,7 +121,7 @@ class RequestBuilder:
         sampling: dict[str, Any],
         options: RequestOptions,
         *,
-        held: Sequence[int],
+        cached_prefix: Callable[[Sequence[int]], int],
     ) -> Request:
         """Raises ValueError (ContextLengthError for a prompt that cannot fit) on bad input."""
         params = _sampling_params(sampling)
@@ -147,7 +147,7 @@ class RequestBuilder:
         if len(tokens) > budget:
             budget -= max(1, min(params.max_tokens, self._max_context // 4))
         chat = self._chat_cut(prompt, render) if is_messages(prompt) else None
-        fitted = fit_prompt(tokens, budget, keep, held=held, chat=chat)
+        fitted = fit_prompt(tokens, budget, keep, cached_prefix=cached_prefix, chat=chat)
         if fitted.first_message is not None:
             self._cut_start = prompt[fitted.first_message]
         header = self._generation_prompt_length(prompt, tokens, render)

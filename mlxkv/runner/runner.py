@@ -4,7 +4,7 @@ Owns: the request path (validate -> prefix lookup -> prefill the rest -> decode 
 serializing requests from several threads, and the memory log line after each generation.
 
 Invariant, however a request ends (normal end, stop string, the caller leaving `stream()`
-early, an exception in a callback, KeyboardInterrupt, `cancel()`): the prompt-cache entry's
+early, an exception in a callback, KeyboardInterrupt, `cancel()`): each prompt-cache entry's
 token list equals what its caches hold, and the next request reuses exactly that. This holds
 because every model call goes through `ModelCache.forward`, which is all or nothing.
 """
@@ -21,9 +21,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.cache.model_cache import make_cache
-from mlxkv.cache.prefix import PrefixCache, PrefixHit
+from mlxkv._mlx_threads import release_streams_at_thread_exit
+from mlxkv.cache.model_cache import ModelCache, make_cache
+from mlxkv.cache.prefix import PrefixHit
 from mlxkv.errors import RunnerBusyError
+from mlxkv.runner.cache_setup import CacheSettings, make_pool
 from mlxkv.runner.checks import check_int
 from mlxkv.runner.context import ContextWindow, default_max_context, rope_rotations
 from mlxkv.runner.generate import (
@@ -40,7 +42,7 @@ from mlxkv.runner.generate import (
 )
 from mlxkv.runner.loading import LoadedModel, load_model
 from mlxkv.runner.memory import MemoryReport
-from mlxkv.runner.mlx_state import clean_random_state, release_streams_at_thread_exit
+from mlxkv.runner.mlx_state import clean_random_state
 from mlxkv.runner.prompt import Prompt, PromptEncoder, Tools
 from mlxkv.runner.request import Request, RequestBuilder, RequestOptions
 
@@ -63,6 +65,14 @@ class Runner:
         kv_bits: quantize global-attention K/V to 8 or 4 bits; None keeps the model's dtype.
         kv_group_size: head-dimension elements per quantization scale.
         prefill_step_size: most prompt tokens fed per model call; bounds prefill memory.
+        cache_entries: most prompt-cache entries (conversations) kept in memory; 1 keeps one
+            entry and trims it in place. More keep a prefix tree of entries (see
+            `mlxkv.cache.pool`): each conversation comes back to its own.
+        cache_bytes: the entries' byte budget (int bytes, or "4GiB", "512MiB"), held after
+            every request; None for no limit.
+        cache_dir: a directory for the disk tier: evicted entries are written there and
+            loaded back, and a new Runner on it (a restart) starts warm. None for none.
+        cache_dir_bytes: the disk tier's byte budget (default 16 GiB).
 
     Raises:
         ValueError: a setting of the wrong type or out of range.
@@ -77,7 +87,12 @@ class Runner:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         prefill_step_size: int = 512,
+        cache_entries: int = 1,
+        cache_bytes: int | str | None = None,
+        cache_dir: str | Path | None = None,
+        cache_dir_bytes: int | str | None = None,
     ):
+        settings = CacheSettings.check(cache_entries, cache_bytes, cache_dir, cache_dir_bytes)
         if max_context is not None:
             check_int("max_context (tokens)", max_context, low=2)
         if keep is not None:
@@ -90,16 +105,15 @@ class Runner:
         self.keep = keep
         self.prefill_step_size = prefill_step_size
         self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
-        cache = make_cache(loaded.model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        self._kv_settings = {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
+        probe = make_cache(loaded.model, **self._kv_settings)
         self.max_context = max_context or default_max_context(
-            loaded.model, loaded.max_position_embeddings, cache
+            loaded.model, loaded.max_position_embeddings, probe
         )
-        cache.capacity_tokens = self.max_context  # the window is enforced by the cache too
         self._rotations = rope_rotations(loaded.model)
-        self._prefix = PrefixCache(cache)
+        self._pool = make_pool(loaded, self._make_entry, settings)
         self._lock = threading.Lock()  # held for a whole generation
         self._owner: int | None = None  # the thread that holds it
-        self._held: list[int] = []  # the entry's tokens after the last request, for fitting
         self._builder = RequestBuilder(self._prompts, self.max_context, keep)
         self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         self._requests_lock = threading.Lock()
@@ -114,8 +128,12 @@ class Runner:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         prefill_step_size: int = 512,
+        cache_entries: int = 1,
+        cache_bytes: int | str | None = None,
+        cache_dir: str | Path | None = None,
+        cache_dir_bytes: int | str | None = None,
     ) -> Runner:
-        """Loads a model and wraps it in a Runner.
+        """Loads a model and wraps it in a Runner (the other arguments are the Runner's).
 
         Args:
             path_or_repo: a Hugging Face-layout directory, a .gguf file, an Ollama model name,
@@ -132,7 +150,16 @@ class Runner:
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
             prefill_step_size=prefill_step_size,
+            cache_entries=cache_entries,
+            cache_bytes=cache_bytes,
+            cache_dir=cache_dir,
+            cache_dir_bytes=cache_dir_bytes,
         )
+
+    def _make_entry(self) -> ModelCache:
+        cache = make_cache(self.loaded.model, **self._kv_settings)
+        cache.capacity_tokens = self.max_context  # the window is enforced by the cache too
+        return cache
 
     @property
     def tokenizer(self) -> Any:
@@ -195,7 +222,9 @@ class Runner:
         options = RequestOptions(progress, parse_control_tokens, tools, cancel, logprobs, truncate)
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.
-        request = self._builder.build(prompt, sampling, options, held=self._held)
+        request = self._builder.build(
+            prompt, sampling, options, cached_prefix=self._pool.longest_prefix
+        )
         with self._requests_lock:
             self._requests.add(request.cancelled)
         return self._stream(request)
@@ -220,13 +249,15 @@ class Runner:
 
     def _end_request(self) -> None:
         """Leaves nothing lazy or thread-bound behind, so the next request may run on any
-        thread, and logs the memory line."""
+        thread; evicts to the cache's budget; logs the memory line."""
+        entry = self._pool.current
         try:
-            self._prefix.entry.materialize()
+            if entry is not None:
+                entry.cache.materialize()
         except RuntimeError as error:  # a failed lazy computation: never keep a broken entry
             logger.warning("prompt cache dropped: its arrays could not be evaluated (%s)", error)
-            self._prefix.clear()
-        self._held = self._prefix.entry.tokens
+            entry.cache.free()
+        self._pool.release()
         release_streams_at_thread_exit()
         self._log_memory()
 
@@ -244,12 +275,28 @@ class Runner:
             if request.cancelled.is_set():
                 raise PrefillCancelled
 
-        split = len(request.tokens) - request.header_tokens - hit.num_cached
-        if cache.needs_checkpoints and 0 < split < total:
-            fill(model, cache, remaining[:split], step_tokens=self._step, progress=after_chunk)
+        start = time.perf_counter()
+        for split in self._checkpoint_points(request, hit):
+            fill(model, cache, remaining[: split - offset], step_tokens=self._step,
+                 progress=after_chunk)  # fmt: skip
             cache.checkpoint()
-            offset, remaining = split, remaining[split:]
-        return prefill(model, cache, remaining, step_tokens=self._step, progress=after_chunk)
+            offset, remaining = split, remaining[split - offset :]
+        logits = prefill(model, cache, remaining, step_tokens=self._step, progress=after_chunk)
+        if total >= self._step:  # long enough to measure: the pool weighs disk loads by it
+            self._pool.prefill_tokens_per_s = total / (time.perf_counter() - start)
+        return logits
+
+    def _checkpoint_points(self, request: Request, hit: PrefixHit) -> list[int]:
+        """Where to checkpoint layers that cannot trim, in tokens after the cached ones: where
+        the generation prompt starts (the next turn re-renders from there) and, when several
+        entries are kept, where the system prompt ends (other conversations share it)."""
+        if not hit.cache.needs_checkpoints:
+            return []
+        ends = {len(request.tokens) - request.header_tokens}
+        if self._pool.max_entries > 1:
+            ends.add(request.keep)
+        total = len(hit.remaining)
+        return sorted(p - hit.num_cached for p in ends if 0 < p - hit.num_cached < total)
 
     @property
     def _step(self) -> int:
@@ -265,7 +312,7 @@ class Runner:
         stats_start = time.perf_counter()
         if params.seed is not None:
             mx.random.seed(params.seed)
-        hit = self._prefix.fetch_nearest(tokens)
+        hit = self._pool.fetch_nearest(tokens, reply_start=len(tokens) - request.header_tokens)
         stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
         try:
             logits = self._prefill(request, hit, stats)
@@ -337,18 +384,24 @@ class Runner:
             cancelled.set()
 
     def cache_info(self) -> MemoryReport:
-        """Tokens held by the prompt cache and its bytes. Never waits: during a generation on
-        another thread it is a live reading of a cache that is changing."""
-        return MemoryReport.measure(self._prefix.entry)
+        """Tokens held by the prompt cache's entries, their bytes, and the disk tier. Never
+        waits: during a generation on another thread it is a live reading of a cache that is
+        changing."""
+        return MemoryReport.measure(self._pool)
 
     @property
     def cache_tokens(self) -> list[int]:
-        """The token ids the prompt cache holds (a copy). Waits for a generation running on
-        another thread; inside this thread's own stream it reads the cache as it is."""
+        """The token ids the entry of the last request holds (a copy). Waits for a generation
+        running on another thread; inside this thread's own stream it reads the cache as it
+        is."""
         if self._owner == threading.get_ident():
-            return self._prefix.entry.tokens
+            return self._current_tokens()
         with self._lock:
-            return self._prefix.entry.tokens
+            return self._current_tokens()
+
+    def _current_tokens(self) -> list[int]:
+        entry = self._pool.current
+        return [] if entry is None else entry.cache.tokens
 
     def reset(self) -> None:
         """Drops the prompt-cache entry and its memory (waits for a running generation).
@@ -359,9 +412,20 @@ class Runner:
         if self._owner == threading.get_ident():
             raise RunnerBusyError("cannot reset the cache inside its own stream(); close it first")
         with self._lock:
-            self._prefix.clear()
-            self._held = []
+            self._pool.clear()
             self._builder.forget_cut()
 
+    def close(self) -> None:
+        """Writes the entries to the disk tier (when there is one) and waits for every write,
+        so a new Runner on the same `cache_dir` starts warm. The Runner stays usable."""
+        with self._lock:
+            self._pool.persist()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def _log_memory(self) -> None:
-        logger.info("%s", MemoryReport.measure(self._prefix.entry).log_line())
+        logger.info("%s", MemoryReport.measure(self._pool).log_line())

@@ -1,0 +1,275 @@
+"""CachePool: the prompt cache's entries, matched by longest common prefix, under a count and
+a byte budget, with an optional disk tier.
+
+Owns: for each request, which entry to generate into and how much of it to reuse; evicting
+entries after a request; handing evicted entries to the disk tier and loading them back. Does
+not own the file format (`store`) or any model call.
+
+Terms:
+  entry        a ModelCache and the token ids it holds (generated into in place);
+  reply start  where the model's reply began in an entry's last request: tokens before it came
+               from the client, tokens after it are the reply the client renders back;
+  superseded   an entry whose tokens are a strict prefix of another entry's.
+
+For a request's tokens T, r is the longest prefix of T an entry can return to exactly (by
+trimming, or from a checkpoint for layers that cannot trim), at most len(T) - 1. The entries
+work as a prefix tree whose nodes are the entries' divergence points: one shared prefix is
+never held twice by entries that extend each other, and lookups compare T with each entry
+(vectorised). Then:
+  - r == 0: a new, empty entry (a miss);
+  - r == the entry's length: generate into it in place (nothing copied);
+  - the entry goes on past r after its reply start (a reply rendered back differently, or
+    regenerated: the same conversation): trim it to r in place;
+  - before it (another conversation sharing a system prompt, an edited message): a new entry
+    with a copy of the first r tokens' K/V; the entry stays for the conversation that still
+    needs it. With one entry allowed it is trimmed in place instead (today's behaviour).
+  - a disk file serving a longer prefix than any entry is loaded when reading it is expected
+    to be faster than prefilling the difference (both rates measured as they run).
+
+Invariants:
+  - `fetch_nearest` returns at least one token still to feed;
+  - after `release`, at most `max_entries` entries, and the bytes they hold (K/V allocated,
+    checkpoints; plus entries still being written to disk) are at most `max_bytes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mlxkv.cache.model_cache import ModelCache, checkpoint_layers
+from mlxkv.cache.prefix import PrefixHit, common_prefix_length
+from mlxkv.cache.store import DiskStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    """One entry. `tokens` is read at the end of each request (safe to read from any thread;
+    `cache.tokens` is not while a generation runs)."""
+
+    cache: ModelCache
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
+    reply_start: int = 0
+    last_used: float = field(default_factory=time.time)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
+
+
+class CachePool:
+    """The prompt cache: entries matched by longest common prefix.
+
+    Args:
+        make_entry: builds an empty ModelCache for the model.
+        max_entries: most entries held in memory (1: one entry, trimmed in place).
+        max_bytes: most bytes the entries may hold after a request; None for no limit.
+        store: the disk tier for evicted entries; None for none.
+    """
+
+    def __init__(
+        self,
+        make_entry: Callable[[], ModelCache],
+        *,
+        max_entries: int = 1,
+        max_bytes: int | None = None,
+        store: DiskStore | None = None,
+    ):
+        self._make_entry = make_entry
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.store = store
+        self._entries: list[CacheEntry] = []
+        self.current: CacheEntry | None = None  # the entry of the running or last request
+        self.prefill_tokens_per_s: float | None = None  # set by the runner as it measures
+
+    @property
+    def entries(self) -> list[CacheEntry]:
+        """The entries, least recently used first (a copy of the list)."""
+        return sorted(self._entries, key=lambda e: e.last_used)
+
+    def fetch_nearest(self, tokens: Sequence[int], *, reply_start: int | None = None) -> PrefixHit:
+        """Picks (or makes) the entry for `tokens`, prepared to receive the rest of them.
+
+        Args:
+            tokens: the request's prompt.
+            reply_start: where the reply will begin (the prompt's length less the chat
+                template's generation prompt); None for the prompt's end.
+
+        Raises:
+            ValueError: tokens is empty.
+        """
+        if not tokens:
+            raise ValueError("cannot match an empty token sequence")
+        query = np.asarray(tokens, dtype=np.uint32)
+        limit = len(tokens) - 1
+        entry, reuse = self._nearest_in_memory(query, limit)
+        if self.store is not None:
+            entry, reuse = self._maybe_load(query, limit, entry, reuse)
+        how = "extended in place"
+        if reuse == 0:
+            entry, how = self._add(self._make_entry()), "new entry"
+        elif reuse < entry.cache.num_tokens:
+            if self.max_entries == 1 or reuse >= entry.reply_start:
+                trimmed = entry.cache.rewind_to(reuse)
+                # Keep allocation within one growth step of what is held after a large trim.
+                freed = entry.cache.shrink() if trimmed else 0
+                logger.debug("prefix cache trim tokens=%d freed_bytes=%d", trimmed, freed)
+                how = "trimmed in place"
+            else:
+                shared = entry
+                entry = self._add(shared.cache.copy_prefix(reuse), keep=shared)
+                how = "copied prefix"
+        if reuse:
+            logger.info(
+                "prefix cache hit total=%d cached=%d left=%d (%s)",
+                len(tokens),
+                reuse,
+                len(tokens) - reuse,
+                how,
+            )
+        else:
+            logger.info("prefix cache miss total=%d left=%d", len(tokens), len(tokens))
+        entry.reply_start = min(len(tokens) if reply_start is None else reply_start, limit)
+        entry.last_used = time.time()
+        self.current = entry
+        return PrefixHit(entry.cache, reuse, list(tokens[reuse:]))
+
+    def _nearest_in_memory(self, query: np.ndarray, limit: int) -> tuple[CacheEntry | None, int]:
+        best, best_key, best_common = None, (0, False, 0.0), 0
+        for entry in self._entries:
+            common = min(common_prefix_length(entry.tokens, query), limit)
+            reuse = common
+            if 0 < reuse < entry.num_tokens:
+                reuse = entry.cache.nearest_restorable(reuse)
+            # the longest reuse; then one that needs no trim or copy; then the most recent
+            key = (reuse, reuse == entry.num_tokens, entry.last_used)
+            if reuse and key > best_key:
+                best, best_key, best_common = entry, key, common
+        if best is not None and best_key[0] < best_common:
+            logger.info(
+                "prefix cache: cannot go back from %d to %d tokens (recurrent or sliding-window "
+                "layers no longer hold them); the nearest checkpoint is at %d",
+                best.num_tokens,
+                best_common,
+                best_key[0],
+            )
+        return best, best_key[0]
+
+    def _maybe_load(
+        self, query: np.ndarray, limit: int, entry: CacheEntry | None, reuse: int
+    ) -> tuple[CacheEntry | None, int]:
+        record, disk_reuse = self.store.best(query, limit)
+        if record is None or disk_reuse <= reuse:
+            return entry, reuse
+        load_s = record.nbytes / self.store.read_bytes_per_s
+        tps = self.prefill_tokens_per_s
+        if tps is not None and load_s >= (disk_reuse - reuse) / tps:
+            logger.debug("disk cache: prefilling %d tokens beats loading", disk_reuse - reuse)
+            return entry, reuse
+        cache = self.store.load(record, self._make_entry())
+        if cache is None:
+            return entry, reuse
+        logger.info("disk cache: loaded an entry of %d tokens", cache.num_tokens)
+        loaded = self._add(cache)
+        loaded.tokens = record.tokens.copy()
+        loaded.reply_start = cache.num_tokens  # a reply rendered back is the same conversation
+        return loaded, cache.nearest_restorable(disk_reuse)
+
+    def _add(self, cache: ModelCache, keep: CacheEntry | None = None) -> CacheEntry:
+        """Adds an entry for `cache`, first evicting one if the pool is full (never `keep`,
+        the entry the new one is copied from)."""
+        self._evict(self.max_entries - 1, None, keep=keep)
+        entry = CacheEntry(cache)
+        self._entries.append(entry)
+        return entry
+
+    def release(self) -> None:
+        """Ends a request: records what the current entry holds, then evicts to the budget.
+        The current entry is evicted last (and only when it alone is over the budget)."""
+        entry = self.current
+        if entry is not None:
+            entry.tokens = np.asarray(entry.cache.tokens, dtype=np.uint32)
+            if entry.num_tokens == 0 and entry in self._entries:
+                self._entries.remove(entry)
+        self.evict(max_bytes=self.max_bytes, max_entries=self.max_entries)
+
+    def evict(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> int:
+        """Evicts entries until at most `max_entries` remain and they hold at most `max_bytes`
+        bytes: superseded entries first, then the least recently used. Evicted entries go to
+        the disk tier when there is one.
+
+        Returns:
+            The number of entries evicted.
+        """
+        evicted = self._evict(max_entries, max_bytes)
+        if max_bytes is not None and self.store is not None and self.nbytes > max_bytes:
+            self.store.flush()  # only writes still pending hold the excess: wait for them
+        return evicted
+
+    def _evict(
+        self, max_entries: int | None, max_bytes: int | None, keep: CacheEntry | None = None
+    ) -> int:
+        evicted = 0
+        while True:
+            over_count = max_entries is not None and len(self._entries) > max_entries
+            over_bytes = max_bytes is not None and self.nbytes > max_bytes
+            candidates = [e for e in self._entries if e is not keep]
+            if not (over_count or over_bytes) or not candidates:
+                return evicted
+            victim = min(candidates, key=lambda e: (not self._superseded(e), e.last_used))
+            self._entries.remove(victim)
+            if victim is self.current:
+                self.current = None
+            logger.debug(
+                "prefix cache evict tokens=%d bytes=%d", victim.num_tokens, _entry_bytes(victim)
+            )
+            if self.store is not None:
+                self.store.write(victim.cache)
+            evicted += 1
+
+    def _superseded(self, entry: CacheEntry) -> bool:
+        return any(
+            other.num_tokens > entry.num_tokens
+            and common_prefix_length(other.tokens, entry.tokens) == entry.num_tokens
+            for other in self._entries
+        )
+
+    def longest_prefix(self, tokens: Sequence[int]) -> int:
+        """The most tokens of `tokens` some entry held at the end of its last request (safe
+        from any thread; used to choose among ways to cut a long prompt)."""
+        query = np.asarray(tokens, dtype=np.uint32)
+        return max((common_prefix_length(e.tokens, query) for e in list(self._entries)), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the entries hold: K/V allocated and checkpoints (each shared snapshot once),
+        plus entries handed to the disk tier and not yet written."""
+        entries = list(self._entries)
+        held = sum(e.cache.nbytes for e in entries)
+        snapshots = {id(s): s for e in entries for s in checkpoint_layers(e.cache)}
+        held += sum(s.nbytes for s in snapshots.values())
+        return held + (self.store.pending_bytes if self.store is not None else 0)
+
+    def persist(self) -> None:
+        """Writes every entry to the disk tier now (and waits), so a restart finds them."""
+        if self.store is None:
+            return
+        for entry in self._entries:
+            self.store.write(entry.cache, wait=True)
+        self.store.flush()
+
+    def clear(self) -> None:
+        """Drops every entry and its memory (the disk tier keeps its files)."""
+        self._entries.clear()
+        self.current = None
+
+
+def _entry_bytes(entry: CacheEntry) -> int:
+    return entry.cache.nbytes + entry.cache.checkpoint_bytes

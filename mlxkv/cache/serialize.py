@@ -1,0 +1,134 @@
+"""A ModelCache as named arrays plus a JSON layout, and back: what the disk tier writes.
+
+Owns: the mapping between per-layer caches (mlxkv's K/V classes, mlx-lm's recurrent
+`ArraysCache` kinds, `CacheList` containers) and flat `{name: array}` dicts, for the layers
+and for each checkpoint; `layout_signature`, which says whether two caches have the same
+shape of layers. Does not own files, checksums or the index (see `store`).
+
+Terms:
+  layout     per layer: its class name, its `meta_state` and the names of its arrays;
+  signature  the layout without anything that depends on the tokens held (offsets, arrays).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import cache as mlx_cache
+
+from mlxkv.cache.kv import KVCache
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.cache.quantized import QuantizedKVCache
+from mlxkv.cache.window import SlidingWindowCache
+from mlxkv.errors import CacheStateError, NotSupportedError
+
+_STATEFUL = {cls.__name__: cls for cls in (KVCache, QuantizedKVCache, SlidingWindowCache)}
+
+
+def cache_to_arrays(cache: ModelCache) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """The arrays (lazy slices of the cache's buffers) and the layout that rebuild `cache`.
+
+    Raises:
+        NotSupportedError: a layer of a class this module cannot save.
+    """
+    arrays: dict[str, mx.array] = {}
+    layout = {
+        "layers": [_layer_layout(layer, f"l.{i}", arrays) for i, layer in enumerate(cache)],
+        "checkpoints": [
+            {
+                "at": at,
+                "layers": [
+                    None if saved is None else _layer_layout(saved, f"c{at}.{i}", arrays)
+                    for i, saved in enumerate(snapshot)
+                ],
+            }
+            for at, snapshot in sorted(cache.checkpoints.items())
+        ],
+    }
+    return arrays, layout
+
+
+def arrays_to_cache(
+    arrays: dict[str, mx.array], layout: dict[str, Any], tokens: list[int], cache: ModelCache
+) -> ModelCache:
+    """Fills the empty `cache` (from the model's `make_cache`) with what `cache_to_arrays` saved.
+
+    Raises:
+        CacheStateError: the layout or arrays do not rebuild a cache holding `tokens`.
+    """
+    try:
+        layers = [_layer_from(entry, arrays) for entry in layout["layers"]]
+        checkpoints = {
+            int(point["at"]): [
+                None if entry is None else _layer_from(entry, arrays) for entry in point["layers"]
+            ]
+            for point in layout["checkpoints"]
+        }
+        if len(layers) != len(cache):
+            raise ValueError(f"{len(layers)} layers saved; the model has {len(cache)}")
+        cache.adopt(layers, tokens, checkpoints)
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        raise CacheStateError(f"saved cache does not rebuild: {error}") from error
+    return cache
+
+
+def layout_signature(cache: ModelCache) -> str:
+    """The layer classes and their token-independent settings, as a string: files written for
+    one signature are only ever loaded into caches of the same one."""
+    return json.dumps([_signature(layer) for layer in cache.layers])
+
+
+def _signature(layer: Any) -> Any:
+    if isinstance(layer, mlx_cache.CacheList):
+        return [_signature(c) for c in layer.caches]
+    settings = {
+        name: getattr(layer, name)
+        for name in ("window", "keep", "group_size", "bits")
+        if isinstance(getattr(layer, name, None), int)
+    }
+    return [type(layer).__name__, settings]
+
+
+def _layer_layout(layer: Any, prefix: str, arrays: dict[str, mx.array]) -> dict[str, Any]:
+    kind = type(layer).__name__
+    if isinstance(layer, mlx_cache.CacheList):
+        children = [_layer_layout(c, f"{prefix}.{j}", arrays) for j, c in enumerate(layer.caches)]
+        return {"kind": "CacheList", "children": children}
+    if isinstance(layer, mlx_cache.ArraysCache):
+        present = [j for j, a in enumerate(layer.cache) if a is not None]
+        names = [f"{prefix}.{j}" for j in present]
+        arrays.update({name: layer.cache[j] for name, j in zip(names, present, strict=True)})
+        return {"kind": kind, "size": len(layer.cache), "present": present, "arrays": names}
+    if kind not in _STATEFUL:
+        raise NotSupportedError(f"cannot save a layer cache of type {kind}")
+    # tree paths ("0", "1.2") are kept so the nesting of `state` comes back
+    state = tree_flatten(layer.state)
+    arrays.update({f"{prefix}/{path}": array for path, array in state})
+    return {
+        "kind": kind,
+        "meta": list(layer.meta_state),
+        "prefix": prefix,
+        "paths": [path for path, _ in state],
+    }
+
+
+def _layer_from(entry: dict[str, Any], arrays: dict[str, mx.array]) -> Any:
+    kind = entry["kind"]
+    if kind == "CacheList":
+        return mlx_cache.CacheList(*(_layer_from(c, arrays) for c in entry["children"]))
+    if kind in _STATEFUL:
+        prefix = entry["prefix"]
+        state = tree_unflatten([(path, arrays[f"{prefix}/{path}"]) for path in entry["paths"]])
+        return _STATEFUL[kind].from_state(state or (), tuple(entry["meta"]))
+    cls = getattr(mlx_cache, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, mlx_cache.ArraysCache)):
+        raise CacheStateError(f"unknown layer cache type {kind!r}")
+    layer = cls.__new__(cls)
+    layer.cache = [None] * int(entry["size"])
+    layer.left_padding = layer.lengths = None
+    for j, name in zip(entry["present"], entry["arrays"], strict=True):
+        layer.cache[j] = arrays[name]
+    return layer

@@ -1,0 +1,458 @@
+"""The disk tier: cache entries as safetensors files in a directory with its own byte budget.
+
+Owns: the file format, the index of files, the background writer, loading a file back into a
+ModelCache, and the directory's budget. Does not own which entry goes to disk or when a load
+pays (see `pool`).
+
+File: `<directory>/<model key>/<sha256 of the token ids>.safetensors`, written by MLX's
+safetensors writer. Its header metadata holds the format, the model's fingerprint, the cache's
+layout signature and layout, the token ids, and a CRC-32 of the data section. The model key
+combines fingerprint and signature, so models (or kv_bits settings) sharing a directory keep
+apart; the fingerprint is checked again in every file.
+
+Invariants:
+  - a file is never loaded unless its header parses, its fingerprint and signature match, its
+    size is what the header says and its data's CRC matches; otherwise it is removed, with one
+    warning;
+  - a file appears under its final name only complete: written under a temporary name, its CRC
+    patched in, then renamed (atomic), so an interrupted write leaves at most a temporary file,
+    which indexing ignores and removes once its process is gone;
+  - two processes sharing the directory write identical content under identical names, and
+    each picks up the other's new files when the directory changes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxkv._mlx_threads import release_streams_at_thread_exit
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.cache.prefix import common_prefix_length
+from mlxkv.cache.serialize import arrays_to_cache, cache_to_arrays
+from mlxkv.errors import CacheStateError, NotSupportedError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "mlxkv-kv-1"
+SUFFIX = ".safetensors"
+_CRC_FIELD = b'"crc32":"'
+_CRC_PLACEHOLDER = "00000000"
+# A first guess at disk read speed, replaced by measurement after the first load.
+DEFAULT_READ_BYTES_PER_S = 500 * 2**20
+_CHUNK_BYTES = 16 * 2**20
+
+
+class BadFile(Exception):
+    """A file that must not be loaded (the message says why)."""
+
+
+@dataclass(eq=False)
+class StoredEntry:
+    """One indexed file.
+
+    Attributes:
+        path: where it is.
+        tokens: the token ids it holds (uint32).
+        nbytes: the file's size in bytes.
+        checkpoints: lengths in tokens of its checkpoints.
+    """
+
+    path: Path
+    tokens: np.ndarray
+    nbytes: int
+    checkpoints: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
+
+
+@dataclass
+class _Job:
+    arrays: dict[str, mx.array]
+    metadata: dict[str, str]
+    name: str
+    nbytes: int
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class DiskStore:
+    """Cache entries on disk, indexed by their token ids.
+
+    Args:
+        root: the cache directory (shared by models; each gets a subdirectory).
+        fingerprint: identifies the model's config and weights (hex).
+        signature: the cache layout (`serialize.layout_signature`).
+        max_bytes: most bytes all files under `root` may take; the oldest go first.
+        trimmable: every layer can trim, so a file serves any prefix of its tokens (else only
+            its own length and its checkpoints).
+    """
+
+    def __init__(
+        self, root: Path, *, fingerprint: str, signature: str, max_bytes: int, trimmable: bool
+    ):
+        self.root = Path(root)
+        key = hashlib.sha256(f"{fingerprint}\n{signature}".encode()).hexdigest()[:16]
+        self.directory = self.root / key
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.signature = signature
+        self.max_bytes = max_bytes
+        self.trimmable = trimmable
+        self.read_bytes_per_s = float(DEFAULT_READ_BYTES_PER_S)
+        self._records: dict[str, StoredEntry] = {}
+        self._lock = threading.Lock()  # guards _records and _pending_bytes
+        self._pending_bytes = 0
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self._scanned_mtime = -1
+        self.refresh()
+
+    # -- index ----------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Indexes files added since the last scan (by any process); removes bad ones and
+        temporary files left by processes that are gone."""
+        mtime = self.directory.stat().st_mtime_ns
+        if mtime == self._scanned_mtime:
+            return
+        self._scanned_mtime = mtime
+        with self._lock:
+            known = set(self._records)
+        for path in self.directory.iterdir():
+            if path.name.startswith(".tmp-"):
+                _remove_if_orphaned(path)
+            elif path.suffix == SUFFIX and path.name not in known:
+                try:
+                    record = self._read_record(path)
+                except BadFile as why:
+                    self._discard(path, str(why))
+                    continue
+                except OSError:  # removed meanwhile by another process
+                    continue
+                with self._lock:
+                    self._records[path.name] = record
+
+    def _read_record(self, path: Path) -> StoredEntry:
+        metadata, _ = _read_header(path)
+        if metadata.get("format") != FORMAT:
+            raise BadFile(f"not an {FORMAT} file")
+        if metadata.get("fingerprint") != self.fingerprint:
+            raise BadFile("written for another model (fingerprint differs)")
+        if metadata.get("signature") != self.signature:
+            raise BadFile("written for another cache layout")
+        try:
+            tokens = np.frombuffer(base64.b64decode(metadata["tokens"]), dtype="<u4")
+            layout = json.loads(metadata["layout"])
+            checkpoints = tuple(int(point["at"]) for point in layout["checkpoints"])
+        except (KeyError, ValueError, TypeError) as error:
+            raise BadFile(f"unreadable metadata ({error})") from error
+        if path.name != token_key(tokens) + SUFFIX:
+            raise BadFile("its name does not match its token ids")
+        return StoredEntry(path, tokens, path.stat().st_size, checkpoints)
+
+    def best(self, tokens: np.ndarray, limit: int) -> tuple[StoredEntry | None, int]:
+        """The file that serves the longest prefix of `tokens` (at most `limit` tokens), and
+        that length in tokens (0 with None when none serves any)."""
+        self.refresh()
+        best, best_reuse = None, 0
+        with self._lock:
+            records = list(self._records.values())
+        for record in records:
+            reuse = min(common_prefix_length(record.tokens, tokens), limit)
+            if reuse < record.num_tokens and not self.trimmable:
+                reuse = max((n for n in record.checkpoints if n <= reuse), default=0)
+            if reuse > best_reuse:
+                best, best_reuse = record, reuse
+        return best, best_reuse
+
+    def holds(self, tokens: np.ndarray) -> bool:
+        """True when a file holds exactly these tokens (written or indexed by this store)."""
+        with self._lock:
+            return token_key(tokens) + SUFFIX in self._records
+
+    # -- load -----------------------------------------------------------------------------
+
+    def load(self, record: StoredEntry, empty: ModelCache) -> ModelCache | None:
+        """Fills `empty` from `record`'s file; None (the file removed, one warning) when it is
+        missing, truncated, corrupt or for another model."""
+        start = time.perf_counter()
+        try:
+            metadata, data_start = _read_header(record.path)
+            _check_crc(record.path, data_start, metadata)
+            arrays = mx.load(str(record.path))
+            layout = json.loads(metadata["layout"])
+            cache = arrays_to_cache(arrays, layout, record.tokens.tolist(), empty)
+            mx.eval(cache.arrays())
+        except FileNotFoundError:
+            self._forget(record.path.name)
+            return None
+        except (BadFile, CacheStateError, OSError, RuntimeError, ValueError, KeyError) as why:
+            self._discard(record.path, str(why))
+            return None
+        seconds = max(time.perf_counter() - start, 1e-6)
+        self.read_bytes_per_s = record.nbytes / seconds
+        _touch(record.path)
+        logger.debug(
+            "disk cache load tokens=%d bytes=%d seconds=%.3f",
+            record.num_tokens,
+            record.nbytes,
+            seconds,
+        )
+        return cache
+
+    # -- write ----------------------------------------------------------------------------
+
+    def write(self, cache: ModelCache, *, wait: bool = False) -> None:
+        """Saves `cache` under its token ids: in the background (the arrays stay referenced,
+        and count in `pending_bytes`, until written), or now with `wait`. An entry already on
+        disk, empty, larger than the budget or of a layer type that cannot be saved is
+        skipped."""
+        tokens = np.asarray(cache.tokens, dtype=np.uint32)
+        if tokens.size == 0 or self.holds(tokens):
+            return
+        try:
+            arrays, layout = cache_to_arrays(cache)
+        except NotSupportedError as why:
+            logger.warning("disk cache: entry not saved: %s", why)
+            return
+        mx.eval(list(arrays.values()))  # views of evaluated buffers: cheap, and thread-free
+        nbytes = sum(a.nbytes for a in arrays.values())
+        if nbytes > self.max_bytes:
+            logger.info(
+                "disk cache: entry of %d bytes not saved; the budget is %d", nbytes, self.max_bytes
+            )
+            return
+        metadata = {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "signature": self.signature,
+            "layout": json.dumps(layout),
+            "num_tokens": str(tokens.size),
+            "tokens": base64.b64encode(tokens.astype("<u4").tobytes()).decode(),
+            "crc32": _CRC_PLACEHOLDER,
+        }
+        job = _Job(arrays, metadata, token_key(tokens) + SUFFIX, nbytes)
+        if wait:
+            self._run(job)
+            return
+        with self._lock:
+            self._pending_bytes += nbytes
+        self._start_writer()
+        self._jobs.put(job)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of entries handed to the writer and not yet on disk (still in memory)."""
+        with self._lock:
+            return self._pending_bytes
+
+    def flush(self) -> None:
+        """Waits until every background write has finished."""
+        if self._writer is not None:
+            self._jobs.join()
+
+    def close(self) -> None:
+        """Finishes pending writes and stops the writer thread."""
+        if self._writer is not None:
+            self._jobs.put(None)
+            self._writer.join()
+            self._writer = None
+
+    def _start_writer(self) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(
+                target=self._write_loop, name="mlxkv-disk-writer", daemon=True
+            )
+            self._writer.start()
+
+    def _write_loop(self) -> None:
+        release_streams_at_thread_exit()
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._run(job)
+            except Exception:  # a failed write loses a cache entry, never the process
+                logger.exception("disk cache: writing %s failed", job.name)
+            finally:
+                with self._lock:
+                    self._pending_bytes -= job.nbytes
+                self._jobs.task_done()
+        self._jobs.task_done()
+
+    def _run(self, job: _Job) -> None:
+        path = self.directory / job.name
+        temporary = self.directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
+        start = time.perf_counter()
+        try:
+            mx.save_safetensors(str(temporary), job.arrays, job.metadata)
+            _patch_crc(temporary)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+        record = StoredEntry(
+            path,
+            np.frombuffer(base64.b64decode(job.metadata["tokens"]), dtype="<u4"),
+            path.stat().st_size,
+            tuple(int(p["at"]) for p in json.loads(job.metadata["layout"])["checkpoints"]),
+        )
+        with self._lock:
+            self._records[job.name] = record
+        logger.debug(
+            "disk cache write tokens=%d bytes=%d seconds=%.3f",
+            record.num_tokens,
+            record.nbytes,
+            time.perf_counter() - start,
+        )
+        self.enforce_budget(keep=path)
+
+    # -- budget ---------------------------------------------------------------------------
+
+    def enforce_budget(self, keep: Path | None = None) -> None:
+        """Removes files (of any model under `root`) until they fit in `max_bytes`: files
+        another file supersedes first, then the least recently used."""
+        files = []
+        for path in self.root.glob(f"*/*{SUFFIX}"):
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            files.append((path, stat.st_size, stat.st_mtime_ns))
+        total = sum(size for _, size, _ in files)
+        if total <= self.max_bytes:
+            return
+        with self._lock:
+            records = dict(self._records)
+        superseded = {
+            name
+            for name, record in records.items()
+            if self.trimmable and any(_extends(other, record) for other in records.values())
+        }
+        # the file just written goes last: only when it alone is over the budget
+        files.sort(key=lambda f: (f[0] == keep, f[0].name not in superseded, f[2]))
+        for path, size, _ in files:
+            if total <= self.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            self._forget(path.name)
+            total -= size
+            logger.debug("disk cache evict file=%s bytes=%d", path.name, size)
+
+    # -- reports --------------------------------------------------------------------------
+
+    @property
+    def num_entries(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this model's indexed files."""
+        with self._lock:
+            return sum(record.nbytes for record in self._records.values())
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._records.pop(name, None)
+
+    def _discard(self, path: Path, why: str) -> None:
+        logger.warning("disk cache: skipped and removed %s: %s", path.name, why)
+        self._forget(path.name)
+        path.unlink(missing_ok=True)
+
+
+def token_key(tokens: np.ndarray) -> str:
+    """The file name stem for an entry holding `tokens`: equal ids, equal names."""
+    return hashlib.sha256(np.asarray(tokens, dtype="<u4").tobytes()).hexdigest()[:32]
+
+
+def _extends(longer: StoredEntry, shorter: StoredEntry) -> bool:
+    return longer.num_tokens > shorter.num_tokens and (
+        common_prefix_length(longer.tokens, shorter.tokens) == shorter.num_tokens
+    )
+
+
+def _read_header(path: Path) -> tuple[dict[str, str], int]:
+    """A safetensors file's metadata and where its data starts, after checking that the file
+    is exactly as long as its header says (a truncated file fails here)."""
+    with open(path, "rb") as file:
+        head = file.read(8)
+        if len(head) < 8:
+            raise BadFile("truncated header")
+        (header_bytes,) = struct.unpack("<Q", head)
+        size = os.fstat(file.fileno()).st_size
+        if header_bytes > min(size, 100 * 2**20):
+            raise BadFile("header length out of range")
+        try:
+            header = json.loads(file.read(header_bytes))
+            metadata = header.pop("__metadata__")
+            end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise BadFile(f"unreadable header ({error})") from error
+    if 8 + header_bytes + end != size:
+        raise BadFile(f"{size} bytes; its header describes {8 + header_bytes + end}")
+    if not isinstance(metadata, dict):
+        raise BadFile("no metadata")
+    return metadata, 8 + header_bytes
+
+
+def _data_crc(file: Any, data_start: int) -> int:
+    file.seek(data_start)
+    crc = 0
+    while chunk := file.read(_CHUNK_BYTES):
+        crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _patch_crc(path: Path) -> None:
+    """Writes the data section's CRC-32 into the header's placeholder (same length, so no
+    offset moves) and flushes the file to disk."""
+    with open(path, "r+b") as file:
+        (header_bytes,) = struct.unpack("<Q", file.read(8))
+        header = file.read(header_bytes)
+        at = header.index(_CRC_FIELD + _CRC_PLACEHOLDER.encode()) + len(_CRC_FIELD)
+        crc = _data_crc(file, 8 + header_bytes)
+        file.seek(8 + at)
+        file.write(f"{crc:08x}".encode())
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _check_crc(path: Path, data_start: int, metadata: dict[str, str]) -> None:
+    with open(path, "rb") as file:
+        crc = _data_crc(file, data_start)
+    if f"{crc:08x}" != metadata.get("crc32"):
+        raise BadFile("its data does not match its checksum (corrupt)")
+
+
+def _touch(path: Path) -> None:
+    """Marks a file as just used (the budget removes the least recently used first)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def _remove_if_orphaned(path: Path) -> None:
+    """Removes a temporary file whose writing process is gone (`.tmp-<pid>-...`)."""
+    try:
+        pid = int(path.name.split("-")[1])
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        path.unlink(missing_ok=True)
+    except (ValueError, IndexError, PermissionError, OSError):
+        pass
