@@ -1,0 +1,139 @@
+"""CachePool against brute force: the reuse it picks is the longest common prefix over the
+entries, every entry's K/V holds exactly its token ids (copies included), and the count and
+byte budgets hold after every request."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+
+from mlxkv.cache import KVCache, ModelCache
+from mlxkv.cache.pool import CachePool
+from tests.factories import make_kv, positions_of
+
+LAYERS = 2
+
+
+class _IdWriter:
+    """Stands in for a model: each layer's K/V for a token is the token's id."""
+
+    def __call__(self, ids: mx.array, cache) -> mx.array:
+        for layer in cache:
+            layer.update_and_fetch(*make_kv(ids.reshape(-1).tolist()))
+        return mx.zeros((1, ids.shape[1], 1))
+
+
+def _make_entry() -> ModelCache:
+    def make_layers():
+        return [KVCache(step=4) for _ in range(LAYERS)]
+
+    return ModelCache(make_layers(), make_layers)
+
+
+def _request(pool: CachePool, tokens: list[int], extra: list[int] = (), reply_start=None):
+    """One request: look up, feed the rest and `extra` (a reply), release."""
+    hit = pool.fetch_nearest(tokens, reply_start=reply_start)
+    hit.cache.forward(_IdWriter(), hit.remaining + list(extra))
+    pool.release()
+    return hit
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _check_entries(pool: CachePool) -> None:
+    for entry in pool.entries:
+        held = entry.cache.tokens
+        assert entry.tokens.tolist() == held
+        for layer in entry.cache:
+            assert layer.offset == len(held)
+            assert positions_of(layer.state[0]) == held  # K/V really are these tokens'
+
+
+# Prompts from a tiny alphabet share prefixes often: hits, copies, trims and misses all occur.
+_prompts = st.lists(st.integers(1, 3), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(st.tuples(_prompts, st.lists(st.integers(1, 3), max_size=3)), max_size=12),
+    max_entries=st.integers(1, 4),
+    budget_tokens=st.one_of(st.none(), st.integers(8, 40)),
+)
+def test_fetch_nearest_agrees_with_brute_force(requests, max_entries, budget_tokens):
+    # one token of one layer is 2 heads x 4 dims x 4 bytes, keys and values
+    max_bytes = None if budget_tokens is None else budget_tokens * LAYERS * 64
+    pool = CachePool(_make_entry, max_entries=max_entries, max_bytes=max_bytes)
+    for prompt, reply in requests:
+        held = [e.cache.tokens for e in pool.entries]
+        want = max((min(_lcp(h, prompt), len(prompt) - 1) for h in held), default=0)
+        hit = _request(pool, prompt, reply)
+        assert hit.num_cached == want
+        assert hit.remaining == prompt[want:]
+        _check_entries(pool)
+        assert len(pool.entries) <= max_entries
+        if max_bytes is not None:
+            assert pool.nbytes <= max_bytes
+
+
+def test_a_prefix_shared_by_another_conversation_is_copied_not_taken():
+    pool = CachePool(_make_entry, max_entries=4)
+    system = [7, 7, 7, 7]
+    first = system + [1, 1, 1]
+    _request(pool, first, [5, 5], reply_start=len(first))
+    hit = _request(pool, system + [2, 2], [6], reply_start=6)
+    assert hit.num_cached == len(system)
+    held = sorted(e.cache.tokens for e in pool.entries)
+    assert held == sorted([first + [5, 5], system + [2, 2, 6]])
+    _check_entries(pool)
+
+
+def test_a_reply_rendered_back_differently_trims_in_place():
+    pool = CachePool(_make_entry, max_entries=4)
+    prompt = [7, 7, 1, 1]
+    _request(pool, prompt, [5, 5, 5], reply_start=len(prompt))
+    hit = _request(pool, prompt + [5, 9, 2], [6], reply_start=7)
+    assert hit.num_cached == len(prompt) + 1
+    assert [e.cache.tokens for e in pool.entries] == [prompt + [5, 9, 2, 6]]
+
+
+def test_one_entry_trims_in_place_like_a_single_cache():
+    pool = CachePool(_make_entry, max_entries=1)
+    _request(pool, [7, 7, 1, 1], [5])
+    hit = _request(pool, [7, 7, 2], [6])
+    assert hit.num_cached == 2
+    assert [e.cache.tokens for e in pool.entries] == [[7, 7, 2, 6]]
+
+
+def test_eviction_takes_superseded_entries_first_then_least_recently_used():
+    pool = CachePool(_make_entry, max_entries=3)
+    _request(pool, [1, 1, 1, 1, 1], [1])  # A
+    hit = pool.fetch_nearest([1, 1, 1, 9], reply_start=4)  # B: a copy of A's first 3 tokens
+    assert hit.num_cached == 3
+    pool.release()  # B is fed nothing (a cancelled request): a strict prefix of A
+    _request(pool, [2, 2, 2], [2])  # C, the newest
+    _request(pool, [3, 3, 3], [3])  # D: over the count by one
+    held = sorted(e.cache.tokens for e in pool.entries)
+    assert held == [[1, 1, 1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]]  # B went, not A (older)
+    _request(pool, [4, 4, 4], [4])
+    held = sorted(e.cache.tokens for e in pool.entries)
+    assert held == [[2, 2, 2, 2], [3, 3, 3, 3], [4, 4, 4, 4]]  # then A, least recently used
+
+
+def test_byte_budget_evicts_the_current_entry_when_it_alone_is_over():
+    pool = CachePool(_make_entry, max_entries=4, max_bytes=8 * LAYERS * 64)
+    _request(pool, [1] * 5, [1])
+    assert len(pool.entries) == 1
+    _request(pool, [2] * 20, [2])
+    assert pool.entries == [] and pool.nbytes == 0
+
+
+def test_empty_tokens_are_refused():
+    with pytest.raises(ValueError, match="empty"):
+        CachePool(_make_entry).fetch_nearest([])
