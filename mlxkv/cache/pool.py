@@ -22,7 +22,8 @@ never held twice by entries that extend each other, and lookups compare T with e
     regenerated: the same conversation): trim it to r in place;
   - before it (another conversation sharing a system prompt, an edited message): a new entry
     with a copy of the first r tokens' K/V; the entry stays for the conversation that still
-    needs it. With one entry allowed it is trimmed in place instead (today's behaviour).
+    needs it (evicted to disk after the request if one entry is allowed). With one entry
+    allowed and no disk tier it is trimmed in place instead (today's behaviour).
   - a disk file serving a longer prefix than any entry is loaded when reading it is expected
     to be faster than prefilling the difference (both rates measured as they run).
 
@@ -116,7 +117,9 @@ class CachePool:
         if reuse == 0:
             entry, how = self._add(self._make_entry()), "new entry"
         elif reuse < entry.cache.num_tokens:
-            if self.max_entries == 1 or reuse >= entry.reply_start:
+            # one entry and nowhere to keep the other conversation: trim (today's behaviour)
+            alone = self.max_entries == 1 and self.store is None
+            if alone or reuse >= entry.reply_start:
                 trimmed = entry.cache.rewind_to(reuse)
                 # Keep allocation within one growth step of what is held after a large trim.
                 freed = entry.cache.shrink() if trimmed else 0
