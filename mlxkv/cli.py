@@ -17,7 +17,9 @@ from pathlib import Path
 
 import mlxkv  # noqa: F401  (picks the BLAS before mlx is imported)
 from mlxkv.errors import MlxkvError
+from mlxkv.runner.cache_setup import CacheSettings
 from mlxkv.runner.generate import Completion
+from mlxkv.runner.memory import format_bytes
 from mlxkv.runner.runner import Runner
 
 CHAT_COMMANDS = {
@@ -96,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--system", help="system prompt")
     _add_model_options(chat)
+    _add_cache_options(chat, CacheSettings())
     chat.set_defaults(run=_chat)
 
     serve = commands.add_parser(
@@ -128,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max-body-bytes", type=int, default=32 * 1024**2, help="largest request body accepted"
     )
     serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
+    _add_cache_options(serve, CacheSettings.for_server())
     serve.set_defaults(run=_serve)
 
     convert = commands.add_parser("convert", help="convert a GGUF file to an mlx-lm directory")
@@ -163,6 +167,36 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_cache_options(parser: argparse.ArgumentParser, defaults: CacheSettings) -> None:
+    cache = parser.add_argument_group(
+        "prompt cache", "entries kept in memory, their byte budget, and the disk tier"
+    )
+    cache.add_argument(
+        "--cache-entries", type=int, default=defaults.entries, help="conversations kept in memory"
+    )
+    cache.add_argument(
+        "--cache-bytes",
+        default=defaults.max_bytes and format_bytes(defaults.max_bytes),
+        metavar="SIZE",
+        help="memory budget of the entries, e.g. 4GiB or 512MiB (None: no limit)",
+    )
+    cache.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=defaults.directory,
+        help="disk tier: evicted entries go there, and a restart starts warm (None: off)",
+    )
+    cache.add_argument(
+        "--no-cache-dir", dest="cache_dir", action="store_const", const=None, help="no disk tier"
+    )
+    cache.add_argument(
+        "--cache-dir-bytes",
+        default=format_bytes(defaults.directory_bytes),
+        metavar="SIZE",
+        help="the disk tier's budget, e.g. 16GiB",
+    )
+
+
 def _setup_logging(verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
@@ -193,7 +227,12 @@ def _load(args: argparse.Namespace) -> Runner:
     from mlxkv.runner.loading import load_model
 
     loaded = load_model(args.model, progress=_progress_bar("converting GGUF (tensors)"))
-    return Runner(loaded, max_context=args.max_context, kv_bits=args.kv_bits)
+    cache = {
+        key: getattr(args, key)
+        for key in ("cache_entries", "cache_bytes", "cache_dir", "cache_dir_bytes")
+        if hasattr(args, key)
+    }
+    return Runner(loaded, max_context=args.max_context, kv_bits=args.kv_bits, **cache)
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -246,7 +285,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    runner = _load(args)
+    with _load(args) as runner:  # closing it writes the cache to the disk tier, if any
+        return _chat_loop(runner, args)
+
+
+def _chat_loop(runner: Runner, args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if interactive:
@@ -325,10 +368,24 @@ def _serve(args: argparse.Namespace) -> int:
     url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
     if args.host not in _LOOPBACK and not args.api_key:
         print(f"mlxkv: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    print(f"mlxkv: {_describe_cache(runner)}", file=sys.stderr)
     print(f"mlxkv: serving {name} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    with runner:  # on the way out, the cache goes to the disk tier (if any)
+        uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _describe_cache(runner: Runner) -> str:
+    info = runner.cache_info()
+    budget = format_bytes(info.budget_bytes) if info.budget_bytes else "no memory limit"
+    line = f"prompt cache: up to {info.max_entries} entries, {budget}"
+    if info.disk_budget_bytes is not None:
+        line += (
+            f"; disk tier {runner.cache_dir} ({info.disk_entries} entries, "
+            f"{format_bytes(info.disk_bytes)} of {format_bytes(info.disk_budget_bytes)})"
+        )
+    return line
 
 
 def _convert(args: argparse.Namespace) -> int:

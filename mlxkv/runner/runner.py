@@ -162,6 +162,12 @@ class Runner:
         return cache
 
     @property
+    def cache_dir(self) -> Path | None:
+        """The disk tier's directory for this model (None: no disk tier)."""
+        store = self._pool.store
+        return None if store is None else store.directory
+
+    @property
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 

@@ -3,6 +3,7 @@ real OpenAI and Anthropic clients."""
 
 from __future__ import annotations
 
+import os
 import re
 import selectors
 import signal
@@ -21,13 +22,15 @@ _READY_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
-def server_url(converted_cache):
+def server_url(converted_cache, tmp_path_factory):
+    user_cache = tmp_path_factory.mktemp("xdg-cache")  # the default disk tier goes here
     process = subprocess.Popen(
         [sys.executable, "-m", "mlxkv.cli", "serve", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        env=dict(os.environ, XDG_CACHE_HOME=str(user_cache)),
     )
     try:
         yield _ready_url(process)
@@ -41,6 +44,8 @@ def server_url(converted_cache):
         assert process.returncode == 130, stderr  # the shell's code for Ctrl-C
         assert "Traceback" not in stderr
         assert re.search(r"POST /v1/messages 200 .* cached=\d+ .*kv cache:", stderr), stderr
+        # on the way out the server wrote its entries to the default disk tier
+        assert list((user_cache / "mlxkv" / "kv").glob("*/*.safetensors")), stderr
 
 
 def _ready_url(process: subprocess.Popen) -> str:
