@@ -96,8 +96,8 @@ def _interleaved(loaded: LoadedModel, seed: int) -> dict:
     chats = [[system] for _ in range(NUM_CHATS)]
     ttft = {"several": 0.0, "one": 0.0, "mlx_lm": 0.0}
     cached = {"several": 0, "one": 0}
-    mismatches = 0
-    for chat, text in script:
+    mismatches: list[dict] = []  # requests whose three answers are not all equal
+    for index, (chat, text) in enumerate(script):
         messages = chats[chat]
         if text == "TITLE":
             messages = messages + [{"role": "user", "content": "A short title for this chat?"}]
@@ -112,7 +112,9 @@ def _interleaved(loaded: LoadedModel, seed: int) -> dict:
             outs[name] = out.tokens
         outs["mlx_lm"], seconds = peer.reply(prompt)
         ttft["mlx_lm"] += seconds
-        mismatches += len({tuple(t) for t in outs.values()}) > 1
+        if len({tuple(t) for t in outs.values()}) > 1:
+            differ = [k for k in outs if outs[k] != outs["one"]]
+            mismatches.append({"request": index, "differ_from_one_entry": differ})
         if text != "TITLE":
             messages.append(
                 {"role": "assistant", "content": several.tokenizer.decode(outs["several"])}
@@ -187,7 +189,9 @@ def main() -> None:
     for key, label in names.items():
         print(f"| {label} | {totals[key]:.2f} | {totals[key] / totals['one']:.2f} | "
               f"{totals[key] / totals['mlx_lm']:.2f} |")  # fmt: skip
-    print(f"\nanswers that differ between the three: {sum(r['mismatches'] for r in rounds)}\n")
+    differ = [m for r in rounds for m in r["mismatches"]]
+    print(f"\nrequests whose answers are not all equal: {len(differ)} of "
+          f"{sum(r['requests'] for r in rounds)}: {differ}\n")  # fmt: skip
     with tempfile.TemporaryDirectory() as work:
         restarts = [_restart(loaded, n, Path(work)) for n in args.restart_tokens]
     print("## Restart (first turn after a restart vs a cold prefill)\n")

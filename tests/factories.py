@@ -33,3 +33,21 @@ def positions_of(keys: mx.array) -> list[int]:
 def tiny_model_dir(arch: str, root: str) -> Path:
     """Builds (once per session and root) the tiny factory model of `arch`."""
     return build_model(arch, Path(root) / arch)
+
+
+def fail_layer_update(monkeypatch, fail_at: int, error: type[BaseException]) -> None:
+    """Makes the `fail_at`-th K/V update (counting KVCache and SlidingWindowCache layers
+    together) raise `error`: a fault at a chosen point inside the model."""
+    from mlxkv.cache import KVCache, SlidingWindowCache
+
+    calls = {"n": 0}
+    for cls in (KVCache, SlidingWindowCache):
+        real = cls.update_and_fetch
+
+        def failing(self, keys, values, _real=real):
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise error
+            return _real(self, keys, values)
+
+        monkeypatch.setattr(cls, "update_and_fetch", failing)

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from mlxkv.cache import KVCache, SlidingWindowCache
 from mlxkv.cache.prefix import common_prefix_length
+from tests.factories import fail_layer_update
 
 PROMPT = "<|im_start|>user\nThe quick brown fox jumps over the lazy dog. What next?<|im_end|>\n"
 
@@ -43,17 +43,7 @@ def test_interrupt_inside_the_model_at_random_points(make_runner, monkeypatch, a
     rng = random.Random(seed)
     fail_at = rng.randrange(1, 12)
     error = rng.choice([KeyboardInterrupt, _Boom])
-    calls = {"n": 0}
-    for cls in (KVCache, SlidingWindowCache):
-        real = cls.update_and_fetch
-
-        def failing(self, keys, values, _real=real):
-            calls["n"] += 1
-            if calls["n"] == fail_at:
-                raise error
-            return _real(self, keys, values)
-
-        monkeypatch.setattr(cls, "update_and_fetch", failing)
+    fail_layer_update(monkeypatch, fail_at, error)
     with pytest.raises(error):
         runner.generate(prompt, max_tokens=8)
     monkeypatch.undo()

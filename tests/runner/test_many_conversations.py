@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from mlxkv.cache import KVCache, SlidingWindowCache
 from mlxkv.cache.prefix import common_prefix_length
+from tests.factories import fail_layer_update
 
 SYSTEM = "You are a helpful assistant. Answer briefly and name one river and one museum."
 QUESTIONS = ["What is the capital of France?", "And of Italy?", "And of Spain?"]
@@ -120,17 +120,7 @@ def test_faults_leave_every_entry_consistent(make_runner, monkeypatch, arch, see
         runner.generate(messages, max_tokens=3)
     rng = random.Random(seed)
     fail_at, error = rng.randrange(1, 12), rng.choice([KeyboardInterrupt, _Boom])
-    calls = {"n": 0}
-    for cls in (KVCache, SlidingWindowCache):
-        real = cls.update_and_fetch
-
-        def failing(self, keys, values, _real=real):
-            calls["n"] += 1
-            if calls["n"] == fail_at:
-                raise error
-            return _real(self, keys, values)
-
-        monkeypatch.setattr(cls, "update_and_fetch", failing)
+    fail_layer_update(monkeypatch, fail_at, error)
     with pytest.raises(error):
         runner.generate(chats[2], max_tokens=8)  # a copy of the shared system prompt, then more
     monkeypatch.undo()
