@@ -306,12 +306,7 @@ class DiskStore:
             os.replace(temporary, path)
         finally:
             temporary.unlink(missing_ok=True)
-        record = StoredEntry(
-            path,
-            np.frombuffer(base64.b64decode(job.metadata["tokens"]), dtype="<u4"),
-            path.stat().st_size,
-            tuple(int(p["at"]) for p in json.loads(job.metadata["layout"])["checkpoints"]),
-        )
+        record = self._read_record(path)  # the index entry, as a restart would read it
         with self._lock:
             self._records[job.name] = record
         logger.debug(
