@@ -52,12 +52,14 @@ logger = logging.getLogger(__name__)
 @dataclass(eq=False)
 class CacheEntry:
     """One entry. `tokens` is read at the end of each request (safe to read from any thread;
-    `cache.tokens` is not while a generation runs)."""
+    `cache.tokens` is not while a generation runs). `label` names what the entry serves (a
+    conversation id a client sent); it is shown, never matched: lookup is by tokens alone."""
 
     cache: ModelCache
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
     reply_start: int = 0
     last_used: float = field(default_factory=time.time)
+    label: str | None = None
 
     @property
     def num_tokens(self) -> int:

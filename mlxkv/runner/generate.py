@@ -2,7 +2,7 @@
 
 Owns: `prefill` (the prompt in chunks), `decode_tokens` (the pipelined token loop), stop-string
 matching on streamed text, and the `Completion` / `GenerationChunk` results. Does not own the
-prompt cache policy (`mlxkv.cache.prefix`) or sampling math (mlx-lm).
+prompt cache policy (`mlxkv.cache.pool`) or sampling math (mlx-lm).
 
 The decode loop keeps the device busy the way mlx-lm's does: step n+1 is queued with
 `mx.async_eval` before token n is read back into Python, so the host never waits on the device

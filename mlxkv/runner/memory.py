@@ -24,6 +24,7 @@ class EntryReport:
         allocated_bytes: bytes allocated, unused slots included, plus its checkpoints.
         last_used: when a request last used it (seconds since the epoch).
         current: it is the entry of the running or last request.
+        label: what it serves, as its last request's `cache_key` named it (None: unknown).
     """
 
     num_tokens: int
@@ -31,6 +32,7 @@ class EntryReport:
     allocated_bytes: int
     last_used: float
     current: bool
+    label: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class MemoryReport:
                 allocated_bytes=e.cache.nbytes + e.cache.checkpoint_bytes,
                 last_used=e.last_used,
                 current=e is current,
+                label=e.label,
             )
             for e in entries
         )

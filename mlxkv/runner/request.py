@@ -50,6 +50,8 @@ class Request:
         cancelled: set by `Runner.cancel()` or by the caller that passed it.
         top_logprobs: None for no log-probabilities; else how many alternatives to report
             with each sampled token's own.
+        cache_key: a label for the cache entry the request generates into (None: keep its
+            label).
     """
 
     tokens: list[int]
@@ -59,6 +61,7 @@ class Request:
     progress: ProgressCallback | None
     cancelled: threading.Event
     top_logprobs: int | None = None
+    cache_key: str | None = None
 
 
 # PromptEncoder.render with the request's control-token and tool settings bound.
@@ -76,6 +79,7 @@ class RequestOptions:
         cancel: an Event that ends this request when set; None makes a private one.
         top_logprobs: None for no log-probabilities, else alternatives per token (0..20).
         truncate: cut a prompt that does not fit; False raises ContextLengthError.
+        cache_key: a label for the cache entry this request generates into.
     """
 
     progress: ProgressCallback | None = None
@@ -84,6 +88,7 @@ class RequestOptions:
     cancel: threading.Event | None = None
     top_logprobs: int | None = None
     truncate: bool = True
+    cache_key: str | None = None
 
     def check(self) -> None:
         if self.progress is not None and not callable(self.progress):
@@ -93,6 +98,10 @@ class RequestOptions:
         if self.cancel is not None and not isinstance(self.cancel, threading.Event):
             raise ValueError(
                 f"cancel must be a threading.Event or None, got {type(self.cancel).__name__}"
+            )
+        if self.cache_key is not None and not isinstance(self.cache_key, str):
+            raise ValueError(
+                f"cache_key must be a str or None, got {type(self.cache_key).__name__}"
             )
         if self.top_logprobs is not None:
             check_int(
@@ -159,6 +168,7 @@ class RequestBuilder:
             options.progress,
             options.cancel or threading.Event(),
             options.top_logprobs,
+            options.cache_key,
         )
 
     def forget_cut(self) -> None:

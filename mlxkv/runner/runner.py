@@ -23,7 +23,6 @@ import mlx.core as mx
 
 from mlxkv._mlx_threads import release_streams_at_thread_exit
 from mlxkv.cache.model_cache import ModelCache, make_cache
-from mlxkv.cache.prefix import PrefixHit
 from mlxkv.errors import RunnerBusyError
 from mlxkv.runner.cache_setup import CacheSettings, make_pool
 from mlxkv.runner.checks import check_int
@@ -34,17 +33,17 @@ from mlxkv.runner.generate import (
     GenerationChunk,
     PrefillCancelled,
     ProgressCallback,
-    StopStrings,
     TokenPicker,
     decode_tokens,
     fill,
-    prefill,
 )
 from mlxkv.runner.loading import LoadedModel, load_model
 from mlxkv.runner.memory import MemoryReport
 from mlxkv.runner.mlx_state import clean_random_state
 from mlxkv.runner.prompt import Prompt, PromptEncoder, Tools
+from mlxkv.runner.prompt_fill import fill_prompt
 from mlxkv.runner.request import Request, RequestBuilder, RequestOptions
+from mlxkv.runner.text_chunks import emit_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +193,7 @@ class Runner:
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
         truncate: bool = True,
+        cache_key: str | None = None,
         **sampling: Any,
     ) -> Iterator[GenerationChunk]:
         """Streams a completion chunk by chunk.
@@ -212,6 +212,8 @@ class Runner:
                 this many (0..20) most likely alternatives.
             truncate: cut a prompt longer than `max_context` (chats at user turns, keeping
                 the system prompt); False raises ContextLengthError instead.
+            cache_key: a label for the cache entry this request generates into, e.g. a
+                conversation id; `cache_info()` shows it. Lookup is by tokens alone.
             **sampling: `SamplingParams` fields: max_tokens, temperature, top_p, top_k, min_p,
                 repetition_penalty, seed, stop.
 
@@ -225,7 +227,9 @@ class Runner:
                 `max_context`; or the prompt does not fit and `truncate` is False.
             RunnerBusyError (when iterated): this thread is still inside another `stream()`.
         """
-        options = RequestOptions(progress, parse_control_tokens, tools, cancel, logprobs, truncate)
+        options = RequestOptions(
+            progress, parse_control_tokens, tools, cancel, logprobs, truncate, cache_key
+        )
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.
         request = self._builder.build(
@@ -267,43 +271,6 @@ class Runner:
         release_streams_at_thread_exit()
         self._log_memory()
 
-    def _prefill(self, request: Request, hit: PrefixHit, stats: CompletionStats) -> mx.array:
-        """Feeds what the cache does not hold; checkpoints the layers that cannot trim where
-        the generation prompt starts (the next turn re-renders from there). Between chunks it
-        reports progress and honours `cancel()` (the chunks fed stay cached)."""
-        model, cache, remaining = self.loaded.model, hit.cache, hit.remaining
-        total, offset = len(remaining), 0
-
-        def after_chunk(done: int, _: int) -> None:
-            stats.processed = offset + done
-            if request.progress:
-                request.progress(stats.processed, total)
-            if request.cancelled.is_set():
-                raise PrefillCancelled
-
-        start = time.perf_counter()
-        for split in self._checkpoint_points(request, hit):
-            fill(model, cache, remaining[: split - offset], step_tokens=self._step,
-                 progress=after_chunk)  # fmt: skip
-            cache.checkpoint()
-            offset, remaining = split, remaining[split - offset :]
-        logits = prefill(model, cache, remaining, step_tokens=self._step, progress=after_chunk)
-        if total >= self._step:  # long enough to measure: the pool weighs disk loads by it
-            self._pool.prefill_tokens_per_s = total / (time.perf_counter() - start)
-        return logits
-
-    def _checkpoint_points(self, request: Request, hit: PrefixHit) -> list[int]:
-        """Where to checkpoint layers that cannot trim, in tokens after the cached ones: where
-        the generation prompt starts (the next turn re-renders from there) and, when several
-        entries are kept, where the system prompt ends (other conversations share it)."""
-        if not hit.cache.needs_checkpoints:
-            return []
-        ends = {len(request.tokens) - request.header_tokens}
-        if self._pool.max_entries > 1:
-            ends.add(request.keep)
-        total = len(hit.remaining)
-        return sorted(p - hit.num_cached for p in ends if 0 < p - hit.num_cached < total)
-
     @property
     def _step(self) -> int:
         """Prefill chunk size: never more than the context can hold."""
@@ -320,11 +287,19 @@ class Runner:
             mx.random.seed(params.seed)
         hit = self._pool.fetch_nearest(tokens, reply_start=len(tokens) - request.header_tokens)
         stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
+        if request.cache_key is not None:
+            self._pool.current.label = request.cache_key
+        start = time.perf_counter()
         try:
-            logits = self._prefill(request, hit, stats)
+            logits = fill_prompt(
+                self.loaded.model, request, hit, stats,
+                step_tokens=self._step, checkpoint_keep=self._pool.max_entries > 1,
+            )  # fmt: skip
         except PrefillCancelled:
             yield stats.final_chunk("", "cancelled")
             return
+        if len(hit.remaining) >= self._step:  # long enough to measure; weighs disk loads
+            self._pool.prefill_tokens_per_s = len(hit.remaining) / (time.perf_counter() - start)
         model = self.loaded.model
         window = ContextWindow(
             self.max_context,
@@ -337,48 +312,7 @@ class Runner:
             sampler, params.make_logits_processors(), tokens, top_logprobs=request.top_logprobs
         )
         decoded = decode_tokens(model, hit.cache, logits, pick, params.max_tokens, window.make_room)
-        yield from self._emit(decoded, stats, request, pick)
-
-    def _emit(
-        self,
-        decoded: Iterator[int],
-        stats: CompletionStats,
-        request: Request,
-        pick: TokenPicker,
-    ) -> Iterator[GenerationChunk]:
-        """Turns sampled tokens into text chunks: EOS, stop strings and cancel end them."""
-        tokenizer = self.loaded.tokenizer
-        stops = StopStrings(request.params.stop)
-        detokenizer = tokenizer.detokenizer
-        detokenizer.reset()
-        finish, cut_by_stop_string = "length", False
-        for token in decoded:
-            stats.sampled()
-            logprob = pick.pop_logprob()
-            if token in tokenizer.eos_token_ids:
-                finish = "stop"
-                break
-            detokenizer.add_token(token)
-            stats.tokens.append(token)
-            text, stopped = stops.push(detokenizer.last_segment)
-            stats.text.append(text)
-            first = stats.num_sampled == 1
-            yield GenerationChunk(
-                text=text, token=token, logprob=logprob, prompt=stats.usage() if first else None
-            )
-            if stopped:
-                finish, cut_by_stop_string = "stop", True
-                break
-            if request.cancelled.is_set():
-                finish = "cancelled"
-                break
-        tail = ""
-        if not cut_by_stop_string:
-            detokenizer.finalize()
-            tail, _ = stops.push(detokenizer.last_segment)
-            tail += stops.flush()
-            stats.text.append(tail)
-        yield stats.final_chunk(tail, finish, stops.matched)
+        yield from emit_chunks(self.loaded.tokenizer, decoded, stats, request, pick)
 
     def cancel(self) -> None:
         """Ends every request already started (the one generating, and those waiting their
