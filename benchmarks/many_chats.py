@@ -6,7 +6,8 @@
    `mlx_lm.server` uses it (fetch_nearest_cache, stream_generate into the copy it returns,
    insert_cache with the prompt and generated tokens), all greedy on the same weights and
    prompt tokens. Targets: several entries <= 0.5x one entry and <= 1.0x mlx-lm, identical
-   answers.
+   answers. Each answer is also checked against the same engine with no reuse (a fresh Runner,
+   mlx-lm's `stream_generate` on a new cache): the independent reference.
 2. Restart: time to first token of a conversation's next turn in a new Runner on the same
    cache_dir vs a cold prefill of the same prompt, at 1k and 8k tokens. Target: <= 0.3x.
 3. Disk and memory: bytes per token on disk and in memory, write and load throughput.
@@ -97,6 +98,8 @@ def _interleaved(loaded: LoadedModel, seed: int) -> dict:
     ttft = {"several": 0.0, "one": 0.0, "mlx_lm": 0.0}
     cached = {"several": 0, "one": 0}
     mismatches: list[dict] = []  # requests whose three answers are not all equal
+    # answers that differ from the same engine's with no reuse (its own cold prefill)
+    off_reference = {"several": 0, "one": 0, "mlx_lm": 0}
     for index, (chat, text) in enumerate(script):
         messages = chats[chat]
         if text == "TITLE":
@@ -112,6 +115,12 @@ def _interleaved(loaded: LoadedModel, seed: int) -> dict:
             outs[name] = out.tokens
         outs["mlx_lm"], seconds = peer.reply(prompt)
         ttft["mlx_lm"] += seconds
+        reference = {
+            "mlxkv": Runner(loaded).generate(prompt, max_tokens=REPLY_TOKENS).tokens,
+            "mlx_lm": _MlxLmServerCache(loaded).reply(prompt)[0],
+        }
+        for name, tokens in outs.items():
+            off_reference[name] += tokens != reference["mlx_lm" if name == "mlx_lm" else "mlxkv"]
         if len({tuple(t) for t in outs.values()}) > 1:
             differ = [k for k in outs if outs[k] != outs["one"]]
             mismatches.append({"request": index, "differ_from_one_entry": differ})
@@ -125,6 +134,7 @@ def _interleaved(loaded: LoadedModel, seed: int) -> dict:
         "cached_tokens": cached,
         "requests": len(script),
         "mismatches": mismatches,
+        "off_reference": off_reference,
     }
 
 
@@ -191,7 +201,10 @@ def main() -> None:
               f"{totals[key] / totals['mlx_lm']:.2f} |")  # fmt: skip
     differ = [m for r in rounds for m in r["mismatches"]]
     print(f"\nrequests whose answers are not all equal: {len(differ)} of "
-          f"{sum(r['requests'] for r in rounds)}: {differ}\n")  # fmt: skip
+          f"{sum(r['requests'] for r in rounds)}: {differ}")  # fmt: skip
+    off = {k: sum(r["off_reference"][k] for r in rounds) for k in names}
+    print("answers that differ from the same engine with no reuse (a cold prefill): "
+          + ", ".join(f"{names[k]} {n}" for k, n in off.items()) + "\n")  # fmt: skip
     with tempfile.TemporaryDirectory() as work:
         restarts = [_restart(loaded, n, Path(work)) for n in args.restart_tokens]
     print("## Restart (first turn after a restart vs a cold prefill)\n")
