@@ -22,6 +22,7 @@ from mlxkv.runner.runner import Runner
 from mlxkv.server import anthropic, openai
 from mlxkv.server.errors import ApiError, error_response
 from mlxkv.server.middleware import AccessLog, ApiKeyCheck, BodyLimit
+from mlxkv.server.page import add_page
 from mlxkv.server.state import ServerContext, server_context
 from mlxkv.server.worker import GenerationWorker
 
@@ -68,6 +69,7 @@ def create_app(
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.add_api_route("/health", _health, methods=["GET"])
+    add_page(app)
     _add_error_handlers(app)
     # Added innermost first: the access log sees every response, 401s and 413s included.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)

@@ -22,7 +22,10 @@ from mlxkv.server.errors import error_response
 
 logger = logging.getLogger("mlxkv.server.access")
 
-_OPEN_PATHS = ("/health",)  # answered without the API key, for load balancers and scripts
+# Answered without the API key: /health for load balancers and scripts; the chat page and its
+# files hold no data (the page asks for the key and sends it with its API calls).
+_OPEN_PATHS = ("/health", "/")
+_OPEN_PREFIXES = ("/static/",)
 
 
 class AccessLog:
@@ -67,7 +70,7 @@ class AccessLog:
 
 class ApiKeyCheck:
     """Requires `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic
-    clients) on every path but /health; CORS preflights pass."""
+    clients) on every path but /health and the chat page's; CORS preflights pass."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -78,6 +81,7 @@ class ApiKeyCheck:
             scope["type"] != "http"
             or scope["method"] == "OPTIONS"
             or scope["path"] in _OPEN_PATHS
+            or scope["path"].startswith(_OPEN_PREFIXES)
             or self._presented(scope)
         ):
             await self.app(scope, receive, send)

@@ -41,6 +41,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         tools=body.template_tools(),
         sampling=body.sampling(max_tokens, ctx.default_max_tokens),
         top_logprobs=body.top_logprobs_count(),
+        cache_key=body.prompt_cache_key,
     )
     reply = _Reply(ctx.model_name, "chatcmpl", "chat.completion")
     if body.stream:

@@ -118,6 +118,9 @@ class ChatCompletionRequest(GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # OpenAI's routing hint for its prompt cache: here the label of the entry the request
+    # generates into (shown by /v1/mlxkv/cache); lookup stays by tokens.
+    prompt_cache_key: str | None = Field(None, max_length=256)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 

@@ -106,6 +106,7 @@ async def start_turn(
     tools: list[dict[str, Any]] | None,
     sampling: dict[str, Any],
     top_logprobs: int | None = None,
+    cache_key: str | None = None,
 ) -> Turn:
     """Validates and queues one generation for an HTTP request (kept on `request.state.turn`
     for the access log); a prompt longer than the context is refused, not cut (clients such
@@ -126,7 +127,12 @@ async def start_turn(
         _warn_no_tool_parser()
     try:
         stream = await worker.start(
-            messages, tools=tools or None, logprobs=top_logprobs, truncate=False, **sampling
+            messages,
+            tools=tools or None,
+            logprobs=top_logprobs,
+            truncate=False,
+            cache_key=cache_key,
+            **sampling,
         )
     except ContextLengthError as error:
         raise ApiError(

@@ -1,0 +1,374 @@
+// The chat page: conversations kept in the browser's local storage, replies streamed from the
+// server's own OpenAI endpoint, and a live view of the prompt cache.
+
+import { renderMarkdown, escapeHtml } from "./markdown.js";
+import { renderCache, renderChart } from "./cache-panel.js";
+
+const CHATS_KEY = "mlxkv.chats.v1";
+const SETTINGS_KEY = "mlxkv.settings.v1";
+const CACHE_POLL_MS = 2000;
+
+const $ = (selector) => document.querySelector(selector);
+
+// ---- state -------------------------------------------------------------------------------
+
+function load(key, fallback) {
+  try {
+    return JSON.parse(localStorage.getItem(key)) ?? fallback;
+  } catch {
+    return fallback;
+  }
+}
+
+const store = load(CHATS_KEY, { chats: [], current: null });
+const settings = { temperature: "", maxTokens: "512", apiKey: "", ...load(SETTINGS_KEY, {}) };
+let active = null; // the generation running: { chat, message, controller }
+let lastReport = null;
+
+// A reply that was streaming when the page closed ended there.
+for (const chat of store.chats) {
+  for (const m of chat.messages) {
+    if (m.pending) Object.assign(m, { pending: false, stopped: true });
+  }
+}
+
+function save() {
+  // Elements rendered for messages are not data.
+  localStorage.setItem(CHATS_KEY, JSON.stringify(store, (key, value) => (key === "el" ? undefined : value)));
+  localStorage.setItem(SETTINGS_KEY, JSON.stringify(settings));
+}
+
+function newChat() {
+  const chat = {
+    id: crypto.randomUUID ? crypto.randomUUID() : `${Date.now()}-${Math.random()}`,
+    title: "New chat",
+    system: "",
+    messages: [],
+    created: Date.now(),
+  };
+  store.chats.unshift(chat);
+  store.current = chat.id;
+  save();
+  return chat;
+}
+
+const currentChat = () => store.chats.find((c) => c.id === store.current) || null;
+const titleOf = (id) => store.chats.find((c) => c.id === id)?.title;
+
+// ---- rendering ---------------------------------------------------------------------------
+
+function renderList() {
+  const list = $("#conversations");
+  list.innerHTML = "";
+  for (const chat of store.chats) {
+    const li = document.createElement("li");
+    li.className = chat.id === store.current ? "selected" : "";
+    li.dataset.id = chat.id;
+    li.innerHTML =
+      `<button type="button" class="open">${escapeHtml(chat.title)}</button>` +
+      `<button type="button" class="delete" aria-label="Delete this conversation" title="Delete">×</button>`;
+    li.querySelector(".open").onclick = () => switchTo(chat.id);
+    li.querySelector(".delete").onclick = () => deleteChat(chat.id);
+    list.appendChild(li);
+  }
+}
+
+function statsLine(stats) {
+  const parts = [
+    `<span data-stat="prompt">prompt ${stats.prompt} tokens</span>`,
+    `<span data-stat="cached">cached ${stats.cached}</span>`,
+  ];
+  if (stats.ttft_s != null) parts.push(`<span data-stat="ttft">first token ${stats.ttft_s.toFixed(2)} s</span>`);
+  if (stats.tps != null) parts.push(`<span data-stat="tps">${stats.tps.toFixed(1)} tokens/s</span>`);
+  return parts.join(" · ");
+}
+
+function messageHtml(message) {
+  if (message.role === "user") return `<div class="bubble">${escapeHtml(message.content)}</div>`;
+  let html = `<div class="bubble markdown">${renderMarkdown(message.content)}`;
+  if (message.pending && !message.content) html += '<span class="typing" aria-label="Waiting for the reply">●●●</span>';
+  html += "</div>";
+  if (message.error) html += `<div class="error" role="alert">${escapeHtml(message.error)}</div>`;
+  const notes = [];
+  if (message.stopped) notes.push('<span class="stopped">stopped</span>');
+  if (message.stats) notes.push(statsLine(message.stats));
+  if (notes.length) html += `<div class="stats">${notes.join(" · ")}</div>`;
+  return html;
+}
+
+function renderMessage(el, message) {
+  el.className = `message ${message.role}${message.pending ? " pending" : ""}`;
+  el.innerHTML = messageHtml(message);
+}
+
+function renderMessages() {
+  const chat = currentChat();
+  const box = $("#messages");
+  box.innerHTML = "";
+  $("#chat-title").textContent = chat ? chat.title : "mlxkv";
+  $("#system").value = chat ? chat.system : "";
+  if (!chat || !chat.messages.length) {
+    box.innerHTML = '<div class="empty">Ask anything. Each turn reuses the cache of the turns before it.</div>';
+  }
+  for (const message of chat ? chat.messages : []) {
+    const el = document.createElement("div");
+    renderMessage(el, message);
+    message.el = el;
+    box.appendChild(el);
+  }
+  box.scrollTop = box.scrollHeight;
+  renderChartForChat();
+}
+
+function renderChartForChat() {
+  const chat = currentChat();
+  const turns = chat ? chat.messages.filter((m) => m.stats).map((m) => m.stats) : [];
+  renderChart($("#chart"), turns);
+}
+
+function renderComposer() {
+  const busy = active !== null;
+  $("#send").hidden = busy;
+  $("#stop").hidden = !busy;
+  $("#send").disabled = busy;
+}
+
+function renderAll() {
+  renderList();
+  renderMessages();
+  renderComposer();
+}
+
+// ---- actions -----------------------------------------------------------------------------
+
+function switchTo(id) {
+  store.current = id;
+  save();
+  renderAll();
+  closeDrawers();
+}
+
+function deleteChat(id) {
+  if (active && active.chat.id === id) active.controller.abort();
+  store.chats = store.chats.filter((c) => c.id !== id);
+  if (store.current === id) store.current = store.chats[0]?.id ?? null;
+  save();
+  renderAll();
+  refreshCache();
+}
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  if (settings.apiKey) h.Authorization = `Bearer ${settings.apiKey}`;
+  return h;
+}
+
+function requestBody(chat) {
+  const messages = [];
+  if (chat.system.trim()) messages.push({ role: "system", content: chat.system });
+  for (const m of chat.messages) {
+    if (m.pending || (m.role === "assistant" && m.error && !m.content)) continue;
+    messages.push({ role: m.role, content: m.content });
+  }
+  const body = {
+    model: "mlxkv",
+    messages,
+    stream: true,
+    stream_options: { include_usage: true },
+    prompt_cache_key: chat.id,
+  };
+  // Sent as typed, so the server (not the page) says what is wrong with a value.
+  if (settings.temperature !== "") body.temperature = Number(settings.temperature);
+  if (settings.maxTokens !== "") body.max_tokens = Number(settings.maxTokens);
+  return body;
+}
+
+async function errorMessage(response) {
+  let detail = `${response.status} ${response.statusText}`;
+  try {
+    const body = await response.json();
+    detail = body?.error?.message || body?.message || detail;
+  } catch {
+    /* not JSON: keep the status line */
+  }
+  if (response.status === 401) {
+    $("#settings").open = true;
+    return `${detail}. Enter the server's API key in Settings.`;
+  }
+  return detail;
+}
+
+// Reads server-sent events from a fetch response; calls onEvent with each parsed JSON payload.
+async function readEvents(response, onEvent) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = block
+        .split("\n")
+        .filter((line) => line.startsWith("data:"))
+        .map((line) => line.slice(5).trimStart())
+        .join("\n");
+      if (!data || data === "[DONE]") continue;
+      onEvent(JSON.parse(data));
+    }
+  }
+}
+
+async function send(text) {
+  let chat = currentChat() || newChat();
+  if (chat.title === "New chat") chat.title = text.replace(/\s+/g, " ").slice(0, 48);
+  chat.messages.push({ role: "user", content: text });
+  const message = { role: "assistant", content: "", pending: true };
+  chat.messages.push(message);
+  const controller = new AbortController();
+  active = { chat, message, controller };
+  save();
+  renderAll();
+  const update = () => {
+    if (message.el && chat.id === store.current) {
+      renderMessage(message.el, message);
+      const box = $("#messages");
+      box.scrollTop = box.scrollHeight;
+    }
+  };
+  const start = performance.now();
+  let firstAt = null;
+  try {
+    const response = await fetch("v1/chat/completions", {
+      method: "POST",
+      headers: headers(),
+      body: JSON.stringify(requestBody(chat)),
+      signal: controller.signal,
+    });
+    if (!response.ok) {
+      message.error = await errorMessage(response);
+      return;
+    }
+    await readEvents(response, (event) => {
+      if (event.error) {
+        message.error = event.error.message || "the generation failed";
+        return;
+      }
+      const delta = event.choices?.[0]?.delta?.content;
+      if (delta) {
+        firstAt = firstAt ?? performance.now();
+        message.content += delta;
+        update();
+      }
+      if (event.usage) {
+        const done = performance.now();
+        const generated = event.usage.completion_tokens;
+        message.stats = {
+          prompt: event.usage.prompt_tokens,
+          cached: event.usage.prompt_tokens_details?.cached_tokens ?? 0,
+          completion: generated,
+          ttft_s: firstAt === null ? null : (firstAt - start) / 1000,
+          tps: firstAt !== null && generated > 1 ? (generated - 1) / ((done - firstAt) / 1000) : null,
+        };
+      }
+    });
+  } catch (error) {
+    if (error.name === "AbortError") message.stopped = true;
+    else message.error = `Could not reach the server (${error.message}). Is mlxkv serve running?`;
+  } finally {
+    message.pending = false;
+    delete message.el;
+    active = null;
+    save();
+    renderAll();
+    refreshCache();
+    $("#input").focus();
+  }
+}
+
+function stop() {
+  if (active) active.controller.abort();
+}
+
+// ---- cache panel -------------------------------------------------------------------------
+
+async function refreshCache() {
+  try {
+    const response = await fetch("v1/mlxkv/cache", { headers: headers() });
+    lastReport = response.ok ? await response.json() : null;
+  } catch {
+    lastReport = null;
+  }
+  renderCache($("#cache-panel"), lastReport, titleOf);
+}
+
+function pollCache() {
+  if (document.visibilityState === "visible" && !$("#cache-panel").hidden) refreshCache();
+  setTimeout(pollCache, CACHE_POLL_MS);
+}
+
+// ---- wiring ------------------------------------------------------------------------------
+
+function closeDrawers() {
+  document.body.classList.remove("show-sidebar");
+}
+
+function wire() {
+  $("#composer").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = $("#input").value.trim();
+    if (!text || active) return;
+    $("#input").value = "";
+    send(text);
+  });
+  $("#input").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      $("#composer").requestSubmit();
+    }
+  });
+  $("#stop").onclick = stop;
+  $("#new-chat").onclick = () => {
+    newChat();
+    renderAll();
+    closeDrawers();
+    $("#input").focus();
+  };
+  $("#menu").onclick = () => document.body.classList.toggle("show-sidebar");
+  $("#toggle-cache").onclick = () => {
+    const panel = $("#cache-panel");
+    panel.hidden = !panel.hidden;
+    $("#toggle-cache").setAttribute("aria-expanded", String(!panel.hidden));
+    if (!panel.hidden) refreshCache();
+  };
+  $("#system").addEventListener("input", (event) => {
+    const chat = currentChat() || newChat();
+    chat.system = event.target.value;
+    save();
+  });
+  for (const [id, key] of [["#temperature", "temperature"], ["#max-tokens", "maxTokens"], ["#api-key", "apiKey"]]) {
+    $(id).value = settings[key];
+    $(id).addEventListener("input", (event) => {
+      settings[key] = event.target.value.trim();
+      save();
+    });
+  }
+  // Copy buttons of code blocks (rendered inside replies).
+  $("#messages").addEventListener("click", (event) => {
+    const button = event.target.closest("button.copy");
+    if (!button) return;
+    const code = button.parentElement.querySelector("code").textContent;
+    navigator.clipboard?.writeText(code).then(() => {
+      button.textContent = "Copied";
+      setTimeout(() => (button.textContent = "Copy"), 1500);
+    });
+  });
+  if (window.matchMedia("(max-width: 720px)").matches) $("#cache-panel").hidden = true;
+}
+
+wire();
+renderAll();
+pollCache();

@@ -1,0 +1,292 @@
+"""The chat page in a real headless Chromium (Debian's `chromium`, driven by Playwright),
+against a server with a factory model. Replies and cached-token counts are checked against a
+fresh Runner given the same messages; screenshots (light, dark, narrow) are saved as test
+artifacts under $MLXKV_TEST_ARTIFACTS (default `test-artifacts/`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from mlxkv import Runner
+
+from .conftest import serve
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+ARTIFACTS = Path(os.environ.get("MLXKV_TEST_ARTIFACTS", "test-artifacts"))
+WAIT_MS = 30_000
+MAX_CONTEXT = 8192
+# Flags for a closed network: no background connections, no first-run work.
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def _chromium() -> str:
+    found = os.environ.get("MLXKV_CHROMIUM") or shutil.which("chromium")
+    if found:
+        return found
+    message = "no Chromium: install Debian's chromium package (or set MLXKV_CHROMIUM)"
+    if os.environ.get("CI"):  # CI installs it: a missing browser is a failure there
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as driver:
+        launched = driver.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+class _Paced:
+    """The model with a pause before each forward pass: the tiny model writes a whole reply in
+    a few milliseconds, which the browser may read in one piece; a real model's reply streams
+    over many reads, and so does this one's."""
+
+    def __init__(self, model, pause_s: float):
+        self._model = model
+        self._pause_s = pause_s
+
+    def __call__(self, *args, **kwargs):
+        time.sleep(self._pause_s)
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+@pytest.fixture(scope="module")
+def page_server(loaded_tiny):
+    loaded = loaded_tiny("llama")
+    paced = dataclasses.replace(loaded, model=_Paced(loaded.model, pause_s=0.015))
+    runner = Runner(paced, max_context=MAX_CONTEXT, cache_entries=4)
+    with serve(runner) as served:
+        yield served
+
+
+@pytest.fixture
+def page(browser, page_server):
+    """A fresh browser context (empty local storage) on the chat page."""
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    opened = context.new_page()
+    opened.set_default_timeout(WAIT_MS)
+    opened.goto(page_server.url + "/")
+    yield opened
+    context.close()
+
+
+def _fresh(loaded_tiny) -> Runner:
+    return Runner(loaded_tiny("llama"), max_context=MAX_CONTEXT)
+
+
+def _set(page, selector: str, value: str) -> None:
+    page.locator("#settings").evaluate("el => el.open = true")
+    page.fill(selector, value)
+
+
+def _send(page, text: str) -> None:
+    """Sends a message and waits until its reply has ended (its stats or an error shown)."""
+    before = page.locator(".message.assistant:not(.pending)").count()
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+    page.locator(".message.assistant:not(.pending)").nth(before).wait_for()
+
+
+def _stored(page) -> dict:
+    return page.evaluate("JSON.parse(localStorage.getItem('mlxkv.chats.v1'))")
+
+
+def _current(page) -> dict:
+    store = _stored(page)
+    return next(chat for chat in store["chats"] if chat["id"] == store["current"])
+
+
+def _api_messages(chat: dict) -> list[dict]:
+    return [{"role": m["role"], "content": m["content"]} for m in chat["messages"]]
+
+
+def _wait_until_idle(runner: Runner) -> None:
+    """The server's generation has ended (the cancelled one included)."""
+    runner.cache_tokens  # waits for a running generation  # noqa: B018
+
+
+def test_reply_streams_and_second_turn_reports_the_cached_tokens(page, loaded_tiny):
+    _set(page, "#max-tokens", "24")
+    # Count the reply's updates: a streamed reply is drawn more than once.
+    page.evaluate(
+        """() => { window.updates = 0; new MutationObserver(() => window.updates++)
+            .observe(document.querySelector('#messages'), {childList: true, subtree: true}); }"""
+    )
+    _send(page, "Hello there")
+    first = _current(page)["messages"]
+    assert page.evaluate("window.updates") > 5
+    reference = _fresh(loaded_tiny)
+    expected = reference.generate([{"role": "user", "content": "Hello there"}], max_tokens=24)
+    assert first[1]["content"] == expected.text
+    assert first[1]["stats"]["cached"] == 0
+
+    _send(page, "And then?")
+    chat = _current(page)
+    second = reference.generate(_api_messages(chat)[:-1], max_tokens=24)
+    assert chat["messages"][-1]["content"] == second.text
+    stats = chat["messages"][-1]["stats"]
+    assert stats["cached"] == second.cached_tokens > 0
+    shown = page.locator(".message.assistant").nth(1).locator("[data-stat=cached]").inner_text()
+    assert shown == f"cached {second.cached_tokens}"
+    assert stats["prompt"] == second.prompt_tokens
+    assert stats["ttft_s"] > 0 and stats["tps"] > 0
+
+
+def test_stop_ends_a_long_reply_and_the_next_message_works(page, page_server, loaded_tiny):
+    _set(page, "#max-tokens", "6000")
+    page.fill("#input", "Once upon a time there was")
+    page.press("#input", "Enter")
+    page.wait_for_function(  # some of the reply has streamed
+        """() => { const b = document.querySelector('.message.assistant.pending .bubble');
+            return b && !b.querySelector('.typing') && b.textContent.trim().length > 0; }"""
+    )
+    page.click("#stop")
+    page.locator(".message.assistant .stopped").wait_for()
+    assert page.locator("#send").is_visible()
+    _wait_until_idle(page_server.runner)
+    stopped = _current(page)["messages"][1]
+    assert stopped["stopped"] and "stats" not in stopped
+
+    _set(page, "#max-tokens", "16")
+    _send(page, "Go on.")
+    chat = _current(page)
+    reply = chat["messages"][-1]
+    assert "error" not in reply and not reply.get("stopped")
+    # The cache the cancel left behind gives what a fresh runner gives for the same chat.
+    expected = _fresh(loaded_tiny).generate(_api_messages(chat)[:-1], max_tokens=16)
+    assert reply["content"] == expected.text
+    assert reply["stats"]["cached"] > 0
+
+
+def test_switching_conversations_comes_back_and_the_panel_shows_their_entries(page, page_server):
+    _set(page, "#max-tokens", "12")
+    _send(page, "First conversation")
+    first_id = _stored(page)["current"]
+    page.click("#new-chat")
+    _send(page, "Second conversation")
+    assert page.locator("#conversations li").count() == 2
+
+    page.locator(f"#conversations li[data-id='{first_id}'] .open").click()
+    assert page.locator(".message.user").first.inner_text() == "First conversation"
+    _send(page, "Back to the first")
+    stats = _current(page)["messages"][-1]["stats"]
+    assert stats["cached"] > 0  # its entry was kept while the other conversation ran
+
+    page.click("#toggle-cache")  # closes the panel
+    page.click("#toggle-cache")  # opens it again, with a fresh reading
+    table = page.locator("#cache-entries tbody")
+    table.locator("tr", has_text="Second conversation").wait_for()
+    rows = table.locator("tr").all_inner_texts()
+    assert any("First conversation" in row for row in rows)
+    assert any("Second conversation" in row for row in rows)
+    report = page_server.runner.cache_info()
+    assert page.locator("[data-field=num_tokens]").inner_text() == f"{report.num_tokens:,}"
+    assert page.locator("#chart rect.bar").count() == 2  # two turns in this conversation
+
+    _screenshots(page)
+
+
+def _screenshots(page) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat-light.png"))
+    page.emulate_media(color_scheme="dark")
+    page.screenshot(path=str(ARTIFACTS / "chat-dark.png"))
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.click("#toggle-cache")  # at phone width the panel covers the chat: close it
+    page.locator("#sidebar").evaluate(  # the list has slid out of view
+        "el => Promise.all(el.getAnimations().map(a => a.finished))"
+    )
+    assert page.locator("#messages").is_visible()
+    page.screenshot(path=str(ARTIFACTS / "chat-narrow.png"))
+    for name in ("chat-light", "chat-dark", "chat-narrow"):
+        assert (ARTIFACTS / f"{name}.png").stat().st_size > 10_000
+
+
+def test_server_errors_are_shown_in_the_page(page):
+    _set(page, "#temperature", "7")
+    _send(page, "Hi")
+    error = page.locator(".message.assistant .error")
+    assert "temperature" in error.inner_text()
+    assert page.locator("#send").is_visible()
+
+    _set(page, "#temperature", "")
+    _send(page, "word " * (MAX_CONTEXT + 100))
+    assert "context" in page.locator(".message.assistant .error").last.inner_text()
+
+
+def test_a_key_protected_server_asks_for_the_key(browser, loaded_tiny):
+    with serve(Runner(loaded_tiny("llama"), max_context=1024), api_key="sesame") as served:
+        context = browser.new_context()
+        page = context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        page.goto(served.url + "/")  # the page itself needs no key
+        _set(page, "#max-tokens", "8")
+        _send(page, "Hi")
+        assert "API key" in page.locator(".message.assistant .error").inner_text()
+        _set(page, "#api-key", "sesame")
+        _send(page, "Hi again")
+        assert "stats" in _current(page)["messages"][-1]
+        context.close()
+
+
+def test_markdown_is_rendered_and_model_html_stays_text(page):
+    rendered = page.evaluate(
+        """async (text) => (await import('./static/markdown.js')).renderMarkdown(text)""",
+        "# Title\n\nSome **bold**, *italic* and `x<y`.\n\n- one\n- two\n\n"
+        "```python\nprint('<b>')\n```\n\n<script>alert(1)</script> <img src=x onerror=alert(2)>"
+        "\n[ok](https://example.com) [bad](javascript:alert(3))",
+    )
+    assert "<h1>Title</h1>" in rendered
+    assert "<strong>bold</strong>" in rendered and "<em>italic</em>" in rendered
+    assert "<code>x&lt;y</code>" in rendered
+    assert "<ul><li>one</li><li>two</li></ul>" in rendered
+    assert '<code class="language-python">print(&#39;&lt;b&gt;&#39;)</code>' in rendered
+    assert "<script" not in rendered and "<img" not in rendered
+    assert '<a href="https://example.com"' in rendered
+    assert "[bad](javascript:alert(3))" in rendered  # only http(s) links become links
+
+
+def test_cache_endpoint_equals_cache_info(page_server):
+    client = page_server.openai()
+    client.chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": "Count the entries"}],
+        max_tokens=8,
+        extra_body={"prompt_cache_key": "chat-42"},
+    )
+    _wait_until_idle(page_server.runner)
+    status, body = page_server.request("GET", "/v1/mlxkv/cache")
+    assert status == 200
+    info = page_server.runner.cache_info()
+    expected = json.loads(json.dumps(info.__dict__, default=lambda e: e.__dict__))
+    # Process-wide readings that move with any allocation are compared for presence only.
+    for moving in ("active_bytes", "mlx_cache_bytes"):
+        assert isinstance(body.pop(moving), int)
+        expected.pop(moving)
+    assert body.pop("model") == page_server.runner.loaded.path.name
+    assert body.pop("max_context") == MAX_CONTEXT
+    assert body == expected
+    current = next(e for e in body["entries"] if e["current"])
+    assert current["label"] == "chat-42"
+    assert current["num_tokens"] > 0
