@@ -24,10 +24,18 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlx_cache
 
 from mlxkv.cache.kv import KVCache, Rotation
+from mlxkv.cache.layer_ops import (
+    always_trimmable,
+    arrays_of,
+    copy_layer,
+    layer_can_trim,
+    leaves,
+    mark_layer,
+    restore_layer,
+)
 from mlxkv.cache.quantized import QuantizedKVCache, check_quantization
 from mlxkv.cache.window import SlidingWindowCache
 from mlxkv.errors import CacheFullError, NotSupportedError
@@ -130,12 +138,12 @@ class ModelCache:
                 f"{self.capacity_tokens} tokens. Trim or shift it first, or raise max_context",
                 self.capacity_tokens,
             )
-        marks = [_mark(layer) for layer in self.layers]
+        marks = [mark_layer(layer) for layer in self.layers]
         try:
             logits = model(ids.reshape(1, -1), cache=self.layers)
         except BaseException:
             for layer, mark in zip(self.layers, marks, strict=True):
-                _restore(layer, mark)
+                restore_layer(layer, mark)
             raise
         if is_array:
             self._pending.append(ids.reshape(-1))
@@ -144,12 +152,41 @@ class ModelCache:
             self._tokens.extend(int(t) for t in token_ids)
         return logits
 
+    def forward_tentative(
+        self, model: nn.Module, token_ids: Sequence[int]
+    ) -> tuple[mx.array, Callable[[int], None]]:
+        """`forward`, plus `keep(n)`, which afterwards keeps only the first n of these tokens
+        (speculative decoding's rollback of rejected drafts). Where every layer can go back,
+        keep trims, which is O(1); otherwise (recurrent state, a window that lost what it
+        needs) the layers are put back as they were before this pass and the n tokens are
+        fed again, so the state is always exactly what feeding n tokens gives.
+
+        `keep` must be called before anything else changes the cache.
+        """
+        start = self.num_tokens
+        marks = [mark_layer(layer) for layer in self.layers]
+        logits = self.forward(model, token_ids)
+
+        def keep(num_kept: int) -> None:
+            if self.can_trim_to(start + num_kept):
+                self.trim_to(start + num_kept)
+                return
+            for layer, saved in zip(self.layers, marks, strict=True):
+                restore_layer(layer, saved)
+            self._settle()
+            del self._tokens[start:]
+            self._drop_checkpoints_after(start)
+            if num_kept:
+                self.forward(model, token_ids[:num_kept])
+
+        return logits, keep
+
     def can_trim_to(self, num_tokens: int) -> bool:
         """True when every layer can go back to holding exactly `num_tokens` tokens."""
         if not 0 <= num_tokens <= self.num_tokens:
             return False
         drop = self.num_tokens - num_tokens
-        return all(_layer_can_trim(layer, drop) for layer in self.layers)
+        return all(layer_can_trim(layer, drop) for layer in self.layers)
 
     def trim_to(self, num_tokens: int) -> int:
         """Keeps the first `num_tokens` tokens and drops the rest, in every layer or none.
@@ -171,7 +208,7 @@ class ModelCache:
                 {
                     type(layer).__name__
                     for layer in self.layers
-                    if not _layer_can_trim(layer, self.num_tokens - num_tokens)
+                    if not layer_can_trim(layer, self.num_tokens - num_tokens)
                 }
             )
             raise NotSupportedError(
@@ -190,7 +227,7 @@ class ModelCache:
     @property
     def needs_checkpoints(self) -> bool:
         """True when some layer cannot go back by trimming (recurrent or sliding window)."""
-        return any(not _always_trimmable(layer) for layer in _leaves(self.layers))
+        return any(not always_trimmable(layer) for layer in leaves(self.layers))
 
     def checkpoint(self) -> None:
         """Snapshots, at the current length, the layers that cannot trim back, so a later
@@ -198,10 +235,8 @@ class ModelCache:
         `MAX_CHECKPOINTS`; their bytes are `checkpoint_bytes`."""
         if not self.needs_checkpoints or self.num_tokens in self._checkpoints:
             return
-        snapshot = [
-            None if _always_trimmable(layer) else _copy_layer(layer) for layer in self.layers
-        ]
-        mx.eval([a for layer in _leaves([s for s in snapshot if s]) for a in _arrays_of(layer)])
+        snapshot = [None if always_trimmable(layer) else copy_layer(layer) for layer in self.layers]
+        mx.eval([a for layer in leaves([s for s in snapshot if s]) for a in arrays_of(layer)])
         self._checkpoints[self.num_tokens] = snapshot
         while len(self._checkpoints) > MAX_CHECKPOINTS:
             earliest = min(self._checkpoints)
@@ -219,7 +254,7 @@ class ModelCache:
         Raises:
             ValueError: a layer's offset is not len(tokens), or a checkpoint lies past it.
         """
-        offsets = {layer.offset for layer in _leaves(layers) if hasattr(layer, "offset")}
+        offsets = {layer.offset for layer in leaves(layers) if hasattr(layer, "offset")}
         if offsets - {len(tokens)} or any(n > len(tokens) for n in checkpoints):
             raise ValueError(
                 f"layers at offsets {sorted(offsets)} with checkpoints at {sorted(checkpoints)} "
@@ -255,7 +290,7 @@ class ModelCache:
             if saved is None:
                 self.layers[i].trim(self.layers[i].offset - num_tokens)
             else:
-                self.layers[i] = _copy_layer(saved)  # the checkpoint stays reusable
+                self.layers[i] = copy_layer(saved)  # the checkpoint stays reusable
         self._settle()
         del self._tokens[num_tokens:]
         self._drop_checkpoints_after(num_tokens)
@@ -327,9 +362,9 @@ class ModelCache:
         layers = []
         for i, layer in enumerate(self.layers):
             if snapshot is not None and snapshot[i] is not None:
-                layers.append(_copy_layer(snapshot[i]))
+                layers.append(copy_layer(snapshot[i]))
             else:
-                layers.append(_copy_layer(layer, drop))
+                layers.append(copy_layer(layer, drop))
         clone = ModelCache([], self._make_layers, self.capacity_tokens)
         clone.adopt(
             layers,
@@ -352,21 +387,21 @@ class ModelCache:
         Returns:
             Bytes freed.
         """
-        return sum(layer.shrink() for layer in _leaves(self.layers) if hasattr(layer, "shrink"))
+        return sum(layer.shrink() for layer in leaves(self.layers) if hasattr(layer, "shrink"))
 
     def arrays(self) -> list[mx.array]:
         """Every array the layers hold: pass them to `mx.eval` to materialize a prefill."""
-        return [a for layer in _leaves(self.layers) for a in _arrays_of(layer)]
+        return [a for layer in leaves(self.layers) for a in arrays_of(layer)]
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated by all layers (including unused slots)."""
-        return sum(layer.nbytes for layer in _leaves(self.layers))
+        return sum(layer.nbytes for layer in leaves(self.layers))
 
     @property
     def used_bytes(self) -> int:
         """Bytes holding the tokens' K/V and recurrent state."""
-        return sum(getattr(layer, "used_bytes", layer.nbytes) for layer in _leaves(self.layers))
+        return sum(getattr(layer, "used_bytes", layer.nbytes) for layer in leaves(self.layers))
 
 
 def make_cache(
@@ -413,76 +448,4 @@ def checkpoint_layers(cache: ModelCache) -> list[Any]:
     shared with copies of the cache: count bytes once per object."""
     # list(): a consistent view even while a generation on another thread adds one
     saved = [layer for snap in list(cache.checkpoints.values()) for layer in snap if layer]
-    return _leaves(saved)
-
-
-def _copy_layer(layer: Any, drop: int = 0) -> Any:
-    """An independent copy of a layer without its last `drop` tokens (the layer must be able
-    to trim them: K/V layers copy only what they keep; others copy, then trim)."""
-    if isinstance(layer, mlx_cache.CacheList):
-        return mlx_cache.CacheList(*(_copy_layer(c, drop) for c in layer.caches))
-    if isinstance(layer, mlx_cache.ArraysCache):
-        assert drop == 0, "recurrent state cannot trim"
-        clone = mlx_cache.ArraysCache(len(layer.cache))
-        clone.cache = list(layer.cache)  # recurrent arrays are replaced, never mutated
-        return clone
-    # Our caches write into their buffers in place, so the copy needs arrays of its own.
-    if _always_trimmable(layer) and drop:  # state is (B, H, L, D) arrays: slice L
-        keep = layer.offset - drop
-        state = tree_map(lambda a: a[..., :keep, :] * 1, layer.state)
-        return type(layer).from_state(state, layer.meta_state)
-    state = tuple(tree_map(lambda a: mx.array(a) * 1, layer.state))
-    clone = type(layer).from_state(state, layer.meta_state)
-    if drop:
-        clone.trim(drop)
-    return clone
-
-
-def _arrays_of(layer: Any) -> list[mx.array]:
-    if isinstance(layer, mlx_cache.ArraysCache):
-        parts = layer.cache
-    else:  # the raw buffers: `state` of a window cache would build a time-ordered copy
-        parts = [getattr(layer, "keys", None), getattr(layer, "values", None)]
-    return [a for _, a in tree_flatten(parts) if isinstance(a, mx.array)]
-
-
-def _always_trimmable(layer: Any) -> bool:
-    """Float or quantized KV layers go back any number of tokens by trimming."""
-    return isinstance(layer, KVCache | QuantizedKVCache)
-
-
-def _leaves(layers: Sequence[Any]) -> list[Any]:
-    """The per-layer caches with mlx-lm `CacheList` containers flattened out."""
-    out = []
-    for layer in layers:
-        out.extend(_leaves(layer.caches) if isinstance(layer, mlx_cache.CacheList) else [layer])
-    return out
-
-
-def _layer_can_trim(layer: Any, num_tokens: int) -> bool:
-    if num_tokens == 0:
-        return True
-    if isinstance(layer, mlx_cache.CacheList):
-        return all(_layer_can_trim(c, num_tokens) for c in layer.caches)
-    if hasattr(layer, "can_trim"):
-        return layer.can_trim(num_tokens)
-    return layer.is_trimmable() and num_tokens <= getattr(layer, "offset", 0)
-
-
-def _mark(layer: Any) -> Any:
-    """What `_restore` needs to undo a forward pass on this layer."""
-    if isinstance(layer, mlx_cache.CacheList):
-        return [_mark(c) for c in layer.caches]
-    if isinstance(layer, mlx_cache.ArraysCache):
-        return list(layer.cache)  # recurrent state arrays are replaced, never mutated
-    return layer.offset
-
-
-def _restore(layer: Any, mark: Any) -> None:
-    if isinstance(layer, mlx_cache.CacheList):
-        for c, m in zip(layer.caches, mark, strict=True):
-            _restore(c, m)
-    elif isinstance(layer, mlx_cache.ArraysCache):
-        layer.cache = list(mark)
-    elif layer.offset > mark:
-        layer.trim(layer.offset - mark)
+    return leaves(saved)

@@ -1,0 +1,92 @@
+"""Operations on one layer's cache, whatever its kind: mlxkv's K/V classes and mlx-lm's
+recurrent (`ArraysCache`) and container (`CacheList`) layers.
+
+Owns: copying a layer, listing its arrays, whether and how far it can trim, and marking a
+layer's state before a forward pass so the pass can be undone (`mark_layer`,
+`restore_layer`). Does not own the token bookkeeping that keeps layers and token ids in step
+(`model_cache.ModelCache`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import cache as mlx_cache
+
+from mlxkv.cache.kv import KVCache
+from mlxkv.cache.quantized import QuantizedKVCache
+
+
+def copy_layer(layer: Any, drop: int = 0) -> Any:
+    """An independent copy of a layer without its last `drop` tokens (the layer must be able
+    to trim them: K/V layers copy only what they keep; others copy, then trim)."""
+    if isinstance(layer, mlx_cache.CacheList):
+        return mlx_cache.CacheList(*(copy_layer(c, drop) for c in layer.caches))
+    if isinstance(layer, mlx_cache.ArraysCache):
+        assert drop == 0, "recurrent state cannot trim"
+        clone = mlx_cache.ArraysCache(len(layer.cache))
+        clone.cache = list(layer.cache)  # recurrent arrays are replaced, never mutated
+        return clone
+    # Our caches write into their buffers in place, so the copy needs arrays of its own.
+    if always_trimmable(layer) and drop:  # state is (B, H, L, D) arrays: slice L
+        keep = layer.offset - drop
+        state = tree_map(lambda a: a[..., :keep, :] * 1, layer.state)
+        return type(layer).from_state(state, layer.meta_state)
+    state = tuple(tree_map(lambda a: mx.array(a) * 1, layer.state))
+    clone = type(layer).from_state(state, layer.meta_state)
+    if drop:
+        clone.trim(drop)
+    return clone
+
+
+def arrays_of(layer: Any) -> list[mx.array]:
+    if isinstance(layer, mlx_cache.ArraysCache):
+        parts = layer.cache
+    else:  # the raw buffers: `state` of a window cache would build a time-ordered copy
+        parts = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+    return [a for _, a in tree_flatten(parts) if isinstance(a, mx.array)]
+
+
+def always_trimmable(layer: Any) -> bool:
+    """Float or quantized KV layers go back any number of tokens by trimming."""
+    return isinstance(layer, KVCache | QuantizedKVCache)
+
+
+def leaves(layers: Sequence[Any]) -> list[Any]:
+    """The per-layer caches with mlx-lm `CacheList` containers flattened out."""
+    out = []
+    for layer in layers:
+        out.extend(leaves(layer.caches) if isinstance(layer, mlx_cache.CacheList) else [layer])
+    return out
+
+
+def layer_can_trim(layer: Any, num_tokens: int) -> bool:
+    if num_tokens == 0:
+        return True
+    if isinstance(layer, mlx_cache.CacheList):
+        return all(layer_can_trim(c, num_tokens) for c in layer.caches)
+    if hasattr(layer, "can_trim"):
+        return layer.can_trim(num_tokens)
+    return layer.is_trimmable() and num_tokens <= getattr(layer, "offset", 0)
+
+
+def mark_layer(layer: Any) -> Any:
+    """What `restore_layer` needs to undo a forward pass on this layer."""
+    if isinstance(layer, mlx_cache.CacheList):
+        return [mark_layer(c) for c in layer.caches]
+    if isinstance(layer, mlx_cache.ArraysCache):
+        return list(layer.cache)  # recurrent state arrays are replaced, never mutated
+    return layer.offset
+
+
+def restore_layer(layer: Any, mark: Any) -> None:
+    if isinstance(layer, mlx_cache.CacheList):
+        for c, m in zip(layer.caches, mark, strict=True):
+            restore_layer(c, m)
+    elif isinstance(layer, mlx_cache.ArraysCache):
+        layer.cache = list(mark)
+    elif layer.offset > mark:
+        layer.trim(layer.offset - mark)
