@@ -50,8 +50,11 @@ def emit_chunks(
             break
     tail = ""
     if not cut_by_stop_string:
-        detokenizer.finalize()
-        tail, _ = stops.push(detokenizer.last_segment)
-        tail += stops.flush()
+        detokenizer.finalize()  # text held back (e.g. trailing spaces) may complete a stop
+        tail, stopped = stops.push(detokenizer.last_segment)
+        if stopped and finish == "length":
+            finish = "stop"
+        elif not stopped:
+            tail += stops.flush()
         stats.text.append(tail)
     yield stats.final_chunk(tail, finish, stops.matched)

@@ -43,6 +43,16 @@ def test_stop_string_cuts_text_and_ends_generation(make_runner):
     assert out.text == free.text[: free.text.find(stop)]
 
 
+def test_stop_string_in_text_the_detokenizer_held_to_the_end_ends_with_stop(make_runner):
+    # The tiny qwen3 answers this prompt with spaces only, which the detokenizer holds back
+    # until the end: the stop string is found only then.
+    prompt = "one two three four five six seven eight nine ten. " * 6
+    free = make_runner("qwen3").generate(prompt, max_tokens=12)
+    assert free.text.strip() == "" and len(free.text) > 4
+    out = make_runner("qwen3").generate(prompt, max_tokens=12, stop=["   "])
+    assert (out.text, out.finish_reason, out.stop_string) == ("", "stop", "   ")
+
+
 def test_stream_text_deltas_join_to_the_completion(make_runner):
     runner = make_runner("llama")
     chunks = list(runner.stream("Paris is the capital of", max_tokens=8))
