@@ -89,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
         "--raw", action="store_true", help="send the prompt without the chat template"
     )
     _add_model_options(generate)
+    _add_speculative_options(generate)
     generate.set_defaults(run=_generate)
 
     chat = commands.add_parser(
@@ -98,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--system", help="system prompt")
     _add_model_options(chat)
+    _add_speculative_options(chat)
     _add_cache_options(chat, CacheSettings())
     chat.set_defaults(run=_chat)
 
@@ -131,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max-body-bytes", type=int, default=32 * 1024**2, help="largest request body accepted"
     )
     serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
+    _add_speculative_options(serve)
     _add_cache_options(serve, CacheSettings.for_server())
     serve.set_defaults(run=_serve)
 
@@ -164,6 +167,22 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="statistics and the cache log on stderr"
+    )
+
+
+def _add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "speculative decoding", "drafted tokens verified several per forward pass; exact"
+    )
+    group.add_argument(
+        "--speculative",
+        choices=("auto", "ngram", "draft", "off"),
+        default="auto",
+        help="auto: draft (from --draft-model, else from the text itself) only while drafts "
+        "pay; ngram / draft: always; off: plain decoding (default: auto)",
+    )
+    group.add_argument(
+        "--draft-model", default=None, help="a small model with the same tokenizer to draft with"
     )
 
 
@@ -232,7 +251,15 @@ def _load(args: argparse.Namespace) -> Runner:
         for key in ("cache_entries", "cache_bytes", "cache_dir", "cache_dir_bytes")
         if hasattr(args, key)
     }
-    return Runner(loaded, max_context=args.max_context, kv_bits=args.kv_bits, **cache)
+    draft = load_model(args.draft_model) if args.draft_model else None
+    return Runner(
+        loaded,
+        max_context=args.max_context,
+        kv_bits=args.kv_bits,
+        draft=draft,
+        speculative=args.speculative,
+        **cache,
+    )
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -267,10 +294,18 @@ def _print_stats(out: Completion) -> None:
     print(
         f"[prompt {out.prompt_tokens} tokens, cached {out.cached_tokens} | "
         f"prefill {out.prompt_tps:.1f} tok/s | generation {out.generation_tokens} tokens, "
-        f"{out.generation_tps:.1f} tok/s | ttft {out.ttft * 1000:.0f} ms | "
+        f"{out.generation_tps:.1f} tok/s{_acceptance(out)} | ttft {out.ttft * 1000:.0f} ms | "
         f"finish {out.finish_reason}]",
         file=sys.stderr,
     )
+
+
+def _acceptance(out: Completion) -> str:
+    """`, drafted N, accepted M (P%)`, or nothing when nothing was drafted."""
+    if not out.drafted_tokens:
+        return ""
+    share = out.accepted_tokens / out.drafted_tokens
+    return f", drafted {out.drafted_tokens}, accepted {out.accepted_tokens} ({share:.0%})"
 
 
 def _generate(args: argparse.Namespace) -> int:

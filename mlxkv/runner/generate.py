@@ -48,6 +48,8 @@ class Completion:
         ttft: seconds from the request to the first sampled token.
         peak_memory: MLX's peak memory during the request, in bytes.
         stop_string: the stop string that ended it, if one did.
+        drafted_tokens: tokens proposed by speculative decoding and verified by the model.
+        accepted_tokens: drafted tokens the model accepted (each saved a forward pass).
     """
 
     text: str
@@ -61,6 +63,8 @@ class Completion:
     ttft: float
     peak_memory: int
     stop_string: str | None = None
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,8 @@ class CompletionStats:
         self.num_sampled = 0
         self.tokens: list[int] = []
         self.text: list[str] = []
+        self.drafted = 0  # speculative decoding: tokens drafted, and accepted of them
+        self.accepted = 0
 
     def sampled(self) -> None:
         if self.first_token_at is None:
@@ -167,6 +173,8 @@ class CompletionStats:
             ttft=prefill_s,
             peak_memory=mx.get_peak_memory(),
             stop_string=stop_string,
+            drafted_tokens=self.drafted,
+            accepted_tokens=self.accepted,
         )
 
 
@@ -246,10 +254,20 @@ class TokenPicker:
         self._pending: deque[tuple[mx.array, mx.array, mx.array]] = deque()
 
     def __call__(self, logits: mx.array) -> mx.array:
+        logprobs = self.logprobs(logits)
+        token = self._sampler(logprobs).reshape(-1)
+        self.record(token, logprobs)
+        return token
+
+    def logprobs(self, logits: mx.array) -> mx.array:
+        """Log-probabilities (1, vocab) of the next token: logits (1, vocab) through the
+        processors, given the tokens recorded so far; before any sampler filter."""
         for processor in self._processors:
             logits = processor(self._history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = self._sampler(logprobs).reshape(-1)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def record(self, token: mx.array, logprobs: mx.array) -> None:
+        """Takes `token` (shape (1,)) as the next token, picked from `logprobs`."""
         if self._history is not None:
             self._history = mx.concatenate([self._history, token.astype(mx.uint32)])
         if self._top_logprobs is not None:
@@ -257,7 +275,6 @@ class TokenPicker:
             k = self._top_logprobs
             top = mx.argsort(-row)[:k] if k else mx.array([], dtype=mx.uint32)
             self._pending.append((row[token[0]], top, row[top]))
-        return token
 
     def pop_logprob(self) -> TokenLogprob | None:
         """The log-probabilities of the oldest picked token not yet popped; None when not
@@ -276,6 +293,7 @@ def decode_tokens(
     pick: TokenPicker,
     max_tokens: int,
     make_room: Callable[[ModelCache, int], None] | None = None,
+    stop_early: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
     """Yields up to `max_tokens` sampled token ids, starting from the prompt's last logits.
 
@@ -286,16 +304,22 @@ def decode_tokens(
 
     Args:
         make_room: called as make_room(cache, 1) before each token is fed (context shift).
+        stop_early: asked after each yielded token; True ends the loop as soon as the
+            pipeline allows without waste: after the token whose step is already queued (one
+            more), or at once after the first. The last token yielded is then not fed.
     """
     if max_tokens <= 0:
         return
     token = pick(logits)
     mx.async_eval(token)
-    for n in range(max_tokens):
+    n = 0
+    while n < max_tokens:
         if n == 0:
             # Out before anything else is queued: on MLX's CPU backend, queuing a step before
             # reading the first token added a whole decode step to the time to first token.
             yield token.item()
+            if stop_early and stop_early():
+                max_tokens = 1
         if n + 1 < max_tokens:
             if make_room:
                 make_room(cache, 1)
@@ -303,10 +327,13 @@ def decode_tokens(
             mx.async_eval(next_token)
         if n > 0:
             yield token.item()
+            if stop_early and stop_early():
+                max_tokens = min(max_tokens, n + 2)
         if n % _CLEAR_CACHE_EVERY_TOKENS == _CLEAR_CACHE_EVERY_TOKENS - 1:
             mx.clear_cache()
         if n + 1 < max_tokens:
             token = next_token
+        n += 1
 
 
 class StopStrings:

@@ -52,6 +52,7 @@ class Request:
             with each sampled token's own.
         cache_key: a label for the cache entry the request generates into (None: keep its
             label).
+        speculative: the speculative decoding mode (`speculative.MODES`).
     """
 
     tokens: list[int]
@@ -62,6 +63,7 @@ class Request:
     cancelled: threading.Event
     top_logprobs: int | None = None
     cache_key: str | None = None
+    speculative: str | None = None
 
 
 # PromptEncoder.render with the request's control-token and tool settings bound.
@@ -80,6 +82,7 @@ class RequestOptions:
         top_logprobs: None for no log-probabilities, else alternatives per token (0..20).
         truncate: cut a prompt that does not fit; False raises ContextLengthError.
         cache_key: a label for the cache entry this request generates into.
+        speculative: the speculative decoding mode, already checked.
     """
 
     progress: ProgressCallback | None = None
@@ -89,6 +92,7 @@ class RequestOptions:
     top_logprobs: int | None = None
     truncate: bool = True
     cache_key: str | None = None
+    speculative: str | None = None
 
     def check(self) -> None:
         if self.progress is not None and not callable(self.progress):
@@ -169,6 +173,7 @@ class RequestBuilder:
             options.cancel or threading.Event(),
             options.top_logprobs,
             options.cache_key,
+            options.speculative,
         )
 
     def forget_cut(self) -> None:

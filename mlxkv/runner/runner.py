@@ -27,6 +27,7 @@ from mlxkv.errors import RunnerBusyError
 from mlxkv.runner.cache_setup import CacheSettings, make_pool
 from mlxkv.runner.checks import check_int
 from mlxkv.runner.context import ContextWindow, default_max_context, rope_rotations
+from mlxkv.runner.drafts import DraftModel
 from mlxkv.runner.generate import (
     Completion,
     CompletionStats,
@@ -34,7 +35,6 @@ from mlxkv.runner.generate import (
     PrefillCancelled,
     ProgressCallback,
     TokenPicker,
-    decode_tokens,
     fill,
 )
 from mlxkv.runner.loading import LoadedModel, load_model
@@ -43,6 +43,7 @@ from mlxkv.runner.mlx_state import clean_random_state
 from mlxkv.runner.prompt import Prompt, PromptEncoder, Tools
 from mlxkv.runner.prompt_fill import fill_prompt
 from mlxkv.runner.request import Request, RequestBuilder, RequestOptions
+from mlxkv.runner.speculative import check_mode, decode_request
 from mlxkv.runner.text_chunks import emit_chunks
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class Runner:
         cache_dir: a directory for the disk tier: evicted entries are written there and
             loaded back, and a new Runner on it (a restart) starts warm. None for none.
         cache_dir_bytes: the disk tier's byte budget (default 16 GiB).
+        draft: a draft model for speculative decoding (same tokenizer); see `Runner.load`.
+        speculative: the requests' default speculative decoding mode (see `stream`).
 
     Raises:
         ValueError: a setting of the wrong type or out of range.
@@ -90,8 +93,11 @@ class Runner:
         cache_bytes: int | str | None = None,
         cache_dir: str | Path | None = None,
         cache_dir_bytes: int | str | None = None,
+        draft: LoadedModel | None = None,
+        speculative: str | None = "auto",
     ):
         settings = CacheSettings.check(cache_entries, cache_bytes, cache_dir, cache_dir_bytes)
+        self.speculative = check_mode(speculative, has_draft_model=draft is not None)
         if max_context is not None:
             check_int("max_context (tokens)", max_context, low=2)
         if keep is not None:
@@ -110,6 +116,7 @@ class Runner:
             loaded.model, loaded.max_position_embeddings, probe
         )
         self._rotations = rope_rotations(loaded.model)
+        self._draft = DraftModel.check(draft, loaded)
         self._pool = make_pool(loaded, self._make_entry, settings)
         self._lock = threading.Lock()  # held for a whole generation
         self._owner: int | None = None  # the thread that holds it
@@ -131,12 +138,16 @@ class Runner:
         cache_bytes: int | str | None = None,
         cache_dir: str | Path | None = None,
         cache_dir_bytes: int | str | None = None,
+        draft_model: str | Path | None = None,
+        speculative: str | None = "auto",
     ) -> Runner:
         """Loads a model and wraps it in a Runner (the other arguments are the Runner's).
 
         Args:
             path_or_repo: a Hugging Face-layout directory, a .gguf file, an Ollama model name,
                 a Hugging Face repo id, or None for the bundled default (SmolLM2-135M-Instruct).
+            draft_model: a small model with the same tokenizer for speculative decoding
+                (any form `path_or_repo` takes); None for none.
 
         Raises:
             ModelLoadError: nothing loadable at `path_or_repo` (the message says what was tried).
@@ -153,6 +164,8 @@ class Runner:
             cache_bytes=cache_bytes,
             cache_dir=cache_dir,
             cache_dir_bytes=cache_dir_bytes,
+            draft=None if draft_model is None else load_model(draft_model),
+            speculative=speculative,
         )
 
     def _make_entry(self) -> ModelCache:
@@ -194,6 +207,7 @@ class Runner:
         logprobs: int | None = None,
         truncate: bool = True,
         cache_key: str | None = None,
+        speculative: str | None = "default",
         **sampling: Any,
     ) -> Iterator[GenerationChunk]:
         """Streams a completion chunk by chunk.
@@ -214,6 +228,12 @@ class Runner:
                 the system prompt); False raises ContextLengthError instead.
             cache_key: a label for the cache entry this request generates into, e.g. a
                 conversation id; `cache_info()` shows it. Lookup is by tokens alone.
+            speculative: "auto" drafts tokens (from the draft model if one is loaded, else by
+                looking the text's last tokens up in the prompt and output) only while the
+                model accepts enough of them to pay; "ngram" and "draft" always draft that
+                way; None or "off" decodes plainly; "default" takes the Runner's setting.
+                Drafts are verified several per forward pass: greedy output is plain
+                decoding's, token for token, and sampling keeps the model's distribution.
             **sampling: `SamplingParams` fields: max_tokens, temperature, top_p, top_k, min_p,
                 repetition_penalty, seed, stop.
 
@@ -227,9 +247,12 @@ class Runner:
                 `max_context`; or the prompt does not fit and `truncate` is False.
             RunnerBusyError (when iterated): this thread is still inside another `stream()`.
         """
+        if speculative == "default":
+            speculative = self.speculative
         options = RequestOptions(
-            progress, parse_control_tokens, tools, cancel, logprobs, truncate, cache_key
-        )
+            progress, parse_control_tokens, tools, cancel, logprobs, truncate, cache_key,
+            check_mode(speculative, has_draft_model=self._draft is not None),
+        )  # fmt: skip
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.
         request = self._builder.build(
@@ -311,7 +334,11 @@ class Runner:
         pick = TokenPicker(
             sampler, params.make_logits_processors(), tokens, top_logprobs=request.top_logprobs
         )
-        decoded = decode_tokens(model, hit.cache, logits, pick, params.max_tokens, window.make_room)
+        decoded = decode_request(
+            request.speculative, self._draft, model, hit.cache, logits, pick, params,
+            prompt=tokens, vocab_size=self.loaded.vocab_size, stats=stats,
+            make_room=window.make_room,
+        )  # fmt: skip
         yield from emit_chunks(self.loaded.tokenizer, decoded, stats, request, pick)
 
     def cancel(self) -> None:

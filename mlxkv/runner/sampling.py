@@ -10,7 +10,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
 
 from mlxkv.runner.checks import check_int, check_real
 
@@ -63,6 +69,24 @@ class SamplingParams:
     def make_sampler(self, vocab_size: int) -> Sampler:
         top_k = self.top_k if self.top_k < vocab_size else 0  # keeping every token: no filter
         return make_sampler(temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=top_k)
+
+    def make_distribution(self, vocab_size: int) -> Callable[[mx.array], mx.array]:
+        """logprobs (1, vocab) -> the probabilities (1, vocab) the sampler draws from when
+        temperature > 0: mlx-lm's filters in `make_sampler`'s order (top-p, min-p, top-k),
+        then softmax at the temperature. Speculative sampling's acceptance rule needs them."""
+        top_k = self.top_k if self.top_k < vocab_size else 0
+        inverse_temperature = 1.0 / self.temperature
+
+        def distribution(logprobs: mx.array) -> mx.array:
+            if 0 < self.top_p < 1.0:
+                logprobs = apply_top_p(logprobs, self.top_p)
+            if self.min_p != 0.0:
+                logprobs = apply_min_p(logprobs, self.min_p)
+            if top_k > 0:
+                logprobs = apply_top_k(logprobs, top_k)
+            return mx.softmax(logprobs * inverse_temperature, axis=-1)
+
+        return distribution
 
     def make_logits_processors(self) -> list[LogitsProcessor]:
         return make_logits_processors(repetition_penalty=self.repetition_penalty)

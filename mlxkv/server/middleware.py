@@ -63,8 +63,14 @@ class AccessLog:
                 line += (
                     f" prompt={completion.prompt_tokens} cached={completion.cached_tokens}"
                     f" generated={completion.generation_tokens} ttft={completion.ttft:.3f}s"
-                    f" finish={completion.finish_reason} | {self.memory_line()}"
+                    f" finish={completion.finish_reason}"
                 )
+                if completion.drafted_tokens:  # speculative decoding's acceptance
+                    line += (
+                        f" drafted={completion.drafted_tokens}"
+                        f" accepted={completion.accepted_tokens}"
+                    )
+                line += f" | {self.memory_line()}"
             logger.info("%s", line)
 
 

@@ -43,6 +43,17 @@ def test_generate_prints_the_answer_and_stats(converted_cache):
     assert "kv cache:" in result.stderr and "ttft" in result.stderr
 
 
+def test_speculative_options_report_acceptance_and_refuse_a_missing_draft_model(converted_cache):
+    prompt = "Repeat exactly: the cat sat on the mat, the cat sat on the mat."
+    args = ["-m", "mlxkv.cli", "generate", "-p", prompt, "--verbose", "--max-tokens", "24"]
+    result = _run([*args, "--speculative", "ngram"], converted_cache)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"drafted \d+, accepted \d+ \(\d+%\)", result.stderr), result.stderr
+    result = _run([*args, "--speculative", "draft"], converted_cache)
+    assert result.returncode == 2
+    assert "needs a draft model" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_bad_model_is_a_one_line_error(converted_cache):
     result = _run(["-m", "mlxkv.cli", "generate", "-p", "hi", "-m", "/no/such"], converted_cache)
     assert result.returncode == 2

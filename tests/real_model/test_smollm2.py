@@ -31,3 +31,15 @@ def test_three_turn_chat_equals_no_cache_runner(smollm2):
         if turn:
             assert out.cached_tokens > 0
         messages.append({"role": "assistant", "content": out.text})
+
+
+def test_speculation_on_a_quote_drafts_from_the_prompt_and_changes_no_token(smollm2):
+    passage = (
+        "The river Seine rises on the Langres plateau and flows north-west for 777 kilometres "
+        "through Paris to the English Channel at Le Havre."
+    )
+    messages = [{"role": "user", "content": f"{passage}\n\nQuote this sentence back exactly."}]
+    plain = Runner(smollm2, speculative=None).generate(messages, max_tokens=48)
+    fast = Runner(smollm2).generate(messages, max_tokens=48)  # the default: "auto"
+    assert fast.tokens == plain.tokens
+    assert fast.accepted_tokens >= 10  # a real model copying its prompt: drafts that pay
