@@ -66,9 +66,10 @@ class AccessLog:
                     f" finish={completion.finish_reason}"
                 )
                 if completion.drafted_tokens:  # speculative decoding's acceptance
+                    share = completion.accepted_tokens / completion.drafted_tokens
                     line += (
                         f" drafted={completion.drafted_tokens}"
-                        f" accepted={completion.accepted_tokens}"
+                        f" accepted={completion.accepted_tokens} ({share:.0%})"
                     )
                 line += f" | {self.memory_line()}"
             logger.info("%s", line)

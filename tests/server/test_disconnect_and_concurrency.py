@@ -97,3 +97,14 @@ def test_four_clients_at_once_get_their_sequential_answers(tiny_server):
         concurrent = list(pool.map(ask, prompts))
     assert concurrent == sequential
     assert len(set(sequential)) > 1  # the prompts really differ
+
+
+def test_the_access_line_reports_speculative_acceptance(tiny_server, fresh_runner, access_log):
+    prompt = "one two three four five six seven eight nine ten. " * 6  # drafts from itself
+    reference = fresh_runner().generate(prompt, max_tokens=40)  # "auto", as the server runs
+    assert reference.drafted_tokens > 0
+    tiny_server.openai().completions.create(model="m", prompt=prompt, max_tokens=40)
+    found = access_log(r"POST /v1/completions 200 .* drafted=(\d+) accepted=(\d+) \((\d+)%\)")
+    drafted, accepted, share = (int(n) for n in found.groups())
+    assert (drafted, accepted) == (reference.drafted_tokens, reference.accepted_tokens)
+    assert share == round(100 * accepted / drafted)
