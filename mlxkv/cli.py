@@ -243,14 +243,22 @@ def _progress_bar(label: str) -> Callable[[int, int], None] | None:
 
 
 def _load(args: argparse.Namespace) -> Runner:
+    """The Runner the arguments ask for; under `mlx.launch`, this process's shard of it."""
+    from mlxkv.runner.distributed import world
     from mlxkv.runner.loading import load_model
 
-    loaded = load_model(args.model, progress=_progress_bar("converting GGUF (tensors)"))
+    group = world()
+    progress = _progress_bar("converting GGUF (tensors)")
+    loaded = load_model(args.model, progress=progress, group=group)
     cache = {
         key: getattr(args, key)
         for key in ("cache_entries", "cache_bytes", "cache_dir", "cache_dir_bytes")
         if hasattr(args, key)
     }
+    if group is not None and cache.get("cache_dir") is not None:
+        if group.rank() == 0:
+            print("mlxkv: sharded: no disk tier (--cache-dir is ignored)", file=sys.stderr)
+        cache["cache_dir"] = None
     draft = load_model(args.draft_model) if args.draft_model else None
     return Runner(
         loaded,
@@ -258,8 +266,18 @@ def _load(args: argparse.Namespace) -> Runner:
         kv_bits=args.kv_bits,
         draft=draft,
         speculative=args.speculative,
+        group=group,
         **cache,
     )
+
+
+def _follow(runner: Runner) -> int:
+    """Ranks other than 0 of a sharded model: run rank 0's requests until it is done. Only
+    rank 0 prints (its memory line adds up the ranks' bytes)."""
+    logging.getLogger().setLevel(logging.WARNING)
+    for _ in runner.follow():
+        pass
+    return 0
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -310,10 +328,13 @@ def _acceptance(out: Completion) -> str:
 
 def _generate(args: argparse.Namespace) -> int:
     runner = _load(args)
+    if runner.rank:
+        return _follow(runner)
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     if not args.raw and not getattr(runner.tokenizer, "chat_template", None):
         prompt = args.prompt
-    out = _stream_reply(runner, prompt, args)
+    with runner:  # when sharded, closing ends the other ranks
+        out = _stream_reply(runner, prompt, args)
     if args.verbose:
         _print_stats(out)
     return 0
@@ -321,6 +342,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     with _load(args) as runner:  # closing it writes the cache to the disk tier, if any
+        if runner.rank:
+            return _follow(runner)
         return _chat_loop(runner, args)
 
 
@@ -385,6 +408,8 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.verbose:  # the access line carries the memory line already
         logging.getLogger("mlxkv.runner.runner").setLevel(logging.WARNING)
     runner = _load(args)
+    if runner.rank:  # rank 0 alone serves HTTP
+        return _follow(runner)
     name = args.model or "SmolLM2-135M-Instruct"
     app = create_app(
         runner,

@@ -46,7 +46,10 @@ class LoadedModel:
 
 
 def load_model(
-    path_or_repo: str | Path | None = None, *, progress: gguf.ProgressCallback | None = None
+    path_or_repo: str | Path | None = None,
+    *,
+    progress: gguf.ProgressCallback | None = None,
+    group: mx.distributed.Group | None = None,
 ) -> LoadedModel:
     """Loads a model, converting a GGUF file (once; the result is cached) if given one.
 
@@ -54,10 +57,13 @@ def load_model(
         path_or_repo: a directory in Hugging Face layout, a .gguf file, an Ollama model name
             ("smollm2:135m"), a Hugging Face repo id, or None for the default model.
         progress: called as progress(done, total) in tensors while converting a GGUF file.
+        group: shard the model over this process group (see `distributed.shard_model`);
+            the weights are loaded lazily, so each rank reads only its shard into memory.
 
     Raises:
         ModelLoadError: nothing loadable there (the message says what was tried and the fix).
         UnsupportedFormatError: a GGUF of an unsupported architecture or tensor type.
+        NotSupportedError: `group` is given and the architecture cannot be sharded.
     """
     from mlx_lm.utils import load
 
@@ -65,9 +71,14 @@ def load_model(
     if path.suffix == ".gguf" or _is_gguf(path):
         path = gguf.converted_dir(path, progress=progress)
     try:
-        model, tokenizer, config = load(str(path), return_config=True)
+        model, tokenizer, config = load(str(path), return_config=True, lazy=group is not None)
     except (ValueError, FileNotFoundError, KeyError, OSError, RuntimeError) as error:
         raise ModelLoadError(f"could not load a model from {path}: {error}") from error
+    if group is not None:
+        from mlxkv.runner.distributed import shard_model
+
+        kind = shard_model(model, group, config.get("model_type", "?"))
+        logger.info("sharded model kind=%s ranks=%d rank=%d", kind, group.size(), group.rank())
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)  # half-precision matmuls are several times slower on CPU
     materialize(model)

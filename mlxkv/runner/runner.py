@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,25 +25,21 @@ from mlxkv.cache.model_cache import ModelCache, make_cache
 from mlxkv.errors import RunnerBusyError
 from mlxkv.runner.cache_setup import CacheSettings, make_pool
 from mlxkv.runner.checks import check_int
-from mlxkv.runner.context import ContextWindow, default_max_context, rope_rotations
+from mlxkv.runner.context import default_max_context, rope_rotations
+from mlxkv.runner.distributed import Lockstep, world
 from mlxkv.runner.drafts import DraftModel
 from mlxkv.runner.generate import (
     Completion,
-    CompletionStats,
     GenerationChunk,
-    PrefillCancelled,
     ProgressCallback,
-    TokenPicker,
-    fill,
 )
 from mlxkv.runner.loading import LoadedModel, load_model
 from mlxkv.runner.memory import MemoryReport
 from mlxkv.runner.mlx_state import clean_random_state
 from mlxkv.runner.prompt import Prompt, PromptEncoder, Tools
-from mlxkv.runner.prompt_fill import fill_prompt
 from mlxkv.runner.request import Request, RequestBuilder, RequestOptions
-from mlxkv.runner.speculative import check_mode, decode_request
-from mlxkv.runner.text_chunks import emit_chunks
+from mlxkv.runner.request_run import run_request
+from mlxkv.runner.speculative import check_mode
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +70,8 @@ class Runner:
         cache_dir_bytes: the disk tier's byte budget (default 16 GiB).
         draft: a draft model for speculative decoding (same tokenizer); see `Runner.load`.
         speculative: the requests' default speculative decoding mode (see `stream`).
+        group: the process group `loaded` is sharded over (`Runner.load` finds it when
+            started by `mlx.launch`); rank 0 serves requests, the others call `follow`.
 
     Raises:
         ValueError: a setting of the wrong type or out of range.
@@ -95,8 +92,10 @@ class Runner:
         cache_dir_bytes: int | str | None = None,
         draft: LoadedModel | None = None,
         speculative: str | None = "auto",
+        group: mx.distributed.Group | None = None,
     ):
         settings = CacheSettings.check(cache_entries, cache_bytes, cache_dir, cache_dir_bytes)
+        self._lockstep = None if group is None else Lockstep(group)
         self.speculative = check_mode(speculative, has_draft_model=draft is not None)
         if max_context is not None:
             check_int("max_context (tokens)", max_context, low=2)
@@ -115,6 +114,8 @@ class Runner:
         self.max_context = max_context or default_max_context(
             loaded.model, loaded.max_position_embeddings, probe
         )
+        if self._lockstep is not None:  # every rank takes rank 0's cache settings
+            self.max_context, settings = self._lockstep.leaders_settings(self.max_context, settings)
         self._rotations = rope_rotations(loaded.model)
         self._draft = DraftModel.check(draft, loaded)
         self._pool = make_pool(loaded, self._make_entry, settings)
@@ -123,6 +124,8 @@ class Runner:
         self._builder = RequestBuilder(self._prompts, self.max_context, keep)
         self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         self._requests_lock = threading.Lock()
+        # The memory line logged after the last generation (sharded: with the ranks' sum).
+        self.memory_line = ""
 
     @classmethod
     def load(
@@ -149,12 +152,17 @@ class Runner:
             draft_model: a small model with the same tokenizer for speculative decoding
                 (any form `path_or_repo` takes); None for none.
 
+        Started by `mlx.launch` with several processes, each process loads its shard of the
+        model (see `mlxkv.runner.distributed`); rank 0 then serves requests and the other
+        ranks call `follow()`.
+
         Raises:
             ModelLoadError: nothing loadable at `path_or_repo` (the message says what was tried).
             ValueError: invalid cache or context settings.
         """
+        group = world()
         return cls(
-            load_model(path_or_repo),
+            load_model(path_or_repo, group=group),
             max_context=max_context,
             keep=keep,
             kv_bits=kv_bits,
@@ -166,6 +174,7 @@ class Runner:
             cache_dir_bytes=cache_dir_bytes,
             draft=None if draft_model is None else load_model(draft_model),
             speculative=speculative,
+            group=group,
         )
 
     def _make_entry(self) -> ModelCache:
@@ -178,6 +187,11 @@ class Runner:
         """The disk tier's directory for this model (None: no disk tier)."""
         store = self._pool.store
         return None if store is None else store.directory
+
+    @property
+    def rank(self) -> int:
+        """This process's rank when the model is sharded (`mlx.launch`), else 0."""
+        return 0 if self._lockstep is None else self._lockstep.rank
 
     @property
     def tokenizer(self) -> Any:
@@ -258,6 +272,8 @@ class Runner:
         request = self._builder.build(
             prompt, sampling, options, cached_prefix=self._pool.longest_prefix
         )
+        if self._lockstep is not None:  # ranks decide on a cancel together
+            request = self._lockstep.with_agreed_cancel(request)
         with self._requests_lock:
             self._requests.add(request.cancelled)
         return self._stream(request)
@@ -273,7 +289,10 @@ class Runner:
             mx.reset_peak_memory()
             try:
                 with clean_random_state():
-                    yield from self._run(request)
+                    if self._lockstep is None:
+                        yield from self._run(request)
+                    else:
+                        yield from self._lockstep.run(request, self._run)
             finally:
                 self._owner = None
                 with self._requests_lock:
@@ -294,52 +313,12 @@ class Runner:
         release_streams_at_thread_exit()
         self._log_memory()
 
-    @property
-    def _step(self) -> int:
-        """Prefill chunk size: never more than the context can hold."""
-        return min(self.prefill_step_size, self.max_context)
-
     def _run(self, request: Request) -> Iterator[GenerationChunk]:
-        params, tokens = request.params, request.tokens
-        if request.cancelled.is_set():  # cancelled while waiting its turn: touch nothing
-            stats = CompletionStats(time.perf_counter(), len(tokens), 0)
-            yield stats.final_chunk("", "cancelled")
-            return
-        stats_start = time.perf_counter()
-        if params.seed is not None:
-            mx.random.seed(params.seed)
-        hit = self._pool.fetch_nearest(tokens, reply_start=len(tokens) - request.header_tokens)
-        stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
-        if request.cache_key is not None:
-            self._pool.current.label = request.cache_key
-        start = time.perf_counter()
-        try:
-            logits = fill_prompt(
-                self.loaded.model, request, hit, stats,
-                step_tokens=self._step, checkpoint_keep=self._pool.max_entries > 1,
-            )  # fmt: skip
-        except PrefillCancelled:
-            yield stats.final_chunk("", "cancelled")
-            return
-        if len(hit.remaining) >= self._step:  # long enough to measure; weighs disk loads
-            self._pool.prefill_tokens_per_s = len(hit.remaining) / (time.perf_counter() - start)
-        model = self.loaded.model
-        window = ContextWindow(
-            self.max_context,
-            request.keep,
-            self._rotations,
-            refill=lambda cache, ids: fill(model, cache, ids, step_tokens=self._step),
-        )
-        sampler = params.make_sampler(self.loaded.vocab_size)
-        pick = TokenPicker(
-            sampler, params.make_logits_processors(), tokens, top_logprobs=request.top_logprobs
-        )
-        decoded = decode_request(
-            request.speculative, self._draft, model, hit.cache, logits, pick, params,
-            prompt=tokens, vocab_size=self.loaded.vocab_size, stats=stats,
-            make_room=window.make_room,
+        step = min(self.prefill_step_size, self.max_context)  # never more than the window
+        return run_request(
+            request, self.loaded, self._pool, draft=self._draft, max_context=self.max_context,
+            rotations=self._rotations, step_tokens=step,
         )  # fmt: skip
-        yield from emit_chunks(self.loaded.tokenizer, decoded, stats, request, pick)
 
     def cancel(self) -> None:
         """Ends every request already started (the one generating, and those waiting their
@@ -379,14 +358,30 @@ class Runner:
         if self._owner == threading.get_ident():
             raise RunnerBusyError("cannot reset the cache inside its own stream(); close it first")
         with self._lock:
+            if self._lockstep is not None and self._lockstep.leads:
+                self._lockstep.announce("reset")
             self._pool.clear()
             self._builder.forget_cut()
 
     def close(self) -> None:
         """Writes the entries to the disk tier (when there is one) and waits for every write,
-        so a new Runner on the same `cache_dir` starts warm. The Runner stays usable."""
+        so a new Runner on the same `cache_dir` starts warm. The Runner stays usable, except
+        when sharded: rank 0's close ends the other ranks' `follow()`."""
         with self._lock:
+            if self._lockstep is not None and self._lockstep.leads:
+                self._lockstep.announce("stop")
             self._pool.persist()
+
+    def follow(self) -> Iterator[Completion]:
+        """On ranks other than 0 of a sharded Runner: runs rank 0's requests and resets in
+        step with it, yielding each request's Completion, until rank 0 closes its Runner.
+
+        Raises:
+            ValueError: this Runner is not sharded, or is rank 0.
+        """
+        if self._lockstep is None or self._lockstep.leads:
+            raise ValueError("follow() is for ranks other than 0 of a Runner under mlx.launch")
+        return self._lockstep.follow(self._stream, self.reset)
 
     def __enter__(self) -> Runner:
         return self
@@ -395,4 +390,7 @@ class Runner:
         self.close()
 
     def _log_memory(self) -> None:
-        logger.info("%s", MemoryReport.measure(self._pool).log_line())
+        report = MemoryReport.measure(self._pool)
+        ranks = "" if self._lockstep is None else self._lockstep.ranks_line(report)
+        self.memory_line = report.log_line() + ranks
+        logger.info("%s", self.memory_line)

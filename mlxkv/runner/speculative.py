@@ -33,7 +33,8 @@ import mlx.nn as nn
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.runner.drafts import Draft, DraftLength, DraftModel, ModelDrafter, NgramDrafter
 from mlxkv.runner.generate import CompletionStats, TokenPicker, decode_tokens
-from mlxkv.runner.sampling import SamplingParams
+from mlxkv.runner.loading import LoadedModel
+from mlxkv.runner.request import Request
 
 # "auto": drafts (from the draft model if one is loaded, else n-grams) only while they pay;
 # "ngram" / "draft": always that drafter; None: plain decoding.
@@ -60,38 +61,39 @@ def check_mode(mode: object, *, has_draft_model: bool) -> str | None:
 
 
 def decode_request(
-    mode: str | None,
+    request: Request,
     draft_model: DraftModel | None,
-    model: nn.Module,
+    loaded: LoadedModel,
     cache: ModelCache,
     logits: mx.array,
-    pick: TokenPicker,
-    params: SamplingParams,
-    *,
-    prompt: list[int],
-    vocab_size: int,
     stats: CompletionStats,
     make_room: Callable[[ModelCache, int], None] | None = None,
-) -> Iterator[int]:
-    """The generated token ids of one request: `decode_tokens` when `mode` is None, else
+) -> tuple[Iterator[int], TokenPicker]:
+    """The generated token ids of one request, from the prompt's last logits, and the picker
+    that samples them: `decode_tokens` when the request's mode is None, else
     `speculative_tokens` with the mode's drafter (see `MODES`)."""
-    if mode is None:
-        return decode_tokens(model, cache, logits, pick, params.max_tokens, make_room)
-    distribution = params.make_distribution(vocab_size) if params.temperature > 0 else None
-    use_model = draft_model is not None and mode in ("auto", "draft")
+    params, prompt = request.params, request.tokens
+    processors = params.make_logits_processors()
+    sampler = params.make_sampler(loaded.vocab_size)
+    pick = TokenPicker(sampler, processors, prompt, top_logprobs=request.top_logprobs)
+    if request.speculative is None:
+        return decode_tokens(loaded.model, cache, logits, pick, params.max_tokens, make_room), pick
+    distribution = params.make_distribution(loaded.vocab_size) if params.temperature > 0 else None
+    use_model = draft_model is not None and request.speculative in ("auto", "draft")
     drafter = draft_model.drafter(prompt, distribution) if use_model else NgramDrafter(prompt)
-    return speculative_tokens(
-        model,
+    tokens = speculative_tokens(
+        loaded.model,
         cache,
         logits,
         pick,
         params.max_tokens,
         drafter=drafter,
-        length=DraftLength(gated=mode == "auto"),
+        length=DraftLength(gated=request.speculative == "auto"),
         rule=AcceptanceRule(distribution),
         stats=stats,
         make_room=make_room,
     )
+    return tokens, pick
 
 
 class AcceptanceRule:

@@ -82,7 +82,7 @@ def create_app(
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )
-    app.add_middleware(AccessLog, memory_line=lambda: runner.cache_info().log_line())
+    app.add_middleware(AccessLog, memory_line=lambda: runner.memory_line)
     return app
 
 

@@ -1,0 +1,78 @@
+"""One request's path through the model: prefix lookup, prefill of what the cache lacks,
+decoding (plain or speculative), and the text chunks the caller streams.
+
+Owns `run_request`. Does not own serializing requests, thread bookkeeping or the memory line
+(`runner`), nor the cache policy (`mlxkv.cache.pool`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import mlx.core as mx
+
+from mlxkv.cache.kv import Rotation
+from mlxkv.cache.pool import CachePool
+from mlxkv.runner.context import ContextWindow
+from mlxkv.runner.drafts import DraftModel
+from mlxkv.runner.generate import CompletionStats, GenerationChunk, PrefillCancelled, fill
+from mlxkv.runner.loading import LoadedModel
+from mlxkv.runner.prompt_fill import fill_prompt
+from mlxkv.runner.request import Request
+from mlxkv.runner.speculative import decode_request
+from mlxkv.runner.text_chunks import emit_chunks
+
+
+def run_request(
+    request: Request,
+    loaded: LoadedModel,
+    pool: CachePool,
+    *,
+    draft: DraftModel | None,
+    max_context: int,
+    rotations: list[Rotation | None],
+    step_tokens: int,
+) -> Iterator[GenerationChunk]:
+    """Runs `request` on the pool's nearest entry, in place; yields its chunks, the last one
+    with the Completion. The caller holds the Runner's lock and ends the request.
+
+    Args:
+        max_context: the context window, in tokens (a generation that reaches it shifts).
+        rotations: per layer, how to re-rotate keys when the context shifts (None: cannot).
+        step_tokens: prefill chunk size, in tokens.
+    """
+    tokens = request.tokens
+    if request.cancelled.is_set():  # cancelled while waiting its turn: touch nothing
+        stats = CompletionStats(time.perf_counter(), len(tokens), 0)
+        yield stats.final_chunk("", "cancelled")
+        return
+    stats_start = time.perf_counter()
+    if request.params.seed is not None:
+        mx.random.seed(request.params.seed)
+    hit = pool.fetch_nearest(tokens, reply_start=len(tokens) - request.header_tokens)
+    stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
+    if request.cache_key is not None:
+        pool.current.label = request.cache_key
+    start = time.perf_counter()
+    model = loaded.model
+    try:
+        logits = fill_prompt(
+            model, request, hit, stats,
+            step_tokens=step_tokens, checkpoint_keep=pool.max_entries > 1,
+        )  # fmt: skip
+    except PrefillCancelled:
+        yield stats.final_chunk("", "cancelled")
+        return
+    if len(hit.remaining) >= step_tokens:  # long enough to measure; weighs disk loads
+        pool.prefill_tokens_per_s = len(hit.remaining) / (time.perf_counter() - start)
+    window = ContextWindow(
+        max_context,
+        request.keep,
+        rotations,
+        refill=lambda cache, ids: fill(model, cache, ids, step_tokens=step_tokens),
+    )
+    decoded, pick = decode_request(
+        request, draft, loaded, hit.cache, logits, stats, window.make_room
+    )
+    yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)

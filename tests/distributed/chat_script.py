@@ -1,0 +1,69 @@
+"""Run by the tests under `mlx.launch -n 2 --backend ring` (and alone, as the reference): a
+3-turn greedy chat, then a request that forces a trim, one that forces a miss, and two
+cancelled generations (a caller that stops reading, and `Runner.cancel()`), and a sampled
+one with no seed. After each
+request every rank writes down what its entry holds, to OUT_DIR/rank<r>.json.
+
+    python tests/distributed/chat_script.py MODEL_DIR OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from mlxkv import Runner
+
+QUESTIONS = ["What is the capital of France?", "What river flows through it?", "And Italy?"]
+
+
+def main(model_dir: str, out_dir: str) -> None:
+    runner = Runner.load(model_dir, max_context=1024)
+    records = []
+
+    def record(completion) -> None:
+        info = runner.cache_info()
+        records.append(
+            {
+                "tokens": None if completion is None else completion.tokens,
+                "cached": None if completion is None else completion.cached_tokens,
+                "finish": None if completion is None else completion.finish_reason,
+                "held": runner.cache_tokens,
+                "allocated_bytes": info.allocated_bytes,
+            }
+        )
+
+    if runner.rank == 0:
+        chat = []
+        for question in QUESTIONS:
+            chat.append({"role": "user", "content": question})
+            out = runner.generate(chat, max_tokens=12)
+            record(out)
+            chat.append({"role": "assistant", "content": out.text})
+        # A trim: the first question again, answered differently: the entry goes back.
+        record(runner.generate([{"role": "user", "content": QUESTIONS[0]}], max_tokens=6))
+        # A miss: nothing in common with what is held.
+        record(runner.generate("Unrelated text about caches and trees.", max_tokens=6))
+        stream = runner.stream("Once upon a time there was", max_tokens=200)
+        for n, _ in enumerate(stream):
+            if n == 3:
+                break  # the caller leaves: the others must stop at the same token
+        stream.close()
+        record(None)
+        for n, chunk in enumerate(runner.stream("The quick brown fox", max_tokens=200)):
+            if n == 3:
+                runner.cancel()
+            last = chunk
+        record(last.completion)
+        # Sampled with no seed: rank 0 draws one for every rank, or their answers part.
+        record(runner.generate("Once upon a time", max_tokens=12, temperature=1.0))
+        runner.close()  # ends the other ranks' follow()
+    else:
+        for completion in runner.follow():
+            record(completion)
+    Path(out_dir, f"rank{runner.rank}.json").write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

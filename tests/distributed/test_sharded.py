@@ -1,0 +1,109 @@
+"""A model sharded over 2 processes (`mlx.launch --backend ring` on this machine) answers a
+chat like one process, and both ranks' cache entries stay equal through trims, misses and
+cancels. Reference: the same script run in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlxkv.errors import NotSupportedError
+from mlxkv.runner.distributed import shard_model
+from tests.factories import tiny_model_dir
+
+SCRIPT = Path(__file__).with_name("chat_script.py")
+ROOT = Path(__file__).resolve().parents[2]
+CHAT_TURNS = 3
+_TIMEOUT_S = 120
+
+
+def _launcher() -> str:
+    found = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+    if not Path(found).exists():
+        pytest.skip("mlx.launch is not installed")
+    return found
+
+
+def _run(command: list[str], model: Path, out_dir: Path) -> list[list[dict]]:
+    out_dir.mkdir()
+    process = subprocess.Popen(
+        [*command, str(SCRIPT), str(model), str(out_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,  # its own process group: the ranks too are stopped on timeout
+    )
+    try:
+        output, _ = process.communicate(timeout=_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"ranks out of step: no end in {_TIMEOUT_S} s\n{output}")
+    assert process.returncode == 0, output
+    files = sorted(out_dir.glob("rank*.json"))
+    return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def runs(request, model_root, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp(request.param)
+    model = tiny_model_dir(request.param, model_root)
+    single = _run([sys.executable], model, tmp_path / "single")
+    launched = [_launcher(), "-n", "2", "--backend", "ring", sys.executable]
+    sharded = _run(launched, model, tmp_path / "sharded")
+    return single[0], sharded
+
+
+def test_two_ranks_answer_the_chat_as_one_process_does(runs):
+    single, (rank0, rank1) = runs
+    for turn in range(CHAT_TURNS):
+        assert rank0[turn]["tokens"] == single[turn]["tokens"], f"turn {turn}"
+        assert rank0[turn]["cached"] == single[turn]["cached"], f"turn {turn}"
+    assert single[1]["cached"] > 0 and single[2]["cached"] > single[1]["cached"]
+
+
+def test_both_ranks_hold_the_same_tokens_and_half_the_bytes_after_every_request(runs):
+    single, (rank0, rank1) = runs
+    assert len(rank0) == len(rank1) == len(single) == CHAT_TURNS + 5
+    for i, (one, zero, other) in enumerate(zip(single, rank0, rank1, strict=True)):
+        assert zero["held"] == other["held"], f"request {i}"
+        if i < len(single) - 1:  # the last one samples with a seed of its own
+            assert zero["held"] == one["held"], f"request {i}"
+        assert zero["allocated_bytes"] == other["allocated_bytes"], f"request {i}"
+        assert 2 * zero["allocated_bytes"] == one["allocated_bytes"], f"request {i}"
+    trim, miss, left, cancelled, sampled = rank1[CHAT_TURNS:]
+    assert 0 < trim["cached"] < len(rank1[CHAT_TURNS - 1]["held"])  # went back: a trim
+    assert miss["cached"] == 0
+    assert left["finish"] == cancelled["finish"] == "cancelled"  # rank 1 stopped with rank 0
+    assert sampled["tokens"] == rank0[-1]["tokens"]  # the same draws on both ranks
+
+
+def test_the_command_line_under_mlx_launch_prints_once_what_one_process_prints(model_root):
+    model = str(tiny_model_dir("llama", model_root))
+    command = ["-m", model, "-p", "Hello there", "--max-tokens", "12"]
+    single = subprocess.run(
+        [sys.executable, "-m", "mlxkv.cli", "generate", *command],
+        capture_output=True, text=True, timeout=_TIMEOUT_S, cwd=ROOT,
+    )  # fmt: skip
+    launched = [_launcher(), "-n", "2", "--backend", "ring", "--", sys.executable, "-m"]
+    sharded = subprocess.run(
+        [*launched, "mlxkv.cli", "generate", *command],
+        capture_output=True, text=True, timeout=_TIMEOUT_S, cwd=ROOT,
+    )  # fmt: skip
+    assert single.returncode == sharded.returncode == 0, sharded.stderr
+    assert single.stdout.strip() and sharded.stdout == single.stdout  # rank 0 alone prints
+
+
+def test_an_architecture_without_sharding_is_refused_by_name(load_tiny):
+    model, _ = load_tiny("gemma3_text")
+    with pytest.raises(NotSupportedError, match="'gemma3_text' models cannot be sharded"):
+        shard_model(model, mx.distributed.init(), "gemma3_text")
