@@ -274,7 +274,8 @@ def _load(args: argparse.Namespace) -> Runner:
 def _follow(runner: Runner) -> int:
     """Ranks other than 0 of a sharded model: run rank 0's requests until it is done. Only
     rank 0 prints (its memory line adds up the ranks' bytes)."""
-    logging.getLogger().setLevel(logging.WARNING)
+    for handler in logging.getLogger("mlxkv").handlers:
+        handler.setLevel(logging.WARNING)
     for _ in runner.follow():
         pass
     return 0
