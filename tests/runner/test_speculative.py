@@ -99,13 +99,18 @@ def test_greedy_with_the_model_as_draft_accepts_every_draft(loaded_tiny, arch):
     assert out.drafted_tokens >= 20 and out.accepted_tokens == out.drafted_tokens
 
 
-def test_greedy_with_an_unrelated_draft_model_accepts_almost_none(loaded_tiny, other_llama):
-    loaded = loaded_tiny("llama")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_an_unrelated_draft_model_accepts_almost_none(loaded_tiny, arch, tmp_path):
+    loaded = loaded_tiny(arch)
+    other = load_model(build_model(arch, tmp_path / "other", seed=7))  # same tokenizer
     expected = _plain(loaded, PROMPT, max_tokens=30)
-    runner = Runner(loaded, max_context=1024, draft=other_llama)
+    runner = Runner(loaded, max_context=1024, draft=other)
     out = runner.generate(PROMPT, max_tokens=30, speculative="draft")
-    assert out.tokens == expected.tokens
-    assert out.drafted_tokens > 0 and out.accepted_tokens <= out.drafted_tokens // 4
+    assert out.tokens == expected.tokens and out.drafted_tokens > 0
+    if _plain(other, PROMPT, max_tokens=30).tokens != expected.tokens:
+        assert out.accepted_tokens <= out.drafted_tokens // 4
+    # else: the tiny qwen3 and lfm2 answer one token over and over whatever their weights,
+    # so two random ones agree and every draft is right; only the output is checked.
 
 
 @pytest.mark.parametrize("arch", ARCHS)
