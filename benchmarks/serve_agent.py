@@ -7,7 +7,12 @@ float32 copy of the default model (SmolLM2-135M-Instruct) and run greedy. mlx_lm
 its own process, so it gets the same OpenBLAS through LD_PRELOAD (without it MLX's reference
 BLAS makes the comparison about 20x in our favour, and worthless).
 
-Both servers run at once (idle while the other is measured); each round replays the session
+mlxkv serve runs twice: as it starts by default (on the CPU backend each prefill chunk is
+spread over the cores, see `mlxkv.runner.prefill_lanes`) and with MLXKV_PREFILL_LANES=1 (one
+CPU stream, as mlx_lm.server computes), which separates what the cache saves from what the
+second core adds. Every reply is compared with mlx_lm.server's in the same round and turn.
+
+The servers run at once (idle while another is measured); each round replays the session
 once per configuration, one after the other, with a new task per round (the system prompt is
 shared, as an agent's is, so after the first round it is cached everywhere). Figures are
 medians over the rounds. Targets: turn-10 TTFT of
@@ -40,6 +45,8 @@ from mlxkv import Runner, _blas
 from mlxkv.runner.loading import load_model
 
 _START_TIMEOUT_S = 300
+REFERENCE = "mlx_lm.server"  # whose replies the others' are compared with
+ONE_LANE = "mlxkv serve, 1 lane"  # prefill on one CPU stream, as mlx_lm.server's
 SYSTEM_TOKENS = 1500
 RESULT_TOKENS = 200
 
@@ -110,10 +117,13 @@ def tool_result(runner: Runner, turn: int, rep: int) -> str:
     )
 
 
-def replay(stream: Stream, system: str, results: list[str], task: str) -> list[float]:
-    """TTFT per turn, in seconds; each turn appends the reply and the next tool result."""
+def replay(
+    stream: Stream, system: str, results: list[str], task: str
+) -> tuple[list[float], list[str]]:
+    """TTFT per turn, in seconds, and the replies; each turn appends the reply and the next
+    tool result."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
-    ttfts = []
+    ttfts, replies = [], []
     for result in results:
         start = time.perf_counter()
         first, reply = None, []
@@ -122,11 +132,12 @@ def replay(stream: Stream, system: str, results: list[str], task: str) -> list[f
                 first = time.perf_counter() - start
             reply.append(piece)
         ttfts.append(first if first is not None else time.perf_counter() - start)
+        replies.append("".join(reply))
         messages += [
             {"role": "assistant", "content": "".join(reply)},
             {"role": "tool", "content": result},
         ]
-    return ttfts
+    return ttfts, replies
 
 
 def http_stream(url: str, reply_tokens: int) -> Stream:
@@ -161,6 +172,7 @@ def _free_port() -> int:
 
 
 def start_server(command: list[str], port: int, env: dict[str, str]) -> subprocess.Popen:
+    """Starts a server and waits until it answers /v1/models."""
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
@@ -187,17 +199,28 @@ def blas_env() -> dict[str, str]:
 
 def measure(
     streams: dict[str, Stream], system: str, runner: Runner, args
-) -> dict[str, list[list[float]]]:
+) -> tuple[dict[str, list[list[float]]], dict[str, int]]:
     """Replays in turns (each configuration once per round, so drift in the machine's speed
-    hits all of them alike); one replay per configuration and round."""
+    hits all of them alike); one replay per configuration and round.
+
+    Returns:
+        TTFTs per configuration, round and turn; per configuration, how many replies differ
+        from mlx_lm.server's in the same round and turn.
+    """
     runs: dict[str, list[list[float]]] = {name: [] for name in streams}
+    differing = dict.fromkeys(streams, 0)
     for rep in range(args.reps):
         results = [tool_result(runner, turn, rep) for turn in range(args.turns)]
         task = f"Task {rep}: {filler_text(30, seed=1000 + rep)}"
+        replies = {}
         for name, stream in streams.items():
-            runs[name].append(replay(stream, system, results, task))
-            print(f"  {name} replay {rep + 1}: total TTFT {sum(runs[name][-1]):.3f} s", flush=True)
-    return runs
+            ttfts, replies[name] = replay(stream, system, results, task)
+            runs[name].append(ttfts)
+            print(f"  {name} replay {rep + 1}: total TTFT {sum(ttfts):.3f} s", flush=True)
+        for name in streams:
+            pairs = zip(replies[name], replies[REFERENCE], strict=True)
+            differing[name] += sum(mine != theirs for mine, theirs in pairs)
+    return runs, differing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,18 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     system = system_prompt(runner)
     print(f"system prompt: {_tokens(runner, system)} tokens; blas: {_blas.blas_in_use}", flush=True)
     env = blas_env()
+    serve = [sys.executable, "-m", "mlxkv.cli", "serve", "-m", str(model), "--max-context", "8192"]
     servers = {
-        "mlxkv serve": [
-            sys.executable,
-            "-m",
-            "mlxkv.cli",
-            "serve",
-            "-m",
-            str(model),
-            "--max-context",
-            "8192",
-            "--port",
-        ],
+        "mlxkv serve": [*serve, "--port"],
+        ONE_LANE: [*serve, "--port"],
         "mlx_lm.server": [
             sys.executable,
             "-m",
@@ -241,20 +256,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, command in servers.items():
             port = _free_port()
-            processes.append(start_server([*command, str(port)], port, env))
+            lanes = {"MLXKV_PREFILL_LANES": "1"} if name == ONE_LANE else {}
+            processes.append(start_server([*command, str(port)], port, {**env, **lanes}))
             streams[name] = http_stream(f"http://127.0.0.1:{port}", args.reply_tokens)
         streams["Runner (in process)"] = runner_stream(runner, args.reply_tokens)
-        runs = measure(streams, system, runner, args)
+        runs, differing = measure(streams, system, runner, args)
     finally:
         for process in processes:
             process.terminate()
             process.wait(timeout=60)
-    report(runs, args)
+    report(runs, differing, args)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
-def report(runs: dict[str, list[list[float]]], args) -> None:
+def report(runs: dict[str, list[list[float]]], differing: dict[str, int], args) -> None:
     medians = {
         name: [statistics.median(rep[t] for rep in reps) for t in range(args.turns)]
         for name, reps in runs.items()
@@ -267,15 +283,24 @@ def report(runs: dict[str, list[list[float]]], args) -> None:
     for t in range(args.turns):
         print(f"| {t + 1} | " + " | ".join(f"{medians[n][t]:.3f}" for n in names) + " |")
     print("| total | " + " | ".join(f"{totals[n]:.3f}" for n in names) + " |")
+    replies = args.reps * args.turns
+    print(
+        f"| replies unlike {REFERENCE}'s | "
+        + " | ".join(f"{differing[n]} of {replies}" for n in names)
+        + " |"
+    )
     last_ratio = medians["mlxkv serve"][-1] / medians["mlx_lm.server"][-1]
     http_ratio = totals["mlxkv serve"] / totals["Runner (in process)"]
+    one_lane_ratio = medians[ONE_LANE][-1] / medians["mlx_lm.server"][-1]
     checks = [
         ("turn-10 TTFT, mlxkv / mlx_lm.server", last_ratio, last_ratio <= 0.9, "<= 0.90"),
+        ("turn-10 TTFT, mlxkv 1 lane / mlx_lm.server", one_lane_ratio, None, "-"),
         ("total TTFT, mlxkv HTTP / in-process", http_ratio, http_ratio <= 1.05, "<= 1.05"),
     ]
     print("\n| target | ratio | goal | result |\n|---|---|---|---|")
     for label, ratio, ok, goal in checks:
-        print(f"| {label} | {ratio:.2f} | {goal} | {'PASS' if ok else 'FAIL'} |")
+        verdict = "-" if ok is None else "PASS" if ok else "FAIL"
+        print(f"| {label} | {ratio:.2f} | {goal} | {verdict} |")
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "reps": args.reps,
@@ -284,6 +309,7 @@ def report(runs: dict[str, list[list[float]]], args) -> None:
         "ttft_s": runs,
         "median_ttft_s": medians,
         "total_ttft_s": totals,
+        "replies_unlike_mlx_lm_server": differing,
         "ratios": {label: ratio for label, ratio, _, _ in checks},
     }
     (args.out / "serve_agent.json").write_text(json.dumps(result, indent=2))

@@ -5,8 +5,9 @@ RTLD_GLOBAL makes MLX's BLAS calls resolve to it (measured here: SmolLM2 float32
 20x faster). Set MLXKV_OPENBLAS=0 to keep the reference BLAS, or MLXKV_OPENBLAS=/path/to/lib to
 name the library.
 
-Owns nothing else; logs which BLAS is in use at DEBUG and warns once when only the slow one is
-available.
+Also owns OpenBLAS's thread count while a block runs (`blas_threads`): the CPU prefill lanes
+(`mlxkv.runner.prefill_lanes`) give each lane one core. Logs which BLAS is in use at DEBUG and
+warns once when only the slow one is available.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -33,11 +36,12 @@ _CANDIDATES = (
 INSTALL_HINT = "sudo apt-get install libopenblas0-pthread"
 
 blas_in_use = "platform default"
+_openblas: ctypes.CDLL | None = None  # the library loaded, for its thread count
 
 
 def select_blas() -> str:
     """Loads OpenBLAS for MLX on Linux if it is installed and allowed; returns what is used."""
-    global blas_in_use
+    global blas_in_use, _openblas
     if not sys.platform.startswith("linux"):
         return blas_in_use
     setting = os.environ.get("MLXKV_OPENBLAS", "1")
@@ -47,7 +51,7 @@ def select_blas() -> str:
         blas_in_use = "reference (mlx was imported before mlxkv)"
         logger.debug("blas: mlx.core already imported; import mlxkv first to use OpenBLAS")
     else:
-        path = _load(setting)
+        path, _openblas = _load(setting)
         if path is not None:
             blas_in_use = f"OpenBLAS ({path})"
         else:
@@ -62,9 +66,10 @@ def select_blas() -> str:
     return blas_in_use
 
 
-def _load(setting: str) -> Path | None:
-    """Loads the named library, else the first installed candidate; returns what loaded. A
-    setting that names no loadable library is warned about, never fatal to `import mlxkv`."""
+def _load(setting: str) -> tuple[Path | None, ctypes.CDLL | None]:
+    """Loads the named library, else the first installed candidate; returns its path and
+    handle, or Nones. A setting that names no loadable library is warned about, never fatal to
+    `import mlxkv`."""
     named = [] if setting.lower() in ("1", "true", "yes", "on") else [Path(setting)]
     for path in [*named, *(Path(p) for p in _CANDIDATES)]:
         if not path.exists():
@@ -76,8 +81,7 @@ def _load(setting: str) -> Path | None:
                 )
             continue
         try:
-            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-            return path
+            return path, ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         except OSError as error:
             warnings.warn(
                 f"mlxkv: could not load {path} as a BLAS library ({error}); trying the usual "
@@ -85,4 +89,19 @@ def _load(setting: str) -> Path | None:
                 RuntimeWarning,
                 stacklevel=4,
             )
-    return None
+    return None, None
+
+
+@contextmanager
+def blas_threads(count: int) -> Iterator[None]:
+    """OpenBLAS uses `count` threads per call inside the block and its own count again after
+    (process-wide; a no-op where OpenBLAS is not the BLAS in use or has no thread control)."""
+    control = _openblas is not None and hasattr(_openblas, "openblas_set_num_threads")
+    before = _openblas.openblas_get_num_threads() if control else 0
+    if control and before != count:
+        _openblas.openblas_set_num_threads(count)
+    try:
+        yield
+    finally:
+        if control and before != count:
+            _openblas.openblas_set_num_threads(before)

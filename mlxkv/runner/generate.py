@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.cache.model_cache import ModelCache
+from mlxkv.runner import prefill_lanes
 from mlxkv.runner.sampling import LogitsProcessor, Sampler
 
 ProgressCallback = Callable[[int, int], None]
@@ -188,7 +189,7 @@ def fill(
 ) -> None:
     """Feeds `tokens` into the cache in chunks of at most `step_tokens`, computing no logits:
     only the cache's arrays are evaluated, so MLX never runs the vocabulary projection for them
-    (as in mlx-lm).
+    (as in mlx-lm). On the CPU backend each chunk is spread over the cores (`prefill_lanes`).
 
     Args:
         progress: called as progress(done, len(tokens)) in tokens after each chunk.
@@ -196,8 +197,7 @@ def fill(
     total = len(tokens)
     for start in range(0, total, step_tokens):
         end = min(start + step_tokens, total)
-        cache.forward(model, tokens[start:end])
-        mx.eval(cache.arrays())
+        prefill_lanes.feed(model, cache, tokens[start:end])
         if progress:
             progress(end, total)
         mx.clear_cache()
