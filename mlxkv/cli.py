@@ -432,9 +432,27 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"mlxkv: {_describe_cache(runner)}", file=sys.stderr)
     print(f"mlxkv: serving {name} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    server = _server_class()(config)
     with runner:  # on the way out, the cache goes to the disk tier (if any)
-        uvicorn.Server(config).run(sockets=[sock])
-    return 0
+        server.run(sockets=[sock])
+    return 130 if server.interrupted else 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, remembering a Ctrl-C. uvicorn raises a caught Ctrl-C again once it
+        has shut down (KeyboardInterrupt, exit 130), but asyncio's own Ctrl-C handling can
+        absorb that; the exit code must say Ctrl-C either way."""
+
+        interrupted = False
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            self.interrupted = self.interrupted or sig == signal.SIGINT
+            super().handle_exit(sig, frame)
+
+    return Server
 
 
 def _describe_cache(runner: Runner) -> str:
