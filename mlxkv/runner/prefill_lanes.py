@@ -52,7 +52,7 @@ def feed(model: nn.Module, cache: ModelCache, tokens: Sequence[int]) -> None:
         mx.eval(cache.arrays())
         return
     bounds = [len(tokens) * i // parts for i in range(parts + 1)]
-    for stream, start, end in zip(_streams(parts), bounds, bounds[1:], strict=False):
+    for stream, start, end in zip(_streams(parts), bounds[:-1], bounds[1:], strict=True):
         with mx.stream(stream):
             cache.forward(model, tokens[start:end])
     with blas_threads(max(1, _cores() // parts)):
