@@ -11,8 +11,9 @@ import sys
 _PROBE = """
 import json, sys, time
 from benchmarks.common import Stat, token_prompt
-from mlxkv import Runner, _blas
-from mlxkv.runner.loading import load_model
+from mlxkv import Runner
+from mlxkv.platform import blas as _blas
+from mlxkv.models.loading import load_model
 loaded = load_model(sys.argv[1] if len(sys.argv) > 1 else None)
 runner = Runner(loaded)
 ids = token_prompt(loaded, 128)

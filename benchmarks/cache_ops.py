@@ -11,7 +11,7 @@ import mlx.core as mx
 from benchmarks.common import Stat
 from mlxkv.cache import KVCache, ModelCache
 from mlxkv.cache.pool import CachePool
-from mlxkv.runner.memory import MemoryReport
+from mlxkv.cache.report import MemoryReport
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlxkv  # noqa: F401  (picks the BLAS before mlx is imported)
-from mlxkv.factory import build_model
-from mlxkv.runner.loading import LoadedModel, load_model
+from mlxkv.models.loading import LoadedModel, load_model
+from mlxkv.testing.factory import build_model
 
 WORDS = [
     *(

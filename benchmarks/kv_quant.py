@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from benchmarks.common import token_prompt
 from mlxkv import Runner
-from mlxkv.runner.loading import LoadedModel
+from mlxkv.models.loading import LoadedModel
 
 
 def measure(loaded: LoadedModel, num_tokens: int) -> dict:

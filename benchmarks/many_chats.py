@@ -33,7 +33,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from benchmarks.common import filler_text
 from mlxkv import Runner
-from mlxkv.runner.loading import LoadedModel, load_model
+from mlxkv.models.loading import LoadedModel, load_model
 
 REPLY_TOKENS = 24
 NUM_CHATS, NUM_TURNS = 3, 4

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from benchmarks import blas, cache_ops, chat, kv_quant, throughput
 from benchmarks.common import Stat, load_models
-from mlxkv import _blas, format_bytes
+from mlxkv import format_bytes
+from mlxkv.platform import blas as _blas
 
 
 @dataclass(frozen=True)

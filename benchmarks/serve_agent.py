@@ -8,7 +8,7 @@ its own process, so it gets the same OpenBLAS through LD_PRELOAD (without it MLX
 BLAS makes the comparison about 20x in our favour, and worthless).
 
 mlxkv serve runs twice: as it starts by default (on the CPU backend each prefill chunk is
-spread over the cores, see `mlxkv.runner.prefill_lanes`) and with MLXKV_PREFILL_LANES=1 (one
+spread over the cores, see `mlxkv.decoding.lanes`) and with MLXKV_PREFILL_LANES=1 (one
 CPU stream, as mlx_lm.server computes), which separates what the cache saves from what the
 second core adds. Every reply is compared with mlx_lm.server's in the same round and turn.
 
@@ -41,8 +41,9 @@ from pathlib import Path
 import openai
 
 from benchmarks.common import filler_text
-from mlxkv import Runner, _blas
-from mlxkv.runner.loading import load_model
+from mlxkv import Runner
+from mlxkv.models.loading import load_model
+from mlxkv.platform import blas as _blas
 
 _START_TIMEOUT_S = 300
 REFERENCE = "mlx_lm.server"  # whose replies the others' are compared with

@@ -14,7 +14,7 @@ from mlx_lm import stream_generate
 
 from benchmarks.common import Stat, token_prompt
 from mlxkv import Runner
-from mlxkv.runner.loading import LoadedModel
+from mlxkv.models.loading import LoadedModel
 
 
 def _token_times_mlxkv(runner: Runner, ids: list[int], max_tokens: int) -> tuple[float, list]:

@@ -8,7 +8,7 @@ import logging
 import sys
 
 from mlxkv import ContextLengthError, Runner, format_bytes
-from mlxkv.runner.loading import load_model
+from mlxkv.models.loading import load_model
 
 SETTINGS = {"float": {}, "kv_bits=8": {"kv_bits": 8}, "max_context=160": {"max_context": 160}}
 

@@ -1,12 +1,16 @@
 """mlxkv: an LLM runner on MLX whose KV cache never pays twice for the same tokens."""
 
-from mlxkv._blas import select_blas
+from mlxkv.platform.blas import select_blas
 
-select_blas()  # must run before mlx is first imported (see mlxkv._blas)
+select_blas()  # must run before mlx is first imported (see mlxkv.platform.blas)
 
 # ruff: noqa: E402
 
 from mlxkv.cache import KVCache, ModelCache, QuantizedKVCache, SlidingWindowCache, make_cache
+from mlxkv.cache.report import MemoryReport
+from mlxkv.config import format_bytes
+from mlxkv.engine.results import Completion, GenerationChunk
+from mlxkv.engine.runner import Runner
 from mlxkv.errors import (
     CacheFullError,
     CacheStateError,
@@ -17,9 +21,6 @@ from mlxkv.errors import (
     RunnerBusyError,
     UnsupportedFormatError,
 )
-from mlxkv.runner.generate import Completion, GenerationChunk
-from mlxkv.runner.memory import MemoryReport, format_bytes
-from mlxkv.runner.runner import Runner
 
 __all__ = [
     "CacheFullError",

@@ -16,11 +16,10 @@ from importlib.metadata import version
 from pathlib import Path
 
 import mlxkv  # noqa: F401  (picks the BLAS before mlx is imported)
+from mlxkv.config import CacheSettings, format_bytes
+from mlxkv.engine.results import Completion
+from mlxkv.engine.runner import Runner
 from mlxkv.errors import MlxkvError
-from mlxkv.runner.cache_setup import CacheSettings
-from mlxkv.runner.generate import Completion
-from mlxkv.runner.memory import format_bytes
-from mlxkv.runner.runner import Runner
 
 CHAT_COMMANDS = {
     "/reset": "forget the conversation and the cache",
@@ -223,7 +222,7 @@ def _setup_logging(verbose: bool) -> None:
     root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
     # Cutting a prompt to the window or shifting the cache changes what the model sees: say so.
-    logging.getLogger("mlxkv.runner.context").setLevel(logging.INFO)
+    logging.getLogger("mlxkv.engine.context").setLevel(logging.INFO)
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
@@ -244,8 +243,8 @@ def _progress_bar(label: str) -> Callable[[int, int], None] | None:
 
 def _load(args: argparse.Namespace) -> Runner:
     """The Runner the arguments ask for; under `mlx.launch`, this process's shard of it."""
-    from mlxkv.runner.distributed import world
-    from mlxkv.runner.loading import load_model
+    from mlxkv.models.loading import load_model
+    from mlxkv.models.sharding import world
 
     group = world()
     progress = _progress_bar("converting GGUF (tensors)")
@@ -407,7 +406,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.getLogger("mlxkv.server").setLevel(logging.INFO)  # one access line per request
     if not args.verbose:  # the access line carries the memory line already
-        logging.getLogger("mlxkv.runner.runner").setLevel(logging.WARNING)
+        logging.getLogger("mlxkv.engine.runner").setLevel(logging.WARNING)
     runner = _load(args)
     if runner.rank:  # rank 0 alone serves HTTP
         return _follow(runner)
@@ -468,7 +467,7 @@ def _describe_cache(runner: Runner) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from mlxkv.runner.gguf import convert_gguf
+    from mlxkv.models.gguf.convert import convert_gguf
 
     out = convert_gguf(args.gguf, args.out_dir, progress=_progress_bar("converting (tensors)"))
     print(out)
@@ -476,8 +475,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from mlxkv.runner.inspect import describe
-    from mlxkv.runner.loading import load_model
+    from mlxkv.models.inspect import describe
+    from mlxkv.models.loading import load_model
 
     loaded = load_model(args.model, progress=_progress_bar("converting GGUF (tensors)"))
     for key, value in describe(loaded).items():

@@ -34,7 +34,7 @@ def _quiet_transformers():
 @pytest.fixture(scope="session")
 def loaded_tiny(model_root):
     """LoadedModel per architecture, through mlxkv's own loading path, once per session."""
-    from mlxkv.runner.loading import load_model
+    from mlxkv.models.loading import load_model
 
     loaded = {}
 
@@ -44,3 +44,14 @@ def loaded_tiny(model_root):
         return loaded[arch]
 
     return _get
+
+
+@pytest.fixture
+def make_runner(loaded_tiny):
+    """A Runner on a tiny factory model (loaded once per session), with these settings."""
+    from mlxkv import Runner
+
+    def _make(arch: str = "llama", **kwargs) -> Runner:
+        return Runner(loaded_tiny(arch), **kwargs)
+
+    return _make

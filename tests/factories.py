@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.factory import build_model
+from mlxkv.testing.factory import build_model
 
 HEADS = 2
 HEAD_DIM = 4

@@ -1,6 +1,7 @@
 """The KV cache layer: per-layer caches that speak mlx-lm's model-facing protocol.
 
-Imports nothing from `mlxkv.runner`: generation builds on this layer, never the reverse.
+Imports `platform` (and `config`, `errors`) only: everything else builds on this layer, never the
+reverse.
 """
 
 from mlxkv.cache.base import LayerCache

@@ -42,11 +42,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxkv._mlx_threads import release_streams_at_thread_exit
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.cache.serialize import arrays_to_cache, cache_to_arrays
 from mlxkv.errors import CacheStateError, NotSupportedError
+from mlxkv.platform.threads import release_streams_at_thread_exit
 
 logger = logging.getLogger(__name__)
 

@@ -18,12 +18,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 
-from mlxkv.runner.runner import Runner
-from mlxkv.server import anthropic, openai
+from mlxkv.engine.runner import Runner
+from mlxkv.server.anthropic_api import routes as anthropic
 from mlxkv.server.errors import ApiError, error_response
 from mlxkv.server.middleware import AccessLog, ApiKeyCheck, BodyLimit
-from mlxkv.server.page import add_page
+from mlxkv.server.openai_api import routes as openai
 from mlxkv.server.state import ServerContext, server_context
+from mlxkv.server.ui.page import add_page
 from mlxkv.server.worker import GenerationWorker
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxkv.runner.generate import partial_suffix_length
+from mlxkv.engine.stop_strings import partial_suffix_length
 
 logger = logging.getLogger(__name__)
 

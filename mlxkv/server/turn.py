@@ -16,8 +16,9 @@ from typing import Any
 
 from starlette.requests import Request
 
+from mlxkv.decoding.picker import TokenLogprob
+from mlxkv.engine.results import Completion, PromptUsage
 from mlxkv.errors import ContextLengthError
-from mlxkv.runner.generate import Completion, PromptUsage, TokenLogprob
 from mlxkv.server.errors import ApiError
 from mlxkv.server.tool_calls import Piece, ToolCall, ToolCallSplitter
 from mlxkv.server.worker import GenerationStream, GenerationWorker

@@ -22,8 +22,8 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from mlxkv.runner.generate import Completion, GenerationChunk
-from mlxkv.runner.runner import Runner
+from mlxkv.engine.results import Completion, GenerationChunk
+from mlxkv.engine.runner import Runner
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ import pytest
 
 from mlxkv.cache import make_cache
 from mlxkv.errors import NotSupportedError
-from mlxkv.factory import ARCHITECTURES
+from mlxkv.testing.factory import ARCHITECTURES
 
 ATOL = 1e-4  # float32; the factory models' logits are O(1)
 TRIMMABLE = ("llama", "qwen3", "gemma3_text", "spark2_5")
@@ -99,7 +99,7 @@ def test_sliding_window_refuses_trim_past_what_it_holds(load_tiny):
 def test_quantized_kv_stays_close_to_float(load_tiny, model_root):
     from mlx_lm import load
 
-    from mlxkv.factory import build_model
+    from mlxkv.testing.factory import build_model
 
     path = build_model("llama", f"{model_root}/llama-hd32", config_overrides={"head_dim": 32})
     model, tokenizer = load(str(path))

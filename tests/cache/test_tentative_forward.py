@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxkv.cache import make_cache
-from mlxkv.factory import ARCHITECTURES
+from mlxkv.testing.factory import ARCHITECTURES
 
 ATOL = 1e-4  # float32; the factory models' logits are O(1)
 VOCAB = 512

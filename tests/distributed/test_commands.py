@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from mlxkv import Runner
-from mlxkv.runner.loading import load_model
+from mlxkv.models.loading import load_model
 from tests.factories import tiny_model_dir
 
 from .test_sharded import ROOT, launcher

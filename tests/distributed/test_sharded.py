@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 from mlxkv.errors import NotSupportedError
-from mlxkv.runner.distributed import shard_model
+from mlxkv.models.sharding import shard_model
 from tests.factories import tiny_model_dir
 
 SCRIPT = Path(__file__).with_name("chat_script.py")

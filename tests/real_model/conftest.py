@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from mlxkv.runner.loading import DEFAULT_MODEL_INSTALL
+from mlxkv.models.sources import DEFAULT_MODEL_INSTALL
 
 
 def pytest_collection_modifyitems(items):

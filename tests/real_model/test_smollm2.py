@@ -3,7 +3,7 @@
 import pytest
 
 from mlxkv import Runner
-from mlxkv.runner.loading import load_model
+from mlxkv.models.loading import load_model
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import pytest
 import uvicorn
 
 from mlxkv import Runner
-from mlxkv.factory import build_scripted_model
 from mlxkv.server import create_app
+from mlxkv.testing.factory import build_scripted_model
 
 TOOL_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
 SCRIPT = ("Let", "<tool_call>", TOOL_CALL, "</tool_call>")

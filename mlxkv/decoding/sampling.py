@@ -1,0 +1,105 @@
+"""Sampling settings and their translation into mlx-lm's samplers and logits processors.
+
+Owns: `SamplingParams` (validated user settings). Does not own any sampling math: that is
+`mlx_lm.sample_utils`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
+
+from mlxkv.errors import check_int, check_real
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Every field is checked for type and range when the object is built, before a request
+    touches the cache or MLX (a sampler that fails inside MLX's compiled code would leave the
+    process's random state broken).
+
+    Attributes:
+        max_tokens: most tokens to generate (0: only process the prompt).
+        temperature: 0 picks the most likely token (greedy); finite.
+        top_p, top_k, min_p: nucleus, top-k and min-p filtering (0 turns each off; a top_k of
+            at least the vocabulary size keeps every token, as 0 does).
+        repetition_penalty: >1 discourages tokens seen in the last 20; None turns it off.
+        seed: seeds MLX's random generator for reproducible sampling; 0 <= seed < 2**64.
+        stop: strings that end generation; the text returned stops before them. A single
+            string or None is accepted.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        check_int("max_tokens", self.max_tokens, low=0)
+        check_real("temperature", self.temperature, low=0.0)
+        check_real("top_p", self.top_p, low=0.0, high=1.0)
+        check_int("top_k", self.top_k, low=0)
+        check_real("min_p", self.min_p, low=0.0, high=1.0)
+        if self.repetition_penalty is not None:
+            check_real("repetition_penalty", self.repetition_penalty, low=0.0)
+            if self.repetition_penalty == 0:
+                raise ValueError("repetition_penalty must be > 0 (None turns it off), got 0")
+        if self.seed is not None:
+            check_int("seed", self.seed, low=0, high=2**64 - 1)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+
+    def make_sampler(self, vocab_size: int) -> Sampler:
+        top_k = self.top_k if self.top_k < vocab_size else 0  # keeping every token: no filter
+        return make_sampler(temp=self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=top_k)
+
+    def make_distribution(self, vocab_size: int) -> Callable[[mx.array], mx.array]:
+        """logprobs (1, vocab) -> the probabilities (1, vocab) the sampler draws from when
+        temperature > 0: mlx-lm's filters in `make_sampler`'s order (top-p, min-p, top-k),
+        then softmax at the temperature. Speculative sampling's acceptance rule needs them."""
+        top_k = self.top_k if self.top_k < vocab_size else 0
+        inverse_temperature = 1.0 / self.temperature
+
+        def distribution(logprobs: mx.array) -> mx.array:
+            if 0 < self.top_p < 1.0:
+                logprobs = apply_top_p(logprobs, self.top_p)
+            if self.min_p != 0.0:
+                logprobs = apply_min_p(logprobs, self.min_p)
+            if top_k > 0:
+                logprobs = apply_top_k(logprobs, top_k)
+            return mx.softmax(logprobs * inverse_temperature, axis=-1)
+
+        return distribution
+
+    def make_logits_processors(self) -> list[LogitsProcessor]:
+        return make_logits_processors(repetition_penalty=self.repetition_penalty)
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, Sequence | set | frozenset) or isinstance(stop, bytes):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+    return tuple(stop)

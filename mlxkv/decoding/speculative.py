@@ -1,0 +1,182 @@
+"""Speculative decoding: drafted tokens verified by the model in one forward pass, rejected ones
+rolled back with an O(1) trim.
+
+Owns: the modes (`MODES`, `check_mode`), the decode loop that drafts, verifies and yields
+(`speculative_tokens`), and the acceptance rule. Does not own where drafts come from
+(`drafts`) or the plain loop it falls back to between drafts (`plain.decode_tokens`).
+
+The acceptance rule (speculative sampling: Leviathan et al. 2023, "Fast Inference from
+Transformers via Speculative Decoding"; Chen et al. 2023): at a drafted position the model's
+distribution is p (logits processors, then top-p / min-p / top-k and temperature: exactly what
+the plain sampler draws from) and the drafter's is q. The drafted token d is accepted with
+probability min(1, p(d) / q(d)); at the first rejection the token is drawn instead from
+max(p - q, 0), normalized, and verification stops; if every draft is accepted, one more token
+is drawn from p at the position after them. Each emitted token is then distributed exactly as
+p. Deterministic drafts (n-gram lookup, a greedy draft model) have q = 1 at d: d is accepted
+with probability p(d), and a rejection draws from p without d. Greedy decoding (temperature
+0) has p = 1 at the argmax: a draft is accepted exactly when it is the argmax, so the output is
+plain greedy decoding's, token for token.
+
+Cache state: after each verification the cache holds the text up to the last accepted draft
+(the token drawn after it is fed with the next pass), so a caller that stops reading at any
+token (a stop string inside an accepted draft, max_tokens, cancel) leaves a cache whose token
+ids and K/V agree, and the next request reuses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.decoding.drafts import Draft, DraftLength, ModelDrafter, NgramDrafter
+from mlxkv.decoding.picker import TokenPicker
+from mlxkv.decoding.plain import decode_tokens
+
+# "auto": drafts (from the draft model if one is loaded, else n-grams) only while they pay;
+# "ngram" / "draft": always that drafter; None: plain decoding.
+MODES = ("auto", "ngram", "draft", None)
+
+Drafter = NgramDrafter | ModelDrafter
+Distribution = Callable[[mx.array], mx.array]
+
+
+@dataclass
+class DraftCounts:
+    """Tokens drafted and verified in one request, and how many of them the model accepted."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+
+def check_mode(mode: object, *, has_draft_model: bool) -> str | None:
+    """Returns the mode, or raises ValueError saying what is accepted."""
+    if mode == "off":
+        return None
+    if mode not in MODES:
+        raise ValueError(
+            f"speculative must be one of 'auto', 'ngram', 'draft', 'off' or None; got {mode!r}"
+        )
+    if mode == "draft" and not has_draft_model:
+        raise ValueError(
+            "speculative='draft' needs a draft model: Runner.load(..., draft_model=PATH) or "
+            "--draft-model PATH"
+        )
+    return mode
+
+
+class AcceptanceRule:
+    """The rule in the module docstring, for one request's sampling settings.
+
+    Args:
+        distribution: logprobs (1, vocab) -> p (1, vocab); None for greedy decoding.
+    """
+
+    def __init__(self, distribution: Distribution | None):
+        self._distribution = distribution
+
+    def check(self, logprobs: mx.array, token: int, q: mx.array | None) -> mx.array | None:
+        """None when `token` is accepted, else the token (shape (1,)) emitted in its place."""
+        if self._distribution is None:
+            best = mx.argmax(logprobs, axis=-1)
+            return None if best.item() == token else best
+        p = self._distribution(logprobs)[0]
+        q = _one_hot(token, p.shape[-1]) if q is None else _aligned(q[0], p.shape[-1])
+        if mx.random.uniform().item() * q[token].item() < p[token].item():
+            return None
+        residual = mx.maximum(p - q, 0.0)
+        return mx.random.categorical(mx.log(residual)).reshape(1)
+
+
+def speculative_tokens(
+    model: nn.Module,
+    cache: ModelCache,
+    logits: mx.array,
+    pick: TokenPicker,
+    max_tokens: int,
+    *,
+    drafter: Drafter,
+    length: DraftLength,
+    rule: AcceptanceRule,
+    counts: DraftCounts,
+    make_room: Callable[[ModelCache, int], None] | None = None,
+) -> Iterator[int]:
+    """Yields up to `max_tokens` token ids from the prompt's last logits, like
+    `decode_tokens`, verifying drafts where `length` asks for some and the drafter has them,
+    and decoding plainly (pipelined) in between, until the drafter has a draft again. Counts
+    drafted and accepted tokens in `counts`."""
+    if max_tokens <= 0:
+        return
+    token = int(pick(logits).item())
+    yield token
+    drafter.extend([token])
+    produced = 1
+    most = max(1, (cache.capacity_tokens or max_tokens) // 8)  # a pass must fit the window
+    while produced < max_tokens:
+        room = max_tokens - produced
+        wanted = min(length.next(), room - 1, most)
+        draft = drafter.propose(wanted) if wanted > 0 else Draft([])
+        if draft.tokens:
+            new = _verify(model, cache, token, draft, pick, rule, make_room)
+            counts.drafted += len(draft.tokens)
+            counts.accepted += len(new) - 1
+            length.verified(len(draft.tokens), len(new) - 1)
+        else:  # plain decoding until the next chance to draft
+            paused = length.paused_tokens
+            watch = None if paused else drafter.can_propose  # ends the stretch at a match
+            if make_room:
+                make_room(cache, 1)
+            step = cache.forward(model, mx.array([token], dtype=mx.uint32))[:, -1, :]
+            stretch = min(room, paused or room)
+            new = decode_tokens(model, cache, step, pick, stretch, make_room, watch)
+        for token in new:
+            drafter.extend([token])
+            length.generated(0 if draft.tokens else 1)
+            produced += 1
+            yield token
+
+
+def _verify(
+    model: nn.Module,
+    cache: ModelCache,
+    token: int,
+    draft: Draft,
+    pick: TokenPicker,
+    rule: AcceptanceRule,
+    make_room: Callable[[ModelCache, int], None] | None,
+) -> list[int]:
+    """Feeds `token` and the drafts in one pass; returns the accepted drafts and the token
+    drawn after them. The cache keeps `token` and the accepted drafts."""
+    fed = [token, *draft.tokens]
+    if make_room:
+        make_room(cache, len(fed))
+    logits, keep = cache.forward_tentative(model, fed)
+    rows = logits[0]  # (len(fed), vocab)
+    accepted: list[int] = []
+    for i, drafted in enumerate(draft.tokens):
+        logprobs = pick.logprobs(rows[i : i + 1])
+        q = None if draft.probabilities is None else draft.probabilities[i]
+        replacement = rule.check(logprobs, drafted, q)
+        if replacement is not None:
+            pick.record(replacement, logprobs)
+            keep(1 + len(accepted))
+            return [*accepted, int(replacement.item())]
+        pick.record(mx.array([drafted], dtype=mx.uint32), logprobs)
+        accepted.append(drafted)
+    keep(len(fed))
+    return [*accepted, int(pick(rows[-1:]).item())]
+
+
+def _one_hot(token: int, size: int) -> mx.array:
+    return (mx.arange(size) == token).astype(mx.float32)
+
+
+def _aligned(q: mx.array, size: int) -> mx.array:
+    """A draft model's distribution over the target's vocabulary size (their embedding tables
+    may be padded differently; the tokens beyond the tokenizer have probability 0)."""
+    if q.shape[-1] >= size:
+        return q[:size]
+    return mx.concatenate([q, mx.zeros((size - q.shape[-1],), dtype=q.dtype)])

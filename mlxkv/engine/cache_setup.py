@@ -1,0 +1,37 @@
+"""Building the prompt cache a Runner uses: its entries' pool and, when asked for, the disk
+tier in the model's own subdirectory.
+
+Owns `make_pool`. Does not own the pool's policy (`mlxkv.cache.pool`), the file format
+(`mlxkv.cache.store`) or the settings (`mlxkv.config.CacheSettings`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.cache.pool import CachePool
+from mlxkv.cache.serialize import layout_signature
+from mlxkv.cache.store import DiskStore
+from mlxkv.config import CacheSettings
+from mlxkv.models.fingerprint import model_fingerprint
+from mlxkv.models.loading import LoadedModel
+
+
+def make_pool(
+    loaded: LoadedModel, make_entry: Callable[[], ModelCache], settings: CacheSettings
+) -> CachePool:
+    """The pool for these settings, its disk tier indexed (a restart finds its files)."""
+    store = None
+    if settings.directory is not None:
+        empty: ModelCache = make_entry()
+        store = DiskStore(
+            settings.directory,
+            fingerprint=model_fingerprint(loaded),
+            signature=layout_signature(empty),
+            max_bytes=settings.directory_bytes,
+            trimmable=not empty.needs_checkpoints,
+        )
+    return CachePool(
+        make_entry, max_entries=settings.entries, max_bytes=settings.max_bytes, store=store
+    )

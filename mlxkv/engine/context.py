@@ -1,0 +1,257 @@
+"""Living within the context window: fitting prompts, and shifting the cache when full.
+
+Owns:
+  - `fit_prompt`: a prompt longer than the window is cut from the front, keeping the first
+    `keep` tokens (for chat messages: whole messages are dropped, oldest first, after the system
+    prompt, so no template marker is split);
+  - `ContextWindow.make_room`: when generation reaches the window, keep the first `keep`
+    tokens, drop half of the rest and go on. Where every layer is a float KVCache with a RoPE
+    whose angle is linear in the position (plain RoPE, traditional or not, linear scaling, and
+    Llama 3 frequency scaling), the remaining keys are rotated back in place: RoPE composes, so
+    a key rotated for position p and then by -d equals one rotated for p - d. Elsewhere
+    (sliding-window or recurrent layers, quantized K/V, other RoPE kinds such as YaRN or
+    LongRoPE, which are not claimed) the cache is cleared and the kept tokens prefilled again.
+
+What a shift cannot restore: deeper layers' K/V of the kept tokens were computed while the
+dropped tokens were in context. That approximation is the same in llama.cpp and Ollama; only
+the first layer (and a one-layer model) equals a fresh prefill of the kept tokens exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from mlxkv.cache.kv import Rotation
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.errors import ContextLengthError
+from mlxkv.platform.machine import memory_bytes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KEEP_TOKENS = 4  # without a system prompt; as llama.cpp's attention sinks
+
+
+def rope_rotations(model: nn.Module) -> list[Rotation | None]:
+    """Per layer, a function re-rotating cached keys by a position delta, or None where the
+    layer has no RoPE that mlxkv can shift exactly."""
+    return [_rotation(_rope_of(layer)) for layer in model.layers]
+
+
+def _rope_of(layer: Any) -> Any:
+    attention = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+    return getattr(attention, "rope", None)
+
+
+def _rotation(rope: Any) -> Rotation | None:
+    if type(rope) is nn.RoPE:
+        kwargs = {"base": rope.base, "scale": rope.scale}
+    elif type(rope) is Llama3RoPE:
+        kwargs = {"base": None, "scale": 1.0, "freqs": rope._freqs}
+    else:
+        return None
+
+    def rotate(keys: mx.array, delta: int) -> mx.array:
+        # One position per token: the sequence axis becomes a batch axis of length-1 sequences.
+        per_token = keys[..., None, :]  # (B, H, L, 1, D)
+        turned = mx.fast.rope(
+            per_token, rope.dims, traditional=rope.traditional, offset=delta, **kwargs
+        )
+        return turned.squeeze(-2)
+
+    return rotate
+
+
+def check_keep(keep: int, budget: int) -> None:
+    """Raises ContextLengthError when `keep` leaves no room in a window of `budget` tokens."""
+    if keep >= budget:
+        raise ContextLengthError(
+            f"keep is {keep} tokens but only {budget} fit in the context; "
+            "lower keep (or shorten the system prompt) or raise max_context"
+        )
+
+
+@dataclass(frozen=True)
+class ChatCut:
+    """How `fit_prompt` may cut a chat: whole messages, oldest first, after the system prompt.
+
+    Attributes:
+        render_from: token ids of the chat keeping the system messages and messages[i:].
+        cut_points: ascending message indices a cut may start at (chat templates expect the
+            kept history to start with a user message).
+        preferred: the cut the cache probably holds (the last one taken); used only when the
+            cache really shares a quarter of the budget with it.
+    """
+
+    render_from: Callable[[int], list[int]]
+    cut_points: Sequence[int]
+    preferred: int | None = None
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A prompt cut to the window: its tokens, and the first message kept (None: no chat
+    cut was made)."""
+
+    tokens: list[int]
+    first_message: int | None = None
+
+
+def fit_prompt(
+    tokens: list[int],
+    budget: int,
+    keep: int,
+    *,
+    cached_prefix: Callable[[Sequence[int]], int] = lambda tokens: 0,
+    chat: ChatCut | None = None,
+) -> Fitted:
+    """Returns `tokens` cut to at most `budget` tokens, keeping the first `keep`.
+
+    Chat messages (`chat` given) are dropped whole, never splitting a template marker. The cut
+    the cache holds (`chat.preferred`, verified with `cached_prefix`) is kept while it fits, so a
+    conversation that lives cut in the cache is reused exactly. Otherwise the cut goes deep
+    enough to fit in half the budget, so the next turns find the same start in the cache
+    instead of missing on every turn (a cut's cost is paid once per half window, not once per
+    turn). Rendering cost is O(log n) renders of at most about twice the window, so a long
+    history costs time linear in its length (the full render), not quadratic.
+
+    Args:
+        cached_prefix: how many leading tokens of a token list the prompt cache holds.
+
+    Raises:
+        ContextLengthError: `keep` leaves no room in the budget, or the chat's last user turn
+            (with the system prompt) alone is longer than the budget.
+    """
+    check_keep(keep, budget)
+    if len(tokens) <= budget:
+        return Fitted(tokens)
+    if chat is None:
+        cut = len(tokens) - budget
+        logger.info(
+            "context: dropped %d tokens after the first %d to fit %d tokens", cut, keep, budget
+        )
+        return Fitted(tokens[:keep] + tokens[keep + cut :])
+    first, chosen = _chat_cut(chat, budget, cached_prefix)
+    logger.info(
+        "context: dropped the messages before message %d (%d tokens) to fit %d tokens",
+        first,
+        len(tokens) - len(chosen),
+        budget,
+    )
+    return Fitted(chosen, first)
+
+
+def _chat_cut(
+    chat: ChatCut, budget: int, cached_prefix: Callable[[Sequence[int]], int]
+) -> tuple[int, list[int]]:
+    if chat.preferred is not None:
+        candidate = chat.render_from(chat.preferred)
+        if len(candidate) <= budget and cached_prefix(candidate) >= budget // 4:
+            return chat.preferred, candidate
+    points = list(chat.cut_points)
+    for limit in (budget // 2, budget):
+        found = _first_fitting(points, chat.render_from, limit)
+        if found is not None:
+            return found
+    last = chat.render_from(points[-1]) if points else None
+    shortest = f"{len(last)} tokens" if last is not None else "the whole prompt"
+    raise ContextLengthError(
+        f"the last user message with the system prompt and what follows it takes {shortest}; "
+        f"only {budget} tokens fit in the context with room left to answer. Shorten that "
+        "message or raise max_context"
+    )
+
+
+def _first_fitting(
+    points: list[int], render_from: Callable[[int], list[int]], limit: int
+) -> tuple[int, list[int]] | None:
+    """The earliest cut point whose render fits in `limit` tokens (renders shrink as the cut
+    moves later), found by galloping back from the latest cut and then bisecting, so only
+    O(log n) renders of about the fitting size are made."""
+    rendered: dict[int, list[int]] = {}
+
+    def fits(i: int) -> bool:
+        if i not in rendered:
+            rendered[i] = render_from(points[i])
+        return len(rendered[i]) <= limit
+
+    if not points or not fits(len(points) - 1):
+        return None
+    good, bad, step = len(points) - 1, -1, 1
+    while good - step >= 0:
+        if not fits(good - step):
+            bad = good - step
+            break
+        good -= step
+        step *= 2
+    while good - bad > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return points[good], rendered[good]
+
+
+def default_max_context(
+    model: nn.Module, max_position_embeddings: int | None, cache: ModelCache
+) -> int:
+    """The model's own maximum, capped to the tokens whose K/V fit in half the machine's
+    memory (measured by feeding one token through a scratch copy of the cache layout)."""
+    scratch = cache.copy()
+    scratch.forward(model, [0])
+    per_token = max(scratch.used_bytes, 1)
+    budget = memory_bytes() // 2
+    fits = max(2, budget // per_token)
+    return min(max_position_embeddings or fits, fits)
+
+
+@dataclass
+class ContextWindow:
+    """The window one request generates in.
+
+    Attributes:
+        max_context: most tokens the cache may hold.
+        keep: tokens at the start that a shift never drops.
+        rotations: per-layer key rotations (`rope_rotations`); None entries force reprocessing.
+        refill: feeds tokens into the cache without sampling (used when a shift reprocesses).
+    """
+
+    max_context: int
+    keep: int
+    rotations: Sequence[Rotation | None]
+    refill: Callable[[ModelCache, list[int]], None]
+    shifts: int = 0
+
+    def make_room(self, cache: ModelCache, num_new: int) -> None:
+        """Shifts the cache if feeding `num_new` more tokens would overflow the window."""
+        held = cache.num_tokens
+        if held + num_new <= self.max_context:
+            return
+        drop = max((held - self.keep) // 2, held + num_new - self.max_context)
+        self.shifts += 1
+        if cache.can_shift(self.rotations):
+            cache.shift(self.keep, drop, self.rotations)
+            logger.info(
+                "context shift: kept %d + %d tokens, dropped %d",
+                self.keep,
+                held - self.keep - drop,
+                drop,
+            )
+            return
+        kept = cache.tokens
+        del kept[self.keep : self.keep + drop]
+        cache.free()
+        self.refill(cache, kept)
+        logger.info(
+            "context shift by reprocessing %d tokens (dropped %d): this model's cache cannot "
+            "be rotated in place",
+            len(kept),
+            drop,
+        )

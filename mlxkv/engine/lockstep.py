@@ -1,0 +1,215 @@
+"""Every rank's cache in step when one model is sharded over several processes (`mlx.launch`).
+
+Owns `Lockstep`: rank 0 decides and the other ranks replay. Does not own finding the process
+group or sharding the model (`mlxkv.models.sharding`). Does not own any cache policy: every
+rank runs the same Runner code on the same inputs, so prefix matching, trims, checkpoint
+restores, context cuts and shifts, and eviction come out the same on every rank.
+
+How the ranks stay in step:
+  - rank 0 (the leader) broadcasts each operation before running it: a request (its fitted
+    prompt tokens, sampling settings with a seed drawn by the leader when none was given, and
+    the other options), a reset, or the end; the others (followers) replay it in `follow`;
+  - the settings that decide the cache's behaviour (context window, entries, byte budget) are
+    the leader's, broadcast when the Runner is built;
+  - a cancel is decided together: at every point where a request checks its cancel flag, all
+    ranks sum rank 0's flag (one tiny all_sum), so every rank stops at the same token;
+  - a leader whose caller stops reading a stream cancels it and runs it to that agreed stop.
+Decisions that read clocks (the disk tier weighing loads against prefill speed) are not
+taken: the disk tier is refused when sharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+
+from mlxkv.cache.report import MemoryReport
+from mlxkv.config import CacheSettings, format_bytes
+from mlxkv.decoding.sampling import SamplingParams
+from mlxkv.engine.request import Request
+from mlxkv.engine.results import Completion, GenerationChunk
+from mlxkv.errors import NotSupportedError
+
+logger = logging.getLogger(__name__)
+
+
+class Lockstep:
+    """Rank 0 leads, the other ranks follow (see the module docstring).
+
+    Args:
+        group: the process group (size > 1).
+    """
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self._lock = threading.Lock()  # one collective at a time from this process
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    def _sum(self, values: mx.array) -> mx.array:
+        with self._lock:
+            summed = mx.distributed.all_sum(values, group=self.group, stream=mx.cpu)
+            mx.eval(summed)
+        return summed
+
+    def broadcast(self, message: dict[str, Any] | None) -> dict[str, Any]:
+        """Rank 0's `message` (JSON-able), on every rank; the others pass None."""
+        payload = json.dumps(message).encode() if self.leads else b""
+        size = int(self._sum(mx.array([len(payload)], dtype=mx.int32)).item())
+        if self.leads:
+            data = mx.array(list(payload), dtype=mx.uint8)
+        else:
+            data = mx.zeros((size,), dtype=mx.uint8)
+        return json.loads(bytes(self._sum(data).tolist()))
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's `flag`, on every rank."""
+        mine = 1 if flag and self.leads else 0
+        return bool(self._sum(mx.array([mine], dtype=mx.int32)).item())
+
+    def total(self, value: int) -> int:
+        """The sum of `value` over the ranks."""
+        return int(self._sum(mx.array([value], dtype=mx.int64)).item())
+
+    def with_agreed_cancel(self, request: Request) -> Request:
+        """The request with a cancel flag that every rank reads alike (`AgreedCancel`)."""
+        return dataclasses.replace(request, cancelled=AgreedCancel(request.cancelled, self))
+
+    def run(
+        self, request: Request, run: Callable[[Request], Iterator[GenerationChunk]]
+    ) -> Iterator[GenerationChunk]:
+        """Runs a request in step: the leader announces it first and, if its caller stops
+        reading, runs it to the agreed cancel (`drain`); followers just run it."""
+        if self.leads:
+            request = self.announce_request(request)
+        yield from drain(run(request), request.cancelled)
+
+    def leaders_settings(
+        self, max_context: int, settings: CacheSettings
+    ) -> tuple[int, CacheSettings]:
+        """Rank 0's context window (tokens) and cache settings, on every rank: they decide
+        cuts, shifts and evictions, which must come out alike (machines may differ in
+        memory, and so in their defaults).
+
+        Raises:
+            NotSupportedError: a disk tier is set (its choices depend on measured speeds).
+        """
+        if settings.directory is not None:
+            raise NotSupportedError(
+                "the disk tier (cache_dir) is not supported when the model is sharded over "
+                "several processes; leave cache_dir unset (mlxkv serve: --no-cache-dir)"
+            )
+        shared = self.broadcast(
+            {
+                "max_context": max_context,
+                "entries": settings.entries,
+                "max_bytes": settings.max_bytes,
+            }
+        )
+        return shared["max_context"], dataclasses.replace(
+            settings, entries=shared["entries"], max_bytes=shared["max_bytes"]
+        )
+
+    def ranks_line(self, report: MemoryReport) -> str:
+        """What the memory log line adds when sharded: this rank, and the sum over ranks."""
+        held = self.total(report.allocated_bytes)
+        return f" (rank {self.rank} of {self.size}; all ranks: {format_bytes(held)} allocated)"
+
+    def announce_request(self, request: Request) -> Request:
+        """Leader: sends the request to the followers; returns it with the seed they use."""
+        params = request.params
+        if params.seed is None and params.temperature > 0:  # every rank must draw alike
+            params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(7), "little"))
+        self.broadcast(
+            {
+                "op": "request",
+                "tokens": request.tokens,
+                "keep": request.keep,
+                "header_tokens": request.header_tokens,
+                "params": dataclasses.asdict(params),
+                "top_logprobs": request.top_logprobs,
+                "cache_key": request.cache_key,
+                "speculative": request.speculative,
+            }
+        )
+        return dataclasses.replace(request, params=params)
+
+    def announce(self, op: str) -> None:
+        """Leader: sends an operation without arguments ("reset", "stop")."""
+        self.broadcast({"op": op})
+
+    def follow(
+        self,
+        stream: Callable[[Request], Iterator[GenerationChunk]],
+        reset: Callable[[], None],
+    ) -> Iterator[Completion]:
+        """Follower: runs the leader's operations until "stop", yielding each request's
+        Completion (`stream` and `reset` are the Runner's)."""
+        while (received := self.receive())[0] != "stop":
+            op, request = received
+            if op == "reset":
+                reset()
+            else:
+                yield list(stream(request))[-1].completion
+
+    def receive(self) -> tuple[str, Request | None]:
+        """Follower: the leader's next operation, and its request for "request"."""
+        message = self.broadcast(None)
+        if message["op"] != "request":
+            return message["op"], None
+        params = message["params"]
+        request = Request(
+            tokens=message["tokens"],
+            keep=message["keep"],
+            header_tokens=message["header_tokens"],
+            params=SamplingParams(**{**params, "stop": tuple(params["stop"])}),
+            progress=None,
+            cancelled=AgreedCancel(threading.Event(), self),
+            top_logprobs=message["top_logprobs"],
+            cache_key=message["cache_key"],
+            speculative=message["speculative"],
+        )
+        return "request", request
+
+
+class AgreedCancel:
+    """A request's cancel flag as every rank sees it: set on rank 0 (by `Runner.cancel`, the
+    caller's Event or a client that left), and read together at every check.
+
+    Every rank must call `is_set` at the same points: the Runner's code does, because each
+    rank runs the same request through the same steps.
+    """
+
+    def __init__(self, event: threading.Event, lockstep: Lockstep):
+        self._event = event
+        self._lockstep = lockstep
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._lockstep.agree(self._event.is_set())
+
+
+def drain(chunks: Iterator[Any], cancelled: AgreedCancel) -> Iterator[Any]:
+    """Yields `chunks`; if the caller stops reading, cancels and runs them to the agreed stop
+    (the followers are still running the same request and must reach the same end)."""
+    try:
+        for chunk in chunks:  # noqa: UP028 (`yield from` would close `chunks` with this)
+            yield chunk
+    except GeneratorExit:
+        cancelled.set()
+        for _ in chunks:
+            pass
+        raise

@@ -1,0 +1,70 @@
+"""Feeding a request's uncached prompt tokens, with checkpoints where messages end.
+
+Owns `fill_prompt`: prefill in chunks, progress and cancel between chunks, and where layers
+that cannot trim (recurrent, sliding window) are checkpointed: where the template's generation
+prompt starts (the next turn re-renders from there) and, when several entries are kept, where
+the system prompt ends (other conversations share it). Does not own the chunked model calls
+(`mlxkv.decoding.prefill`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxkv.cache.prefix import PrefixHit
+from mlxkv.decoding.prefill import fill, prefill
+from mlxkv.engine.request import Request
+from mlxkv.engine.results import CompletionStats
+
+
+class PrefillCancelled(Exception):
+    """Raised between prefill chunks when the request was cancelled; the chunks already fed
+    stay in the cache."""
+
+
+def fill_prompt(
+    model: nn.Module,
+    request: Request,
+    hit: PrefixHit,
+    stats: CompletionStats,
+    *,
+    step_tokens: int,
+    checkpoint_keep: bool,
+) -> mx.array:
+    """Feeds `hit.remaining` into `hit.cache` and returns the last position's logits.
+
+    Args:
+        step_tokens: most tokens per model call.
+        checkpoint_keep: also checkpoint where `request.keep` ends (several entries kept).
+
+    Raises:
+        PrefillCancelled: the request's cancel flag was set; the chunks fed stay cached.
+    """
+    cache, remaining = hit.cache, hit.remaining
+    total, offset = len(remaining), 0
+
+    def after_chunk(done: int, _: int) -> None:
+        stats.processed = offset + done
+        if request.progress:
+            request.progress(stats.processed, total)
+        if request.cancelled.is_set():
+            raise PrefillCancelled
+
+    for split in _checkpoint_points(request, hit, checkpoint_keep):
+        fill(model, cache, remaining[: split - offset], step_tokens=step_tokens,
+             progress=after_chunk)  # fmt: skip
+        cache.checkpoint()
+        offset, remaining = split, remaining[split - offset :]
+    return prefill(model, cache, remaining, step_tokens=step_tokens, progress=after_chunk)
+
+
+def _checkpoint_points(request: Request, hit: PrefixHit, checkpoint_keep: bool) -> list[int]:
+    """Checkpoint positions, in tokens after the cached ones, strictly inside what is fed."""
+    if not hit.cache.needs_checkpoints:
+        return []
+    ends = {len(request.tokens) - request.header_tokens}
+    if checkpoint_keep:
+        ends.add(request.keep)
+    total = len(hit.remaining)
+    return sorted(p - hit.num_cached for p in ends if 0 < p - hit.num_cached < total)

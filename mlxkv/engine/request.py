@@ -1,0 +1,219 @@
+"""One generation request, built and checked before it may touch the cache.
+
+Owns: `Request` (a validated request) and `RequestBuilder`, which turns a call's arguments into
+one: sampling settings checked, the prompt encoded and fitted to the context window, the tokens
+no cut may drop (`keep`), and the length of the chat template's generation prompt. Everything
+that can be wrong with a call raises here, in the caller's thread, before any model work.
+
+Does not own the cut itself (`context.fit_prompt`) or prompt encoding (`prompt`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from mlxkv.cache.prefix import common_prefix_length
+from mlxkv.decoding.prefill import ProgressCallback
+from mlxkv.decoding.sampling import SamplingParams
+from mlxkv.engine.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt
+from mlxkv.engine.prompt import (
+    Message,
+    Prompt,
+    PromptEncoder,
+    Tools,
+    is_messages,
+    leading_system_messages,
+)
+from mlxkv.errors import ContextLengthError, check_int
+
+# The most alternatives per token that logprobs reports (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+@dataclass(frozen=True)
+class Request:
+    """One validated request.
+
+    Attributes:
+        tokens: the prompt, already cut to fit the context.
+        keep: leading tokens no cut or shift drops.
+        header_tokens: tokens of the template's generation prompt at the end.
+        params: sampling settings.
+        progress: called as progress(done, total) in prompt tokens during prefill.
+        cancelled: set by `Runner.cancel()` or by the caller that passed it.
+        top_logprobs: None for no log-probabilities; else how many alternatives to report
+            with each sampled token's own.
+        cache_key: a label for the cache entry the request generates into (None: keep its
+            label).
+        speculative: the speculative decoding mode (`speculative.MODES`).
+    """
+
+    tokens: list[int]
+    keep: int
+    header_tokens: int
+    params: SamplingParams
+    progress: ProgressCallback | None
+    cancelled: threading.Event
+    top_logprobs: int | None = None
+    cache_key: str | None = None
+    speculative: str | None = None
+
+
+# PromptEncoder.render with the request's control-token and tool settings bound.
+Render = Callable[..., list[int]]
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """How a request is rendered and run, besides its sampling settings (see `Runner.stream`).
+
+    Attributes:
+        progress: called as progress(done, total) in prompt tokens during prefill.
+        parse_control_tokens: let control-token strings in message content be control tokens.
+        tools: function definitions for the chat template.
+        cancel: an Event that ends this request when set; None makes a private one.
+        top_logprobs: None for no log-probabilities, else alternatives per token (0..20).
+        truncate: cut a prompt that does not fit; False raises ContextLengthError.
+        cache_key: a label for the cache entry this request generates into.
+        speculative: the speculative decoding mode, already checked.
+    """
+
+    progress: ProgressCallback | None = None
+    parse_control_tokens: bool = False
+    tools: Tools | None = None
+    cancel: threading.Event | None = None
+    top_logprobs: int | None = None
+    truncate: bool = True
+    cache_key: str | None = None
+    speculative: str | None = None
+
+    def check(self) -> None:
+        if self.progress is not None and not callable(self.progress):
+            raise ValueError(
+                f"progress must be a callable or None, got {type(self.progress).__name__}"
+            )
+        if self.cancel is not None and not isinstance(self.cancel, threading.Event):
+            raise ValueError(
+                f"cancel must be a threading.Event or None, got {type(self.cancel).__name__}"
+            )
+        if self.cache_key is not None and not isinstance(self.cache_key, str):
+            raise ValueError(
+                f"cache_key must be a str or None, got {type(self.cache_key).__name__}"
+            )
+        if self.top_logprobs is not None:
+            check_int(
+                "logprobs (alternatives per token)", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS
+            )
+
+
+class RequestBuilder:
+    """Builds Requests for one model and context window.
+
+    Args:
+        prompts: the model's prompt encoder.
+        max_context: the window, in tokens.
+        keep: the Runner's `keep` setting (None: the system prompt, else 4 tokens).
+    """
+
+    def __init__(self, prompts: PromptEncoder, max_context: int, keep: int | None):
+        self._prompts = prompts
+        self._max_context = max_context
+        self._keep = keep
+        self._cut_start: Message | None = None  # first message kept by the last chat cut
+
+    def build(
+        self,
+        prompt: Prompt,
+        sampling: dict[str, Any],
+        options: RequestOptions,
+        *,
+        cached_prefix: Callable[[Sequence[int]], int],
+    ) -> Request:
+        """Raises ValueError (ContextLengthError for a prompt that cannot fit) on bad input."""
+        params = _sampling_params(sampling)
+        options.check()
+        tokens = self._prompts.encode(
+            prompt, parse_control_tokens=options.parse_control_tokens, tools=options.tools
+        )
+        render = functools.partial(
+            self._prompts.render,
+            parse_control_tokens=options.parse_control_tokens,
+            tools=options.tools,
+        )
+        if not options.truncate and len(tokens) >= self._max_context:
+            raise ContextLengthError(
+                f"the prompt is {len(tokens):,} tokens and the context holds {self._max_context:,}"
+                " (at least 1 must stay free for the answer); shorten the prompt or raise "
+                "max_context"
+            )
+        keep = self._keep_for(prompt, tokens, render)
+        # A prompt that must be cut leaves room to answer, so the answer does not begin with a
+        # shift.
+        budget = self._max_context
+        if len(tokens) > budget:
+            budget -= max(1, min(params.max_tokens, self._max_context // 4))
+        chat = self._chat_cut(prompt, render) if is_messages(prompt) else None
+        fitted = fit_prompt(tokens, budget, keep, cached_prefix=cached_prefix, chat=chat)
+        if fitted.first_message is not None:
+            self._cut_start = prompt[fitted.first_message]
+        header = self._generation_prompt_length(prompt, tokens, render)
+        return Request(
+            fitted.tokens,
+            keep,
+            header,
+            params,
+            options.progress,
+            options.cancel or threading.Event(),
+            options.top_logprobs,
+            options.cache_key,
+            options.speculative,
+        )
+
+    def forget_cut(self) -> None:
+        """Called when the cache is dropped: no cut lives in it any more."""
+        self._cut_start = None
+
+    def _generation_prompt_length(self, prompt: Prompt, tokens: list[int], render: Render) -> int:
+        """Tokens the chat template appends to open the assistant's turn (at least 1): the next
+        turn re-renders from there, so it is where a checkpoint is most useful."""
+        if not is_messages(prompt):
+            return 1
+        without = render(prompt, add_generation_prompt=False)
+        return max(1, len(tokens) - common_prefix_length(without, tokens))
+
+    def _keep_for(self, prompt: Prompt, tokens: list[int], render: Render) -> int:
+        """Tokens truncation and shifts never drop: the setting, else the system prompt."""
+        if self._keep is not None:
+            return self._keep
+        system = leading_system_messages(prompt)
+        if not system:
+            return min(DEFAULT_KEEP_TOKENS, len(tokens))
+        rendered = render(system, add_generation_prompt=False)
+        return common_prefix_length(rendered, tokens)
+
+    def _chat_cut(self, prompt: Sequence[Message], render: Render) -> ChatCut:
+        """How a chat may be cut: at user messages after the first, keeping the system prompt;
+        the cut taken last time is preferred (found by its first message, newest first)."""
+        system = leading_system_messages(prompt)
+        points = [i for i in range(len(system) + 1, len(prompt)) if prompt[i].get("role") == "user"]
+        preferred = next((i for i in reversed(points) if prompt[i] == self._cut_start), None)
+        return ChatCut(
+            render_from=lambda first: render(system + list(prompt[first:])),
+            cut_points=points,
+            preferred=preferred,
+        )
+
+
+def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
+    unknown = sorted(set(sampling) - set(_SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"unknown generation settings {', '.join(unknown)}; use {', '.join(_SAMPLING_FIELDS)}"
+        )
+    return SamplingParams(**sampling)

@@ -1,0 +1,116 @@
+"""One request's path through the model: prefix lookup, prefill of what the cache lacks,
+decoding (plain or speculative), and the text chunks the caller streams.
+
+Owns `run_request`. Does not own serializing requests, thread bookkeeping or the memory line
+(`runner`), nor the cache policy (`mlxkv.cache.pool`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+
+from mlxkv.cache.kv import Rotation
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.cache.pool import CachePool
+from mlxkv.decoding.drafts import DraftLength, DraftModel, NgramDrafter
+from mlxkv.decoding.picker import TokenPicker
+from mlxkv.decoding.plain import decode_tokens
+from mlxkv.decoding.prefill import fill
+from mlxkv.decoding.speculative import AcceptanceRule, speculative_tokens
+from mlxkv.engine.context import ContextWindow
+from mlxkv.engine.prompt_fill import PrefillCancelled, fill_prompt
+from mlxkv.engine.request import Request
+from mlxkv.engine.results import CompletionStats, GenerationChunk
+from mlxkv.engine.text_chunks import emit_chunks
+from mlxkv.models.loading import LoadedModel
+
+
+def run_request(
+    request: Request,
+    loaded: LoadedModel,
+    pool: CachePool,
+    *,
+    draft: DraftModel | None,
+    max_context: int,
+    rotations: list[Rotation | None],
+    step_tokens: int,
+) -> Iterator[GenerationChunk]:
+    """Runs `request` on the pool's nearest entry, in place; yields its chunks, the last one
+    with the Completion. The caller holds the Runner's lock and ends the request.
+
+    Args:
+        max_context: the context window, in tokens (a generation that reaches it shifts).
+        rotations: per layer, how to re-rotate keys when the context shifts (None: cannot).
+        step_tokens: prefill chunk size, in tokens.
+    """
+    tokens = request.tokens
+    if request.cancelled.is_set():  # cancelled while waiting its turn: touch nothing
+        stats = CompletionStats(time.perf_counter(), len(tokens), 0)
+        yield stats.final_chunk("", "cancelled")
+        return
+    stats_start = time.perf_counter()
+    if request.params.seed is not None:
+        mx.random.seed(request.params.seed)
+    hit = pool.fetch_nearest(tokens, reply_start=len(tokens) - request.header_tokens)
+    stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
+    if request.cache_key is not None:
+        pool.current.label = request.cache_key
+    start = time.perf_counter()
+    model = loaded.model
+    try:
+        logits = fill_prompt(
+            model, request, hit, stats,
+            step_tokens=step_tokens, checkpoint_keep=pool.max_entries > 1,
+        )  # fmt: skip
+    except PrefillCancelled:
+        yield stats.final_chunk("", "cancelled")
+        return
+    if len(hit.remaining) >= step_tokens:  # long enough to measure; weighs disk loads
+        pool.prefill_tokens_per_s = len(hit.remaining) / (time.perf_counter() - start)
+    window = ContextWindow(
+        max_context,
+        request.keep,
+        rotations,
+        refill=lambda cache, ids: fill(model, cache, ids, step_tokens=step_tokens),
+    )
+    decoded, pick = _decode(request, draft, loaded, hit.cache, logits, stats, window.make_room)
+    yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
+
+
+def _decode(
+    request: Request,
+    draft_model: DraftModel | None,
+    loaded: LoadedModel,
+    cache: ModelCache,
+    logits: mx.array,
+    stats: CompletionStats,
+    make_room: Callable[[ModelCache, int], None] | None = None,
+) -> tuple[Iterator[int], TokenPicker]:
+    """The generated token ids of one request, from the prompt's last logits, and the picker
+    that samples them: `decode_tokens` when the request's mode is None, else
+    `speculative_tokens` with the mode's drafter (see `MODES`)."""
+    params, prompt = request.params, request.tokens
+    processors = params.make_logits_processors()
+    sampler = params.make_sampler(loaded.vocab_size)
+    pick = TokenPicker(sampler, processors, prompt, top_logprobs=request.top_logprobs)
+    if request.speculative is None:
+        return decode_tokens(loaded.model, cache, logits, pick, params.max_tokens, make_room), pick
+    distribution = params.make_distribution(loaded.vocab_size) if params.temperature > 0 else None
+    use_model = draft_model is not None and request.speculative in ("auto", "draft")
+    drafter = draft_model.drafter(prompt, distribution) if use_model else NgramDrafter(prompt)
+    tokens = speculative_tokens(
+        loaded.model,
+        cache,
+        logits,
+        pick,
+        params.max_tokens,
+        drafter=drafter,
+        length=DraftLength(gated=request.speculative == "auto"),
+        rule=AcceptanceRule(distribution),
+        counts=stats.drafts,
+        make_room=make_room,
+    )
+    return tokens, pick

@@ -1,0 +1,62 @@
+"""Sampled token ids -> the text chunks a caller streams.
+
+Owns `emit_chunks`: detokenizing, EOS, stop strings (text after a stop string is never
+shown), per-request cancel, and the final chunk with the `Completion`. Does not own how the
+tokens were produced (`generate.decode_tokens`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from mlxkv.decoding.picker import TokenPicker
+from mlxkv.engine.request import Request
+from mlxkv.engine.results import CompletionStats, GenerationChunk
+from mlxkv.engine.stop_strings import StopStrings
+
+
+def emit_chunks(
+    tokenizer: Any,
+    decoded: Iterator[int],
+    stats: CompletionStats,
+    request: Request,
+    pick: TokenPicker,
+) -> Iterator[GenerationChunk]:
+    """Yields one chunk per sampled token that is not EOS, then the final chunk; EOS, a stop
+    string, and the request's cancel flag end it (the generator `decoded` is then left, which
+    stops the model)."""
+    stops = StopStrings(request.params.stop)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    finish, cut_by_stop_string = "length", False
+    for token in decoded:
+        stats.sampled()
+        logprob = pick.pop_logprob()
+        if token in tokenizer.eos_token_ids:
+            finish = "stop"
+            break
+        detokenizer.add_token(token)
+        stats.tokens.append(token)
+        text, stopped = stops.push(detokenizer.last_segment)
+        stats.text.append(text)
+        first = stats.num_sampled == 1
+        yield GenerationChunk(
+            text=text, token=token, logprob=logprob, prompt=stats.usage() if first else None
+        )
+        if stopped:
+            finish, cut_by_stop_string = "stop", True
+            break
+        if request.cancelled.is_set():
+            finish = "cancelled"
+            break
+    tail = ""
+    if not cut_by_stop_string:
+        detokenizer.finalize()  # text held back (e.g. trailing spaces) may complete a stop
+        tail, stopped = stops.push(detokenizer.last_segment)
+        if stopped and finish == "length":
+            finish = "stop"
+        elif not stopped:
+            tail += stops.flush()
+        stats.text.append(tail)
+    yield stats.final_chunk(tail, finish, stops.matched)

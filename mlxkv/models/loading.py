@@ -1,0 +1,93 @@
+"""Loading a model and its tokenizer from wherever `sources` finds it.
+
+Owns: `LoadedModel`, `load_model` and `materialize`. Delegates architectures, weights and
+tokenizers to mlx-lm; adds clear errors that say what was tried and how to fix it. On MLX's
+CPU backend, floating-point weights are cast to float32, the fast dtype there.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxkv.errors import ModelLoadError
+from mlxkv.models import gguf
+from mlxkv.models.sharding import shard_model
+from mlxkv.models.sources import default_model_path, find_model, is_gguf
+from mlxkv.platform.machine import on_gpu
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run. `tokenizer` is mlx-lm's TokenizerWrapper."""
+
+    model: nn.Module
+    tokenizer: Any
+    config: dict[str, Any]
+    path: Path
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.get("vocab_size") or len(self.tokenizer.vocab))
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        value = self.config.get("max_position_embeddings")
+        return int(value) if value else None
+
+
+def load_model(
+    path_or_repo: str | Path | None = None,
+    *,
+    progress: gguf.ProgressCallback | None = None,
+    group: mx.distributed.Group | None = None,
+) -> LoadedModel:
+    """Loads a model, converting a GGUF file (once; the result is cached) if given one.
+
+    Args:
+        path_or_repo: a directory in Hugging Face layout, a .gguf file, an Ollama model name
+            ("smollm2:135m"), a Hugging Face repo id, or None for the default model.
+        progress: called as progress(done, total) in tensors while converting a GGUF file.
+        group: shard the model over this process group (see `sharding.shard_model`);
+            the weights are loaded lazily, so each rank reads only its shard into memory.
+
+    Raises:
+        ModelLoadError: nothing loadable there (the message says what was tried and the fix).
+        UnsupportedFormatError: a GGUF of an unsupported architecture or tensor type.
+        NotSupportedError: `group` is given and the architecture cannot be sharded.
+    """
+    from mlx_lm.utils import load
+
+    path = find_model(default_model_path() if path_or_repo is None else str(path_or_repo))
+    if path.suffix == ".gguf" or is_gguf(path):
+        path = gguf.converted_dir(path, progress=progress)
+    try:
+        model, tokenizer, config = load(str(path), return_config=True, lazy=group is not None)
+    except (ValueError, FileNotFoundError, KeyError, OSError, RuntimeError) as error:
+        raise ModelLoadError(f"could not load a model from {path}: {error}") from error
+    if group is not None:
+        kind = shard_model(model, group, config.get("model_type", "?"))
+        logger.info("sharded model kind=%s ranks=%d rank=%d", kind, group.size(), group.rank())
+    if not on_gpu():
+        model.set_dtype(mx.float32)  # half-precision matmuls are several times slower on CPU
+    materialize(model)
+    logger.info("loaded model path=%s type=%s", path, config.get("model_type"))
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+
+
+def materialize(model: nn.Module) -> None:
+    """Evaluates every array the model holds, private ones (e.g. RoPE frequencies) included.
+
+    MLX streams belong to the thread that made them: a lazy array left here (the float32 cast
+    above is lazy) would fail with "There is no Stream(cpu, 0) in current thread" the first
+    time another thread runs the model.
+    """
+    mx.eval([leaf for _, leaf in tree_flatten(model) if isinstance(leaf, mx.array)])

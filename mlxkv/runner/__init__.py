@@ -1,1 +1,0 @@
-"""Generation on top of the cache layer: loading, prompt cache policy, streaming."""

@@ -1,0 +1,174 @@
+"""Anthropic's Messages API request bodies as pydantic models, and their translation into
+chat-template messages: `tool_use` blocks become the assistant's tool calls, `tool_result`
+blocks become `tool` messages, and tools become OpenAI-style function definitions (the form
+chat templates take).
+
+Reference: https://docs.anthropic.com/en/api/messages
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from mlxkv.server.errors import ApiError
+from mlxkv.server.openai_api.protocol import Lenient
+
+
+class TextBlock(Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(Lenient):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+
+
+class MediaBlock(Lenient):
+    """Images and documents: refused with a clear message (this server is text only)."""
+
+    type: Literal["image", "document"]
+
+
+class ThinkingBlock(Lenient):
+    """Reasoning from an earlier turn: not rendered again."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | MediaBlock | ThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class Message(Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+
+class ToolChoice(Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+
+
+class PromptFields(Lenient):
+    """What `/v1/messages` and `/v1/messages/count_tokens` share: the prompt."""
+
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        system = self.system
+        if isinstance(system, list):
+            system = "\n\n".join(block.text for block in system)
+        if system:
+            out.append({"role": "system", "content": system})
+        for index, message in enumerate(self.messages):
+            out += _template_messages(index, message)
+        return out
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template, as `tool_choice` narrows them."""
+        choice = self.tool_choice
+        if not self.tools or (choice and choice.type == "none"):
+            return None
+        tools = self.tools
+        if choice and choice.type == "tool":
+            tools = [tool for tool in tools if tool.name == choice.name]
+            if not tools:
+                raise ApiError(400, f"tool_choice names {choice.name!r}, which is not in tools")
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    "description": tool.description or "",
+                    "parameters": tool.input_schema,
+                },
+            }
+            for tool in tools
+        ]
+
+
+class MessagesRequest(PromptFields):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+
+    def sampling(self) -> dict[str, Any]:
+        if self.stop_sequences is not None and not all(self.stop_sequences):
+            raise ApiError(400, "stop_sequences must not contain empty strings")
+        chosen = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop": self.stop_sequences,
+        }
+        return {key: value for key, value in chosen.items() if value is not None}
+
+
+def _template_messages(index: int, message: Message) -> list[dict[str, Any]]:
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for block in message.content:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, MediaBlock):
+            raise ApiError(
+                400, f"messages.{index}: {block.type} blocks are not supported; send text only"
+            )
+        elif isinstance(block, ToolUseBlock):
+            _expect_role(index, message, "assistant", block.type)
+            function = {"name": block.name, "arguments": block.input}
+            calls.append({"id": block.id, "type": "function", "function": function})
+        elif isinstance(block, ToolResultBlock):
+            _expect_role(index, message, "user", block.type)
+            out.append(
+                {"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)}
+            )
+    if texts or calls or not out:
+        reply: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+        if calls:
+            reply["tool_calls"] = calls
+        out.append(reply)
+    return out
+
+
+def _expect_role(index: int, message: Message, role: str, block_type: str) -> None:
+    if message.role != role:
+        raise ApiError(400, f"messages.{index}: {block_type} blocks belong in {role} messages")
+
+
+def _result_text(block: ToolResultBlock) -> str:
+    content = block.content
+    text = "".join(part.text for part in content) if isinstance(content, list) else content or ""
+    return f"Error: {text}" if block.is_error else text

@@ -1,0 +1,180 @@
+"""Anthropic's Messages API: `/v1/messages` (plain and streamed with the standard event
+sequence) and `/v1/messages/count_tokens`.
+
+Owns the translation between Anthropic's bodies and a `Turn`; schemas are in
+`anthropic_protocol.py`. Usage follows Anthropic's definitions: `cache_read_input_tokens` are
+the prompt tokens the prompt cache supplied, `input_tokens` the rest (computed now), and
+`cache_creation_input_tokens` is 0 (nothing is billed for writing the cache).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from mlxkv.engine.results import Completion
+from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
+from mlxkv.server.errors import ApiError
+from mlxkv.server.state import Context, event_stream, sse
+from mlxkv.server.tool_calls import ToolCall
+from mlxkv.server.turn import Event, TextDelta, Turn, collect, start_turn
+
+router = APIRouter()
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request, ctx: Context):
+    turn = await start_turn(
+        request, body.chat_messages(), tools=body.template_tools(), sampling=body.sampling()
+    )
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    if body.stream:
+        return event_stream(_message_events(turn, message_id, ctx.model_name), turn, _error_event)
+    events, completion = await collect(turn, request)
+    calls = [event for event in events if isinstance(event, ToolCall)]
+    content = _blocks(events)
+    return {
+        **_message_head(message_id, ctx.model_name, content),
+        **_stop(completion, calls),
+        "usage": _usage(completion),
+    }
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: PromptFields, ctx: Context) -> dict[str, int]:
+    runner = ctx.worker.runner
+    try:
+        tokens = await run_in_threadpool(
+            runner.encode, body.chat_messages(), tools=body.template_tools()
+        )
+    except ValueError as error:
+        raise ApiError(400, str(error)) from error
+    return {"input_tokens": len(tokens)}
+
+
+def _message_head(message_id: str, model: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+    }
+
+
+def _blocks(events: list[Event]) -> list[dict[str, Any]]:
+    """Content blocks: runs of text joined into one text block, each tool call its own."""
+    blocks: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, ToolCall):
+            blocks.append(_tool_use(event))
+        elif isinstance(event, TextDelta) and event.text:
+            if blocks and blocks[-1]["type"] == "text":
+                blocks[-1]["text"] += event.text
+            else:
+                blocks.append({"type": "text", "text": event.text})
+    return blocks
+
+
+def _tool_use(call: ToolCall, arguments: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": call.id,
+        "name": call.name,
+        "input": call.arguments if arguments is None else arguments,
+    }
+
+
+def _stop(completion: Completion, calls: list[ToolCall]) -> dict[str, Any]:
+    if calls and completion.finish_reason == "stop":
+        reason = "tool_use"
+    elif completion.stop_string is not None:
+        reason = "stop_sequence"
+    elif completion.finish_reason == "length":
+        reason = "max_tokens"
+    else:
+        reason = "end_turn"
+    return {"stop_reason": reason, "stop_sequence": completion.stop_string}
+
+
+def _usage(completion: Completion) -> dict[str, int]:
+    return {
+        "input_tokens": completion.prompt_tokens - completion.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": completion.cached_tokens,
+        "output_tokens": completion.generation_tokens,
+    }
+
+
+async def _message_events(turn: Turn, message_id: str, model: str) -> AsyncIterator[str]:
+    """message_start (once the prompt is processed, so its usage is exact), then content
+    blocks (start, deltas, stop), message_delta with the stop reason, message_stop."""
+    started, index, text_open = False, 0, False
+    calls: list[ToolCall] = []
+    async for event in turn.events():
+        if not started:
+            started = True
+            head = {
+                **_message_head(message_id, model, []),
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": _start_usage(turn),
+            }
+            yield sse({"type": "message_start", "message": head}, "message_start")
+        if isinstance(event, TextDelta) and event.text:
+            if not text_open:
+                text_open = True
+                yield _block_start(index, {"type": "text", "text": ""})
+            delta = {"type": "text_delta", "text": event.text}
+            yield sse(
+                {"type": "content_block_delta", "index": index, "delta": delta},
+                "content_block_delta",
+            )
+        elif isinstance(event, ToolCall):
+            if text_open:
+                text_open = False
+                yield _block_stop(index)
+                index += 1
+            calls.append(event)
+            yield _block_start(index, _tool_use(event, arguments={}))
+            delta = {"type": "input_json_delta", "partial_json": event.arguments_json}
+            yield sse(
+                {"type": "content_block_delta", "index": index, "delta": delta},
+                "content_block_delta",
+            )
+            yield _block_stop(index)
+            index += 1
+        elif isinstance(event, Completion):
+            if text_open:
+                yield _block_stop(index)
+            body = {"type": "message_delta", "delta": _stop(event, calls), "usage": _usage(event)}
+            yield sse(body, "message_delta")
+            yield sse({"type": "message_stop"}, "message_stop")
+
+
+def _start_usage(turn: Turn) -> dict[str, int]:
+    prompt = turn.prompt
+    assert prompt is not None  # set by the first event
+    return {
+        "input_tokens": prompt.prompt_tokens - prompt.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": prompt.cached_tokens,
+        "output_tokens": 0,
+    }
+
+
+def _error_event(message: str) -> str:
+    return sse({"type": "error", "error": {"type": "api_error", "message": message}}, "error")
+
+
+def _block_start(index: int, block: dict[str, Any]) -> str:
+    body = {"type": "content_block_start", "index": index, "content_block": block}
+    return sse(body, "content_block_start")
+
+
+def _block_stop(index: int) -> str:
+    return sse({"type": "content_block_stop", "index": index}, "content_block_stop")

@@ -1,0 +1,193 @@
+"""OpenAI's API: `/v1/models`, `/v1/chat/completions` and `/v1/completions`, plain and as
+server-sent events.
+
+Owns the translation between OpenAI's bodies and a `Turn`; the request schemas are in
+`openai_protocol.py`. `usage.prompt_tokens_details.cached_tokens` is the number of prompt
+tokens the prompt cache supplied (not computed again).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from mlxkv.engine.results import Completion
+from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from mlxkv.server.state import Context, event_stream, sse
+from mlxkv.server.tool_calls import ToolCall
+from mlxkv.server.turn import Event, TextDelta, TokenInfo, Turn, collect, start_turn
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(ctx: Context) -> dict[str, Any]:
+    model = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "mlxkv"}
+    return {"object": "list", "data": [model]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context):
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = body.max_tokens
+    turn = await start_turn(
+        request,
+        body.chat_messages(),
+        tools=body.template_tools(),
+        sampling=body.sampling(max_tokens, ctx.default_max_tokens),
+        top_logprobs=body.top_logprobs_count(),
+        cache_key=body.prompt_cache_key,
+    )
+    reply = _Reply(ctx.model_name, "chatcmpl", "chat.completion")
+    if body.stream:
+        return event_stream(_chat_events(turn, reply, body.include_usage), turn, _error_event)
+    events, completion = await collect(turn, request)
+    message: dict[str, Any] = {"role": "assistant", "content": _text(events)}
+    calls = [event for event in events if isinstance(event, ToolCall)]
+    if calls:
+        message["tool_calls"] = [_tool_call(call) for call in calls]
+        message["content"] = message["content"] or None
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": {"content": _chat_logprobs(events)} if body.logprobs else None,
+        "finish_reason": _finish_reason(completion, calls),
+    }
+    return reply.body([choice], usage=_usage(completion))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, ctx: Context):
+    turn = await start_turn(
+        request,
+        body.single_prompt(),
+        tools=None,
+        sampling=body.sampling(body.max_tokens, ctx.default_max_tokens),
+        top_logprobs=body.logprobs,
+    )
+    reply = _Reply(ctx.model_name, "cmpl", "text_completion")
+    if body.stream:
+        return event_stream(_completion_events(turn, reply, body), turn, _error_event)
+    events, completion = await collect(turn, request)
+    choice = {
+        "index": 0,
+        "text": _text(events),
+        "logprobs": _legacy_logprobs(events) if body.logprobs is not None else None,
+        "finish_reason": _finish_reason(completion, []),
+    }
+    return reply.body([choice], usage=_usage(completion))
+
+
+class _Reply:
+    """The fields every response and chunk of one request share."""
+
+    def __init__(self, model: str, id_prefix: str, kind: str):
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.kind = kind
+
+    def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        head = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model}
+        return {**head, "choices": choices, **extra}
+
+
+async def _chat_events(turn: Turn, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
+    reply.kind = "chat.completion.chunk"
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse(reply.body([choice]))
+
+    yield chunk({"role": "assistant", "content": ""})
+    calls: list[ToolCall] = []
+    async for event in turn.events():
+        if isinstance(event, TextDelta) and (event.text or event.logprobs):
+            logprobs = {"content": [_token(t) for t in event.logprobs]} if event.logprobs else None
+            yield chunk({"content": event.text}, logprobs=logprobs)
+        elif isinstance(event, ToolCall):
+            yield chunk({"tool_calls": [{"index": len(calls), **_tool_call(event)}]})
+            calls.append(event)
+        elif isinstance(event, Completion):
+            yield chunk({}, finish=_finish_reason(event, calls))
+            if include_usage:
+                yield sse(reply.body([], usage=_usage(event)))
+    yield sse("[DONE]")
+
+
+async def _completion_events(
+    turn: Turn, reply: _Reply, body: CompletionRequest
+) -> AsyncIterator[str]:
+    async for event in turn.events():
+        if isinstance(event, TextDelta) and (event.text or event.logprobs):
+            logprobs = _legacy_logprobs([event]) if body.logprobs is not None else None
+            choice = {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": None}
+            yield sse(reply.body([choice]))
+        elif isinstance(event, Completion):
+            finish = _finish_reason(event, [])
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+            yield sse(reply.body([choice]))
+            if body.include_usage:
+                yield sse(reply.body([], usage=_usage(event)))
+    yield sse("[DONE]")
+
+
+def _error_event(message: str) -> str:
+    return sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+
+
+def _text(events: list[Event]) -> str:
+    return "".join(event.text for event in events if isinstance(event, TextDelta))
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments_json}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def _finish_reason(completion: Completion, calls: list[ToolCall]) -> str:
+    if calls and completion.finish_reason == "stop":
+        return "tool_calls"
+    return "length" if completion.finish_reason == "length" else "stop"
+
+
+def _usage(completion: Completion) -> dict[str, Any]:
+    return {
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": completion.generation_tokens,
+        "total_tokens": completion.prompt_tokens + completion.generation_tokens,
+        "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
+    }
+
+
+def _token(info: TokenInfo) -> dict[str, Any]:
+    top = [_alternative(text, logprob) for text, logprob in info.top]
+    return {**_alternative(info.text, info.logprob), "top_logprobs": top}
+
+
+def _alternative(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _chat_logprobs(events: list[Event]) -> list[dict[str, Any]]:
+    return [_token(t) for e in events if isinstance(e, TextDelta) for t in e.logprobs]
+
+
+def _legacy_logprobs(events: list[Event]) -> dict[str, Any]:
+    """The completions endpoint's older shape: parallel lists per token."""
+    tokens = [t for e in events if isinstance(e, TextDelta) for t in e.logprobs]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token.text)
+    return {
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [dict(t.top) for t in tokens],
+        "text_offset": offsets,
+    }

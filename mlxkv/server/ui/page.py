@@ -1,0 +1,47 @@
+"""The chat page and the JSON it reads: `GET /` (the page), `/static/...` (its files) and
+`GET /v1/mlxkv/cache` (the prompt cache, live).
+
+Owns the routes; the page itself is plain HTML, CSS and JavaScript in `static/`, shipped in
+the package (no build step, nothing fetched at run time). Cache policy stays in the Runner:
+this only reports `Runner.cache_info()`.
+
+`GET /v1/mlxkv/cache` returns every field of `MemoryReport` under the same name (bytes as
+integers, `last_used` in Unix seconds, entries least recently used first, each with the
+`label` its last request's `prompt_cache_key` gave it), plus `model` and `max_context`
+(tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib.resources import files
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from mlxkv.server.state import Context
+
+STATIC_DIR = files("mlxkv.server.ui") / "static"
+
+router = APIRouter()
+
+
+@router.get("/", include_in_schema=False)
+async def chat_page() -> FileResponse:
+    # Revalidated on each load, so a new version of the page is never served stale.
+    return FileResponse(str(STATIC_DIR / "index.html"), headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/v1/mlxkv/cache")
+async def cache_report(ctx: Context) -> dict[str, Any]:
+    runner = ctx.worker.runner
+    report = dataclasses.asdict(runner.cache_info())
+    return {**report, "model": ctx.model_name, "max_context": runner.max_context}
+
+
+def add_page(app: FastAPI) -> None:
+    """Adds the page, its files and the cache report to `app`."""
+    app.include_router(router)
+    app.mount("/static", StaticFiles(directory=str(STATIC_DIR)), name="static")

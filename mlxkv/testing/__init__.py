@@ -1,0 +1,1 @@
+"""Tools for tests, examples and benchmarks: tiny models of real architectures (`factory`)."""

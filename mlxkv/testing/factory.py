@@ -1,0 +1,285 @@
+"""Small models of real mlx-lm architectures, with random weights and a real tokenizer.
+
+Owns: building a model directory in Hugging Face layout (`config.json`, `model.safetensors`,
+`tokenizer.json`, `tokenizer_config.json`) that `mlx_lm.load` and `mlxkv.Runner.load` read like
+any downloaded model. No model hub is needed, so tests, examples and benchmarks can exercise the
+real loading code offline. Does not own: loading (see `mlxkv.models.loading`).
+
+Architectures (`ARCHITECTURES`):
+  llama        plain causal attention
+  qwen3        causal attention with q/k norms
+  gemma3_text  sliding-window layers mixed with global layers
+  spark2_5     every layer a sliding window
+  lfm2         hybrid: short-convolution (recurrent state) layers and attention layers
+  mamba        every layer recurrent (state-space)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# A ChatML template that takes tools and renders tool calls and results the way Qwen2.5 and
+# Hermes models do; mlx-lm picks its `json_tools` parser for it (`<tool_call>`, tool_call.name).
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "You may call functions:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Call one as <tool_call>{"name": name, "arguments": {...}}</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}"
+    "<|im_start|>assistant\n{{ message['content'] }}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>{{ message['content'] }}</tool_response><|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = """
+The cache holds keys and values for every token the model has seen. A chat grows by a few
+hundred tokens each turn, and the runner should never compute the same prefix twice. Paris is
+the capital of France; Rome is the capital of Italy; Berlin is the capital of Germany.
+Once upon a time there was a small model that answered questions about the weather, numbers
+like 1, 2, 3, 42 and 1000, and code such as def f(x): return x + 1. The quick brown fox jumps
+over the lazy dog. user assistant system: hello, how are you? I am fine, thank you!
+"""
+
+# Each entry: the config of a tiny model (2 layers, hidden 64) that runs in milliseconds on one
+# CPU core. "size" overrides scale them up for benchmarks.
+_BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+}
+_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {**_BASE, "model_type": "llama", "tie_word_embeddings": False},
+    "qwen3": {**_BASE, "model_type": "qwen3"},
+    "gemma3_text": {
+        **_BASE,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 3,
+        "sliding_window": 8,
+        "sliding_window_pattern": 3,
+        "query_pre_attn_scalar": 16,
+        "rope_local_base_freq": 10000.0,
+    },
+    "spark2_5": {
+        **_BASE,
+        "model_type": "spark2_5",
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
+    "lfm2": {
+        **_BASE,
+        "model_type": "lfm2",
+        "num_hidden_layers": 3,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "full_attn_idxs": [1],
+        "layer_types": ["conv", "full_attention", "conv"],
+    },
+    "mamba": {
+        "model_type": "mamba",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "state_size": 8,
+        "num_hidden_layers": 2,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": 4,
+        "tie_word_embeddings": True,
+    },
+}
+ARCHITECTURES: tuple[str, ...] = tuple(_CONFIGS)
+
+_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    # About 100M parameters with a 512-token vocabulary: what the benchmarks call "medium".
+    "100m": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "intermediate_size": 3072,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+    },
+}
+
+
+def build_model(
+    arch: str,
+    out_dir: str | Path,
+    *,
+    size: str = "tiny",
+    vocab_size: int = 512,
+    seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
+    chat_template: str = CHAT_TEMPLATE,
+    added_tokens: Sequence[str] = (),
+) -> Path:
+    """Writes a random-weight model of architecture `arch` in Hugging Face layout.
+
+    Args:
+        arch: one of `ARCHITECTURES`.
+        out_dir: directory to create (parents too); existing files in it are overwritten.
+        size: "tiny" (tests) or "100m" (benchmarks).
+        vocab_size: tokens in the trained tokenizer and the embedding table.
+        seed: seeds the weights, so the same arguments give the same model.
+        config_overrides: keys replaced in the config (e.g. a longer sliding window).
+        chat_template: the tokenizer's Jinja chat template.
+        added_tokens: strings the tokenizer keeps whole, each one token after the trained
+            vocabulary (the embedding table grows to hold them).
+
+    Returns:
+        The directory, ready for `mlx_lm.load` or `mlxkv.Runner.load`.
+
+    Raises:
+        ValueError: for an unknown architecture or size.
+    """
+    if arch not in _CONFIGS:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if size not in _SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(_SIZES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**_CONFIGS[arch], **_SIZES[size], "vocab_size": vocab_size}
+    config.update(config_overrides or {})
+    if arch == "lfm2":
+        config["block_dim"] = config["hidden_size"]
+        config["block_ff_dim"] = config["intermediate_size"]
+    tokenizer_ids = _write_tokenizer(out, vocab_size, chat_template, added_tokens)
+    config.update(tokenizer_ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _write_weights(out, config, seed)
+    return out
+
+
+def _write_weights(out: Path, config: dict[str, Any], seed: int) -> None:
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    # Small weights keep activations tame in float32, so cached-vs-uncached comparisons can use
+    # tight tolerances.
+    weights = {k: (v * 0.5).astype(mx.float32) for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def build_scripted_model(out_dir: str | Path, script: Sequence[str]) -> Path:
+    """Writes a llama that answers every chat with `script`, then EOS, when sampled greedily:
+    a generation tests control (tool calls, stop strings) through the real model code.
+
+    Each piece of `script` becomes one token of its own. Every layer's output projections are
+    zero, so the logits depend on the current token alone, and the LM head maps the last token
+    of the generation prompt to the first piece, each piece to the next, the last to EOS. The
+    template is `TOOLS_CHAT_TEMPLATE`.
+
+    Args:
+        out_dir: directory to create.
+        script: the answer, in pieces of printable ASCII without spaces; no piece repeats.
+
+    Raises:
+        ValueError: pieces that repeat or are empty.
+    """
+    if len(set(script)) != len(script) or not all(script):
+        raise ValueError("script pieces must be distinct and non-empty")
+    out = build_model(
+        "llama", out_dir, chat_template=TOOLS_CHAT_TEMPLATE, added_tokens=tuple(script)
+    )
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    config = json.loads((out / "config.json").read_text())
+    chain = [tokenizer.encode("<|im_start|>assistant\n").ids[-1]]
+    chain += [tokenizer.token_to_id(piece) for piece in script] + [config["eos_token_id"]]
+    weights = dict(mx.load(str(out / "model.safetensors")))
+    for name, value in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(value)
+    embed, norm = weights["model.embed_tokens.weight"], weights["model.norm.weight"]
+    normed = embed * mx.rsqrt(mx.mean(embed * embed, axis=-1, keepdims=True)) * norm
+    head = mx.zeros_like(weights["lm_head.weight"])
+    for current, following in itertools.pairwise(chain):
+        head[following] = 10.0 * normed[current] / mx.sum(normed[current] * normed[current])
+    weights["lm_head.weight"] = head
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return out
+
+
+def _write_tokenizer(
+    out: Path, vocab_size: int, chat_template: str, added_tokens: Sequence[str]
+) -> dict[str, int]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tokenizer.add_tokens(list(added_tokens))
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "chat_template": chat_template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return {
+        "vocab_size": max(vocab_size, tokenizer.get_vocab_size()),
+        "eos_token_id": tokenizer.token_to_id("<|im_end|>"),
+        "bos_token_id": tokenizer.token_to_id("<|endoftext|>"),
+    }

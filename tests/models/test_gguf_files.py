@@ -1,0 +1,189 @@
+"""Hostile, broken and concurrent GGUF files: one clear error naming the file, never a crash,
+never a `.partial` left behind, never a deleted directory we did not write."""
+
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlxkv import ModelLoadError, UnsupportedFormatError
+from mlxkv.models.gguf.convert import convert_gguf, converted_dir, is_conversion
+from mlxkv.models.loading import load_model
+from tests.factories import tiny_model_dir
+from tests.models.test_gguf import write_gguf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def good_gguf(model_root, tmp_path_factory):
+    path = tmp_path_factory.mktemp("good") / "tiny.gguf"
+    return write_gguf(tiny_model_dir("llama", model_root), path)
+
+
+def _crafted_header(path: Path) -> Path:
+    """Right magic and version, one metadata key whose string length is 2**62."""
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**62) + b"x")
+    return path
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.rglob("*") if ".partial" in p.name)
+
+
+def test_crafted_header_is_an_error_not_a_segfault(tmp_path):
+    """MLX's reader crashed the process on this file (generate, info and convert)."""
+    crafted = _crafted_header(tmp_path / "crafted.gguf")
+    for command in (["info", str(crafted)], ["convert", str(crafted), str(tmp_path / "out")]):
+        result = subprocess.run(
+            [sys.executable, "-m", "mlxkv.cli", *command],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env={**os.environ, "MLXKV_CACHE_DIR": str(tmp_path / "cache")},
+        )
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("mlxkv: error: crafted.gguf is not a valid GGUF file")
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "the file is empty"),
+        (os.urandom(4096), "not b'GGUF'"),
+        ("truncated", "past the end of the file"),
+    ],
+)
+def test_empty_random_and_truncated_files(good_gguf, tmp_path, monkeypatch, content, message):
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.gguf"
+    data = good_gguf.read_bytes()
+    bad.write_bytes(data[: len(data) // 2] if content == "truncated" else content)
+    with pytest.raises(UnsupportedFormatError, match=f"bad.gguf .*{message}"):
+        load_model(bad)
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("key", ["llama.block_count", "llama.attention.head_count"])
+def test_zero_or_missing_llama_metadata_is_named(model_root, tmp_path, key):
+    path = write_gguf(
+        tiny_model_dir("llama", model_root), tmp_path / "z.gguf", **{key: mx.array(0, mx.uint32)}
+    )
+    with pytest.raises(UnsupportedFormatError, match=f"z.gguf: GGUF metadata {key} is 0"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+def test_sentencepiece_tokenizer_is_refused_before_any_weight_is_converted(
+    model_root, tmp_path, monkeypatch
+):
+    import mlxkv.models.gguf.convert as gguf
+
+    path = write_gguf(
+        tiny_model_dir("llama", model_root),
+        tmp_path / "sp.gguf",
+        **{"tokenizer.ggml.model": "llama"},
+    )
+    monkeypatch.setattr(gguf, "_weights", lambda *a: pytest.fail("converted weights first"))
+    with pytest.raises(UnsupportedFormatError, match="tokenizer model 'llama' is not supported"):
+        converted_dir(path, cache_root=tmp_path / "cache")
+    assert _leftovers(tmp_path) == [] and not list((tmp_path / "cache").rglob("*.safetensors"))
+
+
+def test_corrupt_conversion_is_converted_again(good_gguf, tmp_path, caplog, monkeypatch):
+    first = converted_dir(good_gguf, cache_root=tmp_path)
+    weights = first / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a truncated cache entry
+    assert not is_conversion(first)
+    with caplog.at_level("WARNING", logger="mlxkv"):
+        again = converted_dir(good_gguf, cache_root=tmp_path)
+    assert again == first and is_conversion(again)
+    assert any("incomplete or corrupt" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
+    assert load_model(good_gguf).config["model_type"] == "llama"
+
+
+# Each process waits, with its weights written, until both are there: the two conversions
+# overlap for certain, however fast the machine.
+_CONVERT_TOGETHER = """
+import os, sys, time, pathlib
+import mlxkv.models.gguf.convert as gguf
+barrier, real = pathlib.Path(sys.argv[2]), gguf._write_manifest
+def together(directory, source):
+    (barrier / str(os.getpid())).touch()
+    end = time.monotonic() + 30
+    while len(list(barrier.iterdir())) < 2 and time.monotonic() < end:
+        time.sleep(0.02)
+    real(directory, source)
+gguf._write_manifest = together
+print(gguf.converted_dir(sys.argv[1]))
+"""
+
+
+def test_two_processes_converting_the_same_file_both_succeed(good_gguf, tmp_path):
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    env = {**os.environ, "MLXKV_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CONVERT_TOGETHER, str(good_gguf), str(barrier)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-1500:] for _, err in outs]
+    assert len(list(barrier.iterdir())) == 2
+    assert outs[0][0] == outs[1][0] and is_conversion(Path(outs[0][0].strip()))
+    assert _leftovers(tmp_path) == [] and not list((tmp_path / "cache" / "gguf").glob(".*"))
+
+
+def test_convert_never_deletes_what_it_did_not_write(good_gguf, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "precious.txt").write_text("keep me")
+    with pytest.raises(ModelLoadError, match="not empty and is not an mlxkv conversion"):
+        convert_gguf(good_gguf, models)
+    assert (models / "precious.txt").read_text() == "keep me"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ModelLoadError, match="is a file"):
+        convert_gguf(good_gguf, tmp_path / "file")
+    with pytest.raises(ModelLoadError, match="is a directory, not a GGUF file"):
+        convert_gguf(models, tmp_path / "out")
+    out = convert_gguf(good_gguf, tmp_path / "out")
+    assert convert_gguf(good_gguf, out) == out and is_conversion(out)  # ours: replaced
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("setting", ["file", "unwritable"])
+def test_cache_dir_that_cannot_be_used_is_one_clear_error(
+    good_gguf, tmp_path, monkeypatch, setting
+):
+    target = tmp_path / "f"
+    target.write_text("x")
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(target if setting == "file" else target / "sub"))
+    with pytest.raises(ModelLoadError, match="is not a directory|cannot write a conversion"):
+        load_model(good_gguf)
+
+
+def test_blas_setting_that_is_not_a_library_warns_and_imports(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", "import mlxkv; print('imported')"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MLXKV_OPENBLAS": "/etc/hostname"},
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "imported", result.stderr
+    assert "could not load /etc/hostname" in result.stderr
