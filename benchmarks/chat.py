@@ -124,7 +124,7 @@ def _floor(runner: Runner, ids: list[int]) -> float:
         cache.free()
     cache.trim_to(keep)
     start = time.perf_counter()
-    logits = prefill(runner.loaded.model, cache, ids[keep:], step_tokens=runner.prefill_step_size)
+    logits = prefill(runner.loaded.model, cache, ids[keep:], runner.prefill_plan)
     mx.eval(mx.argmax(logits, axis=-1))
     return time.perf_counter() - start
 

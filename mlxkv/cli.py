@@ -16,10 +16,11 @@ from importlib.metadata import version
 from pathlib import Path
 
 import mlxkv  # noqa: F401  (picks the BLAS before mlx is imported)
-from mlxkv.config import CacheSettings, format_bytes
+from mlxkv.config import DEFAULT_DISK_BYTES, RunnerConfig, ServerConfig, env, format_bytes
 from mlxkv.engine.results import Completion
 from mlxkv.engine.runner import Runner
 from mlxkv.errors import MlxkvError
+from mlxkv.models.sharding import world
 
 CHAT_COMMANDS = {
     "/reset": "forget the conversation and the cache",
@@ -31,6 +32,8 @@ _MODEL_HELP = "model directory, .gguf file, Ollama name or Hugging Face repo (de
 _MAX_CONTEXT_HELP = "tokens the cache holds (None: model's)"
 _KV_BITS_HELP = "quantize K/V (None: off)"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_RUNNER = RunnerConfig()
+_SERVER = ServerConfig()
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE
 
 
@@ -99,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="system prompt")
     _add_model_options(chat)
     _add_speculative_options(chat)
-    _add_cache_options(chat, CacheSettings())
+    _add_cache_options(chat, server=False)
     chat.set_defaults(run=_chat)
 
     serve = commands.add_parser(
@@ -109,13 +112,13 @@ def _parser() -> argparse.ArgumentParser:
         "ANTHROPIC_BASE_URL=http://HOST:PORT",
     )
     serve.add_argument("-m", "--model", default=None, help=_MODEL_HELP)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    serve.add_argument("--host", default=_SERVER.host, help="address to listen on")
+    serve.add_argument("--port", type=_port, default=_SERVER.port, help="port (0: any free one)")
     serve.add_argument("--max-context", type=int, default=None, help=_MAX_CONTEXT_HELP)
     serve.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
     serve.add_argument(
         "--api-key",
-        default=os.environ.get("MLXKV_API_KEY"),
+        default=None,
         help="require this key from clients (default: $MLXKV_API_KEY, else none)",
     )
     serve.add_argument(
@@ -126,14 +129,20 @@ def _parser() -> argparse.ArgumentParser:
         help="a browser origin allowed to call the API; repeat for more, '*' for any",
     )
     serve.add_argument(
-        "--max-tokens", type=int, default=1024, help="tokens generated when a request sets none"
+        "--max-tokens",
+        type=int,
+        default=_SERVER.default_max_tokens,
+        help="tokens generated when a request sets none",
     )
     serve.add_argument(
-        "--max-body-bytes", type=int, default=32 * 1024**2, help="largest request body accepted"
+        "--max-body-bytes",
+        type=int,
+        default=_SERVER.max_body_bytes,
+        help="largest request body accepted",
     )
     serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
     _add_speculative_options(serve)
-    _add_cache_options(serve, CacheSettings.for_server())
+    _add_cache_options(serve, server=True)
     serve.set_defaults(run=_serve)
 
     convert = commands.add_parser("convert", help="convert a GGUF file to an mlx-lm directory")
@@ -147,6 +156,16 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("-v", "--verbose", action="store_true")
     info.set_defaults(run=_info)
     return parser
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; use 0..65535 (0: any free one)")
+    return port
 
 
 class _DefaultsParser(argparse.ArgumentParser):
@@ -185,31 +204,39 @@ def _add_speculative_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_cache_options(parser: argparse.ArgumentParser, defaults: CacheSettings) -> None:
+def _add_cache_options(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    """The prompt cache's options; the server's defaults are resolved when it starts
+    (`RunnerConfig.for_server`), so parsing (and --help, --version) never sizes memory."""
     cache = parser.add_argument_group(
         "prompt cache", "entries kept in memory, their byte budget, and the disk tier"
     )
     cache.add_argument(
-        "--cache-entries", type=int, default=defaults.entries, help="conversations kept in memory"
+        "--cache-entries",
+        type=int,
+        default=None if server else _RUNNER.cache_entries,
+        help="conversations kept in memory" + (" (default: 8)" if server else ""),
     )
     cache.add_argument(
         "--cache-bytes",
-        default=defaults.max_bytes and format_bytes(defaults.max_bytes),
+        default=None,
         metavar="SIZE",
-        help="memory budget of the entries, e.g. 4GiB or 512MiB (None: no limit)",
+        help="memory budget of the entries, e.g. 4GiB or 512MiB (default: "
+        + ("a quarter of the machine's memory)" if server else "no limit)"),
     )
     cache.add_argument(
         "--cache-dir",
         type=Path,
-        default=defaults.directory,
-        help="disk tier: evicted entries go there, and a restart starts warm (None: off)",
+        default=None,
+        help="disk tier: evicted entries go there, and a restart starts warm (default: "
+        + ("$MLXKV_CACHE_DIR/kv, else ~/.cache/mlxkv/kv)" if server else "none)"),
     )
-    cache.add_argument(
-        "--no-cache-dir", dest="cache_dir", action="store_const", const=None, help="no disk tier"
-    )
+    if server:
+        cache.add_argument(
+            "--no-cache-dir", dest="no_cache_dir", action="store_true", help="no disk tier"
+        )
     cache.add_argument(
         "--cache-dir-bytes",
-        default=format_bytes(defaults.directory_bytes),
+        default=format_bytes(DEFAULT_DISK_BYTES),
         metavar="SIZE",
         help="the disk tier's budget, e.g. 16GiB",
     )
@@ -241,33 +268,32 @@ def _progress_bar(label: str) -> Callable[[int, int], None] | None:
     return show
 
 
+def _runner_config(args: argparse.Namespace) -> RunnerConfig:
+    """The Runner settings the arguments ask for (`serve` starts from the server's defaults)."""
+    options = {
+        "max_context": args.max_context,
+        "kv_bits": args.kv_bits,
+        "speculative": args.speculative,
+        "draft_model": args.draft_model,
+    }
+    for key in ("cache_entries", "cache_bytes", "cache_dir", "cache_dir_bytes"):
+        if hasattr(args, key):
+            options[key] = getattr(args, key)
+    if args.run is _serve:
+        config = RunnerConfig.for_server(**options)
+        return config.replace(cache_dir=None) if args.no_cache_dir else config
+    return RunnerConfig(**options)
+
+
 def _load(args: argparse.Namespace) -> Runner:
     """The Runner the arguments ask for; under `mlx.launch`, this process's shard of it."""
-    from mlxkv.models.loading import load_model
-    from mlxkv.models.sharding import world
-
+    config = _runner_config(args)
     group = world()
-    progress = _progress_bar("converting GGUF (tensors)")
-    loaded = load_model(args.model, progress=progress, group=group)
-    cache = {
-        key: getattr(args, key)
-        for key in ("cache_entries", "cache_bytes", "cache_dir", "cache_dir_bytes")
-        if hasattr(args, key)
-    }
-    if group is not None and cache.get("cache_dir") is not None:
+    if group is not None and config.cache_dir is not None:
         if group.rank() == 0:
             print("mlxkv: sharded: no disk tier (--cache-dir is ignored)", file=sys.stderr)
-        cache["cache_dir"] = None
-    draft = load_model(args.draft_model) if args.draft_model else None
-    return Runner(
-        loaded,
-        max_context=args.max_context,
-        kv_bits=args.kv_bits,
-        draft=draft,
-        speculative=args.speculative,
-        group=group,
-        **cache,
-    )
+        config = config.replace(cache_dir=None)
+    return Runner.load(args.model, config, progress=_progress_bar("converting GGUF (tensors)"))
 
 
 def _follow(runner: Runner) -> int:
@@ -407,18 +433,20 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("mlxkv.server").setLevel(logging.INFO)  # one access line per request
     if not args.verbose:  # the access line carries the memory line already
         logging.getLogger("mlxkv.engine.runner").setLevel(logging.WARNING)
-    runner = _load(args)
-    if runner.rank:  # rank 0 alone serves HTTP
-        return _follow(runner)
-    name = args.model or "SmolLM2-135M-Instruct"
-    app = create_app(
-        runner,
-        model_name=name,
-        api_key=args.api_key,
-        cors_origins=args.cors_origin,
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        model_name=args.model or "SmolLM2-135M-Instruct",
+        api_key=args.api_key or env("MLXKV_API_KEY"),
+        cors_origins=tuple(args.cors_origin),
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.max_tokens,
     )
+    runner = _load(args)
+    if runner.rank:  # rank 0 alone serves HTTP
+        return _follow(runner)
+    name = config.model_name
+    app = create_app(runner, config)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -426,7 +454,7 @@ def _serve(args: argparse.Namespace) -> int:
     sock.listen(128)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
-    if args.host not in _LOOPBACK and not args.api_key:
+    if args.host not in _LOOPBACK and not config.api_key:
         print(f"mlxkv: warning: listening on {args.host} without --api-key", file=sys.stderr)
     print(f"mlxkv: {_describe_cache(runner)}", file=sys.stderr)
     print(f"mlxkv: serving {name} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True)

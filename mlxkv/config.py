@@ -1,29 +1,85 @@
-"""Settings and their defaults, checked once, importable from every layer.
+"""Every option of mlxkv: its default, its check and its environment variable, in one place.
 
-Owns: `parse_bytes` ("4GiB" -> bytes), `format_bytes` (bytes -> "4.0 GiB"), and
-`CacheSettings` (the prompt cache's checked settings and the defaults `mlxkv serve` uses).
-Imports nothing from mlxkv but `errors` and `platform`.
+Owns:
+  - `RunnerConfig`: what `Runner`, `Runner.load`, the CLI and the server build a Runner from;
+  - `ServerConfig`: what `mlxkv serve` adds around it;
+  - `ENVIRONMENT`: each `MLXKV_*` variable and what it sets, read through `env` and nowhere
+    else;
+  - `parse_bytes` ("4GiB" -> bytes) and `format_bytes` (bytes -> "4.0 GiB").
+
+Defaults that depend on the machine (memory, device) are resolved from `platform.machine`
+when a config is made for a purpose (`RunnerConfig.for_server`), never at import or while a
+command line is parsed. Imports nothing from mlxkv but `errors` and `platform`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from mlxkv.errors import check_int
-from mlxkv.platform.machine import memory_bytes
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+# Every environment variable mlxkv reads, and when it takes effect.
+ENVIRONMENT = {
+    "MLXKV_OPENBLAS": "1 (find the system's OpenBLAS), 0 (MLX's reference BLAS) or a libblas.so "
+    "path; read at `import mlxkv`",
+    "MLXKV_PREFILL_LANES": "CPU streams a prefill chunk is spread over (1: off); read when a "
+    "Runner is made",
+    "MLXKV_CACHE_DIR": "where converted GGUF models (gguf/) and the server's disk tier (kv/) go; "
+    "default $XDG_CACHE_HOME/mlxkv, else ~/.cache/mlxkv",
+    "MLXKV_API_KEY": "mlxkv serve's --api-key when the flag is not given",
+}
 
 DEFAULT_DISK_BYTES = 16 * 2**30
 # `mlxkv serve`'s defaults: a few conversations and their side requests, a quarter of the
 # machine's memory, and a disk tier that survives restarts.
 SERVER_CACHE_ENTRIES = 8
 SERVER_MEMORY_FRACTION = 0.25
+# Where no context window is given: the window's K/V may take this share of memory when no
+# cache budget says otherwise.
+CONTEXT_MEMORY_FRACTION = 0.5
+
+SPECULATIVE_MODES = ("auto", "ngram", "draft", None)
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def env(name: str) -> str | None:
+    """The value of one of `ENVIRONMENT`'s variables (None when unset or empty)."""
+    if name not in ENVIRONMENT:
+        raise KeyError(f"{name} is not one of mlxkv's environment variables")
+    return os.environ.get(name) or None
+
+
+def cache_root() -> Path:
+    """mlxkv's own cache directory: $MLXKV_CACHE_DIR, else $XDG_CACHE_HOME/mlxkv, else
+    ~/.cache/mlxkv (it may not exist yet).
+
+    Raises:
+        ValueError: MLXKV_CACHE_DIR names something that is not a directory.
+    """
+    setting = env("MLXKV_CACHE_DIR")
+    if setting:
+        root = Path(setting).expanduser()
+        if root.exists() and not root.is_dir():
+            raise ValueError(
+                f"MLXKV_CACHE_DIR={root} is not a directory; point it at a directory (or unset "
+                "it to use ~/.cache/mlxkv)"
+            )
+        return root
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "mlxkv"
+
+
+def default_cache_dir() -> Path:
+    """The disk tier's directory when `mlxkv serve` is given none: `cache_root()/kv`."""
+    return cache_root() / "kv"
 
 
 def parse_bytes(value: int | str, name: str = "size") -> int:
@@ -59,52 +115,152 @@ def format_bytes(num_bytes: int) -> str:
     raise AssertionError("unreachable")
 
 
-def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/mlxkv/kv` (`~/.cache/mlxkv/kv` when unset)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mlxkv" / "kv"
+class _Options:
+    """`replace(**options)` with an error naming the accepted options (mixin)."""
+
+    def replace(self, **options: Any):
+        names = {f.name for f in fields(self)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown {type(self).__name__} option(s) {', '.join(unknown)}; use "
+                f"{', '.join(sorted(names))}"
+            )
+        return dataclasses.replace(self, **options)
 
 
 @dataclass(frozen=True)
-class CacheSettings:
-    """Checked prompt-cache settings.
+class RunnerConfig(_Options):
+    """A Runner's settings, checked when the config is made.
 
     Attributes:
-        entries: most entries held in memory (1: one entry, trimmed in place).
-        max_bytes: the entries' byte budget; None for no limit.
-        directory: the disk tier's directory; None for no disk tier.
-        directory_bytes: the disk tier's byte budget.
+        max_context: most tokens (prompt + generated) a cache entry holds; None: the model's
+            `max_position_embeddings`, capped to the tokens whose K/V fit in `cache_bytes`
+            (else in half the machine's memory).
+        keep: tokens at the start that truncation and shifts never drop; None keeps the
+            system prompt's tokens for chat messages, else the first 4.
+        kv_bits: quantize global-attention K/V to 8 or 4 bits; None keeps the model's dtype.
+        kv_group_size: head-dimension elements per quantization scale.
+        prefill_step_size: most prompt tokens fed per model call (bounds prefill memory);
+            None: chosen for the device (see `mlxkv.decoding.prefill.PrefillPlan`).
+        prefill_lanes: CPU streams a prefill chunk is spread over; None: $MLXKV_PREFILL_LANES,
+            else 2 on a CPU of several cores, 1 on a GPU or under `mlx.launch`.
+        cache_entries: most prompt-cache entries (conversations) kept in memory; 1 keeps one
+            entry and trims it in place.
+        cache_bytes: the entries' byte budget (bytes, or a string such as "4GiB"), held after
+            every request; None for no limit.
+        cache_dir: a directory for the disk tier (evicted entries are written there and
+            loaded back; a restart starts warm); None for none.
+        cache_dir_bytes: the disk tier's byte budget.
+        draft_model: a small model with the same tokenizer for speculative decoding, loaded by
+            `Runner.load` (any form a model path takes); None for none.
+        speculative: the requests' default speculative decoding mode: "auto", "ngram",
+            "draft", or None / "off" (plain decoding).
     """
 
-    entries: int = 1
-    max_bytes: int | None = None
-    directory: Path | None = None
-    directory_bytes: int = DEFAULT_DISK_BYTES
+    max_context: int | None = None
+    keep: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    prefill_step_size: int | None = None
+    prefill_lanes: int | None = None
+    cache_entries: int = 1
+    cache_bytes: int | str | None = None
+    cache_dir: str | Path | None = None
+    cache_dir_bytes: int | str = DEFAULT_DISK_BYTES
+    draft_model: str | Path | None = None
+    speculative: str | None = "auto"
+
+    def __post_init__(self) -> None:
+        if self.max_context is not None:
+            check_int("max_context (tokens)", self.max_context, low=2)
+        if self.keep is not None:
+            check_int("keep (tokens)", self.keep, low=0)
+        if self.kv_bits is not None:
+            check_int("kv_bits", self.kv_bits, low=1)
+        check_int("kv_group_size", self.kv_group_size, low=1)
+        if self.prefill_step_size is not None:
+            check_int("prefill_step_size (tokens)", self.prefill_step_size, low=1)
+        if self.prefill_lanes is not None:
+            check_int("prefill_lanes", self.prefill_lanes, low=1)
+        check_int("cache_entries", self.cache_entries, low=1)
+        if self.cache_bytes is not None:
+            self._set("cache_bytes", parse_bytes(self.cache_bytes, "cache_bytes"))
+        self._set("cache_dir_bytes", parse_bytes(self.cache_dir_bytes, "cache_dir_bytes"))
+        if self.cache_dir is not None:
+            path = Path(self.cache_dir).expanduser()
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"cache_dir {str(path)!r} exists and is not a directory")
+            self._set("cache_dir", path)
+        speculative = None if self.speculative == "off" else self.speculative
+        if speculative not in SPECULATIVE_MODES:
+            raise ValueError(
+                "speculative must be one of 'auto', 'ngram', 'draft', 'off' or None; got "
+                f"{self.speculative!r}"
+            )
+        self._set("speculative", speculative)
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # normalizing a frozen dataclass's own field
 
     @classmethod
-    def check(
-        cls,
-        entries: int,
-        max_bytes: int | str | None,
-        directory: str | Path | None,
-        directory_bytes: int | str | None,
-    ) -> CacheSettings:
-        """Raises ValueError for settings of the wrong type or out of range."""
-        check_int("cache_entries", entries, low=1)
-        budget = None if max_bytes is None else parse_bytes(max_bytes, "cache_bytes")
-        disk = (
-            DEFAULT_DISK_BYTES
-            if directory_bytes is None
-            else parse_bytes(directory_bytes, "cache_dir_bytes")
-        )
-        path = None if directory is None else Path(directory).expanduser()
-        if path is not None and path.exists() and not path.is_dir():
-            raise ValueError(f"cache_dir {str(path)!r} exists and is not a directory")
-        return cls(entries, budget, path, disk)
+    def of(cls, config: RunnerConfig | None, options: dict[str, Any]) -> RunnerConfig:
+        """`config` (default: all defaults) with `options` replacing its fields.
+
+        Raises:
+            ValueError: an unknown option, or one of the wrong type or out of range.
+        """
+        return (config or cls()).replace(**options)
 
     @classmethod
-    def for_server(cls) -> CacheSettings:
-        """`mlxkv serve`'s defaults: 8 entries, a quarter of the machine's memory, and a disk
-        tier of 16 GiB under the user cache directory."""
-        budget = int(memory_bytes() * SERVER_MEMORY_FRACTION)
-        return cls(SERVER_CACHE_ENTRIES, budget, default_cache_dir(), DEFAULT_DISK_BYTES)
+    def for_server(cls, **options: Any) -> RunnerConfig:
+        """`mlxkv serve`'s defaults (8 entries, a quarter of the machine's memory, a 16 GiB
+        disk tier under `default_cache_dir()`), with `options` replacing them; an option
+        given as None keeps the server's default."""
+        from mlxkv.platform.machine import memory_bytes
+
+        defaults = {
+            "cache_entries": SERVER_CACHE_ENTRIES,
+            "cache_bytes": int(memory_bytes() * SERVER_MEMORY_FRACTION),
+            "cache_dir": default_cache_dir(),
+        }
+        given = {k: v for k, v in options.items() if v is not None or k not in defaults}
+        return cls().replace(**{**defaults, **given})
+
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024**2  # far above a 128k-token prompt as JSON
+DEFAULT_MAX_TOKENS = 1024  # generated when a request sets no limit (OpenAI's may leave it out)
+
+
+@dataclass(frozen=True)
+class ServerConfig(_Options):
+    """What `mlxkv serve` adds around a Runner.
+
+    Attributes:
+        host: the address to listen on.
+        port: the port (0: any free one).
+        model_name: the id `/v1/models` lists; None: the model directory's name.
+        api_key: when set, every path but /health and the chat page needs it.
+        cors_origins: browser origins allowed to call the API ("*" for any).
+        max_body_bytes: largest request body accepted, in bytes.
+        default_max_tokens: tokens generated when a request sets no limit.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model_name: str | None = None
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = field(default_factory=tuple)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def __post_init__(self) -> None:
+        check_int("port", self.port, low=0, high=65535)
+        check_int("max_body_bytes", self.max_body_bytes, low=1)
+        check_int("default_max_tokens", self.default_max_tokens, low=1)
+        object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
+
+    @classmethod
+    def of(cls, config: ServerConfig | None, options: dict[str, Any]) -> ServerConfig:
+        """`config` (default: all defaults) with `options` replacing its fields."""
+        return (config or cls()).replace(**options)

@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from mlxkv.cache.model_cache import ModelCache, make_cache
 from mlxkv.cache.prefix import common_prefix_length
-from mlxkv.decoding.prefill import fill
+from mlxkv.decoding.prefill import PrefillPlan, fill
 from mlxkv.models.loading import LoadedModel
 
 # Suffix n-grams looked up, longest first. One token matches almost anywhere and drafts
@@ -95,7 +95,7 @@ class ModelDrafter:
         tokens: the text so far.
         distribution: logprobs (1, vocab) -> the probabilities to sample drafts from; None for
             greedy drafts.
-        step_tokens: prefill chunk size for the draft model.
+        plan: how the draft model is fed the text it has not seen.
     """
 
     def __init__(
@@ -104,13 +104,13 @@ class ModelDrafter:
         cache: ModelCache,
         tokens: Sequence[int],
         distribution: Callable[[mx.array], mx.array] | None,
-        step_tokens: int,
+        plan: PrefillPlan,
     ):
         self._model = model
         self._cache = cache
         self._tokens = list(tokens)
         self._distribution = distribution
-        self._step_tokens = step_tokens
+        self._plan = plan
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._tokens.extend(int(t) for t in tokens)
@@ -146,7 +146,7 @@ class ModelDrafter:
         if common < self._cache.num_tokens:
             self._cache.rewind_to(common)
         if common < len(target):
-            fill(self._model, self._cache, target[common:], step_tokens=self._step_tokens)
+            fill(self._model, self._cache, target[common:], self._plan)
 
 
 class DraftLength:
@@ -221,6 +221,9 @@ class DraftModel:
         return cls(draft)
 
     def drafter(
-        self, tokens: Sequence[int], distribution: Callable[[mx.array], mx.array] | None
+        self,
+        tokens: Sequence[int],
+        distribution: Callable[[mx.array], mx.array] | None,
+        plan: PrefillPlan,
     ) -> ModelDrafter:
-        return ModelDrafter(self.loaded.model, self.cache, tokens, distribution, step_tokens=512)
+        return ModelDrafter(self.loaded.model, self.cache, tokens, distribution, plan)

@@ -18,14 +18,13 @@ empty cache in 0.65x.
 
 Off where it cannot help or is not safe: on a GPU (one device queue), on one core, and under
 `mlx.launch` (collectives issued from two streams could run in a different order on each
-rank). `MLXKV_PREFILL_LANES=1` turns it off; `MLXKV_PREFILL_LANES=N` asks for N lanes.
+rank). `MLXKV_PREFILL_LANES=1` (or `RunnerConfig.prefill_lanes=1`) turns it off; N asks
+for N lanes.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import threading
 from collections.abc import Sequence
 
@@ -33,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.cache.model_cache import ModelCache
+from mlxkv.config import env
 from mlxkv.platform.blas import blas_threads
 from mlxkv.platform.machine import cpu_cores, on_gpu
 
@@ -44,10 +44,10 @@ _DEFAULT_MAX_LANES = 2  # measured; more lanes deepen the pipeline's start and e
 _thread_streams = threading.local()  # MLX streams belong to the thread that made them
 
 
-def feed(model: nn.Module, cache: ModelCache, tokens: Sequence[int]) -> None:
-    """`cache.forward(model, tokens)`, evaluated (the cache's arrays only), over the CPU lanes
-    when there are several and the chunk has at least `MIN_PART_TOKENS` per lane."""
-    parts = min(lane_count(), len(tokens) // MIN_PART_TOKENS)
+def feed(model: nn.Module, cache: ModelCache, tokens: Sequence[int], lanes: int) -> None:
+    """`cache.forward(model, tokens)`, evaluated (the cache's arrays only), over up to `lanes`
+    CPU lanes, each taking at least `MIN_PART_TOKENS` tokens."""
+    parts = min(lanes, len(tokens) // MIN_PART_TOKENS)
     if parts < 2:
         cache.forward(model, tokens)
         mx.eval(cache.arrays())
@@ -60,25 +60,19 @@ def feed(model: nn.Module, cache: ModelCache, tokens: Sequence[int]) -> None:
         mx.eval(cache.arrays())
 
 
-def lane_count() -> int:
-    """How many lanes a chunk is spread over now: 1 off the CPU or where lanes are off."""
-    if on_gpu():
+def default_lanes() -> int:
+    """Lanes to use when none are set: 1 on a GPU (one device queue) and under `mlx.launch`
+    (collectives from two streams could run in a different order on each rank); else
+    $MLXKV_PREFILL_LANES, else one per core up to 2."""
+    if on_gpu() or (mx.distributed.is_available() and mx.distributed.init().size() > 1):
         return 1
-    return _cpu_lanes()
-
-
-@functools.cache
-def _cpu_lanes() -> int:
-    if mx.distributed.is_available() and mx.distributed.init().size() > 1:
-        return 1
-    setting = os.environ.get("MLXKV_PREFILL_LANES", "").strip()
+    setting = (env("MLXKV_PREFILL_LANES") or "").strip()
     if setting:
         try:
-            lanes = int(setting)
+            return max(1, int(setting))
         except ValueError:
             logger.warning("MLXKV_PREFILL_LANES=%r is not a number of lanes; using 1", setting)
             return 1
-        return max(1, lanes)
     return max(1, min(cpu_cores(), _DEFAULT_MAX_LANES))
 
 

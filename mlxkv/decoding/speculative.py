@@ -32,13 +32,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.cache.model_cache import ModelCache
+from mlxkv.config import SPECULATIVE_MODES
 from mlxkv.decoding.drafts import Draft, DraftLength, ModelDrafter, NgramDrafter
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
 
 # "auto": drafts (from the draft model if one is loaded, else n-grams) only while they pay;
 # "ngram" / "draft": always that drafter; None: plain decoding.
-MODES = ("auto", "ngram", "draft", None)
+MODES = SPECULATIVE_MODES
 
 Drafter = NgramDrafter | ModelDrafter
 Distribution = Callable[[mx.array], mx.array]

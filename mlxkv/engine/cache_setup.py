@@ -2,7 +2,7 @@
 tier in the model's own subdirectory.
 
 Owns `make_pool`. Does not own the pool's policy (`mlxkv.cache.pool`), the file format
-(`mlxkv.cache.store`) or the settings (`mlxkv.config.CacheSettings`).
+(`mlxkv.cache.store`) or the settings (`mlxkv.config.RunnerConfig`).
 """
 
 from __future__ import annotations
@@ -13,25 +13,25 @@ from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.pool import CachePool
 from mlxkv.cache.serialize import layout_signature
 from mlxkv.cache.store import DiskStore
-from mlxkv.config import CacheSettings
+from mlxkv.config import RunnerConfig
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel
 
 
 def make_pool(
-    loaded: LoadedModel, make_entry: Callable[[], ModelCache], settings: CacheSettings
+    loaded: LoadedModel, make_entry: Callable[[], ModelCache], config: RunnerConfig
 ) -> CachePool:
     """The pool for these settings, its disk tier indexed (a restart finds its files)."""
     store = None
-    if settings.directory is not None:
+    if config.cache_dir is not None:
         empty: ModelCache = make_entry()
         store = DiskStore(
-            settings.directory,
+            config.cache_dir,
             fingerprint=model_fingerprint(loaded),
             signature=layout_signature(empty),
-            max_bytes=settings.directory_bytes,
+            max_bytes=config.cache_dir_bytes,
             trimmable=not empty.needs_checkpoints,
         )
     return CachePool(
-        make_entry, max_entries=settings.entries, max_bytes=settings.max_bytes, store=store
+        make_entry, max_entries=config.cache_entries, max_bytes=config.cache_bytes, store=store
     )

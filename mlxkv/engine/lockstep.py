@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.cache.report import MemoryReport
-from mlxkv.config import CacheSettings, format_bytes
+from mlxkv.config import RunnerConfig, format_bytes
 from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.engine.request import Request
 from mlxkv.engine.results import Completion, GenerationChunk
@@ -95,31 +95,27 @@ class Lockstep:
             request = self.announce_request(request)
         yield from drain(run(request), request.cancelled)
 
-    def leaders_settings(
-        self, max_context: int, settings: CacheSettings
-    ) -> tuple[int, CacheSettings]:
-        """Rank 0's context window (tokens) and cache settings, on every rank: they decide
-        cuts, shifts and evictions, which must come out alike (machines may differ in
-        memory, and so in their defaults).
+    def leaders_settings(self, config: RunnerConfig) -> RunnerConfig:
+        """`config` with rank 0's context window (tokens) and cache settings, on every rank:
+        they decide cuts, shifts and evictions, which must come out alike (machines may differ
+        in memory, and so in their defaults).
 
         Raises:
             NotSupportedError: a disk tier is set (its choices depend on measured speeds).
         """
-        if settings.directory is not None:
+        if config.cache_dir is not None:
             raise NotSupportedError(
                 "the disk tier (cache_dir) is not supported when the model is sharded over "
                 "several processes; leave cache_dir unset (mlxkv serve: --no-cache-dir)"
             )
         shared = self.broadcast(
             {
-                "max_context": max_context,
-                "entries": settings.entries,
-                "max_bytes": settings.max_bytes,
+                "max_context": config.max_context,
+                "cache_entries": config.cache_entries,
+                "cache_bytes": config.cache_bytes,
             }
         )
-        return shared["max_context"], dataclasses.replace(
-            settings, entries=shared["entries"], max_bytes=shared["max_bytes"]
-        )
+        return config.replace(**shared)
 
     def ranks_line(self, report: MemoryReport) -> str:
         """What the memory log line adds when sharded: this rank, and the sum over ranks."""

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.cache.prefix import PrefixHit
-from mlxkv.decoding.prefill import fill, prefill
+from mlxkv.decoding.prefill import PrefillPlan, fill, prefill
 from mlxkv.engine.request import Request
 from mlxkv.engine.results import CompletionStats
 
@@ -29,13 +29,13 @@ def fill_prompt(
     hit: PrefixHit,
     stats: CompletionStats,
     *,
-    step_tokens: int,
+    plan: PrefillPlan,
     checkpoint_keep: bool,
 ) -> mx.array:
     """Feeds `hit.remaining` into `hit.cache` and returns the last position's logits.
 
     Args:
-        step_tokens: most tokens per model call.
+        plan: how the tokens are fed (chunk size, CPU lanes).
         checkpoint_keep: also checkpoint where `request.keep` ends (several entries kept).
 
     Raises:
@@ -52,11 +52,10 @@ def fill_prompt(
             raise PrefillCancelled
 
     for split in _checkpoint_points(request, hit, checkpoint_keep):
-        fill(model, cache, remaining[: split - offset], step_tokens=step_tokens,
-             progress=after_chunk)  # fmt: skip
+        fill(model, cache, remaining[: split - offset], plan, progress=after_chunk)
         cache.checkpoint()
         offset, remaining = split, remaining[split - offset :]
-    return prefill(model, cache, remaining, step_tokens=step_tokens, progress=after_chunk)
+    return prefill(model, cache, remaining, plan, progress=after_chunk)
 
 
 def _checkpoint_points(request: Request, hit: PrefixHit, checkpoint_keep: bool) -> list[int]:

@@ -18,7 +18,7 @@ from mlxkv.cache.pool import CachePool
 from mlxkv.decoding.drafts import DraftLength, DraftModel, NgramDrafter
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
-from mlxkv.decoding.prefill import fill
+from mlxkv.decoding.prefill import PrefillPlan, fill
 from mlxkv.decoding.speculative import AcceptanceRule, speculative_tokens
 from mlxkv.engine.context import ContextWindow
 from mlxkv.engine.prompt_fill import PrefillCancelled, fill_prompt
@@ -36,7 +36,7 @@ def run_request(
     draft: DraftModel | None,
     max_context: int,
     rotations: list[Rotation | None],
-    step_tokens: int,
+    plan: PrefillPlan,
 ) -> Iterator[GenerationChunk]:
     """Runs `request` on the pool's nearest entry, in place; yields its chunks, the last one
     with the Completion. The caller holds the Runner's lock and ends the request.
@@ -44,7 +44,7 @@ def run_request(
     Args:
         max_context: the context window, in tokens (a generation that reaches it shifts).
         rotations: per layer, how to re-rotate keys when the context shifts (None: cannot).
-        step_tokens: prefill chunk size, in tokens.
+        plan: how prompt tokens are fed (chunk size, CPU lanes).
     """
     tokens = request.tokens
     if request.cancelled.is_set():  # cancelled while waiting its turn: touch nothing
@@ -63,20 +63,22 @@ def run_request(
     try:
         logits = fill_prompt(
             model, request, hit, stats,
-            step_tokens=step_tokens, checkpoint_keep=pool.max_entries > 1,
+            plan=plan, checkpoint_keep=pool.max_entries > 1,
         )  # fmt: skip
     except PrefillCancelled:
         yield stats.final_chunk("", "cancelled")
         return
-    if len(hit.remaining) >= step_tokens:  # long enough to measure; weighs disk loads
+    if len(hit.remaining) >= plan.step_tokens:  # long enough to measure; weighs disk loads
         pool.prefill_tokens_per_s = len(hit.remaining) / (time.perf_counter() - start)
     window = ContextWindow(
         max_context,
         request.keep,
         rotations,
-        refill=lambda cache, ids: fill(model, cache, ids, step_tokens=step_tokens),
+        refill=lambda cache, ids: fill(model, cache, ids, plan),
     )
-    decoded, pick = _decode(request, draft, loaded, hit.cache, logits, stats, window.make_room)
+    decoded, pick = _decode(
+        request, draft, loaded, hit.cache, logits, stats, plan, window.make_room
+    )
     yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
 
 
@@ -87,6 +89,7 @@ def _decode(
     cache: ModelCache,
     logits: mx.array,
     stats: CompletionStats,
+    plan: PrefillPlan,
     make_room: Callable[[ModelCache, int], None] | None = None,
 ) -> tuple[Iterator[int], TokenPicker]:
     """The generated token ids of one request, from the prompt's last logits, and the picker
@@ -100,7 +103,7 @@ def _decode(
         return decode_tokens(loaded.model, cache, logits, pick, params.max_tokens, make_room), pick
     distribution = params.make_distribution(loaded.vocab_size) if params.temperature > 0 else None
     use_model = draft_model is not None and request.speculative in ("auto", "draft")
-    drafter = draft_model.drafter(prompt, distribution) if use_model else NgramDrafter(prompt)
+    drafter = draft_model.drafter(prompt, distribution, plan) if use_model else NgramDrafter(prompt)
     tokens = speculative_tokens(
         loaded.model,
         cache,

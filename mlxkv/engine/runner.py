@@ -22,9 +22,9 @@ import mlx.core as mx
 
 from mlxkv.cache.model_cache import ModelCache, make_cache
 from mlxkv.cache.report import MemoryReport
-from mlxkv.config import CacheSettings
+from mlxkv.config import RunnerConfig
 from mlxkv.decoding.drafts import DraftModel
-from mlxkv.decoding.prefill import ProgressCallback
+from mlxkv.decoding.prefill import PrefillPlan, ProgressCallback
 from mlxkv.decoding.speculative import check_mode
 from mlxkv.engine.cache_setup import make_pool
 from mlxkv.engine.context import default_max_context, rope_rotations
@@ -33,7 +33,7 @@ from mlxkv.engine.prompt import Prompt, PromptEncoder, Tools
 from mlxkv.engine.request import Request, RequestBuilder, RequestOptions
 from mlxkv.engine.request_run import run_request
 from mlxkv.engine.results import Completion, GenerationChunk
-from mlxkv.errors import RunnerBusyError, check_int
+from mlxkv.errors import RunnerBusyError
 from mlxkv.models.loading import LoadedModel, load_model
 from mlxkv.models.sharding import world
 from mlxkv.platform.random_state import clean_random_state
@@ -50,76 +50,52 @@ class Runner:
 
     Args:
         loaded: the model and tokenizer (see `Runner.load`).
-        max_context: most tokens (prompt + generated) the cache holds; None uses the model's
-            `max_position_embeddings`, capped to what half the machine's memory can hold.
-            Longer prompts are cut from the front; generation that reaches it shifts the cache.
-        keep: tokens at the start that truncation and shifts never drop; None keeps the system
-            prompt's tokens for chat messages, else the first 4.
-        kv_bits: quantize global-attention K/V to 8 or 4 bits; None keeps the model's dtype.
-        kv_group_size: head-dimension elements per quantization scale.
-        prefill_step_size: most prompt tokens fed per model call; bounds prefill memory.
-        cache_entries: most prompt-cache entries (conversations) kept in memory; 1 keeps one
-            entry and trims it in place. More keep a prefix tree of entries (see
-            `mlxkv.cache.pool`): each conversation comes back to its own.
-        cache_bytes: the entries' byte budget (int bytes, or "4GiB", "512MiB"), held after
-            every request; None for no limit.
-        cache_dir: a directory for the disk tier: evicted entries are written there and
-            loaded back, and a new Runner on it (a restart) starts warm. None for none.
-        cache_dir_bytes: the disk tier's byte budget (default 16 GiB).
-        draft: a draft model for speculative decoding (same tokenizer); see `Runner.load`.
-        speculative: the requests' default speculative decoding mode (see `stream`).
+        config: the settings (`mlxkv.config.RunnerConfig`: context window, prefill, prompt
+            cache entries and budgets, disk tier, speculative decoding); None for defaults.
+        draft: a loaded draft model for speculative decoding (same tokenizer); None loads
+            `config.draft_model` if set.
         group: the process group `loaded` is sharded over (`Runner.load` finds it when
             started by `mlx.launch`); rank 0 serves requests, the others call `follow`.
+        **options: `RunnerConfig` fields replacing those of `config` (`max_context=4096`).
 
     Raises:
-        ValueError: a setting of the wrong type or out of range.
+        ValueError: an unknown setting, or one of the wrong type or out of range.
     """
 
     def __init__(
         self,
         loaded: LoadedModel,
+        config: RunnerConfig | None = None,
         *,
-        max_context: int | None = None,
-        keep: int | None = None,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-        prefill_step_size: int = 512,
-        cache_entries: int = 1,
-        cache_bytes: int | str | None = None,
-        cache_dir: str | Path | None = None,
-        cache_dir_bytes: int | str | None = None,
         draft: LoadedModel | None = None,
-        speculative: str | None = "auto",
         group: mx.distributed.Group | None = None,
+        **options: Any,
     ):
-        settings = CacheSettings.check(cache_entries, cache_bytes, cache_dir, cache_dir_bytes)
+        config = RunnerConfig.of(config, options)
+        if draft is None and config.draft_model is not None:
+            draft = load_model(config.draft_model)
         self._lockstep = None if group is None else Lockstep(group)
-        self.speculative = check_mode(speculative, has_draft_model=draft is not None)
-        if max_context is not None:
-            check_int("max_context (tokens)", max_context, low=2)
-        if keep is not None:
-            check_int("keep (tokens)", keep, low=0)
-        if kv_bits is not None:
-            check_int("kv_bits", kv_bits, low=1)
-        check_int("kv_group_size", kv_group_size, low=1)
-        check_int("prefill_step_size (tokens)", prefill_step_size, low=1)
+        self.speculative = check_mode(config.speculative, has_draft_model=draft is not None)
         self.loaded = loaded
-        self.keep = keep
-        self.prefill_step_size = prefill_step_size
         self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
-        self._kv_settings = {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
-        probe = make_cache(loaded.model, **self._kv_settings)
-        self.max_context = max_context or default_max_context(
+        probe = self._make_layers(config)
+        max_context = config.max_context or default_max_context(
             loaded.model, loaded.max_position_embeddings, probe
         )
+        config = config.replace(max_context=max_context)
         if self._lockstep is not None:  # every rank takes rank 0's cache settings
-            self.max_context, settings = self._lockstep.leaders_settings(self.max_context, settings)
+            config = self._lockstep.leaders_settings(config)
+        self.config = config
+        self.max_context = config.max_context
+        self.prefill_plan = PrefillPlan.make(
+            config.prefill_step_size, config.prefill_lanes, window_tokens=self.max_context
+        )
         self._rotations = rope_rotations(loaded.model)
         self._draft = DraftModel.check(draft, loaded)
-        self._pool = make_pool(loaded, self._make_entry, settings)
+        self._pool = make_pool(loaded, self._make_entry, config)
         self._lock = threading.Lock()  # held for a whole generation
         self._owner: int | None = None  # the thread that holds it
-        self._builder = RequestBuilder(self._prompts, self.max_context, keep)
+        self._builder = RequestBuilder(self._prompts, self.max_context, config.keep)
         self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         self._requests_lock = threading.Lock()
         # The memory line logged after the last generation (sharded: with the ranks' sum).
@@ -129,54 +105,40 @@ class Runner:
     def load(
         cls,
         path_or_repo: str | Path | None = None,
+        config: RunnerConfig | None = None,
         *,
-        max_context: int | None = None,
-        keep: int | None = None,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-        prefill_step_size: int = 512,
-        cache_entries: int = 1,
-        cache_bytes: int | str | None = None,
-        cache_dir: str | Path | None = None,
-        cache_dir_bytes: int | str | None = None,
-        draft_model: str | Path | None = None,
-        speculative: str | None = "auto",
+        progress: ProgressCallback | None = None,
+        **options: Any,
     ) -> Runner:
-        """Loads a model and wraps it in a Runner (the other arguments are the Runner's).
+        """Loads a model and wraps it in a Runner.
 
         Args:
             path_or_repo: a Hugging Face-layout directory, a .gguf file, an Ollama model name,
                 a Hugging Face repo id, or None for the bundled default (SmolLM2-135M-Instruct).
-            draft_model: a small model with the same tokenizer for speculative decoding
-                (any form `path_or_repo` takes); None for none.
+            config: the Runner's settings (`RunnerConfig`); None for defaults.
+            progress: called as progress(done, total) in tensors while a GGUF file converts.
+            **options: `RunnerConfig` fields replacing those of `config`.
 
         Started by `mlx.launch` with several processes, each process loads its shard of the
-        model (see `mlxkv.models.sharding`); rank 0 then serves requests and the other
-        ranks call `follow()`.
+        model (see `mlxkv.models.sharding`); rank 0 then serves requests and the other ranks
+        call `follow()`.
 
         Raises:
             ModelLoadError: nothing loadable at `path_or_repo` (the message says what was tried).
-            ValueError: invalid cache or context settings.
+            ValueError: an unknown setting, or one of the wrong type or out of range.
         """
+        config = RunnerConfig.of(config, options)  # checked before the slow part
         group = world()
-        return cls(
-            load_model(path_or_repo, group=group),
-            max_context=max_context,
-            keep=keep,
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            prefill_step_size=prefill_step_size,
-            cache_entries=cache_entries,
-            cache_bytes=cache_bytes,
-            cache_dir=cache_dir,
-            cache_dir_bytes=cache_dir_bytes,
-            draft=None if draft_model is None else load_model(draft_model),
-            speculative=speculative,
-            group=group,
+        loaded = load_model(path_or_repo, progress=progress, group=group)
+        return cls(loaded, config, group=group)
+
+    def _make_layers(self, config: RunnerConfig) -> ModelCache:
+        return make_cache(
+            self.loaded.model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size
         )
 
     def _make_entry(self) -> ModelCache:
-        cache = make_cache(self.loaded.model, **self._kv_settings)
+        cache = self._make_layers(self.config)
         cache.capacity_tokens = self.max_context  # the window is enforced by the cache too
         return cache
 
@@ -312,10 +274,9 @@ class Runner:
         self._log_memory()
 
     def _run(self, request: Request) -> Iterator[GenerationChunk]:
-        step = min(self.prefill_step_size, self.max_context)  # never more than the window
         return run_request(
             request, self.loaded, self._pool, draft=self._draft, max_context=self.max_context,
-            rotations=self._rotations, step_tokens=step,
+            rotations=self._rotations, plan=self.prefill_plan,
         )  # fmt: skip
 
     def cancel(self) -> None:

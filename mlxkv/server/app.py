@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 
+from mlxkv.config import ServerConfig
 from mlxkv.engine.runner import Runner
 from mlxkv.server.anthropic_api import routes as anthropic
 from mlxkv.server.errors import ApiError, error_response
@@ -29,19 +30,8 @@ from mlxkv.server.worker import GenerationWorker
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 32 * 1024**2  # far above a 128k-token prompt as JSON
-DEFAULT_MAX_TOKENS = 1024  # generated when a request sets no limit (OpenAI's may leave it out)
 
-
-def create_app(
-    runner: Runner,
-    *,
-    model_name: str | None = None,
-    api_key: str | None = None,
-    cors_origins: Sequence[str] = (),
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
-) -> FastAPI:
+def create_app(runner: Runner, config: ServerConfig | None = None, **options: Any) -> FastAPI:
     """The OpenAI- and Anthropic-compatible app for a loaded Runner (serve it with uvicorn).
 
     Generations run one at a time on a thread of the app's own, in arrival order; the app owns
@@ -50,12 +40,14 @@ def create_app(
 
     Args:
         runner: the model and its prompt cache.
-        model_name: the id `/v1/models` lists; default: the model directory's name.
-        api_key: when set, every path but /health needs it (Bearer or x-api-key).
-        cors_origins: browser origins allowed to call the API ("*" for any).
-        max_body_bytes: largest request body accepted, in bytes.
-        default_max_tokens: tokens generated when a request sets no limit.
+        config: the server's settings (`mlxkv.config.ServerConfig`: model name, API key,
+            CORS origins, body limit, default max tokens); None for defaults.
+        **options: `ServerConfig` fields replacing those of `config`.
+
+    Raises:
+        ValueError: an unknown option, or one of the wrong type or out of range.
     """
+    config = ServerConfig.of(config, options)
     worker = GenerationWorker(runner)
 
     @asynccontextmanager
@@ -65,7 +57,7 @@ def create_app(
 
     app = FastAPI(title="mlxkv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.mlxkv = ServerContext.make(
-        worker, model_name or runner.loaded.path.name, default_max_tokens
+        worker, config.model_name or runner.loaded.path.name, config.default_max_tokens
     )
     app.include_router(openai.router)
     app.include_router(anthropic.router)
@@ -73,13 +65,13 @@ def create_app(
     add_page(app)
     _add_error_handlers(app)
     # Added innermost first: the access log sees every response, 401s and 413s included.
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyCheck, api_key=api_key)
-    if cors_origins:
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyCheck, api_key=config.api_key)
+    if config.cors_origins:
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=list(cors_origins),
+            allow_origins=list(config.cors_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )

@@ -20,11 +20,6 @@ VOCAB = 512
 
 
 @pytest.fixture
-def two_lanes(monkeypatch):
-    monkeypatch.setattr(prefill_lanes, "lane_count", lambda: 2)
-
-
-@pytest.fixture
 def parts_fed(monkeypatch):
     """The token counts of each `ModelCache.forward` call, in call order."""
     fed: list[int] = []
@@ -61,7 +56,7 @@ def load_case(load_tiny, model_root):
 )
 @given(data=st.data(), cached=st.integers(0, 40), chunk=st.integers(64, 150))
 def test_a_chunk_over_two_lanes_gives_the_logits_of_one_lane(
-    load_case, two_lanes, parts_fed, case, data, cached, chunk
+    load_case, parts_fed, case, data, cached, chunk
 ):
     """The reference is the model with no cache (float K/V) or a cache fed in one piece
     (quantized K/V, whose rounding the no-cache model does not share)."""
@@ -74,7 +69,7 @@ def test_a_chunk_over_two_lanes_gives_the_logits_of_one_lane(
     if prompt:
         cache.forward(model, prompt)
     parts_fed.clear()
-    prefill_lanes.feed(model, cache, fed)
+    prefill_lanes.feed(model, cache, fed, 2)
     assert parts_fed == [chunk // 2, chunk - chunk // 2]  # it did split
     assert cache.tokens == prompt + fed
     got = cache.forward(model, [probe])[0, -1]
@@ -87,13 +82,11 @@ def test_a_chunk_over_two_lanes_gives_the_logits_of_one_lane(
     assert diff < ATOL, f"max |diff| {diff:.3g}"
 
 
-def test_short_chunks_and_one_lane_are_fed_whole(load_tiny, parts_fed, monkeypatch):
+def test_short_chunks_and_one_lane_are_fed_whole(load_tiny, parts_fed):
     model, _ = load_tiny("llama")
     cache = make_cache(model)
-    monkeypatch.setattr(prefill_lanes, "lane_count", lambda: 2)
-    prefill_lanes.feed(model, cache, list(range(3, 3 + 2 * prefill_lanes.MIN_PART_TOKENS - 1)))
-    monkeypatch.setattr(prefill_lanes, "lane_count", lambda: 1)
-    prefill_lanes.feed(model, cache, list(range(3, 200)))
+    prefill_lanes.feed(model, cache, list(range(3, 3 + 2 * prefill_lanes.MIN_PART_TOKENS - 1)), 2)
+    prefill_lanes.feed(model, cache, list(range(3, 200)), 1)
     assert parts_fed == [2 * prefill_lanes.MIN_PART_TOKENS - 1, 197]
 
 
@@ -102,11 +95,7 @@ def test_short_chunks_and_one_lane_are_fed_whole(load_tiny, parts_fed, monkeypat
 )
 def test_the_lanes_setting(monkeypatch, caplog, setting, lanes):
     monkeypatch.setenv("MLXKV_PREFILL_LANES", setting)
-    prefill_lanes._cpu_lanes.cache_clear()
-    try:
-        got = prefill_lanes.lane_count()
-    finally:
-        prefill_lanes._cpu_lanes.cache_clear()
+    got = prefill_lanes.default_lanes()
     if lanes is None:  # the default: up to 2, one per core
         assert got == max(1, min(2, cpu_cores()))
     else:

@@ -15,7 +15,7 @@ from mlxkv import Runner
 from mlxkv.cache.model_cache import make_cache
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.decoding.drafts import Draft
-from mlxkv.decoding.prefill import fill
+from mlxkv.decoding.prefill import PrefillPlan, fill
 from mlxkv.decoding.speculative import AcceptanceRule
 from mlxkv.engine import request_run
 from mlxkv.models.loading import load_model
@@ -146,7 +146,7 @@ def _assert_cache_continues_like_a_fresh_runner(runner: Runner, loaded) -> None:
     held = cache.tokens
     # The next token's logits from the entry equal those of the same tokens fed afresh.
     fresh = make_cache(loaded.model)
-    fill(loaded.model, fresh, held, step_tokens=512)
+    fill(loaded.model, fresh, held, PrefillPlan(512))
     probe = [held[-1]]
     expected = fresh.forward(loaded.model, probe)
     assert mx.allclose(cache.copy().forward(loaded.model, probe), expected, atol=1e-4).item()

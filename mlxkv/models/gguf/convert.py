@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxkv import config
 from mlxkv.errors import ModelLoadError, UnsupportedFormatError
 from mlxkv.models.gguf.header import check_gguf
 
@@ -76,22 +77,15 @@ _MANIFEST = "mlxkv-conversion.json"  # file name -> size in bytes, written last
 
 
 def default_cache_root() -> Path:
-    """Where converted models go: $MLXKV_CACHE_DIR, else $XDG_CACHE_HOME/mlxkv, else
-    ~/.cache/mlxkv.
+    """The parent of converted models' `gguf/` directory: `mlxkv.config.cache_root()`.
 
     Raises:
         ModelLoadError: MLXKV_CACHE_DIR names something that is not a directory.
     """
-    if os.environ.get("MLXKV_CACHE_DIR"):
-        root = Path(os.environ["MLXKV_CACHE_DIR"]).expanduser()
-        if root.exists() and not root.is_dir():
-            raise ModelLoadError(
-                f"MLXKV_CACHE_DIR={root} is not a directory; point it at a directory (or unset "
-                "it to use ~/.cache/mlxkv)"
-            )
-        return root
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "mlxkv"
+    try:
+        return config.cache_root()
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from error
 
 
 def converted_dir(
