@@ -27,6 +27,42 @@ def load_tiny(model_root):
 
 
 @pytest.fixture(autouse=True)
+def checked_runners(request, monkeypatch):
+    """After every request of every Runner in the test, its entry must hold what it fed
+    (`tests/invariants.py`); a test marked `unchecked_entries` opts out (it breaks the model
+    on purpose, so a fresh prefill cannot be the reference)."""
+    if request.node.get_closest_marker("unchecked_entries"):
+        return
+    from mlxkv.cache.model_cache import ModelCache
+    from mlxkv.cache.pool import CachePool
+    from mlxkv.engine.runner import Runner
+    from tests.invariants import assert_entry_holds_what_it_fed, recording
+
+    run, end, fetch = Runner._run, Runner._end_request, CachePool.fetch_nearest
+
+    def noting_fetch(self, *args, **kwargs):
+        self.fetched = True  # this request chose an entry (one cancelled first touches none)
+        return fetch(self, *args, **kwargs)
+
+    def checked_end(self):
+        end(self)
+        fed, self._fed = getattr(self, "_fed", None), None
+        touched, self._pool.fetched = getattr(self._pool, "fetched", False), False
+        assert_entry_holds_what_it_fed(self, fed if touched else None)
+
+    shift = ModelCache.shift
+
+    def noting_shift(self, *args, **kwargs):
+        self.shifted = True  # deeper layers keep K/V computed with the dropped tokens (README)
+        return shift(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelCache, "shift", noting_shift)
+    monkeypatch.setattr(Runner, "_run", lambda self, req: recording(run, self, req))
+    monkeypatch.setattr(Runner, "_end_request", checked_end)
+    monkeypatch.setattr(CachePool, "fetch_nearest", noting_fetch)
+
+
+@pytest.fixture(autouse=True)
 def _quiet_transformers():
     logging.getLogger("transformers").setLevel(logging.ERROR)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from functools import cache
 from pathlib import Path
 
@@ -51,3 +53,57 @@ def fail_layer_update(monkeypatch, fail_at: int, error: type[BaseException]) -> 
             return _real(self, keys, values)
 
         monkeypatch.setattr(cls, "update_and_fetch", failing)
+
+
+def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition") -> None:
+    """Waits for `condition()` to hold (checked every 10 ms); fails after `timeout_s` instead
+    of hanging. For state another thread changes, never as a pause."""
+    deadline = time.monotonic() + timeout_s
+    tick = threading.Event()
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        tick.wait(0.01)
+
+
+class GatedModel:
+    """A model held at a chosen forward pass until the test releases it: the generation is
+    certainly still running when the test acts (disconnects, cancels), with no race against
+    the clock or against what a random model happens to say.
+
+    Use it in place of a model: `dataclasses.replace(loaded, model=GatedModel(loaded.model))`.
+    """
+
+    _HOLD_LIMIT_S = 60.0  # a test that never releases fails here instead of hanging
+
+    def __init__(self, model):
+        self._model = model
+        self._lock = threading.Lock()
+        self._calls_left: int | None = None
+        self.reached = threading.Event()  # set while a forward pass is held
+        self._open = threading.Event()
+        self._open.set()
+
+    def hold_after(self, calls: int) -> None:
+        """The next `calls` forward passes run; the one after them waits for `release()`."""
+        with self._lock:
+            self._calls_left = calls
+            self.reached.clear()
+            self._open.clear()
+
+    def release(self) -> None:
+        with self._lock:
+            self._calls_left = None
+            self._open.set()
+
+    def __call__(self, *args, **kwargs):
+        with self._lock:
+            hold = self._calls_left == 0
+            if self._calls_left:
+                self._calls_left -= 1
+        if hold:
+            self.reached.set()
+            assert self._open.wait(self._HOLD_LIMIT_S), "the test never released the model"
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)

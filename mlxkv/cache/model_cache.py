@@ -70,7 +70,9 @@ class ModelCache:
         self._make_layers = make_layers
         self.capacity_tokens = capacity_tokens
         self._tokens: list[int] = []
-        self._pending: list[mx.array] = []  # fed token ids not yet read back from the device
+        # Token ids fed after `_tokens`, in order, not yet read back: lazy arrays (pipelined
+        # decoding) and the lists fed behind them, which must wait their turn.
+        self._pending: list[mx.array | list[int]] = []
         self._num_pending = 0  # their count, kept so num_tokens is O(1) in the decode loop
         # num_tokens -> per-layer snapshot (None for layers that can simply trim back)
         self._checkpoints: dict[int, list[Any]] = {}
@@ -97,7 +99,7 @@ class ModelCache:
 
     def _settle(self) -> None:
         for pending in self._pending:
-            self._tokens.extend(pending.tolist())
+            self._tokens.extend(pending.tolist() if isinstance(pending, mx.array) else pending)
         self._pending.clear()
         self._num_pending = 0
 
@@ -108,7 +110,7 @@ class ModelCache:
         cannot be evaluated on another. Materializing at the end of each request lets the next
         one run on any thread.
         """
-        mx.eval(self.arrays() + self._pending)
+        mx.eval(self.arrays() + [p for p in self._pending if isinstance(p, mx.array)])
         self._settle()
 
     def forward(self, model: nn.Module, token_ids: Sequence[int] | mx.array) -> mx.array:
@@ -147,6 +149,9 @@ class ModelCache:
             raise
         if is_array:
             self._pending.append(ids.reshape(-1))
+            self._num_pending += ids.size
+        elif self._pending:  # behind ids not yet read back: keep the order
+            self._pending.append([int(t) for t in token_ids])
             self._num_pending += ids.size
         else:
             self._tokens.extend(int(t) for t in token_ids)
@@ -274,7 +279,8 @@ class ModelCache:
         return max((n for n in self._checkpoints if n <= num_tokens), default=0)
 
     def rewind_to(self, num_tokens: int) -> int:
-        """Goes back to `num_tokens` by trimming, or by restoring the checkpoint taken there.
+        """Goes back to `num_tokens` by trimming, or by restoring the checkpoint taken there
+        (to 0 by starting over when the layers cannot trim).
 
         Returns:
             The number of tokens dropped.
@@ -282,6 +288,10 @@ class ModelCache:
         Raises:
             NotSupportedError: neither is possible (see `nearest_restorable`).
         """
+        if num_tokens == 0 and not self.can_trim_to(0):  # starting over is always possible
+            dropped = self.num_tokens
+            self.free()
+            return dropped
         if self.can_trim_to(num_tokens) or num_tokens not in self._checkpoints:
             return self.trim_to(num_tokens)
         dropped = self.num_tokens - num_tokens

@@ -68,6 +68,12 @@ like 1, 2, 3, 42 and 1000, and code such as def f(x): return x + 1. The quick br
 over the lazy dog. user assistant system: hello, how are you? I am fine, thank you!
 """
 
+# mlx-lm's initial weights times this, with an untied output head: the next token then depends
+# on the whole context on every architecture (tests/testing/test_factory.py measures it). With
+# smaller weights or a head tied to the embeddings, most architectures answer the same token
+# whatever the context, so token-level tests could not see a corrupted cache.
+WEIGHT_SCALE = 2.0
+
 # Each entry: the config of a tiny model (2 layers, hidden 64) that runs in milliseconds on one
 # CPU core. "size" overrides scale them up for benchmarks.
 _BASE = {
@@ -79,11 +85,11 @@ _BASE = {
     "head_dim": 16,
     "rms_norm_eps": 1e-5,
     "max_position_embeddings": 4096,
-    "tie_word_embeddings": True,
+    "tie_word_embeddings": False,
     "rope_theta": 10000.0,
 }
 _CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": {**_BASE, "model_type": "llama", "tie_word_embeddings": False},
+    "llama": {**_BASE, "model_type": "llama"},
     "qwen3": {**_BASE, "model_type": "qwen3"},
     "gemma3_text": {
         **_BASE,
@@ -129,7 +135,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "use_bias": False,
         "use_conv_bias": True,
         "time_step_rank": 4,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
     },
 }
 ARCHITECTURES: tuple[str, ...] = tuple(_CONFIGS)
@@ -202,9 +208,10 @@ def _write_weights(out: Path, config: dict[str, Any], seed: int) -> None:
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
-    # Small weights keep activations tame in float32, so cached-vs-uncached comparisons can use
     # tight tolerances.
-    weights = {k: (v * 0.5).astype(mx.float32) for k, v in tree_flatten(model.parameters())}
+    weights = {
+        k: (v * WEIGHT_SCALE).astype(mx.float32) for k, v in tree_flatten(model.parameters())
+    }
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
 

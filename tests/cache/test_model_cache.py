@@ -5,6 +5,7 @@ import pytest
 from mlx_lm.models import cache as mlx_cache
 
 from mlxkv.cache import KVCache, QuantizedKVCache, SlidingWindowCache, make_cache
+from tests.tolerances import assert_logits_close
 
 LAYOUTS = {
     "llama": (KVCache, KVCache),
@@ -109,6 +110,32 @@ def test_lazy_token_ids_are_read_back_on_demand(load_tiny):
     assert cache.tokens == [5, 6, 7]
 
 
+def test_ids_fed_as_a_list_after_lazy_ones_keep_their_order(load_tiny):
+    """Speculative decoding feeds a verify pass as a list after plain decoding's lazy ids."""
+    model, _ = load_tiny("llama")
+    cache = make_cache(model)
+    cache.forward(model, [5, 6])
+    cache.forward(model, mx.array([7], dtype=mx.uint32))
+    cache.forward(model, [8, 9])
+    cache.forward(model, mx.array([10], dtype=mx.uint32))
+    assert cache.num_tokens == 6
+    assert cache.tokens == [5, 6, 7, 8, 9, 10]
+    _, keep = cache.forward_tentative(model, [11, 12, 13])
+    keep(1)
+    assert cache.tokens == [5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba"])
+def test_rewind_to_zero_starts_over_where_layers_cannot_trim(load_tiny, arch):
+    model, _ = load_tiny(arch)
+    cache = make_cache(model)
+    cache.forward(model, [5, 6, 7])
+    assert not cache.can_trim_to(0) and cache.nearest_restorable(1) == 0
+    assert cache.rewind_to(0) == 3
+    assert cache.num_tokens == 0 and cache.tokens == []
+    assert_logits_close(cache.forward(model, [8])[0], model(mx.array([[8]]))[0])
+
+
 def test_empty_forward_is_refused(load_tiny):
     model, _ = load_tiny("llama")
     with pytest.raises(ValueError, match="at least one token"):
@@ -129,7 +156,7 @@ def test_copy_is_independent_and_continues_identically(load_tiny, arch):
     cache.forward(model, ids[24:30])  # the original moves on; the clone must not see it
     got = clone.forward(model, ids[20:24])
     assert clone.tokens == ids[:24] and cache.tokens == ids[:30]
-    assert mx.abs(got - want).max().item() < 1e-5
+    assert_logits_close(got, want)
 
 
 def test_full_cache_refuses_the_batch_and_changes_nothing(load_tiny):

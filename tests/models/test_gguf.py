@@ -100,8 +100,11 @@ def test_logits_match_the_original_model(gguf_file, model_root, tmp_path, monkey
     ids = original.tokenizer.encode("The quick brown fox jumps over the lazy dog")
     want = original.model(mx.array(ids)[None])
     got = converted.model(mx.array(ids)[None])
-    diff = mx.abs(got - want).max().item()
-    assert diff < 2e-3, f"max |diff| {diff:.3g} (weights stored as float16)"
+    # Weights stored as float16 (2^-11 relative rounding each): measured 0.4% of the logits'
+    # scale on the factory llama.
+    diff, scale = mx.abs(got - want).max().item(), mx.abs(want).max().item()
+    assert diff < 1e-2 * scale, f"max |diff| {diff:.3g} at logits up to {scale:.3g}"
+    assert (mx.argmax(got, axis=-1) == mx.argmax(want, axis=-1)).all().item()
     assert got.dtype == mx.float32
     # q/k rows back in Hugging Face order: equal up to float16 rounding.
     for name in ("q_proj", "k_proj"):

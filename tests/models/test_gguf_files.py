@@ -60,6 +60,7 @@ def test_crafted_header_is_an_error_not_a_segfault(tmp_path):
         (os.urandom(4096), "not b'GGUF'"),
         ("truncated", "past the end of the file"),
     ],
+    ids=["empty", "random", "truncated"],  # deterministic: the random bytes differ per run
 )
 def test_empty_random_and_truncated_files(good_gguf, tmp_path, monkeypatch, content, message):
     monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path / "cache"))

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import logging
 import re
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-LONG = 900  # tokens asked for; the tiny model runs them in a second or two
+from mlxkv import Runner
+from mlxkv.models.loading import load_model
+from tests.factories import GatedModel, wait_until
+from tests.server.conftest import SCRIPT, serve
+
+LONG = 900  # tokens asked for: far more than run before the gate holds the model
 QUESTION = [{"role": "user", "content": "Once upon a time there was"}]
-_WAIT_S = 30
 
 
 @pytest.fixture
@@ -22,24 +26,35 @@ def access_log(caplog):
     caplog.set_level(logging.INFO, logger="mlxkv.server.access")
 
     def wait_for(pattern: str) -> re.Match:
-        deadline = time.monotonic() + _WAIT_S
-        while time.monotonic() < deadline:
-            for record in caplog.records:
-                if found := re.search(pattern, record.getMessage()):
-                    return found
-            time.sleep(0.02)
-        raise AssertionError(f"no access line matched {pattern!r}")
+        found = []
+
+        def matched() -> bool:
+            found[:] = [m for r in caplog.records if (m := re.search(pattern, r.getMessage()))]
+            return bool(found)
+
+        wait_until(matched, what=f"an access line matching {pattern!r}")
+        return found[0]
 
     return wait_for
 
 
 @pytest.fixture
-def never_ends(fresh_runner):
-    """A prompt whose greedy answer runs to LONG tokens (checked), so only a cancel ends it
-    early."""
-    reference = fresh_runner().generate(QUESTION, max_tokens=LONG)
-    assert reference.finish_reason == "length"
-    return QUESTION
+def gated_server(loaded_tiny, fresh_runner):
+    """The tiny llama behind a server, its model held by a gate the test controls; the
+    question's first tokens are not EOS (checked), so a held generation is still running."""
+    assert fresh_runner().generate(QUESTION, max_tokens=8).finish_reason == "length"
+    loaded = loaded_tiny("llama")
+    gate = GatedModel(loaded.model)
+    runner = Runner(dataclasses.replace(loaded, model=gate), max_context=1024)
+    try:
+        with serve(runner) as served:
+            yield served, gate
+    finally:
+        gate.release()
+
+
+def _cancel_requested(runner) -> bool:
+    return any(event.is_set() for event in list(runner._requests))
 
 
 def _open(served, path: str, body: dict, timeout: float = 60) -> http.client.HTTPConnection:
@@ -51,31 +66,37 @@ def _open(served, path: str, body: dict, timeout: float = 60) -> http.client.HTT
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
 def test_leaving_a_stream_cancels_it_and_the_next_answer_is_a_fresh_runners(
-    tiny_server, fresh_runner, never_ends, access_log, path
+    gated_server, fresh_runner, access_log, path
 ):
-    body = {"messages": never_ends, "max_tokens": LONG, "stream": True}
-    connection = _open(tiny_server, path, body)
+    served, gate = gated_server
+    gate.hold_after(4)  # prefill, then a few tokens streamed, then held mid-reply
+    body = {"messages": QUESTION, "max_tokens": LONG, "stream": True}
+    connection = _open(served, path, body)
     response = connection.getresponse()
-    lines = [response.readline() for _ in range(8)]  # a few events
-    assert any(b"data:" in line for line in lines)
+    while b"delta" not in response.readline():  # the first streamed text
+        pass
+    assert gate.reached.wait(30)
     connection.sock.shutdown(socket.SHUT_RDWR)
     connection.close()
+    wait_until(lambda: _cancel_requested(served.runner), what="the server's cancel")
+    gate.release()
     cancelled = access_log(rf"POST {path} 200 .* generated=(\d+) .*finish=cancelled")
     assert int(cancelled.group(1)) < LONG
     reference = fresh_runner().generate(QUESTION, max_tokens=12)
-    after = tiny_server.openai().chat.completions.create(
-        model="m", messages=QUESTION, max_tokens=12
-    )
+    after = served.openai().chat.completions.create(model="m", messages=QUESTION, max_tokens=12)
     assert after.choices[0].message.content == reference.text
 
 
-def test_a_client_that_times_out_cancels_a_plain_request(tiny_server, never_ends, access_log):
-    connection = _open(
-        tiny_server, "/v1/chat/completions", {"messages": never_ends, "max_tokens": LONG}, 0.3
-    )
+def test_a_client_that_times_out_cancels_a_plain_request(gated_server, access_log):
+    served, gate = gated_server
+    gate.hold_after(3)  # held mid-reply: the answer cannot come before the client gives up
+    body = {"messages": QUESTION, "max_tokens": LONG}
+    connection = _open(served, "/v1/chat/completions", body, timeout=0.3)
     with pytest.raises(TimeoutError):
         connection.getresponse()
     connection.close()
+    wait_until(lambda: _cancel_requested(served.runner), what="the server's cancel")
+    gate.release()
     cancelled = access_log(r"POST /v1/chat/completions \d+ .* generated=(\d+) .*finish=cancelled")
     assert int(cancelled.group(1)) < LONG
 
@@ -99,12 +120,15 @@ def test_four_clients_at_once_get_their_sequential_answers(tiny_server):
     assert len(set(sequential)) > 1  # the prompts really differ
 
 
-def test_the_access_line_reports_speculative_acceptance(tiny_server, fresh_runner, access_log):
-    prompt = "one two three four five six seven eight nine ten. " * 6  # drafts from itself
-    reference = fresh_runner().generate(prompt, max_tokens=40)  # "auto", as the server runs
+def test_the_access_line_reports_speculative_acceptance(scripted_dir, access_log):
+    runner = Runner(load_model(scripted_dir), max_context=1024)  # "auto", as the server runs
+    # The scripted answer quoted in the prompt: n-gram lookup drafts its later pieces.
+    prompt = [{"role": "user", "content": "Say: " + "".join(SCRIPT)}]
+    reference = Runner(load_model(scripted_dir), max_context=1024).generate(prompt, max_tokens=40)
     assert reference.drafted_tokens > 0
-    tiny_server.openai().completions.create(model="m", prompt=prompt, max_tokens=40)
-    found = access_log(r"POST /v1/completions 200 .* drafted=(\d+) accepted=(\d+) \((\d+)%\)")
+    with serve(runner) as served:
+        served.openai().chat.completions.create(model="m", messages=prompt, max_tokens=40)
+    found = access_log(r"POST /v1/chat/completions 200 .* drafted=(\d+) accepted=(\d+) \((\d+)%\)")
     drafted, accepted, share = (int(n) for n in found.groups())
     assert (drafted, accepted) == (reference.drafted_tokens, reference.accepted_tokens)
     assert share == round(100 * accepted / drafted)

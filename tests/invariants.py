@@ -1,0 +1,74 @@
+"""The prompt cache's invariant, checked after every request a test's Runner serves.
+
+An entry's recorded token ids are, in order, what its K/V were computed from: the request's
+prompt and then the tokens it streamed (the last one fed or not, as decoding's pipeline left
+it), possibly followed by tokens the model produced but the caller never saw (an EOS, drafts
+accepted after a stop string); and feeding those ids to a fresh cache gives the same next
+token logits. `tests/conftest.py` applies it to every Runner through `checked_runners`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mlxkv.cache.model_cache import make_cache
+from mlxkv.decoding.prefill import PrefillPlan, fill
+from tests.tolerances import assert_logits_close
+
+
+# An EOS, or the rest of an accepted draft after a stop string (drafts are at most 16 long).
+_MOST_UNSEEN_TOKENS = 17
+
+
+@dataclass
+class Fed:
+    """What one request fed: its prompt ids and the tokens it streamed."""
+
+    prompt: list[int]
+    generated: list[int] = field(default_factory=list)
+
+
+def assert_entry_holds_what_it_fed(runner, fed: Fed | None) -> None:
+    """Checks the entry of the runner's last request (call inside the Runner's lock)."""
+    entry = runner._pool.current
+    if entry is None or entry.cache.num_tokens == 0:
+        return
+    tokens = entry.cache.tokens
+    if fed is not None and _no_shift_possible(runner, fed):
+        expected = fed.prompt + fed.generated
+        assert tokens[: len(expected)] == expected[: len(tokens)], (
+            "the entry's token ids are not the prompt and the reply, in order"
+        )
+        unseen = len(tokens) - len(expected)
+        assert unseen <= _MOST_UNSEEN_TOKENS, f"{unseen} tokens past what the request streamed"
+    if not getattr(entry.cache, "shifted", False):  # a shift in place approximates (README)
+        _assert_same_as_fresh_prefill(runner, entry.cache, tokens)
+
+
+def _no_shift_possible(runner, fed: Fed) -> bool:
+    """A context shift drops tokens from the middle: no order to check then."""
+    return len(fed.prompt) + len(fed.generated) + 1 < runner.max_context
+
+
+def _assert_same_as_fresh_prefill(runner, cache, tokens: list[int]) -> None:
+    model = runner.loaded.model
+    config = runner.config
+    fresh = make_cache(model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+    probe = [tokens[-1]]
+    fill(model, fresh, tokens, PrefillPlan(512))
+    want = fresh.forward(model, probe)
+    got = cache.copy().forward(model, probe)
+    mx.eval(want, got)
+    assert_logits_close(got, want, "the entry's K/V against a fresh prefill of its token ids")
+
+
+def recording(run, runner, request) -> Iterator:
+    """Wraps `Runner._run`: notes the request's prompt and each token it streams."""
+    runner._fed = Fed(list(request.tokens))
+    for chunk in run(runner, request):
+        if chunk.token is not None:
+            runner._fed.generated.append(chunk.token)
+        yield chunk

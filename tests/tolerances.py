@@ -1,0 +1,51 @@
+"""How close two computations of the same logits must be, by device and dtype.
+
+Two computations of one forward pass (the model with no cache, a cache fed in other chunks, a
+verify pass of k tokens against k one-token steps) build other matmul shapes, and so round
+differently. The bound is relative to the reference's magnitude (the factory's logits are
+O(5)), from measurements:
+  - CPU, float32: at most 2.5e-5 x max |logit| over this suite (max |diff| 1.3e-4 at logits of
+    about 6), so 1e-4;
+  - GPU (MLX CUDA), float32: about 4e-4 absolute at logits of O(1) on an H100 (issue 26's run,
+    other kernels for chunked and unchunked feeds), so 2e-3;
+  - half precision: bounded by its 2^-10 relative rounding per operation, so 2e-2.
+Besides the bound, the most likely token must agree wherever the reference's top two are
+further apart than the bound allows to move them.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxkv.platform.machine import on_gpu
+
+_RTOL = {
+    ("cpu", mx.float32): 1e-4,
+    ("gpu", mx.float32): 2e-3,
+    ("cpu", mx.float16): 2e-2,
+    ("gpu", mx.float16): 2e-2,
+    ("cpu", mx.bfloat16): 2e-2,
+    ("gpu", mx.bfloat16): 2e-2,
+}
+
+
+def logits_tolerance(want: mx.array) -> float:
+    """The largest absolute difference allowed from the reference logits `want`."""
+    device = "gpu" if on_gpu() else "cpu"
+    scale = max(1.0, mx.abs(want).max().item())
+    return _RTOL[(device, want.dtype)] * scale
+
+
+def assert_logits_close(got: mx.array, want: mx.array, what: str = "") -> None:
+    """`got` equals the reference `want` (..., vocab) within `logits_tolerance`, and picks the
+    same most likely token at each position where that choice is not a near tie."""
+    bound = logits_tolerance(want)
+    diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    label = f"{what}: " if what else ""
+    assert diff <= bound, f"{label}max |diff| {diff:.3g} > {bound:.3g} ({want.dtype})"
+    top2 = mx.sort(want.reshape(-1, want.shape[-1]), axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 2 * bound
+    agree = mx.argmax(got.reshape(top2.shape[0], -1), axis=-1) == mx.argmax(
+        want.reshape(top2.shape[0], -1), axis=-1
+    )
+    assert mx.all(agree | ~clear).item(), f"{label}the most likely token differs"
