@@ -49,6 +49,11 @@ class RunnerBusyError(MlxkvError, RuntimeError):
     """A Runner call that would wait forever: this thread holds an unfinished `stream()`."""
 
 
+class RanksOutOfStepError(MlxkvError, RuntimeError):
+    """A sharded Runner's ranks stopped answering each other (one froze or died): every
+    later request fails at once; restart every rank."""
+
+
 def check_int(name: str, value: object, *, low: int, high: int | None = None) -> None:
     """Raises ValueError unless `value` is an int (not a bool) in [low, high]."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):

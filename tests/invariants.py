@@ -18,7 +18,6 @@ from mlxkv.cache.model_cache import make_cache
 from mlxkv.decoding.prefill import PrefillPlan, fill
 from tests.tolerances import assert_logits_close
 
-
 # An EOS, or the rest of an accepted draft after a stop string (drafts are at most 16 long).
 _MOST_UNSEEN_TOKENS = 17
 

@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -48,22 +49,38 @@ from mlxkv.cache.store import DiskStore
 
 logger = logging.getLogger(__name__)
 
+# Trimming an entry to the budget: aim this far under it, for at most this many rounds.
+_FIT_MARGIN = 0.95
+_FIT_ROUNDS = 4
+
 
 @dataclass(eq=False)
 class CacheEntry:
-    """One entry. `tokens` is read at the end of each request (safe to read from any thread;
-    `cache.tokens` is not while a generation runs). `label` names what the entry serves (a
-    conversation id a client sent); it is shown, never matched: lookup is by tokens alone."""
+    """One entry: a conversation's state. `tokens` is read at the end of each request (safe
+    to read from any thread; `cache.tokens` is not while a generation runs). `label` names
+    what the entry serves (a conversation id a client sent); it is shown, never matched:
+    lookup is by tokens alone. `cut_start` is the first message kept when the conversation
+    was cut to the window (opaque here; the request builder matches it), so its next turn
+    cuts there again. `draft_cache` is the draft model's cache for this conversation
+    (speculative decoding), counted in the entry's bytes."""
 
     cache: ModelCache
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
     reply_start: int = 0
     last_used: float = field(default_factory=time.time)
     label: str | None = None
+    cut_start: Any = None
+    draft_cache: ModelCache | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.size)
+
+    @property
+    def draft_bytes(self) -> int:
+        """Bytes the draft model's cache for this conversation holds."""
+        draft = self.draft_cache
+        return 0 if draft is None else draft.nbytes + draft.checkpoint_bytes
 
 
 class CachePool:
@@ -208,15 +225,14 @@ class CachePool:
     def evict(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> int:
         """Evicts entries until at most `max_entries` remain and they hold at most `max_bytes`
         bytes: superseded entries first, then the least recently used. Evicted entries go to
-        the disk tier when there is one.
+        the disk tier when there is one (written in the background: never waited for here).
+        The current entry is never evicted for writes still in flight (they end by
+        themselves); when it alone is over `max_bytes` it keeps its longest prefix that fits.
 
         Returns:
             The number of entries evicted.
         """
-        evicted = self._evict(max_entries, max_bytes)
-        if max_bytes is not None and self.store is not None and self.nbytes > max_bytes:
-            self.store.flush()  # only writes still pending hold the excess: wait for them
-        return evicted
+        return self._evict(max_entries, max_bytes)
 
     def _evict(
         self, max_entries: int | None, max_bytes: int | None, keep: CacheEntry | None = None
@@ -229,15 +245,60 @@ class CachePool:
             if not (over_count or over_bytes) or not candidates:
                 return evicted
             victim = min(candidates, key=lambda e: (not self._superseded(e), e.last_used))
-            self._entries.remove(victim)
-            if victim is self.current:
-                self.current = None
-            logger.debug(
-                "prefix cache evict tokens=%d bytes=%d", victim.num_tokens, _entry_bytes(victim)
-            )
-            if self.store is not None:
-                self.store.write(victim.cache)
+            if victim is self.current and len(candidates) == 1 and not over_count:
+                return evicted + self._fit(victim, max_bytes)
+            self._drop(victim)
             evicted += 1
+
+    def _drop(self, entry: CacheEntry, *, write: bool = True) -> None:
+        self._entries.remove(entry)
+        if entry is self.current:
+            self.current = None
+        logger.debug(
+            "prefix cache evict tokens=%d bytes=%d", entry.num_tokens, _held_bytes([entry])
+        )
+        if write and self.store is not None:
+            self.store.write(entry.cache)
+
+    def _fit(self, entry: CacheEntry, max_bytes: int) -> int:
+        """The last entry left, `entry`, within `max_bytes`: as it is when only writes in
+        flight are over; else its longest prefix that fits (the whole entry goes to the disk
+        tier first, for a later request that needs all of it), so the next turn of a
+        conversation over the budget still reuses its system prompt and most of its history.
+
+        Returns:
+            1 if the entry had to be evicted (not even a prefix fits), else 0.
+        """
+        if _held_bytes([entry]) <= max_bytes:
+            return 0
+        entry.draft_cache = None  # the draft model catches up again when it is needed
+        held = _held_bytes([entry])
+        if held <= max_bytes:
+            return 0
+        cache, total = entry.cache, entry.num_tokens
+        if self.store is not None:
+            self.store.write(cache)
+        kept = total
+        for _ in range(_FIT_ROUNDS):  # allocation shrinks with the tokens in growth steps
+            kept = cache.nearest_restorable(int(kept * _FIT_MARGIN * max_bytes / held))
+            if kept == 0:
+                break
+            cache.rewind_to(kept)
+            cache.shrink()
+            held = _held_bytes([entry])
+            if held <= max_bytes:
+                entry.tokens = np.asarray(cache.tokens, dtype=np.uint32)
+                entry.reply_start = min(entry.reply_start, kept)
+                logger.info(
+                    "prefix cache: an entry of %d tokens is over the budget (%d bytes); kept "
+                    "its first %d tokens",
+                    total,
+                    max_bytes,
+                    kept,
+                )
+                return 0
+        self._drop(entry, write=False)  # written above already
+        return 1
 
     def _superseded(self, entry: CacheEntry) -> bool:
         return any(
@@ -245,6 +306,12 @@ class CachePool:
             and common_prefix_length(other.tokens, entry.tokens) == entry.num_tokens
             for other in self._entries
         )
+
+    def cut_starts(self) -> list[Any]:
+        """The entries' chat cuts (`CacheEntry.cut_start`), most recently used first (safe
+        from any thread)."""
+        entries = sorted(list(self._entries), key=lambda e: e.last_used, reverse=True)
+        return [e.cut_start for e in entries if e.cut_start is not None]
 
     def longest_prefix(self, tokens: Sequence[int]) -> int:
         """The most tokens of `tokens` some entry held at the end of its last request (safe
@@ -256,10 +323,7 @@ class CachePool:
     def nbytes(self) -> int:
         """Bytes the entries hold: K/V allocated and checkpoints (each shared snapshot once),
         plus entries handed to the disk tier and not yet written."""
-        entries = list(self._entries)
-        held = sum(e.cache.nbytes for e in entries)
-        snapshots = {id(s): s for e in entries for s in checkpoint_layers(e.cache)}
-        held += sum(s.nbytes for s in snapshots.values())
+        held = _held_bytes(list(self._entries))
         return held + (self.store.pending_bytes if self.store is not None else 0)
 
     def persist(self) -> None:
@@ -276,5 +340,9 @@ class CachePool:
         self.current = None
 
 
-def _entry_bytes(entry: CacheEntry) -> int:
-    return entry.cache.nbytes + entry.cache.checkpoint_bytes
+def _held_bytes(entries: list[CacheEntry]) -> int:
+    """Bytes `entries` hold: K/V allocated and checkpoints (a snapshot shared by several
+    entries counted once)."""
+    held = sum(e.cache.nbytes + e.draft_bytes for e in entries)
+    snapshots = {id(s): s for e in entries for s in checkpoint_layers(e.cache)}
+    return held + sum(s.nbytes for s in snapshots.values())

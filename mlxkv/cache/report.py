@@ -25,6 +25,7 @@ class EntryReport:
         last_used: when a request last used it (seconds since the epoch).
         current: it is the entry of the running or last request.
         label: what it serves, as its last request's `cache_key` named it (None: unknown).
+        draft_bytes: bytes of the draft model's cache for it (speculative decoding).
     """
 
     num_tokens: int
@@ -33,6 +34,7 @@ class EntryReport:
     last_used: float
     current: bool
     label: str | None = None
+    draft_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class MemoryReport:
         entries: each entry, least recently used first.
         max_entries: most entries kept in memory.
         budget_bytes: the entries' byte budget (None: no limit).
-        held_bytes: what counts against the budget (allocated, checkpoints, pending writes).
+        held_bytes: what counts against the budget (allocated, checkpoints, the draft model's
+            caches, pending writes).
         disk_entries: files in the disk tier (0 without one).
         disk_bytes: their bytes.
         disk_budget_bytes: the disk tier's byte budget (None: no disk tier).
@@ -86,6 +89,7 @@ class MemoryReport:
                 last_used=e.last_used,
                 current=e is current,
                 label=e.label,
+                draft_bytes=e.draft_bytes,
             )
             for e in entries
         )

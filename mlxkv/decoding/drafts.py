@@ -1,8 +1,9 @@
 """Where speculative decoding's drafts come from, and how many to ask for.
 
-Owns: `DraftModel` (a draft model checked against the target, and its cache, kept from
-request to request), `NgramDrafter` (prompt lookup: the tokens that followed an earlier
-occurrence of the text's last few tokens), `ModelDrafter` (drafts from the draft model),
+Owns: `DraftModel` (a draft model checked against the target; each conversation's cache
+for it is kept on its prompt-cache entry), `NgramDrafter` (prompt lookup: the tokens that
+followed an earlier occurrence of the text's last few tokens), `ModelDrafter` (drafts from
+the draft model),
 `Draft`, and `DraftLength` (the adaptive draft length, and for "auto" the gate that stops
 drafting while drafts do not pay). Does not own verification or the acceptance rule
 (`speculative`).
@@ -191,7 +192,8 @@ class DraftLength:
 
 
 class DraftModel:
-    """A draft model and the cache it keeps between requests.
+    """A draft model; each conversation's cache for it lives on its prompt-cache entry
+    (`make_cache`), so interleaved conversations do not re-prefill each other's.
 
     Args:
         loaded: the draft model; its tokenizer must map text to the same ids as the target's.
@@ -199,7 +201,9 @@ class DraftModel:
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
-        self.cache = make_cache(loaded.model)
+
+    def make_cache(self) -> ModelCache:
+        return make_cache(self.loaded.model)
 
     @classmethod
     def check(cls, draft: LoadedModel | None, target: LoadedModel) -> DraftModel | None:
@@ -222,8 +226,11 @@ class DraftModel:
 
     def drafter(
         self,
+        cache: ModelCache,
         tokens: Sequence[int],
         distribution: Callable[[mx.array], mx.array] | None,
         plan: PrefillPlan,
     ) -> ModelDrafter:
-        return ModelDrafter(self.loaded.model, self.cache, tokens, distribution, plan)
+        """A drafter for `tokens` on `cache` (the conversation's, from `make_cache`), which
+        it rewinds and fills to match them."""
+        return ModelDrafter(self.loaded.model, cache, tokens, distribution, plan)

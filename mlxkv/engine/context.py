@@ -31,7 +31,6 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 from mlxkv.cache.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.errors import ContextLengthError
-from mlxkv.platform.machine import memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -199,16 +198,19 @@ def _first_fitting(
     return points[good], rendered[good]
 
 
-def default_max_context(
-    model: nn.Module, max_position_embeddings: int | None, cache: ModelCache
-) -> int:
-    """The model's own maximum, capped to the tokens whose K/V fit in half the machine's
-    memory (measured by feeding one token through a scratch copy of the cache layout)."""
+def kv_bytes_per_token(model: nn.Module, cache: ModelCache) -> int:
+    """Bytes one token's K/V (and state) take in this cache layout, measured by feeding one
+    token through a scratch copy."""
     scratch = cache.copy()
     scratch.forward(model, [0])
-    per_token = max(scratch.used_bytes, 1)
-    budget = memory_bytes() // 2
-    fits = max(2, budget // per_token)
+    return max(scratch.used_bytes, 1)
+
+
+def default_max_context(
+    max_position_embeddings: int | None, per_token_bytes: int, budget_bytes: int
+) -> int:
+    """The model's own maximum, capped to the tokens whose K/V fit in `budget_bytes`."""
+    fits = max(2, budget_bytes // per_token_bytes)
     return min(max_position_embeddings or fits, fits)
 
 

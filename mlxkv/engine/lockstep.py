@@ -31,13 +31,16 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.cache.report import MemoryReport
-from mlxkv.config import RunnerConfig, format_bytes
+from mlxkv.config import RunnerConfig, env, format_bytes
 from mlxkv.decoding.sampling import SamplingParams
+from mlxkv.engine.engine_thread import EngineThread
 from mlxkv.engine.request import Request
 from mlxkv.engine.results import Completion, GenerationChunk
-from mlxkv.errors import NotSupportedError
+from mlxkv.errors import NotSupportedError, RanksOutOfStepError
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_RANK_TIMEOUT_S = 120.0  # a prefill chunk of a large model stays well inside it
 
 
 class Lockstep:
@@ -51,40 +54,92 @@ class Lockstep:
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
-        self._lock = threading.Lock()  # one collective at a time from this process
+        # Collectives run one at a time on a thread of their own, so a wait for a rank that
+        # froze or died is bounded (MLX's own wait cannot be interrupted).
+        self._collectives = EngineThread(f"mlxkv-collectives-{self.rank}")
+        self._timeout_s = float(env("MLXKV_RANK_TIMEOUT_S") or DEFAULT_RANK_TIMEOUT_S)
+        self.failure: str | None = None  # why the ranks are out of step, once they are
 
     @property
     def leads(self) -> bool:
         return self.rank == 0
 
-    def _sum(self, values: mx.array) -> mx.array:
-        with self._lock:
-            summed = mx.distributed.all_sum(values, group=self.group, stream=mx.cpu)
-            mx.eval(summed)
-        return summed
+    def _sum(self, values: list[int], dtype: mx.Dtype, *, bounded: bool = True) -> list[int]:
+        """The element-wise sum of `values` over the ranks.
 
-    def broadcast(self, message: dict[str, Any] | None) -> dict[str, Any]:
-        """Rank 0's `message` (JSON-able), on every rank; the others pass None."""
+        Raises:
+            RanksOutOfStepError: a `bounded` wait ran past the timeout, now or before.
+        """
+        if self.failure is not None:
+            raise RanksOutOfStepError(self.failure)
+
+        def collective() -> list[int]:
+            summed = mx.distributed.all_sum(
+                mx.array(values, dtype=dtype), group=self.group, stream=mx.cpu
+            )
+            return summed.tolist()
+
+        # The model's own collectives (sharded layers) run on the engine thread's stream: they
+        # must all be done before this one starts on another thread, or the two interleave on
+        # the wire. (A rank that freezes inside a forward pass is therefore not bounded here.)
+        mx.synchronize()
+        try:
+            return self._collectives.call(
+                collective, timeout_s=self._timeout_s if bounded else None
+            )
+        except TimeoutError:
+            self.failure = (
+                f"rank {self.rank}: the other ranks did not answer within {self._timeout_s:g} s "
+                "(one froze or died); the sharded model cannot serve any more: restart every "
+                "rank (MLXKV_RANK_TIMEOUT_S sets the wait)"
+            )
+            self._collectives.abandon()
+            logger.error("%s", self.failure)
+            raise RanksOutOfStepError(self.failure) from None
+
+    def broadcast(self, message: dict[str, Any] | None, *, bounded: bool = True) -> dict[str, Any]:
+        """Rank 0's `message` (JSON-able), on every rank; the others pass None. A follower
+        waiting for the leader's next operation passes `bounded=False` (idle is normal)."""
         payload = json.dumps(message).encode() if self.leads else b""
-        size = int(self._sum(mx.array([len(payload)], dtype=mx.int32)).item())
-        if self.leads:
-            data = mx.array(list(payload), dtype=mx.uint8)
-        else:
-            data = mx.zeros((size,), dtype=mx.uint8)
-        return json.loads(bytes(self._sum(data).tolist()))
+        (size,) = self._sum([len(payload)], mx.int32, bounded=bounded)
+        data = list(payload) if self.leads else [0] * size
+        return json.loads(bytes(self._sum(data, mx.uint8)))
 
     def agree(self, flag: bool) -> bool:
         """Rank 0's `flag`, on every rank."""
         mine = 1 if flag and self.leads else 0
-        return bool(self._sum(mx.array([mine], dtype=mx.int32)).item())
+        return bool(self._sum([mine], mx.int32)[0])
 
     def total(self, value: int) -> int:
         """The sum of `value` over the ranks."""
-        return int(self._sum(mx.array([value], dtype=mx.int64)).item())
+        return int(self._sum([value], mx.int64)[0])
 
-    def with_agreed_cancel(self, request: Request) -> Request:
-        """The request with a cancel flag that every rank reads alike (`AgreedCancel`)."""
-        return dataclasses.replace(request, cancelled=AgreedCancel(request.cancelled, self))
+    def check_can_lead(self) -> None:
+        """Raises at once where a request could only hang: on a follower (the leader never
+        sends it), or once the ranks are out of step.
+
+        Raises:
+            NotSupportedError: this rank is not 0.
+            RanksOutOfStepError: a wait for the other ranks ran past its timeout.
+        """
+        if not self.leads:
+            raise NotSupportedError(
+                f"this is rank {self.rank} of a model sharded over {self.size} processes: only "
+                "rank 0 calls stream()/generate(); ranks other than 0 call runner.follow(), "
+                "which runs rank 0's requests in step with it until rank 0 closes its Runner"
+            )
+        if self.failure is not None:
+            raise RanksOutOfStepError(self.failure)
+
+    def prepare(self, request: Request) -> Request:
+        """Leader: the request as every rank will run it: a cancel flag that every rank reads
+        alike (`AgreedCancel`), and a seed drawn here when it samples without one (every
+        rank must draw alike; drawn before the request runs, which seeds with it)."""
+        params = request.params
+        if params.seed is None and params.temperature > 0:
+            params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(7), "little"))
+        cancelled = AgreedCancel(request.cancelled, self)
+        return dataclasses.replace(request, params=params, cancelled=cancelled)
 
     def run(
         self, request: Request, run: Callable[[Request], Iterator[GenerationChunk]]
@@ -92,7 +147,7 @@ class Lockstep:
         """Runs a request in step: the leader announces it first and, if its caller stops
         reading, runs it to the agreed cancel (`drain`); followers just run it."""
         if self.leads:
-            request = self.announce_request(request)
+            self.announce_request(request)
         yield from drain(run(request), request.cancelled)
 
     def leaders_settings(self, config: RunnerConfig) -> RunnerConfig:
@@ -108,12 +163,13 @@ class Lockstep:
                 "the disk tier (cache_dir) is not supported when the model is sharded over "
                 "several processes; leave cache_dir unset (mlxkv serve: --no-cache-dir)"
             )
-        shared = self.broadcast(
-            {
+        shared = self.broadcast(  # unbounded: the ranks may finish loading far apart
+            bounded=False,
+            message={
                 "max_context": config.max_context,
                 "cache_entries": config.cache_entries,
                 "cache_bytes": config.cache_bytes,
-            }
+            },
         )
         return config.replace(**shared)
 
@@ -122,24 +178,20 @@ class Lockstep:
         held = self.total(report.allocated_bytes)
         return f" (rank {self.rank} of {self.size}; all ranks: {format_bytes(held)} allocated)"
 
-    def announce_request(self, request: Request) -> Request:
-        """Leader: sends the request to the followers; returns it with the seed they use."""
-        params = request.params
-        if params.seed is None and params.temperature > 0:  # every rank must draw alike
-            params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(7), "little"))
+    def announce_request(self, request: Request) -> None:
+        """Leader: sends the request (`prepare`d) to the followers."""
         self.broadcast(
             {
                 "op": "request",
                 "tokens": request.tokens,
                 "keep": request.keep,
                 "header_tokens": request.header_tokens,
-                "params": dataclasses.asdict(params),
+                "params": dataclasses.asdict(request.params),
                 "top_logprobs": request.top_logprobs,
                 "cache_key": request.cache_key,
                 "speculative": request.speculative,
             }
         )
-        return dataclasses.replace(request, params=params)
 
     def announce(self, op: str) -> None:
         """Leader: sends an operation without arguments ("reset", "stop")."""
@@ -161,7 +213,7 @@ class Lockstep:
 
     def receive(self) -> tuple[str, Request | None]:
         """Follower: the leader's next operation, and its request for "request"."""
-        message = self.broadcast(None)
+        message = self.broadcast(None, bounded=False)
         if message["op"] != "request":
             return message["op"], None
         params = message["params"]

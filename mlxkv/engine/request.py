@@ -52,6 +52,9 @@ class Request:
         cache_key: a label for the cache entry the request generates into (None: keep its
             label).
         speculative: the speculative decoding mode (`speculative.MODES`).
+        cut_start: the first message kept when a chat was cut to the window (None: not cut);
+            kept on the request's cache entry, so this conversation's next turn cuts there
+            again and reuses the entry.
     """
 
     tokens: list[int]
@@ -63,6 +66,7 @@ class Request:
     top_logprobs: int | None = None
     cache_key: str | None = None
     speculative: str | None = None
+    cut_start: Message | None = None
 
 
 # PromptEncoder.render with the request's control-token and tool settings bound.
@@ -125,7 +129,6 @@ class RequestBuilder:
         self._prompts = prompts
         self._max_context = max_context
         self._keep = keep
-        self._cut_start: Message | None = None  # first message kept by the last chat cut
 
     def build(
         self,
@@ -134,8 +137,15 @@ class RequestBuilder:
         options: RequestOptions,
         *,
         cached_prefix: Callable[[Sequence[int]], int],
+        cut_starts: Sequence[Message] = (),
     ) -> Request:
-        """Raises ValueError (ContextLengthError for a prompt that cannot fit) on bad input."""
+        """The request for `prompt`, cut to the window if it must be: a chat preferably where
+        one of `cut_starts` (the cache entries' cuts, newest first) begins, which that
+        entry holds; `cached_prefix` tells how much of a candidate the cache holds.
+
+        Raises:
+            ValueError: bad input; ContextLengthError for a prompt that cannot fit.
+        """
         params = _sampling_params(sampling)
         options.check()
         tokens = self._prompts.encode(
@@ -158,10 +168,9 @@ class RequestBuilder:
         budget = self._max_context
         if len(tokens) > budget:
             budget -= max(1, min(params.max_tokens, self._max_context // 4))
-        chat = self._chat_cut(prompt, render) if is_messages(prompt) else None
+        chat = self._chat_cut(prompt, render, cut_starts) if is_messages(prompt) else None
         fitted = fit_prompt(tokens, budget, keep, cached_prefix=cached_prefix, chat=chat)
-        if fitted.first_message is not None:
-            self._cut_start = prompt[fitted.first_message]
+        cut_start = None if fitted.first_message is None else prompt[fitted.first_message]
         header = self._generation_prompt_length(prompt, tokens, render)
         return Request(
             fitted.tokens,
@@ -173,11 +182,8 @@ class RequestBuilder:
             options.top_logprobs,
             options.cache_key,
             options.speculative,
+            cut_start,
         )
-
-    def forget_cut(self) -> None:
-        """Called when the cache is dropped: no cut lives in it any more."""
-        self._cut_start = None
 
     def _generation_prompt_length(self, prompt: Prompt, tokens: list[int], render: Render) -> int:
         """Tokens the chat template appends to open the assistant's turn (at least 1): the next
@@ -197,12 +203,18 @@ class RequestBuilder:
         rendered = render(system, add_generation_prompt=False)
         return common_prefix_length(rendered, tokens)
 
-    def _chat_cut(self, prompt: Sequence[Message], render: Render) -> ChatCut:
+    @staticmethod
+    def _chat_cut(
+        prompt: Sequence[Message], render: Render, cut_starts: Sequence[Message]
+    ) -> ChatCut:
         """How a chat may be cut: at user messages after the first, keeping the system prompt;
-        the cut taken last time is preferred (found by its first message, newest first)."""
+        a cut an entry holds is preferred (found by its first message; the latest such point,
+        for the newest entry first)."""
         system = leading_system_messages(prompt)
         points = [i for i in range(len(system) + 1, len(prompt)) if prompt[i].get("role") == "user"]
-        preferred = next((i for i in reversed(points) if prompt[i] == self._cut_start), None)
+        preferred = next(
+            (i for start in cut_starts for i in reversed(points) if prompt[i] == start), None
+        )
         return ChatCut(
             render_from=lambda first: render(system + list(prompt[first:])),
             cut_points=points,

@@ -52,12 +52,12 @@ def run_request(
         yield stats.final_chunk("", "cancelled")
         return
     stats_start = time.perf_counter()
-    if request.params.seed is not None:
-        mx.random.seed(request.params.seed)
     hit = pool.fetch_nearest(tokens, reply_start=len(tokens) - request.header_tokens)
     stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
+    entry = pool.current
+    entry.cut_start = request.cut_start
     if request.cache_key is not None:
-        pool.current.label = request.cache_key
+        entry.label = request.cache_key
     start = time.perf_counter()
     model = loaded.model
     try:
@@ -76,8 +76,14 @@ def run_request(
         rotations,
         refill=lambda cache, ids: fill(model, cache, ids, plan),
     )
+    if draft is not None and request.speculative in ("auto", "draft"):
+        entry.draft_cache = entry.draft_cache or draft.make_cache()
+        draft_cache = entry.draft_cache
+        draft_cache.capacity_tokens = max_context + DraftLength.MAX_TOKENS  # bounded as the entry
+    else:
+        draft_cache = None
     decoded, pick = _decode(
-        request, draft, loaded, hit.cache, logits, stats, plan, window.make_room
+        request, draft, draft_cache, loaded, hit.cache, logits, stats, plan, window.make_room
     )
     yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
 
@@ -85,6 +91,7 @@ def run_request(
 def _decode(
     request: Request,
     draft_model: DraftModel | None,
+    draft_cache: ModelCache | None,
     loaded: LoadedModel,
     cache: ModelCache,
     logits: mx.array,
@@ -102,8 +109,10 @@ def _decode(
     if request.speculative is None:
         return decode_tokens(loaded.model, cache, logits, pick, params.max_tokens, make_room), pick
     distribution = params.make_distribution(loaded.vocab_size) if params.temperature > 0 else None
-    use_model = draft_model is not None and request.speculative in ("auto", "draft")
-    drafter = draft_model.drafter(prompt, distribution, plan) if use_model else NgramDrafter(prompt)
+    if draft_cache is not None:
+        drafter = draft_model.drafter(draft_cache, prompt, distribution, plan)
+    else:
+        drafter = NgramDrafter(prompt)
     tokens = speculative_tokens(
         loaded.model,
         cache,

@@ -14,20 +14,21 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 
 from mlxkv.cache.model_cache import ModelCache, make_cache
 from mlxkv.cache.report import MemoryReport
-from mlxkv.config import RunnerConfig
+from mlxkv.config import CONTEXT_MEMORY_FRACTION, RunnerConfig, format_bytes
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.prefill import PrefillPlan, ProgressCallback
 from mlxkv.decoding.speculative import check_mode
 from mlxkv.engine.cache_setup import make_pool
-from mlxkv.engine.context import default_max_context, rope_rotations
+from mlxkv.engine.context import default_max_context, kv_bytes_per_token, rope_rotations
+from mlxkv.engine.engine_thread import EngineThread, Relay
 from mlxkv.engine.lockstep import Lockstep
 from mlxkv.engine.prompt import Prompt, PromptEncoder, Tools
 from mlxkv.engine.request import Request, RequestBuilder, RequestOptions
@@ -36,10 +37,12 @@ from mlxkv.engine.results import Completion, GenerationChunk
 from mlxkv.errors import RunnerBusyError
 from mlxkv.models.loading import LoadedModel, load_model
 from mlxkv.models.sharding import world
-from mlxkv.platform.random_state import clean_random_state
-from mlxkv.platform.threads import release_streams_at_thread_exit
+from mlxkv.platform.machine import memory_bytes
+from mlxkv.platform.random_state import request_random_state
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Runner:
@@ -78,11 +81,7 @@ class Runner:
         self.speculative = check_mode(config.speculative, has_draft_model=draft is not None)
         self.loaded = loaded
         self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
-        probe = self._make_layers(config)
-        max_context = config.max_context or default_max_context(
-            loaded.model, loaded.max_position_embeddings, probe
-        )
-        config = config.replace(max_context=max_context)
+        config = self._fit_window(config, loaded)
         if self._lockstep is not None:  # every rank takes rank 0's cache settings
             config = self._lockstep.leaders_settings(config)
         self.config = config
@@ -93,13 +92,37 @@ class Runner:
         self._rotations = rope_rotations(loaded.model)
         self._draft = DraftModel.check(draft, loaded)
         self._pool = make_pool(loaded, self._make_entry, config)
-        self._lock = threading.Lock()  # held for a whole generation
-        self._owner: int | None = None  # the thread that holds it
+        # Every model call runs on this thread (see engine_thread); it ends with the Runner.
+        self._engine = EngineThread(f"mlxkv-engine-{id(self):x}")
+        weakref.finalize(self, self._engine.stop, False)
+        self._consumers: dict[int, Relay] = {}  # threads iterating a stream() now
         self._builder = RequestBuilder(self._prompts, self.max_context, config.keep)
         self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         self._requests_lock = threading.Lock()
         # The memory line logged after the last generation (sharded: with the ranks' sum).
         self.memory_line = ""
+
+    def _fit_window(self, config: RunnerConfig, loaded: LoadedModel) -> RunnerConfig:
+        """`config` with its context window: by default the model's maximum capped to what
+        the entries' budget holds (`cache_bytes`, else a share of memory), one reading for
+        both. A window the budget cannot hold is allowed, with a warning: a conversation
+        longer than the budget keeps only its first part in the cache after each request."""
+        per_token = kv_bytes_per_token(loaded.model, self._make_layers(config))
+        budget = config.cache_bytes or int(memory_bytes() * CONTEXT_MEMORY_FRACTION)
+        window = config.max_context or default_max_context(
+            loaded.max_position_embeddings, per_token, budget
+        )
+        if config.cache_bytes is not None and window * per_token > config.cache_bytes:
+            logger.warning(
+                "the context window (%d tokens) needs %s of K/V but cache_bytes is %s: a "
+                "conversation keeps only its first %d tokens in the cache between requests "
+                "(raise cache_bytes or lower max_context)",
+                window,
+                format_bytes(window * per_token),
+                format_bytes(config.cache_bytes),
+                config.cache_bytes // per_token,
+            )
+        return config.replace(max_context=window)
 
     @classmethod
     def load(
@@ -147,6 +170,12 @@ class Runner:
         """The disk tier's directory for this model (None: no disk tier)."""
         store = self._pool.store
         return None if store is None else store.directory
+
+    @property
+    def health(self) -> str | None:
+        """None while the Runner can serve; else why it cannot (the ranks of a sharded
+        Runner out of step: every request fails until every rank is restarted)."""
+        return None if self._lockstep is None else self._lockstep.failure
 
     @property
     def rank(self) -> int:
@@ -220,7 +249,11 @@ class Runner:
             ContextLengthError: `keep`, or the chat's last turn, leaves no room in
                 `max_context`; or the prompt does not fit and `truncate` is False.
             RunnerBusyError (when iterated): this thread is still inside another `stream()`.
+            NotSupportedError: called on a rank other than 0 of a sharded Runner.
+            RanksOutOfStepError: a sharded Runner's ranks stopped answering each other.
         """
+        if self._lockstep is not None:
+            self._lockstep.check_can_lead()
         if speculative == "default":
             speculative = self.speculative
         options = RequestOptions(
@@ -230,47 +263,72 @@ class Runner:
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.
         request = self._builder.build(
-            prompt, sampling, options, cached_prefix=self._pool.longest_prefix
+            prompt,
+            sampling,
+            options,
+            cached_prefix=self._pool.longest_prefix,
+            cut_starts=self._pool.cut_starts(),
         )
-        if self._lockstep is not None:  # ranks decide on a cancel together
-            request = self._lockstep.with_agreed_cancel(request)
+        if self._lockstep is not None:  # ranks decide on a cancel and a seed together
+            request = self._lockstep.prepare(request)
         with self._requests_lock:
             self._requests.add(request.cancelled)
-        return self._stream(request)
+        return self._consume(request)
 
-    def _stream(self, request: Request) -> Iterator[GenerationChunk]:
-        if self._owner == threading.get_ident():
-            raise RunnerBusyError(
-                "this thread is still iterating another stream() of this Runner; finish it or "
-                "close() it before starting a new generation (waiting would never end)"
-            )
-        with self._lock:
-            self._owner = threading.get_ident()
-            mx.reset_peak_memory()
-            try:
-                with clean_random_state():
-                    if self._lockstep is None:
-                        yield from self._run(request)
-                    else:
-                        yield from self._lockstep.run(request, self._run)
-            finally:
-                self._owner = None
-                with self._requests_lock:
-                    self._requests.discard(request.cancelled)
-                self._end_request()
+    def _consume(self, request: Request) -> Iterator[GenerationChunk]:
+        """The caller's side of a request: its chunks, computed on the engine thread."""
+        try:
+            yield from self._relay(lambda: self._serve(request))
+        finally:
+            with self._requests_lock:
+                self._requests.discard(request.cancelled)
+
+    def _relay(self, make: Callable[[], Iterator[T]]) -> Iterator[T]:
+        """The items of the generator `make()` returns, run on the engine thread for this
+        thread. A second one on a thread still reading one would wait on the first, which
+        only this thread can finish: refused before it is queued. Meanwhile this thread's
+        `cache_tokens` reads go through the relay (the engine is busy with its generator)."""
+        me = threading.get_ident()
+        with self._requests_lock:
+            if me in self._consumers:
+                raise RunnerBusyError(
+                    "this thread is still iterating another stream() of this Runner; "
+                    "finish it or close() it before starting a new generation (waiting "
+                    "would never end)"
+                )
+            self._consumers[me] = relay = self._engine.iterate(make)
+        try:
+            yield from relay
+        finally:
+            with self._requests_lock:
+                del self._consumers[me]
+
+    def _serve(self, request: Request) -> Iterator[GenerationChunk]:
+        """One request on the engine thread, start to end."""
+        mx.reset_peak_memory()
+        try:
+            with request_random_state(request.params.seed):
+                if self._lockstep is None:
+                    yield from self._run(request)
+                else:
+                    yield from self._lockstep.run(request, self._run)
+        finally:
+            self._end_request()
 
     def _end_request(self) -> None:
-        """Leaves nothing lazy or thread-bound behind, so the next request may run on any
-        thread; evicts to the cache's budget; logs the memory line."""
+        """Leaves nothing lazy behind (the disk tier and other threads read the entry);
+        evicts to the cache's budget; logs the memory line."""
         entry = self._pool.current
         try:
             if entry is not None:
                 entry.cache.materialize()
+                if entry.draft_cache is not None:
+                    entry.draft_cache.materialize()
         except RuntimeError as error:  # a failed lazy computation: never keep a broken entry
             logger.warning("prompt cache dropped: its arrays could not be evaluated (%s)", error)
             entry.cache.free()
+            entry.draft_cache = None
         self._pool.release()
-        release_streams_at_thread_exit()
         self._log_memory()
 
     def _run(self, request: Request) -> Iterator[GenerationChunk]:
@@ -297,12 +355,12 @@ class Runner:
     @property
     def cache_tokens(self) -> list[int]:
         """The token ids the entry of the last request holds (a copy). Waits for a generation
-        running on another thread; inside this thread's own stream it reads the cache as it
-        is."""
-        if self._owner == threading.get_ident():
-            return self._current_tokens()
-        with self._lock:
-            return self._current_tokens()
+        running on another thread; inside this thread's own stream (whose generation waits
+        for this thread meanwhile) it reads the cache as it is."""
+        relay = self._consumers.get(threading.get_ident())
+        if relay is not None:
+            return relay.call(self._current_tokens)
+        return self._engine.call(self._current_tokens)
 
     def _current_tokens(self) -> list[int]:
         entry = self._pool.current
@@ -314,22 +372,33 @@ class Runner:
         Raises:
             RunnerBusyError: called from inside this thread's own unfinished `stream()`.
         """
-        if self._owner == threading.get_ident():
+        if threading.get_ident() in self._consumers:
             raise RunnerBusyError("cannot reset the cache inside its own stream(); close it first")
-        with self._lock:
-            if self._lockstep is not None and self._lockstep.leads:
-                self._lockstep.announce("reset")
-            self._pool.clear()
-            self._builder.forget_cut()
+        self._engine.call(self._reset_now)
+
+    def _reset_now(self) -> None:
+        if self._lockstep is not None and self._lockstep.leads:
+            self._lockstep.announce("reset")
+        self._pool.clear()
 
     def close(self) -> None:
         """Writes the entries to the disk tier (when there is one) and waits for every write,
         so a new Runner on the same `cache_dir` starts warm. The Runner stays usable, except
-        when sharded: rank 0's close ends the other ranks' `follow()`."""
-        with self._lock:
-            if self._lockstep is not None and self._lockstep.leads:
-                self._lockstep.announce("stop")
-            self._pool.persist()
+        when sharded: rank 0's close ends the other ranks' `follow()`.
+
+        Raises:
+            RunnerBusyError: called from inside this thread's own unfinished `stream()`.
+        """
+        if threading.get_ident() in self._consumers:
+            raise RunnerBusyError(
+                "cannot close the Runner inside its own stream(); finish it first"
+            )
+        self._engine.call(self._close_now)
+
+    def _close_now(self) -> None:
+        if self._lockstep is not None and self._lockstep.leads:
+            self._lockstep.announce("stop")
+        self._pool.persist()
 
     def follow(self) -> Iterator[Completion]:
         """On ranks other than 0 of a sharded Runner: runs rank 0's requests and resets in
@@ -340,7 +409,7 @@ class Runner:
         """
         if self._lockstep is None or self._lockstep.leads:
             raise ValueError("follow() is for ranks other than 0 of a Runner under mlx.launch")
-        return self._lockstep.follow(self._stream, self.reset)
+        return self._relay(lambda: self._lockstep.follow(self._serve, self._reset_now))
 
     def __enter__(self) -> Runner:
         return self

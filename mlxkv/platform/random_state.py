@@ -1,11 +1,13 @@
-"""Process-wide MLX state that every request must leave clean, whatever thread it ran on.
+"""MLX state that every request must leave clean.
 
-Owns: the global MLX state a request touches:
-  - the random key (`mx.random.state`): mlx-lm's samplers are `mx.compile`d with the key as an
-    input and an output, so a sampler that raises while it is traced leaves a tracer without a
-    primitive in the key, and every later sampled generation in the process fails ("Attempting
-    to eval an array without a primitive") until something reseeds;
-  - thread-local streams (see `mlxkv.platform.threads`, shared with the disk tier's writer).
+Owns: the MLX state a request touches:
+  - the random key (`mx.random.state`, one per thread): a seeded request must not leave its
+    seed's sequence behind for the requests after it (their "random" text would be
+    predictable); and mlx-lm's samplers are `mx.compile`d with the key as an input and an
+    output, so a sampler that raises while it is traced leaves a tracer without a primitive in
+    the key, and every later sampled generation fails ("Attempting to eval an array without a
+    primitive") until something reseeds;
+  - thread-local streams (see `mlxkv.platform.threads`, used by the disk tier's writer).
 
 Does not own the model's or the cache's arrays (see `loading.materialize` and
 `ModelCache.materialize`).
@@ -24,17 +26,25 @@ logger = logging.getLogger(__name__)
 
 
 @contextmanager
-def clean_random_state() -> Iterator[None]:
-    """Leaves `mx.random.state` evaluated after the block, and as it was before the block if
-    the block broke it (a sampler that failed while being traced)."""
+def request_random_state(seed: int | None) -> Iterator[None]:
+    """The random key one request samples with: `seed`'s own sequence for a seeded request,
+    after which the thread's key is put back where it was (so the seed leaves later unseeded
+    sampling as unpredictable as before); for an unseeded one, the thread's key, which the
+    request advances. Either way the key is left evaluated, and as it was before the block
+    if the block broke it (a sampler that failed while being traced)."""
     saved = _usable_key()
+    if seed is not None:
+        mx.random.seed(seed)
     try:
         yield
     finally:
         try:
             mx.eval(mx.random.state)
+            broken = False
         except (RuntimeError, ValueError):
             logger.warning("random state left unusable by a failed request; restored it")
+            broken = True
+        if broken or seed is not None:
             mx.random.seed(saved)
 
 

@@ -16,10 +16,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from mlxkv.config import ServerConfig
 from mlxkv.engine.runner import Runner
+from mlxkv.errors import RanksOutOfStepError
 from mlxkv.server.anthropic_api import routes as anthropic
 from mlxkv.server.errors import ApiError, error_response
 from mlxkv.server.middleware import AccessLog, ApiKeyCheck, BodyLimit
@@ -79,9 +81,12 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
     return app
 
 
-async def _health(request: Request) -> dict[str, Any]:
+async def _health(request: Request) -> Any:
     ctx = server_context(request)
-    info = ctx.worker.runner.cache_info()
+    runner = ctx.worker.runner
+    if runner.health is not None:  # it cannot serve (a sharded model's ranks out of step)
+        return JSONResponse({"status": "error", "error": runner.health}, status_code=503)
+    info = runner.cache_info()
     cache = {"tokens": info.num_tokens, "bytes": info.allocated_bytes}
     return {"status": "ok", "model": ctx.model_name, "cache": cache}
 
@@ -103,6 +108,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(
             request.url.path, error.status_code, str(error.detail), headers=error.headers
         )
+
+    @app.exception_handler(RanksOutOfStepError)
+    async def cannot_serve(request: Request, error: RanksOutOfStepError):
+        return error_response(request.url.path, 503, str(error))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception):

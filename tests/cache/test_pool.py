@@ -126,10 +126,22 @@ def test_eviction_takes_superseded_entries_first_then_least_recently_used():
     assert held == [[2, 2, 2, 2], [3, 3, 3, 3], [4, 4, 4, 4]]  # then A, least recently used
 
 
-def test_byte_budget_evicts_the_current_entry_when_it_alone_is_over():
-    pool = CachePool(_make_entry, max_entries=4, max_bytes=8 * LAYERS * 64)
+def test_an_entry_alone_over_the_byte_budget_keeps_its_longest_prefix_that_fits():
+    budget = 8 * LAYERS * 64
+    pool = CachePool(_make_entry, max_entries=4, max_bytes=budget)
     _request(pool, [1] * 5, [1])
     assert len(pool.entries) == 1
+    _request(pool, list(range(2, 22)), [22])  # 21 tokens: the other entry goes, then its tail
+    (entry,) = pool.entries
+    kept = entry.cache.tokens
+    assert 0 < len(kept) < 21 and kept == list(range(2, 2 + len(kept)))
+    assert entry.tokens.tolist() == kept and pool.nbytes <= budget
+    hit = pool.fetch_nearest(list(range(2, 30)))
+    assert hit.num_cached == len(kept)
+
+
+def test_an_entry_not_even_a_token_of_which_fits_is_evicted():
+    pool = CachePool(_make_entry, max_entries=4, max_bytes=1)
     _request(pool, [2] * 20, [2])
     assert pool.entries == [] and pool.nbytes == 0
 

@@ -286,3 +286,26 @@ def test_sampling_with_a_draft_model_keeps_the_distribution(loaded_tiny, other_l
     assert p_value("draft") > SIGNIFICANCE
     monkeypatch.setattr(request_run, "AcceptanceRule", _AlwaysAccept)
     assert p_value("draft") < SIGNIFICANCE  # the same test rejects a broken rule
+
+
+def test_each_conversation_keeps_its_own_draft_cache_counted_in_the_budget(loaded_tiny):
+    """The draft model's cache lives on each conversation's entry: interleaved conversations
+    do not re-prefill each other's (one shared cache did, every turn), its bytes count in
+    `cache_info()` and the budget, and it goes with its entry."""
+    loaded = loaded_tiny("llama")
+    runner = Runner(loaded, max_context=1024, cache_entries=2, draft=_same_model_draft(loaded))
+    prompts = [PROMPT, "Completely different words about rivers and museums, at length."]
+    for prompt in prompts:
+        runner.generate(prompt, max_tokens=12, speculative="draft")
+    entries = runner._pool.entries
+    drafts = [entry.draft_cache for entry in entries]
+    assert all(d is not None for d in drafts) and drafts[0] is not drafts[1]
+    for entry in entries:  # each holds its own conversation (less the token drafting feeds)
+        held = entry.cache.tokens
+        assert entry.draft_cache.tokens == held[: entry.draft_cache.num_tokens]
+        assert entry.draft_cache.num_tokens >= len(held) - 17
+    info = runner.cache_info()
+    draft_bytes = sum(e.draft_bytes for e in info.entries)
+    assert draft_bytes > 0 and info.held_bytes >= info.allocated_bytes + draft_bytes
+    runner.generate(prompts[0] + " Go on.", max_tokens=4, speculative=None)  # no draft needed
+    assert runner._pool.entries[-1].draft_cache is drafts[0]

@@ -194,3 +194,17 @@ def test_fitting_a_long_chat_renders_linearly_in_its_length(make_runner, monkeyp
         assert out.cached_tokens == out.prompt_tokens - 1  # the same cut, fully reused
         rendered[turns] = count["messages"]
     assert rendered[400] <= 5 * rendered[100], rendered
+
+
+def test_default_window_is_what_the_cache_budget_holds_and_a_larger_one_is_warned(
+    make_runner, caplog
+):
+    """One memory reading for the window and the entries' budget: by default the window fits
+    `cache_bytes`; a window set beyond it works, with a warning saying what is kept."""
+    unbounded = make_runner("llama")
+    budget = 64 * 1024
+    runner = make_runner("llama", cache_bytes=budget)
+    assert runner.max_context < unbounded.max_context
+    with caplog.at_level("WARNING", logger="mlxkv.engine.runner"):
+        make_runner("llama", cache_bytes=budget, max_context=runner.max_context * 4)
+    assert "raise cache_bytes or lower max_context" in caplog.text

@@ -106,6 +106,56 @@ def test_byte_budget_holds_after_every_request(make_runner, arch):
     assert runner.cache_info().held_bytes <= budget
 
 
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_a_conversation_over_the_budget_keeps_its_longest_prefix_that_fits(make_runner, arch):
+    """An entry alone over `cache_bytes` keeps the prefix that fits (it used to be evicted
+    whole: every later turn a full miss), so each turn still reuses the system prompt."""
+    system = [{"role": "system", "content": SYSTEM * 3}]
+    probe = make_runner(arch)
+    probe.generate(system + [{"role": "user", "content": QUESTIONS[0]}], max_tokens=8)
+    budget = int(probe.cache_info().allocated_bytes * 1.5)
+    runner = make_runner(arch, cache_bytes=budget, max_context=1024)  # a window over budget
+    system_tokens = _conversation_so_far(runner, system)
+    messages = list(system)
+    for turn, question in enumerate(QUESTIONS * 2):
+        messages.append({"role": "user", "content": f"{question} Tell me more, in detail."})
+        out = runner.generate(messages, max_tokens=24)
+        assert out.tokens == make_runner(arch).generate(messages, max_tokens=24).tokens
+        if turn:
+            assert out.cached_tokens >= system_tokens, f"turn {turn}: {out}"
+        _check_pool(runner)
+        messages.append({"role": "assistant", "content": out.text})
+    held = len(runner.cache_tokens)
+    assert system_tokens <= held < out.prompt_tokens, "the conversation never went over the budget"
+
+
+def test_two_long_chats_interleaved_in_a_small_window_each_reuse_their_own_cut(make_runner):
+    """Each conversation's cut to the window lives on its own entry: interleaved, each turn
+    of each still reuses its previous prompt (one cut remembered per Runner made every turn of
+    one conversation forget the other's cut: a new cut, and a miss, on every turn)."""
+    runner = make_runner("llama", max_context=320, cache_entries=4)
+    chats = {
+        name: [{"role": "system", "content": f"You are assistant {name}. {SYSTEM}"}]
+        for name in ("a", "b")
+    }
+    reused, turns_after_cut = 0, 0
+    previous = {}
+    for turn in range(12):
+        for name, messages in chats.items():
+            messages.append(
+                {"role": "user", "content": f"Turn {turn} of chat {name}: {QUESTIONS[turn % 3]}"}
+            )
+            out = runner.generate(messages, max_tokens=8)
+            messages.append({"role": "assistant", "content": out.text})
+            full = len(runner.encode(messages[:-1]))
+            if name in previous and full > runner.max_context:
+                turns_after_cut += 1
+                reused += out.cached_tokens >= previous[name]
+            previous[name] = out.prompt_tokens
+    assert turns_after_cut >= 8
+    assert reused >= turns_after_cut * 0.6, f"{reused} of {turns_after_cut} turns reused"
+
+
 class _Boom(Exception):
     pass
 

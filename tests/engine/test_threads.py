@@ -166,3 +166,17 @@ def test_cancel_right_after_a_request_starts_is_not_lost(make_runner):
     assert runner.cache_tokens == before  # cancelled before its turn: nothing touched
     later = runner.generate(CHAT, max_tokens=3)  # started after cancel(): unaffected
     assert later.finish_reason != "cancelled"
+
+
+def test_a_seeded_request_leaves_later_unseeded_sampling_unpredictable(make_runner):
+    """Two Runners (as two server processes would) each answer the same seeded request, then
+    the same unseeded one: the seeded answers agree, the unseeded ones must not (the seed used
+    to stay behind in the process's random key, making every later answer predictable)."""
+    sampled = dict(max_tokens=24, temperature=1.0)
+    seeded, unseeded = [], []
+    for _ in range(2):
+        runner = make_runner("llama")
+        seeded.append(runner.generate(CHAT, seed=7, **sampled).tokens)
+        unseeded.append(runner.generate(CHAT, **sampled).tokens)
+    assert seeded[0] == seeded[1]
+    assert unseeded[0] != unseeded[1]

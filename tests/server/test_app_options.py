@@ -18,6 +18,16 @@ def test_health_reports_the_model_and_the_cache(tiny_server):
     assert body["cache"]["tokens"] == tiny_server.runner.cache_info().num_tokens > 0
 
 
+def test_health_is_503_when_the_runner_cannot_serve(loaded_tiny, monkeypatch):
+    """A sharded Runner whose ranks fell out of step fails every request: /health says so
+    (it used to answer ok while every request hung)."""
+    runner = Runner(loaded_tiny("llama"))
+    with serve(runner) as served:
+        monkeypatch.setattr(Runner, "health", property(lambda self: "ranks out of step"))
+        status, body = served.request("GET", "/health")
+    assert status == 503 and body == {"status": "error", "error": "ranks out of step"}
+
+
 def _preflight(served, origin: str) -> http.client.HTTPResponse:
     connection = http.client.HTTPConnection(served.host, served.port, timeout=30)
     connection.request(

@@ -1,0 +1,202 @@
+"""The one thread that runs a Runner's MLX work.
+
+Why: MLX gives each thread its own streams (and random key); an array built on one thread's
+stream cannot be evaluated on another, and a thread's streams are torn down when it ends.
+Requests run on their callers' threads (the Python API's, the server's) left arrays crossing
+threads and a finishing thread tearing down its streams while another thread generated on
+arrays it had produced: on MLX's CUDA backend two threads generating at once aborted the
+process. Here every model call, cache copy, disk load and write of a Runner runs on one
+long-lived thread; callers hand it work and read results back.
+
+Owns `EngineThread`: `call(fn)` (run fn there, return its result), `iterate(make)` (run a
+generator there, relaying its items to the caller one at a time, as if the caller iterated
+it), and the thread's lifetime: started on first use, ended when its owner is collected or
+the interpreter exits, releasing its streams on itself. Does not own what the work is
+(`runner`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import mlx.core as mx
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """A worker thread that runs jobs one at a time, in the order they come.
+
+    Args:
+        name: the thread's name (shown in stack dumps).
+    """
+
+    def __init__(self, name: str):
+        self._name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    @property
+    def is_current(self) -> bool:
+        """True on the engine thread itself."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def call(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
+        """Runs `fn(*args)` on the engine thread after the jobs before it; returns its result
+        or raises its exception. On the engine thread itself, runs it at once.
+
+        Raises:
+            TimeoutError: the result did not come within `timeout_s` (None: wait for it);
+                the job still runs, or waits its turn.
+        """
+        if self.is_current:
+            return fn(*args)
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def job() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as error:  # handed to the caller, who raises it
+                    future.set_exception(error)
+
+        self._submit(job)
+        return future.result(timeout_s)
+
+    def iterate(self, make: Callable[[], Iterator[T]]) -> Relay:
+        """The items of the generator `make()` returns, each computed on the engine thread
+        when the caller asks for it, exactly as if the caller iterated the generator itself:
+        nothing runs ahead, a caller that stops early closes it (its `finally` runs on the
+        engine thread before the caller goes on), and its exceptions reach the caller."""
+        relay = Relay()
+        self._submit(lambda: relay.pump(make))
+        return relay
+
+    def stop(self, wait: bool = True) -> None:
+        """Ends the thread after the jobs already given (it starts again on the next job)."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._jobs.put(None)
+        if wait and thread is not threading.current_thread():
+            thread.join()
+
+    def abandon(self) -> None:
+        """Gives up on the thread, stuck in a job that will never end (a collective whose
+        peer is gone): it is not waited for at exit."""
+        _running.discard(self)
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+                _running.add(self)
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        # A new thread's random key is the same in every thread of the process (MLX derives
+        # it from the process's start time): draw this one's from the OS instead.
+        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+        try:
+            while (job := self._jobs.get()) is not None:
+                job()  # jobs hand their own errors to their callers
+                del job  # held while waiting for the next one, it would keep its arrays alive
+        finally:
+            mx.synchronize()
+            mx.clear_streams()  # on this thread, before it ends (see the module docstring)
+            _running.discard(self)
+
+
+class Relay:
+    """A generator running on the engine thread, iterated by one consumer thread; between
+    two items (the generator paused) that consumer may `call` functions there too."""
+
+    def __init__(self):
+        # ("next", None), ("call", fn) or ("close", None), from the consumer
+        self._asks: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # ("item" | "result" | "error" | "end", value), from the engine
+        self._answers: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+
+    def pump(self, make: Callable[[], Iterator[Any]]) -> None:
+        """Engine side: advances the generator at each ask, until it ends or is closed."""
+        try:
+            generator = make()
+        except BaseException as error:  # raised to the consumer at its first ask
+            self._answers.put(("error", error))
+            return
+        try:
+            while (ask := self._asks.get())[0] != "close":
+                if ask[0] == "call":
+                    self._answers.put(_outcome(ask[1]))
+                    continue
+                try:
+                    item = next(generator)
+                except StopIteration:
+                    self._answers.put(("end", None))
+                    return
+                except BaseException as error:
+                    self._answers.put(("error", error))
+                    return
+                self._answers.put(("item", item))
+            generator.close()  # the consumer left: its `finally` runs here, now
+            self._answers.put(("end", None))
+        except BaseException as error:  # closing raised: the consumer still waits for the end
+            self._answers.put(("error", error))
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Consumer side, between two items: runs `fn()` on the engine thread."""
+        self._asks.put(("call", fn))
+        kind, value = self._answers.get()
+        if kind == "error":
+            raise value
+        return value
+
+    def __iter__(self) -> Iterator[Any]:
+        """Consumer side: the items."""
+        ended = False
+        try:
+            while True:
+                self._asks.put(("next", None))
+                kind, item = self._answers.get()
+                if kind != "item":
+                    ended = True
+                    if kind == "error":
+                        raise item
+                    return
+                yield item
+        finally:
+            if not ended:  # left early: close the generator there and wait until it has
+                self._asks.put(("close", None))
+                kind, item = self._answers.get()
+                if kind == "error":
+                    logger.warning("closing a generation raised %r", item)
+
+
+def _outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        return "result", fn()
+    except Exception as error:  # raised in the caller's thread
+        return "error", error
+
+
+_running: weakref.WeakSet[EngineThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Ends every engine thread before the interpreter's teardown, so each releases its MLX
+    streams itself (a thread torn down with the process can abort it)."""
+    for engine in list(_running):
+        engine.stop()
