@@ -141,6 +141,7 @@ def _parser() -> argparse.ArgumentParser:
         help="largest request body accepted",
     )
     serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
+    _add_warmup_option(serve)
     _add_speculative_options(serve)
     _add_cache_options(serve, server=True)
     serve.set_defaults(run=_serve)
@@ -185,6 +186,16 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="statistics and the cache log on stderr"
+    )
+    _add_warmup_option(parser)
+
+
+def _add_warmup_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the forward passes at load that compile MLX's kernels before the first "
+        "request (seconds on a GPU)",
     )
 
 
@@ -275,6 +286,7 @@ def _runner_config(args: argparse.Namespace) -> RunnerConfig:
         "kv_bits": args.kv_bits,
         "speculative": args.speculative,
         "draft_model": args.draft_model,
+        "warmup": not args.no_warmup,
     }
     for key in ("cache_entries", "cache_bytes", "cache_dir", "cache_dir_bytes"):
         if hasattr(args, key):

@@ -158,6 +158,8 @@ class RunnerConfig(_Options):
             `Runner.load` (any form a model path takes); None for none.
         speculative: the requests' default speculative decoding mode: "auto", "ngram",
             "draft", or None / "off" (plain decoding).
+        warmup: run a few small forward passes when the Runner is made, so MLX compiles its
+            kernels then (seconds on a GPU) rather than during the first request.
     """
 
     max_context: int | None = None
@@ -172,6 +174,7 @@ class RunnerConfig(_Options):
     cache_dir_bytes: int | str = DEFAULT_DISK_BYTES
     draft_model: str | Path | None = None
     speculative: str | None = "auto"
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.max_context is not None:

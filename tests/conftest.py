@@ -6,6 +6,18 @@ import mlxkv  # noqa: F401  (first: it picks the BLAS before mlx is imported)
 from tests.factories import tiny_model_dir
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests run only where MLX's default device is a GPU, `cpu_only` ones only where
+    it is the CPU."""
+    from mlxkv.platform.machine import on_gpu
+
+    skipped = "cpu_only" if on_gpu() else "gpu"
+    reason = "needs MLX's CPU backend" if on_gpu() else "needs MLX on a GPU"
+    for item in items:
+        if item.get_closest_marker(skipped):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(scope="session")
 def model_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("models"))

@@ -17,6 +17,7 @@ from mlxkv.testing.factory import ARCHITECTURES
 from tests.tolerances import assert_logits_close
 
 VOCAB = 512
+pytestmark = pytest.mark.cpu_only  # lanes are CPU streams; a GPU prefills on one
 
 
 @pytest.fixture

@@ -1,0 +1,61 @@
+"""The warm-up at load (`RunnerConfig.warmup`): MLX compiles its kernels for each shape class a
+request meets before the first request, on scratch caches that no entry sees."""
+
+import dataclasses
+
+import pytest
+
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.cli import _parser, _runner_config
+
+
+@pytest.fixture
+def widths_fed(monkeypatch):
+    """The token count of every `ModelCache.forward` call, in order."""
+    fed: list[int] = []
+    forward = ModelCache.forward
+
+    def counting(self, model, token_ids):
+        fed.append(len(token_ids))
+        return forward(self, model, token_ids)
+
+    monkeypatch.setattr(ModelCache, "forward", counting)
+    return fed
+
+
+def _warm_up_widths(make_runner, widths_fed, **settings) -> list[int]:
+    """What a Runner with these settings feeds when made, less what it feeds with no warm-up
+    (the one-token probe that measures K/V bytes per token)."""
+    make_runner("llama", warmup=False, **settings)
+    cold = list(widths_fed)
+    runner = make_runner("llama", **settings)
+    warm = widths_fed[len(cold) :]
+    assert warm[: len(cold)] == cold
+    return runner, warm[len(cold) :]
+
+
+def test_warm_up_feeds_each_shape_class_and_leaves_no_entry(make_runner, widths_fed):
+    runner, widths = _warm_up_widths(make_runner, widths_fed, max_context=256, speculative="ngram")
+    assert widths == [32, 4, 1]
+    assert runner.cache_info().num_tokens == 0
+    out = runner.generate("one two three four", max_tokens=2, temperature=0)
+    assert out.cached_tokens == 0  # the warm-up's tokens are not a prefix anyone can hit
+
+
+def test_warm_up_covers_the_draft_model(make_runner, loaded_tiny, widths_fed):
+    draft = dataclasses.replace(loaded_tiny("llama"))
+    _, widths = _warm_up_widths(make_runner, widths_fed, max_context=256, draft=draft)
+    assert widths == [32, 4, 1] * 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["generate", "-p", "x"], True),
+        (["generate", "-p", "x", "--no-warmup"], False),
+        (["serve", "--no-warmup"], False),
+    ],
+    ids=["generate", "generate-no-warmup", "serve-no-warmup"],
+)
+def test_cli_warmup_option(argv, expected):
+    assert _runner_config(_parser().parse_args(argv)).warmup is expected
