@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +86,14 @@ class StoredEntry:
 
 @dataclass
 class _Job:
+    """A background write. `held_bytes` is the memory its arrays keep alive until written:
+    they are views of the entry's buffers, so the whole allocated buffers, not their slices'
+    `nbytes`."""
+
     arrays: dict[str, mx.array]
     metadata: dict[str, str]
     name: str
-    nbytes: int
-    done: threading.Event = field(default_factory=threading.Event)
+    held_bytes: int
 
 
 class DiskStore:
@@ -118,8 +121,9 @@ class DiskStore:
         self.trimmable = trimmable
         self.read_bytes_per_s = float(DEFAULT_READ_BYTES_PER_S)
         self._records: dict[str, StoredEntry] = {}
-        self._lock = threading.Lock()  # guards _records and _pending_bytes
+        self._lock = threading.Lock()  # guards _records, _queued, _pending_bytes and _writer
         self._pending_bytes = 0
+        self._queued: set[str] = set()  # names handed to the writer, not yet written
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._scanned_mtime = -1
@@ -184,9 +188,11 @@ class DiskStore:
         return best, best_reuse
 
     def holds(self, tokens: np.ndarray) -> bool:
-        """True when a file holds exactly these tokens (written or indexed by this store)."""
+        """True when a file holds exactly these tokens (written, indexed or queued for writing
+        by this store)."""
+        name = token_key(tokens) + SUFFIX
         with self._lock:
-            return token_key(tokens) + SUFFIX in self._records
+            return name in self._records or name in self._queued
 
     # -- load -----------------------------------------------------------------------------
 
@@ -249,39 +255,42 @@ class DiskStore:
             "tokens": base64.b64encode(tokens.astype("<u4").tobytes()).decode(),
             "crc32": _CRC_PLACEHOLDER,
         }
-        job = _Job(arrays, metadata, token_key(tokens) + SUFFIX, nbytes)
+        job = _Job(arrays, metadata, token_key(tokens) + SUFFIX, cache.nbytes)
         if wait:
             self._run(job)
             return
         with self._lock:
-            self._pending_bytes += nbytes
-        self._start_writer()
+            self._pending_bytes += job.held_bytes
+            self._queued.add(job.name)
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_loop, name="mlxkv-disk-writer", daemon=True
+                )
+                self._writer.start()
         self._jobs.put(job)
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes of entries handed to the writer and not yet on disk (still in memory)."""
+        """Memory held by entries handed to the writer and not yet on disk."""
         with self._lock:
             return self._pending_bytes
 
     def flush(self) -> None:
         """Waits until every background write has finished."""
-        if self._writer is not None:
-            self._jobs.join()
+        self._jobs.join()
 
     def close(self) -> None:
-        """Finishes pending writes and stops the writer thread."""
-        if self._writer is not None:
-            self._jobs.put(None)
-            self._writer.join()
-            self._writer = None
-
-    def _start_writer(self) -> None:
-        if self._writer is None:
-            self._writer = threading.Thread(
-                target=self._write_loop, name="mlxkv-disk-writer", daemon=True
-            )
-            self._writer.start()
+        """Finishes pending writes and stops the writer thread, whose frame holds the store
+        (and so its index) alive. Safe to call twice, from any thread, the writer's own
+        included (a garbage collection there can run a Runner's finalizer); a later `write`
+        starts a new writer."""
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        self._jobs.put(None)
+        if writer is not threading.current_thread():
+            writer.join()
 
     def _write_loop(self) -> None:
         release_streams_at_thread_exit()
@@ -292,7 +301,10 @@ class DiskStore:
                 logger.exception("disk cache: writing %s failed", job.name)
             finally:
                 with self._lock:
-                    self._pending_bytes -= job.nbytes
+                    self._pending_bytes -= job.held_bytes
+                    self._queued.discard(job.name)
+                # the job's arrays (a whole entry) must not live on while this thread waits
+                del job
                 self._jobs.task_done()
         self._jobs.task_done()
 

@@ -97,6 +97,8 @@ class Runner:
         self._rotations = rope_rotations(loaded.model)
         self._draft = DraftModel.check(draft, loaded)
         self._pool = make_pool(loaded, self._make_entry, config)
+        if self._pool.store is not None:  # a Runner dropped without close() stops its writer
+            weakref.finalize(self, self._pool.store.close)
         # Every model call runs on this thread (see engine_thread); it ends with the Runner.
         self._engine = EngineThread(f"mlxkv-engine-{id(self):x}")
         weakref.finalize(self, self._engine.stop, False)
@@ -422,6 +424,8 @@ class Runner:
         if self._lockstep is not None and self._lockstep.leads:
             self._lockstep.announce("stop")
         self._pool.persist()
+        if self._pool.store is not None:
+            self._pool.store.close()
 
     def follow(self) -> Iterator[Completion]:
         """On ranks other than 0 of a sharded Runner: runs rank 0's requests and resets in
