@@ -42,7 +42,26 @@ class UnsupportedFormatError(ModelLoadError):
 
 
 class ContextLengthError(MlxkvError, ValueError):
-    """A request does not fit in the context window."""
+    """A request does not fit in the context window.
+
+    Attributes (None where the error is not about them; the APIs word their errors from them):
+        prompt_tokens: the prompt's length in tokens.
+        max_tokens: the tokens asked for after it, when the prompt fits but they do not.
+        max_context: the window, in tokens.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        max_context: int | None = None,
+    ):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_context = max_context
 
 
 class RunnerBusyError(MlxkvError, RuntimeError):

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import numbers
 import re
+import secrets
 from collections.abc import Sequence
 from typing import Any
+
+from jinja2 import TemplateError
 
 Message = dict[str, Any]
 Prompt = str | Sequence[int] | Sequence[Message]
@@ -113,12 +116,13 @@ class PromptEncoder:
         tools: Tools | None = None,
     ) -> list[int]:
         """Token ids of chat messages (and tools) through the chat template; content stays
-        text.
+        text. A template that refuses system messages after the first turn (clients such as
+        Claude Code send them as reminders) gets them folded into a user message instead.
 
         Raises:
-            ValueError: malformed messages or tools, no chat template, or content holding
-                control-token text that the template rewrites (so it cannot be located and
-                kept as text).
+            ValueError: malformed messages or tools, no chat template, a template that refuses
+                the messages, or content holding control-token text that the template
+                rewrites (so it cannot be located and kept as text).
         """
         messages = _checked_messages(messages)
         template_args: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
@@ -126,6 +130,21 @@ class PromptEncoder:
             template_args["tools"] = _checked_tools(tools)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain string")
+        refused = "the model's chat template refused the messages: {}"
+        try:
+            return self._render(messages, parse_control_tokens, template_args)
+        except TemplateError as error:
+            folded = fold_system_reminders(messages)
+            if folded == messages:
+                raise ValueError(refused.format(error)) from None
+        try:  # a template that wants its system message first (Gemma, Mistral)
+            return self._render(folded, parse_control_tokens, template_args)
+        except TemplateError as error:
+            raise ValueError(refused.format(error)) from None
+
+    def _render(
+        self, messages: list[Message], parse_control_tokens: bool, template_args: dict[str, Any]
+    ) -> list[int]:
         tainted = (
             []
             if parse_control_tokens or self._controls is None
@@ -133,31 +152,62 @@ class PromptEncoder:
         )
         if not tainted:
             return list(self.tokenizer.apply_chat_template(messages, **template_args))
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
-        return self._tokenize_keeping_content_as_text(text, messages, tainted)
+        return self._render_keeping_content_as_text(messages, tainted, template_args)
 
-    def _tokenize_keeping_content_as_text(
-        self, text: str, messages: list[Message], tainted: list[int]
+    def _render_keeping_content_as_text(
+        self, messages: list[Message], tainted: list[int], template_args: dict[str, Any]
     ) -> list[int]:
         """Template text with control tokens parsed; tainted messages' content as plain text.
-        Segments break where the content starts and ends, as the template placed it."""
+
+        The template renders a random placeholder in place of each tainted content, so the
+        content's place is where the template put it, never an earlier occurrence of the same
+        text (content that repeats the template's own markers would otherwise turn them into
+        text and itself into markers)."""
+        nonce = secrets.token_hex(8)
+        slots = {i: f"mlxkv{nonce}slot{i}" for i in tainted}
+        masked = [{**m, "content": slots.get(i, m["content"])} for i, m in enumerate(messages)]
+        text = self.tokenizer.apply_chat_template(masked, tokenize=False, **template_args)
         ids: list[int] = []
         cursor = 0
         for i in tainted:
-            content = messages[i]["content"]
-            start = text.find(content, cursor)
-            if start < 0 or self._plain is None:
-                found = self._controls.search(content).group(0)
+            start = text.find(slots[i], cursor)
+            if start < 0 or text.count(slots[i]) != 1 or self._plain is None:
+                found = self._controls.search(messages[i]["content"]).group(0)
                 raise ValueError(
                     f"message {i} contains the control token text {found!r}, which this "
                     "model's chat template or tokenizer cannot keep as plain text; remove it "
                     "from the message"
                 )
             ids += self.tokenizer.encode(text[cursor:start], add_special_tokens=False)
-            ids += self._plain.encode(content, add_special_tokens=False).ids
-            cursor = start + len(content)
+            ids += self._plain.encode(messages[i]["content"], add_special_tokens=False).ids
+            cursor = start + len(slots[i])
         ids += self.tokenizer.encode(text[cursor:], add_special_tokens=False)
         return ids
+
+
+def fold_system_reminders(messages: list[Message]) -> list[Message]:
+    """`messages` with each system message after the first turn moved into the next user
+    message (the previous one when none follows) as a `<system-reminder>` block, the form
+    Claude Code itself uses, for templates that refuse a system message anywhere but first."""
+    lead = len(leading_system_messages(messages))
+    out = messages[:lead]
+    held: list[str] = []
+    for message in messages[lead:]:
+        if message["role"] == "system":
+            held.append(f"<system-reminder>\n{message['content']}\n</system-reminder>")
+            continue
+        if held and message["role"] == "user":
+            message = {**message, "content": "\n\n".join([*held, message["content"]])}
+            held = []
+        out.append(message)
+    if held:
+        last_user = max((i for i, m in enumerate(out) if m["role"] == "user"), default=None)
+        if last_user is None:
+            out.append({"role": "user", "content": "\n\n".join(held)})
+        else:
+            content = "\n\n".join([out[last_user]["content"], *held])
+            out[last_user] = {**out[last_user], "content": content}
+    return out
 
 
 def is_messages(prompt: Prompt) -> bool:

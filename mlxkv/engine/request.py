@@ -10,6 +10,7 @@ Does not own the cut itself (`context.fit_prompt`) or prompt encoding (`prompt`)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -32,6 +33,8 @@ from mlxkv.errors import ContextLengthError, check_int
 
 # The most alternatives per token that logprobs reports (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
+# What a max_tokens the window cannot hold does (see RequestOptions.overflow).
+OVERFLOW_MODES = ("shift", "stop", "refuse")
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
@@ -84,6 +87,9 @@ class RequestOptions:
         cancel: an Event that ends this request when set; None makes a private one.
         top_logprobs: None for no log-probabilities, else alternatives per token (0..20).
         truncate: cut a prompt that does not fit; False raises ContextLengthError.
+        overflow: what a `max_tokens` the window cannot hold after the prompt does: "shift"
+            (the context shifts mid-reply), "stop" (the reply ends with "length" when the window
+            is full) or "refuse" (ContextLengthError before anything runs).
         cache_key: a label for the cache entry this request generates into.
         speculative: the speculative decoding mode, already checked.
     """
@@ -96,8 +102,13 @@ class RequestOptions:
     truncate: bool = True
     cache_key: str | None = None
     speculative: str | None = None
+    overflow: str = "shift"
 
     def check(self) -> None:
+        if self.overflow not in OVERFLOW_MODES:
+            raise ValueError(
+                f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {self.overflow!r}"
+            )
         if self.progress is not None and not callable(self.progress):
             raise ValueError(
                 f"progress must be a callable or None, got {type(self.progress).__name__}"
@@ -160,8 +171,11 @@ class RequestBuilder:
             raise ContextLengthError(
                 f"the prompt is {len(tokens):,} tokens and the context holds {self._max_context:,}"
                 " (at least 1 must stay free for the answer); shorten the prompt or raise "
-                "max_context"
+                "max_context",
+                prompt_tokens=len(tokens),
+                max_context=self._max_context,
             )
+        params = self._fit_max_tokens(params, len(tokens), options.overflow)
         keep = self._keep_for(prompt, tokens, render)
         # A prompt that must be cut leaves room to answer, so the answer does not begin with a
         # shift.
@@ -183,6 +197,24 @@ class RequestBuilder:
             options.cache_key,
             options.speculative,
             cut_start,
+        )
+
+    def _fit_max_tokens(
+        self, params: SamplingParams, prompt_tokens: int, overflow: str
+    ) -> SamplingParams:
+        """`params` whose max_tokens the window holds after the prompt, as `overflow` says."""
+        room = self._max_context - prompt_tokens
+        if overflow == "shift" or params.max_tokens <= room:
+            return params
+        if overflow == "stop":
+            return dataclasses.replace(params, max_tokens=max(room, 0))
+        raise ContextLengthError(
+            f"the prompt is {prompt_tokens:,} tokens and max_tokens is {params.max_tokens:,}: "
+            f"together over the context of {self._max_context:,}; lower max_tokens to at most "
+            f"{max(room, 0):,} or shorten the prompt",
+            prompt_tokens=prompt_tokens,
+            max_tokens=params.max_tokens,
+            max_context=self._max_context,
         )
 
     def _generation_prompt_length(self, prompt: Prompt, tokens: list[int], render: Render) -> int:

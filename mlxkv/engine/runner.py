@@ -236,6 +236,7 @@ class Runner:
         truncate: bool = True,
         cache_key: str | None = None,
         speculative: str | None = "default",
+        overflow: str = "shift",
         **sampling: Any,
     ) -> Iterator[GenerationChunk]:
         """Streams a completion chunk by chunk.
@@ -254,6 +255,10 @@ class Runner:
                 this many (0..20) most likely alternatives.
             truncate: cut a prompt longer than `max_context` (chats at user turns, keeping
                 the system prompt); False raises ContextLengthError instead.
+            overflow: when the prompt (as given) plus `max_tokens` is over `max_context`:
+                "shift" drops early tokens mid-reply to go on, "stop" ends the reply with
+                "length" when the window is full, "refuse" raises ContextLengthError first
+                (the server's choices: a client's history is the client's to cut).
             cache_key: a label for the cache entry this request generates into, e.g. a
                 conversation id; `cache_info()` shows it. Lookup is by tokens alone.
             speculative: "auto" drafts tokens (from the draft model if one is loaded, else by
@@ -272,7 +277,8 @@ class Runner:
         Raises:
             ValueError: bad prompt or sampling settings (raised here, before anything changes).
             ContextLengthError: `keep`, or the chat's last turn, leaves no room in
-                `max_context`; or the prompt does not fit and `truncate` is False.
+                `max_context`; or the prompt does not fit and `truncate` is False; or with
+                `overflow="refuse"`, the prompt and `max_tokens` do not fit together.
             RunnerBusyError (when iterated): this thread is still inside another `stream()`.
             NotSupportedError: called on a rank other than 0 of a sharded Runner.
             RanksOutOfStepError: a sharded Runner's ranks stopped answering each other.
@@ -283,7 +289,7 @@ class Runner:
             speculative = self.speculative
         options = RequestOptions(
             progress, parse_control_tokens, tools, cancel, logprobs, truncate, cache_key,
-            check_mode(speculative, has_draft_model=self._draft is not None),
+            check_mode(speculative, has_draft_model=self._draft is not None), overflow,
         )  # fmt: skip
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.

@@ -12,6 +12,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from mlxkv.errors import ContextLengthError
+
 _OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error"}
 _ANTHROPIC_TYPES = {
     401: "authentication_error",
@@ -37,6 +39,36 @@ class ApiError(Exception):
         self.message = message
         self.code = code
         self.param = param
+
+
+def context_length_error(error: ContextLengthError, path: str) -> ApiError:
+    """A request over the window as a 400 in the wording each API's clients parse (Claude
+    Code compacts its history or lowers max_tokens from Anthropic's numbers; litellm, aider
+    and others look for OpenAI's sentence and code)."""
+    prompt, window, asked = error.prompt_tokens, error.max_context, error.max_tokens
+    if prompt is None or window is None:  # a window too small for keep or the last turn
+        return ApiError(400, f"{error}; this server's context is set by --max-context")
+    if is_anthropic_path(path):
+        if asked is None:
+            message = f"prompt is too long: {prompt} tokens > {window - 1} maximum"
+        else:
+            message = (
+                f"input length and max_tokens exceed context limit: {prompt} + {asked} > "
+                f"{window}, decrease input length or max_tokens and try again"
+            )
+        return ApiError(400, message)
+    if asked is None:
+        message = (
+            f"This model's maximum context length is {window} tokens. However, your messages "
+            f"resulted in {prompt} tokens. Please reduce the length of the messages."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {window} tokens. However, you requested "
+            f"{prompt + asked} tokens ({prompt} in the messages, {asked} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+    return ApiError(400, message, code="context_length_exceeded", param="messages")
 
 
 def is_anthropic_path(path: str) -> bool:

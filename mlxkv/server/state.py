@@ -6,6 +6,7 @@ server-sent-events framing both streaming APIs use.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -23,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 # Tell proxies (nginx) not to buffer the events.
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Seconds without an event (a long prefill, a wait in the queue) before a keep-alive is sent:
+# clients give up on a stream that stays silent (Claude Code after 300 s), proxies sooner.
+KEEPALIVE_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -60,15 +64,20 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
 
 
 def event_stream(
-    events: AsyncIterator[str], turn: Turn, error_event: Callable[[str], str]
+    events: AsyncIterator[str],
+    turn: Turn,
+    error_event: Callable[[str], str],
+    keepalive: str = ": keep-alive\n\n",
 ) -> StreamingResponse:
-    """A response of server-sent events. A client that leaves cancels the turn at once; a
-    generation that fails after the response has started ends the stream with
-    `error_event(message)` (the API's own error event) instead of a cut connection."""
+    """A response of server-sent events. `keepalive` (an SSE comment unless the API has its
+    own ping event) goes out after every `KEEPALIVE_INTERVAL_S` without an event. A client
+    that leaves cancels the turn at once; a generation that fails after the response has
+    started ends the stream with `error_event(message)` (the API's own error event) instead
+    of a cut connection."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
-            async for event in events:
+            async for event in _with_keepalive(events, keepalive):
                 yield event
         except Exception as error:  # the status line is sent: say it in the stream
             logger.error("stream failed: %s", error)
@@ -77,3 +86,24 @@ def event_stream(
             turn.cancel()
 
     return StreamingResponse(guarded(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+async def _with_keepalive(events: AsyncIterator[str], keepalive: str) -> AsyncIterator[str]:
+    """`events`, with `keepalive` between them whenever the next one takes longer than
+    `KEEPALIVE_INTERVAL_S`. The pending read is waited on, never cancelled: cancelling it
+    would close the generation."""
+    iterator = aiter(events)
+    pending: asyncio.Future[str] | None = None
+    try:
+        while True:
+            pending = asyncio.ensure_future(anext(iterator))
+            while not (await asyncio.wait({pending}, timeout=KEEPALIVE_INTERVAL_S))[0]:
+                yield keepalive
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:  # the response was closed early (a client that left): end the read too
+        if pending is not None and not pending.done():
+            pending.cancel()

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from mlxkv.decoding.picker import TokenLogprob
 from mlxkv.engine.results import Completion, PromptUsage
 from mlxkv.errors import ContextLengthError
-from mlxkv.server.errors import ApiError
+from mlxkv.server.errors import ApiError, context_length_error
 from mlxkv.server.tool_calls import Piece, ToolCall, ToolCallSplitter
 from mlxkv.server.worker import GenerationStream, GenerationWorker
 
@@ -108,14 +108,18 @@ async def start_turn(
     sampling: dict[str, Any],
     top_logprobs: int | None = None,
     cache_key: str | None = None,
+    max_tokens_asked: bool = True,
 ) -> Turn:
     """Validates and queues one generation for an HTTP request (kept on `request.state.turn`
-    for the access log); a prompt longer than the context is refused, not cut (clients such
-    as agents compact their history when told).
+    for the access log). The context never shifts over HTTP: a client's history is the
+    client's to cut (agents compact it when told). A prompt longer than the context is
+    refused, so is a `max_tokens` the client asked for that does not fit after it; a server
+    default that does not fit ends the reply when the window is full (`max_tokens_asked`
+    False).
 
     Raises:
-        ApiError: 400 for bad input; OpenAI's code "context_length_exceeded" for a prompt
-            that does not fit.
+        ApiError: 400 for bad input, and for a request over the window in each API's wording
+            (`errors.context_length_error`).
     """
     worker: GenerationWorker = request.app.state.mlxkv.worker
     tokenizer = worker.runner.tokenizer
@@ -132,15 +136,12 @@ async def start_turn(
             tools=tools or None,
             logprobs=top_logprobs,
             truncate=False,
+            overflow="refuse" if max_tokens_asked else "stop",
             cache_key=cache_key,
             **sampling,
         )
     except ContextLengthError as error:
-        raise ApiError(
-            400,
-            f"{error}; this server's context is set by --max-context",
-            code="context_length_exceeded",
-        ) from error
+        raise context_length_error(error, request.url.path) from error
     except ValueError as error:
         raise ApiError(400, str(error)) from error
     request.state.turn = Turn(stream, splitter, tokenizer, top_logprobs is not None)

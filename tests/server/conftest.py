@@ -16,6 +16,7 @@ import anthropic
 import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from mlxkv import Runner
 from mlxkv.server import create_app
@@ -33,6 +34,7 @@ class Served:
     host: str
     port: int
     runner: Runner
+    app: FastAPI
 
     @property
     def url(self) -> str:
@@ -76,7 +78,8 @@ def serve(runner: Runner, **app_options) -> Iterator[Served]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(runner, **app_options), log_level="warning")
+    app = create_app(runner, **app_options)
+    config = uvicorn.Config(app, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -85,7 +88,7 @@ def serve(runner: Runner, **app_options) -> Iterator[Served]:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
     try:
-        yield Served("127.0.0.1", port, runner)
+        yield Served("127.0.0.1", port, runner, app)
     finally:
         server.should_exit = True
         thread.join(timeout=_START_TIMEOUT_S)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -87,9 +88,9 @@ def test_openai_bad_request_is_400_with_a_message(tiny_server, body, mentions):
 
 ANTHROPIC_BAD = [
     ({"messages": USER}, "max_tokens"),
-    ({"max_tokens": 0, "messages": USER}, "max_tokens"),
+    ({"max_tokens": -1, "messages": USER}, "max_tokens"),
     ({"max_tokens": 5, "messages": []}, "messages"),
-    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "role"),
+    ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "role"),
     ({"max_tokens": 5, "messages": USER, "temperature": 1.5}, "temperature"),
     ({"max_tokens": 5, "messages": USER, "top_k": -1}, "top_k"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
@@ -124,11 +125,12 @@ def test_prompt_longer_than_the_context_is_context_length_exceeded(loaded_tiny):
         status, body = served.post(CHAT, {"messages": [{"role": "user", "content": long_text}]})
         error = _openai_error(status, body)
         assert error["code"] == "context_length_exceeded"
-        assert "64" in error["message"]
+        assert error["message"].startswith("This model's maximum context length is 64 tokens.")
         status, body = served.post(
             MESSAGES, {"max_tokens": 4, "messages": [{"role": "user", "content": long_text}]}
         )
-        assert "64" in _anthropic_error(status, body)["message"]
+        message = _anthropic_error(status, body)["message"]
+        assert re.fullmatch(r"prompt is too long: \d+ tokens > 63 maximum", message)
         assert served.runner.cache_info().num_tokens == 0  # refused before any work
 
 

@@ -3,6 +3,10 @@ chat-template messages: `tool_use` blocks become the assistant's tool calls, `to
 blocks become `tool` messages, and tools become OpenAI-style function definitions (the form
 chat templates take).
 
+Fields current clients send that change nothing here are accepted and ignored: `thinking`,
+`output_config.effort`, `cache_control` (every prefix is cached anyway), `context_management`,
+`diagnostics`, `metadata`, `anthropic-beta` headers.
+
 Reference: https://docs.anthropic.com/en/api/messages
 """
 
@@ -54,7 +58,10 @@ Block = Annotated[
 
 
 class Message(Lenient):
-    role: Literal["user", "assistant"]
+    """A turn; Claude Code also sends `system` messages between turns (reminders), rendered
+    in place so that the prefix before them stays what the cache holds."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -82,7 +89,9 @@ class PromptFields(Lenient):
         out: list[dict[str, Any]] = []
         system = self.system
         if isinstance(system, list):
-            system = "\n\n".join(block.text for block in system)
+            system = "\n\n".join(
+                block.text for block in system if not block.text.startswith(_PER_SESSION_HEADER)
+            )
         if system:
             out.append({"role": "system", "content": system})
         for index, message in enumerate(self.messages):
@@ -113,7 +122,7 @@ class PromptFields(Lenient):
 
 
 class MessagesRequest(PromptFields):
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=0)  # 0: only put the prompt in the cache (pre-warming)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, ge=0, le=1)
@@ -161,6 +170,11 @@ def _template_messages(index: int, message: Message) -> list[dict[str, Any]]:
             reply["tool_calls"] = calls
         out.append(reply)
     return out
+
+
+# Claude Code's first system block: its version and a per-session hash, different in every
+# session. Rendered, it would make a new session miss the cache on its whole system prompt.
+_PER_SESSION_HEADER = "x-anthropic-billing-header:"
 
 
 def _expect_role(index: int, message: Message, role: str, block_type: str) -> None:

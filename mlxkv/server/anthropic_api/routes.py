@@ -26,6 +26,16 @@ from mlxkv.server.turn import Event, TextDelta, Turn, collect, start_turn
 router = APIRouter()
 
 
+_USAGE_FIELDS = (
+    "input_tokens",
+    "cache_creation_input_tokens",
+    "cache_read_input_tokens",
+    "output_tokens",
+)
+# Sent while a stream has nothing else to say (a long prefill, a wait in the queue).
+_PING = sse({"type": "ping"}, "ping")
+
+
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, ctx: Context):
     turn = await start_turn(
@@ -33,14 +43,15 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
     )
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
-        return event_stream(_message_events(turn, message_id, ctx.model_name), turn, _error_event)
+        events = _message_events(turn, message_id, ctx.model_name)
+        return event_stream(events, turn, _error_event, keepalive=_PING)
     events, completion = await collect(turn, request)
     calls = [event for event in events if isinstance(event, ToolCall)]
     content = _blocks(events)
     return {
         **_message_head(message_id, ctx.model_name, content),
         **_stop(completion, calls),
-        "usage": _usage(completion),
+        "usage": _usage(completion, prewarm=body.max_tokens == 0),
     }
 
 
@@ -101,30 +112,35 @@ def _stop(completion: Completion, calls: list[ToolCall]) -> dict[str, Any]:
     return {"stop_reason": reason, "stop_sequence": completion.stop_string}
 
 
-def _usage(completion: Completion) -> dict[str, int]:
+def _usage(completion: Completion | None, prewarm: bool = False) -> dict[str, int]:
+    """Anthropic's usage for a finished reply; zeros before one (message_start). A pre-warm
+    (`max_tokens: 0`) reports the prompt tokens it put in the cache as cache creation."""
+    if completion is None:
+        return dict.fromkeys(_USAGE_FIELDS, 0)
+    uncached = completion.prompt_tokens - completion.cached_tokens
     return {
-        "input_tokens": completion.prompt_tokens - completion.cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": 0 if prewarm else uncached,
+        "cache_creation_input_tokens": uncached if prewarm else 0,
         "cache_read_input_tokens": completion.cached_tokens,
         "output_tokens": completion.generation_tokens,
     }
 
 
 async def _message_events(turn: Turn, message_id: str, model: str) -> AsyncIterator[str]:
-    """message_start (once the prompt is processed, so its usage is exact), then content
-    blocks (start, deltas, stop), message_delta with the stop reason, message_stop."""
-    started, index, text_open = False, 0, False
+    """message_start at once (before the prompt is processed: a long prefill then sends pings,
+    and the client knows it was accepted; its usage is zeros, message_delta carries the
+    counts), then content blocks (start, deltas, stop), message_delta with the stop reason
+    and usage, message_stop."""
+    index, text_open = 0, False
     calls: list[ToolCall] = []
+    head = {
+        **_message_head(message_id, model, []),
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": _usage(None),
+    }
+    yield sse({"type": "message_start", "message": head}, "message_start")
     async for event in turn.events():
-        if not started:
-            started = True
-            head = {
-                **_message_head(message_id, model, []),
-                "stop_reason": None,
-                "stop_sequence": None,
-                "usage": _start_usage(turn),
-            }
-            yield sse({"type": "message_start", "message": head}, "message_start")
         if isinstance(event, TextDelta) and event.text:
             if not text_open:
                 text_open = True
@@ -154,17 +170,6 @@ async def _message_events(turn: Turn, message_id: str, model: str) -> AsyncItera
             body = {"type": "message_delta", "delta": _stop(event, calls), "usage": _usage(event)}
             yield sse(body, "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")
-
-
-def _start_usage(turn: Turn) -> dict[str, int]:
-    prompt = turn.prompt
-    assert prompt is not None  # set by the first event
-    return {
-        "input_tokens": prompt.prompt_tokens - prompt.cached_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": prompt.cached_tokens,
-        "output_tokens": 0,
-    }
 
 
 def _error_event(message: str) -> str:

@@ -1,0 +1,202 @@
+"""What current agent clients send and act on, through the real SDKs: Claude Code's requests
+(a system message between turns, a per-session billing header, `thinking`, `output_config`,
+`cache_control`, `max_tokens: 0` to pre-warm), the context errors they parse, and streams
+that show life before a long prefill ends."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import re
+import threading
+from collections.abc import Iterator
+
+import anthropic
+import openai
+import pytest
+
+from mlxkv import Runner
+from mlxkv.server import state
+from tests.server.conftest import serve
+
+SYSTEM_PROMPT = "You are a careful coding agent. Read files before you change them. " * 6
+LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 40
+
+
+@pytest.fixture
+def served(loaded_tiny):
+    with serve(Runner(loaded_tiny("llama"), max_context=1024)) as served:
+        yield served
+
+
+@pytest.fixture
+def small_window(loaded_tiny):
+    with serve(Runner(loaded_tiny("llama"), max_context=64)) as served:
+        yield served
+
+
+def _claude_code_system(session: str) -> list[dict]:
+    return [
+        {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.0; cch={session};"},
+        {"type": "text", "text": SYSTEM_PROMPT, "cache_control": {"type": "ephemeral"}},
+    ]
+
+
+def test_claude_code_request_shape_is_served(served):
+    client = served.anthropic()
+    reply = client.messages.create(
+        model="claude-sonnet-4-6",
+        max_tokens=8,
+        system=_claude_code_system("aaaa"),
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "list the files"}]},
+            {"role": "assistant", "content": "Which folder?"},
+            {"role": "system", "content": "Reminder: the user works in /src."},
+            {"role": "user", "content": "this one"},
+        ],
+        extra_body={
+            "thinking": {"type": "adaptive"},
+            "output_config": {"effort": "low"},
+            "cache_control": {"type": "ephemeral"},
+            "context_management": {"edits": []},
+            "diagnostics": {"previous_message_id": "msg_x"},
+            "temperature": 0,
+        },
+        extra_headers={"anthropic-beta": "interleaved-thinking-2025-05-14"},
+    )
+    assert reply.usage.output_tokens >= 1
+
+
+def test_a_new_session_reuses_the_system_prompt(served, fresh_runner):
+    client = served.anthropic()
+    system_tokens = len(fresh_runner().encode([{"role": "system", "content": SYSTEM_PROMPT}]))
+    usage = []
+    for session in ("first-session", "second-session"):
+        reply = client.messages.create(
+            model="claude-sonnet-4-6",
+            max_tokens=2,
+            system=_claude_code_system(session),
+            messages=[{"role": "user", "content": f"hello from {session}"}],
+        )
+        usage.append(reply.usage)
+    assert usage[1].cache_read_input_tokens >= system_tokens - 2
+
+
+def test_max_tokens_0_prewarms_the_cache(served):
+    client = served.anthropic()
+    messages = [{"role": "user", "content": "Summarize the repository layout for me."}]
+    warm = client.messages.create(model="m", max_tokens=0, messages=messages)
+    assert warm.content == [] and warm.usage.output_tokens == 0
+    assert warm.usage.input_tokens == 0 and warm.usage.cache_creation_input_tokens > 10
+    reply = client.messages.create(model="m", max_tokens=3, messages=messages)
+    assert reply.usage.input_tokens <= 1  # all but what the prompt's last token must feed
+    assert (
+        reply.usage.cache_read_input_tokens + reply.usage.input_tokens
+        == warm.usage.cache_creation_input_tokens
+    )
+
+
+def test_anthropic_context_errors_in_claude_code_wording(small_window):
+    client = small_window.anthropic()
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client.messages.create(
+            model="m", max_tokens=4, messages=[{"role": "user", "content": LONG_TEXT}]
+        )
+    message = raised.value.body["error"]["message"]
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 63 maximum", message)
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client.messages.create(
+            model="m", max_tokens=32000, messages=[{"role": "user", "content": "hi"}], timeout=60
+        )
+    message = raised.value.body["error"]["message"]
+    match = re.fullmatch(
+        r"input length and max_tokens exceed context limit: (\d+) \+ 32000 > 64, "
+        r"decrease input length or max_tokens and try again",
+        message,
+    )
+    assert match, message
+    assert small_window.runner.cache_info().num_tokens == 0  # refused before any work
+
+
+def test_openai_context_errors_in_openai_wording(small_window):
+    client = small_window.openai()
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="m", max_tokens=500, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert raised.value.code == "context_length_exceeded"
+    assert re.fullmatch(
+        r"This model's maximum context length is 64 tokens\. However, you requested \d+ tokens "
+        r"\(\d+ in the messages, 500 in the completion\)\. Please reduce the length of the "
+        r"messages or completion\.",
+        raised.value.body["message"],
+    )
+
+
+def test_no_limit_asked_ends_at_the_window_without_a_shift(small_window):
+    reply = small_window.openai().chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], temperature=0
+    )
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= 64
+
+
+@pytest.fixture
+def blocked_worker(served, monkeypatch):
+    """The worker busy with another request until the returned event is set (a long prefill
+    ahead of ours), and keep-alives every 50 ms."""
+    monkeypatch.setattr(state, "KEEPALIVE_INTERVAL_S", 0.05)
+    release = threading.Event()
+    served.app.state.mlxkv.worker._executor.submit(release.wait, 60)
+    yield release
+    release.set()
+
+
+@contextlib.contextmanager
+def _raw_stream(served, path: str, body: dict) -> Iterator[http.client.HTTPResponse]:
+    """The response, read line by line (the SDKs hide pings and comments)."""
+    connection = http.client.HTTPConnection(served.host, served.port, timeout=60)
+    try:
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        yield connection.getresponse()
+    finally:
+        connection.close()
+
+
+def _next_event(response: http.client.HTTPResponse) -> bytes:
+    """The next server-sent event (or comment), without its blank line."""
+    lines = []
+    while (line := response.readline()) not in (b"\n", b""):
+        lines.append(line)
+    return b"".join(lines)
+
+
+def test_anthropic_stream_starts_and_pings_while_waiting(served, blocked_worker):
+    body = {
+        "model": "m",
+        "max_tokens": 3,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    with _raw_stream(served, "/v1/messages", body) as response:
+        assert _next_event(response).startswith(b"event: message_start\n")
+        assert _next_event(response) == b'event: ping\ndata: {"type": "ping"}\n'
+        blocked_worker.set()  # the worker was still busy: nothing else to say until now
+        rest = response.read().decode()
+    assert rest.rstrip().endswith('data: {"type": "message_stop"}')
+
+
+def test_openai_stream_starts_and_comments_while_waiting(served, blocked_worker):
+    body = {
+        "model": "m",
+        "stream": True,
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    with _raw_stream(served, "/v1/chat/completions", body) as response:
+        first = json.loads(_next_event(response).removeprefix(b"data: "))
+        assert first["choices"][0]["delta"]["role"] == "assistant"
+        assert _next_event(response) == b": keep-alive\n"
+        blocked_worker.set()
+        rest = response.read().decode()
+    assert rest.rstrip().endswith("data: [DONE]")
