@@ -7,11 +7,12 @@ Text goes to stdout; statistics, progress and logs go to stderr, so piping stays
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.metadata import version
 from pathlib import Path
 
@@ -127,6 +128,14 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="URL",
         help="a browser origin allowed to call the API; repeat for more, '*' for any",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name clients reach the server by (the Host header), besides localhost and "
+        "--host; repeat for more, '*' for any",
     )
     serve.add_argument(
         "--max-tokens",
@@ -451,6 +460,7 @@ def _serve(args: argparse.Namespace) -> int:
         model_name=args.model or "SmolLM2-135M-Instruct",
         api_key=args.api_key or env("MLXKV_API_KEY"),
         cors_origins=tuple(args.cors_origin),
+        allowed_hosts=tuple(args.allowed_host),
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.max_tokens,
     )
@@ -472,24 +482,38 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"mlxkv: serving {name} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     server = _server_class()(config)
-    with runner:  # on the way out, the cache goes to the disk tier (if any)
+    try:
         server.run(sockets=[sock])
-    return 130 if server.interrupted else 0
+    finally:  # on the way out, the cache goes to the disk tier (if any)
+        runner.close(save_timeout_s=_SHUTDOWN_SAVE_S)
+    if signal.SIGTERM in server.signals:  # die by it, as a process stopped by SIGTERM does
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+    return 130 if signal.SIGINT in server.signals else 0
+
+
+# Seconds a stopping server may spend starting to write its entries to the disk tier (a
+# second Ctrl-C or SIGTERM stops at once; docker waits 10 s before SIGKILL, systemd 90 s).
+_SHUTDOWN_SAVE_S = 8.0
 
 
 def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, remembering a Ctrl-C. uvicorn raises a caught Ctrl-C again once it
-        has shut down (KeyboardInterrupt, exit 130), but asyncio's own Ctrl-C handling can
-        absorb that; the exit code must say Ctrl-C either way."""
+        """uvicorn's server, remembering the signals that stopped it. uvicorn raises them
+        again as soon as it has shut down, which for SIGTERM ends the process before the
+        cache is saved; here they are kept in `signals` for the caller to act on once it
+        has saved."""
 
-        interrupted = False
+        signals: tuple[int, ...] = ()
 
-        def handle_exit(self, sig: int, frame: object) -> None:
-            self.interrupted = self.interrupted or sig == signal.SIGINT
-            super().handle_exit(sig, frame)
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                self.signals = tuple(self._captured_signals)
+                self._captured_signals.clear()
 
     return Server
 

@@ -247,6 +247,8 @@ class ServerConfig(_Options):
         model_name: the id `/v1/models` lists; None: the model directory's name.
         api_key: when set, every path but /health and the chat page needs it.
         cors_origins: browser origins allowed to call the API ("*" for any).
+        allowed_hosts: names the server answers to besides loopback names and `host` (the Host
+            header; "*" for any); a server bound to 0.0.0.0 or :: answers any unless set.
         max_body_bytes: largest request body accepted, in bytes.
         default_max_tokens: tokens generated when a request sets no limit.
     """
@@ -256,6 +258,7 @@ class ServerConfig(_Options):
     model_name: str | None = None
     api_key: str | None = None
     cors_origins: tuple[str, ...] = field(default_factory=tuple)
+    allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = DEFAULT_MAX_TOKENS
 
@@ -264,6 +267,7 @@ class ServerConfig(_Options):
         check_int("max_body_bytes", self.max_body_bytes, low=1)
         check_int("default_max_tokens", self.default_max_tokens, low=1)
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
 
     @classmethod
     def of(cls, config: ServerConfig | None, options: dict[str, Any]) -> ServerConfig:

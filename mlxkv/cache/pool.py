@@ -326,11 +326,23 @@ class CachePool:
         held = _held_bytes(list(self._entries))
         return held + (self.store.pending_bytes if self.store is not None else 0)
 
-    def persist(self) -> None:
-        """Writes every entry to the disk tier now (and waits), so a restart finds them."""
+    def persist(self, timeout_s: float | None = None) -> None:
+        """Writes every entry to the disk tier now (and waits), so a restart finds them: the
+        most recently used first, none started after `timeout_s` (a shutdown has a grace
+        period: docker's is 10 s)."""
         if self.store is None:
             return
-        for entry in self._entries:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        entries = sorted(self._entries, key=lambda e: e.last_used, reverse=True)
+        for written, entry in enumerate(entries):
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning(
+                    "disk cache: %d of %d entries not saved: the %.0f s for saving ran out",
+                    len(entries) - written,
+                    len(entries),
+                    timeout_s,
+                )
+                break
             self.store.write(entry.cache, wait=True)
         self.store.flush()
 

@@ -4,16 +4,21 @@ Owns: the file format, the index of files, the background writer, loading a file
 ModelCache, and the directory's budget. Does not own which entry goes to disk or when a load
 pays (see `pool`).
 
-File: `<directory>/<model key>/<sha256 of the token ids>.safetensors`, written by MLX's
-safetensors writer. Its header metadata holds the format, the model's fingerprint, the cache's
-layout signature and layout, the token ids, and a CRC-32 of the data section. The model key
-combines fingerprint and signature, so models (or kv_bits settings) sharing a directory keep
-apart; the fingerprint is checked again in every file.
+File: `<directory>/<model key>/<sha256 of the token ids>.safetensors` (16 and 32 hex digits),
+written by MLX's safetensors writer. Its header metadata holds the format, the model's
+fingerprint, the cache's layout signature and layout, the token ids, and a CRC-32 of the whole
+file (header included, its own value read as the placeholder). The model key combines
+fingerprint and signature, so models (or kv_bits settings) sharing a directory keep apart; the
+fingerprint is checked again in every file.
 
 Invariants:
+  - only files this tier wrote are ever removed: regular files (never a symlink, a pipe or a
+    folder) named as it names them, whose header says they are an mlxkv file; anything else in
+    the directory is left alone and not counted in the budget;
   - a file is never loaded unless its header parses, its fingerprint and signature match, its
-    size is what the header says and its data's CRC matches; otherwise it is removed, with one
-    warning;
+    size is what the header says and its CRC matches; otherwise it is removed, with one
+    warning. An error that proves nothing about the file (out of file descriptors, out of
+    memory) keeps it: the request prefills instead, with a warning;
   - a file appears under its final name only complete: written under a temporary name, its CRC
     patched in, then renamed (atomic), so an interrupted write leaves at most a temporary file,
     which indexing ignores and removes once its process is gone;
@@ -30,6 +35,9 @@ import json
 import logging
 import os
 import queue
+import re
+import shutil
+import stat
 import struct
 import threading
 import time
@@ -50,8 +58,12 @@ from mlxkv.platform.threads import release_streams_at_thread_exit
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "mlxkv-kv-1"
+FORMAT = "mlxkv-kv-2"  # 1: the CRC covered the data alone
+_FORMAT_FAMILY = "mlxkv-kv-"  # files of any version are this tier's (older ones are removed)
 SUFFIX = ".safetensors"
+_FILE_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
+_MODEL_DIRECTORY = re.compile(r"[0-9a-f]{16}")
+_TEMPORARY_NAME = re.compile(r"\.tmp-(\d+)-[0-9a-f]{32}\.safetensors")
 _CRC_FIELD = b'"crc32":"'
 _CRC_PLACEHOLDER = "00000000"
 # A first guess at disk read speed, replaced by measurement after the first load.
@@ -60,7 +72,16 @@ _CHUNK_BYTES = 16 * 2**20
 
 
 class BadFile(Exception):
-    """A file that must not be loaded (the message says why)."""
+    """A file that must not be loaded (the message says why). `ours`: its header says this
+    tier wrote it (so it may be removed); a file whose header does not say so is left alone."""
+
+    def __init__(self, message: str, *, ours: bool = True):
+        super().__init__(message)
+        self.ours = ours
+
+
+class DiskStoreUnavailable(OSError):
+    """The cache directory cannot be written (read-only, no permission): serve without it."""
 
 
 @dataclass(eq=False)
@@ -114,7 +135,7 @@ class DiskStore:
         self.root = Path(root)
         key = hashlib.sha256(f"{fingerprint}\n{signature}".encode()).hexdigest()[:16]
         self.directory = self.root / key
-        self.directory.mkdir(parents=True, exist_ok=True)
+        _check_writable(self.directory)
         self.fingerprint = fingerprint
         self.signature = signature
         self.max_bytes = max_bytes
@@ -127,37 +148,52 @@ class DiskStore:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._scanned_mtime = -1
+        # other models' files proven this tier's, by (path, size, mtime): read once
+        self._theirs: dict[tuple[str, int, int], bool] = {}
+        self._strangers: set[str] = set()  # files here it did not write, warned about once
         self.refresh()
 
     # -- index ----------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Indexes files added since the last scan (by any process); removes bad ones and
-        temporary files left by processes that are gone."""
+        """Indexes files added since the last scan (by any process) and forgets those removed;
+        removes bad ones and temporary files left by processes that are gone."""
         mtime = self.directory.stat().st_mtime_ns
         if mtime == self._scanned_mtime:
             return
-        self._scanned_mtime = mtime
+        complete = True
+        present = set()
         with self._lock:
             known = set(self._records)
-        for path in self.directory.iterdir():
-            if path.name.startswith(".tmp-"):
-                _remove_if_orphaned(path)
-            elif path.suffix == SUFFIX and path.name not in known:
-                try:
-                    record = self._read_record(path)
-                except BadFile as why:
-                    self._discard(path, str(why))
-                    continue
-                except OSError:  # removed meanwhile by another process
-                    continue
-                with self._lock:
-                    self._records[path.name] = record
+        for entry in _own_files(self.directory):
+            present.add(entry.name)
+            if entry.name in known:
+                continue
+            path = Path(entry.path)
+            try:
+                record = self._read_record(path)
+            except BadFile as why:
+                self._discard(path, why)
+                continue
+            except OSError as error:  # transient (or removed meanwhile): look again next time
+                complete = complete and isinstance(error, FileNotFoundError)
+                continue
+            with self._lock:
+                self._records[path.name] = record
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.directory):
+                if _TEMPORARY_NAME.fullmatch(entry.name):
+                    _remove_if_orphaned(Path(entry.path))
+        with self._lock:
+            for name in set(self._records) - present - self._queued:
+                del self._records[name]
+        if complete:
+            self._scanned_mtime = mtime
 
     def _read_record(self, path: Path) -> StoredEntry:
         metadata, _ = _read_header(path)
         if metadata.get("format") != FORMAT:
-            raise BadFile(f"not an {FORMAT} file")
+            raise BadFile(f"written by another version of mlxkv ({metadata.get('format')})")
         if metadata.get("fingerprint") != self.fingerprint:
             raise BadFile("written for another model (fingerprint differs)")
         if metadata.get("signature") != self.signature:
@@ -210,8 +246,15 @@ class DiskStore:
         except FileNotFoundError:
             self._forget(record.path.name)
             return None
-        except (BadFile, CacheStateError, OSError, RuntimeError, ValueError, KeyError) as why:
-            self._discard(record.path, str(why))
+        except (BadFile, CacheStateError, ValueError, KeyError, TypeError, ArithmeticError) as why:
+            self._discard(record.path, why)
+            return None
+        except (OSError, RuntimeError, MemoryError) as error:  # says nothing about the file
+            logger.warning(
+                "disk cache: could not read %s now (%s); prefilling instead, the file is kept",
+                record.path.name,
+                error,
+            )
             return None
         seconds = max(time.perf_counter() - start, 1e-6)
         self.read_bytes_per_s = record.nbytes / seconds
@@ -257,7 +300,7 @@ class DiskStore:
         }
         job = _Job(arrays, metadata, token_key(tokens) + SUFFIX, cache.nbytes)
         if wait:
-            self._run(job)
+            self._run_logged(job)
             return
         with self._lock:
             self._pending_bytes += job.held_bytes
@@ -296,9 +339,7 @@ class DiskStore:
         release_streams_at_thread_exit()
         while (job := self._jobs.get()) is not None:
             try:
-                self._run(job)
-            except Exception:  # a failed write loses a cache entry, never the process
-                logger.exception("disk cache: writing %s failed", job.name)
+                self._run_logged(job)
             finally:
                 with self._lock:
                     self._pending_bytes -= job.held_bytes
@@ -308,6 +349,16 @@ class DiskStore:
                 self._jobs.task_done()
         self._jobs.task_done()
 
+    def _run_logged(self, job: _Job) -> None:
+        """`_run`, a failure logged in one line: a failed write loses a cache entry, never
+        the process (nor a shutdown)."""
+        try:
+            self._run(job)
+        except (OSError, RuntimeError) as error:
+            logger.warning("disk cache: entry %s not saved: %s", job.name, error)
+        except Exception:
+            logger.exception("disk cache: writing %s failed", job.name)
+
     def _run(self, job: _Job) -> None:
         path = self.directory / job.name
         temporary = self.directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
@@ -316,8 +367,11 @@ class DiskStore:
             mx.save_safetensors(str(temporary), job.arrays, job.metadata)
             _patch_crc(temporary)
             os.replace(temporary, path)
+        except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
+            raise OSError(_why_unwritten(self.directory, job, error)) from error
         finally:
-            temporary.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
         record = self._read_record(path)  # the index entry, as a restart would read it
         with self._lock:
             self._records[job.name] = record
@@ -332,15 +386,11 @@ class DiskStore:
     # -- budget ---------------------------------------------------------------------------
 
     def enforce_budget(self, keep: Path | None = None) -> None:
-        """Removes files (of any model under `root`) until they fit in `max_bytes`: files
-        another file supersedes first, then the least recently used."""
+        """Removes this tier's files (of any model under `root`) until they fit in
+        `max_bytes`: files another file supersedes first, then the least recently used."""
         files = []
-        for path in self.root.glob(f"*/*{SUFFIX}"):
-            try:
-                stat = path.stat()
-            except OSError:
-                continue
-            files.append((path, stat.st_size, stat.st_mtime_ns))
+        for path, size, mtime in self._tier_files():
+            files.append((path, size, mtime))
         total = sum(size for _, size, _ in files)
         if total <= self.max_bytes:
             return
@@ -356,21 +406,55 @@ class DiskStore:
         for path, size, _ in files:
             if total <= self.max_bytes:
                 break
-            path.unlink(missing_ok=True)
+            if _unlink(path):
+                total -= size
+                logger.debug("disk cache evict file=%s bytes=%d", path.name, size)
             self._forget(path.name)
-            total -= size
-            logger.debug("disk cache evict file=%s bytes=%d", path.name, size)
+
+    def _tier_files(self) -> list[tuple[Path, int, int]]:
+        """(path, bytes, mtime) of every file under `root` this tier wrote: this model's
+        indexed files, and other models' files whose header says so (read once each)."""
+        with self._lock:
+            mine = set(self._records)
+        found = []
+        for directory in _model_directories(self.root):
+            ours = directory == self.directory
+            for entry in _own_files(directory):
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                key = (entry.path, info.st_size, info.st_mtime_ns)
+                if ours and entry.name in mine or not ours and self._is_tier_file(key):
+                    found.append((Path(entry.path), info.st_size, info.st_mtime_ns))
+        return found
+
+    def _is_tier_file(self, key: tuple[str, int, int]) -> bool:
+        if key not in self._theirs:
+            if len(self._theirs) > 100_000:
+                self._theirs.clear()
+            try:
+                _read_header(Path(key[0]))
+                self._theirs[key] = True
+            except BadFile as why:
+                self._theirs[key] = why.ours
+            except OSError:
+                return False  # not proven ours; asked again next time
+        return self._theirs[key]
 
     # -- reports --------------------------------------------------------------------------
 
     @property
     def num_entries(self) -> int:
+        """This model's files on disk now (another process may have added or removed some)."""
+        self.refresh()
         with self._lock:
             return len(self._records)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this model's indexed files."""
+        """Bytes of this model's files on disk now."""
+        self.refresh()
         with self._lock:
             return sum(record.nbytes for record in self._records.values())
 
@@ -378,10 +462,87 @@ class DiskStore:
         with self._lock:
             self._records.pop(name, None)
 
-    def _discard(self, path: Path, why: str) -> None:
-        logger.warning("disk cache: skipped and removed %s: %s", path.name, why)
+    def _discard(self, path: Path, why: Exception) -> None:
+        """Forgets a file that must not be loaded; removes it if this tier wrote it, else
+        leaves it where it is (one warning per file)."""
         self._forget(path.name)
+        if isinstance(why, BadFile) and not why.ours:
+            if path.name not in self._strangers:
+                self._strangers.add(path.name)
+                logger.warning(
+                    "disk cache: ignoring %s (%s): not a file this cache wrote; left in place",
+                    path,
+                    why,
+                )
+            return
+        removed = _unlink(path)
+        logger.warning(
+            "disk cache: skipped %s %s: %s",
+            "and removed" if removed else "(could not remove)",
+            path.name,
+            why,
+        )
+
+
+def _check_writable(directory: Path) -> None:
+    """Creates `directory` and proves a file can be written in it.
+
+    Raises:
+        DiskStoreUnavailable: it cannot be created or written (says why).
+    """
+    probe = directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise DiskStoreUnavailable(f"{directory} cannot be written ({error})") from error
+
+
+def _model_directories(root: Path) -> list[Path]:
+    """The per-model folders this tier made under `root` (never followed through a link)."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    return [
+        Path(e.path)
+        for e in entries
+        if _MODEL_DIRECTORY.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+    ]
+
+
+def _own_files(directory: Path) -> list[os.DirEntry]:
+    """Regular files in `directory` named as this tier names its files: never a link, a
+    pipe (opening one would block) or anything named otherwise."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    return [e for e in entries if _FILE_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
+
+
+def _unlink(path: Path) -> bool:
+    """Removes a file this tier wrote; False (one warning) where it cannot (a read-only
+    directory), which only costs disk space."""
+    try:
         path.unlink(missing_ok=True)
+        return True
+    except OSError as error:
+        logger.warning("disk cache: could not remove %s (%s)", path.name, error)
+        return False
+
+
+def _why_unwritten(directory: Path, job: _Job, error: Exception) -> str:
+    """MLX's write error with its likely cause (a full disk) spelled out."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return str(error)
+    needed = sum(a.nbytes for a in job.arrays.values())
+    if free < needed + 2**20:
+        return f"the disk is full ({free:,} bytes free in {directory}, the entry needs {needed:,})"
+    return str(error)
 
 
 def token_key(tokens: np.ndarray) -> str:
@@ -397,44 +558,52 @@ def _extends(longer: StoredEntry, shorter: StoredEntry) -> bool:
 
 def _read_header(path: Path) -> tuple[dict[str, str], int]:
     """A safetensors file's metadata and where its data starts, after checking that the file
-    is exactly as long as its header says (a truncated file fails here)."""
+    is exactly as long as its header says (a truncated file fails here). A header that does
+    not parse, or does not name this tier's format, raises BadFile with `ours` False."""
     with open(path, "rb") as file:
         head = file.read(8)
         if len(head) < 8:
-            raise BadFile("truncated header")
+            raise BadFile("truncated header", ours=False)
         (header_bytes,) = struct.unpack("<Q", head)
         size = os.fstat(file.fileno()).st_size
         if header_bytes > min(size, 100 * 2**20):
-            raise BadFile("header length out of range")
+            raise BadFile("header length out of range", ours=False)
         try:
             header = json.loads(file.read(header_bytes))
             metadata = header.pop("__metadata__")
+            if not str(metadata.get("format", "")).startswith(_FORMAT_FAMILY):
+                raise BadFile("not an mlxkv cache file", ours=False)
             end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise BadFile(f"unreadable header ({error})") from error
+            raise BadFile(f"unreadable header ({error})", ours=False) from error
     if 8 + header_bytes + end != size:
         raise BadFile(f"{size} bytes; its header describes {8 + header_bytes + end}")
-    if not isinstance(metadata, dict):
-        raise BadFile("no metadata")
     return metadata, 8 + header_bytes
 
 
-def _data_crc(file: Any, data_start: int) -> int:
-    file.seek(data_start)
-    crc = 0
+def _file_crc(file: Any, data_start: int) -> int:
+    """CRC-32 of the whole file, header included, with the header's own CRC value read as
+    the placeholder (so one header byte changed is caught like one data byte)."""
+    file.seek(0)
+    head = file.read(data_start)
+    at = head.find(_CRC_FIELD)
+    if at < 0:
+        raise BadFile("no checksum in its header")
+    at += len(_CRC_FIELD)
+    crc = zlib.crc32(head[:at] + _CRC_PLACEHOLDER.encode() + head[at + len(_CRC_PLACEHOLDER) :])
     while chunk := file.read(_CHUNK_BYTES):
         crc = zlib.crc32(chunk, crc)
     return crc
 
 
 def _patch_crc(path: Path) -> None:
-    """Writes the data section's CRC-32 into the header's placeholder (same length, so no
-    offset moves) and flushes the file to disk."""
+    """Writes the file's CRC-32 into the header's placeholder (same length, so no offset
+    moves) and flushes the file to disk."""
     with open(path, "r+b") as file:
         (header_bytes,) = struct.unpack("<Q", file.read(8))
         header = file.read(header_bytes)
         at = header.index(_CRC_FIELD + _CRC_PLACEHOLDER.encode()) + len(_CRC_FIELD)
-        crc = _data_crc(file, 8 + header_bytes)
+        crc = _file_crc(file, 8 + header_bytes)
         file.seek(8 + at)
         file.write(f"{crc:08x}".encode())
         file.flush()
@@ -443,9 +612,9 @@ def _patch_crc(path: Path) -> None:
 
 def _check_crc(path: Path, data_start: int, metadata: dict[str, str]) -> None:
     with open(path, "rb") as file:
-        crc = _data_crc(file, data_start)
+        crc = _file_crc(file, data_start)
     if f"{crc:08x}" != metadata.get("crc32"):
-        raise BadFile("its data does not match its checksum (corrupt)")
+        raise BadFile("its contents do not match its checksum (corrupt)")
 
 
 def _touch(path: Path) -> None:
@@ -455,11 +624,14 @@ def _touch(path: Path) -> None:
 
 
 def _remove_if_orphaned(path: Path) -> None:
-    """Removes a temporary file whose writing process is gone (`.tmp-<pid>-...`)."""
+    """Removes a temporary file whose writing process is gone (`.tmp-<pid>-...`); one whose
+    process still runs (another server sharing the directory) is being written."""
     try:
         pid = int(path.name.split("-")[1])
         os.kill(pid, 0)
     except ProcessLookupError:
-        path.unlink(missing_ok=True)
-    except (ValueError, IndexError, PermissionError, OSError):
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(path.lstat().st_mode):
+                path.unlink()
+    except (ValueError, IndexError, OSError):
         pass

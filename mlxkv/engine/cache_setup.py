@@ -7,31 +7,38 @@ Owns `make_pool`. Does not own the pool's policy (`mlxkv.cache.pool`), the file 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.pool import CachePool
 from mlxkv.cache.serialize import layout_signature
-from mlxkv.cache.store import DiskStore
+from mlxkv.cache.store import DiskStore, DiskStoreUnavailable
 from mlxkv.config import RunnerConfig
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel
+
+logger = logging.getLogger(__name__)
 
 
 def make_pool(
     loaded: LoadedModel, make_entry: Callable[[], ModelCache], config: RunnerConfig
 ) -> CachePool:
-    """The pool for these settings, its disk tier indexed (a restart finds its files)."""
+    """The pool for these settings, its disk tier indexed (a restart finds its files); a
+    cache directory that cannot be written leaves the tier off, with a warning."""
     store = None
     if config.cache_dir is not None:
         empty: ModelCache = make_entry()
-        store = DiskStore(
-            config.cache_dir,
-            fingerprint=model_fingerprint(loaded),
-            signature=layout_signature(empty),
-            max_bytes=config.cache_dir_bytes,
-            trimmable=not empty.needs_checkpoints,
-        )
+        try:
+            store = DiskStore(
+                config.cache_dir,
+                fingerprint=model_fingerprint(loaded),
+                signature=layout_signature(empty),
+                max_bytes=config.cache_dir_bytes,
+                trimmable=not empty.needs_checkpoints,
+            )
+        except DiskStoreUnavailable as error:
+            logger.warning("disk tier off: %s; entries live in memory only", error)
     return CachePool(
         make_entry, max_entries=config.cache_entries, max_bytes=config.cache_bytes, store=store
     )

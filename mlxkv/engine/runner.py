@@ -412,10 +412,11 @@ class Runner:
             self._lockstep.announce("reset")
         self._pool.clear()
 
-    def close(self) -> None:
+    def close(self, save_timeout_s: float | None = None) -> None:
         """Writes the entries to the disk tier (when there is one) and waits for every write,
-        so a new Runner on the same `cache_dir` starts warm. The Runner stays usable, except
-        when sharded: rank 0's close ends the other ranks' `follow()`.
+        so a new Runner on the same `cache_dir` starts warm; with `save_timeout_s`, no entry
+        starts writing after that many seconds (the most recently used go first). The Runner
+        stays usable, except when sharded: rank 0's close ends the other ranks' `follow()`.
 
         Raises:
             RunnerBusyError: called from inside this thread's own unfinished `stream()`.
@@ -424,12 +425,12 @@ class Runner:
             raise RunnerBusyError(
                 "cannot close the Runner inside its own stream(); finish it first"
             )
-        self._engine.call(self._close_now)
+        self._engine.call(self._close_now, save_timeout_s)
 
-    def _close_now(self) -> None:
+    def _close_now(self, save_timeout_s: float | None = None) -> None:
         if self._lockstep is not None and self._lockstep.leads:
             self._lockstep.announce("stop")
-        self._pool.persist()
+        self._pool.persist(save_timeout_s)
         if self._pool.store is not None:
             self._pool.store.close()
 

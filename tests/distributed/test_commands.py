@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
-import time
 
 import openai
 import pytest
@@ -17,6 +15,7 @@ import pytest
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
 from tests.factories import tiny_model_dir
+from tests.processes import ready_url
 
 from .test_sharded import ROOT, launcher
 
@@ -65,7 +64,9 @@ def test_serve_answers_on_rank_0_as_one_process(model):
         start_new_session=True,
     )  # fmt: skip
     try:
-        client = openai.OpenAI(base_url=_ready_url(process) + "/v1", api_key="x", max_retries=0)
+        client = openai.OpenAI(
+            base_url=ready_url(process, _TIMEOUT_S) + "/v1", api_key="x", max_retries=0
+        )
         reference = Runner(load_model(model))
         chat = [{"role": "user", "content": "Hello"}]
         for turn in range(2):
@@ -79,15 +80,3 @@ def test_serve_answers_on_rank_0_as_one_process(model):
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
-
-
-def _ready_url(process: subprocess.Popen) -> str:
-    selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + _TIMEOUT_S
-    while time.monotonic() < deadline:
-        ready = selector.select(timeout=1)
-        if ready and (found := re.search(r"at (http://\S+)", process.stdout.readline())):
-            return found.group(1)
-        assert process.poll() is None, process.stderr.read()
-    raise AssertionError("no ready line from rank 0")

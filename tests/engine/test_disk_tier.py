@@ -99,9 +99,7 @@ def _damage_header(path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [_damage_truncate, _damage_flip_data, _damage_header])
-def test_damaged_files_are_skipped_with_one_warning_and_removed(
-    make_runner, tmp_path, damage, caplog
-):
+def test_damaged_files_are_skipped_with_one_warning(make_runner, tmp_path, damage, caplog):
     runner = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
     messages, _ = _chat(runner, 1)
     runner.close()
@@ -115,7 +113,8 @@ def test_damaged_files_are_skipped_with_one_warning_and_removed(
     assert len(warnings) == 1 and path.name in warnings[0], warnings
     assert out.cached_tokens == 0
     assert out.tokens == make_runner("llama").generate(follow_up, max_tokens=5).tokens
-    assert not path.exists()
+    # removed when its header proves this tier wrote it; an unreadable header proves nothing
+    assert path.exists() == (damage is _damage_header)
 
 
 def test_a_file_of_another_model_is_never_loaded(make_runner, tmp_path, caplog):
@@ -155,7 +154,7 @@ def test_keyboard_interrupt_during_a_write_leaves_no_file_that_loads(
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     directory = runner._pool.store.directory
-    leftover = directory / f".tmp-{int(dead.stdout)}-x{store_module.SUFFIX}"
+    leftover = directory / f".tmp-{int(dead.stdout)}-{'ab' * 16}{store_module.SUFFIX}"
     leftover.write_bytes(b"half a file")
     restarted = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
     out = restarted.generate(messages + [{"role": "user", "content": "Why?"}], max_tokens=3)

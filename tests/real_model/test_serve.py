@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
+
+from tests.processes import ready_url
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -34,7 +34,7 @@ def server_url(converted_cache):
         env=dict(os.environ, MLXKV_CACHE_DIR=str(converted_cache)),
     )
     try:
-        yield _ready_url(process)
+        yield ready_url(process, _READY_TIMEOUT_S)
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -47,19 +47,6 @@ def server_url(converted_cache):
         assert re.search(r"POST /v1/messages 200 .* cached=\d+ .*kv cache:", stderr), stderr
         # on the way out the server wrote its entries to the default disk tier
         assert list((converted_cache / "kv").glob("*/*.safetensors")), stderr
-
-
-def _ready_url(process: subprocess.Popen) -> str:
-    selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if selector.select(timeout=1):
-            line = process.stdout.readline()
-            if found := re.search(r"at (http://\S+)", line):
-                return found.group(1)
-        assert process.poll() is None, process.stderr.read()
-    raise AssertionError("mlxkv serve printed no ready line")
 
 
 def test_openai_client_gets_paris(server_url):
