@@ -21,6 +21,14 @@ from mlx_lm.sample_utils import (
 from mlxkv.errors import check_int, check_real
 
 Sampler = Callable[[mx.array], mx.array]
+
+# Positive settings the sampler divides or multiplies float32 logits by must stay normal
+# float32 numbers, their inverse too: 1e-39 is 0 in float32 (NaN and infinite logits came out).
+_FLOAT32_SAFE = (1e-30, 1e30)
+# Stop strings are matched as text streams; more or longer ones than any client needs would
+# only make each token's check cost more (OpenAI takes 4).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1000
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
@@ -34,13 +42,16 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most tokens to generate (0: only process the prompt).
-        temperature: 0 picks the most likely token (greedy); finite.
+        temperature: 0 picks the most likely token (greedy); else in [1e-30, 1e30], a range
+            float32 logits can be scaled by.
         top_p, top_k, min_p: nucleus, top-k and min-p filtering (0 turns each off; a top_k of
             at least the vocabulary size keeps every token, as 0 does).
-        repetition_penalty: >1 discourages tokens seen in the last 20; None turns it off.
+        repetition_penalty: >1 discourages tokens seen in the last 20; None turns it off; in
+            [1e-30, 1e30].
         seed: seeds MLX's random generator for reproducible sampling; 0 <= seed < 2**64.
         stop: strings that end generation; the text returned stops before them. A single
-            string or None is accepted.
+            string or None is accepted; at most `MAX_STOP_STRINGS`, each at most
+            `MAX_STOP_CHARS` characters.
     """
 
     max_tokens: int = 256
@@ -55,6 +66,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, low=0)
         check_real("temperature", self.temperature, low=0.0)
+        if self.temperature != 0:
+            _check_float32_safe("temperature", self.temperature, "0 for greedy, or ")
         check_real("top_p", self.top_p, low=0.0, high=1.0)
         check_int("top_k", self.top_k, low=0)
         check_real("min_p", self.min_p, low=0.0, high=1.0)
@@ -62,6 +75,7 @@ class SamplingParams:
             check_real("repetition_penalty", self.repetition_penalty, low=0.0)
             if self.repetition_penalty == 0:
                 raise ValueError("repetition_penalty must be > 0 (None turns it off), got 0")
+            _check_float32_safe("repetition_penalty", self.repetition_penalty, "")
         if self.seed is not None:
             check_int("seed", self.seed, low=0, high=2**64 - 1)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -92,6 +106,15 @@ class SamplingParams:
         return make_logits_processors(repetition_penalty=self.repetition_penalty)
 
 
+def _check_float32_safe(name: str, value: float, alternative: str) -> None:
+    low, high = _FLOAT32_SAFE
+    if not low <= value <= high:
+        raise ValueError(
+            f"{name} must be {alternative}between {low:g} and {high:g} (logits are float32), "
+            f"got {value:g}"
+        )
+
+
 def _stop_strings(stop: object) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -102,4 +125,9 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
     for s in stop:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {longest}")
     return tuple(stop)

@@ -74,7 +74,7 @@ def load_model(
     except (ValueError, FileNotFoundError, KeyError, OSError, RuntimeError) as error:
         raise ModelLoadError(f"could not load a model from {path}: {error}") from error
     if group is not None:
-        kind = shard_model(model, group, config.get("model_type", "?"))
+        kind = shard_model(model, group, config.get("model_type", "?"), config)
         logger.info("sharded model kind=%s ranks=%d rank=%d", kind, group.size(), group.rank())
     if not on_gpu():
         model.set_dtype(mx.float32)  # half-precision matmuls are several times slower on CPU

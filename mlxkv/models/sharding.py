@@ -22,7 +22,9 @@ def world() -> mx.distributed.Group | None:
     return group if group.size() > 1 else None
 
 
-def shard_model(model: nn.Module, group: mx.distributed.Group, model_type: str) -> str:
+def shard_model(
+    model: nn.Module, group: mx.distributed.Group, model_type: str, config: dict | None = None
+) -> str:
     """Shards a (lazily loaded) model over `group` in place, as mlx-lm's `sharded_load` does:
     tensor parallel where the architecture has `shard`, else pipeline where its inner model
     has `pipeline`.
@@ -31,15 +33,34 @@ def shard_model(model: nn.Module, group: mx.distributed.Group, model_type: str) 
         "tensor parallel" or "pipeline".
 
     Raises:
-        NotSupportedError: the architecture supports neither.
+        NotSupportedError: the architecture supports neither, or tensor parallelism would split
+            its attention or KV heads unevenly (`config`: the model's config.json) and it has
+            no pipeline either.
     """
-    if hasattr(model, "shard"):
+    uneven = _uneven_heads(config or {}, group.size())
+    if hasattr(model, "shard") and not uneven:
         model.shard(group)
         return "tensor parallel"
     if hasattr(getattr(model, "model", None), "pipeline"):
         model.model.pipeline(group)
         return "pipeline"
+    if uneven:
+        raise NotSupportedError(
+            f"this {model_type!r} model cannot be sharded over {group.size()} processes: its "
+            f"{uneven} cannot be split evenly; use a number of processes that divides it, or "
+            "run it in one process"
+        )
     raise NotSupportedError(
         f"{model_type!r} models cannot be sharded: mlx-lm's implementation has neither "
         "shard() (tensor parallel) nor model.pipeline(); run it in one process"
     )
+
+
+def _uneven_heads(config: dict, ranks: int) -> str | None:
+    """What tensor parallelism over `ranks` would split unevenly ("3 KV heads"), or None."""
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads", heads)
+    for count, what in ((kv_heads, "KV heads"), (heads, "attention heads")):
+        if isinstance(count, int) and count % ranks:
+            return f"{count} {what}"
+    return None

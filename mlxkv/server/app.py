@@ -8,7 +8,6 @@ with one line.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,13 +23,17 @@ from mlxkv.engine.runner import Runner
 from mlxkv.errors import RanksOutOfStepError
 from mlxkv.server.anthropic_api import routes as anthropic
 from mlxkv.server.errors import ApiError, error_response
-from mlxkv.server.middleware import AccessLog, ApiKeyCheck, BodyLimit
+from mlxkv.server.middleware import (
+    AccessLog,
+    ApiKeyCheck,
+    BodyLimit,
+    HostCheck,
+    ServerErrors,
+)
 from mlxkv.server.openai_api import routes as openai
 from mlxkv.server.state import ServerContext, server_context
 from mlxkv.server.ui.page import add_page
 from mlxkv.server.worker import GenerationWorker
-
-logger = logging.getLogger(__name__)
 
 
 def create_app(runner: Runner, config: ServerConfig | None = None, **options: Any) -> FastAPI:
@@ -77,6 +80,8 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )
+    app.add_middleware(HostCheck, bound_host=config.host, allowed_hosts=config.allowed_hosts)
+    app.add_middleware(ServerErrors)
     app.add_middleware(AccessLog, memory_line=lambda: runner.memory_line)
     return app
 
@@ -112,12 +117,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RanksOutOfStepError)
     async def cannot_serve(request: Request, error: RanksOutOfStepError):
         return error_response(request.url.path, 503, str(error))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception):
-        logger.exception("request failed: %s %s", request.method, request.url.path)
-        message = f"internal error ({type(error).__name__}); the server log has the details"
-        return error_response(request.url.path, 500, message)
 
 
 def _describe(errors: Sequence[Any]) -> tuple[str, str | None]:

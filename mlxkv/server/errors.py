@@ -14,9 +14,15 @@ from starlette.responses import JSONResponse
 
 from mlxkv.errors import ContextLengthError
 
-_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error"}
+_OPENAI_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    500: "server_error",
+}
 _ANTHROPIC_TYPES = {
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
     500: "api_error",

@@ -1,17 +1,21 @@
-"""ASGI middleware: the access log, the API key and the request-body limit.
+"""ASGI middleware: the access log, the Host check, the API key and the request-body limit.
 
 Plain ASGI (not Starlette's BaseHTTPMiddleware), so streamed responses pass through untouched
 and a client that disconnects is still seen by the route.
 
 Owns: `AccessLog` (one line per request: method, path, status, seconds, and for generations the
 prompt, cached and generated tokens, time to first token and the cache's memory line),
-`ApiKeyCheck` (401 without the key) and `BodyLimit` (413 over the limit, in bytes).
+`ServerErrors` (a 500 in the API's shape for what no handler took), `HostCheck` (403 for a
+Host header that names another site: DNS rebinding), `ApiKeyCheck` (401 without the key) and
+`BodyLimit` (413 over the limit in bytes, 400 for JSON nested too deeply).
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,13 +23,18 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxkv.server.errors import error_response
+from mlxkv.server.json_depth import MAX_JSON_DEPTH, json_depth, too_deep_message
 
 logger = logging.getLogger("mlxkv.server.access")
+_errors = logging.getLogger(__name__)
 
 # Answered without the API key: /health for load balancers and scripts; the chat page and its
 # files hold no data (the page asks for the key and sends it with its API calls).
 _OPEN_PATHS = ("/health", "/")
 _OPEN_PREFIXES = ("/static/",)
+# Names every server answers to, whatever address it is bound to.
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class AccessLog:
@@ -53,8 +62,10 @@ class AccessLog:
         try:
             await self.app(scope, receive, record)
         finally:
+            # escaped: a %0a in the path would otherwise start a forged log line
             line = (
-                f"{scope['method']} {scope['path']} {status[0]} {time.perf_counter() - start:.3f}s"
+                f"{_printable(scope['method'])} {_printable(scope['path'])} {status[0]}"
+                f" {time.perf_counter() - start:.3f}s"
             )
             turn = scope.get("state", {}).get("turn")
             # A client that left early: its generation ends within a step of the cancel.
@@ -73,6 +84,89 @@ class AccessLog:
                     )
                 line += f" | {self.memory_line()}"
             logger.info("%s", line)
+
+
+def _printable(text: str) -> str:
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+class ServerErrors:
+    """Turns an exception no handler took into a 500 in the API's shape, logged once with its
+    traceback. Left to Starlette's outermost handler, it was answered and raised again: logged
+    twice (the second time by uvicorn), and the access log, which it passed through, showed
+    status 0."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as error:
+            _errors.exception(
+                "request failed: %s %s", _printable(scope["method"]), _printable(scope["path"])
+            )
+            if not started:  # else the client sees the connection end
+                message = f"internal error ({type(error).__name__}); the server log has the details"
+                await error_response(scope["path"], 500, message)(scope, receive, send)
+
+
+class HostCheck:
+    """Answers only requests whose Host header names this server: a loopback name, the address
+    it is bound to, or one of `allowed_hosts` ("*" for any). Without it a web page could drive
+    the API through DNS rebinding (its own name resolving to 127.0.0.1) with the browser's
+    same-origin checks satisfied. A server bound to every address (0.0.0.0, ::) is reached by
+    names it cannot know, so it checks nothing unless `allowed_hosts` says otherwise.
+    """
+
+    def __init__(self, app: ASGIApp, bound_host: str, allowed_hosts: tuple[str, ...] = ()):
+        self.app = app
+        self._any = "*" in allowed_hosts or (not allowed_hosts and _is_wildcard(bound_host))
+        self._names = {_host_name(n) for n in (*_LOOPBACK_NAMES, bound_host, *allowed_hosts)}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._any:
+            await self.app(scope, receive, send)
+            return
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        if _host_name(host) in self._names:
+            await self.app(scope, receive, send)
+            return
+        response = error_response(
+            scope["path"],
+            403,
+            f"this server does not answer to the host {_printable(host)[:100]!r}; add it with "
+            "--allowed-host if it is yours",
+            code="host_not_allowed",
+        )
+        await response(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header (or an address), lower case, without port or brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [::1]:8080
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:  # name:port
+        return host.partition(":")[0]
+    return host  # a name, or a bare IPv6 address
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(_host_name(host)).is_unspecified
+    except ValueError:
+        return host == ""
 
 
 class ApiKeyCheck:
@@ -113,7 +207,8 @@ class ApiKeyCheck:
 
 class BodyLimit:
     """Reads the whole request body first, refusing one larger than `max_bytes` with 413
-    (declared by Content-Length or counted as it arrives), then hands it to the app."""
+    (declared by Content-Length or counted as it arrives) and one nested deeper than
+    `json_depth.MAX_JSON_DEPTH` with 400, then hands it to the app."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -140,7 +235,12 @@ class BodyLimit:
                 return
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(parts), receive), send)
+        body = b"".join(parts)
+        if (depth := json_depth(body)) > MAX_JSON_DEPTH:
+            message = too_deep_message(depth, "the request body")
+            await error_response(scope["path"], 400, message)(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, too_large: bool) -> None:
         if too_large:

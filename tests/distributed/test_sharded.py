@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -91,3 +92,12 @@ def test_an_architecture_without_sharding_is_refused_by_name(load_tiny):
     model, _ = load_tiny("gemma3_text")
     with pytest.raises(NotSupportedError, match="'gemma3_text' models cannot be sharded"):
         shard_model(model, mx.distributed.init(), "gemma3_text")
+
+
+def test_heads_that_do_not_divide_over_the_ranks_are_refused_by_count(load_tiny):
+    """SmolLM2-135M has 3 KV heads: over 2 processes MLX failed with a shape error."""
+    model, _ = load_tiny("llama")
+    two_ranks = SimpleNamespace(size=lambda: 2)
+    config = {"num_attention_heads": 9, "num_key_value_heads": 3}
+    with pytest.raises(NotSupportedError, match="its 3 KV heads cannot be split evenly"):
+        shard_model(model, two_ranks, "llama", config)

@@ -208,3 +208,58 @@ _fields = st.fixed_dictionaries(
 def test_no_body_gets_a_server_error(tiny_server, body, path):
     status, answer = tiny_server.post(path, json.dumps(body).encode())
     assert status < 500, answer
+
+
+@pytest.mark.parametrize(
+    ("path", "nulls"),
+    [
+        (CHAT, {"n": None, "stream": None, "logprobs": None, "stream_options": None}),
+        (CHAT, {"stream": True, "stream_options": {"include_usage": None}}),
+        ("/v1/completions", {"n": None, "stream": None, "logprobs": None, "echo": None}),
+    ],
+    ids=["chat", "chat-stream-options", "completions"],
+)
+def test_null_means_the_default_as_openai_reads_it(tiny_server, path, nulls):
+    prompt = {"messages": USER} if path == CHAT else {"prompt": "hi"}
+    status, body = tiny_server.post(path, {**prompt, "max_tokens": 2, **nulls})
+    assert status == 200, body
+
+
+def _deep(levels: int) -> str:
+    return '{"a":' * levels + "1" + "}" * levels
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (CHAT, '{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function",'
+         '"function":{"name":"f","parameters":%s}}]}'),
+        (CHAT, '{"messages":[{"role":"user","content":"hi"},{"role":"assistant","tool_calls":'
+         '[{"id":"1","type":"function","function":{"name":"f","arguments":%s}}]}]}'),
+        (MESSAGES, '{"model":"m","max_tokens":2,"messages":[{"role":"user","content":"hi"}],'
+         '"tools":[{"name":"f","input_schema":%s}]}'),
+        ("/v1/messages/count_tokens", '{"model":"m","messages":[{"role":"user","content":[{'
+         '"type":"tool_result","tool_use_id":"1","content":[%s]}]}]}'),
+    ],
+    ids=["tool-schema", "tool-arguments", "anthropic-tool", "count-tokens"],
+)  # fmt: skip
+def test_json_nested_500_levels_is_a_400_not_a_500(tiny_server, access_log, path, body):
+    deep = _deep(500)
+    text = body % (json.dumps(deep) if "arguments" in body else deep)
+    status, answer = tiny_server.post(path, text.encode())
+    error = (_anthropic_error if path.startswith(MESSAGES) else _openai_error)(status, answer)
+    assert re.search(r"nests 5\d\d levels deep; .* at most 100 levels", error["message"])
+    access_log(rf"POST {path} 400 ")
+
+
+def test_an_unexpected_error_is_one_500_logged_once(tiny_server, access_log, monkeypatch, caplog):
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tiny_server.runner, "encode", broken)
+    status, body = tiny_server.post("/v1/messages/count_tokens", {"messages": USER})
+    error = _anthropic_error(status, body, 500)
+    assert error["message"] == "internal error (RuntimeError); the server log has the details"
+    access_log(r"POST /v1/messages/count_tokens 500 ")
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1 and "boom" in str(tracebacks[0].exc_info[1])

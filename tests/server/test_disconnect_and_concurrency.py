@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
-import logging
-import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,23 +17,6 @@ from tests.server.conftest import SCRIPT, serve
 
 LONG = 900  # tokens asked for: far more than run before the gate holds the model
 QUESTION = [{"role": "user", "content": "Once upon a time there was"}]
-
-
-@pytest.fixture
-def access_log(caplog):
-    caplog.set_level(logging.INFO, logger="mlxkv.server.access")
-
-    def wait_for(pattern: str) -> re.Match:
-        found = []
-
-        def matched() -> bool:
-            found[:] = [m for r in caplog.records if (m := re.search(pattern, r.getMessage()))]
-            return bool(found)
-
-        wait_until(matched, what=f"an access line matching {pattern!r}")
-        return found[0]
-
-    return wait_for
 
 
 @pytest.fixture

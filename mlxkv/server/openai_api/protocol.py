@@ -12,17 +12,31 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkv.server.errors import ApiError
+from mlxkv.server.json_depth import MAX_JSON_DEPTH, json_depth, too_deep_message
 
 _SEED_BITS = 2**64  # OpenAI's seed is any integer; MLX's is unsigned 64-bit
 
 
 class Lenient(BaseModel):
-    """Strict types, unknown fields ignored."""
+    """Strict types, unknown fields ignored; null for an optional field means its default
+    (OpenAI's own reading: clients send `"stream": null`, `"n": null`)."""
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
 
 
 class ContentPart(Lenient):
@@ -186,7 +200,9 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
                 "type": "function",
                 "function": {
                     "name": call.function.name,
-                    "arguments": _arguments(index, call.function.arguments),
+                    "arguments": tool_arguments(
+                        call.function.arguments, f"messages[{index}].tool_calls"
+                    ),
                 },
             }
             for call in message.tool_calls
@@ -208,21 +224,23 @@ def _text(index: int, content: str | list[ContentPart] | None) -> str:
     return "".join(part.text or "" for part in content)
 
 
-def _arguments(index: int, arguments: str | dict[str, Any]) -> dict[str, Any]:
+def tool_arguments(arguments: str | dict[str, Any], where: str) -> dict[str, Any]:
+    """A tool call's arguments as the object chat templates take; `where` names the field
+    in errors ("messages[2]", "input[3]").
+
+    Raises:
+        ApiError: 400 for arguments that are not a JSON object, or nest too deeply.
+    """
     if isinstance(arguments, dict):
         return arguments
+    if (depth := json_depth(arguments)) > MAX_JSON_DEPTH:
+        raise ApiError(400, too_deep_message(depth, f"{where}'s tool call arguments"), param=where)
     try:
         parsed = json.loads(arguments or "{}")
     except json.JSONDecodeError as error:
         raise ApiError(
-            400,
-            f"messages[{index}] has tool call arguments that are not JSON ({error})",
-            param=f"messages[{index}].tool_calls",
+            400, f"{where} has tool call arguments that are not JSON ({error})", param=where
         ) from error
     if not isinstance(parsed, dict):
-        raise ApiError(
-            400,
-            f"messages[{index}] has tool call arguments that are not an object",
-            param=f"messages[{index}].tool_calls",
-        )
+        raise ApiError(400, f"{where} has tool call arguments that are not an object", param=where)
     return parsed

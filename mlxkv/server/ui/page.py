@@ -27,11 +27,24 @@ STATIC_DIR = files("mlxkv.server.ui") / "static"
 
 router = APIRouter()
 
+# The page needs nothing from another origin: no third-party script, style, image or frame
+# (an image URL in a model's Markdown answer cannot leak the conversation), and no site may
+# frame it (clickjacking). Revalidated on each load, so a new version is never served stale.
+_PAGE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": (
+        "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+        "form-action 'self'; frame-ancestors 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
 
 @router.get("/", include_in_schema=False)
 async def chat_page() -> FileResponse:
-    # Revalidated on each load, so a new version of the page is never served stale.
-    return FileResponse(str(STATIC_DIR / "index.html"), headers={"Cache-Control": "no-cache"})
+    return FileResponse(str(STATIC_DIR / "index.html"), headers=_PAGE_HEADERS)
 
 
 @router.get("/v1/mlxkv/cache")

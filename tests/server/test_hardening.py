@@ -1,0 +1,60 @@
+"""What a hostile web page or client tried: DNS rebinding (a Host header naming another
+site), forged access-log lines, and framing or third-party content in the chat page."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxkv import Runner
+from tests.server.conftest import serve
+
+
+@pytest.fixture(scope="module")
+def guarded(loaded_tiny):
+    with serve(Runner(loaded_tiny("llama"), max_context=256), allowed_hosts=("my.box",)) as s:
+        yield s
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["localhost:8080", "127.0.0.1", "[::1]:9", "LOCALHOST", "my.box:8080"],
+    ids=["localhost", "ipv4", "ipv6", "upper-case", "allowed"],
+)
+def test_hosts_that_name_this_server_are_answered(guarded, host):
+    status, _ = guarded.request("GET", "/v1/models", headers={"Host": host})
+    assert status == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [("/v1/models", "openai"), ("/v1/messages", "anthropic"), ("/", "openai")],
+    ids=["openai", "anthropic", "page"],
+)
+def test_a_rebinding_host_is_refused_in_the_apis_shape(guarded, path, shape):
+    method = "POST" if path == "/v1/messages" else "GET"
+    status, body = guarded.request(method, path, b"{}", headers={"Host": "attacker.example"})
+    assert status == 403
+    error = body["error"]
+    assert "attacker.example" in error["message"] and "--allowed-host" in error["message"]
+    assert error["type"] == "permission_error"
+    if shape == "anthropic":
+        assert body["type"] == "error"
+
+
+def test_a_server_bound_to_every_address_answers_any_name(loaded_tiny):
+    with serve(Runner(loaded_tiny("llama")), host="0.0.0.0") as served:
+        assert served.request("GET", "/health", headers={"Host": "box.lan:8080"})[0] == 200
+
+
+def test_a_newline_in_the_path_cannot_forge_a_log_line(guarded, access_log):
+    guarded.request("GET", "/v1/models%0a127.0.0.1%20GET%20/admin%20200")
+    line = access_log(r"GET /v1/models.*").string
+    assert "\n" not in line and line.startswith("GET /v1/models\\x0a127.0.0.1 GET /admin 200 404")
+
+
+def test_the_page_forbids_framing_and_other_origins(guarded):
+    connection_headers = guarded.response_headers("/")
+    policy = connection_headers["content-security-policy"]
+    assert "default-src 'self'" in policy and "frame-ancestors 'none'" in policy
+    assert connection_headers["x-frame-options"] == "DENY"
+    assert connection_headers["x-content-type-options"] == "nosniff"
