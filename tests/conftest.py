@@ -1,9 +1,10 @@
 import logging
+import re
 
 import pytest
 
 import mlxkv  # noqa: F401  (first: it picks the BLAS before mlx is imported)
-from tests.factories import tiny_model_dir
+from tests.factories import tiny_model_dir, wait_until
 
 
 def pytest_collection_modifyitems(config, items):
@@ -103,3 +104,22 @@ def make_runner(loaded_tiny):
         return Runner(loaded_tiny(arch), **kwargs)
 
     return _make
+
+
+@pytest.fixture
+def access_log(caplog):
+    """Waits for the `count`-th access-log line matching a pattern (lines are logged once the
+    response has ended, so after the client has it) and returns its match."""
+    caplog.set_level(logging.INFO, logger="mlxkv.server.access")
+
+    def wait_for(pattern: str, count: int = 1) -> re.Match:
+        found = []
+
+        def matched() -> bool:
+            found[:] = [m for r in caplog.records if (m := re.search(pattern, r.getMessage()))]
+            return len(found) >= count
+
+        wait_until(matched, what=f"{count} access line(s) matching {pattern!r}")
+        return found[count - 1]
+
+    return wait_for

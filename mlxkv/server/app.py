@@ -31,6 +31,7 @@ from mlxkv.server.middleware import (
     ServerErrors,
 )
 from mlxkv.server.openai_api import routes as openai
+from mlxkv.server.responses_api import routes as responses
 from mlxkv.server.state import ServerContext, server_context
 from mlxkv.server.ui.page import add_page
 from mlxkv.server.worker import GenerationWorker
@@ -66,7 +67,8 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
     )
     app.include_router(openai.router)
     app.include_router(anthropic.router)
-    app.add_api_route("/health", _health, methods=["GET"])
+    app.include_router(responses.router)
+    app.add_api_route("/health", _health, methods=["GET", "HEAD"])  # HEAD: clients probing
     add_page(app)
     _add_error_handlers(app)
     # Added innermost first: the access log sees every response, 401s and 413s included.

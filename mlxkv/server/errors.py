@@ -59,7 +59,7 @@ def context_length_error(error: ContextLengthError, path: str) -> ApiError:
             message = f"prompt is too long: {prompt} tokens > {window - 1} maximum"
         else:
             message = (
-                f"input length and max_tokens exceed context limit: {prompt} + {asked} > "
+                f"input length and `max_tokens` exceed context limit: {prompt} + {asked} > "
                 f"{window}, decrease input length or max_tokens and try again"
             )
         return ApiError(400, message)

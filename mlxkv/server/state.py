@@ -11,12 +11,13 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
+from mlxkv.server.responses_api.history import ResponseHistory
 from mlxkv.server.turn import Turn
 from mlxkv.server.worker import GenerationWorker
 
@@ -36,12 +37,14 @@ class ServerContext:
     model_name: the id `/v1/models` lists and responses carry.
     default_max_tokens: tokens generated when a request gives no limit.
     created: when the server started (Unix seconds), for `/v1/models`.
+    responses: stored Responses API conversations, for `previous_response_id`.
     """
 
     worker: GenerationWorker
     model_name: str
     default_max_tokens: int
     created: int = 0
+    responses: ResponseHistory = field(default_factory=ResponseHistory)
 
     @classmethod
     def make(cls, worker: GenerationWorker, model_name: str, default_max_tokens: int):

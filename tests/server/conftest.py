@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import logging
-import re
 import socket
 import threading
 import time
@@ -23,7 +21,6 @@ from fastapi import FastAPI
 from mlxkv import Runner
 from mlxkv.server import create_app
 from mlxkv.testing.factory import build_scripted_model
-from tests.factories import wait_until
 
 TOOL_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
 SCRIPT = ("Let", "<tool_call>", TOOL_CALL, "</tool_call>")
@@ -126,22 +123,3 @@ def tiny_server(loaded_tiny):
 def fresh_runner(loaded_tiny):
     """An independent reference: a new Runner on the same weights, with an empty cache."""
     return lambda **kw: Runner(loaded_tiny("llama"), **{"max_context": 1024, **kw})
-
-
-@pytest.fixture
-def access_log(caplog):
-    """Waits for an access-log line matching a pattern (logged once the response has ended,
-    so after the client has it) and returns its match."""
-    caplog.set_level(logging.INFO, logger="mlxkv.server.access")
-
-    def wait_for(pattern: str) -> re.Match:
-        found = []
-
-        def matched() -> bool:
-            found[:] = [m for r in caplog.records if (m := re.search(pattern, r.getMessage()))]
-            return bool(found)
-
-        wait_until(matched, what=f"an access line matching {pattern!r}")
-        return found[0]
-
-    return wait_for

@@ -111,7 +111,7 @@ def test_anthropic_context_errors_in_claude_code_wording(small_window):
         )
     message = raised.value.body["error"]["message"]
     match = re.fullmatch(
-        r"input length and max_tokens exceed context limit: (\d+) \+ 32000 > 64, "
+        r"input length and `max_tokens` exceed context limit: (\d+) \+ 32000 > 64, "
         r"decrease input length or max_tokens and try again",
         message,
     )

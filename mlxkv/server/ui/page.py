@@ -42,7 +42,7 @@ _PAGE_HEADERS = {
 }
 
 
-@router.get("/", include_in_schema=False)
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
 async def chat_page() -> FileResponse:
     return FileResponse(str(STATIC_DIR / "index.html"), headers=_PAGE_HEADERS)
 

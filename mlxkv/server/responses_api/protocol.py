@@ -1,0 +1,194 @@
+"""The Responses API's request body as pydantic models, and its translation into chat-template
+messages and tools.
+
+`input` is a string or a list of items: messages (roles user, assistant, system, developer;
+content a string or `input_text`/`output_text` parts), `function_call` and
+`function_call_output` (the assistant's tool calls and their results, matched by `call_id`).
+`reasoning` items and other items a local model cannot use are dropped. `instructions` is the
+system message. Tools of type `function` go to the chat template, as do those inside a
+`namespace` group; hosted tools (`web_search`, `local_shell`, `custom`, ...) are dropped with
+one log line per kind.
+
+Reference: https://platform.openai.com/docs/api-reference/responses/create
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Literal
+
+from pydantic import Field
+
+from mlxkv.server.errors import ApiError
+from mlxkv.server.openai_api.protocol import Lenient, tool_arguments
+
+logger = logging.getLogger(__name__)
+
+_SEED_BITS = 2**64
+
+
+class InputPart(Lenient):
+    type: str
+    text: str | None = None
+
+
+class InputItem(Lenient):
+    """One item of `input`; which fields matter depends on `type`."""
+
+    type: str = "message"  # a bare {"role", "content"} is a message
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[InputPart] | None = None
+    name: str | None = None
+    arguments: str | dict[str, Any] | None = None
+    call_id: str | None = None
+    output: str | list[InputPart] | None = None
+
+
+class ResponseTool(Lenient):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    tools: list[ResponseTool] | None = None  # a namespace's functions
+
+
+class NamedFunction(Lenient):
+    type: Literal["function"]
+    name: str
+
+
+class TextOptions(Lenient):
+    format: dict[str, Any] | None = None
+
+
+class ResponsesRequest(Lenient):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = Field(None, max_length=128)
+    prompt_cache_key: str | None = Field(None, max_length=256)
+    text: TextOptions | None = None
+
+    def input_items(self) -> list[InputItem]:
+        if isinstance(self.input, str):
+            return [InputItem(type="message", role="user", content=self.input)]
+        return self.input
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """Function tools for the chat template, as `tool_choice` narrows them."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        tools = [_template_tool(t) for t in _functions(self.tools)]
+        if isinstance(self.tool_choice, NamedFunction):
+            name = self.tool_choice.name
+            tools = [t for t in tools if t["function"]["name"] == name]
+            if not tools:
+                raise ApiError(
+                    400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+                )
+        return tools or None
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        chosen = {
+            "max_tokens": self.max_output_tokens or default_max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": None if self.seed is None else self.seed % _SEED_BITS,
+        }
+        return {key: value for key, value in chosen.items() if value is not None}
+
+
+def chat_messages(
+    instructions: str | None, items: list[InputItem], start: int = 0
+) -> list[dict[str, Any]]:
+    """Chat-template messages for `instructions` and `items` (`start`: the index of the first
+    item in the request, for errors)."""
+    out: list[dict[str, Any]] = []
+    if instructions:
+        out.append({"role": "system", "content": instructions})
+    for index, item in enumerate(items, start=start):
+        where = f"input[{index}]"
+        if item.type == "message":
+            if item.role is None:
+                raise ApiError(400, f"{where} is a message without a role", param=where)
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": _text(item.content, where)})
+        elif item.type == "function_call":
+            if not item.name or not item.call_id:
+                raise ApiError(
+                    400, f"{where} is a function_call without name or call_id", param=where
+                )
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": tool_arguments(item.arguments, where)},
+            }
+            if out and out[-1]["role"] == "assistant":  # parallel calls share one turn
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            if not item.call_id:
+                raise ApiError(
+                    400, f"{where} is a function_call_output without call_id", param=where
+                )
+            content = _text(item.output, where)
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
+        else:
+            _note_dropped("input item", item.type)
+    return out
+
+
+def _text(content: str | list[InputPart] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    kinds = sorted({p.type for p in content if p.type not in _TEXT_PARTS})
+    if kinds:
+        raise ApiError(
+            400,
+            f"{where} has content of type {', '.join(kinds)}; this server takes text only",
+            param=where,
+        )
+    return "".join(part.text or "" for part in content)
+
+
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text")
+
+
+def _functions(tools: list[ResponseTool]) -> list[ResponseTool]:
+    out = []
+    for tool in tools:
+        if tool.type == "function" and tool.name:
+            out.append(tool)
+        elif tool.type == "namespace" and tool.tools:
+            out += _functions(tool.tools)
+        else:
+            _note_dropped("tool", tool.type)
+    return out
+
+
+def _template_tool(tool: ResponseTool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    function["parameters"] = tool.parameters or {"type": "object", "properties": {}}
+    return {"type": "function", "function": function}
+
+
+@functools.cache  # once per kind and process
+def _note_dropped(what: str, kind: str) -> None:
+    logger.info("responses: %s of type %r dropped (not something a local model runs)", what, kind)

@@ -1,0 +1,273 @@
+"""OpenAI's Responses API: `POST /v1/responses`, plain and as server-sent events, enough for
+Codex CLI (`wire_api = "responses"`).
+
+Owns the translation between a Responses body and a `Turn`, and the events: response.created,
+response.in_progress, response.output_item.added/done, response.content_part.added/done,
+response.output_text.delta/done, response.function_call_arguments.delta/done, then
+response.completed (or response.failed). `usage.input_tokens_details.cached_tokens` is what
+the prompt cache supplied.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from mlxkv.engine.results import Completion
+from mlxkv.server.errors import ApiError
+from mlxkv.server.responses_api.protocol import ResponsesRequest, chat_messages
+from mlxkv.server.state import Context, event_stream, sse
+from mlxkv.server.tool_calls import ToolCall
+from mlxkv.server.turn import TextDelta, Turn, collect, start_turn
+
+router = APIRouter()
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request, ctx: Context):
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        found = ctx.responses.get(body.previous_response_id)
+        if found is None:
+            raise ApiError(
+                400,
+                f"Previous response with id '{body.previous_response_id}' not found.",
+                code="previous_response_not_found",
+                param="previous_response_id",
+            )
+        history = found
+    conversation = history + chat_messages(None, body.input_items())
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    turn = await start_turn(
+        request,
+        system + conversation,
+        tools=body.template_tools(),
+        sampling=body.sampling(ctx.default_max_tokens),
+        cache_key=body.prompt_cache_key,
+        max_tokens_asked=body.max_output_tokens is not None,
+    )
+    response = _Response(body, ctx.model_name)
+
+    def remember(output: list[dict[str, Any]]) -> None:
+        if body.store:
+            ctx.responses.put(response.id, conversation + _as_messages(output))
+
+    if body.stream:
+        events = _response_events(turn, response, remember)
+        return event_stream(events, turn, response.failed_event)
+    events, completion = await collect(turn, request)
+    output: list[dict[str, Any]] = []
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    if text:
+        output.append(_message_item(_item_id("msg"), text))
+    output += [_call_item(_item_id("fc"), e) for e in events if isinstance(e, ToolCall)]
+    remember(output)
+    return response.body(output, completion)
+
+
+class _Response:
+    """What every event of one response shares, and the response object itself."""
+
+    def __init__(self, request: ResponsesRequest, model: str):
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.model = model
+        self.request = request
+        self._sequence = 0
+
+    def body(
+        self, output: list[dict[str, Any]], completion: Completion | None, status: str = ""
+    ) -> dict[str, Any]:
+        request = self.request
+        incomplete = completion is not None and completion.finish_reason == "length"
+        status = status or ("incomplete" if incomplete else "completed")
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "parallel_tool_calls": request.parallel_tool_calls,
+            "previous_response_id": request.previous_response_id,
+            "store": request.store,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "tool_choice": request.tool_choice or "auto",
+            "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
+            "usage": _usage(completion) if completion is not None else None,
+        }
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self._sequence += 1
+        return sse({"type": kind, "sequence_number": self._sequence, **fields}, kind)
+
+    def failed_event(self, message: str) -> str:
+        failed = self.body([], None, status="failed")
+        failed["error"] = {"code": "server_error", "message": message}
+        return self.event("response.failed", response=failed)
+
+
+async def _response_events(turn: Turn, response: _Response, remember) -> AsyncIterator[str]:
+    yield response.event("response.created", response=response.body([], None, "in_progress"))
+    yield response.event("response.in_progress", response=response.body([], None, "in_progress"))
+    output: list[dict[str, Any]] = []
+    text_item: dict[str, Any] | None = None  # the message item being streamed
+    async for event in turn.events():
+        if isinstance(event, TextDelta) and event.text:
+            if text_item is None:
+                text_item = _message_item(_item_id("msg"), "", "in_progress")
+                for line in _open_message(response, text_item, len(output)):
+                    yield line
+            text_item["content"][0]["text"] += event.text
+            yield response.event(
+                "response.output_text.delta",
+                item_id=text_item["id"],
+                output_index=len(output),
+                content_index=0,
+                delta=event.text,
+                logprobs=[],
+            )
+        elif isinstance(event, ToolCall):
+            if text_item is not None:
+                for line in _close_message(response, text_item, len(output)):
+                    yield line
+                output.append(text_item)
+                text_item = None
+            item = _call_item(_item_id("fc"), event)
+            for line in _function_call(response, item, len(output)):
+                yield line
+            output.append(item)
+        elif isinstance(event, Completion):
+            if text_item is not None:
+                for line in _close_message(response, text_item, len(output)):
+                    yield line
+                output.append(text_item)
+            remember(output)
+            yield response.event("response.completed", response=response.body(output, event))
+
+
+def _open_message(response: _Response, item: dict[str, Any], index: int) -> list[str]:
+    return [
+        response.event("response.output_item.added", output_index=index, item=_empty(item)),
+        response.event(
+            "response.content_part.added",
+            item_id=item["id"],
+            output_index=index,
+            content_index=0,
+            part=_text_part(""),
+        ),
+    ]
+
+
+def _close_message(response: _Response, item: dict[str, Any], index: int) -> list[str]:
+    item["status"] = "completed"
+    text = item["content"][0]["text"]
+    return [
+        response.event(
+            "response.output_text.done",
+            item_id=item["id"],
+            output_index=index,
+            content_index=0,
+            text=text,
+            logprobs=[],
+        ),
+        response.event(
+            "response.content_part.done",
+            item_id=item["id"],
+            output_index=index,
+            content_index=0,
+            part=_text_part(text),
+        ),
+        response.event("response.output_item.done", output_index=index, item=item),
+    ]
+
+
+def _function_call(response: _Response, item: dict[str, Any], index: int) -> list[str]:
+    added = {**item, "status": "in_progress", "arguments": ""}
+    return [
+        response.event("response.output_item.added", output_index=index, item=added),
+        response.event(
+            "response.function_call_arguments.delta",
+            item_id=item["id"],
+            output_index=index,
+            delta=item["arguments"],
+        ),
+        response.event(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=index,
+            arguments=item["arguments"],
+        ),
+        response.event("response.output_item.done", output_index=index, item=item),
+    ]
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [_text_part(text)],
+    }
+
+
+def _empty(item: dict[str, Any]) -> dict[str, Any]:
+    return {**item, "content": []}
+
+
+def _call_item(item_id: str, call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": "completed",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments_json,
+    }
+
+
+def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output as the chat messages the next turn's template renders."""
+    text = "".join(i["content"][0]["text"] for i in output if i["type"] == "message")
+    calls = [
+        {
+            "id": i["call_id"],
+            "type": "function",
+            "function": {"name": i["name"], "arguments": json.loads(i["arguments"])},
+        }
+        for i in output
+        if i["type"] == "function_call"
+    ]
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def _usage(completion: Completion) -> dict[str, Any]:
+    return {
+        "input_tokens": completion.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": completion.cached_tokens},
+        "output_tokens": completion.generation_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": completion.prompt_tokens + completion.generation_tokens,
+    }
