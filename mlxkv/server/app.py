@@ -30,6 +30,7 @@ from mlxkv.server.middleware import (
     HostCheck,
     ServerErrors,
 )
+from mlxkv.server.ollama_api import routes as ollama
 from mlxkv.server.openai_api import routes as openai
 from mlxkv.server.responses_api import routes as responses
 from mlxkv.server.state import ServerContext, server_context
@@ -68,6 +69,7 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(responses.router)
+    app.include_router(ollama.router)
     app.add_api_route("/health", _health, methods=["GET", "HEAD"])  # HEAD: clients probing
     add_page(app)
     _add_error_handlers(app)

@@ -1,9 +1,10 @@
 """Errors as each API shapes them, so clients show the message instead of failing to parse.
 
-Owns: `ApiError` (raised by routes for a request that cannot be served) and the two bodies:
-OpenAI's `{"error": {"message", "type", "param", "code"}}` and Anthropic's
-`{"type": "error", "error": {"type", "message"}}`. Which one a response uses depends only on
-the path (`/v1/messages...` is Anthropic's).
+Owns: `ApiError` (raised by routes for a request that cannot be served) and the three bodies:
+OpenAI's `{"error": {"message", "type", "param", "code"}}`, Anthropic's
+`{"type": "error", "error": {"type", "message"}}` and Ollama's `{"error": "message"}`. Which
+one a response uses depends only on the path (`/v1/messages...` is Anthropic's, `/api/...`
+Ollama's).
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def is_anthropic_path(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
+def is_ollama_path(path: str) -> bool:
+    return path.startswith("/api/")
+
+
 def error_response(
     path: str,
     status: int,
@@ -92,7 +97,9 @@ def error_response(
 ) -> JSONResponse:
     """The error in the shape of the API that `path` belongs to."""
     body: dict[str, Any]
-    if is_anthropic_path(path):
+    if is_ollama_path(path):
+        body = {"error": message}
+    elif is_anthropic_path(path):
         kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error")
         body = {"type": "error", "error": {"type": kind, "message": message}}
     else:

@@ -70,17 +70,20 @@ def event_stream(
     events: AsyncIterator[str],
     turn: Turn,
     error_event: Callable[[str], str],
-    keepalive: str = ": keep-alive\n\n",
+    keepalive: str | None = ": keep-alive\n\n",
+    media_type: str = "text/event-stream",
 ) -> StreamingResponse:
-    """A response of server-sent events. `keepalive` (an SSE comment unless the API has its
-    own ping event) goes out after every `KEEPALIVE_INTERVAL_S` without an event. A client
-    that leaves cancels the turn at once; a generation that fails after the response has
-    started ends the stream with `error_event(message)` (the API's own error event) instead
-    of a cut connection."""
+    """A streamed response: server-sent events, or another line format (`media_type`, with
+    `keepalive` None where the format has no way to say nothing: Ollama's NDJSON). `keepalive`
+    (an SSE comment unless the API has its own ping event) goes out after every
+    `KEEPALIVE_INTERVAL_S` without an event. A client that leaves cancels the turn at once; a
+    generation that fails after the response has started ends the stream with
+    `error_event(message)` (the API's own error event) instead of a cut connection."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
-            async for event in _with_keepalive(events, keepalive):
+            paced = events if keepalive is None else _with_keepalive(events, keepalive)
+            async for event in paced:
                 yield event
         except Exception as error:  # the status line is sent: say it in the stream
             logger.error("stream failed: %s", error)
@@ -88,7 +91,7 @@ def event_stream(
         finally:  # harmless after the end: the turn's cancel flag is its own
             turn.cancel()
 
-    return StreamingResponse(guarded(), media_type="text/event-stream", headers=_SSE_HEADERS)
+    return StreamingResponse(guarded(), media_type=media_type, headers=_SSE_HEADERS)
 
 
 async def _with_keepalive(events: AsyncIterator[str], keepalive: str) -> AsyncIterator[str]:

@@ -1,0 +1,138 @@
+"""Ollama's request bodies as pydantic models, and their translation into Runner arguments.
+
+`options` map onto sampling (`temperature`, `top_p`, `top_k`, `min_p`, `repeat_penalty`,
+`seed`, `stop`, `num_predict`: -1 or -2 for "until the window is full"); options that size or
+schedule Ollama's own runner (`num_ctx`, `num_gpu`, `num_thread`, ...) and `keep_alive` are
+accepted and ignored. Streaming is Ollama's default.
+
+Reference: https://github.com/ollama/ollama/blob/main/docs/api.md
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mlxkv.server.errors import ApiError
+from mlxkv.server.openai_api.protocol import tool_arguments
+
+_SEED_BITS = 2**64
+
+
+class Lenient(BaseModel):
+    """Types as Ollama's Go server reads them (a number may be given as an integer), unknown
+    fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class Options(Lenient):
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, gt=0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    num_predict: int | None = Field(None, ge=-2)
+
+
+class Function(Lenient):
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+
+
+class ToolCall(Lenient):
+    function: Function
+
+
+class Message(Lenient):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+
+
+class GenerationRequest(Lenient):
+    model: str = ""
+    options: Options | None = None
+    stream: bool = True
+    keep_alive: str | int | float | None = None
+    format: str | dict[str, Any] | None = None
+
+    def sampling(self, default_max_tokens: int) -> tuple[dict[str, Any], bool]:
+        """Runner sampling arguments, and whether the client set a token limit."""
+        if self.format:
+            raise ApiError(400, "format (structured outputs) is not supported by this server")
+        options = self.options or Options()
+        limit = options.num_predict if options.num_predict and options.num_predict > 0 else None
+        chosen = {
+            "max_tokens": limit or default_max_tokens,
+            "temperature": options.temperature,
+            "top_p": options.top_p,
+            "top_k": options.top_k,
+            "min_p": options.min_p,
+            "repetition_penalty": options.repeat_penalty,
+            "seed": None if options.seed is None else options.seed % _SEED_BITS,
+            "stop": options.stop or None,
+        }
+        return {k: v for k, v in chosen.items() if v is not None}, limit is not None
+
+
+class ChatRequest(GenerationRequest):
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        out = []
+        for index, message in enumerate(self.messages):
+            where = f"messages[{index}]"
+            if message.images:
+                raise ApiError(400, f"{where} has images; this server takes text only")
+            entry: dict[str, Any] = {"role": message.role, "content": message.content}
+            if message.tool_calls:
+                entry["tool_calls"] = [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": call.function.name,
+                            "arguments": tool_arguments(call.function.arguments, where),
+                        },
+                    }
+                    for call in message.tool_calls
+                ]
+            if message.tool_name:
+                entry["name"] = message.tool_name
+            out.append(entry)
+        return out
+
+
+class GenerateRequest(GenerationRequest):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    images: list[str] | None = None
+    suffix: str | None = None
+
+    def prompt_for_runner(self) -> str | list[dict[str, Any]]:
+        """Text as given (`raw`), else a chat of the system and the prompt."""
+        if self.images:
+            raise ApiError(400, "images are not supported; this server takes text only")
+        if self.suffix:
+            raise ApiError(400, "suffix (fill in the middle) is not supported; leave it out")
+        if self.raw:
+            return self.prompt
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, {"role": "user", "content": self.prompt}]
+
+
+class ModelRequest(Lenient):
+    model: str = ""
+    name: str = ""  # older clients' field
+    stream: bool = True
+
+    @property
+    def model_name(self) -> str:
+        return self.model or self.name

@@ -1,0 +1,242 @@
+"""Ollama's API: `/api/version`, `/api/tags`, `/api/show`, `/api/ps`, `/api/chat`,
+`/api/generate` (streamed NDJSON, Ollama's default, or one object), `/api/pull` (success for
+the served model, a 404 for any other), `/api/embed` and `/api/embeddings` (501: this server
+does not embed).
+
+The served model is listed under its name with the tag `latest`; chat and generate answer any
+name with it, as the other APIs do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from mlx.utils import tree_flatten
+
+from mlxkv.engine.results import Completion
+from mlxkv.models.fingerprint import model_fingerprint
+from mlxkv.server.errors import ApiError
+from mlxkv.server.ollama_api.protocol import ChatRequest, GenerateRequest, ModelRequest
+from mlxkv.server.state import Context, ServerContext, event_stream
+from mlxkv.server.tool_calls import ToolCall
+from mlxkv.server.turn import TextDelta, Turn, collect, start_turn
+
+router = APIRouter(prefix="/api")
+
+# The Ollama version clients see; some refuse a server older than the API they need.
+OLLAMA_VERSION = "0.12.0"
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": OLLAMA_VERSION}
+
+
+@router.get("/tags")
+async def tags(ctx: Context) -> dict[str, Any]:
+    return {"models": [_model_entry(ctx)]}
+
+
+@router.get("/ps")
+async def running(ctx: Context) -> dict[str, Any]:
+    entry = {
+        **_model_entry(ctx),
+        "expires_at": "0001-01-01T00:00:00Z",  # never unloaded
+        "size_vram": 0,
+        "context_length": ctx.worker.runner.max_context,
+    }
+    return {"models": [entry]}
+
+
+@router.post("/show")
+async def show(body: ModelRequest, ctx: Context) -> dict[str, Any]:
+    _check_served(body.model_name, ctx)
+    runner = ctx.worker.runner
+    config = runner.loaded.config
+    arch = config.get("model_type", "unknown")
+    return {
+        "modelfile": "",
+        "parameters": "",
+        "template": getattr(runner.tokenizer, "chat_template", "") or "",
+        "details": _details(ctx),
+        "model_info": {
+            "general.architecture": arch,
+            f"{arch}.context_length": runner.max_context,
+        },
+        "capabilities": ["completion", "tools"],
+        "modified_at": _timestamp(ctx.created),
+    }
+
+
+@router.post("/pull")
+async def pull(body: ModelRequest, ctx: Context):
+    _check_served(body.model_name, ctx)
+    if not body.stream:
+        return {"status": "success"}
+    lines = [{"status": "pulling manifest"}, {"status": "success"}]
+    return StreamingResponse(
+        iter(json.dumps(line) + "\n" for line in lines), media_type="application/x-ndjson"
+    )
+
+
+@router.post("/embed")
+@router.post("/embeddings")
+async def embed() -> None:
+    raise ApiError(501, "this server does not compute embeddings; use an embedding server")
+
+
+@router.post("/chat")
+async def chat(body: ChatRequest, request: Request, ctx: Context):
+    sampling, asked = body.sampling(ctx.default_max_tokens)
+    if not body.messages:  # Ollama's way to load a model: nothing to generate
+        return _loaded(ctx, body.model, "message", {"role": "assistant", "content": ""})
+    turn = await start_turn(
+        request,
+        body.chat_messages(),
+        tools=body.tools or None,
+        sampling=sampling,
+        max_tokens_asked=asked,
+    )
+    return await _answer(turn, request, ctx, body, "message")
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request, ctx: Context):
+    sampling, asked = body.sampling(ctx.default_max_tokens)
+    if not body.prompt:  # loads the model
+        return _loaded(ctx, body.model, "response", "")
+    turn = await start_turn(
+        request, body.prompt_for_runner(), tools=None, sampling=sampling, max_tokens_asked=asked
+    )
+    return await _answer(turn, request, ctx, body, "response")
+
+
+async def _answer(turn: Turn, request: Request, ctx: ServerContext, body: Any, field: str):
+    started = time.perf_counter_ns()
+    model = body.model or _name(ctx)
+    if body.stream:
+        lines = _lines(turn, model, field, started)
+        return event_stream(
+            lines, turn, _error_line, keepalive=None, media_type="application/x-ndjson"
+        )
+    events, completion = await collect(turn, request)
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    return {
+        **_head(model),
+        field: _payload(field, text, calls),
+        **_final(completion, calls, started),
+    }
+
+
+async def _lines(turn: Turn, model: str, field: str, started: int) -> AsyncIterator[str]:
+    calls: list[ToolCall] = []
+    async for event in turn.events():
+        if isinstance(event, TextDelta) and event.text:
+            yield _line({**_head(model), field: _payload(field, event.text, []), "done": False})
+        elif isinstance(event, ToolCall):
+            calls.append(event)
+            yield _line({**_head(model), field: _payload(field, "", [event]), "done": False})
+        elif isinstance(event, Completion):
+            final = {
+                **_head(model),
+                field: _payload(field, "", []),
+                **_final(event, calls, started),
+            }
+            yield _line(final)
+
+
+def _payload(field: str, text: str, calls: list[ToolCall]) -> Any:
+    if field == "response":
+        return text
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [
+            {"function": {"name": call.name, "arguments": call.arguments}} for call in calls
+        ]
+    return message
+
+
+def _final(completion: Completion, calls: list[ToolCall], started: int) -> dict[str, Any]:
+    """The last object's fields: why it ended and Ollama's counts and durations (ns)."""
+    computed = completion.prompt_tokens - completion.cached_tokens
+    prompt_ns = int(computed / completion.prompt_tps * 1e9) if completion.prompt_tps else 0
+    eval_ns = (
+        int(completion.generation_tokens / completion.generation_tps * 1e9)
+        if completion.generation_tps
+        else 0
+    )
+    return {
+        "done": True,
+        "done_reason": "length" if completion.finish_reason == "length" else "stop",
+        "total_duration": time.perf_counter_ns() - started,
+        "load_duration": 0,
+        "prompt_eval_count": completion.prompt_tokens,
+        "prompt_eval_duration": prompt_ns,
+        "eval_count": completion.generation_tokens,
+        "eval_duration": eval_ns,
+    }
+
+
+def _loaded(ctx: ServerContext, model: str, field: str, payload: Any) -> dict[str, Any]:
+    return {**_head(model or _name(ctx)), field: payload, "done": True, "done_reason": "load"}
+
+
+def _head(model: str) -> dict[str, Any]:
+    return {"model": model, "created_at": _timestamp(time.time())}
+
+
+def _line(body: dict[str, Any]) -> str:
+    return json.dumps(body, ensure_ascii=False) + "\n"
+
+
+def _error_line(message: str) -> str:
+    return _line({"error": message})
+
+
+def _name(ctx: ServerContext) -> str:
+    return f"{ctx.model_name}:latest"
+
+
+def _check_served(name: str, ctx: ServerContext) -> None:
+    if name not in (ctx.model_name, _name(ctx)):
+        raise ApiError(
+            404,
+            f"model '{name}' not found; this server serves '{_name(ctx)}' only (start "
+            "mlxkv serve -m ... for another)",
+        )
+
+
+def _model_entry(ctx: ServerContext) -> dict[str, Any]:
+    runner = ctx.worker.runner
+    return {
+        "name": _name(ctx),
+        "model": _name(ctx),
+        "modified_at": _timestamp(ctx.created),
+        "size": sum(w.nbytes for _, w in tree_flatten(runner.loaded.model.parameters())),
+        "digest": model_fingerprint(runner.loaded),
+        "details": _details(ctx),
+    }
+
+
+def _details(ctx: ServerContext) -> dict[str, Any]:
+    config = ctx.worker.runner.loaded.config
+    family = config.get("model_type", "unknown")
+    return {
+        "parent_model": "",
+        "format": "safetensors",
+        "family": family,
+        "families": [family],
+        "parameter_size": "",
+        "quantization_level": "",
+    }
+
+
+def _timestamp(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")

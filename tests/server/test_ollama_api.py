@@ -1,0 +1,93 @@
+"""Ollama's API through the real `ollama` Python client: the model listed, shown and
+"pulled", chat and generate streamed and not, tool calls, options mapped onto sampling, and
+errors in Ollama's shape."""
+
+from __future__ import annotations
+
+import ollama
+import pytest
+
+from mlxkv import Runner
+from mlxkv.models.loading import load_model
+from tests.server.conftest import serve
+
+QUESTION = [{"role": "user", "content": "Once upon a time there was"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def served(loaded_tiny):
+    with serve(Runner(loaded_tiny("llama"), max_context=512), model_name="tiny") as served:
+        yield served
+
+
+@pytest.fixture
+def client(served):
+    return ollama.Client(host=served.url)
+
+
+def test_the_model_is_listed_shown_and_pulled(client):
+    assert [m.model for m in client.list().models] == ["tiny:latest"]
+    assert client.show("tiny").modelinfo["llama.context_length"] == 512
+    assert client.pull("tiny").status == "success"
+    assert [p.status for p in client.pull("tiny:latest", stream=True)][-1] == "success"
+    assert client.ps().models[0].context_length == 512
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.pull("llama3.2")
+    assert missing.value.status_code == 404 and "not found" in missing.value.error
+
+
+def test_chat_plain_and_streamed_agree_with_the_runner(client, fresh_runner):
+    options = {"temperature": 0, "num_predict": 6}
+    plain = client.chat(model="tiny", messages=QUESTION, options=options)
+    streamed = list(client.chat(model="tiny", messages=QUESTION, options=options, stream=True))
+    want = fresh_runner().generate(QUESTION, max_tokens=6)
+    assert plain.message.content == want.text
+    assert "".join(part.message.content for part in streamed) == want.text
+    assert streamed[-1].done and streamed[-1].done_reason == plain.done_reason == "length"
+    assert plain.eval_count == 6 and plain.prompt_eval_count == want.prompt_tokens
+
+
+def test_generate_plain_and_streamed(client, fresh_runner):
+    options = {"temperature": 0, "num_predict": 5}
+    plain = client.generate(model="tiny", prompt="Hello there", system="Be brief.", options=options)
+    streamed = list(client.generate(model="tiny", prompt="Hello there", system="Be brief.",
+                                    options=options, stream=True))  # fmt: skip
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    assert plain.response == fresh_runner().generate(chat, max_tokens=5).text
+    assert "".join(part.response for part in streamed) == plain.response
+    assert client.generate(model="tiny", prompt="").done_reason == "load"
+
+
+def test_tool_calls_come_back_as_objects(scripted_dir):
+    with serve(Runner(load_model(scripted_dir), max_context=1024)) as served:
+        reply = ollama.Client(host=served.url).chat(
+            model="m", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER]
+        )
+    (call,) = reply.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+
+
+@pytest.mark.parametrize(
+    ("call", "status", "mentions"),
+    [
+        (lambda c: c.embed(model="tiny", input="hi"), 501, "embeddings"),
+        (lambda c: c.chat(model="tiny", messages=QUESTION, format="json"), 400, "format"),
+        (lambda c: c.chat(model="tiny", messages=[{"role": "user", "content": "x",
+                                                   "images": ["aGk="]}]), 400, "images"),
+        (lambda c: c.chat(model="tiny", messages=QUESTION, options={"temperature": -1}), 400,
+         "temperature"),
+    ],
+    ids=["embed", "format", "images", "bad-option"],
+)  # fmt: skip
+def test_errors_in_ollamas_shape(client, call, status, mentions):
+    with pytest.raises(ollama.ResponseError) as raised:
+        call(client)
+    assert raised.value.status_code == status and mentions in raised.value.error
