@@ -9,6 +9,7 @@ select_blas()  # must run before mlx is first imported (see mlxkv.platform.blas)
 from mlxkv.cache import KVCache, ModelCache, QuantizedKVCache, SlidingWindowCache, make_cache
 from mlxkv.cache.report import MemoryReport
 from mlxkv.config import format_bytes
+from mlxkv.decoding.grammar import json_schema_grammar
 from mlxkv.engine.results import Completion, GenerationChunk
 from mlxkv.engine.runner import Runner
 from mlxkv.errors import (
@@ -40,5 +41,6 @@ __all__ = [
     "SlidingWindowCache",
     "UnsupportedFormatError",
     "format_bytes",
+    "json_schema_grammar",
     "make_cache",
 ]

@@ -190,6 +190,7 @@ class Lockstep:
                 "top_logprobs": request.top_logprobs,
                 "cache_key": request.cache_key,
                 "speculative": request.speculative,
+                "grammar": request.grammar,
             }
         )
 
@@ -227,6 +228,7 @@ class Lockstep:
             top_logprobs=message["top_logprobs"],
             cache_key=message["cache_key"],
             speculative=message["speculative"],
+            grammar=message["grammar"],
         )
         return "request", request
 

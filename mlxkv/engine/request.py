@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from mlxkv.cache.prefix import common_prefix_length
+from mlxkv.decoding.grammar import check_grammar
 from mlxkv.decoding.prefill import ProgressCallback
 from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.engine.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt
@@ -54,7 +55,8 @@ class Request:
             with each sampled token's own.
         cache_key: a label for the cache entry the request generates into (None: keep its
             label).
-        speculative: the speculative decoding mode (`speculative.MODES`).
+        speculative: the speculative decoding mode (`speculative.MODES`); None with a grammar.
+        grammar: an llguidance grammar every generated token must keep to (checked), or None.
         cut_start: the first message kept when a chat was cut to the window (None: not cut);
             kept on the request's cache entry, so this conversation's next turn cuts there
             again and reuses the entry.
@@ -70,6 +72,7 @@ class Request:
     cache_key: str | None = None
     speculative: str | None = None
     cut_start: Message | None = None
+    grammar: str | None = None
 
 
 # PromptEncoder.render with the request's control-token and tool settings bound.
@@ -92,6 +95,7 @@ class RequestOptions:
             is full) or "refuse" (ContextLengthError before anything runs).
         cache_key: a label for the cache entry this request generates into.
         speculative: the speculative decoding mode, already checked.
+        grammar: an llguidance grammar (`decoding.grammar`) the output must keep to, or None.
     """
 
     progress: ProgressCallback | None = None
@@ -103,6 +107,7 @@ class RequestOptions:
     cache_key: str | None = None
     speculative: str | None = None
     overflow: str = "shift"
+    grammar: str | None = None
 
     def check(self) -> None:
         if self.overflow not in OVERFLOW_MODES:
@@ -176,6 +181,8 @@ class RequestBuilder:
                 max_context=self._max_context,
             )
         params = self._fit_max_tokens(params, len(tokens), options.overflow)
+        if options.grammar is not None:
+            check_grammar(options.grammar, self._prompts.tokenizer)
         keep = self._keep_for(prompt, tokens, render)
         # A prompt that must be cut leaves room to answer, so the answer does not begin with a
         # shift.
@@ -195,8 +202,10 @@ class RequestBuilder:
             options.cancel or threading.Event(),
             options.top_logprobs,
             options.cache_key,
-            options.speculative,
+            # drafts verified k at a time would each need the grammar's state: off
+            None if options.grammar is not None else options.speculative,
             cut_start,
+            options.grammar,
         )
 
     def _fit_max_tokens(

@@ -16,6 +16,7 @@ from mlxkv.cache.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.pool import CachePool
 from mlxkv.decoding.drafts import DraftLength, DraftModel, NgramDrafter
+from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
 from mlxkv.decoding.prefill import PrefillPlan, fill
@@ -104,6 +105,10 @@ def _decode(
     `speculative_tokens` with the mode's drafter (see `MODES`)."""
     params, prompt = request.params, request.tokens
     processors = params.make_logits_processors()
+    if request.grammar is not None:
+        processors.append(
+            grammar_processor(request.grammar, loaded.tokenizer, loaded.vocab_size, len(prompt))
+        )
     sampler = params.make_sampler(loaded.vocab_size)
     pick = TokenPicker(sampler, processors, prompt, top_logprobs=request.top_logprobs)
     if request.speculative is None:

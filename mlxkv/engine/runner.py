@@ -237,6 +237,7 @@ class Runner:
         cache_key: str | None = None,
         speculative: str | None = "default",
         overflow: str = "shift",
+        grammar: str | None = None,
         **sampling: Any,
     ) -> Iterator[GenerationChunk]:
         """Streams a completion chunk by chunk.
@@ -259,6 +260,9 @@ class Runner:
                 "shift" drops early tokens mid-reply to go on, "stop" ends the reply with
                 "length" when the window is full, "refuse" raises ContextLengthError first
                 (the server's choices: a client's history is the client's to cut).
+            grammar: an llguidance grammar the output keeps to, token by token (from a JSON
+                schema: `mlxkv.json_schema_grammar(schema)`); turns speculative decoding off
+                for this request. The output parses unless `max_tokens` cuts it.
             cache_key: a label for the cache entry this request generates into, e.g. a
                 conversation id; `cache_info()` shows it. Lookup is by tokens alone.
             speculative: "auto" drafts tokens (from the draft model if one is loaded, else by
@@ -289,7 +293,7 @@ class Runner:
             speculative = self.speculative
         options = RequestOptions(
             progress, parse_control_tokens, tools, cancel, logprobs, truncate, cache_key,
-            check_mode(speculative, has_draft_model=self._draft is not None), overflow,
+            check_mode(speculative, has_draft_model=self._draft is not None), overflow, grammar,
         )  # fmt: skip
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.

@@ -79,13 +79,14 @@ def test_tool_calls_come_back_as_objects(scripted_dir):
     ("call", "status", "mentions"),
     [
         (lambda c: c.embed(model="tiny", input="hi"), 501, "embeddings"),
-        (lambda c: c.chat(model="tiny", messages=QUESTION, format="json"), 400, "format"),
+        (lambda c: c.chat(model="tiny", messages=QUESTION, format={"type": "nonsense"}), 400,
+         "nonsense"),
         (lambda c: c.chat(model="tiny", messages=[{"role": "user", "content": "x",
                                                    "images": ["aGk="]}]), 400, "images"),
         (lambda c: c.chat(model="tiny", messages=QUESTION, options={"temperature": -1}), 400,
          "temperature"),
     ],
-    ids=["embed", "format", "images", "bad-option"],
+    ids=["embed", "bad-schema", "images", "bad-option"],
 )  # fmt: skip
 def test_errors_in_ollamas_shape(client, call, status, mentions):
     with pytest.raises(ollama.ResponseError) as raised:

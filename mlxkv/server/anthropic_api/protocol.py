@@ -4,7 +4,7 @@ blocks become `tool` messages, and tools become OpenAI-style function definition
 chat templates take).
 
 Fields current clients send that change nothing here are accepted and ignored: `thinking`,
-`output_config.effort`, `cache_control` (every prefix is cached anyway), `context_management`,
+`output_config.effort` (its `format` is honoured), `cache_control` (every prefix is cached anyway), `context_management`,
 `diagnostics`, `metadata`, `anthropic-beta` headers.
 
 Reference: https://docs.anthropic.com/en/api/messages
@@ -18,6 +18,7 @@ from pydantic import Field
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.openai_api.protocol import Lenient
+from mlxkv.server.structured import anthropic_grammar
 
 
 class TextBlock(Lenient):
@@ -128,6 +129,7 @@ class MessagesRequest(PromptFields):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
+    output_config: dict[str, Any] | None = None  # `format` is honoured, `effort` ignored
 
     def sampling(self) -> dict[str, Any]:
         if self.stop_sequences is not None and not all(self.stop_sequences):
@@ -138,6 +140,7 @@ class MessagesRequest(PromptFields):
             "top_p": self.top_p,
             "top_k": self.top_k,
             "stop": self.stop_sequences,
+            "grammar": anthropic_grammar(self.output_config),
         }
         return {key: value for key, value in chosen.items() if value is not None}
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.openai_api.protocol import tool_arguments
+from mlxkv.server.structured import ollama_grammar
 
 _SEED_BITS = 2**64
 
@@ -64,8 +65,6 @@ class GenerationRequest(Lenient):
 
     def sampling(self, default_max_tokens: int) -> tuple[dict[str, Any], bool]:
         """Runner sampling arguments, and whether the client set a token limit."""
-        if self.format:
-            raise ApiError(400, "format (structured outputs) is not supported by this server")
         options = self.options or Options()
         limit = options.num_predict if options.num_predict and options.num_predict > 0 else None
         chosen = {
@@ -77,6 +76,7 @@ class GenerationRequest(Lenient):
             "repetition_penalty": options.repeat_penalty,
             "seed": None if options.seed is None else options.seed % _SEED_BITS,
             "stop": options.stop or None,
+            "grammar": ollama_grammar(self.format),
         }
         return {k: v for k, v in chosen.items() if v is not None}, limit is not None
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.json_depth import MAX_JSON_DEPTH, json_depth, too_deep_message
+from mlxkv.server.structured import openai_grammar
 
 _SEED_BITS = 2**64  # OpenAI's seed is any integer; MLX's is unsigned 64-bit
 
@@ -102,6 +103,7 @@ class GenerationFields(Lenient):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
 
     def sampling(self, max_tokens: int | None, default_max_tokens: int) -> dict[str, Any]:
         """Runner sampling arguments; checks what the schema cannot express."""
@@ -119,6 +121,7 @@ class GenerationFields(Lenient):
             "repetition_penalty": self.repetition_penalty,
             "seed": None if self.seed is None else self.seed % _SEED_BITS,
             "stop": stop,
+            "grammar": openai_grammar(self.response_format, "response_format"),
         }
         return {key: value for key, value in chosen.items() if value is not None}
 

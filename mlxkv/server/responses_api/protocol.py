@@ -22,6 +22,7 @@ from pydantic import Field
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.openai_api.protocol import Lenient, tool_arguments
+from mlxkv.server.structured import openai_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class ResponsesRequest(Lenient):
             "top_k": self.top_k,
             "min_p": self.min_p,
             "seed": None if self.seed is None else self.seed % _SEED_BITS,
+            "grammar": openai_grammar(self.text.format if self.text else None, "text.format"),
         }
         return {key: value for key, value in chosen.items() if value is not None}
 

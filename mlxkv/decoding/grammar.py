@@ -1,0 +1,87 @@
+"""Constrained decoding: every sampled token keeps the output inside a grammar, so a reply
+asked for as JSON (OpenAI's `response_format`, Anthropic's `output_config.format`, Ollama's
+`format`) always parses and validates, whatever the model would rather say.
+
+Owns `check_grammar` (before a request runs) and `grammar_processor` (the logits processor
+that masks what the grammar does not allow next). The grammar engine is llguidance, which
+llama.cpp and vLLM use; a grammar is its JSON form (`json_schema_grammar` builds one from a
+JSON schema) or its Lark form.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxkv.decoding.sampling import LogitsProcessor
+
+# OpenAI's `{"type": "json_object"}`: any JSON object.
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """The grammar of JSON text that validates against `schema`, compact (no free whitespace
+    between tokens: a small model cannot wander into pages of spaces)."""
+    from llguidance import LLMatcher
+
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+
+
+def check_grammar(grammar: str, tokenizer: Any) -> None:
+    """Raises:
+    ValueError: a grammar llguidance cannot compile for this tokenizer (mlx-lm's
+        TokenizerWrapper); the message names the problem.
+    """
+    from llguidance import LLMatcher
+
+    if not isinstance(grammar, str) or not grammar:
+        raise ValueError(f"grammar must be a non-empty str, got {grammar!r}")
+    problem = LLMatcher.validate_grammar(grammar, _llguidance_tokenizer(tokenizer))
+    if problem:
+        raise ValueError(f"the grammar (or JSON schema) cannot be used: {problem}")
+
+
+def grammar_processor(
+    grammar: str, tokenizer: Any, vocab_size: int, prompt_tokens: int
+) -> LogitsProcessor:
+    """A logits processor for one generation whose token history starts with `prompt_tokens`
+    prompt tokens: it feeds each generated token to the grammar and masks every token the
+    grammar does not allow next (`vocab_size`: the logits' width, which may exceed the
+    tokenizer's; the extra ids are never allowed). The grammar's end allows only EOS."""
+    from llguidance import LLMatcher
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    ll_tokenizer = _llguidance_tokenizer(tokenizer)
+    matcher = LLMatcher(ll_tokenizer, grammar)
+    words = allocate_token_bitmask(1, ll_tokenizer.vocab_size)
+    width = min(vocab_size, ll_tokenizer.vocab_size)
+    fed = prompt_tokens
+
+    def constrain(history: mx.array, logits: mx.array) -> mx.array:
+        nonlocal fed
+        new = history[fed:].tolist()  # waits for the last token: the mask depends on it
+        fed += len(new)
+        # A stopped matcher has seen the grammar's end (EOS): decoding computes one step past
+        # the last token before it sees the end, and that step's token is never kept.
+        if new and not matcher.is_stopped() and not matcher.consume_tokens(new):
+            raise RuntimeError(f"the grammar refused a generated token: {matcher.get_error()}")
+        fill_next_token_bitmask(matcher, words)
+        allowed = np.zeros(vocab_size, dtype=bool)
+        allowed[:width] = np.unpackbits(words.view(np.uint8), bitorder="little")[:width]
+        return mx.where(mx.array(allowed), logits, -mx.inf)
+
+    return constrain
+
+
+@functools.lru_cache(maxsize=4)
+def _llguidance_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer as llguidance reads it (its Rust tokenizer's JSON); about a second to
+    build, so kept per tokenizer."""
+    from llguidance import LLTokenizer
+
+    backend = tokenizer.backend_tokenizer  # the Hugging Face fast tokenizer's Rust side
+    return LLTokenizer(backend.to_str(), eos_token=sorted(tokenizer.eos_token_ids))

@@ -1,0 +1,93 @@
+"""Structured outputs through the real clients: OpenAI's `response_format` (chat) and
+`text.format` (Responses), Anthropic's `output_config.format`, Ollama's `format`. The tiny
+random model never writes this JSON on its own; every reply parses and validates, with
+speculative decoding on in the server, and a schema that cannot compile is a 400 naming it."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import ollama
+import openai
+import pytest
+
+from mlxkv import Runner
+from tests.server.conftest import serve
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "sunny": {"type": "boolean"},
+    },
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Pick a city and say if it is sunny, as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def served(loaded_tiny):
+    runner = Runner(loaded_tiny("llama"), max_context=512, speculative="ngram")
+    with serve(runner) as served:
+        yield served
+
+
+def _valid(text: str) -> bool:
+    value = json.loads(text)
+    return set(value) == {"city", "sunny"} and value["city"] in ("Paris", "Rome", "Oslo")
+
+
+def test_openai_json_schema_and_json_object(served):
+    client = served.openai()
+    schema_format = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+    reply = client.chat.completions.create(
+        model="m", messages=ASK, max_tokens=40, response_format=schema_format
+    )
+    assert _valid(reply.choices[0].message.content)
+    anything = client.chat.completions.create(
+        model="m", messages=ASK, max_tokens=40, response_format={"type": "json_object"},
+        temperature=1.0, seed=5,
+    )  # fmt: skip
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+def test_responses_text_format(served):
+    reply = served.openai().responses.create(
+        model="m",
+        input="Pick a city, as JSON.",
+        max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}},
+    )
+    assert _valid(reply.output_text)
+
+
+def test_anthropic_output_config_format(served):
+    reply = served.anthropic().messages.create(
+        model="m",
+        max_tokens=40,
+        messages=ASK,
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}},
+    )
+    assert _valid(reply.content[0].text)
+
+
+def test_ollama_format(served):
+    client = ollama.Client(host=served.url)
+    reply = client.chat(model="m", messages=ASK, format=SCHEMA, options={"num_predict": 40})
+    assert _valid(reply.message.content)
+
+
+def test_a_schema_that_cannot_compile_is_a_400_naming_it(served):
+    bad = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError, match="nonsense"):
+        served.openai().chat.completions.create(
+            model="m", messages=ASK, max_tokens=5, response_format=bad
+        )
+    with pytest.raises(anthropic.BadRequestError, match="json_schema"):
+        served.anthropic().messages.create(
+            model="m", max_tokens=5, messages=ASK,
+            extra_body={"output_config": {"format": {"type": "xml"}}},
+        )  # fmt: skip
