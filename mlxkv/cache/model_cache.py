@@ -414,6 +414,22 @@ class ModelCache:
         return sum(getattr(layer, "used_bytes", layer.nbytes) for layer in leaves(self.layers))
 
 
+# What mlxkv does with each of mlx-lm's cache classes (`mlx_lm.models.cache`): converted to
+# its own, kept as mlx-lm's (recurrent state, containers), or refused by `make_cache`. A new
+# mlx-lm class fails tests/cache/test_mlx_lm_contract.py until it is listed here.
+MLX_LM_CACHE_CLASSES = {
+    "KVCache": "converted",
+    "QuantizedKVCache": "converted",
+    "RotatingKVCache": "converted",
+    "CacheList": "kept",
+    "ArraysCache": "kept",
+    "ChunkedKVCache": "refused",
+    "ConcatenateKVCache": "refused",
+    "BatchKVCache": "refused",  # batching's, not a model's
+    "BatchRotatingKVCache": "refused",
+}
+
+
 def make_cache(
     model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64
 ) -> ModelCache:
@@ -430,6 +446,7 @@ def make_cache(
 
     Raises:
         ValueError: for kv_bits or kv_group_size that `mx.quantize` does not support.
+        NotSupportedError: a layer cache class mlxkv does not know (`MLX_LM_CACHE_CLASSES`).
     """
     if kv_bits is not None:
         check_quantization(kv_bits, kv_group_size)
@@ -441,7 +458,12 @@ def make_cache(
             return SlidingWindowCache(layer.max_size, keep=layer.keep)
         if type(layer) is mlx_cache.CacheList:
             return mlx_cache.CacheList(*(convert(c) for c in layer.caches))
-        return layer
+        if isinstance(layer, mlx_cache.ArraysCache):  # recurrent state: kept as mlx-lm's
+            return layer
+        raise NotSupportedError(
+            f"this model's cache uses mlx-lm's {type(layer).__name__}, which mlxkv does not "
+            "handle yet; use a model of another architecture"
+        )
 
     def make_layers() -> list[Any]:
         if hasattr(model, "make_cache"):

@@ -52,6 +52,7 @@ def _rotation(rope: Any) -> Rotation | None:
     if type(rope) is nn.RoPE:
         kwargs = {"base": rope.base, "scale": rope.scale}
     elif type(rope) is Llama3RoPE:
+        # its frequencies have no public accessor (mlx-lm is pinned to a tested range)
         kwargs = {"base": None, "scale": 1.0, "freqs": rope._freqs}
     else:
         return None

@@ -45,10 +45,10 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)
-        controls = sorted(_control_tokens(hf), key=len, reverse=True)
+        # mlx-lm's wrapper hands attributes it lacks to the Hugging Face tokenizer it wraps
+        controls = sorted(_control_tokens(tokenizer), key=len, reverse=True)
         self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
-        self._plain = _plain_text_tokenizer(hf) if controls else None
+        self._plain = _plain_text_tokenizer(tokenizer) if controls else None
 
     def encode(
         self, prompt: Prompt, *, parse_control_tokens: bool = False, tools: Tools | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -203,12 +204,14 @@ def build_model(
 
 
 def _write_weights(out: Path, config: dict[str, Any], seed: int) -> None:
-    from mlx_lm.utils import _get_classes
+    """Random weights for `config` as mlx-lm initializes its model class (built through its
+    public `load_model` from the config alone), scaled by `WEIGHT_SCALE`, in float32."""
+    from mlx_lm.utils import load_model
 
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
-    # tight tolerances.
+    with tempfile.TemporaryDirectory() as bare:
+        (Path(bare) / "config.json").write_text(json.dumps(config))
+        mx.random.seed(seed)
+        model, _ = load_model(Path(bare), lazy=True, strict=False)
     weights = {
         k: (v * WEIGHT_SCALE).astype(mx.float32) for k, v in tree_flatten(model.parameters())
     }

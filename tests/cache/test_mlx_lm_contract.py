@@ -1,0 +1,45 @@
+"""The parts of mlx-lm mlxkv relies on beyond its public calls, checked against the installed
+version: every cache class a model's `make_cache()` may return is one mlxkv converts, keeps
+or refuses by name (never passed through unknown), and Llama3RoPE still keeps the
+frequencies mlxkv's context shift reads."""
+
+from __future__ import annotations
+
+import inspect
+
+import mlx_lm.models.cache as mlx_cache
+import pytest
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from mlxkv import NotSupportedError, make_cache
+from mlxkv.cache.model_cache import MLX_LM_CACHE_CLASSES
+
+
+def test_every_mlx_lm_cache_class_is_known():
+    classes = {
+        name
+        for name, cls in inspect.getmembers(mlx_cache, inspect.isclass)
+        if issubclass(cls, mlx_cache._BaseCache) and cls is not mlx_cache._BaseCache
+    }
+    assert classes == set(MLX_LM_CACHE_CLASSES), (
+        "mlx-lm's cache classes changed: list each new one in MLX_LM_CACHE_CLASSES with what "
+        "make_cache does with it"
+    )
+
+
+def test_an_unknown_cache_class_is_refused_by_name():
+    class Model:
+        layers = [object()]
+
+        def make_cache(self):
+            return [mlx_cache.ChunkedKVCache(64)]
+
+    with pytest.raises(NotSupportedError, match="ChunkedKVCache"):
+        make_cache(Model())
+
+
+def test_llama3_rope_keeps_its_frequencies():
+    rope = Llama3RoPE(8, max_position_embeddings=128, base=10000.0, scaling_config={
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})  # fmt: skip
+    assert rope._freqs.shape == (4,)
