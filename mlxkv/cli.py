@@ -149,6 +149,20 @@ def _parser() -> argparse.ArgumentParser:
         default=_SERVER.max_body_bytes,
         help="largest request body accepted",
     )
+    serve.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most tokens one request may generate (default: the context window)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=_SERVER.max_queue,
+        metavar="N",
+        help="most requests running or waiting; more are answered 429",
+    )
     serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
     _add_warmup_option(serve)
     _add_speculative_options(serve)
@@ -447,9 +461,8 @@ def _read_line(interactive: bool) -> str | None:
 def _serve(args: argparse.Namespace) -> int:
     import socket
 
-    import uvicorn
-
     from mlxkv.server import create_app
+    from mlxkv.server.connections import uvicorn_config
 
     logging.getLogger("mlxkv.server").setLevel(logging.INFO)  # one access line per request
     if not args.verbose:  # the access line carries the memory line already
@@ -463,6 +476,8 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_hosts=tuple(args.allowed_host),
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        max_queue=args.max_queue,
     )
     runner = _load(args)
     if runner.rank:  # rank 0 alone serves HTTP
@@ -480,8 +495,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mlxkv: warning: listening on {args.host} without --api-key", file=sys.stderr)
     print(f"mlxkv: {_describe_cache(runner)}", file=sys.stderr)
     print(f"mlxkv: serving {name} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    server = _server_class()(config)
+    server = _server_class()(uvicorn_config(app, config, timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])
     finally:  # on the way out, the cache goes to the disk tier (if any)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from mlxkv.errors import check_int
+from mlxkv.errors import check_int, check_real
 
 # Every environment variable mlxkv reads, and when it takes effect.
 ENVIRONMENT = {
@@ -235,6 +235,9 @@ class RunnerConfig(_Options):
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024**2  # far above a 128k-token prompt as JSON
 DEFAULT_MAX_TOKENS = 1024  # generated when a request sets no limit (OpenAI's may leave it out)
+DEFAULT_MAX_QUEUE = 32  # requests running or waiting; each waiting one holds its body
+DEFAULT_QUEUE_TIMEOUT_S = 600.0
+DEFAULT_MAX_CONNECTIONS = 256  # below the usual limit of 1,024 open files
 
 
 @dataclass(frozen=True)
@@ -251,6 +254,10 @@ class ServerConfig(_Options):
             header; "*" for any); a server bound to 0.0.0.0 or :: answers any unless set.
         max_body_bytes: largest request body accepted, in bytes.
         default_max_tokens: tokens generated when a request sets no limit.
+        max_tokens_limit: most tokens one request may ask for; None: the context window.
+        max_queue: most generations running or waiting; more get 429 with Retry-After.
+        queue_timeout_s: seconds a generation may wait for its turn before it gets an error.
+        max_connections: most open connections; more get 503.
     """
 
     host: str = "127.0.0.1"
@@ -261,11 +268,20 @@ class ServerConfig(_Options):
     allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens_limit: int | None = None
+    max_queue: int = DEFAULT_MAX_QUEUE
+    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
     def __post_init__(self) -> None:
         check_int("port", self.port, low=0, high=65535)
         check_int("max_body_bytes", self.max_body_bytes, low=1)
         check_int("default_max_tokens", self.default_max_tokens, low=1)
+        if self.max_tokens_limit is not None:
+            check_int("max_tokens_limit", self.max_tokens_limit, low=1)
+        check_int("max_queue", self.max_queue, low=1)
+        check_real("queue_timeout_s", self.queue_timeout_s, low=0.001)
+        check_int("max_connections", self.max_connections, low=1)
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
 

@@ -35,6 +35,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -62,7 +63,9 @@ class CacheEntry:
     lookup is by tokens alone. `cut_start` is the first message kept when the conversation
     was cut to the window (opaque here; the request builder matches it), so its next turn
     cuts there again. `draft_cache` is the draft model's cache for this conversation
-    (speculative decoding), counted in the entry's bytes."""
+    (speculative decoding), counted in the entry's bytes. `salt` is the isolation domain the
+    entry belongs to (a digest of a request's `cache_salt`, None for the shared one): only
+    requests of the same salt reuse it."""
 
     cache: ModelCache
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
@@ -71,6 +74,7 @@ class CacheEntry:
     label: str | None = None
     cut_start: Any = None
     draft_cache: ModelCache | None = None
+    salt: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -114,13 +118,16 @@ class CachePool:
         """The entries, least recently used first (a copy of the list)."""
         return sorted(self._entries, key=lambda e: e.last_used)
 
-    def fetch_nearest(self, tokens: Sequence[int], *, reply_start: int | None = None) -> PrefixHit:
+    def fetch_nearest(
+        self, tokens: Sequence[int], *, reply_start: int | None = None, salt: str | None = None
+    ) -> PrefixHit:
         """Picks (or makes) the entry for `tokens`, prepared to receive the rest of them.
 
         Args:
             tokens: the request's prompt.
             reply_start: where the reply will begin (the prompt's length less the chat
                 template's generation prompt); None for the prompt's end.
+            salt: the isolation domain (`salt_digest`); only its entries and files match.
 
         Raises:
             ValueError: tokens is empty.
@@ -129,9 +136,9 @@ class CachePool:
             raise ValueError("cannot match an empty token sequence")
         query = np.asarray(tokens, dtype=np.uint32)
         limit = len(tokens) - 1
-        entry, reuse = self._nearest_in_memory(query, limit)
+        entry, reuse = self._nearest_in_memory(query, limit, salt)
         if self.store is not None:
-            entry, reuse = self._maybe_load(query, limit, entry, reuse)
+            entry, reuse = self._maybe_load(query, limit, entry, reuse, salt)
         how = "extended in place"
         if reuse == 0:
             entry, how = self._add(self._make_entry()), "new entry"
@@ -158,14 +165,19 @@ class CachePool:
             )
         else:
             logger.info("prefix cache miss total=%d left=%d", len(tokens), len(tokens))
+        entry.salt = salt
         entry.reply_start = min(len(tokens) if reply_start is None else reply_start, limit)
         entry.last_used = time.time()
         self.current = entry
         return PrefixHit(entry.cache, reuse, list(tokens[reuse:]))
 
-    def _nearest_in_memory(self, query: np.ndarray, limit: int) -> tuple[CacheEntry | None, int]:
+    def _nearest_in_memory(
+        self, query: np.ndarray, limit: int, salt: str | None
+    ) -> tuple[CacheEntry | None, int]:
         best, best_key, best_common = None, (0, False, 0.0), 0
         for entry in self._entries:
+            if entry.salt != salt:
+                continue
             common = min(common_prefix_length(entry.tokens, query), limit)
             reuse = common
             if 0 < reuse < entry.num_tokens:
@@ -185,9 +197,9 @@ class CachePool:
         return best, best_key[0]
 
     def _maybe_load(
-        self, query: np.ndarray, limit: int, entry: CacheEntry | None, reuse: int
+        self, query: np.ndarray, limit: int, entry: CacheEntry | None, reuse: int, salt: str | None
     ) -> tuple[CacheEntry | None, int]:
-        record, disk_reuse = self.store.best(query, limit)
+        record, disk_reuse = self.store.best(query, limit, salt)
         if record is None or disk_reuse <= reuse:
             return entry, reuse
         load_s = record.nbytes / self.store.read_bytes_per_s
@@ -258,7 +270,7 @@ class CachePool:
             "prefix cache evict tokens=%d bytes=%d", entry.num_tokens, _held_bytes([entry])
         )
         if write and self.store is not None:
-            self.store.write(entry.cache)
+            self.store.write(entry.cache, salt=entry.salt)
 
     def _fit(self, entry: CacheEntry, max_bytes: int) -> int:
         """The last entry left, `entry`, within `max_bytes`: as it is when only writes in
@@ -277,7 +289,7 @@ class CachePool:
             return 0
         cache, total = entry.cache, entry.num_tokens
         if self.store is not None:
-            self.store.write(cache)
+            self.store.write(cache, salt=entry.salt)
         kept = total
         for _ in range(_FIT_ROUNDS):  # allocation shrinks with the tokens in growth steps
             kept = cache.nearest_restorable(int(kept * _FIT_MARGIN * max_bytes / held))
@@ -307,17 +319,18 @@ class CachePool:
             for other in self._entries
         )
 
-    def cut_starts(self) -> list[Any]:
-        """The entries' chat cuts (`CacheEntry.cut_start`), most recently used first (safe
-        from any thread)."""
+    def cut_starts(self, salt: str | None = None) -> list[Any]:
+        """The chat cuts (`CacheEntry.cut_start`) of the entries of `salt`, most recently
+        used first (safe from any thread)."""
         entries = sorted(list(self._entries), key=lambda e: e.last_used, reverse=True)
-        return [e.cut_start for e in entries if e.cut_start is not None]
+        return [e.cut_start for e in entries if e.cut_start is not None and e.salt == salt]
 
-    def longest_prefix(self, tokens: Sequence[int]) -> int:
-        """The most tokens of `tokens` some entry held at the end of its last request (safe
-        from any thread; used to choose among ways to cut a long prompt)."""
+    def longest_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        """The most tokens of `tokens` some entry of `salt` held at the end of its last
+        request (safe from any thread; used to choose among ways to cut a long prompt)."""
         query = np.asarray(tokens, dtype=np.uint32)
-        return max((common_prefix_length(e.tokens, query) for e in list(self._entries)), default=0)
+        entries = [e for e in list(self._entries) if e.salt == salt]
+        return max((common_prefix_length(e.tokens, query) for e in entries), default=0)
 
     @property
     def nbytes(self) -> int:
@@ -343,7 +356,7 @@ class CachePool:
                     timeout_s,
                 )
                 break
-            self.store.write(entry.cache, wait=True)
+            self.store.write(entry.cache, wait=True, salt=entry.salt)
         self.store.flush()
 
     def clear(self) -> None:
@@ -358,3 +371,13 @@ def _held_bytes(entries: list[CacheEntry]) -> int:
     held = sum(e.cache.nbytes + e.draft_bytes for e in entries)
     snapshots = {id(s): s for e in entries for s in checkpoint_layers(e.cache)}
     return held + sum(s.nbytes for s in snapshots.values())
+
+
+def salt_digest(cache_salt: str | None) -> str | None:
+    """The isolation domain of a request's `cache_salt` (kept instead of the salt itself,
+    which may be a secret): None, the shared domain, for no salt."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
+    return hashlib.sha256(f"mlxkv-cache-salt\n{cache_salt}".encode()).hexdigest()[:32]

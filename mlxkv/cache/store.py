@@ -35,17 +35,12 @@ import json
 import logging
 import os
 import queue
-import re
 import shutil
-import stat
-import struct
 import threading
 import time
 import uuid
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -53,35 +48,30 @@ import numpy as np
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.cache.serialize import arrays_to_cache, cache_to_arrays
+from mlxkv.cache.store_files import (
+    CRC_PLACEHOLDER,
+    FORMAT,
+    SUFFIX,
+    TEMPORARY_NAME,
+    BadFile,
+    check_crc,
+    check_writable,
+    model_directories,
+    own_files,
+    patch_crc,
+    read_header,
+    remove_if_orphaned,
+    remove_own_file,
+    token_key,
+    touch,
+)
 from mlxkv.errors import CacheStateError, NotSupportedError
 from mlxkv.platform.threads import release_streams_at_thread_exit
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "mlxkv-kv-2"  # 1: the CRC covered the data alone
-_FORMAT_FAMILY = "mlxkv-kv-"  # files of any version are this tier's (older ones are removed)
-SUFFIX = ".safetensors"
-_FILE_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
-_MODEL_DIRECTORY = re.compile(r"[0-9a-f]{16}")
-_TEMPORARY_NAME = re.compile(r"\.tmp-(\d+)-[0-9a-f]{32}\.safetensors")
-_CRC_FIELD = b'"crc32":"'
-_CRC_PLACEHOLDER = "00000000"
 # A first guess at disk read speed, replaced by measurement after the first load.
 DEFAULT_READ_BYTES_PER_S = 500 * 2**20
-_CHUNK_BYTES = 16 * 2**20
-
-
-class BadFile(Exception):
-    """A file that must not be loaded (the message says why). `ours`: its header says this
-    tier wrote it (so it may be removed); a file whose header does not say so is left alone."""
-
-    def __init__(self, message: str, *, ours: bool = True):
-        super().__init__(message)
-        self.ours = ours
-
-
-class DiskStoreUnavailable(OSError):
-    """The cache directory cannot be written (read-only, no permission): serve without it."""
 
 
 @dataclass(eq=False)
@@ -93,12 +83,14 @@ class StoredEntry:
         tokens: the token ids it holds (uint32).
         nbytes: the file's size in bytes.
         checkpoints: lengths in tokens of its checkpoints.
+        salt: the isolation domain it belongs to (`pool.salt_digest`), None for the shared.
     """
 
     path: Path
     tokens: np.ndarray
     nbytes: int
     checkpoints: tuple[int, ...] = ()
+    salt: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -135,7 +127,7 @@ class DiskStore:
         self.root = Path(root)
         key = hashlib.sha256(f"{fingerprint}\n{signature}".encode()).hexdigest()[:16]
         self.directory = self.root / key
-        _check_writable(self.directory)
+        check_writable(self.directory)
         self.fingerprint = fingerprint
         self.signature = signature
         self.max_bytes = max_bytes
@@ -165,7 +157,7 @@ class DiskStore:
         present = set()
         with self._lock:
             known = set(self._records)
-        for entry in _own_files(self.directory):
+        for entry in own_files(self.directory):
             present.add(entry.name)
             if entry.name in known:
                 continue
@@ -182,8 +174,8 @@ class DiskStore:
                 self._records[path.name] = record
         with contextlib.suppress(OSError):
             for entry in os.scandir(self.directory):
-                if _TEMPORARY_NAME.fullmatch(entry.name):
-                    _remove_if_orphaned(Path(entry.path))
+                if TEMPORARY_NAME.fullmatch(entry.name):
+                    remove_if_orphaned(Path(entry.path))
         with self._lock:
             for name in set(self._records) - present - self._queued:
                 del self._records[name]
@@ -191,7 +183,7 @@ class DiskStore:
             self._scanned_mtime = mtime
 
     def _read_record(self, path: Path) -> StoredEntry:
-        metadata, _ = _read_header(path)
+        metadata, _ = read_header(path)
         if metadata.get("format") != FORMAT:
             raise BadFile(f"written by another version of mlxkv ({metadata.get('format')})")
         if metadata.get("fingerprint") != self.fingerprint:
@@ -204,17 +196,20 @@ class DiskStore:
             checkpoints = tuple(int(point["at"]) for point in layout["checkpoints"])
         except (KeyError, ValueError, TypeError) as error:
             raise BadFile(f"unreadable metadata ({error})") from error
-        if path.name != token_key(tokens) + SUFFIX:
+        salt = metadata.get("salt") or None
+        if path.name != token_key(tokens, salt) + SUFFIX:
             raise BadFile("its name does not match its token ids")
-        return StoredEntry(path, tokens, path.stat().st_size, checkpoints)
+        return StoredEntry(path, tokens, path.stat().st_size, checkpoints, salt)
 
-    def best(self, tokens: np.ndarray, limit: int) -> tuple[StoredEntry | None, int]:
-        """The file that serves the longest prefix of `tokens` (at most `limit` tokens), and
-        that length in tokens (0 with None when none serves any)."""
+    def best(
+        self, tokens: np.ndarray, limit: int, salt: str | None = None
+    ) -> tuple[StoredEntry | None, int]:
+        """The file of `salt` that serves the longest prefix of `tokens` (at most `limit`
+        tokens), and that length in tokens (0 with None when none serves any)."""
         self.refresh()
         best, best_reuse = None, 0
         with self._lock:
-            records = list(self._records.values())
+            records = [r for r in self._records.values() if r.salt == salt]
         for record in records:
             reuse = min(common_prefix_length(record.tokens, tokens), limit)
             if reuse < record.num_tokens and not self.trimmable:
@@ -223,10 +218,10 @@ class DiskStore:
                 best, best_reuse = record, reuse
         return best, best_reuse
 
-    def holds(self, tokens: np.ndarray) -> bool:
-        """True when a file holds exactly these tokens (written, indexed or queued for writing
-        by this store)."""
-        name = token_key(tokens) + SUFFIX
+    def holds(self, tokens: np.ndarray, salt: str | None = None) -> bool:
+        """True when a file of `salt` holds exactly these tokens (written, indexed or queued
+        for writing by this store)."""
+        name = token_key(tokens, salt) + SUFFIX
         with self._lock:
             return name in self._records or name in self._queued
 
@@ -237,8 +232,8 @@ class DiskStore:
         missing, truncated, corrupt or for another model."""
         start = time.perf_counter()
         try:
-            metadata, data_start = _read_header(record.path)
-            _check_crc(record.path, data_start, metadata)
+            metadata, data_start = read_header(record.path)
+            check_crc(record.path, data_start, metadata)
             arrays = mx.load(str(record.path))
             layout = json.loads(metadata["layout"])
             cache = arrays_to_cache(arrays, layout, record.tokens.tolist(), empty)
@@ -258,7 +253,7 @@ class DiskStore:
             return None
         seconds = max(time.perf_counter() - start, 1e-6)
         self.read_bytes_per_s = record.nbytes / seconds
-        _touch(record.path)
+        touch(record.path)
         logger.debug(
             "disk cache load tokens=%d bytes=%d seconds=%.3f",
             record.num_tokens,
@@ -269,13 +264,13 @@ class DiskStore:
 
     # -- write ----------------------------------------------------------------------------
 
-    def write(self, cache: ModelCache, *, wait: bool = False) -> None:
+    def write(self, cache: ModelCache, *, wait: bool = False, salt: str | None = None) -> None:
         """Saves `cache` under its token ids: in the background (the arrays stay referenced,
         and count in `pending_bytes`, until written), or now with `wait`. An entry already on
         disk, empty, larger than the budget or of a layer type that cannot be saved is
-        skipped."""
+        skipped. `salt`: the isolation domain the entry belongs to."""
         tokens = np.asarray(cache.tokens, dtype=np.uint32)
-        if tokens.size == 0 or self.holds(tokens):
+        if tokens.size == 0 or self.holds(tokens, salt):
             return
         try:
             arrays, layout = cache_to_arrays(cache)
@@ -296,9 +291,10 @@ class DiskStore:
             "layout": json.dumps(layout),
             "num_tokens": str(tokens.size),
             "tokens": base64.b64encode(tokens.astype("<u4").tobytes()).decode(),
-            "crc32": _CRC_PLACEHOLDER,
+            "crc32": CRC_PLACEHOLDER,
+            **({"salt": salt} if salt else {}),
         }
-        job = _Job(arrays, metadata, token_key(tokens) + SUFFIX, cache.nbytes)
+        job = _Job(arrays, metadata, token_key(tokens, salt) + SUFFIX, cache.nbytes)
         if wait:
             self._run_logged(job)
             return
@@ -365,7 +361,7 @@ class DiskStore:
         start = time.perf_counter()
         try:
             mx.save_safetensors(str(temporary), job.arrays, job.metadata)
-            _patch_crc(temporary)
+            patch_crc(temporary)
             os.replace(temporary, path)
         except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
             raise OSError(_why_unwritten(self.directory, job, error)) from error
@@ -406,7 +402,7 @@ class DiskStore:
         for path, size, _ in files:
             if total <= self.max_bytes:
                 break
-            if _unlink(path):
+            if remove_own_file(path):
                 total -= size
                 logger.debug("disk cache evict file=%s bytes=%d", path.name, size)
             self._forget(path.name)
@@ -417,9 +413,9 @@ class DiskStore:
         with self._lock:
             mine = set(self._records)
         found = []
-        for directory in _model_directories(self.root):
+        for directory in model_directories(self.root):
             ours = directory == self.directory
-            for entry in _own_files(directory):
+            for entry in own_files(directory):
                 try:
                     info = entry.stat(follow_symlinks=False)
                 except OSError:
@@ -434,7 +430,7 @@ class DiskStore:
             if len(self._theirs) > 100_000:
                 self._theirs.clear()
             try:
-                _read_header(Path(key[0]))
+                read_header(Path(key[0]))
                 self._theirs[key] = True
             except BadFile as why:
                 self._theirs[key] = why.ours
@@ -475,62 +471,13 @@ class DiskStore:
                     why,
                 )
             return
-        removed = _unlink(path)
+        removed = remove_own_file(path)
         logger.warning(
             "disk cache: skipped %s %s: %s",
             "and removed" if removed else "(could not remove)",
             path.name,
             why,
         )
-
-
-def _check_writable(directory: Path) -> None:
-    """Creates `directory` and proves a file can be written in it.
-
-    Raises:
-        DiskStoreUnavailable: it cannot be created or written (says why).
-    """
-    probe = directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise DiskStoreUnavailable(f"{directory} cannot be written ({error})") from error
-
-
-def _model_directories(root: Path) -> list[Path]:
-    """The per-model folders this tier made under `root` (never followed through a link)."""
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return []
-    return [
-        Path(e.path)
-        for e in entries
-        if _MODEL_DIRECTORY.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
-    ]
-
-
-def _own_files(directory: Path) -> list[os.DirEntry]:
-    """Regular files in `directory` named as this tier names its files: never a link, a
-    pipe (opening one would block) or anything named otherwise."""
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return []
-    return [e for e in entries if _FILE_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
-
-
-def _unlink(path: Path) -> bool:
-    """Removes a file this tier wrote; False (one warning) where it cannot (a read-only
-    directory), which only costs disk space."""
-    try:
-        path.unlink(missing_ok=True)
-        return True
-    except OSError as error:
-        logger.warning("disk cache: could not remove %s (%s)", path.name, error)
-        return False
 
 
 def _why_unwritten(directory: Path, job: _Job, error: Exception) -> str:
@@ -545,93 +492,7 @@ def _why_unwritten(directory: Path, job: _Job, error: Exception) -> str:
     return str(error)
 
 
-def token_key(tokens: np.ndarray) -> str:
-    """The file name stem for an entry holding `tokens`: equal ids, equal names."""
-    return hashlib.sha256(np.asarray(tokens, dtype="<u4").tobytes()).hexdigest()[:32]
-
-
 def _extends(longer: StoredEntry, shorter: StoredEntry) -> bool:
     return longer.num_tokens > shorter.num_tokens and (
         common_prefix_length(longer.tokens, shorter.tokens) == shorter.num_tokens
     )
-
-
-def _read_header(path: Path) -> tuple[dict[str, str], int]:
-    """A safetensors file's metadata and where its data starts, after checking that the file
-    is exactly as long as its header says (a truncated file fails here). A header that does
-    not parse, or does not name this tier's format, raises BadFile with `ours` False."""
-    with open(path, "rb") as file:
-        head = file.read(8)
-        if len(head) < 8:
-            raise BadFile("truncated header", ours=False)
-        (header_bytes,) = struct.unpack("<Q", head)
-        size = os.fstat(file.fileno()).st_size
-        if header_bytes > min(size, 100 * 2**20):
-            raise BadFile("header length out of range", ours=False)
-        try:
-            header = json.loads(file.read(header_bytes))
-            metadata = header.pop("__metadata__")
-            if not str(metadata.get("format", "")).startswith(_FORMAT_FAMILY):
-                raise BadFile("not an mlxkv cache file", ours=False)
-            end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise BadFile(f"unreadable header ({error})", ours=False) from error
-    if 8 + header_bytes + end != size:
-        raise BadFile(f"{size} bytes; its header describes {8 + header_bytes + end}")
-    return metadata, 8 + header_bytes
-
-
-def _file_crc(file: Any, data_start: int) -> int:
-    """CRC-32 of the whole file, header included, with the header's own CRC value read as
-    the placeholder (so one header byte changed is caught like one data byte)."""
-    file.seek(0)
-    head = file.read(data_start)
-    at = head.find(_CRC_FIELD)
-    if at < 0:
-        raise BadFile("no checksum in its header")
-    at += len(_CRC_FIELD)
-    crc = zlib.crc32(head[:at] + _CRC_PLACEHOLDER.encode() + head[at + len(_CRC_PLACEHOLDER) :])
-    while chunk := file.read(_CHUNK_BYTES):
-        crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _patch_crc(path: Path) -> None:
-    """Writes the file's CRC-32 into the header's placeholder (same length, so no offset
-    moves) and flushes the file to disk."""
-    with open(path, "r+b") as file:
-        (header_bytes,) = struct.unpack("<Q", file.read(8))
-        header = file.read(header_bytes)
-        at = header.index(_CRC_FIELD + _CRC_PLACEHOLDER.encode()) + len(_CRC_FIELD)
-        crc = _file_crc(file, 8 + header_bytes)
-        file.seek(8 + at)
-        file.write(f"{crc:08x}".encode())
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _check_crc(path: Path, data_start: int, metadata: dict[str, str]) -> None:
-    with open(path, "rb") as file:
-        crc = _file_crc(file, data_start)
-    if f"{crc:08x}" != metadata.get("crc32"):
-        raise BadFile("its contents do not match its checksum (corrupt)")
-
-
-def _touch(path: Path) -> None:
-    """Marks a file as just used (the budget removes the least recently used first)."""
-    with contextlib.suppress(OSError):
-        os.utime(path)
-
-
-def _remove_if_orphaned(path: Path) -> None:
-    """Removes a temporary file whose writing process is gone (`.tmp-<pid>-...`); one whose
-    process still runs (another server sharing the directory) is being written."""
-    try:
-        pid = int(path.name.split("-")[1])
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        with contextlib.suppress(OSError):
-            if stat.S_ISREG(path.lstat().st_mode):
-                path.unlink()
-    except (ValueError, IndexError, OSError):
-        pass

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.pool import CachePool
 from mlxkv.cache.serialize import layout_signature
-from mlxkv.cache.store import DiskStore, DiskStoreUnavailable
+from mlxkv.cache.store import DiskStore
+from mlxkv.cache.store_files import DiskStoreUnavailable
 from mlxkv.config import RunnerConfig
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel

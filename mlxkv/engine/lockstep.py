@@ -191,6 +191,7 @@ class Lockstep:
                 "cache_key": request.cache_key,
                 "speculative": request.speculative,
                 "grammar": request.grammar,
+                "cache_salt": request.cache_salt,
             }
         )
 
@@ -229,6 +230,7 @@ class Lockstep:
             cache_key=message["cache_key"],
             speculative=message["speculative"],
             grammar=message["grammar"],
+            cache_salt=message["cache_salt"],
         )
         return "request", request
 

@@ -57,6 +57,7 @@ class Request:
             label).
         speculative: the speculative decoding mode (`speculative.MODES`); None with a grammar.
         grammar: an llguidance grammar every generated token must keep to (checked), or None.
+        cache_salt: the isolation domain of the cache entries it may reuse (a digest), or None.
         cut_start: the first message kept when a chat was cut to the window (None: not cut);
             kept on the request's cache entry, so this conversation's next turn cuts there
             again and reuses the entry.
@@ -73,6 +74,7 @@ class Request:
     speculative: str | None = None
     cut_start: Message | None = None
     grammar: str | None = None
+    cache_salt: str | None = None
 
 
 # PromptEncoder.render with the request's control-token and tool settings bound.
@@ -96,6 +98,7 @@ class RequestOptions:
         cache_key: a label for the cache entry this request generates into.
         speculative: the speculative decoding mode, already checked.
         grammar: an llguidance grammar (`decoding.grammar`) the output must keep to, or None.
+        cache_salt: the isolation domain (a digest, `pool.salt_digest`), or None.
     """
 
     progress: ProgressCallback | None = None
@@ -108,6 +111,7 @@ class RequestOptions:
     speculative: str | None = None
     overflow: str = "shift"
     grammar: str | None = None
+    cache_salt: str | None = None
 
     def check(self) -> None:
         if self.overflow not in OVERFLOW_MODES:
@@ -206,6 +210,7 @@ class RequestBuilder:
             None if options.grammar is not None else options.speculative,
             cut_start,
             options.grammar,
+            options.cache_salt,
         )
 
     def _fit_max_tokens(

@@ -53,7 +53,9 @@ def run_request(
         yield stats.final_chunk("", "cancelled")
         return
     stats_start = time.perf_counter()
-    hit = pool.fetch_nearest(tokens, reply_start=len(tokens) - request.header_tokens)
+    hit = pool.fetch_nearest(
+        tokens, reply_start=len(tokens) - request.header_tokens, salt=request.cache_salt
+    )
     stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
     entry = pool.current
     entry.cut_start = request.cut_start

@@ -11,6 +11,7 @@ because every model call goes through `ModelCache.forward`, which is all or noth
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from mlxkv.cache.model_cache import ModelCache, make_cache
+from mlxkv.cache.pool import salt_digest
 from mlxkv.cache.report import MemoryReport
 from mlxkv.config import CONTEXT_MEMORY_FRACTION, RunnerConfig, format_bytes
 from mlxkv.decoding.drafts import DraftModel
@@ -238,6 +240,7 @@ class Runner:
         speculative: str | None = "default",
         overflow: str = "shift",
         grammar: str | None = None,
+        cache_salt: str | None = None,
         **sampling: Any,
     ) -> Iterator[GenerationChunk]:
         """Streams a completion chunk by chunk.
@@ -263,6 +266,9 @@ class Runner:
             grammar: an llguidance grammar the output keeps to, token by token (from a JSON
                 schema: `mlxkv.json_schema_grammar(schema)`); turns speculative decoding off
                 for this request. The output parses unless `max_tokens` cuts it.
+            cache_salt: entries (and disk files) are reused only by requests with the same
+                salt (None: the shared ones). Isolates clients from each other: without it,
+                `cached_tokens` and timing tell one client what another's prompts began with.
             cache_key: a label for the cache entry this request generates into, e.g. a
                 conversation id; `cache_info()` shows it. Lookup is by tokens alone.
             speculative: "auto" drafts tokens (from the draft model if one is loaded, else by
@@ -294,6 +300,7 @@ class Runner:
         options = RequestOptions(
             progress, parse_control_tokens, tools, cancel, logprobs, truncate, cache_key,
             check_mode(speculative, has_draft_model=self._draft is not None), overflow, grammar,
+            salt_digest(cache_salt),
         )  # fmt: skip
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.
@@ -301,8 +308,8 @@ class Runner:
             prompt,
             sampling,
             options,
-            cached_prefix=self._pool.longest_prefix,
-            cut_starts=self._pool.cut_starts(),
+            cached_prefix=functools.partial(self._pool.longest_prefix, salt=options.cache_salt),
+            cut_starts=self._pool.cut_starts(options.cache_salt),
         )
         if self._lockstep is not None:  # ranks decide on a cancel and a seed together
             request = self._lockstep.prepare(request)

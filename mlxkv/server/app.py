@@ -55,7 +55,7 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
         ValueError: an unknown option, or one of the wrong type or out of range.
     """
     config = ServerConfig.of(config, options)
-    worker = GenerationWorker(runner)
+    worker = GenerationWorker(runner, config.max_queue, config.queue_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -64,7 +64,10 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
 
     app = FastAPI(title="mlxkv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.mlxkv = ServerContext.make(
-        worker, config.model_name or runner.loaded.path.name, config.default_max_tokens
+        worker,
+        config.model_name or runner.loaded.path.name,
+        config.default_max_tokens,
+        config.max_tokens_limit,
     )
     app.include_router(openai.router)
     app.include_router(anthropic.router)
@@ -104,7 +107,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
         return error_response(
-            request.url.path, error.status, error.message, code=error.code, param=error.param
+            request.url.path,
+            error.status,
+            error.message,
+            code=error.code,
+            param=error.param,
+            headers=error.headers,
         )
 
     @app.exception_handler(RequestValidationError)

@@ -19,14 +19,18 @@ _OPENAI_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    429: "rate_limit_exceeded",
     500: "server_error",
+    503: "server_error",
 }
 _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    429: "rate_limit_error",
     500: "api_error",
+    503: "overloaded_error",
 }
 
 
@@ -36,16 +40,24 @@ class ApiError(Exception):
     Attributes:
         code: OpenAI's machine-readable code (e.g. "context_length_exceeded"), or None.
         param: the request field at fault, or None.
+        headers: response headers (Retry-After), or None.
     """
 
     def __init__(
-        self, status: int, message: str, *, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.headers = headers
 
 
 def context_length_error(error: ContextLengthError, path: str) -> ApiError:

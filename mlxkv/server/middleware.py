@@ -12,6 +12,7 @@ Host header that names another site: DNS rebinding), `ApiKeyCheck` (401 without 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
@@ -23,7 +24,13 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxkv.server.errors import error_response
-from mlxkv.server.json_depth import MAX_JSON_DEPTH, json_depth, too_deep_message
+from mlxkv.server.json_limits import (
+    MAX_JSON_DEPTH,
+    MAX_MESSAGES,
+    json_depth,
+    message_count,
+    too_deep_message,
+)
 
 logger = logging.getLogger("mlxkv.server.access")
 _errors = logging.getLogger(__name__)
@@ -35,6 +42,9 @@ _OPEN_PREFIXES = ("/static/",)
 # Names every server answers to, whatever address it is bound to.
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Seconds a request body may take to arrive once its headers have (a slow sender holds a
+# connection and, here, a task).
+BODY_TIMEOUT_S = 120.0
 
 
 class AccessLog:
@@ -207,8 +217,9 @@ class ApiKeyCheck:
 
 class BodyLimit:
     """Reads the whole request body first, refusing one larger than `max_bytes` with 413
-    (declared by Content-Length or counted as it arrives) and one nested deeper than
-    `json_depth.MAX_JSON_DEPTH` with 400, then hands it to the app."""
+    (declared by Content-Length or counted as it arrives), and one nested deeper than
+    `json_limits.MAX_JSON_DEPTH` or holding more than `MAX_MESSAGES` messages with 400,
+    then hands it to the app."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -224,20 +235,33 @@ class BodyLimit:
             return
         parts: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before sending it all
-                return
-            parts.append(message.get("body", b""))
-            size += len(parts[-1])
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send, True)
-                return
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client left before the end
+                        return
+                    parts.append(message.get("body", b""))
+                    size += len(parts[-1])
+                    if size > self.max_bytes:
+                        await self._refuse(scope, receive, send, True)
+                        return
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            message = f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s"
+            await error_response(scope["path"], 408, message)(scope, receive, send)
+            return
         body = b"".join(parts)
         if (depth := json_depth(body)) > MAX_JSON_DEPTH:
             message = too_deep_message(depth, "the request body")
+            await error_response(scope["path"], 400, message)(scope, receive, send)
+            return
+        if (messages := message_count(body)) > MAX_MESSAGES:
+            message = (
+                f"the request holds {messages:,} messages; this server takes at most "
+                f"{MAX_MESSAGES:,} per request"
+            )
             await error_response(scope["path"], 400, message)(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
+from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.history import ResponseHistory
 from mlxkv.server.turn import Turn
 from mlxkv.server.worker import GenerationWorker
@@ -37,6 +38,7 @@ class ServerContext:
     model_name: the id `/v1/models` lists and responses carry.
     default_max_tokens: tokens generated when a request gives no limit.
     created: when the server started (Unix seconds), for `/v1/models`.
+    max_tokens_limit: most tokens one request may ask for (None: the window decides).
     responses: stored Responses API conversations, for `previous_response_id`.
     """
 
@@ -44,11 +46,18 @@ class ServerContext:
     model_name: str
     default_max_tokens: int
     created: int = 0
+    max_tokens_limit: int | None = None
     responses: ResponseHistory = field(default_factory=ResponseHistory)
 
     @classmethod
-    def make(cls, worker: GenerationWorker, model_name: str, default_max_tokens: int):
-        return cls(worker, model_name, default_max_tokens, int(time.time()))
+    def make(
+        cls,
+        worker: GenerationWorker,
+        model_name: str,
+        default_max_tokens: int,
+        max_tokens_limit: int | None = None,
+    ):
+        return cls(worker, model_name, default_max_tokens, int(time.time()), max_tokens_limit)
 
 
 def server_context(request: Request) -> ServerContext:
@@ -85,6 +94,8 @@ def event_stream(
             paced = events if keepalive is None else _with_keepalive(events, keepalive)
             async for event in paced:
                 yield event
+        except ApiError as error:  # refused once started (waited too long in the queue)
+            yield error_event(error.message)
         except Exception as error:  # the status line is sent: say it in the stream
             logger.error("stream failed: %s", error)
             yield error_event(f"generation failed ({type(error).__name__}); see the server log")

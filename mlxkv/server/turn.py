@@ -109,19 +109,31 @@ async def start_turn(
     top_logprobs: int | None = None,
     cache_key: str | None = None,
     max_tokens_asked: bool = True,
+    cache_salt: str | None = None,
 ) -> Turn:
     """Validates and queues one generation for an HTTP request (kept on `request.state.turn`
     for the access log). The context never shifts over HTTP: a client's history is the
     client's to cut (agents compact it when told). A prompt longer than the context is
-    refused, so is a `max_tokens` the client asked for that does not fit after it; a server
-    default that does not fit ends the reply when the window is full (`max_tokens_asked`
-    False).
+    refused, so is a `max_tokens` the client asked for that does not fit after it or is over
+    the server's `max_tokens_limit`; a server default that does not fit ends the reply when
+    the window is full, or at the limit (`max_tokens_asked` False). `cache_salt` keeps the
+    request to the cache entries of its salt (vLLM's name for it).
 
     Raises:
         ApiError: 400 for bad input, and for a request over the window in each API's wording
             (`errors.context_length_error`).
     """
     worker: GenerationWorker = request.app.state.mlxkv.worker
+    limit = request.app.state.mlxkv.max_tokens_limit
+    if limit is not None and sampling.get("max_tokens", 0) > limit:
+        if max_tokens_asked:
+            raise ApiError(
+                400,
+                f"max_tokens is {sampling['max_tokens']}, over this server's limit of {limit} "
+                "tokens per request (--max-tokens-limit)",
+                param="max_tokens",
+            )
+        sampling = {**sampling, "max_tokens": limit}
     tokenizer = worker.runner.tokenizer
     splitter = None
     if tools and tokenizer.has_tool_calling:
@@ -138,6 +150,7 @@ async def start_turn(
             truncate=False,
             overflow="refuse" if max_tokens_asked else "stop",
             cache_key=cache_key,
+            cache_salt=cache_salt,
             **sampling,
         )
     except ContextLengthError as error:

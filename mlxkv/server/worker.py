@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,10 +25,16 @@ from starlette.concurrency import run_in_threadpool
 
 from mlxkv.engine.results import Completion, GenerationChunk
 from mlxkv.engine.runner import Runner
+from mlxkv.server.errors import ApiError
 
 logger = logging.getLogger(__name__)
 
 _END = object()  # put on a stream's queue after its last chunk
+# A consumer that has left this many chunks unread for this long has stopped reading (a
+# client that holds its connection open and reads nothing): its generation is cancelled
+# rather than held running while the others wait.
+STALLED_CHUNKS = 64
+STALLED_READER_S = 30.0
 
 
 class _LoopClosed(Exception):
@@ -38,14 +45,26 @@ class GenerationStream:
     """The chunks of one generation, as an async iterator on the event loop.
 
     Leaving the iteration early, or `cancel()`, ends the generation within one prefill chunk
-    or decode step; the Runner keeps its cache consistent either way.
+    or decode step; the Runner keeps its cache consistent either way. So does a consumer that
+    stops reading (`STALLED_CHUNKS` unread for `STALLED_READER_S`), and a generation that
+    waited longer than `queue_timeout_s` for its turn ends with a 503 instead of starting.
     """
 
-    def __init__(self, chunks: Iterator[GenerationChunk], cancel: threading.Event):
+    def __init__(
+        self,
+        chunks: Iterator[GenerationChunk],
+        cancel: threading.Event,
+        queue_timeout_s: float | None = None,
+    ):
         self._chunks = chunks
         self._cancel = cancel
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queued_at = time.monotonic()
+        self._queue_timeout_s = queue_timeout_s
+        # Chunks handed over and read: written by one thread each, read by the other.
+        self._delivered = self._read = 0
+        self._last_read = time.monotonic()
         # The Completion once the generation has ended, however it ended (None if it failed);
         # set even when the consumer left early.
         self.finished: asyncio.Future[Completion | None] = self._loop.create_future()
@@ -57,12 +76,26 @@ class GenerationStream:
         """Runs the generation on the worker thread, passing each chunk to the loop."""
         completion = None
         try:
+            waited = time.monotonic() - self._queued_at
+            if self._queue_timeout_s is not None and waited > self._queue_timeout_s:
+                self._chunks.close()
+                raise ApiError(
+                    503,
+                    f"the request waited {waited:.0f} s for its turn (the limit is "
+                    f"{self._queue_timeout_s:.0f} s); the server is busy, try again later",
+                )
             for chunk in self._chunks:
                 completion = chunk.completion or completion
                 self._deliver(chunk)
+                if self._stalled():
+                    logger.warning("a client stopped reading its stream; its generation ends")
+                    self.cancel()
             self._deliver(_END)
         except _LoopClosed:  # the server shut down: stop generating
             self._chunks.close()
+        except ApiError as error:
+            with contextlib.suppress(_LoopClosed):
+                self._deliver(error)
         except Exception as error:
             logger.exception("generation failed")
             with contextlib.suppress(_LoopClosed):
@@ -72,7 +105,12 @@ class GenerationStream:
                 self._call(self._settle, completion)
 
     def _deliver(self, item: Any) -> None:
+        self._delivered += 1
         self._call(self._queue.put_nowait, item)
+
+    def _stalled(self) -> bool:
+        unread = self._delivered - self._read
+        return unread > STALLED_CHUNKS and time.monotonic() - self._last_read > STALLED_READER_S
 
     def _call(self, function: Any, *args: Any) -> None:
         try:
@@ -89,6 +127,8 @@ class GenerationStream:
         try:
             while True:
                 item = await self._queue.get()
+                self._read += 1
+                self._last_read = time.monotonic()
                 if item is _END:
                     finished = True
                     return
@@ -108,22 +148,44 @@ class GenerationWorker:
         runner: the loaded model and its cache; nothing else should generate with it.
     """
 
-    def __init__(self, runner: Runner):
+    def __init__(
+        self, runner: Runner, max_queue: int | None = None, queue_timeout_s: float | None = None
+    ):
         self.runner = runner
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-generate")
+        self._pending = 0  # generations accepted and not finished (event loop only)
 
     async def start(self, prompt: Any, **options: Any) -> GenerationStream:
         """Validates and queues a generation (`Runner.stream` arguments).
 
         Raises:
+            ApiError: 429 when `max_queue` generations are already running or waiting.
             ValueError, ContextLengthError: bad input, before anything is queued.
         """
-        cancel = threading.Event()
-        # Encoding and fitting may take a while for a long prompt: off the event loop.
-        chunks = await run_in_threadpool(self.runner.stream, prompt, cancel=cancel, **options)
-        stream = GenerationStream(chunks, cancel)
+        if self.max_queue is not None and self._pending >= self.max_queue:
+            raise ApiError(
+                429,
+                f"{self._pending} requests are running or waiting (the limit is "
+                f"{self.max_queue}); try again shortly",
+                headers={"Retry-After": "5"},
+            )
+        self._pending += 1
+        try:
+            cancel = threading.Event()
+            # Encoding and fitting may take a while for a long prompt: off the event loop.
+            chunks = await run_in_threadpool(self.runner.stream, prompt, cancel=cancel, **options)
+            stream = GenerationStream(chunks, cancel, self.queue_timeout_s)
+        except BaseException:
+            self._pending -= 1
+            raise
+        stream.finished.add_done_callback(self._finished)
         self._executor.submit(stream.pump)
         return stream
+
+    def _finished(self, _: asyncio.Future) -> None:
+        self._pending -= 1
 
     def shutdown(self) -> None:
         """Cancels what is running or waiting and waits for the worker thread to end."""

@@ -19,7 +19,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from mlxkv import Runner
+from mlxkv.config import ServerConfig
 from mlxkv.server import create_app
+from mlxkv.server.connections import uvicorn_config
 from mlxkv.testing.factory import build_scripted_model
 
 TOOL_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
@@ -89,9 +91,9 @@ def serve(runner: Runner, **app_options) -> Iterator[Served]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    app = create_app(runner, **app_options)
-    config = uvicorn.Config(app, log_level="warning")
-    server = uvicorn.Server(config)
+    config = ServerConfig.of(None, app_options)
+    app = create_app(runner, config)
+    server = uvicorn.Server(uvicorn_config(app, config))  # as `mlxkv serve` runs it
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + _START_TIMEOUT_S

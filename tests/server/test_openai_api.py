@@ -208,3 +208,15 @@ def test_tool_results_reach_the_template(scripted_server):
     assert "sunny, 21 C" in scripted_server.runner.tokenizer.decode(expected_tokens)
     assert second.usage.prompt_tokens == len(expected_tokens)
     assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_cache_salt_keeps_clients_apart(tiny_server):
+    client = tiny_server.openai()
+    ask = [{"role": "user", "content": "A secret only this client has seen: 4 7 1 9."}]
+    usage = []
+    for salt in ("alice", "alice", "mallory"):
+        reply = client.chat.completions.create(
+            model="m", messages=ask, max_tokens=2, extra_body={"cache_salt": salt}
+        )
+        usage.append(reply.usage.prompt_tokens_details.cached_tokens)
+    assert usage[1] > 0 and usage[2] == 0

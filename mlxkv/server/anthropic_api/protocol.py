@@ -3,9 +3,10 @@ chat-template messages: `tool_use` blocks become the assistant's tool calls, `to
 blocks become `tool` messages, and tools become OpenAI-style function definitions (the form
 chat templates take).
 
-Fields current clients send that change nothing here are accepted and ignored: `thinking`,
-`output_config.effort` (its `format` is honoured), `cache_control` (every prefix is cached anyway), `context_management`,
-`diagnostics`, `metadata`, `anthropic-beta` headers.
+`output_config.format` is honoured (structured outputs). Fields current clients send that
+change nothing here are accepted and ignored: `thinking`, `output_config.effort`,
+`cache_control` (every prefix is cached anyway), `context_management`, `diagnostics`,
+`metadata`, `anthropic-beta` headers.
 
 Reference: https://docs.anthropic.com/en/api/messages
 """
@@ -130,6 +131,7 @@ class MessagesRequest(PromptFields):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     output_config: dict[str, Any] | None = None  # `format` is honoured, `effort` ignored
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # as vLLM's
 
     def sampling(self) -> dict[str, Any]:
         if self.stop_sequences is not None and not all(self.stop_sequences):

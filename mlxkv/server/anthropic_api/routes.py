@@ -39,7 +39,11 @@ _PING = sse({"type": "ping"}, "ping")
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, ctx: Context):
     turn = await start_turn(
-        request, body.chat_messages(), tools=body.template_tools(), sampling=body.sampling()
+        request,
+        body.chat_messages(),
+        tools=body.template_tools(),
+        sampling=body.sampling(),
+        cache_salt=body.cache_salt,
     )
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkv.server.errors import ApiError
-from mlxkv.server.json_depth import MAX_JSON_DEPTH, json_depth, too_deep_message
+from mlxkv.server.json_limits import MAX_JSON_DEPTH, json_depth, too_deep_message
 from mlxkv.server.structured import openai_grammar
 
 _SEED_BITS = 2**64  # OpenAI's seed is any integer; MLX's is unsigned 64-bit
@@ -104,6 +104,8 @@ class GenerationFields(Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's field: reuse only cache entries made with the same salt (isolation)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     def sampling(self, max_tokens: int | None, default_max_tokens: int) -> dict[str, Any]:
         """Runner sampling arguments; checks what the schema cannot express."""

@@ -43,6 +43,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         top_logprobs=body.top_logprobs_count(),
         cache_key=body.prompt_cache_key,
         max_tokens_asked=max_tokens is not None,
+        cache_salt=body.cache_salt,
     )
     reply = _Reply(ctx.model_name, "chatcmpl", "chat.completion")
     if body.stream:
@@ -71,6 +72,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context):
         sampling=body.sampling(body.max_tokens, ctx.default_max_tokens),
         top_logprobs=body.logprobs,
         max_tokens_asked="max_tokens" in body.model_fields_set,
+        cache_salt=body.cache_salt,
     )
     reply = _Reply(ctx.model_name, "cmpl", "text_completion")
     if body.stream:

@@ -80,6 +80,7 @@ class ResponsesRequest(Lenient):
     store: bool = True
     previous_response_id: str | None = Field(None, max_length=128)
     prompt_cache_key: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     text: TextOptions | None = None
 
     def input_items(self) -> list[InputItem]:

@@ -50,6 +50,7 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
         sampling=body.sampling(ctx.default_max_tokens),
         cache_key=body.prompt_cache_key,
         max_tokens_asked=body.max_output_tokens is not None,
+        cache_salt=body.cache_salt,
     )
     response = _Response(body, ctx.model_name)
 

@@ -1,0 +1,189 @@
+"""The disk tier's files: their names, format and checks, and which files are its own.
+
+Owns the file format (`FORMAT`: MLX's safetensors with mlxkv's metadata and a CRC-32 of the
+whole file, header included), names (`token_key`), reading and checking a header, and the
+rules for what this tier may remove: regular files with its naming whose header says so,
+never a symlink, a pipe or anything named otherwise. Does not own the index or the budget
+(`store`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import stat
+import struct
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "mlxkv-kv-2"  # 1: the CRC covered the data alone
+FORMAT_FAMILY = "mlxkv-kv-"  # files of any version are this tier's (older ones are removed)
+SUFFIX = ".safetensors"
+_FILE_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
+_MODEL_DIRECTORY = re.compile(r"[0-9a-f]{16}")
+TEMPORARY_NAME = re.compile(r"\.tmp-(\d+)-[0-9a-f]{32}\.safetensors")
+_CRC_FIELD = b'"crc32":"'
+CRC_PLACEHOLDER = "00000000"
+_CHUNK_BYTES = 16 * 2**20
+
+
+class BadFile(Exception):
+    """A file that must not be loaded (the message says why). `ours`: its header says this
+    tier wrote it (so it may be removed); a file whose header does not say so is left alone."""
+
+    def __init__(self, message: str, *, ours: bool = True):
+        super().__init__(message)
+        self.ours = ours
+
+
+class DiskStoreUnavailable(OSError):
+    """The cache directory cannot be written (read-only, no permission): serve without it."""
+
+
+def check_writable(directory: Path) -> None:
+    """Creates `directory` and proves a file can be written in it.
+
+    Raises:
+        DiskStoreUnavailable: it cannot be created or written (says why).
+    """
+    probe = directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise DiskStoreUnavailable(f"{directory} cannot be written ({error})") from error
+
+
+def model_directories(root: Path) -> list[Path]:
+    """The per-model folders this tier made under `root` (never followed through a link)."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    return [
+        Path(e.path)
+        for e in entries
+        if _MODEL_DIRECTORY.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+    ]
+
+
+def own_files(directory: Path) -> list[os.DirEntry]:
+    """Regular files in `directory` named as this tier names its files: never a link, a
+    pipe (opening one would block) or anything named otherwise."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    return [e for e in entries if _FILE_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
+
+
+def remove_own_file(path: Path) -> bool:
+    """Removes a file this tier wrote; False (one warning) where it cannot (a read-only
+    directory), which only costs disk space."""
+    try:
+        path.unlink(missing_ok=True)
+        return True
+    except OSError as error:
+        logger.warning("disk cache: could not remove %s (%s)", path.name, error)
+        return False
+
+
+def token_key(tokens: np.ndarray, salt: str | None = None) -> str:
+    """The file name stem for an entry holding `tokens` in `salt`'s domain: equal ids and
+    salt, equal names."""
+    digest = hashlib.sha256(np.asarray(tokens, dtype="<u4").tobytes())
+    if salt:
+        digest.update(f"\nsalt:{salt}".encode())
+    return digest.hexdigest()[:32]
+
+
+def read_header(path: Path) -> tuple[dict[str, str], int]:
+    """A safetensors file's metadata and where its data starts, after checking that the file
+    is exactly as long as its header says (a truncated file fails here). A header that does
+    not parse, or does not name this tier's format, raises BadFile with `ours` False."""
+    with open(path, "rb") as file:
+        head = file.read(8)
+        if len(head) < 8:
+            raise BadFile("truncated header", ours=False)
+        (header_bytes,) = struct.unpack("<Q", head)
+        size = os.fstat(file.fileno()).st_size
+        if header_bytes > min(size, 100 * 2**20):
+            raise BadFile("header length out of range", ours=False)
+        try:
+            header = json.loads(file.read(header_bytes))
+            metadata = header.pop("__metadata__")
+            if not str(metadata.get("format", "")).startswith(FORMAT_FAMILY):
+                raise BadFile("not an mlxkv cache file", ours=False)
+            end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise BadFile(f"unreadable header ({error})", ours=False) from error
+    if 8 + header_bytes + end != size:
+        raise BadFile(f"{size} bytes; its header describes {8 + header_bytes + end}")
+    return metadata, 8 + header_bytes
+
+
+def _file_crc(file: Any, data_start: int) -> int:
+    """CRC-32 of the whole file, header included, with the header's own CRC value read as
+    the placeholder (so one header byte changed is caught like one data byte)."""
+    file.seek(0)
+    head = file.read(data_start)
+    at = head.find(_CRC_FIELD)
+    if at < 0:
+        raise BadFile("no checksum in its header")
+    at += len(_CRC_FIELD)
+    crc = zlib.crc32(head[:at] + CRC_PLACEHOLDER.encode() + head[at + len(CRC_PLACEHOLDER) :])
+    while chunk := file.read(_CHUNK_BYTES):
+        crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def patch_crc(path: Path) -> None:
+    """Writes the file's CRC-32 into the header's placeholder (same length, so no offset
+    moves) and flushes the file to disk."""
+    with open(path, "r+b") as file:
+        (header_bytes,) = struct.unpack("<Q", file.read(8))
+        header = file.read(header_bytes)
+        at = header.index(_CRC_FIELD + CRC_PLACEHOLDER.encode()) + len(_CRC_FIELD)
+        crc = _file_crc(file, 8 + header_bytes)
+        file.seek(8 + at)
+        file.write(f"{crc:08x}".encode())
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def check_crc(path: Path, data_start: int, metadata: dict[str, str]) -> None:
+    with open(path, "rb") as file:
+        crc = _file_crc(file, data_start)
+    if f"{crc:08x}" != metadata.get("crc32"):
+        raise BadFile("its contents do not match its checksum (corrupt)")
+
+
+def touch(path: Path) -> None:
+    """Marks a file as just used (the budget removes the least recently used first)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def remove_if_orphaned(path: Path) -> None:
+    """Removes a temporary file whose writing process is gone (`.tmp-<pid>-...`); one whose
+    process still runs (another server sharing the directory) is being written."""
+    try:
+        pid = int(path.name.split("-")[1])
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(path.lstat().st_mode):
+                path.unlink()
+    except (ValueError, IndexError, OSError):
+        pass

@@ -1,0 +1,111 @@
+"""The server's connections as uvicorn runs them, with the limits a public port needs.
+
+Owns `uvicorn_config` (the one place the server's uvicorn settings are chosen),
+`GuardedH11Protocol` (uvicorn's HTTP/1.1 protocol with a deadline for request headers) and
+`OncePerKind` (a log filter). Seen before: ~2,100 sockets opened and left idle made the server
+unreachable (uvicorn waits for headers forever) while the log grew 530 MB in 50 s, one line
+per failed accept.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from mlxkv.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+# Seconds a connection may take to send a request's headers (from opening, or from the first
+# byte of a later request on a kept-alive connection).
+HEADER_TIMEOUT_S = 15.0
+KEEP_ALIVE_S = 5
+# Seconds the same kind of log line (uvicorn's, asyncio's) is shown once, then counted.
+LOG_REPEAT_WINDOW_S = 60.0
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers have not all
+    arrived within `HEADER_TIMEOUT_S` (uvicorn's own keep-alive timeout only covers the wait
+    after a response)."""
+
+    _header_deadline: Any = None
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._arm()  # a request begun, its headers not complete yet
+        else:
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._header_deadline is None:
+            self._header_deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _too_slow(self) -> None:
+        self._header_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            logger.warning(
+                "closed a connection whose request headers did not arrive within %.0f s",
+                HEADER_TIMEOUT_S,
+            )
+            self.transport.close()
+
+
+class OncePerKind(logging.Filter):
+    """Lets a kind of record (its logger and message template) through once per
+    `LOG_REPEAT_WINDOW_S`; the next one shown says how many were held back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = (record.name, str(record.msg))
+        now = time.monotonic()
+        shown_at, held = self._seen.get(kind, (-LOG_REPEAT_WINDOW_S, 0))
+        if now - shown_at < LOG_REPEAT_WINDOW_S:
+            self._seen[kind] = (shown_at, held + 1)
+            return False
+        if len(self._seen) > 1000:
+            self._seen.clear()
+        self._seen[kind] = (now, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} more like it in the last minute)"
+        return True
+
+
+def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> uvicorn.Config:
+    """uvicorn's settings for `app`: the guarded protocol, `config.max_connections` open at
+    once (more get 503), a short keep-alive, and repeated lines of uvicorn's and asyncio's
+    logs shown once per kind."""
+    once = OncePerKind()
+    for name in ("uvicorn.error", "asyncio", __name__):
+        logging.getLogger(name).addFilter(once)
+    settings: dict[str, Any] = {
+        "http": GuardedH11Protocol,
+        "limit_concurrency": config.max_connections,
+        "timeout_keep_alive": KEEP_ALIVE_S,
+        "log_level": "warning",
+        "access_log": False,
+        **options,
+    }
+    return uvicorn.Config(app, **settings)

@@ -1,0 +1,151 @@
+"""What keeps one client from holding the server: a bounded queue (429 with Retry-After), a
+queue wait that ends, a stream whose reader stopped is cancelled, a per-request token limit,
+bounded messages, and deadlines for headers and bodies with a connection limit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from mlxkv import Runner
+from mlxkv.server import connections, middleware, worker
+from tests.server.conftest import serve
+
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+@contextlib.contextmanager
+def _blocked(served) -> Iterator[threading.Event]:
+    """The worker busy (a request ahead of everyone) until the event is set."""
+    release = threading.Event()
+    served.app.state.mlxkv.worker._executor.submit(release.wait, 60)
+    try:
+        yield release
+    finally:
+        release.set()
+
+
+@contextlib.contextmanager
+def _open_stream(served) -> Iterator[http.client.HTTPResponse]:
+    connection = http.client.HTTPConnection(served.host, served.port, timeout=60)
+    body = {"messages": USER, "max_tokens": 2, "stream": True}
+    connection.request("POST", CHAT, json.dumps(body), {"Content-Type": "application/json"})
+    try:
+        yield connection.getresponse()  # its status: accepted, queued behind the block
+    finally:
+        connection.close()
+
+
+def test_a_full_queue_is_429_with_retry_after(loaded_tiny):
+    with (
+        serve(Runner(loaded_tiny("llama")), max_queue=2) as served,
+        _blocked(served),
+        _open_stream(served) as first,
+        _open_stream(served) as second,
+    ):
+        assert first.status == second.status == 200
+        connection = http.client.HTTPConnection(served.host, served.port, timeout=60)
+        connection.request("POST", CHAT, json.dumps({"messages": USER}),
+                           {"Content-Type": "application/json"})  # fmt: skip
+        response = connection.getresponse()
+        body = json.loads(response.read())
+        connection.close()
+    assert response.status == 429 and response.getheader("Retry-After") == "5"
+    assert "limit is 2" in body["error"]["message"]
+
+
+def test_a_request_that_waited_too_long_gets_503(loaded_tiny):
+    with serve(Runner(loaded_tiny("llama"))) as served:
+        served.app.state.mlxkv.worker.queue_timeout_s = 1e-6  # any wait is too long
+        with _blocked(served) as release:
+            reply = []
+            thread = threading.Thread(
+                target=lambda: reply.append(served.post(CHAT, {"messages": USER}))
+            )
+            thread.start()
+            release.set()
+            thread.join(timeout=60)
+    status, body = reply[0]
+    assert status == 503 and "waited" in body["error"]["message"]
+
+
+def test_a_reader_that_stopped_reading_is_cancelled(monkeypatch):
+    monkeypatch.setattr(worker, "STALLED_CHUNKS", 3)
+    monkeypatch.setattr(worker, "STALLED_READER_S", 0.0)
+    cancel = threading.Event()
+    made = []
+
+    def chunks():
+        while not cancel.is_set() and len(made) < 1000:
+            made.append(object())
+            yield _Chunk()
+
+    async def never_read() -> None:
+        stream = worker.GenerationStream(chunks(), cancel)
+        await asyncio.get_running_loop().run_in_executor(None, stream.pump)
+
+    asyncio.run(never_read())
+    assert cancel.is_set() and len(made) <= 5
+
+
+class _Chunk:
+    completion = None
+
+
+def test_the_token_limit_refuses_an_ask_and_caps_the_default(loaded_tiny):
+    with serve(Runner(loaded_tiny("llama")), max_tokens_limit=4) as served:
+        status, body = served.post(CHAT, {"messages": USER, "max_tokens": 20})
+        assert status == 400 and "limit of 4" in body["error"]["message"]
+        status, body = served.post(CHAT, {"messages": USER, "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] <= 4
+
+
+def test_too_many_messages_are_refused_before_parsing(tiny_server):
+    many = [{"role": "user", "content": ""}] * 10_001
+    status, body = tiny_server.post(CHAT, {"messages": many})
+    assert status == 400 and "10,001 messages" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/models HTTP/1.1\r\nHost: x\r\n"],
+                         ids=["nothing", "half-the-headers"])  # fmt: skip
+def test_headers_that_do_not_arrive_close_the_connection(loaded_tiny, monkeypatch, sent):
+    monkeypatch.setattr(connections, "HEADER_TIMEOUT_S", 0.2)
+    with (
+        serve(Runner(loaded_tiny("llama"))) as served,
+        socket.create_connection((served.host, served.port), timeout=30) as idle,
+    ):
+        idle.sendall(sent)
+        assert idle.recv(1024) == b""  # closed by the server, not by the 30 s timeout
+
+
+def test_a_body_that_does_not_arrive_is_408(loaded_tiny, monkeypatch):
+    monkeypatch.setattr(middleware, "BODY_TIMEOUT_S", 0.2)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    )
+    with (
+        serve(Runner(loaded_tiny("llama"))) as served,
+        socket.create_connection((served.host, served.port), timeout=30) as slow,
+    ):
+        slow.sendall(head + b'{"m')  # 3 of the 100 bytes promised
+        assert slow.recv(1024).startswith(b"HTTP/1.1 408 ")
+
+
+def test_connections_over_the_limit_get_503(loaded_tiny):
+    with (
+        serve(Runner(loaded_tiny("llama")), max_connections=2) as served,
+        contextlib.ExitStack() as held,
+    ):
+        for _ in range(2):
+            held.enter_context(socket.create_connection((served.host, served.port)))
+        status, _ = served.request("GET", "/health")
+    assert status == 503
