@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cli import _parser, _runner_config
+from mlxkv.cli.common import runner_config
+from mlxkv.cli.parser import build_parser
 
 
 @pytest.fixture
@@ -58,4 +59,4 @@ def test_warm_up_covers_the_draft_model(make_runner, loaded_tiny, widths_fed):
     ids=["generate", "generate-no-warmup", "serve-no-warmup"],
 )
 def test_cli_warmup_option(argv, expected):
-    assert _runner_config(_parser().parse_args(argv)).warmup is expected
+    assert runner_config(build_parser().parse_args(argv)).warmup is expected

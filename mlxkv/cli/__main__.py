@@ -1,0 +1,7 @@
+"""`python -m mlxkv.cli`."""
+
+import sys
+
+from mlxkv.cli import main
+
+sys.exit(main())

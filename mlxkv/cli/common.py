@@ -1,0 +1,78 @@
+"""What every command shares: logging, a progress bar, and the Runner its arguments describe
+(and, on ranks other than 0 of a sharded model, following rank 0)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from mlxkv.config import RunnerConfig
+from mlxkv.engine.runner import Runner
+from mlxkv.models.sharding import world
+
+
+def setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+    root = logging.getLogger("mlxkv")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    # Cutting a prompt to the window or shifting the cache changes what the model sees: say so.
+    logging.getLogger("mlxkv.engine.context").setLevel(logging.INFO)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def progress_bar(label: str) -> Callable[[int, int], None] | None:
+    """A one-line progress bar on a terminal; nothing when stderr is piped."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        end = "\n" if done >= total else ""
+        bar = "#" * filled + "-" * (width - filled)
+        print(f"\r{label} [{bar}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+def runner_config(args: argparse.Namespace) -> RunnerConfig:
+    """The Runner settings the arguments ask for (`serve` starts from the server's defaults)."""
+    options = {
+        "max_context": args.max_context,
+        "kv_bits": args.kv_bits,
+        "speculative": args.speculative,
+        "draft_model": args.draft_model,
+        "warmup": not args.no_warmup,
+    }
+    for key in ("cache_entries", "cache_bytes", "cache_dir", "cache_dir_bytes"):
+        if hasattr(args, key):
+            options[key] = getattr(args, key)
+    if getattr(args, "serving", False):
+        config = RunnerConfig.for_server(**options)
+        return config.replace(cache_dir=None) if args.no_cache_dir else config
+    return RunnerConfig(**options)
+
+
+def load_runner(args: argparse.Namespace) -> Runner:
+    """The Runner the arguments ask for; under `mlx.launch`, this process's shard of it."""
+    config = runner_config(args)
+    group = world()
+    if group is not None and config.cache_dir is not None:
+        if group.rank() == 0:
+            print("mlxkv: sharded: no disk tier (--cache-dir is ignored)", file=sys.stderr)
+        config = config.replace(cache_dir=None)
+    return Runner.load(args.model, config, progress=progress_bar("converting GGUF (tensors)"))
+
+
+def follow(runner: Runner) -> int:
+    """Ranks other than 0 of a sharded model: run rank 0's requests until it is done. Only
+    rank 0 prints (its memory line adds up the ranks' bytes)."""
+    for handler in logging.getLogger("mlxkv").handlers:
+        handler.setLevel(logging.WARNING)
+    for _ in runner.follow():
+        pass
+    return 0

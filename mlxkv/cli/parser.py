@@ -1,0 +1,216 @@
+"""The command line's arguments: one subcommand each, defaults read from `RunnerConfig` and
+`ServerConfig` (never sized while parsing: `--version` stays instant)."""
+
+from __future__ import annotations
+
+import argparse
+from importlib.metadata import version
+from pathlib import Path
+
+from mlxkv.cli.chat import CHAT_COMMANDS, chat_command, generate_command
+from mlxkv.cli.models import convert_command, info_command
+from mlxkv.cli.serve import serve_command
+from mlxkv.config import DEFAULT_DISK_BYTES, RunnerConfig, ServerConfig, format_bytes
+
+_MODEL_HELP = "model directory, .gguf file, Ollama name or Hugging Face repo (default: SmolLM2)"
+_MAX_CONTEXT_HELP = "tokens the cache holds (None: model's)"
+_KV_BITS_HELP = "quantize K/V (None: off)"
+_RUNNER = RunnerConfig()
+_SERVER = ServerConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlxkv", description="Run LLMs on MLX with a prompt cache that is never paid twice."
+    )
+    parser.add_argument("--version", action="version", version=f"mlxkv {version('mlxkv')}")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND", parser_class=_DefaultsParser)
+
+    generate = commands.add_parser("generate", help="generate a completion for one prompt")
+    generate.add_argument("-p", "--prompt", required=True, help="the user message")
+    generate.add_argument(
+        "--raw", action="store_true", help="send the prompt without the chat template"
+    )
+    _add_model_options(generate)
+    _add_speculative_options(generate)
+    generate.set_defaults(run=generate_command)
+
+    chat = commands.add_parser(
+        "chat",
+        help="multi-turn chat (one user line per turn)",
+        epilog="commands: " + "; ".join(f"{c} {h}" for c, h in CHAT_COMMANDS.items()),
+    )
+    chat.add_argument("--system", help="system prompt")
+    _add_model_options(chat)
+    _add_speculative_options(chat)
+    _add_cache_options(chat, server=False)
+    chat.set_defaults(run=chat_command)
+
+    serve = commands.add_parser(
+        "serve",
+        help="OpenAI- and Anthropic-compatible HTTP server",
+        epilog="OpenAI clients: base_url http://HOST:PORT/v1; Anthropic clients: "
+        "ANTHROPIC_BASE_URL=http://HOST:PORT",
+    )
+    serve.add_argument("-m", "--model", default=None, help=_MODEL_HELP)
+    serve.add_argument("--host", default=_SERVER.host, help="address to listen on")
+    serve.add_argument("--port", type=_port, default=_SERVER.port, help="port (0: any free one)")
+    serve.add_argument("--max-context", type=int, default=None, help=_MAX_CONTEXT_HELP)
+    serve.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key from clients (default: $MLXKV_API_KEY, else none)",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a browser origin allowed to call the API; repeat for more, '*' for any",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name clients reach the server by (the Host header), besides localhost and "
+        "--host; repeat for more, '*' for any",
+    )
+    serve.add_argument(
+        "--max-tokens",
+        type=int,
+        default=_SERVER.default_max_tokens,
+        help="tokens generated when a request sets none",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=_SERVER.max_body_bytes,
+        help="largest request body accepted",
+    )
+    serve.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most tokens one request may generate (default: the context window)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=_SERVER.max_queue,
+        metavar="N",
+        help="most requests running or waiting; more are answered 429",
+    )
+    serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
+    _add_warmup_option(serve)
+    _add_speculative_options(serve)
+    _add_cache_options(serve, server=True)
+    serve.set_defaults(run=serve_command, serving=True)
+
+    convert = commands.add_parser("convert", help="convert a GGUF file to an mlx-lm directory")
+    convert.add_argument("gguf", type=Path)
+    convert.add_argument("out_dir", type=Path)
+    convert.add_argument("-v", "--verbose", action="store_true")
+    convert.set_defaults(run=convert_command)
+
+    info = commands.add_parser("info", help="architecture, layers and KV bytes per token")
+    info.add_argument("model", nargs="?", default=None, help="default: the bundled SmolLM2")
+    info.add_argument("-v", "--verbose", action="store_true")
+    info.set_defaults(run=info_command)
+    return parser
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; use 0..65535 (0: any free one)")
+    return port
+
+
+class _DefaultsParser(argparse.ArgumentParser):
+    """Every command's --help shows each option's default."""
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-m", "--model", default=None, help=_MODEL_HELP)
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    parser.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling; 0 = off")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    parser.add_argument("--max-context", type=int, default=None, help=_MAX_CONTEXT_HELP)
+    parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="statistics and the cache log on stderr"
+    )
+    _add_warmup_option(parser)
+
+
+def _add_warmup_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the forward passes at load that compile MLX's kernels before the first "
+        "request (seconds on a GPU)",
+    )
+
+
+def _add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "speculative decoding", "drafted tokens verified several per forward pass; exact"
+    )
+    group.add_argument(
+        "--speculative",
+        choices=("auto", "ngram", "draft", "off"),
+        default="auto",
+        help="auto: draft (from --draft-model, else from the text itself) only while drafts "
+        "pay; ngram / draft: always; off: plain decoding (default: auto)",
+    )
+    group.add_argument(
+        "--draft-model", default=None, help="a small model with the same tokenizer to draft with"
+    )
+
+
+def _add_cache_options(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    """The prompt cache's options; the server's defaults are resolved when it starts
+    (`RunnerConfig.for_server`), so parsing (and --help, --version) never sizes memory."""
+    cache = parser.add_argument_group(
+        "prompt cache", "entries kept in memory, their byte budget, and the disk tier"
+    )
+    cache.add_argument(
+        "--cache-entries",
+        type=int,
+        default=None if server else _RUNNER.cache_entries,
+        help="conversations kept in memory" + (" (default: 8)" if server else ""),
+    )
+    cache.add_argument(
+        "--cache-bytes",
+        default=None,
+        metavar="SIZE",
+        help="memory budget of the entries, e.g. 4GiB or 512MiB (default: "
+        + ("a quarter of the machine's memory)" if server else "no limit)"),
+    )
+    cache.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="disk tier: evicted entries go there, and a restart starts warm (default: "
+        + ("$MLXKV_CACHE_DIR/kv, else ~/.cache/mlxkv/kv)" if server else "none)"),
+    )
+    if server:
+        cache.add_argument(
+            "--no-cache-dir", dest="no_cache_dir", action="store_true", help="no disk tier"
+        )
+    cache.add_argument(
+        "--cache-dir-bytes",
+        default=format_bytes(DEFAULT_DISK_BYTES),
+        metavar="SIZE",
+        help="the disk tier's budget, e.g. 16GiB",
+    )
