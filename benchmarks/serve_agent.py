@@ -166,21 +166,26 @@ def runner_stream(runner: Runner, reply_tokens: int) -> Stream:
     return stream
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def start_server(command: list[str], port: int, env: dict[str, str]) -> subprocess.Popen:
-    """Starts a server and waits until it answers /v1/models."""
+def start_server(
+    command: list[str], port: int, env: dict[str, str] | None, log: Path | None = None
+) -> subprocess.Popen:
+    """Starts a server and waits until it answers /v1/models; its stderr goes to `log` when
+    given (a server logging a line per request would fill a pipe and stall)."""
+    stderr = open(log, "w") if log is not None else subprocess.PIPE  # noqa: SIM115
     process = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        command, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True
     )
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{command[2]} exited: {process.stderr.read()[-2000:]}")
+            said = process.stderr.read() if log is None else log.read_text()
+            raise RuntimeError(f"{command[2]} exited: {said[-2000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
             return process
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     processes, streams = [], {}
     try:
         for name, command in servers.items():
-            port = _free_port()
+            port = free_port()
             lanes = {"MLXKV_PREFILL_LANES": "1"} if name == ONE_LANE else {}
             processes.append(start_server([*command, str(port)], port, {**env, **lanes}))
             streams[name] = http_stream(f"http://127.0.0.1:{port}", args.reply_tokens)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxkv.cache.model_cache import make_cache
+from mlxkv.cache.building import make_cache
 from mlxkv.decoding.prefill import PrefillPlan, fill
 from tests.tolerances import assert_logits_close
 

@@ -5,8 +5,9 @@ reverse.
 """
 
 from mlxkv.cache.base import LayerCache
+from mlxkv.cache.building import make_cache
 from mlxkv.cache.kv import KVCache
-from mlxkv.cache.model_cache import ModelCache, make_cache
+from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.quantized import QuantizedKVCache
 from mlxkv.cache.window import SlidingWindowCache
 

@@ -1,8 +1,8 @@
 """ModelCache: a whole model's cache, one cache per layer plus the token ids they hold.
 
-Owns: building the per-layer caches for any mlx-lm model (`make_cache`), running the model on
-new tokens so that K/V and token ids always change together (`forward`), and the management
-operations Ollama's cache interface has: trim to a length (all or nothing), free, bytes.
+Owns: running the model on new tokens so that K/V and token ids always change together
+(`forward`), and the management operations Ollama's cache interface has: trim to a length (all
+or nothing), free, bytes. Building one for a model is `building.make_cache`.
 
 Invariants:
   - the token list always has exactly as many entries as the tokens the layers have seen; a
@@ -24,7 +24,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import cache as mlx_cache
 
 from mlxkv.cache.kv import KVCache, Rotation
 from mlxkv.cache.layer_ops import (
@@ -36,8 +35,6 @@ from mlxkv.cache.layer_ops import (
     mark_layer,
     restore_layer,
 )
-from mlxkv.cache.quantized import QuantizedKVCache, check_quantization
-from mlxkv.cache.window import SlidingWindowCache
 from mlxkv.errors import CacheFullError, NotSupportedError
 
 logger = logging.getLogger(__name__)
@@ -412,67 +409,6 @@ class ModelCache:
     def used_bytes(self) -> int:
         """Bytes holding the tokens' K/V and recurrent state."""
         return sum(getattr(layer, "used_bytes", layer.nbytes) for layer in leaves(self.layers))
-
-
-# What mlxkv does with each of mlx-lm's cache classes (`mlx_lm.models.cache`): converted to
-# its own, kept as mlx-lm's (recurrent state, containers), or refused by `make_cache`. A new
-# mlx-lm class fails tests/cache/test_mlx_lm_contract.py until it is listed here.
-MLX_LM_CACHE_CLASSES = {
-    "KVCache": "converted",
-    "QuantizedKVCache": "converted",
-    "RotatingKVCache": "converted",
-    "CacheList": "kept",
-    "ArraysCache": "kept",
-    "ChunkedKVCache": "refused",
-    "ConcatenateKVCache": "refused",
-    "BatchKVCache": "refused",  # batching's, not a model's
-    "BatchRotatingKVCache": "refused",
-}
-
-
-def make_cache(
-    model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64
-) -> ModelCache:
-    """Builds an empty ModelCache for any mlx-lm model.
-
-    The model's own `make_cache()` decides the layout (which layers are global, which use a
-    sliding window, which keep recurrent state); mlxkv's classes replace mlx-lm's KV classes.
-
-    Args:
-        model: a model from `mlx_lm.models` (or anything with `layers` and mlx-lm's call).
-        kv_bits: quantize global-attention K/V to 8 or 4 bits; None keeps the model's dtype.
-            Sliding-window layers stay unquantized: their memory is already bounded.
-        kv_group_size: head-dimension elements per quantization scale (32, 64 or 128).
-
-    Raises:
-        ValueError: for kv_bits or kv_group_size that `mx.quantize` does not support.
-        NotSupportedError: a layer cache class mlxkv does not know (`MLX_LM_CACHE_CLASSES`).
-    """
-    if kv_bits is not None:
-        check_quantization(kv_bits, kv_group_size)
-
-    def convert(layer: Any) -> Any:
-        if type(layer) in (mlx_cache.KVCache, mlx_cache.QuantizedKVCache):
-            return KVCache() if kv_bits is None else QuantizedKVCache(kv_group_size, kv_bits)
-        if type(layer) is mlx_cache.RotatingKVCache:
-            return SlidingWindowCache(layer.max_size, keep=layer.keep)
-        if type(layer) is mlx_cache.CacheList:
-            return mlx_cache.CacheList(*(convert(c) for c in layer.caches))
-        if isinstance(layer, mlx_cache.ArraysCache):  # recurrent state: kept as mlx-lm's
-            return layer
-        raise NotSupportedError(
-            f"this model's cache uses mlx-lm's {type(layer).__name__}, which mlxkv does not "
-            "handle yet; use a model of another architecture"
-        )
-
-    def make_layers() -> list[Any]:
-        if hasattr(model, "make_cache"):
-            template = model.make_cache()
-        else:
-            template = [mlx_cache.KVCache() for _ in model.layers]
-        return [convert(layer) for layer in template]
-
-    return ModelCache(make_layers(), make_layers)
 
 
 def checkpoint_layers(cache: ModelCache) -> list[Any]:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.cache.model_cache import ModelCache, make_cache
+from mlxkv.cache.building import make_cache
+from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.decoding.prefill import PrefillPlan, fill
 from mlxkv.models.loading import LoadedModel

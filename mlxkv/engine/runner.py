@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
-from mlxkv.cache.model_cache import ModelCache, make_cache
+from mlxkv.cache.building import make_cache
+from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.pool import salt_digest
 from mlxkv.cache.report import MemoryReport
 from mlxkv.config import CONTEXT_MEMORY_FRACTION, RunnerConfig, format_bytes

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from mlxkv import NotSupportedError, make_cache
-from mlxkv.cache.model_cache import MLX_LM_CACHE_CLASSES
+from mlxkv.cache.building import MLX_LM_CACHE_CLASSES
 
 
 def test_every_mlx_lm_cache_class_is_known():

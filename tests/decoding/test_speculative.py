@@ -12,7 +12,7 @@ import pytest
 from scipy.stats import chi2_contingency, chisquare
 
 from mlxkv import Runner
-from mlxkv.cache.model_cache import make_cache
+from mlxkv.cache.building import make_cache
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.decoding.drafts import Draft
 from mlxkv.decoding.prefill import PrefillPlan, fill
