@@ -2,7 +2,7 @@
 
 Clients, each a thread with a bounded count and the same deadline: normal ones (streamed chat
 requests of 16 tokens, time to first token measured), slow readers (ask for 512 tokens and
-read nothing), disconnectors (read the first event and hang up), oversized bodies (over
+read nothing), disconnectors (read up to the first text and hang up), oversized bodies (over
 --max-body-bytes), malformed JSON, and idle sockets that send nothing. The server's resident
 memory is sampled throughout. Targets (issue: the server under attack): normal clients are
 never starved (p99 time to first token within a few seconds), resident memory stays under the
@@ -64,13 +64,28 @@ def normal(load: Load) -> None:
             with _post(load.url, body) as response:
                 first = None
                 for line in response:
-                    if first is None and b'"content":"' in line and b'"content":""' not in line:
+                    if first is None and _has_text(line):
                         first = time.perf_counter() - start
-                load.note("normal", "ok", first if first is not None else None)
+                load.note("normal", "ok", first)
         except urllib.error.HTTPError as error:
             load.note("normal", f"HTTP {error.code}")
+            _back_off(error)
         except OSError as error:
             load.note("normal", type(error).__name__)
+
+
+def _has_text(line: bytes) -> bool:
+    """An SSE line carrying generated text."""
+    if not line.startswith(b"data: {"):
+        return False
+    choices = json.loads(line[6:]).get("choices") or [{}]
+    return bool(choices[0].get("delta", {}).get("content"))
+
+
+def _back_off(error: urllib.error.HTTPError) -> None:
+    """What real clients do on 429: wait as long as Retry-After says."""
+    if error.code == 429:
+        time.sleep(float(error.headers.get("Retry-After", "1")))
 
 
 def slow_reader(load: Load) -> None:
@@ -84,6 +99,7 @@ def slow_reader(load: Load) -> None:
             load.note("slow reader", "held to the end")
         except urllib.error.HTTPError as error:
             load.note("slow reader", f"HTTP {error.code}")
+            _back_off(error)
         except OSError as error:
             load.note("slow reader", type(error).__name__)
 
@@ -93,10 +109,13 @@ def disconnector(load: Load) -> None:
     while load.running():
         try:
             with _post(load.url, body) as response:
-                response.readline()
-            load.note("disconnector", "left after the first event")
+                for line in response:  # leaves mid-answer, at its first text
+                    if _has_text(line):
+                        break
+            load.note("disconnector", "left at the first text")
         except urllib.error.HTTPError as error:
             load.note("disconnector", f"HTTP {error.code}")
+            _back_off(error)
         except OSError as error:
             load.note("disconnector", type(error).__name__)
 
@@ -163,13 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--normal", type=int, default=4, help="normal clients")
     parser.add_argument("--hostile", type=int, default=2, help="clients of each hostile kind")
     parser.add_argument("--idle-sockets", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     command = [sys.executable, "-m", "mlxkv.cli", "serve", "--port", str(port),
                "--no-cache-dir", "--max-body-bytes", str(MAX_BODY_BYTES)]  # fmt: skip
     if args.model:
         command += ["-m", args.model]
-    log = Path("load_test.log")
+    log = args.out / "load_test.log"
     server = start_server(command, port, env=None, log=log)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -212,7 +233,7 @@ def report(load: Load, rss: list[int], args: argparse.Namespace, log: Path) -> N
     tracebacks = sum("Traceback" in line for line in lines)
     print(f"\nserver log: {len(lines)} lines, {tracebacks} tracebacks ({log})")
     summary = {"ttfts_s": ttfts, "rss_bytes": rss, "outcomes": dict(load.outcomes)}
-    Path("load_test.json").write_text(json.dumps(summary, indent=1))
+    (args.out / "load_test.json").write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

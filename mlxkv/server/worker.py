@@ -65,15 +65,31 @@ class GenerationStream:
         # Chunks handed over and read: written by one thread each, read by the other.
         self._delivered = self._read = 0
         self._last_read = time.monotonic()
-        # The Completion once the generation has ended, however it ended (None if it failed);
-        # set even when the consumer left early.
+        # The Completion once the generation has ended, however it ended (None if it failed
+        # or never started); set even when the consumer left early.
         self.finished: asyncio.Future[Completion | None] = self._loop.create_future()
+        self._state = threading.Lock()
+        self._started = self._abandoned = False
 
     def cancel(self) -> None:
+        """Ends the generation (from any thread). One that has not started is finished at
+        once: its place in the queue is free again, so a client that sends requests and
+        leaves at once cannot fill the queue with work that will never be read."""
         self._cancel.set()
+        with self._state:
+            if self._started or self._abandoned:
+                return
+            self._abandoned = True
+        with contextlib.suppress(_LoopClosed):
+            self._call(self._settle, None)
 
     def pump(self) -> None:
         """Runs the generation on the worker thread, passing each chunk to the loop."""
+        with self._state:
+            if self._abandoned:  # cancelled while it waited: nothing to run
+                self._chunks.close()
+                return
+            self._started = True
         completion = None
         try:
             waited = time.monotonic() - self._queued_at

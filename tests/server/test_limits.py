@@ -16,6 +16,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.server import connections, middleware, worker
+from tests.factories import wait_until
 from tests.server.conftest import serve
 
 CHAT = "/v1/chat/completions"
@@ -60,6 +61,19 @@ def test_a_full_queue_is_429_with_retry_after(loaded_tiny):
         connection.close()
     assert response.status == 429 and response.getheader("Retry-After") == "5"
     assert "limit is 2" in body["error"]["message"]
+
+
+def test_requests_abandoned_while_waiting_free_their_place(loaded_tiny):
+    """A client that sends a request and leaves at once, again and again, must not fill the
+    queue with work nobody will read while the worker is busy."""
+    with serve(Runner(loaded_tiny("llama")), max_queue=2) as served, _blocked(served):
+        worker_ = served.app.state.mlxkv.worker
+        for _ in range(5):
+            with _open_stream(served) as response:
+                assert response.status == 200
+            wait_until(lambda: worker_._pending == 0, what="the abandoned request's place freed")
+        with _open_stream(served) as response:
+            assert response.status == 200
 
 
 def test_a_request_that_waited_too_long_gets_503(loaded_tiny):
