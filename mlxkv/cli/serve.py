@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Iterator
 
 from mlxkv.cli.common import follow, load_runner
 from mlxkv.config import ServerConfig, env, format_bytes
@@ -19,9 +17,8 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def serve_command(args: argparse.Namespace) -> int:
-
     from mlxkv.server import create_app
-    from mlxkv.server.connections import uvicorn_config
+    from mlxkv.server.connections import Server, uvicorn_config
 
     logging.getLogger("mlxkv.server").setLevel(logging.INFO)  # one access line per request
     if not args.verbose:  # the access line carries the memory line already
@@ -54,7 +51,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"mlxkv: warning: listening on {args.host} without --api-key", file=sys.stderr)
     print(f"mlxkv: {_describe_cache(runner)}", file=sys.stderr)
     print(f"mlxkv: serving {name} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True)
-    server = _server_class()(uvicorn_config(app, config, timeout_graceful_shutdown=5))
+    server = Server(uvicorn_config(app, config, timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])
     finally:  # on the way out, the cache goes to the disk tier (if any)
@@ -68,27 +65,6 @@ def serve_command(args: argparse.Namespace) -> int:
 # Seconds a stopping server may spend starting to write its entries to the disk tier (a
 # second Ctrl-C or SIGTERM stops at once; docker waits 10 s before SIGKILL, systemd 90 s).
 _SHUTDOWN_SAVE_S = 8.0
-
-
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, remembering the signals that stopped it. uvicorn raises them
-        again as soon as it has shut down, which for SIGTERM ends the process before the
-        cache is saved; here they are kept in `signals` for the caller to act on once it
-        has saved."""
-
-        signals: tuple[int, ...] = ()
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            with super().capture_signals():
-                yield
-                self.signals = tuple(self._captured_signals)
-                self._captured_signals.clear()
-
-    return Server
 
 
 def _describe_cache(runner: Runner) -> str:

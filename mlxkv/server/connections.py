@@ -1,16 +1,18 @@
 """The server's connections as uvicorn runs them, with the limits a public port needs.
 
-Owns `uvicorn_config` (the one place the server's uvicorn settings are chosen),
-`GuardedH11Protocol` (uvicorn's HTTP/1.1 protocol with a deadline for request headers) and
-`OncePerKind` (a log filter). Seen before: ~2,100 sockets opened and left idle made the server
-unreachable (uvicorn waits for headers forever) while the log grew 530 MB in 50 s, one line
-per failed accept.
+Owns `uvicorn_config` (the one place the server's uvicorn settings are chosen), `Server`
+(uvicorn's server, stopping generations when told to stop), `GuardedH11Protocol` (uvicorn's
+HTTP/1.1 protocol with a deadline for request headers) and `OncePerKind` (a log filter).
+Seen before: ~2,100 sockets opened and left idle made the server unreachable (uvicorn waits
+for headers forever) while the log grew 530 MB in 50 s, one line per failed accept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import h11
@@ -27,6 +29,29 @@ HEADER_TIMEOUT_S = 15.0
 KEEP_ALIVE_S = 5
 # Seconds the same kind of log line (uvicorn's, asyncio's) is shown once, then counted.
 LOG_REPEAT_WINDOW_S = 60.0
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server for an mlxkv app. On a stop signal the generations running or waiting
+    end at once, each stream with its API's error event, instead of running on until uvicorn's
+    graceful timeout cuts them mid-event (with a traceback in the log). The signals that
+    stopped it are kept in `signals`: uvicorn would raise them again as soon as it has shut
+    down, which for SIGTERM ends the process before the caller has saved the cache."""
+
+    signals: tuple[int, ...] = ()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        context = getattr(getattr(self.config.app, "state", None), "mlxkv", None)
+        if context is not None:
+            context.worker.begin_shutdown()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self.signals = tuple(self._captured_signals)
+            self._captured_signals.clear()
 
 
 class GuardedH11Protocol(H11Protocol):

@@ -55,9 +55,11 @@ class GenerationStream:
         chunks: Iterator[GenerationChunk],
         cancel: threading.Event,
         queue_timeout_s: float | None = None,
+        closing: threading.Event | None = None,
     ):
         self._chunks = chunks
         self._cancel = cancel
+        self._closing = closing or threading.Event()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queued_at = time.monotonic()
@@ -102,6 +104,8 @@ class GenerationStream:
                 )
             for chunk in self._chunks:
                 completion = chunk.completion or completion
+                if completion is not None and self._closing.is_set():
+                    raise ApiError(503, "the server is shutting down; this reply was cut short")
                 self._deliver(chunk)
                 if self._stalled():
                     logger.warning("a client stopped reading its stream; its generation ends")
@@ -172,6 +176,7 @@ class GenerationWorker:
         self.queue_timeout_s = queue_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-generate")
         self._pending = 0  # generations accepted and not finished (event loop only)
+        self._closing = threading.Event()
 
     async def start(self, prompt: Any, **options: Any) -> GenerationStream:
         """Validates and queues a generation (`Runner.stream` arguments).
@@ -192,7 +197,7 @@ class GenerationWorker:
             cancel = threading.Event()
             # Encoding and fitting may take a while for a long prompt: off the event loop.
             chunks = await run_in_threadpool(self.runner.stream, prompt, cancel=cancel, **options)
-            stream = GenerationStream(chunks, cancel, self.queue_timeout_s)
+            stream = GenerationStream(chunks, cancel, self.queue_timeout_s, self._closing)
         except BaseException:
             self._pending -= 1
             raise
@@ -202,6 +207,12 @@ class GenerationWorker:
 
     def _finished(self, _: asyncio.Future) -> None:
         self._pending -= 1
+
+    def begin_shutdown(self) -> None:
+        """Ends every generation running or waiting now (from any thread): each stream ends
+        with its API's error event (503, shutting down) rather than being cut later."""
+        self._closing.set()
+        self.runner.cancel()
 
     def shutdown(self) -> None:
         """Cancels what is running or waiting and waits for the worker thread to end."""

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import anthropic
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from mlxkv import Runner
 from mlxkv.config import ServerConfig
 from mlxkv.server import create_app
-from mlxkv.server.connections import uvicorn_config
+from mlxkv.server.connections import Server, uvicorn_config
 from mlxkv.testing.factory import build_scripted_model
 
 TOOL_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
@@ -37,6 +36,7 @@ class Served:
     port: int
     runner: Runner
     app: FastAPI
+    server: Server
 
     @property
     def url(self) -> str:
@@ -93,7 +93,7 @@ def serve(runner: Runner, **app_options) -> Iterator[Served]:
     port = sock.getsockname()[1]
     config = ServerConfig.of(None, app_options)
     app = create_app(runner, config)
-    server = uvicorn.Server(uvicorn_config(app, config))  # as `mlxkv serve` runs it
+    server = Server(uvicorn_config(app, config))  # as `mlxkv serve` runs it
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + _START_TIMEOUT_S
@@ -101,7 +101,7 @@ def serve(runner: Runner, **app_options) -> Iterator[Served]:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
     try:
-        yield Served("127.0.0.1", port, runner, app)
+        yield Served("127.0.0.1", port, runner, app, server)
     finally:
         server.should_exit = True
         thread.join(timeout=_START_TIMEOUT_S)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import signal
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -113,3 +114,23 @@ def test_the_access_line_reports_speculative_acceptance(scripted_dir, access_log
     drafted, accepted, share = (int(n) for n in found.groups())
     assert (drafted, accepted) == (reference.drafted_tokens, reference.accepted_tokens)
     assert share == round(100 * accepted / drafted)
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completions", "/v1/messages"], ids=["openai", "anthropic"]
+)
+def test_a_stream_running_at_shutdown_ends_with_an_error_event(gated_server, access_log, path):
+    """Stopping the server (SIGTERM, Ctrl-C) ends a running stream with the API's error
+    event at once, instead of leaving it to be cut by uvicorn's graceful timeout."""
+    served, gate = gated_server
+    gate.hold_after(4)
+    body = {"model": "m", "messages": QUESTION, "max_tokens": LONG, "stream": True}
+    connection = _open(served, path, body)
+    response = connection.getresponse()
+    assert gate.reached.wait(30)  # mid-reply
+    served.server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
+    gate.release()
+    events = response.read().decode()
+    connection.close()
+    assert "the server is shutting down" in events.rsplit("data: ", 2)[-1]
+    access_log(rf"POST {path} 200 .*finish=cancelled")
