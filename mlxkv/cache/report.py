@@ -26,6 +26,7 @@ class EntryReport:
         current: it is the entry of the running or last request.
         label: what it serves, as its last request's `cache_key` named it (None: unknown).
         draft_bytes: bytes of the draft model's cache for it (speculative decoding).
+        isolated: made by requests with a `cache_salt` (shown only to its own salt's users).
     """
 
     num_tokens: int
@@ -35,6 +36,7 @@ class EntryReport:
     current: bool
     label: str | None = None
     draft_bytes: int = 0
+    isolated: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class MemoryReport:
                 current=e is current,
                 label=e.label,
                 draft_bytes=e.draft_bytes,
+                isolated=e.salt is not None,
             )
             for e in entries
         )

@@ -144,6 +144,7 @@ class DiskStore:
         self._theirs: dict[tuple[str, int, int], bool] = {}
         self._strangers: set[str] = set()  # files here it did not write, warned about once
         self.refresh()
+        self.enforce_budget()  # a smaller budget than the last run's holds from the start
 
     # -- index ----------------------------------------------------------------------------
 

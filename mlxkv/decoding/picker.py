@@ -7,6 +7,7 @@ processors, built by `sampling.SamplingParams`).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,5 +82,7 @@ class TokenPicker:
         if self._top_logprobs is None:
             return None
         own, top, values = self._pending.popleft()
-        alternatives = tuple(zip(top.tolist(), values.tolist(), strict=True))
+        # Tokens a processor ruled out (a grammar's mask) have no probability to report.
+        pairs = zip(top.tolist(), values.tolist(), strict=True)
+        alternatives = tuple((token, value) for token, value in pairs if math.isfinite(value))
         return TokenLogprob(own.item(), alternatives)

@@ -19,7 +19,7 @@ _OPENAI_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
-    429: "rate_limit_exceeded",
+    429: "requests",  # OpenAI's type for rate limits; the code says rate_limit_exceeded
     500: "server_error",
     503: "server_error",
 }

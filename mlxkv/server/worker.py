@@ -62,7 +62,6 @@ class GenerationStream:
         self._closing = closing or threading.Event()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._queued_at = time.monotonic()
         self._queue_timeout_s = queue_timeout_s
         # Chunks handed over and read: written by one thread each, read by the other.
         self._delivered = self._read = 0
@@ -94,14 +93,6 @@ class GenerationStream:
             self._started = True
         completion = None
         try:
-            waited = time.monotonic() - self._queued_at
-            if self._queue_timeout_s is not None and waited > self._queue_timeout_s:
-                self._chunks.close()
-                raise ApiError(
-                    503,
-                    f"the request waited {waited:.0f} s for its turn (the limit is "
-                    f"{self._queue_timeout_s:.0f} s); the server is busy, try again later",
-                )
             for chunk in self._chunks:
                 completion = chunk.completion or completion
                 if completion is not None and self._closing.is_set():
@@ -112,7 +103,7 @@ class GenerationStream:
                     self.cancel()
             self._deliver(_END)
         except _LoopClosed:  # the server shut down: stop generating
-            self._chunks.close()
+            pass
         except ApiError as error:
             with contextlib.suppress(_LoopClosed):
                 self._deliver(error)
@@ -121,8 +112,29 @@ class GenerationStream:
             with contextlib.suppress(_LoopClosed):
                 self._deliver(error)
         finally:
+            # Ends the Runner's generator here, on its consumer's thread, however the loop
+            # ended: left suspended, it would hold this thread as its reader and the next
+            # generation on it would be refused (RunnerBusyError).
+            self._chunks.close()
             with contextlib.suppress(_LoopClosed):
                 self._call(self._settle, completion)
+
+    def expire(self) -> None:
+        """On the event loop, when the wait for a turn has run out: a generation that has not
+        started ends now with a 503 (its client hears it at once, not when its turn comes)."""
+        with self._state:
+            if self._started or self._abandoned:
+                return
+            self._abandoned = True
+        self._cancel.set()
+        self._queue.put_nowait(
+            ApiError(
+                503,
+                f"the request waited {self._queue_timeout_s:.0f} s for its turn; the server "
+                "is busy, try again later",
+            )
+        )
+        self._settle(None)
 
     def _deliver(self, item: Any) -> None:
         self._delivered += 1
@@ -190,6 +202,7 @@ class GenerationWorker:
                 429,
                 f"{self._pending} requests are running or waiting (the limit is "
                 f"{self.max_queue}); try again shortly",
+                code="rate_limit_exceeded",
                 headers={"Retry-After": "5"},
             )
         self._pending += 1
@@ -202,6 +215,9 @@ class GenerationWorker:
             self._pending -= 1
             raise
         stream.finished.add_done_callback(self._finished)
+        if self.queue_timeout_s is not None:
+            timer = asyncio.get_running_loop().call_later(self.queue_timeout_s, stream.expire)
+            stream.finished.add_done_callback(lambda _: timer.cancel())
         self._executor.submit(stream.pump)
         return stream
 

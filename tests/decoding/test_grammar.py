@@ -5,6 +5,7 @@ for, on every architecture; a schema the engine cannot compile is a ValueError n
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -64,3 +65,15 @@ def test_a_schema_the_engine_cannot_compile_is_a_value_error(make_runner):
     with pytest.raises(ValueError, match="cannot be used: .*nonsense"):
         runner.generate(CHAT, grammar=bad, max_tokens=5)
     assert runner.cache_tokens == []  # refused before anything ran
+
+
+def test_logprobs_under_a_grammar_are_finite(make_runner):
+    """Alternatives the grammar rules out are left out (their -inf made a 500 and invalid
+    JSON in the stream)."""
+    runner = make_runner("llama", max_context=512)
+    chunks = list(runner.stream(CHAT, grammar=json_schema_grammar(SCHEMA), logprobs=5,
+                                max_tokens=60))  # fmt: skip
+    reported = [c.logprob for c in chunks if c.logprob is not None]
+    assert reported and all(math.isfinite(r.logprob) for r in reported)
+    assert all(math.isfinite(v) for r in reported for _, v in r.top)
+    assert any(len(r.top) < 5 for r in reported)  # the grammar allowed fewer than 5 there

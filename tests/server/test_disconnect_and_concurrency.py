@@ -125,12 +125,15 @@ def test_a_stream_running_at_shutdown_ends_with_an_error_event(gated_server, acc
     served, gate = gated_server
     gate.hold_after(4)
     body = {"model": "m", "messages": QUESTION, "max_tokens": LONG, "stream": True}
-    connection = _open(served, path, body)
-    response = connection.getresponse()
+    running = _open(served, path, body)
+    response = running.getresponse()
     assert gate.reached.wait(30)  # mid-reply
+    waiting = _open(served, path, body)  # queued behind it
+    queued = waiting.getresponse()
     served.server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
     gate.release()
-    events = response.read().decode()
-    connection.close()
-    assert "the server is shutting down" in events.rsplit("data: ", 2)[-1]
+    for reply, connection in ((response, running), (queued, waiting)):
+        events = reply.read().decode()
+        connection.close()
+        assert "the server is shutting down" in events.rsplit("data: ", 2)[-1], events[-300:]
     access_log(rf"POST {path} 200 .*finish=cancelled")

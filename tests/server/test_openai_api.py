@@ -220,3 +220,8 @@ def test_cache_salt_keeps_clients_apart(tiny_server):
         )
         usage.append(reply.usage.prompt_tokens_details.cached_tokens)
     assert usage[1] > 0 and usage[2] == 0
+    # the page's report lists no entry made with a salt (its size would tell)
+    _, report = tiny_server.request("GET", "/v1/mlxkv/cache")
+    listed = {e["num_tokens"] for e in report["entries"]}
+    salted = {e.num_tokens for e in tiny_server.runner.cache_info().entries if e.isolated}
+    assert salted and not listed & salted

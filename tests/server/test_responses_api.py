@@ -132,3 +132,13 @@ def test_store_false_is_not_kept_for_previous_response_id(scripted_server):
     reply = client.responses.create(model="m", input="Weather?", store=False)
     with pytest.raises(openai.BadRequestError, match="not found"):
         client.responses.create(model="m", input="And?", previous_response_id=reply.id)
+
+
+def test_a_reply_cut_by_max_output_tokens_ends_incomplete(scripted_server):
+    client = scripted_server.openai()
+    kwargs = {"model": "m", "input": "Weather?", "tools": [WEATHER], "max_output_tokens": 1}
+    with client.responses.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+    assert kinds[-1] == "response.incomplete"
+    reply = client.responses.create(**kwargs)
+    assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"

@@ -15,10 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxkv.server.errors import ApiError
-from mlxkv.server.openai_api.protocol import tool_arguments
+from mlxkv.server.openai_api.protocol import mlx_seed, tool_arguments
 from mlxkv.server.structured import ollama_grammar
-
-_SEED_BITS = 2**64
 
 
 class Lenient(BaseModel):
@@ -74,7 +72,7 @@ class GenerationRequest(Lenient):
             "top_k": options.top_k,
             "min_p": options.min_p,
             "repetition_penalty": options.repeat_penalty,
-            "seed": None if options.seed is None else options.seed % _SEED_BITS,
+            "seed": mlx_seed(options.seed),
             "stop": options.stop or None,
             "grammar": ollama_grammar(self.format),
         }

@@ -18,7 +18,10 @@ from mlxkv.server.errors import ApiError
 from mlxkv.server.json_limits import MAX_JSON_DEPTH, json_depth, too_deep_message
 from mlxkv.server.structured import openai_grammar
 
-_SEED_BITS = 2**64  # OpenAI's seed is any integer; MLX's is unsigned 64-bit
+
+def mlx_seed(seed: int | None) -> int | None:
+    """A client's seed as MLX takes it: the APIs take any integer, MLX an unsigned 64-bit."""
+    return None if seed is None else seed % 2**64
 
 
 class Lenient(BaseModel):
@@ -121,7 +124,7 @@ class GenerationFields(Lenient):
             "top_k": self.top_k,
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
-            "seed": None if self.seed is None else self.seed % _SEED_BITS,
+            "seed": mlx_seed(self.seed),
             "stop": stop,
             "grammar": openai_grammar(self.response_format, "response_format"),
         }

@@ -21,12 +21,10 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlxkv.server.errors import ApiError
-from mlxkv.server.openai_api.protocol import Lenient, tool_arguments
+from mlxkv.server.openai_api.protocol import Lenient, mlx_seed, tool_arguments
 from mlxkv.server.structured import openai_grammar
 
 logger = logging.getLogger(__name__)
-
-_SEED_BITS = 2**64
 
 
 class InputPart(Lenient):
@@ -109,7 +107,7 @@ class ResponsesRequest(Lenient):
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
-            "seed": None if self.seed is None else self.seed % _SEED_BITS,
+            "seed": mlx_seed(self.seed),
             "grammar": openai_grammar(self.text.format if self.text else None, "text.format"),
         }
         return {key: value for key, value in chosen.items() if value is not None}
@@ -121,6 +119,7 @@ def chat_messages(
     """Chat-template messages for `instructions` and `items` (`start`: the index of the first
     item in the request, for errors)."""
     out: list[dict[str, Any]] = []
+    dropped: set[str] = set()
     if instructions:
         out.append({"role": "system", "content": instructions})
     for index, item in enumerate(items, start=start):
@@ -152,7 +151,8 @@ def chat_messages(
             content = _text(item.output, where)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
         else:
-            _note_dropped("input item", item.type)
+            dropped.add(item.type)
+    _note_dropped("input items", dropped)
     return out
 
 
@@ -173,14 +173,15 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text")
 
 
 def _functions(tools: list[ResponseTool]) -> list[ResponseTool]:
-    out = []
+    out, dropped = [], set()
     for tool in tools:
         if tool.type == "function" and tool.name:
             out.append(tool)
         elif tool.type == "namespace" and tool.tools:
-            out += _functions(tool.tools)
+            out += [t for t in tool.tools if t.type == "function" and t.name]
         else:
-            _note_dropped("tool", tool.type)
+            dropped.add(tool.type)
+    _note_dropped("tools", dropped)
     return out
 
 
@@ -192,6 +193,16 @@ def _template_tool(tool: ResponseTool) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-@functools.cache  # once per kind and process
-def _note_dropped(what: str, kind: str) -> None:
-    logger.info("responses: %s of type %r dropped (not something a local model runs)", what, kind)
+def _note_dropped(what: str, kinds: set[str]) -> None:
+    """One line per request at most, and only for a combination not seen lately (Codex sends
+    the same hosted tools every turn; a client inventing kinds cannot flood the log)."""
+    if kinds:
+        _log_dropped(what, tuple(sorted(kinds)[:5]), len(kinds))
+
+
+@functools.lru_cache(maxsize=64)
+def _log_dropped(what: str, kinds: tuple[str, ...], count: int) -> None:
+    more = f" and {count - len(kinds)} more" if count > len(kinds) else ""
+    shown = ", ".join(repr(kind[:40]) for kind in kinds)
+    logger.info("responses: %s of type %s%s dropped (not something a local model runs)",
+                what, shown, more)  # fmt: skip

@@ -4,8 +4,9 @@ Codex CLI (`wire_api = "responses"`).
 Owns the translation between a Responses body and a `Turn`, and the events: response.created,
 response.in_progress, response.output_item.added/done, response.content_part.added/done,
 response.output_text.delta/done, response.function_call_arguments.delta/done, then
-response.completed (or response.failed). `usage.input_tokens_details.cached_tokens` is what
-the prompt cache supplied.
+response.completed (response.incomplete when max_output_tokens cut the reply;
+response.failed). `usage.input_tokens_details.cached_tokens` is what the prompt cache
+supplied.
 """
 
 from __future__ import annotations
@@ -154,7 +155,12 @@ async def _response_events(turn: Turn, response: _Response, remember) -> AsyncIt
                     yield line
                 output.append(text_item)
             remember(output)
-            yield response.event("response.completed", response=response.body(output, event))
+            final = response.body(output, event)
+            # OpenAI ends a reply cut by max_output_tokens with response.incomplete
+            kind = (
+                "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+            )
+            yield response.event(kind, response=final)
 
 
 def _open_message(response: _Response, item: dict[str, Any], index: int) -> list[str]:

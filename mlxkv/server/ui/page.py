@@ -51,6 +51,9 @@ async def chat_page() -> FileResponse:
 async def cache_report(ctx: Context) -> dict[str, Any]:
     runner = ctx.worker.runner
     report = dataclasses.asdict(runner.cache_info())
+    # Entries of a cache_salt are another tenant's: their sizes and labels are not listed
+    # (the totals still count them).
+    report["entries"] = [e for e in report["entries"] if not e.pop("isolated")]
     return {**report, "model": ctx.model_name, "max_context": runner.max_context}
 
 
