@@ -56,22 +56,20 @@ def _post(url: str, body: bytes, timeout_s: float = 120) -> urllib.request.Reque
     return urllib.request.urlopen(request, timeout=timeout_s)
 
 
-def normal(load: Load) -> None:
-    body = json.dumps({"messages": QUESTION, "max_tokens": 16, "stream": True}).encode()
+def _client(load: Load, kind: str, attempt, pause_s: float = 0.0) -> None:
+    """Repeats `attempt()` (-> outcome, seconds to the first text or None) until the deadline,
+    noting each outcome; on 429 it waits as long as Retry-After says, as real clients do."""
     while load.running():
-        start = time.perf_counter()
         try:
-            with _post(load.url, body) as response:
-                first = None
-                for line in response:
-                    if first is None and _has_text(line):
-                        first = time.perf_counter() - start
-                load.note("normal", "ok", first)
+            outcome, ttft = attempt()
+            load.note(kind, outcome, ttft)
         except urllib.error.HTTPError as error:
-            load.note("normal", f"HTTP {error.code}")
-            _back_off(error)
+            load.note(kind, f"HTTP {error.code}")
+            if error.code == 429:
+                time.sleep(float(error.headers.get("Retry-After", "1")))
         except OSError as error:
-            load.note("normal", type(error).__name__)
+            load.note(kind, type(error).__name__)
+        time.sleep(pause_s)
 
 
 def _has_text(line: bytes) -> bool:
@@ -82,67 +80,60 @@ def _has_text(line: bytes) -> bool:
     return bool(choices[0].get("delta", {}).get("content"))
 
 
-def _back_off(error: urllib.error.HTTPError) -> None:
-    """What real clients do on 429: wait as long as Retry-After says."""
-    if error.code == 429:
-        time.sleep(float(error.headers.get("Retry-After", "1")))
+def _stream_body(max_tokens: int) -> bytes:
+    return json.dumps({"messages": QUESTION, "max_tokens": max_tokens, "stream": True}).encode()
+
+
+def normal(load: Load) -> None:
+    def attempt():
+        start, first = time.perf_counter(), None
+        with _post(load.url, _stream_body(16)) as response:
+            for line in response:
+                if first is None and _has_text(line):
+                    first = time.perf_counter() - start
+        return "ok", first
+
+    _client(load, "normal", attempt)
 
 
 def slow_reader(load: Load) -> None:
-    body = json.dumps({"messages": QUESTION, "max_tokens": 512, "stream": True}).encode()
-    while load.running():
-        try:
-            response = _post(load.url, body)
-            while load.running():  # holds the connection, reads nothing
-                time.sleep(0.5)
-            response.close()
-            load.note("slow reader", "held to the end")
-        except urllib.error.HTTPError as error:
-            load.note("slow reader", f"HTTP {error.code}")
-            _back_off(error)
-        except OSError as error:
-            load.note("slow reader", type(error).__name__)
+    def attempt():
+        response = _post(load.url, _stream_body(512))
+        while load.running():  # holds the connection, reads nothing
+            time.sleep(0.5)
+        response.close()
+        return "held to the end", None
+
+    _client(load, "slow reader", attempt)
 
 
 def disconnector(load: Load) -> None:
-    body = json.dumps({"messages": QUESTION, "max_tokens": 256, "stream": True}).encode()
-    while load.running():
-        try:
-            with _post(load.url, body) as response:
-                for line in response:  # leaves mid-answer, at its first text
-                    if _has_text(line):
-                        break
-            load.note("disconnector", "left at the first text")
-        except urllib.error.HTTPError as error:
-            load.note("disconnector", f"HTTP {error.code}")
-            _back_off(error)
-        except OSError as error:
-            load.note("disconnector", type(error).__name__)
+    def attempt():
+        with _post(load.url, _stream_body(256)) as response:
+            for line in response:  # leaves mid-answer, at its first text
+                if _has_text(line):
+                    break
+        return "left at the first text", None
+
+    _client(load, "disconnector", attempt)
 
 
 def oversized(load: Load) -> None:
     big = json.dumps({"messages": [{"role": "user", "content": "x" * (2 * MAX_BODY_BYTES)}]})
-    while load.running():
-        try:
-            _post(load.url, big.encode()).close()
-            load.note("oversized", "accepted (wrong)")
-        except urllib.error.HTTPError as error:
-            load.note("oversized", f"HTTP {error.code}")
-        except OSError as error:
-            load.note("oversized", type(error).__name__)
-        time.sleep(0.2)
+
+    def attempt():
+        _post(load.url, big.encode()).close()
+        return "accepted (wrong)", None
+
+    _client(load, "oversized", attempt, pause_s=0.2)
 
 
 def malformed(load: Load) -> None:
-    while load.running():
-        try:
-            _post(load.url, b'{"messages": [').close()
-            load.note("malformed", "accepted (wrong)")
-        except urllib.error.HTTPError as error:
-            load.note("malformed", f"HTTP {error.code}")
-        except OSError as error:
-            load.note("malformed", type(error).__name__)
-        time.sleep(0.2)
+    def attempt():
+        _post(load.url, b'{"messages": [').close()
+        return "accepted (wrong)", None
+
+    _client(load, "malformed", attempt, pause_s=0.2)
 
 
 def idle_sockets(load: Load, count: int) -> None:

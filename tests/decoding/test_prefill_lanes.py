@@ -79,7 +79,7 @@ def test_a_chunk_over_two_lanes_gives_the_logits_of_one_lane(
         want = reference.forward(model, [*prompt, *fed, probe])[0, -1]
     else:
         want = model(mx.array([*prompt, *fed, probe])[None])[0, -1]
-    assert_logits_close(got, want)
+    assert_logits_close(got, want, kv_bits=kv_bits)
 
 
 def test_short_chunks_and_one_lane_are_fed_whole(load_tiny, parts_fed):

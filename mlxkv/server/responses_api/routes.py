@@ -48,7 +48,9 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
         request,
         system + conversation,
         tools=body.template_tools(),
-        sampling=body.sampling(ctx.default_max_tokens),
+        # No max_output_tokens means no limit but the window, as OpenAI reads it: Codex sends
+        # none and takes a reply cut short (response.incomplete) as a failed turn.
+        sampling=body.sampling(ctx.worker.runner.max_context),
         cache_key=body.prompt_cache_key,
         max_tokens_asked=body.max_output_tokens is not None,
         cache_salt=body.cache_salt,
