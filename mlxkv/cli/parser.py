@@ -132,11 +132,22 @@ def _port(text: str) -> int:
     return port
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Adds an option's default to its help, unless the help already says it or there is
+    none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, [], False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _DefaultsParser(argparse.ArgumentParser):
     """Every command's --help shows each option's default."""
 
     def __init__(self, **kwargs):
-        super().__init__(formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+        super().__init__(formatter_class=_HelpWithDefaults, **kwargs)
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
+from mlxkv.server.ollama_api.protocol import ChatRequest
 from tests.server.conftest import serve
 
 QUESTION = [{"role": "user", "content": "Once upon a time there was"}]
@@ -92,3 +93,12 @@ def test_errors_in_ollamas_shape(client, call, status, mentions):
     with pytest.raises(ollama.ResponseError) as raised:
         call(client)
     assert raised.value.status_code == status and mentions in raised.value.error
+
+
+@pytest.mark.parametrize(("num_predict", "max_tokens", "asked"), [
+    (None, 1024, False), (-1, 4096, False), (-2, 4096, False), (7, 7, True),
+], ids=["unset", "no-limit", "fill-context", "set"])  # fmt: skip
+def test_num_predict_maps_onto_max_tokens(num_predict, max_tokens, asked):
+    body = ChatRequest(model="m", messages=[], options={"num_predict": num_predict})
+    sampling, was_asked = body.sampling(default_max_tokens=1024, window=4096)
+    assert (sampling["max_tokens"], was_asked) == (max_tokens, asked)

@@ -45,8 +45,10 @@ def test_streamed_events_build_the_same_response(scripted_server):
     client = scripted_server.openai()
     kwargs = {"model": "m", "instructions": INSTRUCTIONS, "input": "Weather?", "tools": [WEATHER]}
     with client.responses.stream(**kwargs) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         streamed = stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed"
     assert "response.output_text.delta" in kinds

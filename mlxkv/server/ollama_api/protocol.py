@@ -61,12 +61,14 @@ class GenerationRequest(Lenient):
     keep_alive: str | int | float | None = None
     format: str | dict[str, Any] | None = None
 
-    def sampling(self, default_max_tokens: int) -> tuple[dict[str, Any], bool]:
-        """Runner sampling arguments, and whether the client set a token limit."""
+    def sampling(self, default_max_tokens: int, window: int) -> tuple[dict[str, Any], bool]:
+        """Runner sampling arguments, and whether the client set a token limit. num_predict
+        -1 (no limit) and -2 (fill the context) both generate until the window is full."""
         options = self.options or Options()
         limit = options.num_predict if options.num_predict and options.num_predict > 0 else None
+        unlimited = options.num_predict in (-1, -2)
         chosen = {
-            "max_tokens": limit or default_max_tokens,
+            "max_tokens": limit or (window if unlimited else default_max_tokens),
             "temperature": options.temperature,
             "top_p": options.top_p,
             "top_k": options.top_k,

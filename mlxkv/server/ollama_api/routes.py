@@ -93,7 +93,7 @@ async def embed() -> None:
 
 @router.post("/chat")
 async def chat(body: ChatRequest, request: Request, ctx: Context):
-    sampling, asked = body.sampling(ctx.default_max_tokens)
+    sampling, asked = body.sampling(ctx.default_max_tokens, ctx.worker.runner.max_context)
     if not body.messages:  # Ollama's way to load a model: nothing to generate
         return _loaded(ctx, body.model, "message", {"role": "assistant", "content": ""})
     turn = await start_turn(
@@ -108,7 +108,7 @@ async def chat(body: ChatRequest, request: Request, ctx: Context):
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request, ctx: Context):
-    sampling, asked = body.sampling(ctx.default_max_tokens)
+    sampling, asked = body.sampling(ctx.default_max_tokens, ctx.worker.runner.max_context)
     if not body.prompt:  # loads the model
         return _loaded(ctx, body.model, "response", "")
     turn = await start_turn(

@@ -82,7 +82,7 @@ class _Response:
         self.created_at = int(time.time())
         self.model = model
         self.request = request
-        self._sequence = 0
+        self._sequence = -1  # OpenAI numbers a response's events from 0
 
     def body(
         self, output: list[dict[str, Any]], completion: Completion | None, status: str = ""
@@ -179,7 +179,7 @@ def _open_message(response: _Response, item: dict[str, Any], index: int) -> list
 
 
 def _close_message(response: _Response, item: dict[str, Any], index: int) -> list[str]:
-    item["status"] = "completed"
+    item["status"] = "completed"  # the item is whole, even when the response is incomplete
     text = item["content"][0]["text"]
     return [
         response.event(
