@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 # Seconds a connection may take to send a request's headers (from opening, or from the first
 # byte of a later request on a kept-alive connection).
 HEADER_TIMEOUT_S = 15.0
+# Connections still waiting for their headers, beyond which the oldest is closed when another
+# opens: idle sockets cannot fill the connection limit that requests need (256 of them made
+# every request a 503 until the header deadline passed, and an attacker can reconnect).
+MAX_WAITING_CONNECTIONS = 64
 KEEP_ALIVE_S = 5
 # Seconds the same kind of log line (uvicorn's, asyncio's) is shown once, then counted.
 LOG_REPEAT_WINDOW_S = 60.0
@@ -57,7 +62,8 @@ class Server(uvicorn.Server):
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers have not all
     arrived within `HEADER_TIMEOUT_S` (uvicorn's own keep-alive timeout only covers the wait
-    after a response)."""
+    after a response), and the oldest of those waiting when over `MAX_WAITING_CONNECTIONS`
+    wait at once."""
 
     _header_deadline: Any = None
 
@@ -76,17 +82,36 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def _waiting(self) -> OrderedDict[GuardedH11Protocol, None]:
+        """This server's connections waiting for headers, oldest first."""
+        state = self.server_state
+        if not hasattr(state, "mlxkv_waiting"):
+            state.mlxkv_waiting = OrderedDict()
+        return state.mlxkv_waiting
+
     def _arm(self) -> None:
         if self._header_deadline is None:
             self._header_deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._too_slow)
+            waiting = self._waiting()
+            waiting[self] = None
+            while len(waiting) > MAX_WAITING_CONNECTIONS:
+                oldest = next(iter(waiting))
+                logger.warning(
+                    "closed a connection waiting for its headers: over %d waited at once",
+                    MAX_WAITING_CONNECTIONS,
+                )
+                oldest._disarm()
+                oldest.transport.close()
 
     def _disarm(self) -> None:
         if self._header_deadline is not None:
             self._header_deadline.cancel()
             self._header_deadline = None
+            self._waiting().pop(self, None)
 
     def _too_slow(self) -> None:
         self._header_deadline = None
+        self._waiting().pop(self, None)
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             logger.warning(
                 "closed a connection whose request headers did not arrive within %.0f s",
@@ -120,14 +145,14 @@ class OncePerKind(logging.Filter):
 
 def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> uvicorn.Config:
     """uvicorn's settings for `app`: the guarded protocol, `config.max_connections` open at
-    once (more get 503), a short keep-alive, and repeated lines of uvicorn's and asyncio's
-    logs shown once per kind."""
+    once besides those still waiting for their headers (more get 503), a short keep-alive,
+    and repeated lines of uvicorn's and asyncio's logs shown once per kind."""
     once = OncePerKind()
     for name in ("uvicorn.error", "asyncio", __name__):
         logging.getLogger(name).addFilter(once)
     settings: dict[str, Any] = {
         "http": GuardedH11Protocol,
-        "limit_concurrency": config.max_connections,
+        "limit_concurrency": config.max_connections + MAX_WAITING_CONNECTIONS,
         "timeout_keep_alive": KEEP_ALIVE_S,
         "log_level": "warning",
         "access_log": False,

@@ -163,12 +163,33 @@ def test_a_body_that_does_not_arrive_is_408(loaded_tiny, monkeypatch):
         assert slow.recv(1024).startswith(b"HTTP/1.1 408 ")
 
 
-def test_connections_over_the_limit_get_503(loaded_tiny):
+def test_idle_sockets_cannot_fill_the_connection_limit(loaded_tiny, monkeypatch):
+    """256 sockets that sent nothing made every request a 503 until the header deadline; now
+    the oldest waiting one is closed when too many wait."""
+    monkeypatch.setattr(connections, "MAX_WAITING_CONNECTIONS", 2)
     with (
         serve(Runner(loaded_tiny("llama")), max_connections=2) as served,
         contextlib.ExitStack() as held,
     ):
-        for _ in range(2):
-            held.enter_context(socket.create_connection((served.host, served.port)))
+        idle = [
+            held.enter_context(socket.create_connection((served.host, served.port), timeout=30))
+            for _ in range(6)
+        ]
+        assert served.request("GET", "/health")[0] == 200
+        assert all(sock.recv(1) == b"" for sock in idle[:4])  # the oldest, closed
+
+
+def test_connections_over_the_limit_get_503(loaded_tiny, monkeypatch):
+    monkeypatch.setattr(connections, "MAX_WAITING_CONNECTIONS", 1)
+    with (
+        serve(Runner(loaded_tiny("llama")), max_connections=2) as served,
+        contextlib.ExitStack() as held,
+    ):
+        for _ in range(2):  # kept alive after their request: counted as open connections
+            kept = http.client.HTTPConnection(served.host, served.port, timeout=30)
+            held.callback(kept.close)
+            kept.request("GET", "/health")
+            kept.getresponse().read()
+        held.enter_context(socket.create_connection((served.host, served.port)))  # waiting
         status, _ = served.request("GET", "/health")
     assert status == 503
