@@ -95,7 +95,8 @@ class GenerationStream:
         try:
             for chunk in self._chunks:
                 completion = chunk.completion or completion
-                if completion is not None and self._closing.is_set():
+                cut = completion is not None and completion.finish_reason == "cancelled"
+                if cut and self._closing.is_set():  # a reply that ended by itself still ends
                     raise ApiError(503, "the server is shutting down; this reply was cut short")
                 self._deliver(chunk)
                 if self._stalled():
