@@ -138,7 +138,10 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, [], False, argparse.SUPPRESS):
+        default = action.default
+        # identity, not equality: a default of 0 or 0.0 is shown, a flag's False is not
+        unset = default is None or default is False or default is argparse.SUPPRESS
+        if "default" in text or unset or default == []:
             return text
         return f"{text} (default: %(default)s)"
 
