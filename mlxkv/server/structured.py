@@ -21,10 +21,8 @@ def openai_grammar(response_format: dict[str, Any] | None, param: str) -> str | 
     if kind == "json_object":
         return json_schema_grammar(JSON_OBJECT_SCHEMA)
     if kind == "json_schema":
-        nested = response_format.get("json_schema")
-        schema = (
-            (nested or {}).get("schema") if nested is not None else response_format.get("schema")
-        )
+        nested = response_format.get("json_schema")  # chat's form; Responses' is flat
+        schema = nested.get("schema") if isinstance(nested, dict) else response_format.get("schema")
         return json_schema_grammar(_schema(schema, param))
     raise ApiError(
         400, f"{param}.type {kind!r} is not one of text, json_object, json_schema", param=param

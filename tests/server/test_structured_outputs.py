@@ -91,3 +91,16 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_it(served):
             model="m", max_tokens=5, messages=ASK,
             extra_body={"output_config": {"format": {"type": "xml"}}},
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [{"type": "json_schema", "json_schema": "w"}, {"type": "json_schema"}, {"type": "xml"}],
+    ids=["schema-not-an-object", "no-schema", "unknown-type"],
+)
+def test_malformed_response_formats_are_400s(served, response_format):
+    status, body = served.post(
+        "/v1/chat/completions",
+        {"messages": ASK, "max_tokens": 3, "response_format": response_format},
+    )
+    assert status == 400 and "response_format" in body["error"]["message"]
