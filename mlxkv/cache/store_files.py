@@ -17,6 +17,7 @@ import os
 import re
 import stat
 import struct
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -35,6 +36,8 @@ TEMPORARY_NAME = re.compile(r"\.tmp-(\d+)-[0-9a-f]{32}\.safetensors")
 _CRC_FIELD = b'"crc32":"'
 CRC_PLACEHOLDER = "00000000"
 _CHUNK_BYTES = 16 * 2**20
+# Seconds without a write after which a temporary file whose process is gone is removed.
+ORPHAN_AGE_S = 3600.0
 
 
 class BadFile(Exception):
@@ -176,14 +179,16 @@ def touch(path: Path) -> None:
 
 
 def remove_if_orphaned(path: Path) -> None:
-    """Removes a temporary file whose writing process is gone (`.tmp-<pid>-...`); one whose
-    process still runs (another server sharing the directory) is being written."""
+    """Removes a temporary file whose writing process is gone (`.tmp-<pid>-...`) and that
+    nothing has written for `ORPHAN_AGE_S`. The age matters: a server in another container
+    sharing the directory has its own process ids, so its live writer looks gone from here."""
     try:
-        pid = int(path.name.split("-")[1])
-        os.kill(pid, 0)
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode) or time.time() - info.st_mtime < ORPHAN_AGE_S:
+            return
+        os.kill(int(path.name.split("-")[1]), 0)
     except ProcessLookupError:
         with contextlib.suppress(OSError):
-            if stat.S_ISREG(path.lstat().st_mode):
-                path.unlink()
+            path.unlink()
     except (ValueError, IndexError, OSError):
         pass

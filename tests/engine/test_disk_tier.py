@@ -8,11 +8,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from mlxkv.cache import store as store_module
+from mlxkv.cache import store_files
 
 SYSTEM = "You are a helpful assistant. Answer briefly and name one river and one museum."
 
@@ -156,9 +158,14 @@ def test_keyboard_interrupt_during_a_write_leaves_no_file_that_loads(
     directory = runner._pool.store.directory
     leftover = directory / f".tmp-{int(dead.stdout)}-{'ab' * 16}{store_module.SUFFIX}"
     leftover.write_bytes(b"half a file")
+    young = directory / f".tmp-{int(dead.stdout)}-{'cd' * 16}{store_module.SUFFIX}"
+    young.write_bytes(b"being written, maybe by another container whose pids differ")
+    old = time.time() - store_files.ORPHAN_AGE_S - 60
+    os.utime(leftover, (old, old))
     restarted = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
     out = restarted.generate(messages + [{"role": "user", "content": "Why?"}], max_tokens=3)
-    assert out.cached_tokens == 0 and not leftover.exists()
+    assert out.cached_tokens == 0 and not leftover.exists() and young.exists()
+    young.unlink()
     runner.close()  # the interrupted write, done again, works
     assert len(_files(tmp_path)) == 1
 
