@@ -44,6 +44,10 @@ SERVER_MEMORY_FRACTION = 0.25
 # Where no context window is given: the window's K/V may take this share of memory when no
 # cache budget says otherwise.
 CONTEXT_MEMORY_FRACTION = 0.5
+# Where no max_batch is given: as many rows as fit, each a whole window of K/V, in this share
+# of memory, and at most DEFAULT_MAX_BATCH (decoding gains little past that on a laptop).
+BATCH_MEMORY_FRACTION = 0.25
+DEFAULT_MAX_BATCH = 8
 
 SPECULATIVE_MODES = ("auto", "ngram", "draft", None)
 
@@ -160,6 +164,9 @@ class RunnerConfig(_Options):
             "draft", or None / "off" (plain decoding).
         warmup: run a few small forward passes when the Runner is made, so MLX compiles its
             kernels then (seconds on a GPU) rather than during the first request.
+        max_batch: most batched streams (`stream(batched=True)`, the server's) decoding
+            together; more wait for a place. None: as many whole windows of K/V as fit in a
+            quarter of memory, at most 8. 1 runs them one at a time.
     """
 
     max_context: int | None = None
@@ -175,6 +182,7 @@ class RunnerConfig(_Options):
     draft_model: str | Path | None = None
     speculative: str | None = "auto"
     warmup: bool = True
+    max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_context is not None:
@@ -189,6 +197,8 @@ class RunnerConfig(_Options):
         if self.prefill_lanes is not None:
             check_int("prefill_lanes", self.prefill_lanes, low=1)
         check_int("cache_entries", self.cache_entries, low=1)
+        if self.max_batch is not None:
+            check_int("max_batch", self.max_batch, low=1)
         if self.cache_bytes is not None:
             self._set("cache_bytes", parse_bytes(self.cache_bytes, "cache_bytes"))
         self._set("cache_dir_bytes", parse_bytes(self.cache_dir_bytes, "cache_dir_bytes"))

@@ -47,21 +47,24 @@ def checked_runners(request, monkeypatch):
     if request.node.get_closest_marker("unchecked_entries"):
         return
     from mlxkv.cache.model_cache import ModelCache
-    from mlxkv.cache.pool import CachePool
     from mlxkv.engine.runner import Runner
-    from tests.invariants import assert_entry_holds_what_it_fed, recording
+    from tests.invariants import Fed, assert_entry_holds_what_it_fed, recording
 
-    run, end, fetch = Runner._run, Runner._end_request, CachePool.fetch_nearest
+    run, end = Runner._run, Runner._end_request
 
-    def noting_fetch(self, *args, **kwargs):
-        self.fetched = True  # this request chose an entry (one cancelled first touches none)
-        return fetch(self, *args, **kwargs)
+    def recording_run(self, request, on_entry, *args):
+        fed = Fed(list(request.tokens))
 
-    def checked_end(self):
-        end(self)
-        fed, self._fed = getattr(self, "_fed", None), None
-        touched, self._pool.fetched = getattr(self._pool, "fetched", False), False
-        assert_entry_holds_what_it_fed(self, fed if touched else None)
+        def noting_entry(entry):
+            entry.fed_in_test = fed  # the request chose it (one cancelled first touches none)
+            on_entry(entry)
+
+        return recording(run(self, request, noting_entry, *args), fed)
+
+    def checked_end(self, entry):
+        end(self, entry)
+        if entry is not None:
+            assert_entry_holds_what_it_fed(self, entry, entry.__dict__.pop("fed_in_test", None))
 
     shift = ModelCache.shift
 
@@ -70,9 +73,8 @@ def checked_runners(request, monkeypatch):
         return shift(self, *args, **kwargs)
 
     monkeypatch.setattr(ModelCache, "shift", noting_shift)
-    monkeypatch.setattr(Runner, "_run", lambda self, req: recording(run, self, req))
+    monkeypatch.setattr(Runner, "_run", recording_run)
     monkeypatch.setattr(Runner, "_end_request", checked_end)
-    monkeypatch.setattr(CachePool, "fetch_nearest", noting_fetch)
 
 
 @pytest.fixture(autouse=True)

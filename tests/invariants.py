@@ -30,10 +30,9 @@ class Fed:
     generated: list[int] = field(default_factory=list)
 
 
-def assert_entry_holds_what_it_fed(runner, fed: Fed | None) -> None:
-    """Checks the entry of the runner's last request (call inside the Runner's lock)."""
-    entry = runner._pool.current
-    if entry is None or entry.cache.num_tokens == 0:
+def assert_entry_holds_what_it_fed(runner, entry, fed: Fed | None) -> None:
+    """Checks the entry a request of the runner ended with (call on the engine thread)."""
+    if entry.cache.num_tokens == 0:
         return
     tokens = entry.cache.tokens
     if fed is not None and _no_shift_possible(runner, fed):
@@ -64,10 +63,12 @@ def _assert_same_as_fresh_prefill(runner, cache, tokens: list[int]) -> None:
     assert_logits_close(got, want, "the entry's K/V against a fresh prefill of its token ids")
 
 
-def recording(run, runner, request) -> Iterator:
-    """Wraps `Runner._run`: notes the request's prompt and each token it streams."""
-    runner._fed = Fed(list(request.tokens))
-    for chunk in run(runner, request):
-        if chunk.token is not None:
-            runner._fed.generated.append(chunk.token)
-        yield chunk
+def recording(chunks: Iterator, fed: Fed) -> Iterator:
+    """Wraps the chunks of `Runner._run`, noting in `fed` each token the request streams."""
+    try:
+        for chunk in chunks:
+            if chunk is not None and chunk.token is not None:
+                fed.generated.append(chunk.token)
+            yield chunk
+    finally:
+        chunks.close()

@@ -27,10 +27,16 @@ never held twice by entries that extend each other, and lookups compare T with e
   - a disk file serving a longer prefix than any entry is loaded when reading it is expected
     to be faster than prefilling the difference (both rates measured as they run).
 
+Requests may run interleaved (decoded in one batch): each holds its entry from `fetch_nearest`
+to `release`. An entry in use is never trimmed, extended or evicted by another request; one
+that shares a prefix with it gets a copy of that prefix. An entry's recorded `tokens` stay a
+prefix of what its cache holds while it is in use, so such a copy is always exact.
+
 Invariants:
   - `fetch_nearest` returns at least one token still to feed;
   - after `release`, at most `max_entries` entries, and the bytes they hold (K/V allocated,
-    checkpoints; plus entries still being written to disk) are at most `max_bytes`.
+    checkpoints; plus entries still being written to disk and `working_bytes`) are at most
+    `max_bytes`, unless entries in use alone are over (they cannot be evicted).
 """
 
 from __future__ import annotations
@@ -110,8 +116,11 @@ class CachePool:
         self.max_bytes = max_bytes
         self.store = store
         self._entries: list[CacheEntry] = []
-        self.current: CacheEntry | None = None  # the entry of the running or last request
+        self._in_use: set[CacheEntry] = set()  # entries of requests running now
+        self.current: CacheEntry | None = None  # the entry of the latest request
         self.prefill_tokens_per_s: float | None = None  # set by the runner as it measures
+        # Bytes held for running requests outside the entries (a decode batch's K/V).
+        self.working_bytes: Callable[[], int] = lambda: 0
 
     @property
     def entries(self) -> list[CacheEntry]:
@@ -129,6 +138,8 @@ class CachePool:
                 template's generation prompt); None for the prompt's end.
             salt: the isolation domain (`salt_digest`); only its entries and files match.
 
+        The entry is in use until `release(entry)`: other requests meanwhile copy from it.
+
         Raises:
             ValueError: tokens is empty.
         """
@@ -142,6 +153,10 @@ class CachePool:
         how = "extended in place"
         if reuse == 0:
             entry, how = self._add(self._make_entry()), "new entry"
+        elif entry in self._in_use:  # another request is generating into it
+            shared = entry
+            entry = self._add(shared.cache.copy_prefix(reuse), keep=shared)
+            how = "copied prefix of an entry in use"
         elif reuse < entry.cache.num_tokens:
             # one entry and nowhere to keep the other conversation: trim (today's behaviour)
             alone = self.max_entries == 1 and self.store is None
@@ -166,9 +181,11 @@ class CachePool:
         else:
             logger.info("prefix cache miss total=%d left=%d", len(tokens), len(tokens))
         entry.salt = salt
+        entry.tokens = query[:reuse].copy()  # held, in order, for requests meanwhile
         entry.reply_start = min(len(tokens) if reply_start is None else reply_start, limit)
         entry.last_used = time.time()
         self.current = entry
+        self._in_use.add(entry)
         return PrefixHit(entry.cache, reuse, list(tokens[reuse:]))
 
     def _nearest_in_memory(
@@ -180,7 +197,7 @@ class CachePool:
                 continue
             common = min(common_prefix_length(entry.tokens, query), limit)
             reuse = common
-            if 0 < reuse < entry.num_tokens:
+            if 0 < reuse < entry.cache.num_tokens:
                 reuse = entry.cache.nearest_restorable(reuse)
             # the longest reuse; then one that needs no trim or copy; then the most recent
             key = (reuse, reuse == entry.num_tokens, entry.last_used)
@@ -224,11 +241,13 @@ class CachePool:
         self._entries.append(entry)
         return entry
 
-    def release(self) -> None:
-        """Ends a request: records what the current entry holds, then evicts to the budget.
-        The current entry is evicted last (and only when it alone is over the budget)."""
-        entry = self.current
+    def release(self, entry: CacheEntry | None = None) -> None:
+        """Ends a request on `entry` (None: the current one): records what it holds, then
+        evicts to the budget. The entry is evicted last (and only when it alone is over the
+        budget); entries still in use are not evicted."""
+        entry = self.current if entry is None else entry
         if entry is not None:
+            self._in_use.discard(entry)
             entry.tokens = np.asarray(entry.cache.tokens, dtype=np.uint32)
             if entry.num_tokens == 0 and entry in self._entries:
                 self._entries.remove(entry)
@@ -253,12 +272,12 @@ class CachePool:
         while True:
             over_count = max_entries is not None and len(self._entries) > max_entries
             over_bytes = max_bytes is not None and self.nbytes > max_bytes
-            candidates = [e for e in self._entries if e is not keep]
+            candidates = [e for e in self._entries if e is not keep and e not in self._in_use]
             if not (over_count or over_bytes) or not candidates:
                 return evicted
             victim = min(candidates, key=lambda e: (not self._superseded(e), e.last_used))
             if victim is self.current and len(candidates) == 1 and not over_count:
-                return evicted + self._fit(victim, max_bytes)
+                return evicted + self._fit(victim, max(0, max_bytes - self._in_use_bytes()))
             self._drop(victim)
             evicted += 1
 
@@ -271,6 +290,10 @@ class CachePool:
         )
         if write and self.store is not None:
             self.store.write(entry.cache, salt=entry.salt)
+
+    def _in_use_bytes(self) -> int:
+        """Bytes only the requests running now can give back (their entries, the batch)."""
+        return _held_bytes(list(self._in_use)) + self.working_bytes()
 
     def _fit(self, entry: CacheEntry, max_bytes: int) -> int:
         """The last entry left, `entry`, within `max_bytes`: as it is when only writes in
@@ -336,7 +359,7 @@ class CachePool:
     def nbytes(self) -> int:
         """Bytes the entries hold: K/V allocated and checkpoints (each shared snapshot once),
         plus entries handed to the disk tier and not yet written."""
-        held = _held_bytes(list(self._entries))
+        held = _held_bytes(list(self._entries)) + self.working_bytes()
         return held + (self.store.pending_bytes if self.store is not None else 0)
 
     def persist(self, timeout_s: float | None = None) -> None:
@@ -347,6 +370,8 @@ class CachePool:
             return
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         entries = sorted(self._entries, key=lambda e: e.last_used, reverse=True)
+        for entry in self._in_use:  # the writer thread may read nothing lazy
+            entry.cache.materialize()
         for written, entry in enumerate(entries):
             if deadline is not None and time.monotonic() > deadline:
                 logger.warning(
@@ -360,7 +385,8 @@ class CachePool:
         self.store.flush()
 
     def clear(self) -> None:
-        """Drops every entry and its memory (the disk tier keeps its files)."""
+        """Drops every entry and its memory (the disk tier keeps its files); entries in use
+        stay with their requests and are dropped when released."""
         self._entries.clear()
         self.current = None
 

@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="most requests running or waiting; more are answered 429",
     )
+    serve.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most requests decoding together in one batch (default: as many whole context "
+        "windows as fit in a quarter of memory, at most 8; 1: one at a time)",
+    )
     serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
     _add_warmup_option(serve)
     _add_speculative_options(serve)

@@ -1,14 +1,16 @@
 """Feeding prompt tokens into a ModelCache in chunks.
 
 Owns `PrefillPlan` (chunk size and lanes for the device), `fill` (tokens into the cache, no
-logits) and `prefill` (the same, then the last token's logits). On MLX's CPU backend each
-chunk is spread over the cores (`lanes`). Does not own which tokens to feed
+logits) and `prefill` (the same, then the last token's logits), each also as a generator that
+pauses after every chunk (`fill_steps`, `prefill_steps`: a request interleaved with others
+lets them run between its chunks). On MLX's CPU backend each chunk is spread over the cores
+(`lanes`). Does not own which tokens to feed
 (`mlxkv.engine.prompt_fill`) or the cache's bookkeeping (`ModelCache`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -79,6 +81,19 @@ def fill(
     Args:
         progress: called as progress(done, len(tokens)) in tokens after each chunk.
     """
+    for _ in fill_steps(model, cache, tokens, plan, progress=progress):
+        pass
+
+
+def fill_steps(
+    model: nn.Module,
+    cache: ModelCache,
+    tokens: Sequence[int],
+    plan: PrefillPlan,
+    *,
+    progress: ProgressCallback | None = None,
+) -> Generator[None, None, None]:
+    """`fill`, pausing (yielding None) after each chunk; closing it stops after the chunk fed."""
     total = len(tokens)
     for start in range(0, total, plan.step_tokens):
         end = min(start + plan.step_tokens, total)
@@ -87,6 +102,7 @@ def fill(
             progress(end, total)
         if mx.get_cache_memory() > plan.kept_buffers_bytes:
             mx.clear_cache()
+        yield
 
 
 def prefill(
@@ -107,9 +123,26 @@ def prefill(
     Returns:
         Logits of the last token, shape (1, vocab), lazy.
     """
+    steps = prefill_steps(model, cache, tokens, plan, progress=progress)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+def prefill_steps(
+    model: nn.Module,
+    cache: ModelCache,
+    tokens: Sequence[int],
+    plan: PrefillPlan,
+    *,
+    progress: ProgressCallback | None = None,
+) -> Generator[None, None, mx.array]:
+    """`prefill`, pausing (yielding None) after each chunk; returns the logits."""
     total = len(tokens)
     body_progress = (lambda done, _: progress(done, total)) if progress else None
-    fill(model, cache, tokens[:-1], plan, progress=body_progress)
+    yield from fill_steps(model, cache, tokens[:-1], plan, progress=body_progress)
     logits = cache.forward(model, tokens[-1:])[:, -1, :]
     if progress:
         progress(total, total)

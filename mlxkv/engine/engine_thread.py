@@ -10,7 +10,9 @@ long-lived thread; callers hand it work and read results back.
 
 Owns `EngineThread`: `call(fn)` (run fn there, return its result), `iterate(make)` (run a
 generator there, relaying its items to the caller one at a time, as if the caller iterated
-it), and the thread's lifetime: started on first use, ended when its owner is collected or
+it; the thread does nothing else until it ends), `interleave(make)` (the same, one job per
+item, so that several generators take turns: a decode batch's requests), and the thread's
+lifetime: started on first use, ended when its owner is collected or
 the interpreter exits, releasing its streams on itself. Does not own what the work is
 (`runner`).
 """
@@ -82,6 +84,14 @@ class EngineThread:
         relay = Relay()
         self._submit(lambda: relay.pump(make))
         return relay
+
+    def interleave(self, make: Callable[[], Iterator[T | None]]) -> Interleaved:
+        """The items of the generator `make()` returns, like `iterate`, except that each item
+        is computed by a job of its own: the jobs of other interleaved generators and calls
+        run between two items. The generator yields None to pause: its next part runs after
+        the jobs waiting then (a long prefill lets running requests decode between its
+        chunks); the caller never sees None."""
+        return Interleaved(self, make)
 
     def stop(self, wait: bool = True) -> None:
         """Ends the thread after the jobs already given (it starts again on the next job)."""
@@ -182,6 +192,61 @@ class Relay:
                 kind, item = self._answers.get()
                 if kind == "error":
                     logger.warning("closing a generation raised %r", item)
+
+
+class Interleaved:
+    """A generator advanced one item per engine job (see `EngineThread.interleave`), iterated
+    by one consumer thread."""
+
+    def __init__(self, engine: EngineThread, make: Callable[[], Iterator[Any]]):
+        self._engine = engine
+        self._make = make
+        self._generator: Iterator[Any] | None = None
+        self._answers: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+
+    def _advance(self) -> None:
+        """Engine side: one item (pauses are put back in the queue, unanswered)."""
+        try:
+            if self._generator is None:
+                self._generator = self._make()
+            item = next(self._generator)
+        except StopIteration:
+            self._answers.put(("end", None))
+        except BaseException as error:  # raised to the consumer
+            self._answers.put(("error", error))
+        else:
+            if item is None:
+                self._engine._submit(self._advance)
+            else:
+                self._answers.put(("item", item))
+
+    def _close(self) -> None:
+        if self._generator is not None:
+            self._generator.close()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Consumer side, between two items: runs `fn()` on the engine thread."""
+        return self._engine.call(fn)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Consumer side: the items."""
+        ended = False
+        try:
+            while True:
+                self._engine._submit(self._advance)
+                kind, item = self._answers.get()
+                if kind != "item":
+                    ended = True
+                    if kind == "error":
+                        raise item
+                    return
+                yield item
+        finally:
+            if not ended:  # left early: close the generator there and wait until it has
+                try:
+                    self._engine.call(self._close)
+                except Exception as error:
+                    logger.warning("closing a generation raised %r", error)
 
 
 def _outcome(fn: Callable[[], Any]) -> tuple[str, Any]:

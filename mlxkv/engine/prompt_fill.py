@@ -1,6 +1,7 @@
 """Feeding a request's uncached prompt tokens, with checkpoints where messages end.
 
-Owns `fill_prompt`: prefill in chunks, progress and cancel between chunks, and where layers
+Owns `fill_prompt`: prefill in chunks (a pause between chunks, where requests interleaved with
+this one run), progress and cancel between chunks, and where layers
 that cannot trim (recurrent, sliding window) are checkpointed: where the template's generation
 prompt starts (the next turn re-renders from there) and, when several entries are kept, where
 the system prompt ends (other conversations share it). Does not own the chunked model calls
@@ -9,11 +10,13 @@ the system prompt ends (other conversations share it). Does not own the chunked 
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.cache.prefix import PrefixHit
-from mlxkv.decoding.prefill import PrefillPlan, fill, prefill
+from mlxkv.decoding.prefill import PrefillPlan, fill_steps, prefill_steps
 from mlxkv.engine.request import Request
 from mlxkv.engine.results import CompletionStats
 
@@ -31,8 +34,9 @@ def fill_prompt(
     *,
     plan: PrefillPlan,
     checkpoint_keep: bool,
-) -> mx.array:
-    """Feeds `hit.remaining` into `hit.cache` and returns the last position's logits.
+) -> Generator[None, None, mx.array]:
+    """Feeds `hit.remaining` into `hit.cache` and returns the last position's logits; yields
+    None after each chunk (a pause: `yield from` it in a request's generator).
 
     Args:
         plan: how the tokens are fed (chunk size, CPU lanes).
@@ -52,10 +56,10 @@ def fill_prompt(
             raise PrefillCancelled
 
     for split in _checkpoint_points(request, hit, checkpoint_keep):
-        fill(model, cache, remaining[: split - offset], plan, progress=after_chunk)
+        yield from fill_steps(model, cache, remaining[: split - offset], plan, progress=after_chunk)
         cache.checkpoint()
         offset, remaining = split, remaining[split - offset :]
-    return prefill(model, cache, remaining, plan, progress=after_chunk)
+    return (yield from prefill_steps(model, cache, remaining, plan, progress=after_chunk))
 
 
 def _checkpoint_points(request: Request, hit: PrefixHit, checkpoint_keep: bool) -> list[int]:

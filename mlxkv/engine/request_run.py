@@ -1,20 +1,24 @@
 """One request's path through the model: prefix lookup, prefill of what the cache lacks,
-decoding (plain or speculative), and the text chunks the caller streams.
+decoding (plain, speculative or batched with other requests), and the text chunks the caller
+streams.
 
-Owns `run_request`. Does not own serializing requests, thread bookkeeping or the memory line
-(`runner`), nor the cache policy (`mlxkv.cache.pool`).
+Owns `run_request` and the choice of decoder. Does not own serializing or interleaving
+requests, thread bookkeeping or the memory line (`runner`), nor the cache policy
+(`mlxkv.cache.pool`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from mlxkv.cache.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.pool import CachePool
+from mlxkv.cache.pool import CacheEntry, CachePool
+from mlxkv.decoding.batch import DecodeBatch, batched_tokens
 from mlxkv.decoding.drafts import DraftLength, DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.picker import TokenPicker
@@ -29,6 +33,20 @@ from mlxkv.engine.text_chunks import emit_chunks
 from mlxkv.models.loading import LoadedModel
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How an interleaved request may decode with others.
+
+    Attributes:
+        batch: the rows decoding together.
+        crowded: True while other requests are running or waiting; a request that decodes
+            alone otherwise keeps speculative decoding (which does not batch).
+    """
+
+    batch: DecodeBatch
+    crowded: Callable[[], bool]
+
+
 def run_request(
     request: Request,
     loaded: LoadedModel,
@@ -38,14 +56,19 @@ def run_request(
     max_context: int,
     rotations: list[Rotation | None],
     plan: PrefillPlan,
-) -> Iterator[GenerationChunk]:
+    on_entry: Callable[[CacheEntry], None],
+    batching: Batching | None = None,
+) -> Iterator[GenerationChunk | None]:
     """Runs `request` on the pool's nearest entry, in place; yields its chunks, the last one
-    with the Completion. The caller holds the Runner's lock and ends the request.
+    with the Completion, and None between prefill chunks (a pause where interleaved requests
+    run; a serial caller skips it). The caller ends the request (releases the entry).
 
     Args:
         max_context: the context window, in tokens (a generation that reaches it shifts).
         rotations: per layer, how to re-rotate keys when the context shifts (None: cannot).
         plan: how prompt tokens are fed (chunk size, CPU lanes).
+        on_entry: told the entry the request generates into, as soon as it is chosen.
+        batching: decode in a batch with other requests where possible; None: alone.
     """
     tokens = request.tokens
     if request.cancelled.is_set():  # cancelled while waiting its turn: touch nothing
@@ -58,13 +81,14 @@ def run_request(
     )
     stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
     entry = pool.current
+    on_entry(entry)
     entry.cut_start = request.cut_start
     if request.cache_key is not None:
         entry.label = request.cache_key
     start = time.perf_counter()
     model = loaded.model
     try:
-        logits = fill_prompt(
+        logits = yield from fill_prompt(
             model, request, hit, stats,
             plan=plan, checkpoint_keep=pool.max_entries > 1,
         )  # fmt: skip
@@ -85,10 +109,30 @@ def run_request(
         draft_cache.capacity_tokens = max_context + DraftLength.MAX_TOKENS  # bounded as the entry
     else:
         draft_cache = None
+    batch = _batch_for(request, hit.cache, max_context, batching)
     decoded, pick = _decode(
-        request, draft, draft_cache, loaded, hit.cache, logits, stats, plan, window.make_room
-    )
+        request, draft, draft_cache, loaded, hit.cache, logits, stats, plan, window.make_room,
+        batch,
+    )  # fmt: skip
     yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
+
+
+def _batch_for(
+    request: Request, cache: ModelCache, max_context: int, batching: Batching | None
+) -> DecodeBatch | None:
+    """The batch this request decodes in, or None to decode alone: a batch cannot shift one
+    row's context (the reply must fit the window); a seeded request draws from its own random
+    key, which a batched step (sampling every row at once) would share; and speculative
+    decoding, which batches not, is kept for a request that runs alone."""
+    if batching is None or request.params.seed is not None:
+        return None
+    if not batching.batch.accepts(cache):
+        return None
+    if len(request.tokens) + request.params.max_tokens > max_context:
+        return None
+    if request.speculative is not None and not batching.crowded():
+        return None
+    return batching.batch
 
 
 def _decode(
@@ -101,10 +145,11 @@ def _decode(
     stats: CompletionStats,
     plan: PrefillPlan,
     make_room: Callable[[ModelCache, int], None] | None = None,
+    batch: DecodeBatch | None = None,
 ) -> tuple[Iterator[int], TokenPicker]:
     """The generated token ids of one request, from the prompt's last logits, and the picker
-    that samples them: `decode_tokens` when the request's mode is None, else
-    `speculative_tokens` with the mode's drafter (see `MODES`)."""
+    that samples them: `batched_tokens` in `batch` when given, else `decode_tokens` when the
+    request's mode is None, else `speculative_tokens` with the mode's drafter (see `MODES`)."""
     params, prompt = request.params, request.tokens
     processors = params.make_logits_processors()
     if request.grammar is not None:
@@ -113,6 +158,8 @@ def _decode(
         )
     sampler = params.make_sampler(loaded.vocab_size)
     pick = TokenPicker(sampler, processors, prompt, top_logprobs=request.top_logprobs)
+    if batch is not None:
+        return batched_tokens(batch, cache, logits, pick, params.max_tokens), pick
     if request.speculative is None:
         return decode_tokens(loaded.model, cache, logits, pick, params.max_tokens, make_room), pick
     distribution = params.make_distribution(loaded.vocab_size) if params.temperature > 0 else None

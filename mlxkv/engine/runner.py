@@ -22,27 +22,35 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
+from mlxkv.cache.batched import can_batch
 from mlxkv.cache.building import make_cache
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.pool import salt_digest
+from mlxkv.cache.pool import CacheEntry, salt_digest
 from mlxkv.cache.report import MemoryReport
 from mlxkv.config import CONTEXT_MEMORY_FRACTION, RunnerConfig, format_bytes
+from mlxkv.decoding.batch import DecodeBatch
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.prefill import PrefillPlan, ProgressCallback
 from mlxkv.decoding.speculative import check_mode
 from mlxkv.engine.cache_setup import make_pool
-from mlxkv.engine.context import default_max_context, kv_bytes_per_token, rope_rotations
-from mlxkv.engine.engine_thread import EngineThread, Relay
+from mlxkv.engine.context import (
+    default_max_batch,
+    default_max_context,
+    kv_bytes_per_token,
+    rope_rotations,
+)
+from mlxkv.engine.engine_thread import EngineThread, Interleaved, Relay
 from mlxkv.engine.lockstep import Lockstep
+from mlxkv.engine.places import Places
 from mlxkv.engine.prompt import Prompt, PromptEncoder, Tools
 from mlxkv.engine.request import Request, RequestBuilder, RequestOptions
-from mlxkv.engine.request_run import run_request
-from mlxkv.engine.results import Completion, GenerationChunk
+from mlxkv.engine.request_run import Batching, run_request
+from mlxkv.engine.results import Completion, CompletionStats, GenerationChunk
 from mlxkv.errors import RunnerBusyError
 from mlxkv.models.loading import LoadedModel, load_model
 from mlxkv.models.sharding import world
 from mlxkv.platform.machine import memory_bytes
-from mlxkv.platform.random_state import request_random_state
+from mlxkv.platform.random_state import request_random_state, with_own_key
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +115,20 @@ class Runner:
         weakref.finalize(self, self._engine.stop, False)
         if config.warmup:
             self._engine.call(self._warm_up)
-        self._consumers: dict[int, Relay] = {}  # threads iterating a stream() now
+        self._consumers: dict[int, Relay | Interleaved] = {}  # threads iterating a stream()
+        self.max_batch = config.max_batch or default_max_batch(
+            self.max_context, self._per_token_bytes, memory_bytes()
+        )
+        self._places = Places(self.max_batch)
+        batch = DecodeBatch(loaded.model, self.max_batch)
+        self._batching = Batching(batch, self._crowded)
+        self._pool.working_bytes = lambda: batch.nbytes
+        if self.max_batch > 1 and not can_batch(self._make_entry()):
+            logger.info(
+                "this model's cache layers (%s) do not batch: batched streams take turns, "
+                "decoding one at a time",
+                ", ".join(sorted({type(layer).__name__ for layer in self._make_entry()})),
+            )
         self._builder = RequestBuilder(self._prompts, self.max_context, config.keep)
         self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         self._requests_lock = threading.Lock()
@@ -120,6 +141,7 @@ class Runner:
         both. A window the budget cannot hold is allowed, with a warning: a conversation
         longer than the budget keeps only its first part in the cache after each request."""
         per_token = kv_bytes_per_token(loaded.model, self._make_layers(config))
+        self._per_token_bytes = per_token
         budget = config.cache_bytes or int(memory_bytes() * CONTEXT_MEMORY_FRACTION)
         window = config.max_context or default_max_context(
             loaded.max_position_embeddings, per_token, budget
@@ -242,6 +264,7 @@ class Runner:
         overflow: str = "shift",
         grammar: str | None = None,
         cache_salt: str | None = None,
+        batched: bool = False,
         **sampling: Any,
     ) -> Iterator[GenerationChunk]:
         """Streams a completion chunk by chunk.
@@ -272,6 +295,15 @@ class Runner:
                 `cached_tokens` and timing tell one client what another's prompts began with.
             cache_key: a label for the cache entry this request generates into, e.g. a
                 conversation id; `cache_info()` shows it. Lookup is by tokens alone.
+            batched: run interleaved with the other batched streams of this Runner (the
+                server's way): their prefills take turns chunk by chunk, and their decoding
+                runs as one batch, one forward pass per token for all (up to `max_batch`
+                streams; more wait for a place). Not batched: one request at a time, in turn.
+                A batched stream decodes alone (taking turns) while no other request runs
+                (speculatively, as set), when seeded (on its own random key), and where the
+                model's cache layers do not batch (sliding windows, recurrent state,
+                quantized K/V). Greedy output equals the serial one's up to the batched
+                kernels' rounding.
             speculative: "auto" drafts tokens (from the draft model if one is loaded, else by
                 looking the text's last tokens up in the prompt and output) only while the
                 model accepts enough of them to pay; "ngram" and "draft" always draft that
@@ -316,6 +348,8 @@ class Runner:
             request = self._lockstep.prepare(request)
         with self._requests_lock:
             self._requests.add(request.cancelled)
+        if batched and self._lockstep is None:
+            return self._consume_interleaved(request)
         return self._consume(request)
 
     def _consume(self, request: Request) -> Iterator[GenerationChunk]:
@@ -326,7 +360,22 @@ class Runner:
             with self._requests_lock:
                 self._requests.discard(request.cancelled)
 
-    def _relay(self, make: Callable[[], Iterator[T]]) -> Iterator[T]:
+    def _consume_interleaved(self, request: Request) -> Iterator[GenerationChunk]:
+        """A batched stream's side: waits for one of `max_batch` places, then its chunks."""
+        try:
+            if not self._places.acquire(request.cancelled):
+                stats = CompletionStats(time.perf_counter(), len(request.tokens), 0)
+                yield stats.final_chunk("", "cancelled")
+                return
+            try:
+                yield from self._relay(lambda: self._serve_interleaved(request), interleaved=True)
+            finally:
+                self._places.release()
+        finally:
+            with self._requests_lock:
+                self._requests.discard(request.cancelled)
+
+    def _relay(self, make: Callable[[], Iterator[T]], *, interleaved: bool = False) -> Iterator[T]:
         """The items of the generator `make()` returns, run on the engine thread for this
         thread. A second one on a thread still reading one would wait on the first, which
         only this thread can finish: refused before it is queued. Meanwhile this thread's
@@ -339,7 +388,9 @@ class Runner:
                     "finish it or close() it before starting a new generation (waiting "
                     "would never end)"
                 )
-            self._consumers[me] = relay = self._engine.iterate(make)
+            engine = self._engine
+            relay = engine.interleave(make) if interleaved else engine.iterate(make)
+            self._consumers[me] = relay
         try:
             yield from relay
         finally:
@@ -347,21 +398,44 @@ class Runner:
                 del self._consumers[me]
 
     def _serve(self, request: Request) -> Iterator[GenerationChunk]:
-        """One request on the engine thread, start to end."""
+        """One request on the engine thread, start to end, alone."""
         mx.reset_peak_memory()
+        entries: list[CacheEntry] = []
         try:
             with request_random_state(request.params.seed):
                 if self._lockstep is None:
-                    yield from self._run(request)
+                    chunks = self._run(request, entries.append)
                 else:
-                    yield from self._lockstep.run(request, self._run)
+                    chunks = self._lockstep.run(request, lambda r: self._run(r, entries.append))
+                try:
+                    for chunk in chunks:
+                        if chunk is not None:  # a pause between prefill chunks: none here
+                            yield chunk
+                finally:
+                    chunks.close()
         finally:
-            self._end_request()
+            self._end_request(entries[0] if entries else None)
 
-    def _end_request(self) -> None:
+    def _serve_interleaved(self, request: Request) -> Iterator[GenerationChunk | None]:
+        """One request on the engine thread, taking turns with the other interleaved ones
+        (each item is one engine job; None pauses)."""
+        entries: list[CacheEntry] = []
+        chunks = self._run(request, entries.append, self._batching)
+        if request.params.seed is not None:
+            chunks = with_own_key(chunks, request.params.seed)
+        try:
+            yield from chunks
+        finally:
+            chunks.close()
+            self._end_request(entries[0] if entries else None)
+
+    def _crowded(self) -> bool:
+        """True while another batched stream runs or waits for its turn."""
+        return self._places.taken > 1
+
+    def _end_request(self, entry: CacheEntry | None) -> None:
         """Leaves nothing lazy behind (the disk tier and other threads read the entry);
         evicts to the cache's budget; logs the memory line."""
-        entry = self._pool.current
         try:
             if entry is not None:
                 entry.cache.materialize()
@@ -371,13 +445,20 @@ class Runner:
             logger.warning("prompt cache dropped: its arrays could not be evaluated (%s)", error)
             entry.cache.free()
             entry.draft_cache = None
-        self._pool.release()
+        if entry is not None:
+            self._pool.release(entry)
         self._log_memory()
 
-    def _run(self, request: Request) -> Iterator[GenerationChunk]:
+    def _run(
+        self,
+        request: Request,
+        on_entry: Callable[[CacheEntry], None],
+        batching: Batching | None = None,
+    ) -> Iterator[GenerationChunk | None]:
         return run_request(
             request, self.loaded, self._pool, draft=self._draft, max_context=self.max_context,
-            rotations=self._rotations, plan=self.prefill_plan,
+            rotations=self._rotations, plan=self.prefill_plan, on_entry=on_entry,
+            batching=batching,
         )  # fmt: skip
 
     def cancel(self) -> None:

@@ -50,6 +50,8 @@ def emit_chunks(
         if request.cancelled.is_set():
             finish = "cancelled"
             break
+    if hasattr(decoded, "close"):  # stop the model now, not when the caller moves on
+        decoded.close()
     tail = ""
     if not cut_by_stop_string:
         detokenizer.finalize()  # text held back (e.g. trailing spaces) may complete a stop

@@ -19,10 +19,13 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import mlx.core as mx
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @contextmanager
@@ -58,3 +61,25 @@ def _usable_key() -> int:
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
         high, low = mx.random.state[0].tolist()
     return (high << 32) | low
+
+
+def with_own_key(steps: Iterator[T], seed: int) -> Iterator[T]:
+    """The items of `steps`, each computed with `seed`'s own random key swapped in and the
+    thread's key put back after: a seeded request interleaved with others (a decode batch)
+    draws the same sequence as alone, and theirs are unaffected. Closing this closes `steps`.
+    (MLX's key can only be set by seeding: each swap reads a key back, a sync per item.)"""
+    own = seed
+    try:
+        while True:
+            saved = _usable_key()
+            mx.random.seed(own)
+            try:
+                item = next(steps)
+            except StopIteration:
+                return
+            finally:
+                own = _usable_key()
+                mx.random.seed(saved)
+            yield item
+    finally:
+        steps.close()

@@ -1,13 +1,13 @@
 """The bridge between asyncio request handlers and the Runner's blocking generations.
 
-Owns: `GenerationWorker`, one thread that runs every generation in the order requests
-arrived, and `GenerationStream`, which hands a generation's chunks to the event loop and
-cancels the generation when its consumer leaves. Does not own the HTTP formats (`openai`,
-`anthropic`) or cache policy (the Runner).
+Owns: `GenerationWorker`, which starts generations in the order requests arrived, up to the
+Runner's `max_batch` at once (more wait their turn), and `GenerationStream`, which hands a
+generation's chunks to the event loop and cancels the generation when its consumer leaves.
+Does not own the HTTP formats (`openai`, `anthropic`), batching (the Runner's batched streams
+decode together on its engine thread) or cache policy (the Runner).
 
-Why one dedicated thread: MLX ties lazy arrays to the stream of the thread that built them, so
-a generation must run start to end on one thread (a thread pool that resumes a generator on
-any free thread breaks that); and one thread gives the requests' first-come-first-served order.
+Each running generation has a thread of its own here that reads its chunks (a batched stream
+is read by one thread, start to end); the model work itself runs on the Runner's engine thread.
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ class GenerationStream:
 
 
 class GenerationWorker:
-    """Runs a Runner's generations one at a time, first come first served.
+    """Runs a Runner's generations as batched streams, up to `runner.max_batch` at once, first
+    come first served.
 
     Args:
         runner: the loaded model and its cache; nothing else should generate with it.
@@ -187,7 +188,9 @@ class GenerationWorker:
         self.runner = runner
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-generate")
+        self._executor = ThreadPoolExecutor(
+            max_workers=runner.max_batch, thread_name_prefix="mlxkv-generate"
+        )
         self._pending = 0  # generations accepted and not finished (event loop only)
         self._closing = threading.Event()
 
@@ -210,7 +213,9 @@ class GenerationWorker:
         try:
             cancel = threading.Event()
             # Encoding and fitting may take a while for a long prompt: off the event loop.
-            chunks = await run_in_threadpool(self.runner.stream, prompt, cancel=cancel, **options)
+            chunks = await run_in_threadpool(
+                self.runner.stream, prompt, cancel=cancel, batched=True, **options
+            )
             stream = GenerationStream(chunks, cancel, self.queue_timeout_s, self._closing)
         except BaseException:
             self._pending -= 1

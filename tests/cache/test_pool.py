@@ -149,3 +149,23 @@ def test_an_entry_not_even_a_token_of_which_fits_is_evicted():
 def test_empty_tokens_are_refused():
     with pytest.raises(ValueError, match="empty"):
         CachePool(_make_entry).fetch_nearest([])
+
+
+def test_an_entry_in_use_is_copied_from_never_trimmed_extended_or_evicted():
+    """Interleaved requests (a decode batch): while one request generates into an entry, a
+    request sharing part of it gets a copy of that part, and eviction passes it over."""
+    pool = CachePool(_make_entry, max_entries=2)
+    _request(pool, [1, 2, 3, 4], [5, 6])
+    first = pool.fetch_nearest([1, 2, 3, 4, 5, 6, 7], reply_start=2)  # in place: in use
+    in_use = pool.current
+    first.cache.forward(_IdWriter(), first.remaining + [8, 9])
+    second = pool.fetch_nearest([1, 2, 3, 9])  # would trim the entry were it free
+    assert pool.current is not in_use and second.num_cached == 3
+    assert in_use.cache.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    second.cache.forward(_IdWriter(), second.remaining)
+    pool.release(pool.current)
+    pool.evict(max_entries=0)  # everything evictable goes; the entry in use stays
+    assert pool.entries == [in_use]
+    pool.release(in_use)
+    _check_entries(pool)
+    assert pool.entries[0].tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]

@@ -108,6 +108,20 @@ def serve(runner: Runner, **app_options) -> Iterator[Served]:
         sock.close()
 
 
+@contextlib.contextmanager
+def held_worker(served: Served) -> Iterator[threading.Event]:
+    """Every place of the server's worker taken (requests ahead of everyone, as many as its
+    batch holds) until the event is set: a request sent meanwhile waits for its turn."""
+    worker = served.app.state.mlxkv.worker
+    release = threading.Event()
+    for _ in range(worker.runner.max_batch):
+        worker._executor.submit(release.wait, 60)
+    try:
+        yield release
+    finally:
+        release.set()
+
+
 @pytest.fixture(scope="session")
 def scripted_dir(tmp_path_factory):
     """A model that answers every chat with SCRIPT (text, then one tool call) when greedy."""

@@ -9,7 +9,6 @@ import contextlib
 import http.client
 import json
 import re
-import threading
 from collections.abc import Iterator
 
 import anthropic
@@ -18,7 +17,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.server import state
-from tests.server.conftest import serve
+from tests.server.conftest import held_worker, serve
 
 SYSTEM_PROMPT = "You are a careful coding agent. Read files before you change them. " * 6
 LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 40
@@ -146,10 +145,8 @@ def blocked_worker(served, monkeypatch):
     """The worker busy with another request until the returned event is set (a long prefill
     ahead of ours), and keep-alives every 50 ms."""
     monkeypatch.setattr(state, "KEEPALIVE_INTERVAL_S", 0.05)
-    release = threading.Event()
-    served.app.state.mlxkv.worker._executor.submit(release.wait, 60)
-    yield release
-    release.set()
+    with held_worker(served) as release:
+        yield release
 
 
 @contextlib.contextmanager

@@ -17,21 +17,10 @@ import pytest
 from mlxkv import Runner
 from mlxkv.server import connections, middleware, worker
 from tests.factories import wait_until
-from tests.server.conftest import serve
+from tests.server.conftest import held_worker, serve
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
-
-
-@contextlib.contextmanager
-def _blocked(served) -> Iterator[threading.Event]:
-    """The worker busy (a request ahead of everyone) until the event is set."""
-    release = threading.Event()
-    served.app.state.mlxkv.worker._executor.submit(release.wait, 60)
-    try:
-        yield release
-    finally:
-        release.set()
 
 
 @contextlib.contextmanager
@@ -48,7 +37,7 @@ def _open_stream(served) -> Iterator[http.client.HTTPResponse]:
 def test_a_full_queue_is_429_with_retry_after(loaded_tiny):
     with (
         serve(Runner(loaded_tiny("llama")), max_queue=2) as served,
-        _blocked(served),
+        held_worker(served),
         _open_stream(served) as first,
         _open_stream(served) as second,
     ):
@@ -66,7 +55,7 @@ def test_a_full_queue_is_429_with_retry_after(loaded_tiny):
 def test_requests_abandoned_while_waiting_free_their_place(loaded_tiny):
     """A client that sends a request and leaves at once, again and again, must not fill the
     queue with work nobody will read while the worker is busy."""
-    with serve(Runner(loaded_tiny("llama")), max_queue=2) as served, _blocked(served):
+    with serve(Runner(loaded_tiny("llama")), max_queue=2) as served, held_worker(served):
         worker_ = served.app.state.mlxkv.worker
         for _ in range(5):
             with _open_stream(served) as response:
@@ -77,7 +66,7 @@ def test_requests_abandoned_while_waiting_free_their_place(loaded_tiny):
 
 
 def test_a_request_that_waited_too_long_gets_503_when_the_wait_runs_out(loaded_tiny):
-    with serve(Runner(loaded_tiny("llama"))) as served, _blocked(served):
+    with serve(Runner(loaded_tiny("llama"))) as served, held_worker(served):
         served.app.state.mlxkv.worker.queue_timeout_s = 0.05
         status, body = served.post(CHAT, {"messages": USER})  # while the worker is still busy
     assert status == 503 and "waited" in body["error"]["message"]

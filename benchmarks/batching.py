@@ -1,0 +1,137 @@
+"""Concurrent streams: `mlxkv serve` against `mlx_lm.server`, side by side, on the default model.
+
+Both serve a float32 copy of SmolLM2-135M-Instruct, greedy, with the same OpenBLAS (the peer
+preloads it), one server at a time on the machine. Per server and load:
+  - aggregate generated tokens/s of N concurrent streams of `--tokens` tokens (N = 1, 4, 8);
+  - time to the whole answer of a 1-token request, idle and while 4 long streams run.
+Goals (batching issue): at 4 streams >= 2.5x one stream's tokens/s on this CPU and >= 1.0x
+mlx_lm.server's under the same load; the 1-token request's p50 during 4 streams under 2x its
+idle p50.
+
+    python -m benchmarks.batching [--tokens 128] [--probes 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+from benchmarks.serve_agent import blas_env, float32_copy, free_port, start_server
+from mlxkv.platform import blas as _blas
+
+LOADS = (1, 4, 8)
+BACKGROUND_STREAMS = 4
+WINDOW_TOKENS = 4096
+
+
+def _client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+
+
+def _ask(client: openai.OpenAI, i: int, max_tokens: int) -> int:
+    reply = client.chat.completions.create(
+        model="default_model",
+        messages=[{"role": "user", "content": f"Tell story {i}: a long tale of a cat, day {i}."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        timeout=600,
+    )
+    return reply.usage.completion_tokens
+
+
+def throughput(client: openai.OpenAI, streams: int, tokens: int, offset: int) -> float:
+    """Generated tokens/s of `streams` concurrent requests (distinct prompts: no shared cache)."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        done = list(pool.map(lambda i: _ask(client, offset + i, tokens), range(streams)))
+    return sum(done) / (time.perf_counter() - start)
+
+
+def probe_latencies(client: openai.OpenAI, probes: int, busy: bool, offset: int) -> list[float]:
+    """Seconds for a 1-token request, `probes` times in a row, with 4 long streams running
+    meanwhile when `busy` (they are sent first, and run until the probes are done)."""
+    stop = threading.Event()
+    background = []
+
+    def keep_busy(i: int) -> None:
+        while not stop.is_set():
+            _ask(client, offset + 1000 + i, 256)
+
+    if busy:
+        background = [threading.Thread(target=keep_busy, args=(i,)) for i in range(4)]
+        for thread in background:
+            thread.start()
+        time.sleep(3.0)  # the streams past their prefill, decoding
+    seconds = []
+    for n in range(probes):
+        start = time.perf_counter()
+        _ask(client, offset + n, 1)
+        seconds.append(time.perf_counter() - start)
+    stop.set()
+    for thread in background:
+        thread.join()
+    return seconds
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--probes", type=int, default=6)
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="mlxkv-batching-"))
+    model = float32_copy(work)
+    print(f"model: {model.name}; blas: {_blas.blas_in_use}", flush=True)
+    servers = {
+        "mlxkv serve": [sys.executable, "-m", "mlxkv.cli", "serve", "-m", str(model),
+                        "--max-context", str(WINDOW_TOKENS), "--no-cache-dir", "--port"],
+        "mlx_lm.server": [sys.executable, "-m", "mlx_lm", "server", "--model", str(model),
+                          "--log-level", "WARNING", "--port"],
+    }  # fmt: skip
+    env = blas_env()
+    results: dict[str, dict[str, object]] = {}
+    for offset, (name, command) in enumerate(servers.items()):
+        port = free_port()
+        process = start_server([*command, str(port)], port, env, work / f"{offset}.log")
+        try:
+            client = _client(port)
+            _ask(client, -1, 8)  # warm
+            rates = {n: throughput(client, n, args.tokens, 100 * offset + 10 * n) for n in LOADS}
+            idle = probe_latencies(client, args.probes, False, 500 + 100 * offset)
+            busy = probe_latencies(client, args.probes, True, 700 + 100 * offset)
+            results[name] = {"rates": rates, "idle": idle, "busy": busy}
+            print(name, results[name], flush=True)
+        finally:
+            process.terminate()
+            process.wait(30)
+    ours, peer = results["mlxkv serve"], results["mlx_lm.server"]
+    print(f"\n{args.tokens}-token streams, aggregate generated tokens/s:")
+    print("streams | mlxkv serve | vs 1 stream | mlx_lm.server | mlxkv / mlx_lm")
+    for n in LOADS:
+        a, b = ours["rates"][n], peer["rates"][n]
+        print(f"{n:7d} | {a:11.1f} | {a / ours['rates'][1]:10.2f}x | {b:13.1f} | {a / b:.2f}x")
+    print("\n1-token request, seconds (p50 / p99): idle, during 4 streams, ratio of p50s")
+    for name, result in results.items():
+        idle, busy = result["idle"], result["busy"]
+        ratio = statistics.median(busy) / statistics.median(idle)
+        print(
+            f"{name}: {_p(idle, 0.5):.2f} / {_p(idle, 0.99):.2f}, "
+            f"{_p(busy, 0.5):.2f} / {_p(busy, 0.99):.2f}, {ratio:.2f}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Batched decoding: the sequences of several requests advance one token each per forward pass.
+
+Owns `DecodeBatch` (the rows decoding together, one batched step for all of them, joins and
+leaves between steps) and `batched_tokens`, a request's token iterator on it, shaped like
+`plain.decode_tokens` so that everything after it (text, stop strings, cancel) is the same.
+Does not own the rows' K/V layout (`mlxkv.cache.batched`) or sampling (each row keeps its own
+`TokenPicker`: processors, sampler, grammar and logprobs per request).
+
+Why it pays: a decode step reads every weight once whatever the number of rows, so on a
+device bound by memory bandwidth N rows cost little more than one.
+
+How rows stay in step: each request pulls its own tokens. A step appends one token to every
+row's queue; a request whose queue runs empty runs the next step, queued (`async_eval`) before
+its token is read back, as `decode_tokens` pipelines. Rows of slower readers simply queue more
+(at most their `max_tokens`). A row that has all its tokens leaves at once; a request that
+stops early (EOS, a stop string, cancel) leaves when its iterator is closed. Leaving hands the
+row's K/V back to its entry with exactly the tokens fed, the same record a plain decode leaves.
+
+Batched kernels round differently from a single row's (matmul shapes, the padded softmax):
+logits agree with a request decoded alone to within float rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxkv.cache.batched import BatchedKV, can_batch
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.decoding.picker import TokenPicker
+
+logger = logging.getLogger(__name__)
+
+# MLX keeps freed buffers for reuse; give them back every so many steps (as `decode_tokens`).
+_CLEAR_CACHE_EVERY_STEPS = 256
+
+
+@dataclass(eq=False)
+class _Row:
+    """One request's sequence in the batch."""
+
+    cache: ModelCache  # the entry: as it was at the join until the row leaves
+    pick: TokenPicker
+    left: int  # tokens still to produce
+    step_tokens: int  # the entry's K/V growth step, kept when its K/V come back
+    next_input: mx.array  # the last token picked, fed by the next step
+    fed: list[mx.array] = field(default_factory=list)  # fed since the join, lazily
+    out: deque[mx.array] = field(default_factory=deque)  # picked, not yet read
+    failure: BaseException | None = None
+
+
+class DecodeBatch:
+    """The rows decoding together on one model; all calls on one thread (the engine's).
+
+    Args:
+        model: the mlx-lm model every row runs on.
+        max_rows: most rows at once; `has_room` says whether another may join.
+    """
+
+    def __init__(self, model: nn.Module, max_rows: int):
+        self._model = model
+        self.max_rows = max_rows
+        self._kv = BatchedKV()
+        self._rows: list[_Row] = []
+        self._steps = 0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the batch's K/V hold (besides the entries' own, kept as they were)."""
+        return self._kv.nbytes
+
+    def accepts(self, cache: ModelCache) -> bool:
+        """True when a sequence on `cache` can join now (room, and a cache kind that batches)."""
+        return len(self._rows) < self.max_rows and can_batch(cache)
+
+    def join(self, cache: ModelCache, first: mx.array, pick: TokenPicker, left: int) -> _Row:
+        """Adds a row for `cache`, whose next input is `first` (picked, not fed), to produce
+        `left` more tokens with `pick`."""
+        row = _Row(cache, pick, left, cache.layers[0].step, first)
+        self._kv.join(cache)
+        self._rows.append(row)
+        return row
+
+    def next_token(self, row: _Row) -> mx.array | None:
+        """The row's next token (lazy, its step already queued), or None when it has all."""
+        if row.failure is not None:
+            raise row.failure
+        if not row.out:
+            if row not in self._rows:
+                return None
+            self._step()
+        token = row.out.popleft()
+        if not row.out and row in self._rows:
+            self._step()  # queued before the caller reads this token back
+        return token
+
+    def leave(self, row: _Row) -> None:
+        """Takes the row out of the batch (if still in), handing its K/V to its entry."""
+        if row in self._rows:
+            self._part(row)
+
+    def _step(self) -> None:
+        rows = self._rows
+        inputs = mx.concatenate([row.next_input for row in rows]).reshape(len(rows), 1)
+        try:
+            logits = self._model(inputs, cache=self._kv.layers)[:, -1, :]
+        except BaseException as error:
+            self._fail(error)
+            raise
+        for i, row in enumerate(rows):
+            row.fed.append(row.next_input)
+            row.next_input = row.pick(logits[i : i + 1])
+            row.out.append(row.next_input)
+            row.left -= 1
+        mx.async_eval([row.next_input for row in rows])
+        for row in [row for row in rows if row.left <= 0]:
+            self._part(row)
+        self._steps += 1
+        if self._steps % _CLEAR_CACHE_EVERY_STEPS == 0:
+            mx.clear_cache()
+
+    def _part(self, row: _Row) -> None:
+        """Hands the row's K/V back to its entry, with the tokens fed since the join."""
+        layers = self._kv.part(self._rows.index(row), row.step_tokens)
+        self._rows.remove(row)
+        fed = mx.concatenate(row.fed).tolist() if row.fed else []
+        row.fed.clear()
+        row.cache.adopt(layers, row.cache.tokens + fed, row.cache.checkpoints)
+
+    def _fail(self, error: BaseException) -> None:
+        """A step failed: every row leaves with its entry as it was at its join (their K/V in
+        the batch may be half updated); each request hears the error at its next token."""
+        logger.error("a batched decode step failed; its %d requests end", len(self._rows))
+        for row in self._rows:
+            row.failure = error
+        self._rows.clear()
+        self._kv = BatchedKV()
+
+
+def batched_tokens(
+    batch: DecodeBatch,
+    cache: ModelCache,
+    logits: mx.array,
+    pick: TokenPicker,
+    max_tokens: int,
+) -> Iterator[int]:
+    """Yields up to `max_tokens` sampled token ids from the prompt's last logits, decoding in
+    `batch` with the other requests there (see the module docstring). The first token comes
+    out before the row joins, as soon as it exists. Closing the iterator leaves the batch;
+    `cache` then holds exactly the tokens fed, in order."""
+    if max_tokens <= 0:
+        return
+    token = pick(logits)
+    mx.async_eval(token)
+    yield token.item()
+    if max_tokens == 1:
+        return
+    row = batch.join(cache, token, pick, max_tokens - 1)
+    try:
+        while (token := batch.next_token(row)) is not None:
+            yield token.item()
+    finally:
+        batch.leave(row)

@@ -1,0 +1,158 @@
+"""A decode batch against each sequence decoded alone, under any schedule of joins, reads and
+early leaves: the same greedy tokens and log-probabilities (within the batched kernels'
+rounding), and every entry afterwards holds exactly the tokens it fed, with the K/V a fresh
+prefill of them gives."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlxkv.cache.batched import BatchedKV, can_batch
+from mlxkv.cache.building import make_cache
+from mlxkv.decoding.batch import DecodeBatch, batched_tokens
+from mlxkv.decoding.picker import TokenPicker
+from mlxkv.decoding.plain import decode_tokens
+from mlxkv.decoding.prefill import PrefillPlan, prefill
+from mlxkv.decoding.sampling import SamplingParams
+from tests.tolerances import assert_logits_close
+
+PROMPTS = [[3, 17, 5, 99, 42], [7] * 3, list(range(40, 71)), [11, 12]]
+MAX_TOKENS = [9, 5, 12, 1]
+PLAN = PrefillPlan(512)
+
+
+def _start(model, prompt):
+    """A cache holding `prompt`, the last logits, and a greedy picker keeping logprobs."""
+    cache = make_cache(model)
+    logits = prefill(model, cache, prompt, PLAN)
+    params = SamplingParams(temperature=0.0)
+    pick = TokenPicker(params.make_sampler(512), [], prompt, top_logprobs=0)
+    return cache, logits, pick
+
+
+def _alone(model, prompt, max_tokens):
+    cache, logits, pick = _start(model, prompt)
+    tokens = list(decode_tokens(model, cache, logits, pick, max_tokens))
+    return tokens, [pick.pop_logprob().logprob for _ in tokens]
+
+
+@pytest.fixture(scope="module")
+def llama(loaded_tiny):
+    model = loaded_tiny("llama").model
+    return model, [_alone(model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+
+
+def _assert_holds_what_it_fed(model, cache, prompt, streamed, continuation):
+    """The entry holds the prompt, then what the row fed: the tokens streamed (all but maybe
+    the last) and any it decoded ahead of a slow reader, all of them the row's own greedy
+    continuation; and its K/V are a fresh prefill's."""
+    held = cache.tokens
+    assert held[: len(prompt)] == prompt
+    fed = held[len(prompt) :]
+    assert fed == continuation[: len(fed)]
+    assert len(fed) >= len(streamed) - 1
+    fresh = make_cache(model)
+    prefill(model, fresh, held[:-1], PLAN)
+    want = fresh.forward(model, held[-1:])
+    got = cache.copy_prefix(len(held) - 1).forward(model, held[-1:])
+    assert_logits_close(got, want, "a batched row's K/V against a fresh prefill")
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    schedule=st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=4, max_size=60),
+    leave_after=st.lists(st.one_of(st.none(), st.integers(1, 6)), min_size=4, max_size=4),
+)
+def test_any_schedule_decodes_as_alone(llama, schedule, leave_after):
+    """`schedule`: (sequence, stop it now) steps; a sequence starts at its first step, reads
+    one token per step, and stops early when asked (or after `leave_after` tokens)."""
+    model, alone = llama
+    batch = DecodeBatch(model, max_rows=4)
+    running, done = {}, {}
+    for i, stop in schedule + [(i, False) for i in range(4) for _ in range(13)]:
+        if i in done:
+            continue
+        if i not in running:
+            cache, logits, pick = _start(model, PROMPTS[i])
+            tokens = batched_tokens(batch, cache, logits, pick, MAX_TOKENS[i])
+            running[i] = (cache, pick, tokens, [])
+        cache, pick, tokens, streamed = running[i]
+        token = next(tokens, None)
+        if token is not None:
+            streamed.append(token)
+        limit = leave_after[i]
+        if token is None or stop or (limit is not None and len(streamed) >= limit):
+            tokens.close()
+            done[i] = running.pop(i)
+    assert batch.num_rows == 0 and batch.nbytes == 0
+    for i, (cache, pick, _, streamed) in done.items():
+        want_tokens, want_logprobs = alone[i]
+        assert streamed == want_tokens[: len(streamed)]
+        got_logprobs = [pick.pop_logprob().logprob for _ in streamed]
+        assert got_logprobs == pytest.approx(want_logprobs[: len(streamed)], abs=1e-4)
+        _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, want_tokens)
+
+
+def test_rows_that_join_and_leave_keep_the_others_exact(llama):
+    """Two rows in step, a third joining late and one leaving early: every row's tokens are
+    its own alone (the padding a late row brings never leaks into another's attention)."""
+    model, alone = llama
+    batch = DecodeBatch(model, max_rows=4)
+    streams = {}
+    for i in (0, 2):
+        cache, logits, pick = _start(model, PROMPTS[i])
+        streams[i] = (cache, batched_tokens(batch, cache, logits, pick, MAX_TOKENS[i]), [])
+    for _ in range(3):
+        for i in (0, 2):
+            streams[i][2].append(next(streams[i][1]))
+    cache, logits, pick = _start(model, PROMPTS[1])
+    streams[1] = (cache, batched_tokens(batch, cache, logits, pick, MAX_TOKENS[1]), [])
+    streams[0][1].close()  # leaves early
+    for i in (1, 2):
+        streams[i][2].extend(streams[i][1])
+    for i, (cache, _, streamed) in streams.items():
+        assert streamed == alone[i][0][: len(streamed)]
+        _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, alone[i][0])
+    assert len(streams[2][2]) == MAX_TOKENS[2] and len(streams[1][2]) == MAX_TOKENS[1]
+
+
+def test_a_failed_step_leaves_every_entry_as_it_joined(llama):
+    model, _ = llama
+    batch = DecodeBatch(model, max_rows=4)
+    caches, streams = [], []
+    for i in (0, 2):
+        cache, logits, pick = _start(model, PROMPTS[i])
+        caches.append(cache)
+        streams.append(batched_tokens(batch, cache, logits, pick, MAX_TOKENS[i]))
+        next(streams[-1])  # the first token, before the row joins
+    batch._model = _raising
+    with pytest.raises(RuntimeError, match="broken step"):
+        next(streams[0])
+    with pytest.raises(RuntimeError, match="broken step"):
+        next(streams[1])
+    for cache, prompt in zip(caches, (PROMPTS[0], PROMPTS[2]), strict=True):
+        assert cache.tokens == prompt
+    assert batch.num_rows == 0
+
+
+def _raising(*args, **kwargs):
+    raise RuntimeError("broken step")
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_caches_that_cannot_batch_are_refused(loaded_tiny, arch):
+    cache = make_cache(loaded_tiny(arch).model)
+    assert not can_batch(cache)
+    assert not DecodeBatch(loaded_tiny(arch).model, 4).accepts(cache)
+    with pytest.raises(ValueError, match="float KVCache"):
+        BatchedKV().join(cache)
+
+
+def test_quantized_kv_cannot_batch(loaded_tiny):
+    model = loaded_tiny("llama").model
+    assert not can_batch(make_cache(model, kv_bits=8))
+    assert can_batch(make_cache(model))

@@ -1,0 +1,175 @@
+"""Batched streams (`Runner.stream(batched=True)`, the server's) against the same requests run
+one at a time: the same greedy tokens and log-probabilities on every architecture (batched
+where the cache batches, taking turns where it cannot, said in the log), a stream that leaves
+mid-batch, seeded sampling, and the cache budget held with a full batch. Every entry is checked
+after every request by `tests/invariants.py`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from mlxkv import Runner
+from mlxkv.decoding import batch as batch_module
+from mlxkv.testing.factory import ARCHITECTURES
+from tests.factories import wait_until
+
+PROMPTS = [
+    "The first request, about caches.",
+    "Another one, somewhat longer than the first request was, about memory.",
+    "Third.",
+    "The fourth request of this test asks about batches and their rows.",
+]
+BATCHING = ("llama", "qwen3")  # factory models whose caches are all float K/V layers
+
+
+def _tokens_and_logprobs(chunks):
+    chunks = list(chunks)
+    tokens = [c.token for c in chunks if c.token is not None]
+    return tokens, [c.logprob.logprob for c in chunks if c.logprob is not None]
+
+
+def _together(runner, prompts, **options):
+    """Each prompt's batched stream on a thread of its own, all started before any runs (the
+    engine held meanwhile): (tokens, logprobs) per prompt, and the batch's row counts."""
+    results: list = [None] * len(prompts)
+    gate = threading.Event()
+    runner._engine._submit(lambda: gate.wait(30))
+
+    def run(i):
+        results[i] = _tokens_and_logprobs(runner.stream(prompts[i], batched=True, **options))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: runner._places.taken == len(prompts), what="every stream queued")
+    gate.set()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+@pytest.fixture
+def rows(monkeypatch):
+    """The number of rows of every batched step taken."""
+    seen: list[int] = []
+    step = batch_module.DecodeBatch._step
+
+    def counting(self):
+        seen.append(self.num_rows)
+        return step(self)
+
+    monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
+    return seen
+
+
+def _assert_same_answers(got, want):
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_batched_streams_answer_as_one_at_a_time(loaded_tiny, arch, rows, caplog):
+    loaded = loaded_tiny(arch)
+    options = {"max_tokens": 24, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS]
+    with caplog.at_level(logging.INFO, logger="mlxkv.engine.runner"):
+        runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    got = _together(runner, PROMPTS, **options)
+    _assert_same_answers(got, want)
+    if arch in BATCHING:
+        assert max(rows) >= 2, "the streams never decoded together"
+    else:
+        assert not rows
+        assert "do not batch" in caplog.text
+
+
+def test_a_stream_that_leaves_mid_batch_leaves_the_others_exact(loaded_tiny, rows):
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 32, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:3]]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    gate, left = threading.Event(), threading.Event()
+    results: list = [None] * 3
+    runner._engine._submit(lambda: gate.wait(30))
+
+    def leaver():
+        stream = runner.stream(PROMPTS[0], batched=True, **options)
+        for n, _ in enumerate(stream, 1):
+            if n == 3:
+                stream.close()  # a client that went away
+                left.set()
+                return
+
+    def stayer(i):
+        results[i] = _tokens_and_logprobs(runner.stream(PROMPTS[i], batched=True, **options))
+
+    threads = [threading.Thread(target=leaver)]
+    threads += [threading.Thread(target=stayer, args=(i,)) for i in (1, 2)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: runner._places.taken == 3, what="every stream queued")
+    gate.set()
+    for thread in threads:
+        thread.join(60)
+    assert left.is_set() and max(rows) == 3
+    _assert_same_answers(results[1:], want[1:])
+    assert runner._places.taken == 0 and runner._batching.batch.num_rows == 0
+
+
+def test_a_seeded_stream_among_batched_ones_draws_as_alone(loaded_tiny, rows):
+    """It decodes alone (taking turns with the batch), on its own random key."""
+    loaded = loaded_tiny("llama")
+    seeded = {"max_tokens": 16, "temperature": 1.0, "seed": 7}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [c.token for c in alone.stream(PROMPTS[0], **seeded) if c.token is not None]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    results: list = [None] * 3
+    gate = threading.Event()
+    runner._engine._submit(lambda: gate.wait(30))
+
+    def run(i):
+        options = seeded if i == 0 else {"max_tokens": 16, "temperature": 1.0}
+        stream = runner.stream(PROMPTS[i], batched=True, **options)
+        results[i] = [c.token for c in stream if c.token is not None]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: runner._places.taken == 3, what="every stream queued")
+    gate.set()
+    for thread in threads:
+        thread.join(60)
+    assert results[0] == want
+    assert max(rows) == 2  # the two others, batched
+
+
+def test_the_budget_holds_after_a_full_batch(loaded_tiny):
+    loaded = loaded_tiny("llama")
+    budget = 96 * 1024
+    runner = Runner(loaded, max_context=512, cache_entries=8, cache_bytes=budget, max_batch=4)
+    _together(runner, PROMPTS, max_tokens=40, temperature=0.0)
+    assert runner._batching.batch.nbytes == 0
+    assert runner._pool.nbytes <= budget
+
+
+def test_more_streams_than_places_wait_and_a_cancelled_waiter_gives_up(loaded_tiny):
+    runner = Runner(loaded_tiny("llama"), max_context=512, cache_entries=8, max_batch=1)
+    gate = threading.Event()
+    runner._engine._submit(lambda: gate.wait(30))
+    first = runner.stream(PROMPTS[0], batched=True, max_tokens=4)
+    holder = threading.Thread(target=lambda: list(first))
+    holder.start()
+    wait_until(lambda: runner._places.taken == 1, what="the first stream in its place")
+    cancel = threading.Event()
+    cancel.set()
+    waiting = list(runner.stream(PROMPTS[1], batched=True, max_tokens=4, cancel=cancel))
+    assert waiting[-1].completion.finish_reason == "cancelled"
+    gate.set()
+    holder.join(60)
+    assert runner._places.taken == 0
