@@ -25,6 +25,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxkv.cache.checkpoints import MAX_CHECKPOINTS as MAX_CHECKPOINTS  # its old home
+from mlxkv.cache.checkpoints import add_checkpoint, checkpoint_layers, drop_checkpoints_after
 from mlxkv.cache.kv import KVCache, Rotation
 from mlxkv.cache.layer_ops import (
     always_trimmable,
@@ -38,11 +40,6 @@ from mlxkv.cache.layer_ops import (
 from mlxkv.errors import CacheFullError, NotSupportedError
 
 logger = logging.getLogger(__name__)
-
-# Snapshots of non-trimmable layers kept for rewinding: the earliest one (where a system prompt
-# ends, shared by conversations) and the newest prompts' ends (this turn and a regenerated one).
-# Three bound the memory while covering the usual chat.
-MAX_CHECKPOINTS = 3
 
 
 class ModelCache:
@@ -177,7 +174,7 @@ class ModelCache:
                 restore_layer(layer, saved)
             self._settle()
             del self._tokens[start:]
-            self._drop_checkpoints_after(start)
+            drop_checkpoints_after(self._checkpoints, start)
             if num_kept:
                 self.forward(model, token_ids[:num_kept])
 
@@ -223,7 +220,7 @@ class ModelCache:
                 layer.trim(drop)
             self._settle()
             del self._tokens[num_tokens:]
-            self._drop_checkpoints_after(num_tokens)
+            drop_checkpoints_after(self._checkpoints, num_tokens)
         return drop
 
     @property
@@ -237,12 +234,7 @@ class ModelCache:
         `MAX_CHECKPOINTS`; their bytes are `checkpoint_bytes`."""
         if not self.needs_checkpoints or self.num_tokens in self._checkpoints:
             return
-        snapshot = [None if always_trimmable(layer) else copy_layer(layer) for layer in self.layers]
-        mx.eval([a for layer in leaves([s for s in snapshot if s]) for a in arrays_of(layer)])
-        self._checkpoints[self.num_tokens] = snapshot
-        while len(self._checkpoints) > MAX_CHECKPOINTS:
-            earliest = min(self._checkpoints)
-            del self._checkpoints[next(n for n in self._checkpoints if n != earliest)]
+        add_checkpoint(self._checkpoints, self.num_tokens, self.layers)
 
     @property
     def checkpoints(self) -> dict[int, list[Any]]:
@@ -300,12 +292,8 @@ class ModelCache:
                 self.layers[i] = copy_layer(saved)  # the checkpoint stays reusable
         self._settle()
         del self._tokens[num_tokens:]
-        self._drop_checkpoints_after(num_tokens)
+        drop_checkpoints_after(self._checkpoints, num_tokens)
         return dropped
-
-    def _drop_checkpoints_after(self, num_tokens: int) -> None:
-        for n in [n for n in self._checkpoints if n > num_tokens]:
-            del self._checkpoints[n]
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -409,11 +397,3 @@ class ModelCache:
     def used_bytes(self) -> int:
         """Bytes holding the tokens' K/V and recurrent state."""
         return sum(getattr(layer, "used_bytes", layer.nbytes) for layer in leaves(self.layers))
-
-
-def checkpoint_layers(cache: ModelCache) -> list[Any]:
-    """The per-layer caches of all its checkpoints (`CacheList`s flattened). Snapshots may be
-    shared with copies of the cache: count bytes once per object."""
-    # list(): a consistent view even while a generation on another thread adds one
-    saved = [layer for snap in list(cache.checkpoints.values()) for layer in snap if layer]
-    return leaves(saved)

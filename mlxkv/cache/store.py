@@ -1,15 +1,9 @@
 """The disk tier: cache entries as safetensors files in a directory with its own byte budget.
 
-Owns: the file format, the index of files, the background writer, loading a file back into a
-ModelCache, and the directory's budget. Does not own which entry goes to disk or when a load
-pays (see `pool`).
-
-File: `<directory>/<model key>/<sha256 of the token ids>.safetensors` (16 and 32 hex digits),
-written by MLX's safetensors writer. Its header metadata holds the format, the model's
-fingerprint, the cache's layout signature and layout, the token ids, and a CRC-32 of the whole
-file (header included, its own value read as the placeholder). The model key combines
-fingerprint and signature, so models (or kv_bits settings) sharing a directory keep apart; the
-fingerprint is checked again in every file.
+Owns: the index of files, the background writer, loading a file back into a ModelCache, and
+the directory's budget. Does not own the file format (`store_files`), which files count against
+the budget and go first (`store_budget`), or which entry goes to disk or when a load pays
+(see `pool`).
 
 Invariants:
   - only files this tier wrote are ever removed: regular files (never a symlink, a pipe or a
@@ -28,7 +22,6 @@ Invariants:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import json
@@ -48,19 +41,19 @@ import numpy as np
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.cache.serialize import arrays_to_cache, cache_to_arrays
+from mlxkv.cache.store_budget import removal_order, tier_files
 from mlxkv.cache.store_files import (
-    CRC_PLACEHOLDER,
-    FORMAT,
     SUFFIX,
-    TEMPORARY_NAME,
     BadFile,
+    StoredEntry,
     check_crc,
     check_writable,
-    model_directories,
+    entry_metadata,
     own_files,
     patch_crc,
     read_header,
-    remove_if_orphaned,
+    read_record,
+    remove_orphaned_temporaries,
     remove_own_file,
     token_key,
     touch,
@@ -72,29 +65,6 @@ logger = logging.getLogger(__name__)
 
 # A first guess at disk read speed, replaced by measurement after the first load.
 DEFAULT_READ_BYTES_PER_S = 500 * 2**20
-
-
-@dataclass(eq=False)
-class StoredEntry:
-    """One indexed file.
-
-    Attributes:
-        path: where it is.
-        tokens: the token ids it holds (uint32).
-        nbytes: the file's size in bytes.
-        checkpoints: lengths in tokens of its checkpoints.
-        salt: the isolation domain it belongs to (`pool.salt_digest`), None for the shared.
-    """
-
-    path: Path
-    tokens: np.ndarray
-    nbytes: int
-    checkpoints: tuple[int, ...] = ()
-    salt: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tokens.size)
 
 
 @dataclass
@@ -164,7 +134,7 @@ class DiskStore:
                 continue
             path = Path(entry.path)
             try:
-                record = self._read_record(path)
+                record = read_record(path, self.fingerprint, self.signature)
             except BadFile as why:
                 self._discard(path, why)
                 continue
@@ -173,34 +143,12 @@ class DiskStore:
                 continue
             with self._lock:
                 self._records[path.name] = record
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(self.directory):
-                if TEMPORARY_NAME.fullmatch(entry.name):
-                    remove_if_orphaned(Path(entry.path))
+        remove_orphaned_temporaries(self.directory)
         with self._lock:
             for name in set(self._records) - present - self._queued:
                 del self._records[name]
         if complete:
             self._scanned_mtime = mtime
-
-    def _read_record(self, path: Path) -> StoredEntry:
-        metadata, _ = read_header(path)
-        if metadata.get("format") != FORMAT:
-            raise BadFile(f"written by another version of mlxkv ({metadata.get('format')})")
-        if metadata.get("fingerprint") != self.fingerprint:
-            raise BadFile("written for another model (fingerprint differs)")
-        if metadata.get("signature") != self.signature:
-            raise BadFile("written for another cache layout")
-        try:
-            tokens = np.frombuffer(base64.b64decode(metadata["tokens"]), dtype="<u4")
-            layout = json.loads(metadata["layout"])
-            checkpoints = tuple(int(point["at"]) for point in layout["checkpoints"])
-        except (KeyError, ValueError, TypeError) as error:
-            raise BadFile(f"unreadable metadata ({error})") from error
-        salt = metadata.get("salt") or None
-        if path.name != token_key(tokens, salt) + SUFFIX:
-            raise BadFile("its name does not match its token ids")
-        return StoredEntry(path, tokens, path.stat().st_size, checkpoints, salt)
 
     def best(
         self, tokens: np.ndarray, limit: int, salt: str | None = None
@@ -285,16 +233,7 @@ class DiskStore:
                 "disk cache: entry of %d bytes not saved; the budget is %d", nbytes, self.max_bytes
             )
             return
-        metadata = {
-            "format": FORMAT,
-            "fingerprint": self.fingerprint,
-            "signature": self.signature,
-            "layout": json.dumps(layout),
-            "num_tokens": str(tokens.size),
-            "tokens": base64.b64encode(tokens.astype("<u4").tobytes()).decode(),
-            "crc32": CRC_PLACEHOLDER,
-            **({"salt": salt} if salt else {}),
-        }
+        metadata = entry_metadata(self.fingerprint, self.signature, layout, tokens, salt)
         job = _Job(arrays, metadata, token_key(tokens, salt) + SUFFIX, cache.nbytes)
         if wait:
             self._run_logged(job)
@@ -369,7 +308,9 @@ class DiskStore:
         finally:
             with contextlib.suppress(OSError):
                 temporary.unlink(missing_ok=True)
-        record = self._read_record(path)  # the index entry, as a restart would read it
+        record = read_record(
+            path, self.fingerprint, self.signature
+        )  # the index entry, as a restart would read it
         with self._lock:
             self._records[job.name] = record
         logger.debug(
@@ -385,59 +326,21 @@ class DiskStore:
     def enforce_budget(self, keep: Path | None = None) -> None:
         """Removes this tier's files (of any model under `root`) until they fit in
         `max_bytes`: files another file supersedes first, then the least recently used."""
-        files = []
-        for path, size, mtime in self._tier_files():
-            files.append((path, size, mtime))
+        with self._lock:
+            indexed = set(self._records)
+        files = tier_files(self.root, self.directory, indexed, self._theirs)
         total = sum(size for _, size, _ in files)
         if total <= self.max_bytes:
             return
         with self._lock:
             records = dict(self._records)
-        superseded = {
-            name
-            for name, record in records.items()
-            if self.trimmable and any(_extends(other, record) for other in records.values())
-        }
-        # the file just written goes last: only when it alone is over the budget
-        files.sort(key=lambda f: (f[0] == keep, f[0].name not in superseded, f[2]))
-        for path, size, _ in files:
+        for path, size, _ in removal_order(files, records, trimmable=self.trimmable, keep=keep):
             if total <= self.max_bytes:
                 break
             if remove_own_file(path):
                 total -= size
                 logger.debug("disk cache evict file=%s bytes=%d", path.name, size)
             self._forget(path.name)
-
-    def _tier_files(self) -> list[tuple[Path, int, int]]:
-        """(path, bytes, mtime) of every file under `root` this tier wrote: this model's
-        indexed files, and other models' files whose header says so (read once each)."""
-        with self._lock:
-            mine = set(self._records)
-        found = []
-        for directory in model_directories(self.root):
-            ours = directory == self.directory
-            for entry in own_files(directory):
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                key = (entry.path, info.st_size, info.st_mtime_ns)
-                if ours and entry.name in mine or not ours and self._is_tier_file(key):
-                    found.append((Path(entry.path), info.st_size, info.st_mtime_ns))
-        return found
-
-    def _is_tier_file(self, key: tuple[str, int, int]) -> bool:
-        if key not in self._theirs:
-            if len(self._theirs) > 100_000:
-                self._theirs.clear()
-            try:
-                read_header(Path(key[0]))
-                self._theirs[key] = True
-            except BadFile as why:
-                self._theirs[key] = why.ours
-            except OSError:
-                return False  # not proven ours; asked again next time
-        return self._theirs[key]
 
     # -- reports --------------------------------------------------------------------------
 
@@ -491,9 +394,3 @@ def _why_unwritten(directory: Path, job: _Job, error: Exception) -> str:
     if free < needed + 2**20:
         return f"the disk is full ({free:,} bytes free in {directory}, the entry needs {needed:,})"
     return str(error)
-
-
-def _extends(longer: StoredEntry, shorter: StoredEntry) -> bool:
-    return longer.num_tokens > shorter.num_tokens and (
-        common_prefix_length(longer.tokens, shorter.tokens) == shorter.num_tokens
-    )

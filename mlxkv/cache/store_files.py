@@ -1,14 +1,23 @@
 """The disk tier's files: their names, format and checks, and which files are its own.
 
 Owns the file format (`FORMAT`: MLX's safetensors with mlxkv's metadata and a CRC-32 of the
-whole file, header included), names (`token_key`), reading and checking a header, and the
-rules for what this tier may remove: regular files with its naming whose header says so,
-never a symlink, a pipe or anything named otherwise. Does not own the index or the budget
-(`store`).
+whole file, header included), names (`token_key`), a file's metadata (`entry_metadata`),
+reading and checking a header (`read_header`, and `read_record` for the index's
+`StoredEntry`), and the rules for what this tier may remove: regular files with its naming
+whose header says so, never a symlink, a pipe or anything named otherwise. Does not own the
+index (`store`) or the budget (`store`, `store_budget`).
+
+File: `<directory>/<model key>/<sha256 of the token ids>.safetensors` (16 and 32 hex digits),
+written by MLX's safetensors writer. Its header metadata holds the format, the model's
+fingerprint, the cache's layout signature and layout, the token ids, and a CRC-32 of the whole
+file (header included, its own value read as the placeholder). The model key combines
+fingerprint and signature, so models (or kv_bits settings) sharing a directory keep apart; the
+fingerprint is checked again in every file.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -20,6 +29,7 @@ import struct
 import time
 import uuid
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +57,29 @@ class BadFile(Exception):
     def __init__(self, message: str, *, ours: bool = True):
         super().__init__(message)
         self.ours = ours
+
+
+@dataclass(eq=False)
+class StoredEntry:
+    """One indexed file.
+
+    Attributes:
+        path: where it is.
+        tokens: the token ids it holds (uint32).
+        nbytes: the file's size in bytes.
+        checkpoints: lengths in tokens of its checkpoints.
+        salt: the isolation domain it belongs to (`pool.salt_digest`), None for the shared.
+    """
+
+    path: Path
+    tokens: np.ndarray
+    nbytes: int
+    checkpoints: tuple[int, ...] = ()
+    salt: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
 
 
 class DiskStoreUnavailable(OSError):
@@ -136,6 +169,50 @@ def read_header(path: Path) -> tuple[dict[str, str], int]:
     return metadata, 8 + header_bytes
 
 
+def entry_metadata(
+    fingerprint: str, signature: str, layout: dict, tokens: np.ndarray, salt: str | None
+) -> dict[str, str]:
+    """The header metadata of an entry's file, its CRC-32 still the placeholder (`patch_crc`
+    fills it in once the file is written)."""
+    return {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "signature": signature,
+        "layout": json.dumps(layout),
+        "num_tokens": str(tokens.size),
+        "tokens": base64.b64encode(tokens.astype("<u4").tobytes()).decode(),
+        "crc32": CRC_PLACEHOLDER,
+        **({"salt": salt} if salt else {}),
+    }
+
+
+def read_record(path: Path, fingerprint: str, signature: str) -> StoredEntry:
+    """The index entry of the file at `path`, from its header.
+
+    Raises:
+        BadFile: the header does not parse, is for another version, model or cache layout,
+            or does not match the file's name.
+        OSError: the file cannot be read now.
+    """
+    metadata, _ = read_header(path)
+    if metadata.get("format") != FORMAT:
+        raise BadFile(f"written by another version of mlxkv ({metadata.get('format')})")
+    if metadata.get("fingerprint") != fingerprint:
+        raise BadFile("written for another model (fingerprint differs)")
+    if metadata.get("signature") != signature:
+        raise BadFile("written for another cache layout")
+    try:
+        tokens = np.frombuffer(base64.b64decode(metadata["tokens"]), dtype="<u4")
+        layout = json.loads(metadata["layout"])
+        checkpoints = tuple(int(point["at"]) for point in layout["checkpoints"])
+    except (KeyError, ValueError, TypeError) as error:
+        raise BadFile(f"unreadable metadata ({error})") from error
+    salt = metadata.get("salt") or None
+    if path.name != token_key(tokens, salt) + SUFFIX:
+        raise BadFile("its name does not match its token ids")
+    return StoredEntry(path, tokens, path.stat().st_size, checkpoints, salt)
+
+
 def _file_crc(file: Any, data_start: int) -> int:
     """CRC-32 of the whole file, header included, with the header's own CRC value read as
     the placeholder (so one header byte changed is caught like one data byte)."""
@@ -176,6 +253,14 @@ def touch(path: Path) -> None:
     """Marks a file as just used (the budget removes the least recently used first)."""
     with contextlib.suppress(OSError):
         os.utime(path)
+
+
+def remove_orphaned_temporaries(directory: Path) -> None:
+    """`remove_if_orphaned` for every temporary file in `directory`."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if TEMPORARY_NAME.fullmatch(entry.name):
+                remove_if_orphaned(Path(entry.path))
 
 
 def remove_if_orphaned(path: Path) -> None:

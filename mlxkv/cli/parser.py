@@ -46,6 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_options(chat, server=False)
     chat.set_defaults(run=chat_command)
 
+    _add_serve_command(commands)
+
+    convert = commands.add_parser("convert", help="convert a GGUF file to an mlx-lm directory")
+    convert.add_argument("gguf", type=Path)
+    convert.add_argument("out_dir", type=Path)
+    convert.add_argument("-v", "--verbose", action="store_true")
+    convert.set_defaults(run=convert_command)
+
+    info = commands.add_parser("info", help="architecture, layers and KV bytes per token")
+    info.add_argument("model", nargs="?", default=None, help="default: the bundled SmolLM2")
+    info.add_argument("-v", "--verbose", action="store_true")
+    info.set_defaults(run=info_command)
+    return parser
+
+
+def _add_serve_command(commands: argparse._SubParsersAction) -> None:
+    """`mlxkv serve`: its options are most of the command line, so they have a function."""
     serve = commands.add_parser(
         "serve",
         help="OpenAI- and Anthropic-compatible HTTP server",
@@ -77,6 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a host name clients reach the server by (the Host header), besides localhost and "
         "--host; repeat for more, '*' for any",
     )
+    _add_limit_options(serve)
+    serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
+    _add_warmup_option(serve)
+    _add_speculative_options(serve)
+    _add_cache_options(serve, server=True)
+    serve.set_defaults(run=serve_command, serving=True)
+
+
+def _add_limit_options(serve: argparse.ArgumentParser) -> None:
+    """The server's per-request and queue limits."""
     serve.add_argument(
         "--max-tokens",
         type=int,
@@ -111,23 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="most requests decoding together in one batch (default: as many whole context "
         "windows as fit in a quarter of memory, at most 8; 1: one at a time)",
     )
-    serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
-    _add_warmup_option(serve)
-    _add_speculative_options(serve)
-    _add_cache_options(serve, server=True)
-    serve.set_defaults(run=serve_command, serving=True)
-
-    convert = commands.add_parser("convert", help="convert a GGUF file to an mlx-lm directory")
-    convert.add_argument("gguf", type=Path)
-    convert.add_argument("out_dir", type=Path)
-    convert.add_argument("-v", "--verbose", action="store_true")
-    convert.set_defaults(run=convert_command)
-
-    info = commands.add_parser("info", help="architecture, layers and KV bytes per token")
-    info.add_argument("model", nargs="?", default=None, help="default: the bundled SmolLM2")
-    info.add_argument("-v", "--verbose", action="store_true")
-    info.set_defaults(run=info_command)
-    return parser
 
 
 def _port(text: str) -> int:

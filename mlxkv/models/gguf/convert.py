@@ -1,10 +1,10 @@
 """GGUF (llama.cpp's format) to an mlx-lm model directory, converted once and reused.
 
-Owns: reading a GGUF file with `mx.load(path, return_metadata=True)`, checking its
-architecture and tensor types, mapping llama.cpp tensor names to mlx-lm's, undoing llama.cpp's
-row permutation of the q and k projections, building the config from metadata, rebuilding the
-byte-level BPE tokenizer (`tokenizer.ggml.*`) with `tokenizers`, and caching the result in a
-user cache directory keyed by the file's content hash.
+Owns: the conversion's steps and where it goes: reading and checking the file (`reader`, via
+the `gguf` package), its tensors with `mx.load(path, format="gguf")`, mapping llama.cpp tensor
+names to mlx-lm's, undoing llama.cpp's row permutation of the q and k projections, writing the
+config (`hf_config`) and the tokenizer (`tokenizer`), and caching the result in a user cache
+directory keyed by the file's content hash.
 
 Weights are dequantized and stored as float16; `loading` casts them to the fast dtype of the
 device (float32 on MLX's CPU backend, where quantized matmuls are ~40x slower).
@@ -25,19 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from mlxkv import config
 from mlxkv.errors import ModelLoadError, UnsupportedFormatError
-from mlxkv.models.gguf.header import check_gguf
+from mlxkv.models.gguf.hf_config import hf_config
+from mlxkv.models.gguf.reader import read_metadata
+from mlxkv.models.gguf.tokenizer import check_tokenizer, write_tokenizer
 
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
 
-# general.file_type values (llama.cpp's `llama_ftype`) whose tensors `mx.load` can read.
-_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0"}
-_SUPPORTED_ARCHITECTURES = ("llama",)
 _GROUP_SIZE = 32  # every supported GGUF block type packs 32 weights per block
 
 _LAYER_NAMES = {
@@ -57,22 +55,6 @@ _GLOBAL_NAMES = {
     "output": "lm_head",
 }
 
-# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), by `tokenizer.ggml.pre`.
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3_REGEX = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_TOKENIZERS = {
-    "default": [_GPT2_REGEX],
-    "gpt2": [_GPT2_REGEX],
-    "smollm": [r"\p{N}", _GPT2_REGEX],
-    "starcoder": [r"\p{N}", _GPT2_REGEX],
-    "llama-bpe": [_LLAMA3_REGEX],
-    "llama3": [_LLAMA3_REGEX],
-}
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
 _MANIFEST = "mlxkv-conversion.json"  # file name -> size in bytes, written last
 
 
@@ -140,13 +122,13 @@ def convert_gguf(
     path = _checked_source(Path(gguf_path))
     out = Path(out_dir)
     _check_destination(out)
-    check_gguf(path)
+    metadata = read_metadata(path)
     try:
-        tensors, metadata = mx.load(str(path), format="gguf", return_metadata=True)
+        tensors = mx.load(str(path), format="gguf")
     except (RuntimeError, ValueError) as error:
         raise UnsupportedFormatError(f"{path.name}: MLX could not read it: {error}") from error
-    config = _config(metadata, tensors, path.name)
-    _check_tokenizer(metadata, path.name)
+    config = hf_config(metadata, tensors, path.name)
+    check_tokenizer(metadata, path.name)
     for name in tensors:
         _target_name(name.rsplit(".", 1)[0])
     tmp = _temporary_dir(out)
@@ -154,7 +136,7 @@ def convert_gguf(
         weights = _weights(tensors, config, progress)
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        _write_tokenizer(metadata, tmp)
+        write_tokenizer(metadata, tmp)
         _write_manifest(tmp, path.name)
         _move_into_place(tmp, out)
     finally:
@@ -232,82 +214,6 @@ def _content_hash(path: Path) -> str:
     return digest.hexdigest()[:24]
 
 
-def _scalar(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
-    value = metadata.get(key, default)
-    return value.item() if isinstance(value, mx.array) else value
-
-
-def _config(metadata: dict[str, Any], tensors: dict[str, mx.array], name: str) -> dict[str, Any]:
-    arch = _scalar(metadata, "general.architecture")
-    if arch not in _SUPPORTED_ARCHITECTURES:
-        raise UnsupportedFormatError(
-            f"GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(_SUPPORTED_ARCHITECTURES)}"
-        )
-    file_type = _scalar(metadata, "general.file_type")
-    if file_type is not None and file_type not in _FILE_TYPES:
-        raise UnsupportedFormatError(
-            f"GGUF file type {file_type} is not supported; supported: "
-            f"{', '.join(_FILE_TYPES.values())}. Use a Q8_0, Q4_0, Q4_1 or F16 file"
-        )
-    if "rope_freqs.weight" in tensors:
-        raise UnsupportedFormatError(
-            "GGUF with a rope_freqs tensor (Llama 3.1-style RoPE scaling) is not supported yet"
-        )
-    size = {
-        key: _positive_int(metadata, f"{arch}.{key}", name)
-        for key in ("embedding_length", "block_count", "feed_forward_length")
-    }
-    heads = _positive_int(metadata, f"{arch}.attention.head_count", name)
-    hidden = size["embedding_length"]
-    if f"{arch}.attention.key_length" not in metadata and hidden % heads:
-        raise UnsupportedFormatError(
-            f"{name}: embedding_length {hidden} is not a multiple of head_count {heads}"
-        )
-    tokens = metadata.get("tokenizer.ggml.tokens", [])
-    return {
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "num_hidden_layers": size["block_count"],
-        "intermediate_size": size["feed_forward_length"],
-        "num_attention_heads": heads,
-        "num_key_value_heads": _scalar(metadata, f"{arch}.attention.head_count_kv", heads),
-        "head_dim": _scalar(metadata, f"{arch}.attention.key_length", hidden // heads),
-        "rms_norm_eps": _scalar(metadata, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": _scalar(metadata, f"{arch}.rope.freq_base", 10000.0),
-        "vocab_size": _scalar(metadata, f"{arch}.vocab_size", len(tokens)),
-        "max_position_embeddings": _scalar(metadata, f"{arch}.context_length", 4096),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _scalar(metadata, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _scalar(metadata, "tokenizer.ggml.eos_token_id"),
-        "source_gguf_file_type": _FILE_TYPES.get(file_type, "unknown"),
-    }
-
-
-def _positive_int(metadata: dict[str, Any], key: str, name: str) -> int:
-    value = _scalar(metadata, key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UnsupportedFormatError(
-            f"{name}: GGUF metadata {key} is {'missing' if value is None else repr(value)}; "
-            "a llama model needs a positive integer there"
-        )
-    return value
-
-
-def _check_tokenizer(metadata: dict[str, Any], name: str) -> None:
-    """Refuses, before any weight is converted, a tokenizer `_write_tokenizer` cannot build."""
-    kind = _scalar(metadata, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedFormatError(
-            f"{name}: GGUF tokenizer model {kind!r} is not supported; only byte-level BPE "
-            "('gpt2', as in SmolLM2, Llama 3 and Qwen GGUFs). SentencePiece ('llama') files "
-            "such as Llama 2 or Mistral GGUFs cannot be converted"
-        )
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens:
-        raise UnsupportedFormatError(f"{name}: GGUF metadata has no tokenizer.ggml.tokens")
-
-
 def _weights(
     tensors: dict[str, mx.array], config: dict[str, Any], progress: ProgressCallback | None
 ) -> dict[str, mx.array]:
@@ -356,53 +262,3 @@ def _unpermute_rows(weight: mx.array, num_heads: int) -> mx.array:
         .swapaxes(1, 2)
         .reshape(rows, cols)
     )
-
-
-def _write_tokenizer(metadata: dict[str, Any], out: Path) -> None:
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
-
-    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
-    tokenizer = Tokenizer(bpe)
-    pre = _scalar(metadata, "tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
-        logger.warning("gguf: unknown pre-tokenizer %r; using GPT-2's", pre)
-    splits = [
-        pre_tokenizers.Split(Regex(r), behavior="isolated")
-        for r in _PRE_TOKENIZERS.get(pre, [_GPT2_REGEX])
-    ]
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    types = np.array(metadata.get("tokenizer.ggml.token_type", np.ones(len(tokens))))
-    special = [t for t, k in zip(tokens, types, strict=True) if k == _TOKEN_TYPE_CONTROL]
-    added = [t for t, k in zip(tokens, types, strict=True) if k == _TOKEN_TYPE_USER_DEFINED]
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tokenizer.add_tokens([AddedToken(t, normalized=False) for t in added])
-    tokenizer.save(str(out / "tokenizer.json"))
-
-    def token(key: str) -> str | None:
-        index = _scalar(metadata, key)
-        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("tokenizer.ggml.bos_token_id"),
-        "eos_token": token("tokenizer.ggml.eos_token_id"),
-        "pad_token": token("tokenizer.ggml.padding_token_id"),
-        "unk_token": token("tokenizer.ggml.unknown_token_id"),
-        "add_bos_token": bool(_scalar(metadata, "tokenizer.ggml.add_bos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "chat_template": _scalar(metadata, "tokenizer.chat_template"),
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
