@@ -29,8 +29,9 @@ from mlxkv.server.turn import TextDelta, Turn, collect, start_turn
 
 router = APIRouter(prefix="/api")
 
-# The Ollama version clients see; some refuse a server older than the API they need.
-OLLAMA_VERSION = "0.12.0"
+# The Ollama version clients see; some refuse a server older than the API they need:
+# `codex --oss` asks for 0.13.4 or newer (Ollama's `/v1/responses`, which this server has).
+OLLAMA_VERSION = "0.13.5"
 
 
 @router.get("/version")
