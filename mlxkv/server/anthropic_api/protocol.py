@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from mlxkv.server.errors import ApiError
+from mlxkv.server.forced_tools import ForcedCall
 from mlxkv.server.openai_api.protocol import Lenient
 from mlxkv.server.structured import anthropic_grammar
 
@@ -121,6 +122,13 @@ class PromptFields(Lenient):
             }
             for tool in tools
         ]
+
+    def forced_call(self) -> ForcedCall | None:
+        """The call `tool_choice` requires (`any`, or a named `tool`), if any."""
+        choice = self.tool_choice
+        if choice is None or choice.type not in ("any", "tool"):
+            return None
+        return ForcedCall(choice.name if choice.type == "tool" else None)
 
 
 class MessagesRequest(PromptFields):

@@ -44,6 +44,7 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
         tools=body.template_tools(),
         sampling=body.sampling(),
         cache_salt=body.cache_salt,
+        forced=body.forced_call(),
     )
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:

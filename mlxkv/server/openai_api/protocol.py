@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkv.server.errors import ApiError
+from mlxkv.server.forced_tools import ForcedCall
 from mlxkv.server.json_limits import MAX_JSON_DEPTH, json_depth, too_deep_message
 from mlxkv.server.structured import openai_grammar
 
@@ -164,6 +165,12 @@ class ChatCompletionRequest(GenerationFields):
                     400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
                 )
         return tools
+
+    def forced_call(self) -> ForcedCall | None:
+        """The call `tool_choice` requires ("required", or a named function), if any."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ForcedCall(self.tool_choice.function.name)
+        return ForcedCall() if self.tool_choice == "required" else None
 
     def top_logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

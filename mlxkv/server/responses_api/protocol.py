@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlxkv.server.errors import ApiError
+from mlxkv.server.forced_tools import ForcedCall
 from mlxkv.server.openai_api.protocol import Lenient, mlx_seed, tool_arguments
 from mlxkv.server.structured import openai_grammar
 
@@ -99,6 +100,12 @@ class ResponsesRequest(Lenient):
                     400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
                 )
         return tools or None
+
+    def forced_call(self) -> ForcedCall | None:
+        """The call `tool_choice` requires ("required", or a named function), if any."""
+        if isinstance(self.tool_choice, NamedFunction):
+            return ForcedCall(self.tool_choice.name)
+        return ForcedCall() if self.tool_choice == "required" else None
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         chosen = {
