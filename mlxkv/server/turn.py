@@ -112,6 +112,7 @@ async def start_turn(
     max_tokens_asked: bool = True,
     cache_salt: str | None = None,
     forced: ForcedCall | None = None,
+    switches: dict[str, Any] | None = None,
 ) -> Turn:
     """Validates and queues one generation for an HTTP request (kept on `request.state.turn`
     for the access log). The context never shifts over HTTP: a client's history is the
@@ -121,7 +122,7 @@ async def start_turn(
     the window is full, or at the limit (`max_tokens_asked` False). `cache_salt` keeps the
     request to the cache entries of its salt (vLLM's name for it). `forced`: a `tool_choice`
     that requires a call, kept by a grammar (over any structured-output one: the reply is
-    the call).
+    the call). `switches`: chat-template variables (`server.thinking`).
 
     Raises:
         ApiError: 400 for bad input, a call required of a model that cannot be made to
@@ -158,6 +159,7 @@ async def start_turn(
             overflow="refuse" if max_tokens_asked else "stop",
             cache_key=cache_key,
             cache_salt=cache_salt,
+            switches=switches,
             **sampling,
         )
     except ContextLengthError as error:

@@ -3,8 +3,9 @@ chat-template messages: `tool_use` blocks become the assistant's tool calls, `to
 blocks become `tool` messages, and tools become OpenAI-style function definitions (the form
 chat templates take).
 
-`output_config.format` is honoured (structured outputs). Fields current clients send that
-change nothing here are accepted and ignored: `thinking`, `output_config.effort`,
+`output_config.format` is honoured (structured outputs), and `thinking` sets the chat
+template's thinking switch where it has one (`server.thinking`). Fields current clients send
+that change nothing here are accepted and ignored: `output_config.effort`,
 `cache_control` (every prefix is cached anyway), `context_management`, `diagnostics`,
 `metadata`, `anthropic-beta` headers.
 
@@ -21,6 +22,7 @@ from mlxkv.server.errors import ApiError
 from mlxkv.server.forced_tools import ForcedCall
 from mlxkv.server.openai_api.protocol import Lenient
 from mlxkv.server.structured import anthropic_grammar
+from mlxkv.server.thinking import anthropic_switches
 
 
 class TextBlock(Lenient):
@@ -87,6 +89,10 @@ class PromptFields(Lenient):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None  # the template's thinking switch, where it has one
+
+    def template_switches(self) -> dict[str, Any] | None:
+        return anthropic_switches(self.thinking)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

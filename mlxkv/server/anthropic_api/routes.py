@@ -45,6 +45,7 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
         sampling=body.sampling(),
         cache_salt=body.cache_salt,
         forced=body.forced_call(),
+        switches=body.template_switches(),
     )
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
@@ -65,7 +66,10 @@ async def count_tokens(body: PromptFields, ctx: Context) -> dict[str, int]:
     runner = ctx.worker.runner
     try:
         tokens = await run_in_threadpool(
-            runner.encode, body.chat_messages(), tools=body.template_tools()
+            runner.encode,
+            body.chat_messages(),
+            tools=body.template_tools(),
+            switches=body.template_switches(),
         )
     except ValueError as error:
         raise ApiError(400, str(error)) from error

@@ -103,6 +103,7 @@ async def chat(body: ChatRequest, request: Request, ctx: Context):
         tools=body.tools or None,
         sampling=sampling,
         max_tokens_asked=asked,
+        switches=body.template_switches(),
     )
     return await _answer(turn, request, ctx, body, "message")
 
@@ -113,7 +114,12 @@ async def generate(body: GenerateRequest, request: Request, ctx: Context):
     if not body.prompt:  # loads the model
         return _loaded(ctx, body.model, "response", "")
     turn = await start_turn(
-        request, body.prompt_for_runner(), tools=None, sampling=sampling, max_tokens_asked=asked
+        request,
+        body.prompt_for_runner(),
+        tools=None,
+        sampling=sampling,
+        max_tokens_asked=asked,
+        switches=body.template_switches(),
     )
     return await _answer(turn, request, ctx, body, "response")
 

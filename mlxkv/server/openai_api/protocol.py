@@ -18,6 +18,7 @@ from mlxkv.server.errors import ApiError
 from mlxkv.server.forced_tools import ForcedCall
 from mlxkv.server.json_limits import MAX_JSON_DEPTH, json_depth, too_deep_message
 from mlxkv.server.structured import openai_grammar
+from mlxkv.server.thinking import effort_switches, merged
 
 
 def mlx_seed(seed: int | None) -> int | None:
@@ -146,6 +147,13 @@ class ChatCompletionRequest(GenerationFields):
     prompt_cache_key: str | None = Field(None, max_length=256)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = (
+        None  # vLLM's: passed where the template reads them
+    )
+
+    def template_switches(self) -> dict[str, Any] | None:
+        return merged(effort_switches(self.reasoning_effort), self.chat_template_kwargs)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template takes them: text content, `developer` as `system`,
