@@ -405,6 +405,12 @@ class Runner:
         changing."""
         return MemoryReport.measure(self._pool)
 
+    def cached_prefix_tokens(self, tokens: list[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of `tokens` an in-memory cache entry of `cache_salt` holds
+        now (the disk tier not counted); never waits. What a request for them would reuse,
+        give or take the last token (always fed) and layers that cannot go back that far."""
+        return self._pool.longest_prefix(tokens, salt=salt_digest(cache_salt))
+
     @property
     def cache_tokens(self) -> list[int]:
         """The token ids the entry of the last request holds (a copy). Waits for a generation
