@@ -11,12 +11,14 @@ JSON schema) or its Lark form.
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from mlxkv.decoding.sampling import LogitsProcessor
+from mlxkv.decoding.schema_recursion import check_finite_schema
 
 # OpenAI's `{"type": "json_object"}`: any JSON object.
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
@@ -34,7 +36,8 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
 def check_grammar(grammar: str, tokenizer: Any) -> None:
     """Raises:
     ValueError: a grammar llguidance cannot compile for this tokenizer (mlx-lm's
-        TokenizerWrapper); the message names the problem.
+        TokenizerWrapper), or a JSON schema whose recursion cannot end (it compiles, but
+        nothing matches it: `schema_recursion`); the message names the problem.
     """
     from llguidance import LLMatcher
 
@@ -43,6 +46,8 @@ def check_grammar(grammar: str, tokenizer: Any) -> None:
     problem = LLMatcher.validate_grammar(grammar, _llguidance_tokenizer(tokenizer))
     if problem:
         raise ValueError(f"the grammar (or JSON schema) cannot be used: {problem}")
+    for schema in _json_schemas(grammar):
+        check_finite_schema(schema)
 
 
 def grammar_processor(
@@ -75,6 +80,16 @@ def grammar_processor(
         return mx.where(mx.array(allowed), logits, -mx.inf)
 
     return constrain
+
+
+def _json_schemas(grammar: str) -> list[Any]:
+    """The JSON schemas of a grammar in llguidance's JSON form (none for Lark text)."""
+    try:
+        spec = json.loads(grammar)
+    except json.JSONDecodeError:
+        return []
+    grammars = spec.get("grammars") if isinstance(spec, dict) else None
+    return [g["json_schema"] for g in grammars or [] if isinstance(g, dict) and "json_schema" in g]
 
 
 @functools.lru_cache(maxsize=4)

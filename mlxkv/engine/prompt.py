@@ -22,7 +22,8 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from jinja2 import TemplateError
+import jinja2
+from jinja2 import TemplateError, meta
 
 Message = dict[str, Any]
 Prompt = str | Sequence[int] | Sequence[Message]
@@ -49,9 +50,31 @@ class PromptEncoder:
         controls = sorted(_control_tokens(tokenizer), key=len, reverse=True)
         self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
         self._plain = _plain_text_tokenizer(tokenizer) if controls else None
+        # Variables the chat template reads: only those are passed as switches.
+        self.template_variables = _template_variables(getattr(tokenizer, "chat_template", None))
+
+    def template_switches(self, switches: dict[str, Any] | None) -> dict[str, Any]:
+        """The entries of `switches` (`enable_thinking`, `reasoning_effort`, ... as vLLM's
+        `chat_template_kwargs`) that this chat template reads; the others, and the arguments
+        rendering sets itself, are dropped, so other templates render as before.
+        `enable_thinking` always goes through: mlx-lm's wrapper passes it to every template
+        anyway (its default: whether the vocabulary has thinking tokens), under the name a
+        custom renderer takes."""
+        if switches is not None and not isinstance(switches, dict):
+            raise ValueError(f"template switches must be a dict, got {type(switches).__name__}")
+        return {
+            key: value
+            for key, value in (switches or {}).items()
+            if key in self.template_variables | {"enable_thinking"} and key not in _RENDER_ARGUMENTS
+        }
 
     def encode(
-        self, prompt: Prompt, *, parse_control_tokens: bool = False, tools: Tools | None = None
+        self,
+        prompt: Prompt,
+        *,
+        parse_control_tokens: bool = False,
+        tools: Tools | None = None,
+        switches: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids for a prompt.
 
@@ -62,6 +85,8 @@ class PromptEncoder:
                 control tokens (only for content you wrote yourself).
             tools: function definitions (OpenAI's `{"type": "function", "function": {...}}`
                 form) handed to the chat template; chat messages only.
+            switches: chat-template variables such as `enable_thinking`; only those the
+                template reads are passed (`template_switches`); chat messages only.
 
         Raises:
             ValueError: a prompt of another type, an empty prompt, ids outside the vocabulary,
@@ -91,7 +116,9 @@ class PromptEncoder:
         elif len(prompt) == 0:
             raise ValueError(f"prompt is empty; pass {_ACCEPTED}")
         elif all(isinstance(m, dict) for m in prompt):
-            tokens = self.render(prompt, parse_control_tokens=parse_control_tokens, tools=tools)
+            tokens = self.render(
+                prompt, parse_control_tokens=parse_control_tokens, tools=tools, switches=switches
+            )
         elif all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             tokens = [int(t) for t in prompt]
         else:
@@ -114,8 +141,10 @@ class PromptEncoder:
         add_generation_prompt: bool = True,
         parse_control_tokens: bool = False,
         tools: Tools | None = None,
+        switches: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of chat messages (and tools) through the chat template; content stays
+        """Token ids of chat messages (and tools, and the `switches` the template reads)
+        through the chat template; content stays
         text. A template that refuses system messages after the first turn (clients such as
         Claude Code send them as reminders) gets them folded into a user message instead.
 
@@ -125,7 +154,10 @@ class PromptEncoder:
                 rewrites (so it cannot be located and kept as text).
         """
         messages = _checked_messages(messages)
-        template_args: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
+        template_args: dict[str, Any] = {
+            **self.template_switches(switches),
+            "add_generation_prompt": add_generation_prompt,
+        }
         if tools:
             template_args["tools"] = _checked_tools(tools)
         if not getattr(self.tokenizer, "chat_template", None):
@@ -229,6 +261,20 @@ def leading_system_messages(prompt: Prompt) -> list[Message]:
             break
         system.append(message)
     return system
+
+
+# What `render` passes itself; a switch of the same name is dropped.
+_RENDER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize"})
+
+
+def _template_variables(template: Any) -> frozenset[str]:
+    """The undeclared variables a chat template's source reads (none if it does not parse)."""
+    if not isinstance(template, str):
+        return frozenset()
+    try:
+        return frozenset(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    except TemplateError:
+        return frozenset()
 
 
 def _valid_text(text: str) -> str:

@@ -99,6 +99,8 @@ class RequestOptions:
         speculative: the speculative decoding mode, already checked.
         grammar: an llguidance grammar (`decoding.grammar`) the output must keep to, or None.
         cache_salt: the isolation domain (a digest, `pool.salt_digest`), or None.
+        switches: chat-template variables (`enable_thinking`, ...), passed where the template
+            reads them.
     """
 
     progress: ProgressCallback | None = None
@@ -112,6 +114,7 @@ class RequestOptions:
     overflow: str = "shift"
     grammar: str | None = None
     cache_salt: str | None = None
+    switches: dict[str, Any] | None = None
 
     def check(self) -> None:
         if self.overflow not in OVERFLOW_MODES:
@@ -169,12 +172,16 @@ class RequestBuilder:
         params = _sampling_params(sampling)
         options.check()
         tokens = self._prompts.encode(
-            prompt, parse_control_tokens=options.parse_control_tokens, tools=options.tools
+            prompt,
+            parse_control_tokens=options.parse_control_tokens,
+            tools=options.tools,
+            switches=options.switches,
         )
         render = functools.partial(
             self._prompts.render,
             parse_control_tokens=options.parse_control_tokens,
             tools=options.tools,
+            switches=options.switches,
         )
         if not options.truncate and len(tokens) >= self._max_context:
             raise ContextLengthError(

@@ -237,12 +237,19 @@ class Runner:
         return self.loaded.tokenizer
 
     def encode(
-        self, prompt: Prompt, *, parse_control_tokens: bool = False, tools: Tools | None = None
+        self,
+        prompt: Prompt,
+        *,
+        parse_control_tokens: bool = False,
+        tools: Tools | None = None,
+        switches: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The token ids a prompt becomes (chat messages and tools through the chat template,
-        with control-token text inside message content kept as text unless
-        `parse_control_tokens`)."""
-        return self._prompts.encode(prompt, parse_control_tokens=parse_control_tokens, tools=tools)
+        """The token ids a prompt becomes (chat messages, tools and template `switches`
+        through the chat template, with control-token text inside message content kept as
+        text unless `parse_control_tokens`)."""
+        return self._prompts.encode(
+            prompt, parse_control_tokens=parse_control_tokens, tools=tools, switches=switches
+        )
 
     def generate(self, prompt: Prompt, **options: Any) -> Completion:
         """Generates a whole completion. Takes the same arguments as `stream` (and raises the
@@ -264,6 +271,7 @@ class Runner:
         overflow: str = "shift",
         grammar: str | None = None,
         cache_salt: str | None = None,
+        switches: dict[str, Any] | None = None,
         batched: bool = False,
         **sampling: Any,
     ) -> Iterator[GenerationChunk]:
@@ -293,6 +301,8 @@ class Runner:
             cache_salt: entries (and disk files) are reused only by requests with the same
                 salt (None: the shared ones). Isolates clients from each other: without it,
                 `cached_tokens` and timing tell one client what another's prompts began with.
+            switches: chat-template variables such as `enable_thinking` (Qwen3's thinking
+                switch) or `reasoning_effort`, passed only where the template reads them.
             cache_key: a label for the cache entry this request generates into, e.g. a
                 conversation id; `cache_info()` shows it. Lookup is by tokens alone.
             batched: run interleaved with the other batched streams of this Runner (the
@@ -333,7 +343,7 @@ class Runner:
         options = RequestOptions(
             progress, parse_control_tokens, tools, cancel, logprobs, truncate, cache_key,
             check_mode(speculative, has_draft_model=self._draft is not None), overflow, grammar,
-            salt_digest(cache_salt),
+            salt_digest(cache_salt), switches,
         )  # fmt: skip
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.
@@ -475,6 +485,12 @@ class Runner:
         waits: during a generation on another thread it is a live reading of a cache that is
         changing."""
         return MemoryReport.measure(self._pool)
+
+    def cached_prefix_tokens(self, tokens: list[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of `tokens` an in-memory cache entry of `cache_salt` holds
+        now (the disk tier not counted); never waits. What a request for them would reuse,
+        give or take the last token (always fed) and layers that cannot go back that far."""
+        return self._pool.longest_prefix(tokens, salt=salt_digest(cache_salt))
 
     @property
     def cache_tokens(self) -> list[int]:

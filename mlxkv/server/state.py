@@ -17,6 +17,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
+from mlxkv.server.anthropic_api.diagnostics import PromptRecords
 from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.history import ResponseHistory
 from mlxkv.server.turn import Turn
@@ -40,6 +41,7 @@ class ServerContext:
     created: when the server started (Unix seconds), for `/v1/models`.
     max_tokens_limit: most tokens one request may ask for (None: the window decides).
     responses: stored Responses API conversations, for `previous_response_id`.
+    prompt_records: prompts of Anthropic requests that asked for diagnostics, by message id.
     """
 
     worker: GenerationWorker
@@ -48,6 +50,7 @@ class ServerContext:
     created: int = 0
     max_tokens_limit: int | None = None
     responses: ResponseHistory = field(default_factory=ResponseHistory)
+    prompt_records: PromptRecords = field(default_factory=PromptRecords)
 
     @classmethod
     def make(

@@ -20,6 +20,7 @@ from mlxkv.decoding.picker import TokenLogprob
 from mlxkv.engine.results import Completion, PromptUsage
 from mlxkv.errors import ContextLengthError
 from mlxkv.server.errors import ApiError, context_length_error
+from mlxkv.server.forced_tools import ForcedCall, forced_call_grammar
 from mlxkv.server.tool_calls import Piece, ToolCall, ToolCallSplitter
 from mlxkv.server.worker import GenerationStream, GenerationWorker
 
@@ -110,6 +111,8 @@ async def start_turn(
     cache_key: str | None = None,
     max_tokens_asked: bool = True,
     cache_salt: str | None = None,
+    forced: ForcedCall | None = None,
+    switches: dict[str, Any] | None = None,
 ) -> Turn:
     """Validates and queues one generation for an HTTP request (kept on `request.state.turn`
     for the access log). The context never shifts over HTTP: a client's history is the
@@ -117,10 +120,13 @@ async def start_turn(
     refused, so is a `max_tokens` the client asked for that does not fit after it or is over
     the server's `max_tokens_limit`; a server default that does not fit ends the reply when
     the window is full, or at the limit (`max_tokens_asked` False). `cache_salt` keeps the
-    request to the cache entries of its salt (vLLM's name for it).
+    request to the cache entries of its salt (vLLM's name for it). `forced`: a `tool_choice`
+    that requires a call, kept by a grammar (over any structured-output one: the reply is
+    the call). `switches`: chat-template variables (`server.thinking`).
 
     Raises:
-        ApiError: 400 for bad input, and for a request over the window in each API's wording
+        ApiError: 400 for bad input, a call required of a model that cannot be made to
+            write one (`forced_tools`), and a request over the window in each API's wording
             (`errors.context_length_error`).
     """
     worker: GenerationWorker = request.app.state.mlxkv.worker
@@ -135,6 +141,8 @@ async def start_turn(
             )
         sampling = {**sampling, "max_tokens": limit}
     tokenizer = worker.runner.tokenizer
+    if forced is not None:
+        sampling = {**sampling, "grammar": forced_call_grammar(tokenizer, tools or [], forced)}
     splitter = None
     if tools and tokenizer.has_tool_calling:
         splitter = ToolCallSplitter(
@@ -151,6 +159,7 @@ async def start_turn(
             overflow="refuse" if max_tokens_asked else "stop",
             cache_key=cache_key,
             cache_salt=cache_salt,
+            switches=switches,
             **sampling,
         )
     except ContextLengthError as error:

@@ -11,6 +11,7 @@ import anthropic
 import ollama
 import openai
 import pytest
+from pydantic import BaseModel
 
 from mlxkv import Runner
 from tests.server.conftest import serve
@@ -104,3 +105,40 @@ def test_malformed_response_formats_are_400s(served, response_format):
         {"messages": ASK, "max_tokens": 3, "response_format": response_format},
     )
     assert status == 400 and "response_format" in body["error"]["message"]
+
+
+class Node(BaseModel):
+    """A tree: its recursion ends in an empty list of children."""
+
+    value: int
+    children: list[Node]
+
+
+def test_a_recursive_schema_that_can_end_gives_a_valid_tree(served):
+    reply = served.openai().chat.completions.parse(
+        model="m", messages=ASK, max_tokens=60, response_format=Node
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(reply.choices[0].message.parsed, Node)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#"},
+        {
+            "type": "object",
+            "properties": {"value": {"type": "integer"}, "child": {"$ref": "#"}},
+            "required": ["value", "child"],
+        },
+        {"$ref": "#/$defs/node", "$defs": {"node": {"$ref": "#/$defs/node"}}},
+    ],
+    ids=["root-ref", "required-child", "defs-loop"],
+)
+def test_a_recursion_that_cannot_end_is_a_400_naming_the_ref(served, schema):
+    """Such a schema compiles, but no finite JSON matches it: the reply was "" with "stop"."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    with pytest.raises(openai.BadRequestError, match=r"no finite value: '\$ref': '#"):
+        served.openai().chat.completions.create(
+            model="m", messages=ASK, max_tokens=20, response_format=fmt
+        )

@@ -3,8 +3,9 @@ chat-template messages: `tool_use` blocks become the assistant's tool calls, `to
 blocks become `tool` messages, and tools become OpenAI-style function definitions (the form
 chat templates take).
 
-`output_config.format` is honoured (structured outputs). Fields current clients send that
-change nothing here are accepted and ignored: `thinking`, `output_config.effort`,
+`output_config.format` is honoured (structured outputs), and `thinking` sets the chat
+template's thinking switch where it has one (`server.thinking`). Fields current clients send
+that change nothing here are accepted and ignored: `output_config.effort`,
 `cache_control` (every prefix is cached anyway), `context_management`, `diagnostics`,
 `metadata`, `anthropic-beta` headers.
 
@@ -17,9 +18,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from mlxkv.server.anthropic_api.diagnostics import Origin
 from mlxkv.server.errors import ApiError
+from mlxkv.server.forced_tools import ForcedCall
 from mlxkv.server.openai_api.protocol import Lenient
 from mlxkv.server.structured import anthropic_grammar
+from mlxkv.server.thinking import anthropic_switches
 
 
 class TextBlock(Lenient):
@@ -86,19 +90,39 @@ class PromptFields(Lenient):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None  # the template's thinking switch, where it has one
+    # `previous_message_id` asks for `diagnostics.cache_miss_reason` (anthropic_api.diagnostics)
+    diagnostics: dict[str, Any] | None = None
+
+    def template_switches(self) -> dict[str, Any] | None:
+        return anthropic_switches(self.thinking)
 
     def chat_messages(self) -> list[dict[str, Any]]:
+        return self.chat_messages_with_origins()[0]
+
+    def chat_messages_with_origins(self) -> tuple[list[dict[str, Any]], list[Origin]]:
+        """The chat-template messages, and where each came from: ("system", None), or the
+        index of the request's message and of its content block (None where several blocks
+        make one template message, or the content is a string)."""
         out: list[dict[str, Any]] = []
+        origins: list[Origin] = []
+        system = self.system_text()
+        if system:
+            out.append({"role": "system", "content": system})
+            origins.append(("system", None))
+        for index, message in enumerate(self.messages):
+            produced = _template_messages(index, message)
+            out += produced
+            origins += _origins(index, message, len(produced))
+        return out, origins
+
+    def system_text(self) -> str | None:
         system = self.system
         if isinstance(system, list):
             system = "\n\n".join(
                 block.text for block in system if not block.text.startswith(_PER_SESSION_HEADER)
             )
-        if system:
-            out.append({"role": "system", "content": system})
-        for index, message in enumerate(self.messages):
-            out += _template_messages(index, message)
-        return out
+        return system
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template, as `tool_choice` narrows them."""
@@ -121,6 +145,13 @@ class PromptFields(Lenient):
             }
             for tool in tools
         ]
+
+    def forced_call(self) -> ForcedCall | None:
+        """The call `tool_choice` requires (`any`, or a named `tool`), if any."""
+        choice = self.tool_choice
+        if choice is None or choice.type not in ("any", "tool"):
+            return None
+        return ForcedCall(choice.name if choice.type == "tool" else None)
 
 
 class MessagesRequest(PromptFields):
@@ -175,6 +206,19 @@ def _template_messages(index: int, message: Message) -> list[dict[str, Any]]:
             reply["tool_calls"] = calls
         out.append(reply)
     return out
+
+
+def _origins(index: int, message: Message, count: int) -> list[Origin]:
+    """Where `_template_messages` got its `count` messages: one per tool_result block, in
+    order, then the rest of the message (its block when it is one block)."""
+    if isinstance(message.content, str):
+        return [(index, None)] * count
+    results = [i for i, b in enumerate(message.content) if isinstance(b, ToolResultBlock)]
+    rest = [i for i, b in enumerate(message.content) if not isinstance(b, ToolResultBlock)]
+    origins: list[Origin] = [(index, i) for i in results]
+    while len(origins) < count:
+        origins.append((index, rest[0] if len(rest) == 1 else None))
+    return origins[:count]
 
 
 # Claude Code's first system block: its version and a per-session hash, different in every

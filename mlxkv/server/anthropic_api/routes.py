@@ -9,17 +9,25 @@ the prompt tokens the prompt cache supplied, `input_tokens` the rest (computed n
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from mlxkv.engine.results import Completion
+from mlxkv.server.anthropic_api.diagnostics import (
+    PromptRecord,
+    content_hash,
+    diagnose,
+    make_locator,
+)
 from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
 from mlxkv.server.errors import ApiError
-from mlxkv.server.state import Context, event_stream, sse
+from mlxkv.server.state import Context, ServerContext, event_stream, sse
 from mlxkv.server.tool_calls import ToolCall
 from mlxkv.server.turn import Event, TextDelta, Turn, collect, start_turn
 
@@ -38,22 +46,32 @@ _PING = sse({"type": "ping"}, "ping")
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, ctx: Context):
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    # Before the request runs: what the cache holds for the prompt now.
+    diagnostics = None
+    if body.diagnostics is not None:
+        diagnostics = await _diagnostics(body, ctx, message_id)
     turn = await start_turn(
         request,
         body.chat_messages(),
         tools=body.template_tools(),
         sampling=body.sampling(),
         cache_salt=body.cache_salt,
+        forced=body.forced_call(),
+        switches=body.template_switches(),
     )
-    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    head = _message_head(message_id, ctx.model_name, [])
+    if body.diagnostics is not None:
+        head["diagnostics"] = diagnostics
     if body.stream:
-        events = _message_events(turn, message_id, ctx.model_name)
+        events = _message_events(turn, head)
         return event_stream(events, turn, _error_event, keepalive=_PING)
     events, completion = await collect(turn, request)
     calls = [event for event in events if isinstance(event, ToolCall)]
     content = _blocks(events)
     return {
-        **_message_head(message_id, ctx.model_name, content),
+        **head,
+        "content": content,
         **_stop(completion, calls),
         "usage": _usage(completion, prewarm=body.max_tokens == 0),
     }
@@ -64,7 +82,10 @@ async def count_tokens(body: PromptFields, ctx: Context) -> dict[str, int]:
     runner = ctx.worker.runner
     try:
         tokens = await run_in_threadpool(
-            runner.encode, body.chat_messages(), tools=body.template_tools()
+            runner.encode,
+            body.chat_messages(),
+            tools=body.template_tools(),
+            switches=body.template_switches(),
         )
     except ValueError as error:
         raise ApiError(400, str(error)) from error
@@ -130,19 +151,40 @@ def _usage(completion: Completion | None, prewarm: bool = False) -> dict[str, in
     }
 
 
-async def _message_events(turn: Turn, message_id: str, model: str) -> AsyncIterator[str]:
+async def _diagnostics(
+    body: MessagesRequest, ctx: ServerContext, message_id: str
+) -> dict[str, Any] | None:
+    """Records this prompt under `message_id`, and explains what the cache misses of the
+    previous one (`diagnostics.previous_message_id`); None when it misses nothing."""
+    runner = ctx.worker.runner
+    messages, origins = body.chat_messages_with_origins()
+    tools = body.template_tools()
+    encode = functools.partial(runner.encode, tools=tools, switches=body.template_switches())
+    try:
+        tokens = await run_in_threadpool(encode, messages)
+    except ValueError as error:
+        raise ApiError(400, str(error)) from error
+    system_hash, tools_hash = content_hash(body.system_text()), content_hash(tools)
+    record = PromptRecord(np.asarray(tokens, np.uint32), system_hash, tools_hash)
+    previous_id = body.diagnostics.get("previous_message_id")
+    reason = None
+    if previous_id is not None:
+        previous = ctx.prompt_records.get(previous_id) if isinstance(previous_id, str) else None
+        held = runner.cached_prefix_tokens(tokens, body.cache_salt)
+        locate = make_locator(tokens, origins, lambda k: encode(messages[:k]))
+        reason = await run_in_threadpool(diagnose, record, previous, held, locate)
+    ctx.prompt_records.put(message_id, record)
+    return None if reason is None else {"cache_miss_reason": reason}
+
+
+async def _message_events(turn: Turn, head: dict[str, Any]) -> AsyncIterator[str]:
     """message_start at once (before the prompt is processed: a long prefill then sends pings,
     and the client knows it was accepted; its usage is zeros, message_delta carries the
     counts), then content blocks (start, deltas, stop), message_delta with the stop reason
     and usage, message_stop."""
     index, text_open = 0, False
     calls: list[ToolCall] = []
-    head = {
-        **_message_head(message_id, model, []),
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": _usage(None),
-    }
+    head = {**head, "stop_reason": None, "stop_sequence": None, "usage": _usage(None)}
     yield sse({"type": "message_start", "message": head}, "message_start")
     async for event in turn.events():
         if isinstance(event, TextDelta) and event.text:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxkv.server.errors import ApiError
 from mlxkv.server.openai_api.protocol import mlx_seed, tool_arguments
 from mlxkv.server.structured import ollama_grammar
+from mlxkv.server.thinking import ollama_switches
 
 
 class Lenient(BaseModel):
@@ -60,6 +61,10 @@ class GenerationRequest(Lenient):
     stream: bool = True
     keep_alive: str | int | float | None = None
     format: str | dict[str, Any] | None = None
+    think: bool | str | None = None  # the template's thinking switch, where it has one
+
+    def template_switches(self) -> dict[str, Any] | None:
+        return ollama_switches(self.think)
 
     def sampling(self, default_max_tokens: int, window: int) -> tuple[dict[str, Any], bool]:
         """Runner sampling arguments, and whether the client set a token limit. num_predict

@@ -29,8 +29,9 @@ from mlxkv.server.turn import TextDelta, Turn, collect, start_turn
 
 router = APIRouter(prefix="/api")
 
-# The Ollama version clients see; some refuse a server older than the API they need.
-OLLAMA_VERSION = "0.12.0"
+# The Ollama version clients see; some refuse a server older than the API they need:
+# `codex --oss` asks for 0.13.4 or newer (Ollama's `/v1/responses`, which this server has).
+OLLAMA_VERSION = "0.13.5"
 
 
 @router.get("/version")
@@ -102,6 +103,7 @@ async def chat(body: ChatRequest, request: Request, ctx: Context):
         tools=body.tools or None,
         sampling=sampling,
         max_tokens_asked=asked,
+        switches=body.template_switches(),
     )
     return await _answer(turn, request, ctx, body, "message")
 
@@ -112,7 +114,12 @@ async def generate(body: GenerateRequest, request: Request, ctx: Context):
     if not body.prompt:  # loads the model
         return _loaded(ctx, body.model, "response", "")
     turn = await start_turn(
-        request, body.prompt_for_runner(), tools=None, sampling=sampling, max_tokens_asked=asked
+        request,
+        body.prompt_for_runner(),
+        tools=None,
+        sampling=sampling,
+        max_tokens_asked=asked,
+        switches=body.template_switches(),
     )
     return await _answer(turn, request, ctx, body, "response")
 

@@ -15,8 +15,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkv.server.errors import ApiError
+from mlxkv.server.forced_tools import ForcedCall
 from mlxkv.server.json_limits import MAX_JSON_DEPTH, json_depth, too_deep_message
 from mlxkv.server.structured import openai_grammar
+from mlxkv.server.thinking import effort_switches, merged
 
 
 def mlx_seed(seed: int | None) -> int | None:
@@ -145,6 +147,13 @@ class ChatCompletionRequest(GenerationFields):
     prompt_cache_key: str | None = Field(None, max_length=256)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = (
+        None  # vLLM's: passed where the template reads them
+    )
+
+    def template_switches(self) -> dict[str, Any] | None:
+        return merged(effort_switches(self.reasoning_effort), self.chat_template_kwargs)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template takes them: text content, `developer` as `system`,
@@ -164,6 +173,12 @@ class ChatCompletionRequest(GenerationFields):
                     400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
                 )
         return tools
+
+    def forced_call(self) -> ForcedCall | None:
+        """The call `tool_choice` requires ("required", or a named function), if any."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ForcedCall(self.tool_choice.function.name)
+        return ForcedCall() if self.tool_choice == "required" else None
 
     def top_logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -44,6 +44,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         cache_key=body.prompt_cache_key,
         max_tokens_asked=max_tokens is not None,
         cache_salt=body.cache_salt,
+        forced=body.forced_call(),
+        switches=body.template_switches(),
     )
     reply = _Reply(ctx.model_name, "chatcmpl", "chat.completion")
     if body.stream:

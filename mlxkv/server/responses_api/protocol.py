@@ -21,8 +21,10 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlxkv.server.errors import ApiError
+from mlxkv.server.forced_tools import ForcedCall
 from mlxkv.server.openai_api.protocol import Lenient, mlx_seed, tool_arguments
 from mlxkv.server.structured import openai_grammar
+from mlxkv.server.thinking import effort_switches
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,10 @@ class TextOptions(Lenient):
     format: dict[str, Any] | None = None
 
 
+class Reasoning(Lenient):
+    effort: str | None = None
+
+
 class ResponsesRequest(Lenient):
     model: str | None = None
     input: str | list[InputItem]
@@ -80,6 +86,10 @@ class ResponsesRequest(Lenient):
     prompt_cache_key: str | None = Field(None, max_length=256)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     text: TextOptions | None = None
+    reasoning: Reasoning | None = None
+
+    def template_switches(self) -> dict[str, Any] | None:
+        return effort_switches(self.reasoning.effort if self.reasoning else None)
 
     def input_items(self) -> list[InputItem]:
         if isinstance(self.input, str):
@@ -99,6 +109,12 @@ class ResponsesRequest(Lenient):
                     400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
                 )
         return tools or None
+
+    def forced_call(self) -> ForcedCall | None:
+        """The call `tool_choice` requires ("required", or a named function), if any."""
+        if isinstance(self.tool_choice, NamedFunction):
+            return ForcedCall(self.tool_choice.name)
+        return ForcedCall() if self.tool_choice == "required" else None
 
     def sampling(self, default_max_tokens: int) -> dict[str, Any]:
         chosen = {

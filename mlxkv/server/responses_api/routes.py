@@ -54,6 +54,8 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
         cache_key=body.prompt_cache_key,
         max_tokens_asked=body.max_output_tokens is not None,
         cache_salt=body.cache_salt,
+        forced=body.forced_call(),
+        switches=body.template_switches(),
     )
     response = _Response(body, ctx.model_name)
 
