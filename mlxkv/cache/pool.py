@@ -29,8 +29,8 @@ never held twice by entries that extend each other, and lookups compare T with e
 
 Requests may run interleaved (decoded in one batch): each holds its entry from `fetch_nearest`
 to `release`. An entry in use is never trimmed, extended or evicted by another request; one
-that shares a prefix with it gets a copy of that prefix. An entry's recorded `tokens` stay a
-prefix of what its cache holds while it is in use, so such a copy is always exact.
+that shares a prefix with it gets a copy of that prefix, matched against the token ids its
+cache holds at that moment (its request may have shifted it), so such a copy is exact.
 
 Invariants:
   - `fetch_nearest` returns at least one token still to feed;
@@ -150,6 +150,10 @@ class CachePool:
         entry, reuse = self._nearest_in_memory(query, limit, salt)
         if self.store is not None:
             entry, reuse = self._maybe_load(query, limit, entry, reuse, salt)
+        if entry is not None and entry in self._in_use:
+            # Its request may have moved its cache on (a context shift): what it holds now.
+            common = common_prefix_length(entry.cache.tokens, query[:reuse])
+            reuse = entry.cache.nearest_restorable(common)
         how = "extended in place"
         if reuse == 0:
             entry, how = self._add(self._make_entry()), "new entry"

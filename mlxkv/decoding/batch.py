@@ -14,7 +14,8 @@ row's queue; a request whose queue runs empty runs the next step, queued (`async
 its token is read back, as `decode_tokens` pipelines. Rows of slower readers simply queue more
 (at most their `max_tokens`). A row that has all its tokens leaves at once; a request that
 stops early (EOS, a stop string, cancel) leaves when its iterator is closed. Leaving hands the
-row's K/V back to its entry with exactly the tokens fed, the same record a plain decode leaves.
+row's K/V back to its entry with exactly the tokens fed, less those decoded ahead of a reader
+that never took them: the same record a plain decode leaves.
 
 Batched kernels round differently from a single row's (matmul shapes, the padded softmax):
 logits agree with a request decoded alone to within float rounding, not bit for bit.
@@ -104,24 +105,31 @@ class DecodeBatch:
         return token
 
     def leave(self, row: _Row) -> None:
-        """Takes the row out of the batch (if still in), handing its K/V to its entry."""
+        """Takes the row out of the batch (if still in), handing its K/V to its entry, less
+        the tokens decoded ahead that its reader never took: the entry ends where a plain
+        decode stopped by the same reader would (the last token read, fed or not)."""
         if row in self._rows:
             self._part(row)
+        unread_fed = len(row.out) - 1  # the newest was picked, never fed
+        if unread_fed > 0 and row.failure is None:
+            row.cache.trim_to(row.cache.num_tokens - unread_fed)
+        row.out.clear()
 
     def _step(self) -> None:
         rows = self._rows
         inputs = mx.concatenate([row.next_input for row in rows]).reshape(len(rows), 1)
         try:
             logits = self._model(inputs, cache=self._kv.layers)[:, -1, :]
-        except BaseException as error:
+            picked = [row.pick(logits[i : i + 1]) for i, row in enumerate(rows)]
+            mx.async_eval(picked)
+        except BaseException as error:  # the model, or one row's processors (a grammar)
             self._fail(error)
             raise
-        for i, row in enumerate(rows):
+        for row, token in zip(rows, picked, strict=True):
             row.fed.append(row.next_input)
-            row.next_input = row.pick(logits[i : i + 1])
-            row.out.append(row.next_input)
+            row.next_input = token
+            row.out.append(token)
             row.left -= 1
-        mx.async_eval([row.next_input for row in rows])
         for row in [row for row in rows if row.left <= 0]:
             self._part(row)
         self._steps += 1
@@ -137,8 +145,9 @@ class DecodeBatch:
         row.cache.adopt(layers, row.cache.tokens + fed, row.cache.checkpoints)
 
     def _fail(self, error: BaseException) -> None:
-        """A step failed: every row leaves with its entry as it was at its join (their K/V in
-        the batch may be half updated); each request hears the error at its next token."""
+        """A step failed (the model, or one row's processors: a grammar that refused a token):
+        every row leaves with its entry as it was at its join (their K/V in the batch may be
+        half updated); each request hears the error at its next token."""
         logger.error("a batched decode step failed; its %d requests end", len(self._rows))
         for row in self._rows:
             row.failure = error

@@ -114,7 +114,10 @@ def run_request(
         request, draft, draft_cache, loaded, hit.cache, logits, stats, plan, window.make_room,
         batch,
     )  # fmt: skip
-    yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
+    try:
+        yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
+    finally:  # here, on the engine thread, before the entry is released (an error included)
+        decoded.close()
 
 
 def _batch_for(

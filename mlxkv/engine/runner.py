@@ -373,6 +373,7 @@ class Runner:
     def _consume_interleaved(self, request: Request) -> Iterator[GenerationChunk]:
         """A batched stream's side: waits for one of `max_batch` places, then its chunks."""
         try:
+            self._refuse_second_stream()
             if not self._places.acquire(request.cancelled):
                 stats = CompletionStats(time.perf_counter(), len(request.tokens), 0)
                 yield stats.final_chunk("", "cancelled")
@@ -385,6 +386,17 @@ class Runner:
             with self._requests_lock:
                 self._requests.discard(request.cancelled)
 
+    def _refuse_second_stream(self) -> None:
+        """Raises RunnerBusyError on a thread still reading a stream of this Runner: its new
+        one would wait on the first (for the engine, or for a place), which only this thread
+        can finish."""
+        if threading.get_ident() in self._consumers:
+            raise RunnerBusyError(
+                "this thread is still iterating another stream() of this Runner; "
+                "finish it or close() it before starting a new generation (waiting "
+                "would never end)"
+            )
+
     def _relay(self, make: Callable[[], Iterator[T]], *, interleaved: bool = False) -> Iterator[T]:
         """The items of the generator `make()` returns, run on the engine thread for this
         thread. A second one on a thread still reading one would wait on the first, which
@@ -392,12 +404,7 @@ class Runner:
         `cache_tokens` reads go through the relay (the engine is busy with its generator)."""
         me = threading.get_ident()
         with self._requests_lock:
-            if me in self._consumers:
-                raise RunnerBusyError(
-                    "this thread is still iterating another stream() of this Runner; "
-                    "finish it or close() it before starting a new generation (waiting "
-                    "would never end)"
-                )
+            self._refuse_second_stream()
             engine = self._engine
             relay = engine.interleave(make) if interleaved else engine.iterate(make)
             self._consumers[me] = relay

@@ -169,3 +169,20 @@ def test_an_entry_in_use_is_copied_from_never_trimmed_extended_or_evicted():
     pool.release(in_use)
     _check_entries(pool)
     assert pool.entries[0].tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_a_copy_from_an_entry_in_use_follows_what_its_cache_holds_now():
+    """Its request may have shifted it (a context shift drops tokens mid-window): a copy of
+    the recorded prefix would then be other tokens' K/V."""
+    pool = CachePool(_make_entry, max_entries=2)
+    _request(pool, [1, 2, 3, 4, 5, 6])
+    first = pool.fetch_nearest([1, 2, 3, 4, 5, 6, 7])
+    in_use = pool.current
+    in_use.cache.trim_to(2)  # as if shifted: it holds [1, 2, 8, 9] now
+    first.cache.forward(_IdWriter(), [8, 9])
+    second = pool.fetch_nearest([1, 2, 3, 4, 5, 6, 10])
+    assert second.num_cached == 2
+    second.cache.forward(_IdWriter(), second.remaining)
+    pool.release(pool.current)
+    pool.release(in_use)
+    _check_entries(pool)

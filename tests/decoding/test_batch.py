@@ -45,14 +45,14 @@ def llama(loaded_tiny):
 
 
 def _assert_holds_what_it_fed(model, cache, prompt, streamed, continuation):
-    """The entry holds the prompt, then what the row fed: the tokens streamed (all but maybe
-    the last) and any it decoded ahead of a slow reader, all of them the row's own greedy
-    continuation; and its K/V are a fresh prefill's."""
+    """The entry holds the prompt, then the tokens streamed (all but maybe the last; what the
+    row decoded ahead of a slow reader is given back), the row's own greedy continuation;
+    and its K/V are a fresh prefill's."""
     held = cache.tokens
     assert held[: len(prompt)] == prompt
     fed = held[len(prompt) :]
     assert fed == continuation[: len(fed)]
-    assert len(fed) >= len(streamed) - 1
+    assert len(streamed) - 1 <= len(fed) <= len(streamed)  # nothing decoded ahead is kept
     fresh = make_cache(model)
     prefill(model, fresh, held[:-1], PLAN)
     want = fresh.forward(model, held[-1:])
@@ -141,6 +141,28 @@ def test_a_failed_step_leaves_every_entry_as_it_joined(llama):
 
 def _raising(*args, **kwargs):
     raise RuntimeError("broken step")
+
+
+def test_a_row_whose_processors_fail_fails_the_step_and_leaves_entries_as_joined(llama):
+    """A grammar that refuses a token raises inside one row's pick, after the forward pass
+    updated every row's K/V in the batch: no entry may keep that half step."""
+    model, _ = llama
+    batch = DecodeBatch(model, max_rows=4)
+    caches, streams = [], []
+    for i in (0, 2):
+        cache, logits, pick = _start(model, PROMPTS[i])
+        caches.append(cache)
+        streams.append(batched_tokens(batch, cache, logits, pick, MAX_TOKENS[i]))
+        next(streams[-1])
+    next(streams[0]), next(streams[1])  # both rows joined, one step taken
+    batch._rows[1].pick = _raising
+    with pytest.raises(RuntimeError, match="broken step"):
+        for _ in range(MAX_TOKENS[0]):
+            next(streams[0])
+    for stream in streams:
+        stream.close()
+    for cache, prompt in zip(caches, (PROMPTS[0], PROMPTS[2]), strict=True):
+        assert cache.tokens == prompt
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])

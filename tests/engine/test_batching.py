@@ -13,6 +13,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.decoding import batch as batch_module
+from mlxkv.errors import RunnerBusyError
 from mlxkv.testing.factory import ARCHITECTURES
 from tests.factories import wait_until
 
@@ -172,4 +173,15 @@ def test_more_streams_than_places_wait_and_a_cancelled_waiter_gives_up(loaded_ti
     assert waiting[-1].completion.finish_reason == "cancelled"
     gate.set()
     holder.join(60)
+    assert runner._places.taken == 0
+
+
+def test_a_second_stream_on_a_thread_still_reading_one_is_refused_not_hung(loaded_tiny):
+    """With every place taken by this thread's own stream, waiting would never end."""
+    runner = Runner(loaded_tiny("llama"), max_context=512, max_batch=1)
+    first = runner.stream(PROMPTS[0], batched=True, max_tokens=8)
+    next(first)
+    with pytest.raises(RunnerBusyError):
+        next(runner.stream(PROMPTS[1], batched=True, max_tokens=8))
+    first.close()
     assert runner._places.taken == 0
