@@ -175,23 +175,13 @@ class Relay:
 
     def __iter__(self) -> Iterator[Any]:
         """Consumer side: the items."""
-        ended = False
-        try:
-            while True:
-                self._asks.put(("next", None))
-                kind, item = self._answers.get()
-                if kind != "item":
-                    ended = True
-                    if kind == "error":
-                        raise item
-                    return
-                yield item
-        finally:
-            if not ended:  # left early: close the generator there and wait until it has
-                self._asks.put(("close", None))
-                kind, item = self._answers.get()
-                if kind == "error":
-                    logger.warning("closing a generation raised %r", item)
+        return _consumed(lambda: self._asks.put(("next", None)), self._answers, self._close)
+
+    def _close(self) -> None:
+        self._asks.put(("close", None))
+        kind, item = self._answers.get()
+        if kind == "error":
+            raise item
 
 
 class Interleaved:
@@ -230,23 +220,38 @@ class Interleaved:
 
     def __iter__(self) -> Iterator[Any]:
         """Consumer side: the items."""
-        ended = False
-        try:
-            while True:
-                self._engine._submit(self._advance)
-                kind, item = self._answers.get()
-                if kind != "item":
-                    ended = True
-                    if kind == "error":
-                        raise item
-                    return
-                yield item
-        finally:
-            if not ended:  # left early: close the generator there and wait until it has
-                try:
-                    self._engine.call(self._close)
-                except Exception as error:
-                    logger.warning("closing a generation raised %r", error)
+        return _consumed(
+            lambda: self._engine._submit(self._advance),
+            self._answers,
+            lambda: self._engine.call(self._close),
+        )
+
+
+def _consumed(
+    ask: Callable[[], None],
+    answers: queue.SimpleQueue[tuple[str, Any]],
+    close: Callable[[], None],
+) -> Iterator[Any]:
+    """The consumer's side of a generator run on the engine thread: `ask()` for each item,
+    read from `answers`, its errors raised here; a consumer that leaves early calls `close()`,
+    which closes the generator there and waits until it has."""
+    ended = False
+    try:
+        while True:
+            ask()
+            kind, item = answers.get()
+            if kind != "item":
+                ended = True
+                if kind == "error":
+                    raise item
+                return
+            yield item
+    finally:
+        if not ended:
+            try:
+                close()
+            except Exception as error:
+                logger.warning("closing a generation raised %r", error)
 
 
 def _outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
