@@ -1,8 +1,10 @@
 """Batched decoding: the sequences of several requests advance one token each per forward pass.
 
 Owns `DecodeBatch` (the rows decoding together, one batched step for all of them, joins and
-leaves between steps) and `batched_tokens`, a request's token iterator on it, shaped like
-`plain.decode_tokens` so that everything after it (text, stop strings, cancel) is the same.
+leaves between steps), `batched_tokens`, a request's token iterator on it, shaped like
+`plain.decode_tokens` so that everything after it (text, stop strings, cancel) is the same,
+and `joined_tokens`, the same from a token picked before the join (a request that decoded
+alone until others came).
 Does not own the rows' K/V layout (`mlxkv.cache.batched`) or sampling (each row keeps its own
 `TokenPicker`: processors, sampler, grammar and logprobs per request).
 
@@ -171,9 +173,17 @@ def batched_tokens(
     token = pick(logits)
     mx.async_eval(token)
     yield token.item()
-    if max_tokens == 1:
+    yield from joined_tokens(batch, cache, token, pick, max_tokens - 1)
+
+
+def joined_tokens(
+    batch: DecodeBatch, cache: ModelCache, last: mx.array, pick: TokenPicker, left: int
+) -> Iterator[int]:
+    """Yields the `left` tokens after `last` (picked by `pick`, not yet in `cache`), decoding
+    in `batch`: how a request decoding alone so far goes on with others."""
+    if left <= 0:
         return
-    row = batch.join(cache, token, pick, max_tokens - 1)
+    row = batch.join(cache, last, pick, left)
     try:
         while (token := batch.next_token(row)) is not None:
             yield token.item()

@@ -104,11 +104,17 @@ def speculative_tokens(
     rule: AcceptanceRule,
     counts: DraftCounts,
     make_room: Callable[[ModelCache, int], None] | None = None,
+    hand_over: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
     """Yields up to `max_tokens` token ids from the prompt's last logits, like
     `decode_tokens`, verifying drafts where `length` asks for some and the drafter has them,
     and decoding plainly (pipelined) in between, until the drafter has a draft again. Counts
-    drafted and accepted tokens in `counts`."""
+    drafted and accepted tokens in `counts`.
+
+    `hand_over` is asked after each token from the second on; True ends the iterator as soon
+    as the cache allows (at once between passes, one token later in a plain stretch), with
+    its last token yielded but not fed: the caller goes on decoding elsewhere from it (a
+    batch that other requests joined)."""
     if max_tokens <= 0:
         return
     token = int(pick(logits).item())
@@ -117,6 +123,8 @@ def speculative_tokens(
     produced = 1
     most = max(1, (cache.capacity_tokens or max_tokens) // 8)  # a pass must fit the window
     while produced < max_tokens:
+        if hand_over and hand_over():
+            return
         room = max_tokens - produced
         wanted = min(length.next(), room - 1, most)
         draft = drafter.propose(wanted) if wanted > 0 else Draft([])
@@ -128,6 +136,8 @@ def speculative_tokens(
         else:  # plain decoding until the next chance to draft
             paused = length.paused_tokens
             watch = None if paused else drafter.can_propose  # ends the stretch at a match
+            if hand_over:
+                watch = _either(watch, hand_over)
             if make_room:
                 make_room(cache, 1)
             step = cache.forward(model, mx.array([token], dtype=mx.uint32))[:, -1, :]
@@ -169,6 +179,10 @@ def _verify(
         accepted.append(drafted)
     keep(len(fed))
     return [*accepted, int(pick(rows[-1:]).item())]
+
+
+def _either(first: Callable[[], bool] | None, second: Callable[[], bool]) -> Callable[[], bool]:
+    return second if first is None else lambda: first() or second()
 
 
 def _one_hot(token: int, size: int) -> mx.array:

@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlxkv.cache.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.pool import CacheEntry, CachePool
-from mlxkv.decoding.batch import DecodeBatch, batched_tokens
+from mlxkv.decoding.batch import DecodeBatch, batched_tokens, joined_tokens
 from mlxkv.decoding.drafts import DraftLength, DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.picker import TokenPicker
@@ -39,8 +39,9 @@ class Batching:
 
     Attributes:
         batch: the rows decoding together.
-        crowded: True while other requests are running or waiting; a request that decodes
-            alone otherwise keeps speculative decoding (which does not batch).
+        crowded: True while other requests are running or waiting; a request alone decodes
+            speculatively (which does not batch) until then, and joins the batch when they
+            come.
     """
 
     batch: DecodeBatch
@@ -112,7 +113,7 @@ def run_request(
     batch = _batch_for(request, hit.cache, max_context, batching)
     decoded, pick = _decode(
         request, draft, draft_cache, loaded, hit.cache, logits, stats, plan, window.make_room,
-        batch,
+        batch, batching.crowded if batch is not None else None,
     )  # fmt: skip
     try:
         yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
@@ -123,17 +124,15 @@ def run_request(
 def _batch_for(
     request: Request, cache: ModelCache, max_context: int, batching: Batching | None
 ) -> DecodeBatch | None:
-    """The batch this request decodes in, or None to decode alone: a batch cannot shift one
-    row's context (the reply must fit the window); a seeded request draws from its own random
-    key, which a batched step (sampling every row at once) would share; and speculative
-    decoding, which batches not, is kept for a request that runs alone."""
+    """The batch this request decodes in (at once, or when others come), or None to decode
+    alone: a batch cannot shift one row's context (the reply must fit the window), and a
+    seeded request draws from its own random key, which a batched step (sampling every row
+    at once) would share."""
     if batching is None or request.params.seed is not None:
         return None
     if not batching.batch.accepts(cache):
         return None
     if len(request.tokens) + request.params.max_tokens > max_context:
-        return None
-    if request.speculative is not None and not batching.crowded():
         return None
     return batching.batch
 
@@ -149,10 +148,13 @@ def _decode(
     plan: PrefillPlan,
     make_room: Callable[[ModelCache, int], None] | None = None,
     batch: DecodeBatch | None = None,
+    crowded: Callable[[], bool] | None = None,
 ) -> tuple[Iterator[int], TokenPicker]:
     """The generated token ids of one request, from the prompt's last logits, and the picker
-    that samples them: `batched_tokens` in `batch` when given, else `decode_tokens` when the
-    request's mode is None, else `speculative_tokens` with the mode's drafter (see `MODES`)."""
+    that samples them: `decode_tokens` when the request's mode is None, else
+    `speculative_tokens` with the mode's drafter (see `MODES`). With a `batch`: in the batch
+    from the start when the mode is None or others are `crowded` in already, else
+    speculatively until they come, then in the batch."""
     params, prompt = request.params, request.tokens
     processors = params.make_logits_processors()
     if request.grammar is not None:
@@ -161,7 +163,7 @@ def _decode(
         )
     sampler = params.make_sampler(loaded.vocab_size)
     pick = TokenPicker(sampler, processors, prompt, top_logprobs=request.top_logprobs)
-    if batch is not None:
+    if batch is not None and (request.speculative is None or crowded()):
         return batched_tokens(batch, cache, logits, pick, params.max_tokens), pick
     if request.speculative is None:
         return decode_tokens(loaded.model, cache, logits, pick, params.max_tokens, make_room), pick
@@ -181,5 +183,26 @@ def _decode(
         rule=AcceptanceRule(distribution),
         counts=stats.drafts,
         make_room=make_room,
+        hand_over=crowded,
     )
+    if batch is not None:
+        tokens = _then_joined(tokens, batch, cache, pick, params.max_tokens)
     return tokens, pick
+
+
+def _then_joined(
+    alone: Iterator[int], batch: DecodeBatch, cache: ModelCache, pick: TokenPicker, total: int
+) -> Iterator[int]:
+    """The tokens of `alone` (speculative, ended early when others came), then the rest of
+    the `total` decoded in `batch`, from its last token."""
+    produced, last = 0, None
+    try:
+        for last in alone:
+            produced += 1
+            yield last
+    finally:
+        alone.close()
+    if 0 < produced < total:
+        yield from joined_tokens(
+            batch, cache, mx.array([last], dtype=mx.uint32), pick, total - produced
+        )

@@ -185,3 +185,31 @@ def test_a_second_stream_on_a_thread_still_reading_one_is_refused_not_hung(loade
         next(runner.stream(PROMPTS[1], batched=True, max_tokens=8))
     first.close()
     assert runner._places.taken == 0
+
+
+def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, rows):
+    """Alone, a stream decodes speculatively; when a second stream takes a place it goes on
+    in the batch with it (one forward for both), with the tokens it would have had alone."""
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 40, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:2]]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    first = runner.stream(PROMPTS[0], batched=True, **options)
+    head = [next(first) for _ in range(3)]  # decoding alone, speculatively
+    assert not rows
+    gate, holding, results = threading.Event(), threading.Event(), []
+    runner._engine._submit(lambda: holding.set() or gate.wait(30))
+    holding.wait(30)
+    second = threading.Thread(
+        target=lambda: results.append(
+            _tokens_and_logprobs(runner.stream(PROMPTS[1], batched=True, **options))
+        )
+    )
+    second.start()
+    wait_until(lambda: runner._engine._jobs.qsize() == 1, what="the second stream queued")
+    gate.set()
+    got = _tokens_and_logprobs([*head, *first])
+    second.join(60)
+    _assert_same_answers([got, *results], want)
+    assert max(rows) == 2, "the speculative stream never joined the batch"
