@@ -93,16 +93,19 @@ def fill_steps(
     *,
     progress: ProgressCallback | None = None,
 ) -> Generator[None, None, None]:
-    """`fill`, pausing (yielding None) after each chunk; closing it stops after the chunk fed."""
+    """`fill`, pausing (yielding None) between chunks; closing it stops after the chunk fed.
+    No pause after the last: what follows it (the logits of a prompt's last token) belongs
+    with it, or a short prompt would wait a turn for its first token."""
     total = len(tokens)
     for start in range(0, total, plan.step_tokens):
+        if start:
+            yield
         end = min(start + plan.step_tokens, total)
         cpu_lanes.feed(model, cache, tokens[start:end], plan.lanes)
         if progress:
             progress(end, total)
         if mx.get_cache_memory() > plan.kept_buffers_bytes:
             mx.clear_cache()
-        yield
 
 
 def prefill(

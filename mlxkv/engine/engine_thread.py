@@ -20,6 +20,7 @@ the interpreter exits, releasing its streams on itself. Does not own what the wo
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
 import logging
 import os
@@ -46,6 +47,7 @@ class EngineThread:
     def __init__(self, name: str):
         self._name = name
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._urgent: collections.deque[Callable[[], None]] = collections.deque()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
@@ -90,7 +92,9 @@ class EngineThread:
         is computed by a job of its own: the jobs of other interleaved generators and calls
         run between two items. The generator yields None to pause: its next part runs after
         the jobs waiting then (a long prefill lets running requests decode between its
-        chunks); the caller never sees None."""
+        chunks); the caller never sees None. The first item's job goes ahead of those
+        waiting (at most one per interleaved generator: a decode step each), so a new
+        request's prefill starts at the next turn, not after a round of them."""
         return Interleaved(self, make)
 
     def stop(self, wait: bool = True) -> None:
@@ -107,12 +111,16 @@ class EngineThread:
         peer is gone): it is not waited for at exit."""
         _running.discard(self)
 
-    def _submit(self, job: Callable[[], None]) -> None:
+    def _submit(self, job: Callable[[], None], *, ahead: bool = False) -> None:
+        """Queues `job` after the others, or with `ahead` before those not started yet."""
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
                 _running.add(self)
+        if ahead:
+            self._urgent.append(job)
+            job = _run_ahead  # wakes the thread; the job itself runs before the next taken
         self._jobs.put(job)
 
     def _loop(self) -> None:
@@ -121,6 +129,8 @@ class EngineThread:
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
         try:
             while (job := self._jobs.get()) is not None:
+                while self._urgent:
+                    self._urgent.popleft()()
                 job()  # jobs hand their own errors to their callers
                 del job  # held while waiting for the next one, it would keep its arrays alive
         finally:
@@ -221,7 +231,7 @@ class Interleaved:
     def __iter__(self) -> Iterator[Any]:
         """Consumer side: the items."""
         return _consumed(
-            lambda: self._engine._submit(self._advance),
+            lambda: self._engine._submit(self._advance, ahead=self._generator is None),
             self._answers,
             lambda: self._engine.call(self._close),
         )
@@ -252,6 +262,10 @@ def _consumed(
                 close()
             except Exception as error:
                 logger.warning("closing a generation raised %r", error)
+
+
+def _run_ahead() -> None:
+    """The place in the queue of a job run ahead: it ran already."""
 
 
 def _outcome(fn: Callable[[], Any]) -> tuple[str, Any]:

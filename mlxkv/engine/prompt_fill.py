@@ -36,7 +36,7 @@ def fill_prompt(
     checkpoint_keep: bool,
 ) -> Generator[None, None, mx.array]:
     """Feeds `hit.remaining` into `hit.cache` and returns the last position's logits; yields
-    None after each chunk (a pause: `yield from` it in a request's generator).
+    None between chunks (a pause: `yield from` it in a request's generator).
 
     Args:
         plan: how the tokens are fed (chunk size, CPU lanes).
@@ -59,6 +59,7 @@ def fill_prompt(
         yield from fill_steps(model, cache, remaining[: split - offset], plan, progress=after_chunk)
         cache.checkpoint()
         offset, remaining = split, remaining[split - offset :]
+        yield  # a pause between two chunks, as inside them
     return (yield from prefill_steps(model, cache, remaining, plan, progress=after_chunk))
 
 
