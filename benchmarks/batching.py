@@ -8,6 +8,10 @@ Goals (batching issue): at 4 streams >= 2.5x one stream's tokens/s on this CPU a
 mlx_lm.server's under the same load; the 1-token request's p50 during 4 streams under 2x its
 idle p50.
 
+First, the device's ceiling: one decode step of mlx-lm's own model on its `BatchKVCache`, with
+1, 4 and 8 rows, in this process, no server and no cache policy (pipelined, greedy): what N
+streams could give at best over one, measured the same moment as the servers.
+
     python -m benchmarks.batching [--tokens 128] [--probes 6]
 """
 
@@ -81,6 +85,37 @@ def probe_latencies(client: openai.OpenAI, probes: int, busy: bool, offset: int)
     return seconds
 
 
+def ceiling(model_path: Path, steps: int = 48) -> dict[int, float]:
+    """Decode steps per second of mlx-lm's model on a `BatchKVCache` of N rows (a 64-token
+    context each), pipelined as a server decodes: the step after is queued before one is
+    read back."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import BatchKVCache
+
+    model, _ = load(str(model_path))
+    rates = {}
+    for rows in LOADS:
+        cache = [BatchKVCache([0] * rows) for _ in model.layers]
+        mx.eval(model(mx.ones((rows, 64), dtype=mx.uint32), cache=cache))
+
+        def step(tokens, cache=cache):
+            picked = mx.argmax(model(tokens, cache=cache)[:, -1, :], axis=-1)[:, None]
+            mx.async_eval(picked)
+            return picked
+
+        tokens = step(mx.ones((rows, 1), dtype=mx.uint32))
+        start = None
+        for n in range(steps + 8):
+            if n == 8:
+                start = time.perf_counter()  # after a few steps of warm-up
+            following = step(tokens)
+            tokens.tolist()
+            tokens = following
+        rates[rows] = steps / (time.perf_counter() - start)
+    return rates
+
+
 def _p(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -100,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         "mlx_lm.server": [sys.executable, "-m", "mlx_lm", "server", "--model", str(model),
                           "--log-level", "WARNING", "--port"],
     }  # fmt: skip
+    steps_per_s = ceiling(model)
+    print("ceiling, decode steps/s by rows:", steps_per_s, flush=True)
     env = blas_env()
     results: dict[str, dict[str, object]] = {}
     for offset, (name, command) in enumerate(servers.items()):
@@ -122,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     for n in LOADS:
         a, b = ours["rates"][n], peer["rates"][n]
         print(f"{n:7d} | {a:11.1f} | {a / ours['rates'][1]:10.2f}x | {b:13.1f} | {a / b:.2f}x")
+    print("\nThe device's ceiling (mlx-lm's model on BatchKVCache, in process, no server):")
+    for n in LOADS:
+        rate = n * steps_per_s[n]
+        print(f"{n} rows: {rate:.1f} tokens/s, {rate / steps_per_s[1]:.2f}x one row")
     print("\n1-token request, seconds (p50 / p99): idle, during 4 streams, ratio of p50s")
     for name, result in results.items():
         idle, busy = result["idle"], result["busy"]
