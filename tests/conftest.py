@@ -47,10 +47,10 @@ def checked_runners(request, monkeypatch):
     if request.node.get_closest_marker("unchecked_entries"):
         return
     from mlxkv.cache.model_cache import ModelCache
-    from mlxkv.engine.runner import Runner
+    from mlxkv.engine.dispatch import Dispatcher
     from tests.invariants import Fed, assert_entry_holds_what_it_fed, recording
 
-    run, end = Runner._run, Runner._end_request
+    run, end = Dispatcher._run, Dispatcher._end_request
 
     def recording_run(self, request, on_entry, *args):
         fed = Fed(list(request.tokens))
@@ -73,8 +73,8 @@ def checked_runners(request, monkeypatch):
         return shift(self, *args, **kwargs)
 
     monkeypatch.setattr(ModelCache, "shift", noting_shift)
-    monkeypatch.setattr(Runner, "_run", recording_run)
-    monkeypatch.setattr(Runner, "_end_request", checked_end)
+    monkeypatch.setattr(Dispatcher, "_run", recording_run)
+    monkeypatch.setattr(Dispatcher, "_end_request", checked_end)
 
 
 @pytest.fixture(autouse=True)
