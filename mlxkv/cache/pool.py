@@ -6,7 +6,7 @@ entries after a request; handing evicted entries to the disk tier and loading th
 not own the file format (`store`) or any model call.
 
 Terms:
-  entry        a ModelCache and the token ids it holds (generated into in place);
+  entry        a ModelCache and the token ids it holds (generated into in place; `entry`);
   reply start  where the model's reply began in an entry's last request: tokens before it came
                from the client, tokens after it are the reply the client renders back;
   superseded   an entry whose tokens are a strict prefix of another entry's.
@@ -41,16 +41,15 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from mlxkv.cache.model_cache import ModelCache, checkpoint_layers
+from mlxkv.cache.entry import CacheEntry, held_bytes
+from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import PrefixHit, common_prefix_length
 from mlxkv.cache.store import DiskStore
 
@@ -59,38 +58,6 @@ logger = logging.getLogger(__name__)
 # Trimming an entry to the budget: aim this far under it, for at most this many rounds.
 _FIT_MARGIN = 0.95
 _FIT_ROUNDS = 4
-
-
-@dataclass(eq=False)
-class CacheEntry:
-    """One entry: a conversation's state. `tokens` is read at the end of each request (safe
-    to read from any thread; `cache.tokens` is not while a generation runs). `label` names
-    what the entry serves (a conversation id a client sent); it is shown, never matched:
-    lookup is by tokens alone. `cut_start` is the first message kept when the conversation
-    was cut to the window (opaque here; the request builder matches it), so its next turn
-    cuts there again. `draft_cache` is the draft model's cache for this conversation
-    (speculative decoding), counted in the entry's bytes. `salt` is the isolation domain the
-    entry belongs to (a digest of a request's `cache_salt`, None for the shared one): only
-    requests of the same salt reuse it."""
-
-    cache: ModelCache
-    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
-    reply_start: int = 0
-    last_used: float = field(default_factory=time.time)
-    label: str | None = None
-    cut_start: Any = None
-    draft_cache: ModelCache | None = None
-    salt: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tokens.size)
-
-    @property
-    def draft_bytes(self) -> int:
-        """Bytes the draft model's cache for this conversation holds."""
-        draft = self.draft_cache
-        return 0 if draft is None else draft.nbytes + draft.checkpoint_bytes
 
 
 class CachePool:
@@ -289,15 +256,13 @@ class CachePool:
         self._entries.remove(entry)
         if entry is self.current:
             self.current = None
-        logger.debug(
-            "prefix cache evict tokens=%d bytes=%d", entry.num_tokens, _held_bytes([entry])
-        )
+        logger.debug("prefix cache evict tokens=%d bytes=%d", entry.num_tokens, held_bytes([entry]))
         if write and self.store is not None:
             self.store.write(entry.cache, salt=entry.salt)
 
     def _in_use_bytes(self) -> int:
         """Bytes only the requests running now can give back (their entries, the batch)."""
-        return _held_bytes(list(self._in_use)) + self.working_bytes()
+        return held_bytes(list(self._in_use)) + self.working_bytes()
 
     def _fit(self, entry: CacheEntry, max_bytes: int) -> int:
         """The last entry left, `entry`, within `max_bytes`: as it is when only writes in
@@ -308,10 +273,10 @@ class CachePool:
         Returns:
             1 if the entry had to be evicted (not even a prefix fits), else 0.
         """
-        if _held_bytes([entry]) <= max_bytes:
+        if held_bytes([entry]) <= max_bytes:
             return 0
         entry.draft_cache = None  # the draft model catches up again when it is needed
-        held = _held_bytes([entry])
+        held = held_bytes([entry])
         if held <= max_bytes:
             return 0
         cache, total = entry.cache, entry.num_tokens
@@ -324,7 +289,7 @@ class CachePool:
                 break
             cache.rewind_to(kept)
             cache.shrink()
-            held = _held_bytes([entry])
+            held = held_bytes([entry])
             if held <= max_bytes:
                 entry.tokens = np.asarray(cache.tokens, dtype=np.uint32)
                 entry.reply_start = min(entry.reply_start, kept)
@@ -363,7 +328,7 @@ class CachePool:
     def nbytes(self) -> int:
         """Bytes the entries hold: K/V allocated and checkpoints (each shared snapshot once),
         plus entries handed to the disk tier and not yet written."""
-        held = _held_bytes(list(self._entries)) + self.working_bytes()
+        held = held_bytes(list(self._entries)) + self.working_bytes()
         return held + (self.store.pending_bytes if self.store is not None else 0)
 
     def persist(self, timeout_s: float | None = None) -> None:
@@ -393,21 +358,3 @@ class CachePool:
         stay with their requests and are dropped when released."""
         self._entries.clear()
         self.current = None
-
-
-def _held_bytes(entries: list[CacheEntry]) -> int:
-    """Bytes `entries` hold: K/V allocated and checkpoints (a snapshot shared by several
-    entries counted once)."""
-    held = sum(e.cache.nbytes + e.draft_bytes for e in entries)
-    snapshots = {id(s): s for e in entries for s in checkpoint_layers(e.cache)}
-    return held + sum(s.nbytes for s in snapshots.values())
-
-
-def salt_digest(cache_salt: str | None) -> str | None:
-    """The isolation domain of a request's `cache_salt` (kept instead of the salt itself,
-    which may be a secret): None, the shared domain, for no salt."""
-    if cache_salt is None:
-        return None
-    if not isinstance(cache_salt, str) or not cache_salt:
-        raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
-    return hashlib.sha256(f"mlxkv-cache-salt\n{cache_salt}".encode()).hexdigest()[:32]

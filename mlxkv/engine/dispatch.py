@@ -20,8 +20,9 @@ from typing import TypeVar
 
 import mlx.core as mx
 
+from mlxkv.cache.entry import CacheEntry
 from mlxkv.cache.kv import Rotation
-from mlxkv.cache.pool import CacheEntry, CachePool
+from mlxkv.cache.pool import CachePool
 from mlxkv.cache.report import MemoryReport
 from mlxkv.config import RunnerConfig
 from mlxkv.decoding.batch import DecodeBatch

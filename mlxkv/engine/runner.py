@@ -23,8 +23,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.cache.building import make_cache
+from mlxkv.cache.entry import salt_digest
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.pool import salt_digest
 from mlxkv.cache.report import MemoryReport
 from mlxkv.config import RunnerConfig
 from mlxkv.decoding.drafts import DraftModel
