@@ -121,26 +121,7 @@ class CachePool:
             # Its request may have moved its cache on (a context shift): what it holds now.
             common = common_prefix_length(entry.cache.tokens, query[:reuse])
             reuse = entry.cache.nearest_restorable(common)
-        how = "extended in place"
-        if reuse == 0:
-            entry, how = self._add(self._make_entry()), "new entry"
-        elif entry in self._in_use:  # another request is generating into it
-            shared = entry
-            entry = self._add(shared.cache.copy_prefix(reuse), keep=shared)
-            how = "copied prefix of an entry in use"
-        elif reuse < entry.cache.num_tokens:
-            # one entry and nowhere to keep the other conversation: trim (today's behaviour)
-            alone = self.max_entries == 1 and self.store is None
-            if alone or reuse >= entry.reply_start:
-                trimmed = entry.cache.rewind_to(reuse)
-                # Keep allocation within one growth step of what is held after a large trim.
-                freed = entry.cache.shrink() if trimmed else 0
-                logger.debug("prefix cache trim tokens=%d freed_bytes=%d", trimmed, freed)
-                how = "trimmed in place"
-            else:
-                shared = entry
-                entry = self._add(shared.cache.copy_prefix(reuse), keep=shared)
-                how = "copied prefix"
+        entry, how = self._prepare(entry, reuse)
         if reuse:
             logger.info(
                 "prefix cache hit total=%d cached=%d left=%d (%s)",
@@ -158,6 +139,26 @@ class CachePool:
         self.current = entry
         self._in_use.add(entry)
         return PrefixHit(entry.cache, reuse, list(tokens[reuse:]))
+
+    def _prepare(self, entry: CacheEntry | None, reuse: int) -> tuple[CacheEntry, str]:
+        """The entry a request reusing `reuse` tokens of `entry` generates into (`entry`
+        itself, trimmed, or a new one with a copy of that prefix), and how it was made."""
+        if reuse == 0:
+            return self._add(self._make_entry()), "new entry"
+        if entry in self._in_use:  # another request is generating into it
+            how = "copied prefix of an entry in use"
+            return self._add(entry.cache.copy_prefix(reuse), keep=entry), how
+        if reuse >= entry.cache.num_tokens:
+            return entry, "extended in place"
+        # one entry and nowhere to keep the other conversation: trim (today's behaviour)
+        alone = self.max_entries == 1 and self.store is None
+        if alone or reuse >= entry.reply_start:
+            trimmed = entry.cache.rewind_to(reuse)
+            # Keep allocation within one growth step of what is held after a large trim.
+            freed = entry.cache.shrink() if trimmed else 0
+            logger.debug("prefix cache trim tokens=%d freed_bytes=%d", trimmed, freed)
+            return entry, "trimmed in place"
+        return self._add(entry.cache.copy_prefix(reuse), keep=entry), "copied prefix"
 
     def _nearest_in_memory(
         self, query: np.ndarray, limit: int, salt: str | None

@@ -98,12 +98,7 @@ class PromptEncoder:
                 "tools need a prompt of chat messages; a text or token prompt is already rendered"
             )
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"prompt is empty; pass {_ACCEPTED}")
-            text = _valid_text(prompt)
-            bos = self.tokenizer.bos_token
-            add_bos = bos is None or not text.startswith(bos)
-            tokens = self.tokenizer.encode(text, add_special_tokens=add_bos)
+            tokens = self._encode_text(prompt)
         elif isinstance(prompt, bytes | bytearray | memoryview):
             raise ValueError("prompt is bytes; decode it to a str first (prompt.decode('utf-8'))")
         elif not isinstance(prompt, Sequence):
@@ -124,6 +119,19 @@ class PromptEncoder:
         else:
             kinds = sorted({type(x).__name__ for x in prompt})
             raise ValueError(f"prompt must be {_ACCEPTED}; got a list of {', '.join(kinds)}")
+        return self._checked(tokens)
+
+    def _encode_text(self, prompt: str) -> list[int]:
+        """A rendered prompt's ids, with a BOS token unless the text begins with one."""
+        if not prompt:
+            raise ValueError(f"prompt is empty; pass {_ACCEPTED}")
+        text = _valid_text(prompt)
+        bos = self.tokenizer.bos_token
+        add_bos = bos is None or not text.startswith(bos)
+        return self.tokenizer.encode(text, add_special_tokens=add_bos)
+
+    def _checked(self, tokens: Sequence[int]) -> list[int]:
+        """`tokens` as a list, once each is in the vocabulary and there is at least one."""
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(

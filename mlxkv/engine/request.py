@@ -15,7 +15,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NoReturn
 
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.decoding.grammar import check_grammar
@@ -171,26 +171,15 @@ class RequestBuilder:
         """
         params = _sampling_params(sampling)
         options.check()
-        tokens = self._prompts.encode(
-            prompt,
-            parse_control_tokens=options.parse_control_tokens,
-            tools=options.tools,
-            switches=options.switches,
-        )
-        render = functools.partial(
-            self._prompts.render,
-            parse_control_tokens=options.parse_control_tokens,
-            tools=options.tools,
-            switches=options.switches,
-        )
+        template = {
+            "parse_control_tokens": options.parse_control_tokens,
+            "tools": options.tools,
+            "switches": options.switches,
+        }
+        tokens = self._prompts.encode(prompt, **template)
+        render = functools.partial(self._prompts.render, **template)
         if not options.truncate and len(tokens) >= self._max_context:
-            raise ContextLengthError(
-                f"the prompt is {len(tokens):,} tokens and the context holds {self._max_context:,}"
-                " (at least 1 must stay free for the answer); shorten the prompt or raise "
-                "max_context",
-                prompt_tokens=len(tokens),
-                max_context=self._max_context,
-            )
+            self._refuse_too_long(len(tokens))
         params = self._fit_max_tokens(params, len(tokens), options.overflow)
         if options.grammar is not None:
             check_grammar(options.grammar, self._prompts.tokenizer)
@@ -218,6 +207,15 @@ class RequestBuilder:
             cut_start,
             options.grammar,
             options.cache_salt,
+        )
+
+    def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:
+        raise ContextLengthError(
+            f"the prompt is {prompt_tokens:,} tokens and the context holds {self._max_context:,}"
+            " (at least 1 must stay free for the answer); shorten the prompt or raise "
+            "max_context",
+            prompt_tokens=prompt_tokens,
+            max_context=self._max_context,
         )
 
     def _fit_max_tokens(
