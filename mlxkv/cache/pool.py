@@ -33,9 +33,10 @@ that shares a prefix with it gets a copy of that prefix, matched against the tok
 cache holds at that moment (its request may have shifted it), so such a copy is exact.
 
 Invariants:
-  - `fetch_nearest` returns at least one token still to feed;
+  - `fetch_nearest` returns at least one token still to feed (a `PrefixHit`: generation needs
+    logits, which only come from feeding at least one token);
   - after `release`, at most `max_entries` entries, and the bytes they hold (K/V allocated,
-    checkpoints; plus entries still being written to disk and `working_bytes`) are at most
+    checkpoints; plus entries still being written to disk and `working`'s) are at most
     `max_bytes`, unless entries in use alone are over (they cannot be evicted).
 """
 
@@ -44,20 +45,44 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
 from mlxkv.cache.entry import CacheEntry, held_bytes
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.prefix import PrefixHit, common_prefix_length
+from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.cache.store import DiskStore
 
 logger = logging.getLogger(__name__)
 
+
+class Sized(Protocol):
+    """Anything holding memory that counts against the pool's budget (`CachePool.working`)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 # Trimming an entry to the budget: aim this far under it, for at most this many rounds.
 _FIT_MARGIN = 0.95
 _FIT_ROUNDS = 4
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What a request reuses and what it still has to feed.
+
+    Attributes:
+        cache: the entry, already trimmed to `num_cached` tokens.
+        num_cached: tokens of the request whose K/V are reused.
+        remaining: the request's tokens after those (never empty).
+    """
+
+    cache: ModelCache
+    num_cached: int
+    remaining: list[int]
 
 
 class CachePool:
@@ -86,8 +111,8 @@ class CachePool:
         self._in_use: set[CacheEntry] = set()  # entries of requests running now
         self.current: CacheEntry | None = None  # the entry of the latest request
         self.prefill_tokens_per_s: float | None = None  # set by the runner as it measures
-        # Bytes held for running requests outside the entries (a decode batch's K/V).
-        self.working_bytes: Callable[[], int] = lambda: 0
+        # What running requests hold outside the entries (a decode batch's K/V), if anything.
+        self.working: Sized | None = None
 
     @property
     def entries(self) -> list[CacheEntry]:
@@ -263,7 +288,10 @@ class CachePool:
 
     def _in_use_bytes(self) -> int:
         """Bytes only the requests running now can give back (their entries, the batch)."""
-        return held_bytes(list(self._in_use)) + self.working_bytes()
+        return held_bytes(list(self._in_use)) + self._working_bytes()
+
+    def _working_bytes(self) -> int:
+        return 0 if self.working is None else self.working.nbytes
 
     def _fit(self, entry: CacheEntry, max_bytes: int) -> int:
         """The last entry left, `entry`, within `max_bytes`: as it is when only writes in
@@ -329,7 +357,7 @@ class CachePool:
     def nbytes(self) -> int:
         """Bytes the entries hold: K/V allocated and checkpoints (each shared snapshot once),
         plus entries handed to the disk tier and not yet written."""
-        held = held_bytes(list(self._entries)) + self.working_bytes()
+        held = held_bytes(list(self._entries)) + self._working_bytes()
         return held + (self.store.pending_bytes if self.store is not None else 0)
 
     def persist(self, timeout_s: float | None = None) -> None:

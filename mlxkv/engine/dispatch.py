@@ -84,7 +84,7 @@ class Dispatcher:
         self._places = Places(max_batch)
         batch = DecodeBatch(loaded.model, max_batch)
         self._batching = Batching(batch, self._crowded)
-        pool.working_bytes = lambda: batch.nbytes
+        pool.working = batch
         self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         self._requests_lock = threading.Lock()
         # The memory line logged after the last generation (sharded: with the ranks' sum).
