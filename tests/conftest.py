@@ -43,7 +43,7 @@ def load_tiny(model_root):
 def checked_runners(request, monkeypatch):
     """After every request of every Runner in the test, its entry must hold what it fed
     (`tests/invariants.py`); a test marked `unchecked_entries` opts out (it breaks the model
-    on purpose, so a fresh prefill cannot be the reference)."""
+    on purpose, so a fresh prefill cannot be the reference, or it counts a request's calls)."""
     if request.node.get_closest_marker("unchecked_entries"):
         return
     from mlxkv.cache.model_cache import ModelCache
