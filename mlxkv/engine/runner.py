@@ -22,7 +22,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.cache.building import make_cache
 from mlxkv.cache.entry import salt_digest
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.report import MemoryReport
@@ -41,6 +40,7 @@ from mlxkv.engine.setup import (
     choose_max_batch,
     fit_window,
     kv_bytes_per_token,
+    make_layers,
     make_pool,
     warm_up,
 )
@@ -87,7 +87,7 @@ class Runner:
         self.speculative = check_mode(config.speculative, has_draft_model=draft is not None)
         self.loaded = loaded
         self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
-        per_token_bytes = kv_bytes_per_token(loaded.model, self._make_layers(config))
+        per_token_bytes = kv_bytes_per_token(loaded.model, make_layers(loaded.model, config))
         config = fit_window(config, loaded.max_position_embeddings, per_token_bytes)
         if self._lockstep is not None:  # every rank takes rank 0's cache settings
             config = self._lockstep.leaders_settings(config)
@@ -104,7 +104,7 @@ class Runner:
         self._engine = EngineThread(f"mlxkv-engine-{id(self):x}")
         weakref.finalize(self, self._engine.stop, False)
         if config.warmup:
-            self._engine.call(self._warm_up)
+            self._engine.call(warm_up, loaded, self._draft, config)
         self.max_batch = choose_max_batch(config, per_token_bytes, self._make_entry())
         self._dispatch = Dispatcher(
             loaded, self._pool, self._engine, config, draft=self._draft,
@@ -112,12 +112,6 @@ class Runner:
             lockstep=self._lockstep, max_batch=self.max_batch,
         )  # fmt: skip
         self._builder = RequestBuilder(self._prompts, self.max_context, config.keep)
-
-    def _warm_up(self) -> None:
-        models = [(self.loaded.model, self._make_layers(self.config))]
-        if self._draft is not None:
-            models.append((self._draft.loaded.model, self._draft.make_cache()))
-        warm_up(models, self.max_context)
 
     @classmethod
     def load(
@@ -150,13 +144,8 @@ class Runner:
         loaded = load_model(path_or_repo, progress=progress, group=group)
         return cls(loaded, config, group=group)
 
-    def _make_layers(self, config: RunnerConfig) -> ModelCache:
-        return make_cache(
-            self.loaded.model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size
-        )
-
     def _make_entry(self) -> ModelCache:
-        cache = self._make_layers(self.config)
+        cache = make_layers(self.loaded.model, self.config)
         cache.capacity_tokens = self.max_context  # the window is enforced by the cache too
         return cache
 

@@ -2,7 +2,7 @@
 prompt cache it uses (its entries' pool and, when asked for, the disk tier in the model's own
 subdirectory), and the warm-up.
 
-Owns `fit_window`, `choose_max_batch` (and the measures behind them), `make_pool` and
+Owns `fit_window`, `choose_max_batch`, `make_layers` (and the measures behind them), `make_pool` and
 `warm_up`. Does not own the pool's policy (`mlxkv.cache.pool`), the file format
 (`mlxkv.cache.store`) or the settings (`mlxkv.config.RunnerConfig`).
 """
@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.cache.batched import can_batch
+from mlxkv.cache.building import make_cache
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.pool import CachePool
 from mlxkv.cache.serialize import layout_signature
@@ -29,6 +30,7 @@ from mlxkv.config import (
     RunnerConfig,
     format_bytes,
 )
+from mlxkv.decoding.drafts import DraftModel
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel
 from mlxkv.platform.machine import memory_bytes
@@ -124,13 +126,21 @@ def choose_max_batch(config: RunnerConfig, per_token_bytes: int, empty: ModelCac
     return max_batch
 
 
-def warm_up(models: list[tuple[nn.Module, ModelCache]], max_context: int) -> None:
+def make_layers(model: nn.Module, config: RunnerConfig) -> ModelCache:
+    """An empty cache for `model` with `config`'s K/V kind (bits), holding any length."""
+    return make_cache(model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+
+
+def warm_up(loaded: LoadedModel, draft: DraftModel | None, config: RunnerConfig) -> None:
     """One forward pass per shape class a request meets (a prefill chunk, a draft's
-    verification, a decode step) for each model on its scratch cache: MLX compiles kernels
-    for new shapes (9.8 s for the first request on an H100), here instead of in the first
-    user's request. Touches no entry."""
+    verification, a decode step) on a scratch cache, for the model and the draft model: MLX
+    compiles kernels for new shapes (9.8 s for the first request on an H100), here instead of
+    in the first user's request. Touches no entry."""
     start = time.perf_counter()
-    chunk = min(_WARMUP_CHUNK_TOKENS, max_context - _WARMUP_DRAFT_TOKENS - 1)
+    models = [(loaded.model, make_layers(loaded.model, config))]
+    if draft is not None:
+        models.append((draft.loaded.model, draft.make_cache()))
+    chunk = min(_WARMUP_CHUNK_TOKENS, config.max_context - _WARMUP_DRAFT_TOKENS - 1)
     for model, cache in models:
         for width in (chunk, _WARMUP_DRAFT_TOKENS, 1):
             if width > 0:
