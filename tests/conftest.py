@@ -43,14 +43,14 @@ def load_tiny(model_root):
 def checked_runners(request, monkeypatch):
     """After every request of every Runner in the test, its entry must hold what it fed
     (`tests/invariants.py`); a test marked `unchecked_entries` opts out (it breaks the model
-    on purpose, so a fresh prefill cannot be the reference)."""
+    on purpose, so a fresh prefill cannot be the reference, or it counts a request's calls)."""
     if request.node.get_closest_marker("unchecked_entries"):
         return
     from mlxkv.cache.model_cache import ModelCache
-    from mlxkv.engine.runner import Runner
+    from mlxkv.engine.dispatch import Dispatcher
     from tests.invariants import Fed, assert_entry_holds_what_it_fed, recording
 
-    run, end = Runner._run, Runner._end_request
+    run, end = Dispatcher._run, Dispatcher._end_request
 
     def recording_run(self, request, on_entry, *args):
         fed = Fed(list(request.tokens))
@@ -73,8 +73,8 @@ def checked_runners(request, monkeypatch):
         return shift(self, *args, **kwargs)
 
     monkeypatch.setattr(ModelCache, "shift", noting_shift)
-    monkeypatch.setattr(Runner, "_run", recording_run)
-    monkeypatch.setattr(Runner, "_end_request", checked_end)
+    monkeypatch.setattr(Dispatcher, "_run", recording_run)
+    monkeypatch.setattr(Dispatcher, "_end_request", checked_end)
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,9 @@ class Fed:
 
 
 def assert_entry_holds_what_it_fed(runner, entry, fed: Fed | None) -> None:
-    """Checks the entry a request of the runner ended with (call on the engine thread)."""
+    """Checks the entry a request of the runner ended with (call on the engine thread);
+    `runner` is the Runner or its `Dispatcher` (either has `loaded`, `config` and
+    `max_context`)."""
     if entry.cache.num_tokens == 0:
         return
     tokens = entry.cache.tokens
@@ -64,7 +66,7 @@ def _assert_same_as_fresh_prefill(runner, cache, tokens: list[int]) -> None:
 
 
 def recording(chunks: Iterator, fed: Fed) -> Iterator:
-    """Wraps the chunks of `Runner._run`, noting in `fed` each token the request streams."""
+    """Wraps the chunks of `Dispatcher._run`, noting in `fed` each token the request streams."""
     try:
         for chunk in chunks:
             if chunk is not None and chunk.token is not None:

@@ -25,7 +25,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.cache.checkpoints import MAX_CHECKPOINTS as MAX_CHECKPOINTS  # its old home
 from mlxkv.cache.checkpoints import add_checkpoint, checkpoint_layers, drop_checkpoints_after
 from mlxkv.cache.kv import KVCache, Rotation
 from mlxkv.cache.layer_ops import (

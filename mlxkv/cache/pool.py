@@ -6,7 +6,7 @@ entries after a request; handing evicted entries to the disk tier and loading th
 not own the file format (`store`) or any model call.
 
 Terms:
-  entry        a ModelCache and the token ids it holds (generated into in place);
+  entry        a ModelCache and the token ids it holds (generated into in place; `entry`);
   reply start  where the model's reply began in an entry's last request: tokens before it came
                from the client, tokens after it are the reply the client renders back;
   superseded   an entry whose tokens are a strict prefix of another entry's.
@@ -33,64 +33,56 @@ that shares a prefix with it gets a copy of that prefix, matched against the tok
 cache holds at that moment (its request may have shifted it), so such a copy is exact.
 
 Invariants:
-  - `fetch_nearest` returns at least one token still to feed;
+  - `fetch_nearest` returns at least one token still to feed (a `PrefixHit`: generation needs
+    logits, which only come from feeding at least one token);
   - after `release`, at most `max_entries` entries, and the bytes they hold (K/V allocated,
-    checkpoints; plus entries still being written to disk and `working_bytes`) are at most
+    checkpoints; plus entries still being written to disk and `working`'s) are at most
     `max_bytes`, unless entries in use alone are over (they cannot be evicted).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-from mlxkv.cache.model_cache import ModelCache, checkpoint_layers
-from mlxkv.cache.prefix import PrefixHit, common_prefix_length
+from mlxkv.cache.entry import CacheEntry, held_bytes
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.cache.store import DiskStore
 
 logger = logging.getLogger(__name__)
+
+
+class Sized(Protocol):
+    """Anything holding memory that counts against the pool's budget (`CachePool.working`)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
 
 # Trimming an entry to the budget: aim this far under it, for at most this many rounds.
 _FIT_MARGIN = 0.95
 _FIT_ROUNDS = 4
 
 
-@dataclass(eq=False)
-class CacheEntry:
-    """One entry: a conversation's state. `tokens` is read at the end of each request (safe
-    to read from any thread; `cache.tokens` is not while a generation runs). `label` names
-    what the entry serves (a conversation id a client sent); it is shown, never matched:
-    lookup is by tokens alone. `cut_start` is the first message kept when the conversation
-    was cut to the window (opaque here; the request builder matches it), so its next turn
-    cuts there again. `draft_cache` is the draft model's cache for this conversation
-    (speculative decoding), counted in the entry's bytes. `salt` is the isolation domain the
-    entry belongs to (a digest of a request's `cache_salt`, None for the shared one): only
-    requests of the same salt reuse it."""
+@dataclass(frozen=True)
+class PrefixHit:
+    """What a request reuses and what it still has to feed.
+
+    Attributes:
+        cache: the entry, already trimmed to `num_cached` tokens.
+        num_cached: tokens of the request whose K/V are reused.
+        remaining: the request's tokens after those (never empty).
+    """
 
     cache: ModelCache
-    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
-    reply_start: int = 0
-    last_used: float = field(default_factory=time.time)
-    label: str | None = None
-    cut_start: Any = None
-    draft_cache: ModelCache | None = None
-    salt: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tokens.size)
-
-    @property
-    def draft_bytes(self) -> int:
-        """Bytes the draft model's cache for this conversation holds."""
-        draft = self.draft_cache
-        return 0 if draft is None else draft.nbytes + draft.checkpoint_bytes
+    num_cached: int
+    remaining: list[int]
 
 
 class CachePool:
@@ -119,8 +111,8 @@ class CachePool:
         self._in_use: set[CacheEntry] = set()  # entries of requests running now
         self.current: CacheEntry | None = None  # the entry of the latest request
         self.prefill_tokens_per_s: float | None = None  # set by the runner as it measures
-        # Bytes held for running requests outside the entries (a decode batch's K/V).
-        self.working_bytes: Callable[[], int] = lambda: 0
+        # What running requests hold outside the entries (a decode batch's K/V), if anything.
+        self.working: Sized | None = None
 
     @property
     def entries(self) -> list[CacheEntry]:
@@ -154,26 +146,7 @@ class CachePool:
             # Its request may have moved its cache on (a context shift): what it holds now.
             common = common_prefix_length(entry.cache.tokens, query[:reuse])
             reuse = entry.cache.nearest_restorable(common)
-        how = "extended in place"
-        if reuse == 0:
-            entry, how = self._add(self._make_entry()), "new entry"
-        elif entry in self._in_use:  # another request is generating into it
-            shared = entry
-            entry = self._add(shared.cache.copy_prefix(reuse), keep=shared)
-            how = "copied prefix of an entry in use"
-        elif reuse < entry.cache.num_tokens:
-            # one entry and nowhere to keep the other conversation: trim (today's behaviour)
-            alone = self.max_entries == 1 and self.store is None
-            if alone or reuse >= entry.reply_start:
-                trimmed = entry.cache.rewind_to(reuse)
-                # Keep allocation within one growth step of what is held after a large trim.
-                freed = entry.cache.shrink() if trimmed else 0
-                logger.debug("prefix cache trim tokens=%d freed_bytes=%d", trimmed, freed)
-                how = "trimmed in place"
-            else:
-                shared = entry
-                entry = self._add(shared.cache.copy_prefix(reuse), keep=shared)
-                how = "copied prefix"
+        entry, how = self._prepare(entry, reuse)
         if reuse:
             logger.info(
                 "prefix cache hit total=%d cached=%d left=%d (%s)",
@@ -191,6 +164,26 @@ class CachePool:
         self.current = entry
         self._in_use.add(entry)
         return PrefixHit(entry.cache, reuse, list(tokens[reuse:]))
+
+    def _prepare(self, entry: CacheEntry | None, reuse: int) -> tuple[CacheEntry, str]:
+        """The entry a request reusing `reuse` tokens of `entry` generates into (`entry`
+        itself, trimmed, or a new one with a copy of that prefix), and how it was made."""
+        if reuse == 0:
+            return self._add(self._make_entry()), "new entry"
+        if entry in self._in_use:  # another request is generating into it
+            how = "copied prefix of an entry in use"
+            return self._add(entry.cache.copy_prefix(reuse), keep=entry), how
+        if reuse >= entry.cache.num_tokens:
+            return entry, "extended in place"
+        # one entry and nowhere to keep the other conversation: trim (today's behaviour)
+        alone = self.max_entries == 1 and self.store is None
+        if alone or reuse >= entry.reply_start:
+            trimmed = entry.cache.rewind_to(reuse)
+            # Keep allocation within one growth step of what is held after a large trim.
+            freed = entry.cache.shrink() if trimmed else 0
+            logger.debug("prefix cache trim tokens=%d freed_bytes=%d", trimmed, freed)
+            return entry, "trimmed in place"
+        return self._add(entry.cache.copy_prefix(reuse), keep=entry), "copied prefix"
 
     def _nearest_in_memory(
         self, query: np.ndarray, limit: int, salt: str | None
@@ -289,15 +282,16 @@ class CachePool:
         self._entries.remove(entry)
         if entry is self.current:
             self.current = None
-        logger.debug(
-            "prefix cache evict tokens=%d bytes=%d", entry.num_tokens, _held_bytes([entry])
-        )
+        logger.debug("prefix cache evict tokens=%d bytes=%d", entry.num_tokens, held_bytes([entry]))
         if write and self.store is not None:
             self.store.write(entry.cache, salt=entry.salt)
 
     def _in_use_bytes(self) -> int:
         """Bytes only the requests running now can give back (their entries, the batch)."""
-        return _held_bytes(list(self._in_use)) + self.working_bytes()
+        return held_bytes(list(self._in_use)) + self._working_bytes()
+
+    def _working_bytes(self) -> int:
+        return 0 if self.working is None else self.working.nbytes
 
     def _fit(self, entry: CacheEntry, max_bytes: int) -> int:
         """The last entry left, `entry`, within `max_bytes`: as it is when only writes in
@@ -308,10 +302,10 @@ class CachePool:
         Returns:
             1 if the entry had to be evicted (not even a prefix fits), else 0.
         """
-        if _held_bytes([entry]) <= max_bytes:
+        if held_bytes([entry]) <= max_bytes:
             return 0
         entry.draft_cache = None  # the draft model catches up again when it is needed
-        held = _held_bytes([entry])
+        held = held_bytes([entry])
         if held <= max_bytes:
             return 0
         cache, total = entry.cache, entry.num_tokens
@@ -324,7 +318,7 @@ class CachePool:
                 break
             cache.rewind_to(kept)
             cache.shrink()
-            held = _held_bytes([entry])
+            held = held_bytes([entry])
             if held <= max_bytes:
                 entry.tokens = np.asarray(cache.tokens, dtype=np.uint32)
                 entry.reply_start = min(entry.reply_start, kept)
@@ -363,7 +357,7 @@ class CachePool:
     def nbytes(self) -> int:
         """Bytes the entries hold: K/V allocated and checkpoints (each shared snapshot once),
         plus entries handed to the disk tier and not yet written."""
-        held = _held_bytes(list(self._entries)) + self.working_bytes()
+        held = held_bytes(list(self._entries)) + self._working_bytes()
         return held + (self.store.pending_bytes if self.store is not None else 0)
 
     def persist(self, timeout_s: float | None = None) -> None:
@@ -393,21 +387,3 @@ class CachePool:
         stay with their requests and are dropped when released."""
         self._entries.clear()
         self.current = None
-
-
-def _held_bytes(entries: list[CacheEntry]) -> int:
-    """Bytes `entries` hold: K/V allocated and checkpoints (a snapshot shared by several
-    entries counted once)."""
-    held = sum(e.cache.nbytes + e.draft_bytes for e in entries)
-    snapshots = {id(s): s for e in entries for s in checkpoint_layers(e.cache)}
-    return held + sum(s.nbytes for s in snapshots.values())
-
-
-def salt_digest(cache_salt: str | None) -> str | None:
-    """The isolation domain of a request's `cache_salt` (kept instead of the salt itself,
-    which may be a secret): None, the shared domain, for no salt."""
-    if cache_salt is None:
-        return None
-    if not isinstance(cache_salt, str) or not cache_salt:
-        raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
-    return hashlib.sha256(f"mlxkv-cache-salt\n{cache_salt}".encode()).hexdigest()[:32]

@@ -83,25 +83,26 @@ class MemoryReport:
         current = pool.current
         if current is not None and current not in entries:  # a request's entry, not yet kept
             entries.append(current)
+        allocated = [e.cache.nbytes for e in entries]
         reports = tuple(
             EntryReport(
                 num_tokens=e.cache.num_tokens,
                 used_bytes=e.cache.used_bytes,
-                allocated_bytes=e.cache.nbytes + e.cache.checkpoint_bytes,
+                allocated_bytes=nbytes + e.cache.checkpoint_bytes,
                 last_used=e.last_used,
                 current=e is current,
                 label=e.label,
                 draft_bytes=e.draft_bytes,
                 isolated=e.salt is not None,
             )
-            for e in entries
+            for e, nbytes in zip(entries, allocated, strict=True)
         )
         snapshots = {id(s): s for e in entries for s in checkpoint_layers(e.cache)}
         store = pool.store
         return cls(
             num_tokens=sum(r.num_tokens for r in reports),
             used_bytes=sum(r.used_bytes for r in reports),
-            allocated_bytes=sum(e.cache.nbytes for e in entries),
+            allocated_bytes=sum(allocated),
             peak_bytes=mx.get_peak_memory(),
             active_bytes=mx.get_active_memory(),
             mlx_cache_bytes=mx.get_cache_memory(),

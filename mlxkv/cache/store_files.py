@@ -68,7 +68,7 @@ class StoredEntry:
         tokens: the token ids it holds (uint32).
         nbytes: the file's size in bytes.
         checkpoints: lengths in tokens of its checkpoints.
-        salt: the isolation domain it belongs to (`pool.salt_digest`), None for the shared.
+        salt: the isolation domain it belongs to (`entry.salt_digest`), None for the shared.
     """
 
     path: Path

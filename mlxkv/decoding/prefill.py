@@ -2,10 +2,10 @@
 
 Owns `PrefillPlan` (chunk size and lanes for the device), `fill` (tokens into the cache, no
 logits) and `prefill` (the same, then the last token's logits), each also as a generator that
-pauses after every chunk (`fill_steps`, `prefill_steps`: a request interleaved with others
-lets them run between its chunks). On MLX's CPU backend each chunk is spread over the cores
-(`lanes`). Does not own which tokens to feed
-(`mlxkv.engine.prompt_fill`) or the cache's bookkeeping (`ModelCache`).
+pauses after every chunk, yielding the tokens fed so far (`fill_steps`, `prefill_steps`: a
+request interleaved with others lets them run between its chunks, and reports its progress).
+On MLX's CPU backend each chunk is spread over the cores (`lanes`). Does not own which tokens
+to feed (`mlxkv.engine.prompt_fill`) or the cache's bookkeeping (`ModelCache`).
 """
 
 from __future__ import annotations
@@ -66,67 +66,41 @@ class PrefillPlan:
         return cls(step_tokens, lanes, int(memory_bytes() * KEPT_BUFFERS_MEMORY_FRACTION))
 
 
-def fill(
-    model: nn.Module,
-    cache: ModelCache,
-    tokens: Sequence[int],
-    plan: PrefillPlan,
-    *,
-    progress: ProgressCallback | None = None,
-) -> None:
+def fill(model: nn.Module, cache: ModelCache, tokens: Sequence[int], plan: PrefillPlan) -> None:
     """Feeds `tokens` into the cache in chunks of at most `plan.step_tokens`, computing no logits:
     only the cache's arrays are evaluated, so MLX never runs the vocabulary projection for them
-    (as in mlx-lm). On the CPU backend each chunk is spread over the cores (`lanes`).
-
-    Args:
-        progress: called as progress(done, len(tokens)) in tokens after each chunk.
-    """
-    for _ in fill_steps(model, cache, tokens, plan, progress=progress):
+    (as in mlx-lm). On the CPU backend each chunk is spread over the cores (`lanes`)."""
+    for _ in fill_steps(model, cache, tokens, plan):
         pass
 
 
 def fill_steps(
-    model: nn.Module,
-    cache: ModelCache,
-    tokens: Sequence[int],
-    plan: PrefillPlan,
-    *,
-    progress: ProgressCallback | None = None,
-) -> Generator[None, None, None]:
-    """`fill`, pausing (yielding None) between chunks; closing it stops after the chunk fed.
-    No pause after the last: what follows it (the logits of a prompt's last token) belongs
-    with it, or a short prompt would wait a turn for its first token."""
+    model: nn.Module, cache: ModelCache, tokens: Sequence[int], plan: PrefillPlan
+) -> Generator[int, None, None]:
+    """`fill`, pausing after each chunk, where it yields the tokens fed so far; closing it
+    stops after the chunk fed."""
     total = len(tokens)
     for start in range(0, total, plan.step_tokens):
-        if start:
-            yield
         end = min(start + plan.step_tokens, total)
         cpu_lanes.feed(model, cache, tokens[start:end], plan.lanes)
-        if progress:
-            progress(end, total)
         if mx.get_cache_memory() > plan.kept_buffers_bytes:
             mx.clear_cache()
+        yield end
 
 
 def prefill(
-    model: nn.Module,
-    cache: ModelCache,
-    tokens: Sequence[int],
-    plan: PrefillPlan,
-    *,
-    progress: ProgressCallback | None = None,
+    model: nn.Module, cache: ModelCache, tokens: Sequence[int], plan: PrefillPlan
 ) -> mx.array:
     """Feeds `tokens` through the model: all but the last with `fill`, the last alone for the
     logits generation starts from.
 
     Args:
         tokens: at least one token id, fed after what `cache` holds (which grows in place).
-        progress: called as progress(done, total) in tokens after each chunk.
 
     Returns:
         Logits of the last token, shape (1, vocab), lazy.
     """
-    steps = prefill_steps(model, cache, tokens, plan, progress=progress)
+    steps = prefill_steps(model, cache, tokens, plan)
     while True:
         try:
             next(steps)
@@ -135,18 +109,9 @@ def prefill(
 
 
 def prefill_steps(
-    model: nn.Module,
-    cache: ModelCache,
-    tokens: Sequence[int],
-    plan: PrefillPlan,
-    *,
-    progress: ProgressCallback | None = None,
-) -> Generator[None, None, mx.array]:
-    """`prefill`, pausing (yielding None) after each chunk; returns the logits."""
-    total = len(tokens)
-    body_progress = (lambda done, _: progress(done, total)) if progress else None
-    yield from fill_steps(model, cache, tokens[:-1], plan, progress=body_progress)
-    logits = cache.forward(model, tokens[-1:])[:, -1, :]
-    if progress:
-        progress(total, total)
-    return logits
+    model: nn.Module, cache: ModelCache, tokens: Sequence[int], plan: PrefillPlan
+) -> Generator[int, None, mx.array]:
+    """`prefill`, pausing after each chunk but the last token, where it yields the tokens fed
+    so far; returns the logits (all `tokens` fed)."""
+    yield from fill_steps(model, cache, tokens[:-1], plan)
+    return cache.forward(model, tokens[-1:])[:, -1, :]

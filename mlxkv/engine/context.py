@@ -30,7 +30,6 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 
 from mlxkv.cache.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.config import BATCH_MEMORY_FRACTION, DEFAULT_MAX_BATCH
 from mlxkv.errors import ContextLengthError
 
 logger = logging.getLogger(__name__)
@@ -198,29 +197,6 @@ def _first_fitting(
         else:
             bad = mid
     return points[good], rendered[good]
-
-
-def kv_bytes_per_token(model: nn.Module, cache: ModelCache) -> int:
-    """Bytes one token's K/V (and state) take in this cache layout, measured by feeding one
-    token through a scratch copy."""
-    scratch = cache.copy()
-    scratch.forward(model, [0])
-    return max(scratch.used_bytes, 1)
-
-
-def default_max_context(
-    max_position_embeddings: int | None, per_token_bytes: int, budget_bytes: int
-) -> int:
-    """The model's own maximum, capped to the tokens whose K/V fit in `budget_bytes`."""
-    fits = max(2, budget_bytes // per_token_bytes)
-    return min(max_position_embeddings or fits, fits)
-
-
-def default_max_batch(window_tokens: int, per_token_bytes: int, memory_bytes: int) -> int:
-    """Rows of a decode batch whose K/V fit in `BATCH_MEMORY_FRACTION` of memory when each
-    holds a whole window (rows are padded to the longest), between 1 and `DEFAULT_MAX_BATCH`."""
-    rows = int(memory_bytes * BATCH_MEMORY_FRACTION) // max(1, window_tokens * per_token_bytes)
-    return max(1, min(DEFAULT_MAX_BATCH, rows))
 
 
 @dataclass

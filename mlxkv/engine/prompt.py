@@ -19,21 +19,44 @@ from __future__ import annotations
 import numbers
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 from jinja2 import TemplateError, meta
 
+from mlxkv.cache.prefix import common_prefix_length
+
 Message = dict[str, Any]
 Prompt = str | Sequence[int] | Sequence[Message]
 Tools = Sequence[dict[str, Any]]
+# PromptEncoder.render with a request's control-token, tool and switch settings bound.
+Render = Callable[..., list[int]]
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _ACCEPTED = (
     "a str, a list of token ids (int) or a list of chat messages (dicts with 'role' and 'content')"
 )
 _SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class Landmarks:
+    """Where a prompt's parts end in its token ids.
+
+    Attributes:
+        chat: the prompt is chat messages.
+        system: the system messages a chat starts with (empty: none, or not a chat).
+        system_tokens: the leading tokens that hold `system` (0 when empty or not asked for).
+        header_tokens: tokens of the chat template's generation prompt at the end (at least
+            1; 1 for text and token prompts).
+    """
+
+    chat: bool
+    system: list[Message]
+    system_tokens: int
+    header_tokens: int
 
 
 class PromptEncoder:
@@ -98,12 +121,7 @@ class PromptEncoder:
                 "tools need a prompt of chat messages; a text or token prompt is already rendered"
             )
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"prompt is empty; pass {_ACCEPTED}")
-            text = _valid_text(prompt)
-            bos = self.tokenizer.bos_token
-            add_bos = bos is None or not text.startswith(bos)
-            tokens = self.tokenizer.encode(text, add_special_tokens=add_bos)
+            tokens = self._encode_text(prompt)
         elif isinstance(prompt, bytes | bytearray | memoryview):
             raise ValueError("prompt is bytes; decode it to a str first (prompt.decode('utf-8'))")
         elif not isinstance(prompt, Sequence):
@@ -124,6 +142,19 @@ class PromptEncoder:
         else:
             kinds = sorted({type(x).__name__ for x in prompt})
             raise ValueError(f"prompt must be {_ACCEPTED}; got a list of {', '.join(kinds)}")
+        return self._checked(tokens)
+
+    def _encode_text(self, prompt: str) -> list[int]:
+        """A rendered prompt's ids, with a BOS token unless the text begins with one."""
+        if not prompt:
+            raise ValueError(f"prompt is empty; pass {_ACCEPTED}")
+        text = _valid_text(prompt)
+        bos = self.tokenizer.bos_token
+        add_bos = bos is None or not text.startswith(bos)
+        return self.tokenizer.encode(text, add_special_tokens=add_bos)
+
+    def _checked(self, tokens: Sequence[int]) -> list[int]:
+        """`tokens` as a list, once each is in the vocabulary and there is at least one."""
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
@@ -133,6 +164,22 @@ class PromptEncoder:
         if not tokens:
             raise ValueError("prompt encodes to no tokens")
         return list(tokens)
+
+    def landmarks(
+        self, prompt: Prompt, tokens: list[int], render: Render, *, system_tokens: bool
+    ) -> Landmarks:
+        """Where the parts of `prompt` (encoded as `tokens`, rendered by `render`) end: the
+        system messages (rendered alone only if `system_tokens`) and the generation prompt,
+        where the next turn re-renders from (so where a checkpoint is most useful)."""
+        if not is_messages(prompt):
+            return Landmarks(False, [], 0, 1)
+        system = leading_system_messages(prompt)
+        system_end = 0
+        if system and system_tokens:
+            system_end = common_prefix_length(render(system, add_generation_prompt=False), tokens)
+        without = render(prompt, add_generation_prompt=False)
+        header = max(1, len(tokens) - common_prefix_length(without, tokens))
+        return Landmarks(True, system, system_end, header)
 
     def render(
         self,

@@ -10,15 +10,18 @@ the system prompt ends (other conversations share it). Does not own the chunked 
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from typing import TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.cache.prefix import PrefixHit
+from mlxkv.cache.pool import PrefixHit
 from mlxkv.decoding.prefill import PrefillPlan, fill_steps, prefill_steps
 from mlxkv.engine.request import Request
 from mlxkv.engine.results import CompletionStats
+
+T = TypeVar("T")
 
 
 class PrefillCancelled(Exception):
@@ -48,19 +51,41 @@ def fill_prompt(
     cache, remaining = hit.cache, hit.remaining
     total, offset = len(remaining), 0
 
-    def after_chunk(done: int, _: int) -> None:
-        stats.processed = offset + done
+    def fed(done: int) -> None:
+        stats.processed = done
         if request.progress:
-            request.progress(stats.processed, total)
+            request.progress(done, total)
         if request.cancelled.is_set():
             raise PrefillCancelled
 
+    # No pause after the prompt's last chunk: its last token's logits (the first generated
+    # token) come in the same turn, or a short prompt would wait a round for them.
+    last_pause = total - 1
     for split in _checkpoint_points(request, hit, checkpoint_keep):
-        yield from fill_steps(model, cache, remaining[: split - offset], plan, progress=after_chunk)
+        steps = fill_steps(model, cache, remaining[: split - offset], plan)
+        yield from _paced(steps, fed, offset, last_pause)
         cache.checkpoint()
         offset, remaining = split, remaining[split - offset :]
-        yield  # a pause between two chunks, as inside them
-    return (yield from prefill_steps(model, cache, remaining, plan, progress=after_chunk))
+    steps = prefill_steps(model, cache, remaining, plan)
+    logits = yield from _paced(steps, fed, offset, last_pause)
+    fed(total)
+    return logits
+
+
+def _paced(
+    steps: Generator[int, None, T], fed: Callable[[int], None], offset: int, last_pause: int
+) -> Generator[None, None, T]:
+    """Runs `steps` (a prefill generator yielding the tokens it has fed), telling `fed` the
+    tokens fed in all (`offset` before it) and pausing (yielding None) after each chunk that
+    ends before `last_pause` tokens; returns what `steps` returns."""
+    while True:
+        try:
+            done = next(steps)
+        except StopIteration as end:
+            return end.value
+        fed(offset + done)
+        if offset + done < last_pause:
+            yield
 
 
 def _checkpoint_points(request: Request, hit: PrefixHit, checkpoint_keep: bool) -> list[int]:

@@ -15,21 +15,13 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NoReturn
 
-from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.decoding.grammar import check_grammar
 from mlxkv.decoding.prefill import ProgressCallback
 from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.engine.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt
-from mlxkv.engine.prompt import (
-    Message,
-    Prompt,
-    PromptEncoder,
-    Tools,
-    is_messages,
-    leading_system_messages,
-)
+from mlxkv.engine.prompt import Landmarks, Message, Prompt, PromptEncoder, Render, Tools
 from mlxkv.errors import ContextLengthError, check_int
 
 # The most alternatives per token that logprobs reports (OpenAI's limit).
@@ -77,10 +69,6 @@ class Request:
     cache_salt: str | None = None
 
 
-# PromptEncoder.render with the request's control-token and tool settings bound.
-Render = Callable[..., list[int]]
-
-
 @dataclass(frozen=True)
 class RequestOptions:
     """How a request is rendered and run, besides its sampling settings (see `Runner.stream`).
@@ -98,7 +86,7 @@ class RequestOptions:
         cache_key: a label for the cache entry this request generates into.
         speculative: the speculative decoding mode, already checked.
         grammar: an llguidance grammar (`decoding.grammar`) the output must keep to, or None.
-        cache_salt: the isolation domain (a digest, `pool.salt_digest`), or None.
+        cache_salt: the isolation domain (a digest, `entry.salt_digest`), or None.
         switches: chat-template variables (`enable_thinking`, ...), passed where the template
             reads them.
     """
@@ -171,39 +159,29 @@ class RequestBuilder:
         """
         params = _sampling_params(sampling)
         options.check()
-        tokens = self._prompts.encode(
-            prompt,
-            parse_control_tokens=options.parse_control_tokens,
-            tools=options.tools,
-            switches=options.switches,
-        )
-        render = functools.partial(
-            self._prompts.render,
-            parse_control_tokens=options.parse_control_tokens,
-            tools=options.tools,
-            switches=options.switches,
-        )
+        template = {
+            "parse_control_tokens": options.parse_control_tokens,
+            "tools": options.tools,
+            "switches": options.switches,
+        }
+        tokens = self._prompts.encode(prompt, **template)
+        render = functools.partial(self._prompts.render, **template)
         if not options.truncate and len(tokens) >= self._max_context:
-            raise ContextLengthError(
-                f"the prompt is {len(tokens):,} tokens and the context holds {self._max_context:,}"
-                " (at least 1 must stay free for the answer); shorten the prompt or raise "
-                "max_context",
-                prompt_tokens=len(tokens),
-                max_context=self._max_context,
-            )
+            self._refuse_too_long(len(tokens))
         params = self._fit_max_tokens(params, len(tokens), options.overflow)
         if options.grammar is not None:
             check_grammar(options.grammar, self._prompts.tokenizer)
-        keep = self._keep_for(prompt, tokens, render)
+        marks = self._prompts.landmarks(prompt, tokens, render, system_tokens=self._keep is None)
+        keep = self._keep_for(tokens, marks)
         # A prompt that must be cut leaves room to answer, so the answer does not begin with a
         # shift.
         budget = self._max_context
         if len(tokens) > budget:
             budget -= max(1, min(params.max_tokens, self._max_context // 4))
-        chat = self._chat_cut(prompt, render, cut_starts) if is_messages(prompt) else None
+        chat = self._chat_cut(prompt, marks.system, render, cut_starts) if marks.chat else None
         fitted = fit_prompt(tokens, budget, keep, cached_prefix=cached_prefix, chat=chat)
         cut_start = None if fitted.first_message is None else prompt[fitted.first_message]
-        header = self._generation_prompt_length(prompt, tokens, render)
+        header = marks.header_tokens
         return Request(
             fitted.tokens,
             keep,
@@ -218,6 +196,15 @@ class RequestBuilder:
             cut_start,
             options.grammar,
             options.cache_salt,
+        )
+
+    def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:
+        raise ContextLengthError(
+            f"the prompt is {prompt_tokens:,} tokens and the context holds {self._max_context:,}"
+            " (at least 1 must stay free for the answer); shorten the prompt or raise "
+            "max_context",
+            prompt_tokens=prompt_tokens,
+            max_context=self._max_context,
         )
 
     def _fit_max_tokens(
@@ -238,32 +225,24 @@ class RequestBuilder:
             max_context=self._max_context,
         )
 
-    def _generation_prompt_length(self, prompt: Prompt, tokens: list[int], render: Render) -> int:
-        """Tokens the chat template appends to open the assistant's turn (at least 1): the next
-        turn re-renders from there, so it is where a checkpoint is most useful."""
-        if not is_messages(prompt):
-            return 1
-        without = render(prompt, add_generation_prompt=False)
-        return max(1, len(tokens) - common_prefix_length(without, tokens))
-
-    def _keep_for(self, prompt: Prompt, tokens: list[int], render: Render) -> int:
+    def _keep_for(self, tokens: list[int], marks: Landmarks) -> int:
         """Tokens truncation and shifts never drop: the setting, else the system prompt."""
         if self._keep is not None:
             return self._keep
-        system = leading_system_messages(prompt)
-        if not system:
+        if not marks.system:
             return min(DEFAULT_KEEP_TOKENS, len(tokens))
-        rendered = render(system, add_generation_prompt=False)
-        return common_prefix_length(rendered, tokens)
+        return marks.system_tokens
 
     @staticmethod
     def _chat_cut(
-        prompt: Sequence[Message], render: Render, cut_starts: Sequence[Message]
+        prompt: Sequence[Message],
+        system: list[Message],
+        render: Render,
+        cut_starts: Sequence[Message],
     ) -> ChatCut:
-        """How a chat may be cut: at user messages after the first, keeping the system prompt;
-        a cut an entry holds is preferred (found by its first message; the latest such point,
-        for the newest entry first)."""
-        system = leading_system_messages(prompt)
+        """How a chat may be cut: at user messages after the first, keeping the system prompt
+        (`system`); a cut an entry holds is preferred (found by its first message; the latest
+        such point, for the newest entry first)."""
         points = [i for i in range(len(system) + 1, len(prompt)) if prompt[i].get("role") == "user"]
         preferred = next(
             (i for start in cut_starts for i in reversed(points) if prompt[i] == start), None

@@ -107,6 +107,16 @@ class CompletionStats:
             self.first_token_at = time.perf_counter()
         self.num_sampled += 1
 
+    def chunk(self, token: int, text: str, logprob: TokenLogprob | None) -> GenerationChunk:
+        """Records a streamed token and its text; returns its chunk (the first token's carries
+        the prompt's usage)."""
+        self.tokens.append(token)
+        self.text.append(text)
+        first = self.num_sampled == 1
+        return GenerationChunk(
+            text=text, token=token, logprob=logprob, prompt=self.usage() if first else None
+        )
+
     def final_chunk(
         self, text: str, finish_reason: str, stop_string: str | None = None
     ) -> GenerationChunk:

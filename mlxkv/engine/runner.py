@@ -1,7 +1,8 @@
 """Runner: load a model once, then generate with a prompt cache that survives between requests.
 
-Owns: the request path (validate -> prefix lookup -> prefill the rest -> decode -> report),
-serializing requests from several threads, and the memory log line after each generation.
+Owns: loading, the settings a Runner fits to its model (context window, batch size), the
+warm-up, and the public API: building each request (validated before anything changes) and
+handing it to the dispatcher (`dispatch`), which runs it on the engine thread.
 
 Invariant, however a request ends (normal end, stop string, the caller leaving `stream()`
 early, an exception in a callback, KeyboardInterrupt, `cancel()`): each prompt-cache entry's
@@ -14,51 +15,40 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.cache.batched import can_batch
-from mlxkv.cache.building import make_cache
+from mlxkv.cache.entry import salt_digest
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.pool import CacheEntry, salt_digest
 from mlxkv.cache.report import MemoryReport
-from mlxkv.config import CONTEXT_MEMORY_FRACTION, RunnerConfig, format_bytes
-from mlxkv.decoding.batch import DecodeBatch
+from mlxkv.config import RunnerConfig
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.prefill import PrefillPlan, ProgressCallback
 from mlxkv.decoding.speculative import check_mode
-from mlxkv.engine.cache_setup import make_pool
-from mlxkv.engine.context import (
-    default_max_batch,
-    default_max_context,
-    kv_bytes_per_token,
-    rope_rotations,
-)
-from mlxkv.engine.engine_thread import EngineThread, Interleaved, Relay
+from mlxkv.engine.context import rope_rotations
+from mlxkv.engine.dispatch import Dispatcher
+from mlxkv.engine.engine_thread import EngineThread
 from mlxkv.engine.lockstep import Lockstep
-from mlxkv.engine.places import Places
 from mlxkv.engine.prompt import Prompt, PromptEncoder, Tools
-from mlxkv.engine.request import Request, RequestBuilder, RequestOptions
-from mlxkv.engine.request_run import Batching, run_request
-from mlxkv.engine.results import Completion, CompletionStats, GenerationChunk
+from mlxkv.engine.request import RequestBuilder, RequestOptions
+from mlxkv.engine.results import Completion, GenerationChunk
+from mlxkv.engine.setup import (
+    choose_max_batch,
+    fit_window,
+    kv_bytes_per_token,
+    make_layers,
+    make_pool,
+    warm_up,
+)
 from mlxkv.errors import RunnerBusyError
 from mlxkv.models.loading import LoadedModel, load_model
 from mlxkv.models.sharding import world
-from mlxkv.platform.machine import memory_bytes
-from mlxkv.platform.random_state import request_random_state, with_own_key
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-# The warm-up's prefill chunk and draft verification widths (tokens).
-_WARMUP_CHUNK_TOKENS = 32
-_WARMUP_DRAFT_TOKENS = 4
 
 
 class Runner:
@@ -97,7 +87,8 @@ class Runner:
         self.speculative = check_mode(config.speculative, has_draft_model=draft is not None)
         self.loaded = loaded
         self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
-        config = self._fit_window(config, loaded)
+        per_token_bytes = kv_bytes_per_token(loaded.model, make_layers(loaded.model, config))
+        config = fit_window(config, loaded.max_position_embeddings, per_token_bytes)
         if self._lockstep is not None:  # every rank takes rank 0's cache settings
             config = self._lockstep.leaders_settings(config)
         self.config = config
@@ -105,7 +96,6 @@ class Runner:
         self.prefill_plan = PrefillPlan.make(
             config.prefill_step_size, config.prefill_lanes, window_tokens=self.max_context
         )
-        self._rotations = rope_rotations(loaded.model)
         self._draft = DraftModel.check(draft, loaded)
         self._pool = make_pool(loaded, self._make_entry, config)
         if self._pool.store is not None:  # a Runner dropped without close() stops its writer
@@ -114,65 +104,14 @@ class Runner:
         self._engine = EngineThread(f"mlxkv-engine-{id(self):x}")
         weakref.finalize(self, self._engine.stop, False)
         if config.warmup:
-            self._engine.call(self._warm_up)
-        self._consumers: dict[int, Relay | Interleaved] = {}  # threads iterating a stream()
-        self.max_batch = config.max_batch or default_max_batch(
-            self.max_context, self._per_token_bytes, memory_bytes()
-        )
-        self._places = Places(self.max_batch)
-        batch = DecodeBatch(loaded.model, self.max_batch)
-        self._batching = Batching(batch, self._crowded)
-        self._pool.working_bytes = lambda: batch.nbytes
-        if self.max_batch > 1 and not can_batch(self._make_entry()):
-            logger.info(
-                "this model's cache layers (%s) do not batch: batched streams take turns, "
-                "decoding one at a time",
-                ", ".join(sorted({type(layer).__name__ for layer in self._make_entry()})),
-            )
+            self._engine.call(warm_up, loaded, self._draft, config)
+        self.max_batch = choose_max_batch(config, per_token_bytes, self._make_entry())
+        self._dispatch = Dispatcher(
+            loaded, self._pool, self._engine, config, draft=self._draft,
+            rotations=rope_rotations(loaded.model), prefill_plan=self.prefill_plan,
+            lockstep=self._lockstep, max_batch=self.max_batch,
+        )  # fmt: skip
         self._builder = RequestBuilder(self._prompts, self.max_context, config.keep)
-        self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
-        self._requests_lock = threading.Lock()
-        # The memory line logged after the last generation (sharded: with the ranks' sum).
-        self.memory_line = ""
-
-    def _fit_window(self, config: RunnerConfig, loaded: LoadedModel) -> RunnerConfig:
-        """`config` with its context window: by default the model's maximum capped to what
-        the entries' budget holds (`cache_bytes`, else a share of memory), one reading for
-        both. A window the budget cannot hold is allowed, with a warning: a conversation
-        longer than the budget keeps only its first part in the cache after each request."""
-        per_token = kv_bytes_per_token(loaded.model, self._make_layers(config))
-        self._per_token_bytes = per_token
-        budget = config.cache_bytes or int(memory_bytes() * CONTEXT_MEMORY_FRACTION)
-        window = config.max_context or default_max_context(
-            loaded.max_position_embeddings, per_token, budget
-        )
-        if config.cache_bytes is not None and window * per_token > config.cache_bytes:
-            logger.warning(
-                "the context window (%d tokens) needs %s of K/V but cache_bytes is %s: a "
-                "conversation keeps only its first %d tokens in the cache between requests "
-                "(raise cache_bytes or lower max_context)",
-                window,
-                format_bytes(window * per_token),
-                format_bytes(config.cache_bytes),
-                config.cache_bytes // per_token,
-            )
-        return config.replace(max_context=window)
-
-    def _warm_up(self) -> None:
-        """One forward pass per shape class a request meets (a prefill chunk, a draft's
-        verification, a decode step) on a scratch cache, for the model and the draft model:
-        MLX compiles kernels for new shapes (9.8 s for the first request on an H100), here
-        instead of in the first user's request. Touches no entry."""
-        start = time.perf_counter()
-        models = [(self.loaded.model, self._make_layers(self.config))]
-        if self._draft is not None:
-            models.append((self._draft.loaded.model, self._draft.make_cache()))
-        chunk = min(_WARMUP_CHUNK_TOKENS, self.max_context - _WARMUP_DRAFT_TOKENS - 1)
-        for model, cache in models:
-            for width in (chunk, _WARMUP_DRAFT_TOKENS, 1):
-                if width > 0:
-                    mx.eval(mx.argmax(cache.forward(model, [0] * width)[:, -1, :], axis=-1))
-        logger.info("warm-up: %.2f s", time.perf_counter() - start)
 
     @classmethod
     def load(
@@ -205,13 +144,8 @@ class Runner:
         loaded = load_model(path_or_repo, progress=progress, group=group)
         return cls(loaded, config, group=group)
 
-    def _make_layers(self, config: RunnerConfig) -> ModelCache:
-        return make_cache(
-            self.loaded.model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size
-        )
-
     def _make_entry(self) -> ModelCache:
-        cache = self._make_layers(self.config)
+        cache = make_layers(self.loaded.model, self.config)
         cache.capacity_tokens = self.max_context  # the window is enforced by the cache too
         return cache
 
@@ -231,6 +165,11 @@ class Runner:
     def rank(self) -> int:
         """This process's rank when the model is sharded (`mlx.launch`), else 0."""
         return 0 if self._lockstep is None else self._lockstep.rank
+
+    @property
+    def memory_line(self) -> str:
+        """The memory line logged after the last generation (sharded: with the ranks' sum)."""
+        return self._dispatch.memory_line
 
     @property
     def tokenizer(self) -> Any:
@@ -256,6 +195,7 @@ class Runner:
         same errors)."""
         return list(self.stream(prompt, **options))[-1].completion
 
+    # long: the public API's one place documenting every option; the code is 20 lines
     def stream(
         self,
         prompt: Prompt,
@@ -356,136 +296,13 @@ class Runner:
         )
         if self._lockstep is not None:  # ranks decide on a cancel and a seed together
             request = self._lockstep.prepare(request)
-        with self._requests_lock:
-            self._requests.add(request.cancelled)
-        if batched and self._lockstep is None:
-            return self._consume_interleaved(request)
-        return self._consume(request)
-
-    def _consume(self, request: Request) -> Iterator[GenerationChunk]:
-        """The caller's side of a request: its chunks, computed on the engine thread."""
-        try:
-            yield from self._relay(lambda: self._serve(request))
-        finally:
-            with self._requests_lock:
-                self._requests.discard(request.cancelled)
-
-    def _consume_interleaved(self, request: Request) -> Iterator[GenerationChunk]:
-        """A batched stream's side: waits for one of `max_batch` places, then its chunks."""
-        try:
-            self._refuse_second_stream()
-            if not self._places.acquire(request.cancelled):
-                stats = CompletionStats(time.perf_counter(), len(request.tokens), 0)
-                yield stats.final_chunk("", "cancelled")
-                return
-            try:
-                yield from self._relay(lambda: self._serve_interleaved(request), interleaved=True)
-            finally:
-                self._places.release()
-        finally:
-            with self._requests_lock:
-                self._requests.discard(request.cancelled)
-
-    def _refuse_second_stream(self) -> None:
-        """Raises RunnerBusyError on a thread still reading a stream of this Runner: its new
-        one would wait on the first (for the engine, or for a place), which only this thread
-        can finish."""
-        if threading.get_ident() in self._consumers:
-            raise RunnerBusyError(
-                "this thread is still iterating another stream() of this Runner; "
-                "finish it or close() it before starting a new generation (waiting "
-                "would never end)"
-            )
-
-    def _relay(self, make: Callable[[], Iterator[T]], *, interleaved: bool = False) -> Iterator[T]:
-        """The items of the generator `make()` returns, run on the engine thread for this
-        thread. A second one on a thread still reading one would wait on the first, which
-        only this thread can finish: refused before it is queued. Meanwhile this thread's
-        `cache_tokens` reads go through the relay (the engine is busy with its generator)."""
-        me = threading.get_ident()
-        with self._requests_lock:
-            self._refuse_second_stream()
-            engine = self._engine
-            relay = engine.interleave(make) if interleaved else engine.iterate(make)
-            self._consumers[me] = relay
-        try:
-            yield from relay
-        finally:
-            with self._requests_lock:
-                del self._consumers[me]
-
-    def _serve(self, request: Request) -> Iterator[GenerationChunk]:
-        """One request on the engine thread, start to end, alone."""
-        mx.reset_peak_memory()
-        entries: list[CacheEntry] = []
-        try:
-            with request_random_state(request.params.seed):
-                if self._lockstep is None:
-                    chunks = self._run(request, entries.append)
-                else:
-                    chunks = self._lockstep.run(request, lambda r: self._run(r, entries.append))
-                try:
-                    for chunk in chunks:
-                        if chunk is not None:  # a pause between prefill chunks: none here
-                            yield chunk
-                finally:
-                    chunks.close()
-        finally:
-            self._end_request(entries[0] if entries else None)
-
-    def _serve_interleaved(self, request: Request) -> Iterator[GenerationChunk | None]:
-        """One request on the engine thread, taking turns with the other interleaved ones
-        (each item is one engine job; None pauses)."""
-        entries: list[CacheEntry] = []
-        chunks = self._run(request, entries.append, self._batching)
-        if request.params.seed is not None:
-            chunks = with_own_key(chunks, request.params.seed)
-        try:
-            yield from chunks
-        finally:
-            chunks.close()
-            self._end_request(entries[0] if entries else None)
-
-    def _crowded(self) -> bool:
-        """True while another batched stream runs or waits for its turn."""
-        return self._places.taken > 1
-
-    def _end_request(self, entry: CacheEntry | None) -> None:
-        """Leaves nothing lazy behind (the disk tier and other threads read the entry);
-        evicts to the cache's budget; logs the memory line."""
-        try:
-            if entry is not None:
-                entry.cache.materialize()
-                if entry.draft_cache is not None:
-                    entry.draft_cache.materialize()
-        except RuntimeError as error:  # a failed lazy computation: never keep a broken entry
-            logger.warning("prompt cache dropped: its arrays could not be evaluated (%s)", error)
-            entry.cache.free()
-            entry.draft_cache = None
-        if entry is not None:
-            self._pool.release(entry)
-        self._log_memory()
-
-    def _run(
-        self,
-        request: Request,
-        on_entry: Callable[[CacheEntry], None],
-        batching: Batching | None = None,
-    ) -> Iterator[GenerationChunk | None]:
-        return run_request(
-            request, self.loaded, self._pool, draft=self._draft, max_context=self.max_context,
-            rotations=self._rotations, plan=self.prefill_plan, on_entry=on_entry,
-            batching=batching,
-        )  # fmt: skip
+        return self._dispatch.stream(request, batched=batched)
 
     def cancel(self) -> None:
         """Ends every request already started (the one generating, and those waiting their
         turn) with finish_reason "cancelled": between prefill chunks or decode steps. The
         cache keeps every token fed so far. Requests started later are not affected."""
-        with self._requests_lock:
-            started = list(self._requests)
-        for cancelled in started:
-            cancelled.set()
+        self._dispatch.cancel()
 
     def cache_info(self) -> MemoryReport:
         """Tokens held by the prompt cache's entries, their bytes, and the disk tier. Never
@@ -504,10 +321,7 @@ class Runner:
         """The token ids the entry of the last request holds (a copy). Waits for a generation
         running on another thread; inside this thread's own stream (whose generation waits
         for this thread meanwhile) it reads the cache as it is."""
-        relay = self._consumers.get(threading.get_ident())
-        if relay is not None:
-            return relay.call(self._current_tokens)
-        return self._engine.call(self._current_tokens)
+        return self._dispatch.call(self._current_tokens)
 
     def _current_tokens(self) -> list[int]:
         entry = self._pool.current
@@ -519,7 +333,7 @@ class Runner:
         Raises:
             RunnerBusyError: called from inside this thread's own unfinished `stream()`.
         """
-        if threading.get_ident() in self._consumers:
+        if self._dispatch.inside_stream:
             raise RunnerBusyError("cannot reset the cache inside its own stream(); close it first")
         self._engine.call(self._reset_now)
 
@@ -537,7 +351,7 @@ class Runner:
         Raises:
             RunnerBusyError: called from inside this thread's own unfinished `stream()`.
         """
-        if threading.get_ident() in self._consumers:
+        if self._dispatch.inside_stream:
             raise RunnerBusyError(
                 "cannot close the Runner inside its own stream(); finish it first"
             )
@@ -559,16 +373,10 @@ class Runner:
         """
         if self._lockstep is None or self._lockstep.leads:
             raise ValueError("follow() is for ranks other than 0 of a Runner under mlx.launch")
-        return self._relay(lambda: self._lockstep.follow(self._serve, self._reset_now))
+        return self._dispatch.follow(self._reset_now)
 
     def __enter__(self) -> Runner:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _log_memory(self) -> None:
-        report = MemoryReport.measure(self._pool)
-        ranks = "" if self._lockstep is None else self._lockstep.ranks_line(report)
-        self.memory_line = report.log_line() + ranks
-        logger.info("%s", self.memory_line)

@@ -74,6 +74,14 @@ class StopStrings:
         self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False
 
+    def finish(self, segment: str) -> tuple[str, bool]:
+        """Adds the last text segment and ends: returns (the rest of the text, whether a stop
+        string ended it); text held back that did not become a stop string is part of it."""
+        text, stopped = self.push(segment)
+        if not stopped:
+            text += self.flush()
+        return text, stopped
+
     def flush(self) -> str:
         """Text held back at the end of generation (it did not become a stop string)."""
         text, self._held, self._state = self._held, "", 0

@@ -37,13 +37,8 @@ def emit_chunks(
             finish = "stop"
             break
         detokenizer.add_token(token)
-        stats.tokens.append(token)
         text, stopped = stops.push(detokenizer.last_segment)
-        stats.text.append(text)
-        first = stats.num_sampled == 1
-        yield GenerationChunk(
-            text=text, token=token, logprob=logprob, prompt=stats.usage() if first else None
-        )
+        yield stats.chunk(token, text, logprob)
         if stopped:
             finish, cut_by_stop_string = "stop", True
             break
@@ -55,10 +50,8 @@ def emit_chunks(
     tail = ""
     if not cut_by_stop_string:
         detokenizer.finalize()  # text held back (e.g. trailing spaces) may complete a stop
-        tail, stopped = stops.push(detokenizer.last_segment)
+        tail, stopped = stops.finish(detokenizer.last_segment)
         if stopped and finish == "length":
             finish = "stop"
-        elif not stopped:
-            tail += stops.flush()
         stats.text.append(tail)
     yield stats.final_chunk(tail, finish, stops.matched)

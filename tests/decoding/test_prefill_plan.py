@@ -47,16 +47,3 @@ def test_gpu_plan():
     plan = prefill.PrefillPlan.make()
     assert (plan.step_tokens, plan.lanes) == (prefill.DEFAULT_STEP_TOKENS_GPU, 1)
     assert mx.default_device() == mx.gpu
-
-
-@pytest.mark.parametrize(("tokens", "pauses"), [(32, 0), (33, 1), (96, 2)])
-def test_a_stepped_fill_pauses_between_chunks_not_after_the_last(loaded_tiny, tokens, pauses):
-    """What follows the last chunk (a prompt's first token) comes in the same turn."""
-    loaded = loaded_tiny("llama")
-    cache = make_cache(loaded.model)
-    plan = prefill.PrefillPlan(32, 1)
-    assert (
-        len(list(prefill.fill_steps(loaded.model, cache, list(range(1, tokens + 1)), plan)))
-        == pauses
-    )
-    assert cache.num_tokens == tokens

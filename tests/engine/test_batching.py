@@ -45,7 +45,7 @@ def _together(runner, prompts, **options):
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
-    wait_until(lambda: runner._places.taken == len(prompts), what="every stream queued")
+    wait_until(lambda: runner._dispatch._places.taken == len(prompts), what="every stream queued")
     gate.set()
     for thread in threads:
         thread.join(60)
@@ -78,7 +78,7 @@ def test_batched_streams_answer_as_one_at_a_time(loaded_tiny, arch, rows, caplog
     options = {"max_tokens": 24, "temperature": 0.0, "logprobs": 0}
     alone = Runner(loaded, max_context=512, speculative=None)
     want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS]
-    with caplog.at_level(logging.INFO, logger="mlxkv.engine.runner"):
+    with caplog.at_level(logging.INFO, logger="mlxkv.engine.setup"):
         runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
     got = _together(runner, PROMPTS, **options)
     _assert_same_answers(got, want)
@@ -114,13 +114,13 @@ def test_a_stream_that_leaves_mid_batch_leaves_the_others_exact(loaded_tiny, row
     threads += [threading.Thread(target=stayer, args=(i,)) for i in (1, 2)]
     for thread in threads:
         thread.start()
-    wait_until(lambda: runner._places.taken == 3, what="every stream queued")
+    wait_until(lambda: runner._dispatch._places.taken == 3, what="every stream queued")
     gate.set()
     for thread in threads:
         thread.join(60)
     assert left.is_set() and max(rows) == 3
     _assert_same_answers(results[1:], want[1:])
-    assert runner._places.taken == 0 and runner._batching.batch.num_rows == 0
+    assert runner._dispatch._places.taken == 0 and runner._dispatch._batching.batch.num_rows == 0
 
 
 def test_a_seeded_stream_among_batched_ones_draws_as_alone(loaded_tiny, rows):
@@ -142,7 +142,7 @@ def test_a_seeded_stream_among_batched_ones_draws_as_alone(loaded_tiny, rows):
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for thread in threads:
         thread.start()
-    wait_until(lambda: runner._places.taken == 3, what="every stream queued")
+    wait_until(lambda: runner._dispatch._places.taken == 3, what="every stream queued")
     gate.set()
     for thread in threads:
         thread.join(60)
@@ -155,7 +155,7 @@ def test_the_budget_holds_after_a_full_batch(loaded_tiny):
     budget = 96 * 1024
     runner = Runner(loaded, max_context=512, cache_entries=8, cache_bytes=budget, max_batch=4)
     _together(runner, PROMPTS, max_tokens=40, temperature=0.0)
-    assert runner._batching.batch.nbytes == 0
+    assert runner._dispatch._batching.batch.nbytes == 0
     assert runner._pool.nbytes <= budget
 
 
@@ -166,14 +166,14 @@ def test_more_streams_than_places_wait_and_a_cancelled_waiter_gives_up(loaded_ti
     first = runner.stream(PROMPTS[0], batched=True, max_tokens=4)
     holder = threading.Thread(target=lambda: list(first))
     holder.start()
-    wait_until(lambda: runner._places.taken == 1, what="the first stream in its place")
+    wait_until(lambda: runner._dispatch._places.taken == 1, what="the first stream in its place")
     cancel = threading.Event()
     cancel.set()
     waiting = list(runner.stream(PROMPTS[1], batched=True, max_tokens=4, cancel=cancel))
     assert waiting[-1].completion.finish_reason == "cancelled"
     gate.set()
     holder.join(60)
-    assert runner._places.taken == 0
+    assert runner._dispatch._places.taken == 0
 
 
 def test_a_second_stream_on_a_thread_still_reading_one_is_refused_not_hung(loaded_tiny):
@@ -184,7 +184,7 @@ def test_a_second_stream_on_a_thread_still_reading_one_is_refused_not_hung(loade
     with pytest.raises(RunnerBusyError):
         next(runner.stream(PROMPTS[1], batched=True, max_tokens=8))
     first.close()
-    assert runner._places.taken == 0
+    assert runner._dispatch._places.taken == 0
 
 
 def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, rows):

@@ -3,7 +3,7 @@ end of the previous prompt instead of reprocessing everything."""
 
 import pytest
 
-from mlxkv.cache.model_cache import MAX_CHECKPOINTS
+from mlxkv.cache.checkpoints import MAX_CHECKPOINTS
 
 SYSTEM = 3 * (
     "You are a helpful assistant. Answer questions about capitals, rivers, museums, weather, "

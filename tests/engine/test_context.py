@@ -205,6 +205,6 @@ def test_default_window_is_what_the_cache_budget_holds_and_a_larger_one_is_warne
     budget = 64 * 1024
     runner = make_runner("llama", cache_bytes=budget)
     assert runner.max_context < unbounded.max_context
-    with caplog.at_level("WARNING", logger="mlxkv.engine.runner"):
+    with caplog.at_level("WARNING", logger="mlxkv.engine.setup"):
         make_runner("llama", cache_bytes=budget, max_context=runner.max_context * 4)
     assert "raise cache_bytes or lower max_context" in caplog.text

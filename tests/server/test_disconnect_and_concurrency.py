@@ -36,7 +36,7 @@ def gated_server(loaded_tiny, fresh_runner):
 
 
 def _cancel_requested(runner) -> bool:
-    return any(event.is_set() for event in list(runner._requests))
+    return any(event.is_set() for event in list(runner._dispatch._requests))
 
 
 def _open(served, path: str, body: dict, timeout: float = 60) -> http.client.HTTPConnection:

@@ -1,0 +1,248 @@
+"""Dispatching a Runner's requests: each one runs on the engine thread for the thread that
+streams it, one at a time in turn, or interleaved with the other batched streams in one of
+`max_batch` places.
+
+Owns `Dispatcher`: the threads reading a stream (a second stream on one of them is refused),
+the requests started and not ended (what `cancel` reaches), the places in the decode batch,
+how a request ends (its entry materialized and released, the memory line logged) and the
+memory line. Does not own what a request does on the model (`request_run`), how work reaches
+the engine thread (`engine_thread`), or building the request (`request`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import mlx.core as mx
+
+from mlxkv.cache.entry import CacheEntry
+from mlxkv.cache.kv import Rotation
+from mlxkv.cache.pool import CachePool
+from mlxkv.cache.report import MemoryReport
+from mlxkv.config import RunnerConfig
+from mlxkv.decoding.batch import DecodeBatch
+from mlxkv.decoding.drafts import DraftModel
+from mlxkv.decoding.prefill import PrefillPlan
+from mlxkv.engine.engine_thread import EngineThread, Interleaved, Relay
+from mlxkv.engine.lockstep import Lockstep
+from mlxkv.engine.places import Places
+from mlxkv.engine.request import Request
+from mlxkv.engine.request_run import Batching, run_request
+from mlxkv.engine.results import Completion, CompletionStats, GenerationChunk
+from mlxkv.errors import RunnerBusyError
+from mlxkv.models.loading import LoadedModel
+from mlxkv.platform.random_state import request_random_state, with_own_key
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Dispatcher:
+    """Runs a Runner's requests on its engine thread for the threads streaming them.
+
+    Args:
+        loaded: the model and tokenizer.
+        pool: the prompt cache's entries.
+        engine: the thread every model call runs on.
+        config: the Runner's settings (its context window included).
+        draft: the draft model for speculative decoding, or None.
+        rotations: per layer, how to re-rotate keys when the context shifts (None: cannot).
+        prefill_plan: how prompt tokens are fed.
+        lockstep: the sharded ranks' coordination, or None when not sharded.
+        max_batch: the most batched streams decoding together.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        pool: CachePool,
+        engine: EngineThread,
+        config: RunnerConfig,
+        *,
+        draft: DraftModel | None,
+        rotations: list[Rotation | None],
+        prefill_plan: PrefillPlan,
+        lockstep: Lockstep | None,
+        max_batch: int,
+    ):
+        self.loaded = loaded
+        self.config = config
+        self.max_context = config.max_context
+        self.prefill_plan = prefill_plan
+        self._pool = pool
+        self._engine = engine
+        self._draft = draft
+        self._rotations = rotations
+        self._lockstep = lockstep
+        self._consumers: dict[int, Relay | Interleaved] = {}  # threads iterating a stream()
+        self._places = Places(max_batch)
+        batch = DecodeBatch(loaded.model, max_batch)
+        self._batching = Batching(batch, self._crowded)
+        pool.working = batch
+        self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
+        self._requests_lock = threading.Lock()
+        # The memory line logged after the last generation (sharded: with the ranks' sum).
+        self.memory_line = ""
+
+    def stream(self, request: Request, *, batched: bool) -> Iterator[GenerationChunk]:
+        """The chunks of `request` (see `Runner.stream`), batched with the other batched
+        streams (not when sharded) or alone in turn."""
+        with self._requests_lock:
+            self._requests.add(request.cancelled)
+        if batched and self._lockstep is None:
+            return self._consume_interleaved(request)
+        return self._consume(request)
+
+    def cancel(self) -> None:
+        """Sets the cancel flag of every request started and not ended."""
+        with self._requests_lock:
+            started = list(self._requests)
+        for cancelled in started:
+            cancelled.set()
+
+    @property
+    def inside_stream(self) -> bool:
+        """True on a thread still reading a stream of this Runner."""
+        return threading.get_ident() in self._consumers
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Runs `fn()` on the engine thread: after the running generation, or inside this
+        thread's own stream (whose generation waits for this thread meanwhile) between two
+        of its chunks."""
+        relay = self._consumers.get(threading.get_ident())
+        if relay is not None:
+            return relay.call(fn)
+        return self._engine.call(fn)
+
+    def follow(self, reset: Callable[[], None]) -> Iterator[Completion]:
+        """Runs the leading rank's requests and resets (`reset`) in step with it (see
+        `Runner.follow`)."""
+        return self._relay(lambda: self._lockstep.follow(self._serve, reset))
+
+    def _consume(self, request: Request) -> Iterator[GenerationChunk]:
+        """The caller's side of a request: its chunks, computed on the engine thread."""
+        try:
+            yield from self._relay(lambda: self._serve(request))
+        finally:
+            with self._requests_lock:
+                self._requests.discard(request.cancelled)
+
+    def _consume_interleaved(self, request: Request) -> Iterator[GenerationChunk]:
+        """A batched stream's side: waits for one of `max_batch` places, then its chunks."""
+        try:
+            self._refuse_second_stream()
+            if not self._places.acquire(request.cancelled):
+                stats = CompletionStats(time.perf_counter(), len(request.tokens), 0)
+                yield stats.final_chunk("", "cancelled")
+                return
+            try:
+                yield from self._relay(lambda: self._serve_interleaved(request), interleaved=True)
+            finally:
+                self._places.release()
+        finally:
+            with self._requests_lock:
+                self._requests.discard(request.cancelled)
+
+    def _refuse_second_stream(self) -> None:
+        """Raises RunnerBusyError on a thread still reading a stream of this Runner: its new
+        one would wait on the first (for the engine, or for a place), which only this thread
+        can finish."""
+        if threading.get_ident() in self._consumers:
+            raise RunnerBusyError(
+                "this thread is still iterating another stream() of this Runner; "
+                "finish it or close() it before starting a new generation (waiting "
+                "would never end)"
+            )
+
+    def _relay(self, make: Callable[[], Iterator[T]], *, interleaved: bool = False) -> Iterator[T]:
+        """The items of the generator `make()` returns, run on the engine thread for this
+        thread. A second one on a thread still reading one would wait on the first, which
+        only this thread can finish: refused before it is queued. Meanwhile this thread's
+        `cache_tokens` reads go through the relay (the engine is busy with its generator)."""
+        me = threading.get_ident()
+        with self._requests_lock:
+            self._refuse_second_stream()
+            engine = self._engine
+            relay = engine.interleave(make) if interleaved else engine.iterate(make)
+            self._consumers[me] = relay
+        try:
+            yield from relay
+        finally:
+            with self._requests_lock:
+                del self._consumers[me]
+
+    def _serve(self, request: Request) -> Iterator[GenerationChunk]:
+        """One request on the engine thread, start to end, alone."""
+        mx.reset_peak_memory()
+        entries: list[CacheEntry] = []
+        try:
+            with request_random_state(request.params.seed):
+                if self._lockstep is None:
+                    chunks = self._run(request, entries.append)
+                else:
+                    chunks = self._lockstep.run(request, lambda r: self._run(r, entries.append))
+                try:
+                    for chunk in chunks:
+                        if chunk is not None:  # a pause between prefill chunks: none here
+                            yield chunk
+                finally:
+                    chunks.close()
+        finally:
+            self._end_request(entries[0] if entries else None)
+
+    def _serve_interleaved(self, request: Request) -> Iterator[GenerationChunk | None]:
+        """One request on the engine thread, taking turns with the other interleaved ones
+        (each item is one engine job; None pauses)."""
+        entries: list[CacheEntry] = []
+        chunks = self._run(request, entries.append, self._batching)
+        if request.params.seed is not None:
+            chunks = with_own_key(chunks, request.params.seed)
+        try:
+            yield from chunks
+        finally:
+            chunks.close()
+            self._end_request(entries[0] if entries else None)
+
+    def _crowded(self) -> bool:
+        """True while another batched stream runs or waits for its turn."""
+        return self._places.taken > 1
+
+    def _end_request(self, entry: CacheEntry | None) -> None:
+        """Leaves nothing lazy behind (the disk tier and other threads read the entry);
+        evicts to the cache's budget; logs the memory line."""
+        try:
+            if entry is not None:
+                entry.cache.materialize()
+                if entry.draft_cache is not None:
+                    entry.draft_cache.materialize()
+        except RuntimeError as error:  # a failed lazy computation: never keep a broken entry
+            logger.warning("prompt cache dropped: its arrays could not be evaluated (%s)", error)
+            entry.cache.free()
+            entry.draft_cache = None
+        if entry is not None:
+            self._pool.release(entry)
+        self._log_memory()
+
+    def _run(
+        self,
+        request: Request,
+        on_entry: Callable[[CacheEntry], None],
+        batching: Batching | None = None,
+    ) -> Iterator[GenerationChunk | None]:
+        return run_request(
+            request, self.loaded, self._pool, draft=self._draft, max_context=self.max_context,
+            rotations=self._rotations, plan=self.prefill_plan, on_entry=on_entry,
+            batching=batching,
+        )  # fmt: skip
+
+    def _log_memory(self) -> None:
+        report = MemoryReport.measure(self._pool)
+        ranks = "" if self._lockstep is None else self._lockstep.ranks_line(report)
+        self.memory_line = report.log_line() + ranks
+        logger.info("%s", self.memory_line)
