@@ -328,7 +328,8 @@ class Runner:
         return [] if entry is None else entry.cache.tokens
 
     def reset(self) -> None:
-        """Drops the prompt-cache entry and its memory (waits for a running generation).
+        """Drops the prompt-cache entries and their memory (waits for a running generation;
+        batched streams, which take turns, go on meanwhile on entries dropped when they end).
 
         Raises:
             RunnerBusyError: called from inside this thread's own unfinished `stream()`.
@@ -345,8 +346,10 @@ class Runner:
     def close(self, save_timeout_s: float | None = None) -> None:
         """Writes the entries to the disk tier (when there is one) and waits for every write,
         so a new Runner on the same `cache_dir` starts warm; with `save_timeout_s`, no entry
-        starts writing after that many seconds (the most recently used go first). The Runner
-        stays usable, except when sharded: rank 0's close ends the other ranks' `follow()`.
+        starts writing after that many seconds (the most recently used go first). Batched
+        streams running meanwhile go on; their entries are saved as they were when they
+        joined the batch. The Runner stays usable, except when sharded: rank 0's close ends
+        the other ranks' `follow()`.
 
         Raises:
             RunnerBusyError: called from inside this thread's own unfinished `stream()`.

@@ -213,3 +213,61 @@ def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, ro
     second.join(60)
     _assert_same_answers([got, *results], want)
     assert max(rows) == 2, "the speculative stream never joined the batch"
+
+
+def _paused_mid_batch(runner, prompts, options, during):
+    """Each prompt's batched stream on its own thread; once every stream has read 4 chunks
+    (all of them decoding in the batch), `during()` runs; then the streams finish."""
+    results: list = [None] * len(prompts)
+    halfway = [threading.Event() for _ in prompts]
+    go = threading.Event()
+
+    def run(i):
+        chunks = []
+        for chunk in runner.stream(prompts[i], batched=True, **options):
+            chunks.append(chunk)
+            if len(chunks) == 4:
+                halfway[i].set()
+                go.wait(30)
+        results[i] = _tokens_and_logprobs(chunks)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for event in halfway:
+        assert event.wait(30)
+    during()
+    go.set()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def test_reset_mid_batch_lets_the_streams_finish_then_drops_their_entries(loaded_tiny, rows):
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 16, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:2]]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4, speculative=None)
+    got = _paused_mid_batch(runner, PROMPTS[:2], options, runner.reset)
+    _assert_same_answers(got, want)
+    assert max(rows) == 2
+    assert runner._pool.entries == [] and runner.cache_info().entries == ()
+
+
+def test_close_mid_batch_saves_what_each_entry_held_and_the_streams_finish(
+    loaded_tiny, rows, tmp_path
+):
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 16, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:2]]
+    config = {"max_context": 512, "cache_entries": 8, "max_batch": 4, "cache_dir": tmp_path}
+    runner = Runner(loaded, **config)
+    got = _paused_mid_batch(runner, PROMPTS[:2], options, runner.close)
+    _assert_same_answers(got, want)
+    assert max(rows) == 2
+    restarted = Runner(loaded, **config)
+    again = list(restarted.stream(PROMPTS[0], **options))
+    _assert_same_answers([_tokens_and_logprobs(again)], want[:1])
+    assert again[-1].completion.cached_tokens > 0  # from the disk tier
