@@ -49,3 +49,40 @@ def test_eight_concurrent_clients_get_their_sequential_answers(loaded_tiny, monk
         assert text == want_text
         assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
     assert max(rows) >= 4, f"the requests hardly decoded together: rows {sorted(set(rows))}"
+
+
+def test_a_client_leaving_mid_batch_leaves_the_others_their_answers(
+    loaded_tiny, monkeypatch, access_log
+):
+    rows: list[int] = []
+    step = batch_module.DecodeBatch._step
+    monkeypatch.setattr(
+        batch_module.DecodeBatch, "_step", lambda self: (rows.append(self.num_rows), step(self))
+    )
+    runner = Runner(loaded_tiny("llama"), max_context=512, cache_entries=16, max_batch=4)
+    with serve(runner) as served:
+        client = served.openai(timeout=120)
+        alone = [_ask(client, i) for i in (1, 2)]
+        runner.reset()
+        rows.clear()
+        places = runner._dispatch._places
+        with ThreadPoolExecutor(2) as pool:
+            leaving = client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "Question number 0: tell me more."}],
+                max_tokens=200,
+                temperature=0,
+                stream=True,
+            )
+            next(iter(leaving))  # its stream runs
+            futures = [pool.submit(_ask, client, i) for i in (1, 2)]
+            wait_until(lambda: max(rows, default=0) == 3, what="three rows decoding together")
+            leaving.close()  # the client goes away mid-batch
+            together = [f.result(120) for f in futures]
+        left = access_log(r"POST /v1/chat/completions 200 .* generated=(\d+) .*finish=cancelled")
+        wait_until(lambda: places.taken == 0, what="every place given back")
+    assert int(left.group(1)) < 200
+    for (text, logprobs), (want_text, want_logprobs) in zip(together, alone, strict=True):
+        assert text == want_text
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+    assert runner._dispatch._batching.batch.num_rows == 0
