@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from mlxkv.cache.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.pool import CacheEntry, CachePool
+from mlxkv.cache.pool import CacheEntry, CachePool, PrefixHit
 from mlxkv.decoding.batch import DecodeBatch, batched_tokens, joined_tokens
 from mlxkv.decoding.drafts import DraftLength, DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
@@ -77,15 +77,8 @@ def run_request(
         yield stats.final_chunk("", "cancelled")
         return
     stats_start = time.perf_counter()
-    hit = pool.fetch_nearest(
-        tokens, reply_start=len(tokens) - request.header_tokens, salt=request.cache_salt
-    )
+    hit, entry = _claim_entry(request, pool, on_entry)
     stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
-    entry = pool.current
-    on_entry(entry)
-    entry.cut_start = request.cut_start
-    if request.cache_key is not None:
-        entry.label = request.cache_key
     start = time.perf_counter()
     model = loaded.model
     try:
@@ -104,12 +97,7 @@ def run_request(
         rotations,
         refill=lambda cache, ids: fill(model, cache, ids, plan),
     )
-    if draft is not None and request.speculative in ("auto", "draft"):
-        entry.draft_cache = entry.draft_cache or draft.make_cache()
-        draft_cache = entry.draft_cache
-        draft_cache.capacity_tokens = max_context + DraftLength.MAX_TOKENS  # bounded as the entry
-    else:
-        draft_cache = None
+    draft_cache = _draft_cache_for(entry, request, draft, max_context)
     batch = _batch_for(request, hit.cache, max_context, batching)
     decoded, pick = _decode(
         request, draft, draft_cache, loaded, hit.cache, logits, stats, plan, window.make_room,
@@ -119,6 +107,36 @@ def run_request(
         yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
     finally:  # here, on the engine thread, before the entry is released (an error included)
         decoded.close()
+
+
+def _claim_entry(
+    request: Request, pool: CachePool, on_entry: Callable[[CacheEntry], None]
+) -> tuple[PrefixHit, CacheEntry]:
+    """The pool's nearest entry for the request (reused, copied or new), told to `on_entry`
+    at once (whatever happens next, the caller releases it), marked with the request's
+    labels."""
+    tokens = request.tokens
+    hit = pool.fetch_nearest(
+        tokens, reply_start=len(tokens) - request.header_tokens, salt=request.cache_salt
+    )
+    entry = pool.current
+    on_entry(entry)
+    entry.cut_start = request.cut_start
+    if request.cache_key is not None:
+        entry.label = request.cache_key
+    return hit, entry
+
+
+def _draft_cache_for(
+    entry: CacheEntry, request: Request, draft: DraftModel | None, max_context: int
+) -> ModelCache | None:
+    """The entry's draft-model cache when the request drafts with the draft model (made on
+    first use, bounded as the entry), else None."""
+    if draft is None or request.speculative not in ("auto", "draft"):
+        return None
+    entry.draft_cache = entry.draft_cache or draft.make_cache()
+    entry.draft_cache.capacity_tokens = max_context + DraftLength.MAX_TOKENS
+    return entry.draft_cache
 
 
 def _batch_for(
