@@ -169,6 +169,12 @@ class GenerationStream:
                     finished = True
                     raise item
                 yield item
+                if item.completion is not None:
+                    # The reply is whole: the request's end on the engine (its entry kept,
+                    # the budget, the memory line) is not the client's to wait for; a stream
+                    # waiting for it would send a keep-alive after its API's last event.
+                    finished = True
+                    return
         finally:
             if not finished:  # the consumer left (a client that went away): stop the work
                 self.cancel()

@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import json
 import re
+import threading
 from collections.abc import Iterator
 
 import anthropic
@@ -16,6 +17,7 @@ import openai
 import pytest
 
 from mlxkv import Runner
+from mlxkv.engine.dispatch import Dispatcher
 from mlxkv.server import state
 from tests.server.conftest import held_worker, serve
 
@@ -197,3 +199,34 @@ def test_openai_stream_starts_and_comments_while_waiting(served, blocked_worker)
         blocked_worker.set()
         rest = response.read().decode()
     assert rest.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.parametrize(
+    ("path", "last"),
+    [("/v1/messages", 'data: {"type": "message_stop"}'), ("/v1/chat/completions", "data: [DONE]")],
+)
+def test_a_stream_ends_with_its_last_event_while_the_engine_still_tidies_up(
+    served, monkeypatch, path, last
+):
+    """Nothing after the API's last event (a keep-alive there broke clients' end checks):
+    the response ends when the reply is whole, not when the request's end on the engine
+    (keeping its entry, the budget, the memory line) is done."""
+    monkeypatch.setattr(state, "KEEPALIVE_INTERVAL_S", 0.05)
+    read, ended = threading.Event(), threading.Event()
+    end = Dispatcher._end_request
+
+    def slow_end(self, entry):
+        read.wait(30)  # the client has had the whole response by then
+        end(self, entry)
+        ended.set()
+
+    monkeypatch.setattr(Dispatcher, "_end_request", slow_end)
+    body = {"model": "m", "max_tokens": 3, "stream": True}
+    body["messages"] = [{"role": "user", "content": "hi"}]
+    try:
+        with _raw_stream(served, path, body) as response:
+            text = response.read().decode()
+        assert not ended.is_set()
+    finally:
+        read.set()
+    assert text.rstrip().endswith(last)
