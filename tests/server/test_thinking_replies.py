@@ -7,32 +7,18 @@ untouched. Scripted models (`build_scripted_model`) answer with `<think>Hmm.</th
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import ollama
 import pytest
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
-from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE, build_scripted_model
-from tests.server.conftest import TOOL_CALL, serve
+from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE
+from tests.server.conftest import THINKING_TEMPLATE, TOOL_CALL, build_template_model, serve
 
 THOUGHT = ("<think>", "Hmm.", "</think>")
-# Qwen3's switch: off renders an empty thought after the generation prompt. Assistant turns
-# render the thinking sent back with them (`reasoning_content`), as Qwen3's template does for
-# the turns of the current tool loop.
-QWEN3_TEMPLATE = TOOLS_CHAT_TEMPLATE.replace(
-    "<|im_start|>assistant\n{{ message['content'] }}",
-    "<|im_start|>assistant\n{% if message.reasoning_content %}"
-    "<think>{{ message.reasoning_content }}</think>{% endif %}{{ message['content'] }}",
-).replace(
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think></think>"
-    "{% endif %}{% endif %}",
-)
 # DeepSeek-R1's (and Qwen3's thinking-only models'): the generation prompt opens the thought.
-OPENING_TEMPLATE = QWEN3_TEMPLATE.replace(
+OPENING_TEMPLATE = THINKING_TEMPLATE.replace(
     "</think>{% endif %}{% endif %}", "</think>{% else %}<think>{% endif %}{% endif %}"
 )
 ASK = [{"role": "user", "content": "Capital of France?"}]
@@ -53,24 +39,20 @@ ANTHROPIC_TOOLS = [
 ]
 
 
-def _scripted(path: Path, script: tuple[str, ...], template: str) -> Path:
-    out = build_scripted_model(path, script)
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "chat_template": template}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
-    path = _scripted(tmp_path_factory.mktemp("thinker"), (*THOUGHT, "Paris"), QWEN3_TEMPLATE)
+    path = build_template_model(
+        tmp_path_factory.mktemp("thinker"), (*THOUGHT, "Paris"), THINKING_TEMPLATE
+    )
     with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
         yield served
 
 
 @pytest.fixture(scope="module")
 def opener(tmp_path_factory):
-    path = _scripted(tmp_path_factory.mktemp("opener"), (*THOUGHT, "Paris"), OPENING_TEMPLATE)
+    path = build_template_model(
+        tmp_path_factory.mktemp("opener"), (*THOUGHT, "Paris"), OPENING_TEMPLATE
+    )
     with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
         yield served
 
@@ -78,7 +60,7 @@ def opener(tmp_path_factory):
 @pytest.fixture(scope="module")
 def caller(tmp_path_factory):
     script = (*THOUGHT, "Let", "<tool_call>", TOOL_CALL, "</tool_call>")
-    path = _scripted(tmp_path_factory.mktemp("caller"), script, QWEN3_TEMPLATE)
+    path = build_template_model(tmp_path_factory.mktemp("caller"), script, THINKING_TEMPLATE)
     with serve(Runner(load_model(path), max_context=1024), model_name="m") as served:
         yield served
 
@@ -86,7 +68,9 @@ def caller(tmp_path_factory):
 @pytest.fixture(scope="module")
 def unthinking(tmp_path_factory):
     """`<think>` in the vocabulary but no `</think>`: mlx-lm sees no thinking tags."""
-    path = _scripted(tmp_path_factory.mktemp("plain"), ("<think>", "Paris"), TOOLS_CHAT_TEMPLATE)
+    path = build_template_model(
+        tmp_path_factory.mktemp("plain"), ("<think>", "Paris"), TOOLS_CHAT_TEMPLATE
+    )
     with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
         yield served
 
@@ -211,6 +195,20 @@ def test_ollama_think_false_leaves_the_text_as_generated(opener):
     assert (reply.message.thinking, reply.message.content) == (None, "Paris")
 
 
+def test_ollama_thinking_sent_back_reaches_the_template(caller):
+    client = ollama.Client(host=caller.url)
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    turn = {"role": "assistant", "content": "Let", "tool_calls": [call]}
+    result = {"role": "tool", "content": "sunny", "tool_name": "get_weather"}
+
+    def prompt_tokens(assistant: dict) -> int:
+        options = {"num_predict": 1}
+        reply = client.chat(model="m", messages=[*ASK, assistant, result], options=options)
+        return reply.prompt_eval_count
+
+    assert prompt_tokens({**turn, "thinking": "Hmm."}) == prompt_tokens(turn) + 3
+
+
 def test_tool_calls_after_the_thinking(caller):
     client = caller.openai()
     options = {"model": "m", "messages": ASK, "tools": [WEATHER]}
@@ -230,6 +228,14 @@ def test_tool_calls_after_the_thinking(caller):
     )
     assert [b.type for b in reply.content] == ["thinking", "text", "tool_use"]
     assert reply.stop_reason == "tool_use"
+
+
+def test_structured_output_is_the_answer_even_after_an_opened_thought(opener):
+    """A grammar keeps the output to its form from the first token: no thinking to split,
+    though the prompt opened a thought."""
+    options = {"response_format": {"type": "json_object"}, "max_tokens": 8}
+    reasoning, content = _openai_chat(opener, **options)
+    assert reasoning is None and content.startswith("{")
 
 
 def test_a_model_without_thinking_tags_is_untouched(unthinking):
