@@ -1,8 +1,11 @@
-"""One generation as both APIs see it: text deltas with their log-probabilities, tool calls,
-and the finished Completion. Shared by the OpenAI and Anthropic routers, which only format.
+"""One generation as every API sees it: thinking and answer text deltas with their
+log-probabilities, tool calls, and the finished Completion. Shared by the routers, which
+only format.
 
 Owns: `start_turn` (queue a generation with the request's tools and settings) and `Turn`
-(its events). Does not own the wire formats.
+(its events). The text goes through one pipeline: detokenized text -> thinking split
+(`thinking_text`) -> tool-call parse of the answer part (`tool_calls`). Does not own the
+wire formats.
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ from mlxkv.engine.results import Completion, PromptUsage
 from mlxkv.errors import ContextLengthError
 from mlxkv.server.errors import ApiError, context_length_error
 from mlxkv.server.forced_tools import ForcedCall, forced_call_grammar
+from mlxkv.server.thinking_text import (
+    ThinkingSplitter,
+    Thought,
+    checked_reasoning,
+    prompt_ends_thinking,
+)
 from mlxkv.server.tool_calls import Piece, ToolCall, ToolCallSplitter
 from mlxkv.server.worker import GenerationStream, GenerationWorker
 
@@ -38,16 +47,26 @@ class TokenInfo:
 
 @dataclass
 class TextDelta:
+    """Answer text."""
+
     text: str
     logprobs: list[TokenInfo] = field(default_factory=list)
 
 
-Event = TextDelta | ToolCall | Completion
+@dataclass
+class ReasoningDelta:
+    """Thinking text (never part of a `TextDelta`)."""
+
+    text: str
+    logprobs: list[TokenInfo] = field(default_factory=list)
+
+
+Event = ReasoningDelta | TextDelta | ToolCall | Completion
 
 
 class Turn:
-    """The events of one generation: `TextDelta`s and `ToolCall`s in order, then the
-    `Completion`. Leaving the iteration early cancels the generation."""
+    """The events of one generation: `ReasoningDelta`s, `TextDelta`s and `ToolCall`s in
+    order, then the `Completion`. Leaving the iteration early cancels the generation."""
 
     def __init__(
         self,
@@ -55,12 +74,17 @@ class Turn:
         splitter: ToolCallSplitter | None,
         tokenizer: Any,
         with_logprobs: bool,
+        thinking: ThinkingSplitter | None = None,
     ):
         self._stream = stream
         self._splitter = splitter
+        self._thinking = thinking
         self._tokenizer = tokenizer
         self._with_logprobs = with_logprobs
         self.prompt: PromptUsage | None = None  # known from the first event on
+        # Tokens of the model's thinking (OpenAI's `reasoning_tokens`): those with a thought
+        # open before or after them, its tags included.
+        self.reasoning_tokens = 0
 
     def cancel(self) -> None:
         self._stream.cancel()
@@ -76,12 +100,16 @@ class Turn:
             self.prompt = self.prompt or chunk.prompt
             if self._with_logprobs and chunk.logprob is not None:
                 pending.append(self._token_info(chunk.token, chunk.logprob))
-            pieces = self._split(chunk.text)
-            if chunk.completion is not None:
-                pieces += self._splitter.finish() if self._splitter else []
+            was_thinking = self._thinking_now()
+            pieces = self._pieces(chunk.text, ended=chunk.completion is not None)
+            if chunk.token is not None and (was_thinking or self._thinking_now()):
+                self.reasoning_tokens += 1
             for piece in pieces:
                 if isinstance(piece, ToolCall):
                     yield piece
+                elif isinstance(piece, Thought):
+                    yield ReasoningDelta(piece.text, pending)
+                    pending = []
                 else:
                     yield TextDelta(piece, pending)
                     pending = []
@@ -90,10 +118,26 @@ class Turn:
                     yield TextDelta("", pending)
                 yield chunk.completion
 
-    def _split(self, text: str) -> list[Piece]:
-        if self._splitter is None:
-            return [text] if text else []
-        return self._splitter.push(text)
+    def _thinking_now(self) -> bool:
+        return self._thinking is not None and self._thinking.thinking
+
+    def _pieces(self, text: str, ended: bool) -> list[Piece | Thought]:
+        """The chunk's text through the pipeline: thinking split, then tool calls parsed
+        from the answer part; `ended`: the generation's last chunk (all held text comes out)."""
+        parts: list[Thought | str] = [text] if text else []
+        if self._thinking is not None:
+            parts = self._thinking.push(text) + (self._thinking.finish() if ended else [])
+        pieces: list[Piece | Thought] = []
+        for part in parts:
+            if isinstance(part, Thought):
+                # answer text held back for a possible marker is older: it goes first
+                pieces += self._splitter.finish() if self._splitter else []
+                pieces.append(part)
+            else:
+                pieces += self._splitter.push(part) if self._splitter else [part]
+        if ended and self._splitter is not None:
+            pieces += self._splitter.finish()
+        return pieces
 
     def _token_info(self, token: int, logprob: TokenLogprob) -> TokenInfo:
         decode = self._tokenizer.decode
@@ -113,6 +157,7 @@ async def start_turn(
     cache_salt: str | None = None,
     forced: ForcedCall | None = None,
     switches: dict[str, Any] | None = None,
+    split_thinking: bool = True,
 ) -> Turn:
     """Validates and queues one generation for an HTTP request (kept on `request.state.turn`
     for the access log). The context never shifts over HTTP: a client's history is the
@@ -122,7 +167,9 @@ async def start_turn(
     the window is full, or at the limit (`max_tokens_asked` False). `cache_salt` keeps the
     request to the cache entries of its salt (vLLM's name for it). `forced`: a `tool_choice`
     that requires a call, kept by a grammar (over any structured-output one: the reply is
-    the call). `switches`: chat-template variables (`server.thinking`).
+    the call). `switches`: chat-template variables (`server.thinking`). `split_thinking`:
+    the model's thinking comes as `ReasoningDelta`s, apart from the answer, where its
+    vocabulary has thinking tags and no grammar keeps the output to a form without them.
 
     Raises:
         ApiError: 400 for bad input, a call required of a model that cannot be made to
@@ -143,16 +190,13 @@ async def start_turn(
     tokenizer = worker.runner.tokenizer
     if forced is not None:
         sampling = {**sampling, "grammar": forced_call_grammar(tokenizer, tools or [], forced)}
-    splitter = None
-    if tools and tokenizer.has_tool_calling:
-        splitter = ToolCallSplitter(
-            tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools
-        )
-    elif tools:
-        _warn_no_tool_parser()
+    splitter = _tool_splitter(tokenizer, tools)
+    thinking = None
+    if split_thinking and "grammar" not in sampling:  # a grammar's form has no thinking tags
+        thinking = _thinking_splitter(worker.runner, messages, switches, splitter is not None)
     try:
         stream = await worker.start(
-            messages,
+            checked_reasoning(messages, tokenizer),
             tools=tools or None,
             logprobs=top_logprobs,
             truncate=False,
@@ -166,8 +210,33 @@ async def start_turn(
         raise context_length_error(error, request.url.path) from error
     except ValueError as error:
         raise ApiError(400, str(error)) from error
-    request.state.turn = Turn(stream, splitter, tokenizer, top_logprobs is not None)
+    request.state.turn = Turn(stream, splitter, tokenizer, top_logprobs is not None, thinking)
     return request.state.turn
+
+
+def _tool_splitter(tokenizer: Any, tools: list[dict[str, Any]] | None) -> ToolCallSplitter | None:
+    if tools and tokenizer.has_tool_calling:
+        return ToolCallSplitter(
+            tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools
+        )
+    if tools:
+        _warn_no_tool_parser()
+    return None
+
+
+def _thinking_splitter(
+    runner: Any, prompt: Any, switches: dict[str, Any] | None, tool_calls: bool
+) -> ThinkingSplitter | None:
+    """A splitter at the model's thinking tags; None for a vocabulary without them."""
+    tokenizer = runner.tokenizer
+    if not tokenizer.has_thinking:
+        return None
+    return ThinkingSplitter(
+        tokenizer.think_start,
+        tokenizer.think_end,
+        thinking=prompt_ends_thinking(runner, prompt, switches),
+        exits=(tokenizer.tool_call_start,) if tool_calls else (),
+    )
 
 
 async def collect(turn: Turn, request: Request) -> tuple[list[Event], Completion]:

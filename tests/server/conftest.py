@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import anthropic
 import openai
@@ -21,10 +22,23 @@ from mlxkv import Runner
 from mlxkv.config import ServerConfig
 from mlxkv.server import create_app
 from mlxkv.server.connections import Server, uvicorn_config
-from mlxkv.testing.factory import build_scripted_model
+from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE, build_scripted_model
 
 TOOL_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
 SCRIPT = ("Let", "<tool_call>", TOOL_CALL, "</tool_call>")
+# Qwen3's thinking switch (off renders an empty thought after the generation prompt), and
+# assistant turns rendering the thinking sent back with them (`reasoning_content`), as
+# Qwen3's template does for the turns of the current tool loop.
+THINKING_TEMPLATE = TOOLS_CHAT_TEMPLATE.replace(
+    "<|im_start|>assistant\n{{ message['content'] }}",
+    "<|im_start|>assistant\n{% if message.reasoning_content %}"
+    "<think>{{ message.reasoning_content }}</think>{% endif %}{{ message['content'] }}",
+).replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think></think>"
+    "{% endif %}{% endif %}",
+)
 _START_TIMEOUT_S = 30
 
 
@@ -83,6 +97,16 @@ class Served:
             return response.status, json.loads(raw)
         except json.JSONDecodeError:
             return response.status, raw
+
+
+def build_template_model(path: Path, script: tuple[str, ...], template: str) -> Path:
+    """`build_scripted_model` with another chat template: the script follows the last token of
+    the generation prompt, so a template that ends it with a piece starts the script there."""
+    out = build_scripted_model(path, script)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": template}))
+    return out
 
 
 @contextlib.contextmanager

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from mlxkv import Runner
+from mlxkv.models.loading import load_model
 
-from .conftest import serve
+from .conftest import THINKING_TEMPLATE, build_template_model, serve
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 
@@ -296,3 +297,22 @@ def test_cache_endpoint_equals_cache_info(page_server):
     current = next(e for e in body["entries"] if e["current"])
     assert current["label"] == "chat-42"
     assert current["num_tokens"] > 0
+
+
+def test_a_thinking_models_thinking_is_folded_above_its_answer(browser, tmp_path):
+    script = ("<think>", "Hmm.", "</think>", "Paris")
+    path = build_template_model(tmp_path / "thinker", script, THINKING_TEMPLATE)
+    with serve(Runner(load_model(path), max_context=512)) as served:
+        context = browser.new_context(viewport={"width": 1280, "height": 800})
+        page = context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        page.goto(served.url + "/")
+        _set(page, "#max-tokens", "16")
+        _send(page, "Capital of France?")
+        reply = _current(page)["messages"][1]
+        assert (reply["reasoning"], reply["content"]) == ("Hmm.", "Paris")
+        thinking = page.locator(".message.assistant .thinking")
+        assert thinking.locator(".thought").text_content() == "Hmm."
+        assert thinking.get_attribute("open") is None  # folded once the answer came
+        assert page.locator(".message.assistant .bubble").inner_text().endswith("Paris")
+        context.close()

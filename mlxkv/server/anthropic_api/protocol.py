@@ -52,9 +52,12 @@ class MediaBlock(Lenient):
 
 
 class ThinkingBlock(Lenient):
-    """Reasoning from an earlier turn: not rendered again."""
+    """Reasoning from an earlier turn: its text goes to the template as the message's
+    `reasoning_content` (templates that render it, as Qwen3's does for the turns of the
+    current tool loop, then match what was generated); a redacted one has none."""
 
     type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
 
 
 Block = Annotated[
@@ -183,10 +186,13 @@ def _template_messages(index: int, message: Message) -> list[dict[str, Any]]:
         return [{"role": message.role, "content": message.content}]
     out: list[dict[str, Any]] = []
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     for block in message.content:
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            thoughts.append(block.thinking or "")
         elif isinstance(block, MediaBlock):
             raise ApiError(
                 400, f"messages.{index}: {block.type} blocks are not supported; send text only"
@@ -204,6 +210,8 @@ def _template_messages(index: int, message: Message) -> list[dict[str, Any]]:
         reply: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
         if calls:
             reply["tool_calls"] = calls
+        if any(thoughts) and message.role == "assistant":
+            reply["reasoning_content"] = "".join(thoughts)
         out.append(reply)
     return out
 

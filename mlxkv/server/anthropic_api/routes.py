@@ -4,7 +4,10 @@ sequence) and `/v1/messages/count_tokens`.
 Owns the translation between Anthropic's bodies and a `Turn`; schemas are in
 `anthropic_protocol.py`. Usage follows Anthropic's definitions: `cache_read_input_tokens` are
 the prompt tokens the prompt cache supplied, `input_tokens` the rest (computed now), and
-`cache_creation_input_tokens` is 0 (nothing is billed for writing the cache).
+`cache_creation_input_tokens` is 0 (nothing is billed for writing the cache). The model's
+thinking comes as `thinking` blocks (streamed as `thinking_delta`s) before the text, with an
+empty `signature` (nothing here signs it); sent back in a later turn, a thinking block is
+the chat template's `reasoning_content` for that turn.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
 from mlxkv.server.errors import ApiError
 from mlxkv.server.state import Context, ServerContext, event_stream, sse
 from mlxkv.server.tool_calls import ToolCall
-from mlxkv.server.turn import Event, TextDelta, Turn, collect, start_turn
+from mlxkv.server.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
 
 router = APIRouter()
 
@@ -103,17 +106,30 @@ def _message_head(message_id: str, model: str, content: list[dict[str, Any]]) ->
 
 
 def _blocks(events: list[Event]) -> list[dict[str, Any]]:
-    """Content blocks: runs of text joined into one text block, each tool call its own."""
+    """Content blocks: runs of thinking or text joined into one block, each tool call its
+    own."""
     blocks: list[dict[str, Any]] = []
     for event in events:
         if isinstance(event, ToolCall):
             blocks.append(_tool_use(event))
-        elif isinstance(event, TextDelta) and event.text:
-            if blocks and blocks[-1]["type"] == "text":
-                blocks[-1]["text"] += event.text
+        elif isinstance(event, TextDelta | ReasoningDelta) and event.text:
+            kind, field = _TEXT_FIELDS[type(event)]
+            if blocks and blocks[-1]["type"] == kind:
+                blocks[-1][field] += event.text
             else:
-                blocks.append({"type": "text", "text": event.text})
+                blocks.append(_text_block(kind, event.text))
     return blocks
+
+
+# The block a text event goes into, and the block's field (and its delta's) for the text.
+_TEXT_FIELDS = {TextDelta: ("text", "text"), ReasoningDelta: ("thinking", "thinking")}
+_DELTA_TYPES = {"text": "text_delta", "thinking": "thinking_delta"}
+
+
+def _text_block(kind: str, text: str) -> dict[str, Any]:
+    if kind == "thinking":
+        return {"type": "thinking", "thinking": text, "signature": ""}
+    return {"type": "text", "text": text}
 
 
 def _tool_use(call: ToolCall, arguments: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -182,23 +198,27 @@ async def _message_events(turn: Turn, head: dict[str, Any]) -> AsyncIterator[str
     and the client knows it was accepted; its usage is zeros, message_delta carries the
     counts), then content blocks (start, deltas, stop), message_delta with the stop reason
     and usage, message_stop."""
-    index, text_open = 0, False
+    index, open_kind = 0, None  # the text or thinking block being streamed, if any
     calls: list[ToolCall] = []
     head = {**head, "stop_reason": None, "stop_sequence": None, "usage": _usage(None)}
     yield sse({"type": "message_start", "message": head}, "message_start")
     async for event in turn.events():
-        if isinstance(event, TextDelta) and event.text:
-            if not text_open:
-                text_open = True
-                yield _block_start(index, {"type": "text", "text": ""})
-            delta = {"type": "text_delta", "text": event.text}
+        if isinstance(event, TextDelta | ReasoningDelta) and event.text:
+            kind, field = _TEXT_FIELDS[type(event)]
+            if open_kind != kind:
+                if open_kind is not None:
+                    yield _block_stop(index)
+                    index += 1
+                open_kind = kind
+                yield _block_start(index, _text_block(kind, ""))
+            delta = {"type": _DELTA_TYPES[kind], field: event.text}
             yield sse(
                 {"type": "content_block_delta", "index": index, "delta": delta},
                 "content_block_delta",
             )
         elif isinstance(event, ToolCall):
-            if text_open:
-                text_open = False
+            if open_kind is not None:
+                open_kind = None
                 yield _block_stop(index)
                 index += 1
             calls.append(event)
@@ -211,7 +231,7 @@ async def _message_events(turn: Turn, head: dict[str, Any]) -> AsyncIterator[str
             yield _block_stop(index)
             index += 1
         elif isinstance(event, Completion):
-            if text_open:
+            if open_kind is not None:
                 yield _block_stop(index)
             body = {"type": "message_delta", "delta": _stop(event, calls), "usage": _usage(event)}
             yield sse(body, "message_delta")

@@ -53,6 +53,7 @@ class Message(Lenient):
     images: list[str] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
+    thinking: str | None = None  # an earlier reply's, for templates that render it
 
 
 class GenerationRequest(Lenient):
@@ -65,6 +66,12 @@ class GenerationRequest(Lenient):
 
     def template_switches(self) -> dict[str, Any] | None:
         return ollama_switches(self.think)
+
+    @property
+    def split_thinking(self) -> bool:
+        """Ollama's reading: thinking comes apart (`thinking`) unless `think` is false; a
+        thinking model's default is on, and `false` leaves the text as generated."""
+        return self.think is not False
 
     def sampling(self, default_max_tokens: int, window: int) -> tuple[dict[str, Any], bool]:
         """Runner sampling arguments, and whether the client set a token limit. num_predict
@@ -110,6 +117,8 @@ class ChatRequest(GenerationRequest):
                 ]
             if message.tool_name:
                 entry["name"] = message.tool_name
+            if message.thinking and message.role == "assistant":
+                entry["reasoning_content"] = message.thinking
             out.append(entry)
         return out
 

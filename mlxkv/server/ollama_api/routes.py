@@ -4,7 +4,8 @@ the served model, a 404 for any other), `/api/embed` and `/api/embeddings` (501:
 does not embed).
 
 The served model is listed under its name with the tag `latest`; chat and generate answer any
-name with it, as the other APIs do.
+name with it, as the other APIs do. A thinking model's thinking comes as `message.thinking`
+(chat) and `thinking` (generate) unless `think` is false, as Ollama does.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from mlxkv.server.errors import ApiError
 from mlxkv.server.ollama_api.protocol import ChatRequest, GenerateRequest, ModelRequest
 from mlxkv.server.state import Context, ServerContext, event_stream
 from mlxkv.server.tool_calls import ToolCall
-from mlxkv.server.turn import TextDelta, Turn, collect, start_turn
+from mlxkv.server.turn import ReasoningDelta, TextDelta, Turn, collect, start_turn
 
 router = APIRouter(prefix="/api")
 
@@ -70,7 +71,7 @@ async def show(body: ModelRequest, ctx: Context) -> dict[str, Any]:
             "general.architecture": arch,
             f"{arch}.context_length": runner.max_context,
         },
-        "capabilities": ["completion", "tools"],
+        "capabilities": _capabilities(runner.tokenizer),
         "modified_at": _timestamp(ctx.created),
     }
 
@@ -104,6 +105,7 @@ async def chat(body: ChatRequest, request: Request, ctx: Context):
         sampling=sampling,
         max_tokens_asked=asked,
         switches=body.template_switches(),
+        split_thinking=body.split_thinking,
     )
     return await _answer(turn, request, ctx, body, "message")
 
@@ -120,6 +122,7 @@ async def generate(body: GenerateRequest, request: Request, ctx: Context):
         sampling=sampling,
         max_tokens_asked=asked,
         switches=body.template_switches(),
+        split_thinking=body.split_thinking,
     )
     return await _answer(turn, request, ctx, body, "response")
 
@@ -134,10 +137,11 @@ async def _answer(turn: Turn, request: Request, ctx: ServerContext, body: Any, f
         )
     events, completion = await collect(turn, request)
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    thinking = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     calls = [e for e in events if isinstance(e, ToolCall)]
     return {
         **_head(model),
-        field: _payload(field, text, calls),
+        **_payload(field, text, calls, thinking),
         **_final(completion, calls, started),
     }
 
@@ -146,28 +150,37 @@ async def _lines(turn: Turn, model: str, field: str, started: int) -> AsyncItera
     calls: list[ToolCall] = []
     async for event in turn.events():
         if isinstance(event, TextDelta) and event.text:
-            yield _line({**_head(model), field: _payload(field, event.text, []), "done": False})
+            yield _line({**_head(model), **_payload(field, event.text, []), "done": False})
+        elif isinstance(event, ReasoningDelta) and event.text:
+            yield _line({**_head(model), **_payload(field, "", [], event.text), "done": False})
         elif isinstance(event, ToolCall):
             calls.append(event)
-            yield _line({**_head(model), field: _payload(field, "", [event]), "done": False})
+            yield _line({**_head(model), **_payload(field, "", [event]), "done": False})
         elif isinstance(event, Completion):
             final = {
                 **_head(model),
-                field: _payload(field, "", []),
+                **_payload(field, "", []),
                 **_final(event, calls, started),
             }
             yield _line(final)
 
 
-def _payload(field: str, text: str, calls: list[ToolCall]) -> Any:
+def _payload(field: str, text: str, calls: list[ToolCall], thinking: str = "") -> dict[str, Any]:
+    """The answer's fields: generate's `response` (and `thinking`), or chat's `message`."""
     if field == "response":
-        return text
+        return {"response": text, **({"thinking": thinking} if thinking else {})}
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if thinking:
+        message["thinking"] = thinking
     if calls:
         message["tool_calls"] = [
             {"function": {"name": call.name, "arguments": call.arguments}} for call in calls
         ]
-    return message
+    return {"message": message}
+
+
+def _capabilities(tokenizer: Any) -> list[str]:
+    return ["completion", "tools", *(["thinking"] if tokenizer.has_thinking else [])]
 
 
 def _final(completion: Completion, calls: list[ToolCall], started: int) -> dict[str, Any]:

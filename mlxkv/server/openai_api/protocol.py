@@ -67,6 +67,10 @@ class ChatMessage(Lenient):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # An earlier reply's thinking, sent back: templates that render it (Qwen3's, for the
+    # turns of the current tool loop) get it, so the prompt matches what was generated.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDef(Lenient):
@@ -216,6 +220,9 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
         out["name"] = message.name
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning and role == "assistant":
+        out["reasoning_content"] = reasoning
     if message.tool_calls:
         out["tool_calls"] = [
             {

@@ -3,7 +3,9 @@ server-sent events.
 
 Owns the translation between OpenAI's bodies and a `Turn`; the request schemas are in
 `openai_protocol.py`. `usage.prompt_tokens_details.cached_tokens` is the number of prompt
-tokens the prompt cache supplied (not computed again).
+tokens the prompt cache supplied (not computed again). A chat reply's thinking is
+`reasoning_content` (DeepSeek's and vLLM's name; `reasoning` too, with the same text, as vLLM
+keeps both and mlx-lm's server sends that one), in the message and in stream deltas.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from mlxkv.engine.results import Completion
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.state import Context, event_stream, sse
 from mlxkv.server.tool_calls import ToolCall
-from mlxkv.server.turn import Event, TextDelta, TokenInfo, Turn, collect, start_turn
+from mlxkv.server.turn import (
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    TokenInfo,
+    Turn,
+    collect,
+    start_turn,
+)
 
 router = APIRouter()
 
@@ -52,6 +62,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         return event_stream(_chat_events(turn, reply, body.include_usage), turn, _error_event)
     events, completion = await collect(turn, request)
     message: dict[str, Any] = {"role": "assistant", "content": _text(events)}
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    if reasoning:
+        message.update(_reasoning(reasoning))
     calls = [event for event in events if isinstance(event, ToolCall)]
     if calls:
         message["tool_calls"] = [_tool_call(call) for call in calls]
@@ -75,6 +88,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context):
         top_logprobs=body.logprobs,
         max_tokens_asked="max_tokens" in body.model_fields_set,
         cache_salt=body.cache_salt,
+        split_thinking=False,  # a text completion is the text as generated
     )
     reply = _Reply(ctx.model_name, "cmpl", "text_completion")
     if body.stream:
@@ -113,9 +127,12 @@ async def _chat_events(turn: Turn, reply: _Reply, include_usage: bool) -> AsyncI
     yield chunk({"role": "assistant", "content": ""})
     calls: list[ToolCall] = []
     async for event in turn.events():
-        if isinstance(event, TextDelta) and (event.text or event.logprobs):
+        if isinstance(event, TextDelta | ReasoningDelta) and (event.text or event.logprobs):
             logprobs = {"content": [_token(t) for t in event.logprobs]} if event.logprobs else None
-            yield chunk({"content": event.text}, logprobs=logprobs)
+            if isinstance(event, ReasoningDelta):
+                yield chunk(_reasoning(event.text), logprobs=logprobs)
+            else:
+                yield chunk({"content": event.text}, logprobs=logprobs)
         elif isinstance(event, ToolCall):
             yield chunk({"tool_calls": [{"index": len(calls), **_tool_call(event)}]})
             calls.append(event)
@@ -151,6 +168,10 @@ def _text(events: list[Event]) -> str:
     return "".join(event.text for event in events if isinstance(event, TextDelta))
 
 
+def _reasoning(text: str) -> dict[str, str]:
+    return {"reasoning_content": text, "reasoning": text}
+
+
 def _tool_call(call: ToolCall) -> dict[str, Any]:
     function = {"name": call.name, "arguments": call.arguments_json}
     return {"id": call.id, "type": "function", "function": function}
@@ -181,7 +202,8 @@ def _alternative(text: str, logprob: float) -> dict[str, Any]:
 
 
 def _chat_logprobs(events: list[Event]) -> list[dict[str, Any]]:
-    return [_token(t) for e in events if isinstance(e, TextDelta) for t in e.logprobs]
+    deltas = (e for e in events if isinstance(e, TextDelta | ReasoningDelta))
+    return [_token(t) for e in deltas for t in e.logprobs]
 
 
 def _legacy_logprobs(events: list[Event]) -> dict[str, Any]:

@@ -4,7 +4,9 @@ messages and tools.
 `input` is a string or a list of items: messages (roles user, assistant, system, developer;
 content a string or `input_text`/`output_text` parts), `function_call` and
 `function_call_output` (the assistant's tool calls and their results, matched by `call_id`).
-`reasoning` items and other items a local model cannot use are dropped. `instructions` is the
+A `reasoning` item's text (`reasoning_text` content; a summary or encrypted content alone
+is not the model's thinking) is the `reasoning_content` of the assistant turn after it;
+other items a local model cannot use are dropped. `instructions` is the
 system message. Tools of type `function` go to the chat template, as do those inside a
 `namespace` group; hosted tools (`web_search`, `local_shell`, `custom`, ...) are dropped with
 one log line per kind.
@@ -136,11 +138,14 @@ def chat_messages(
     item in the request, for errors)."""
     out: list[dict[str, Any]] = []
     dropped: set[str] = set()
+    reasoning = ""  # read, for the next assistant turn
     if instructions:
         out.append({"role": "system", "content": instructions})
     for index, item in enumerate(items, start=start):
         where = f"input[{index}]"
-        if item.type == "message":
+        if item.type == "reasoning":
+            reasoning += _text(item.content, where)
+        elif item.type == "message":
             if item.role is None:
                 raise ApiError(400, f"{where} is a message without a role", param=where)
             role = "system" if item.role == "developer" else item.role
@@ -168,6 +173,10 @@ def chat_messages(
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
         else:
             dropped.add(item.type)
+        if reasoning and item.type != "reasoning":  # the turn it belongs to, or none
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("reasoning_content", reasoning)
+            reasoning = ""
     _note_dropped("input items", dropped)
     return out
 
@@ -185,7 +194,7 @@ def _text(content: str | list[InputPart] | None, where: str) -> str:
     return "".join(part.text or "" for part in content)
 
 
-_TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text")
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
 
 
 def _functions(tools: list[ResponseTool]) -> list[ResponseTool]:

@@ -3,10 +3,14 @@ Codex CLI (`wire_api = "responses"`).
 
 Owns the translation between a Responses body and a `Turn`, and the events: response.created,
 response.in_progress, response.output_item.added/done, response.content_part.added/done,
-response.output_text.delta/done, response.function_call_arguments.delta/done, then
-response.completed (response.incomplete when max_output_tokens cut the reply;
-response.failed). `usage.input_tokens_details.cached_tokens` is what the prompt cache
-supplied.
+response.reasoning_text.delta/done, response.output_text.delta/done,
+response.function_call_arguments.delta/done, then response.completed (response.incomplete
+when max_output_tokens cut the reply; response.failed).
+`usage.input_tokens_details.cached_tokens` is what the prompt cache supplied. The model's
+thinking is a `reasoning` item (its text as `reasoning_text` content, no summary, as
+OpenAI's open-weight models and vLLM give it) before the message; sent back in `input`, or
+kept for `previous_response_id`, it is the chat template's `reasoning_content` for the
+assistant turn that follows it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.protocol import ResponsesRequest, chat_messages
 from mlxkv.server.state import Context, event_stream, sse
 from mlxkv.server.tool_calls import ToolCall
-from mlxkv.server.turn import TextDelta, Turn, collect, start_turn
+from mlxkv.server.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
 
 router = APIRouter()
 
@@ -67,13 +71,9 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
         events = _response_events(turn, response, remember)
         return event_stream(events, turn, response.failed_event)
     events, completion = await collect(turn, request)
-    output: list[dict[str, Any]] = []
-    text = "".join(e.text for e in events if isinstance(e, TextDelta))
-    if text:
-        output.append(_message_item(_item_id("msg"), text))
-    output += [_call_item(_item_id("fc"), e) for e in events if isinstance(e, ToolCall)]
+    output = _output_items(events)
     remember(output)
-    return response.body(output, completion)
+    return response.body(output, completion, reasoning_tokens=turn.reasoning_tokens)
 
 
 class _Response:
@@ -87,7 +87,11 @@ class _Response:
         self._sequence = -1  # OpenAI numbers a response's events from 0
 
     def body(
-        self, output: list[dict[str, Any]], completion: Completion | None, status: str = ""
+        self,
+        output: list[dict[str, Any]],
+        completion: Completion | None,
+        status: str = "",
+        reasoning_tokens: int = 0,
     ) -> dict[str, Any]:
         request = self.request
         incomplete = completion is not None and completion.finish_reason == "length"
@@ -110,7 +114,7 @@ class _Response:
             "top_p": request.top_p,
             "tool_choice": request.tool_choice or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
-            "usage": _usage(completion) if completion is not None else None,
+            "usage": _usage(completion, reasoning_tokens) if completion is not None else None,
         }
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -127,39 +131,38 @@ async def _response_events(turn: Turn, response: _Response, remember) -> AsyncIt
     yield response.event("response.created", response=response.body([], None, "in_progress"))
     yield response.event("response.in_progress", response=response.body([], None, "in_progress"))
     output: list[dict[str, Any]] = []
-    text_item: dict[str, Any] | None = None  # the message item being streamed
+    open_item: dict[str, Any] | None = None  # the reasoning or message item being streamed
     async for event in turn.events():
-        if isinstance(event, TextDelta) and event.text:
-            if text_item is None:
-                text_item = _message_item(_item_id("msg"), "", "in_progress")
-                for line in _open_message(response, text_item, len(output)):
+        if isinstance(event, TextDelta | ReasoningDelta) and event.text:
+            kind = _item_kind(event)
+            if open_item is not None and open_item["type"] != kind:
+                for line in _close_item(response, open_item, len(output)):
                     yield line
-            text_item["content"][0]["text"] += event.text
-            yield response.event(
-                "response.output_text.delta",
-                item_id=text_item["id"],
-                output_index=len(output),
-                content_index=0,
-                delta=event.text,
-                logprobs=[],
-            )
+                output.append(open_item)
+                open_item = None
+            if open_item is None:
+                open_item = _item(kind, "", "in_progress")
+                for line in _open_item(response, open_item, len(output)):
+                    yield line
+            open_item["content"][0]["text"] += event.text
+            yield _text_delta(response, open_item, len(output), event.text)
         elif isinstance(event, ToolCall):
-            if text_item is not None:
-                for line in _close_message(response, text_item, len(output)):
+            if open_item is not None:
+                for line in _close_item(response, open_item, len(output)):
                     yield line
-                output.append(text_item)
-                text_item = None
+                output.append(open_item)
+                open_item = None
             item = _call_item(_item_id("fc"), event)
             for line in _function_call(response, item, len(output)):
                 yield line
             output.append(item)
         elif isinstance(event, Completion):
-            if text_item is not None:
-                for line in _close_message(response, text_item, len(output)):
+            if open_item is not None:
+                for line in _close_item(response, open_item, len(output)):
                     yield line
-                output.append(text_item)
+                output.append(open_item)
             remember(output)
-            final = response.body(output, event)
+            final = response.body(output, event, reasoning_tokens=turn.reasoning_tokens)
             # OpenAI ends a reply cut by max_output_tokens with response.incomplete
             kind = (
                 "response.incomplete" if final["status"] == "incomplete" else "response.completed"
@@ -167,7 +170,27 @@ async def _response_events(turn: Turn, response: _Response, remember) -> AsyncIt
             yield response.event(kind, response=final)
 
 
-def _open_message(response: _Response, item: dict[str, Any], index: int) -> list[str]:
+def _output_items(events: list[Event]) -> list[dict[str, Any]]:
+    """A whole reply's output items, in the order the streamed ones come: runs of thinking
+    or text joined into one reasoning or message item, each tool call its own."""
+    output: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, ToolCall):
+            output.append(_call_item(_item_id("fc"), event))
+        elif isinstance(event, TextDelta | ReasoningDelta) and event.text:
+            kind = _item_kind(event)
+            if output and output[-1]["type"] == kind:
+                output[-1]["content"][0]["text"] += event.text
+            else:
+                output.append(_item(kind, event.text))
+    return output
+
+
+def _item_kind(event: TextDelta | ReasoningDelta) -> str:
+    return "reasoning" if isinstance(event, ReasoningDelta) else "message"
+
+
+def _open_item(response: _Response, item: dict[str, Any], index: int) -> list[str]:
     return [
         response.event("response.output_item.added", output_index=index, item=_empty(item)),
         response.event(
@@ -175,30 +198,29 @@ def _open_message(response: _Response, item: dict[str, Any], index: int) -> list
             item_id=item["id"],
             output_index=index,
             content_index=0,
-            part=_text_part(""),
+            part=_part(item["type"], ""),
         ),
     ]
 
 
-def _close_message(response: _Response, item: dict[str, Any], index: int) -> list[str]:
+def _text_delta(response: _Response, item: dict[str, Any], index: int, text: str) -> str:
+    fields = {"item_id": item["id"], "output_index": index, "content_index": 0, "delta": text}
+    if item["type"] == "reasoning":
+        return response.event("response.reasoning_text.delta", **fields)
+    return response.event("response.output_text.delta", **fields, logprobs=[])
+
+
+def _close_item(response: _Response, item: dict[str, Any], index: int) -> list[str]:
     item["status"] = "completed"  # the item is whole, even when the response is incomplete
     text = item["content"][0]["text"]
+    where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+    if item["type"] == "reasoning":
+        done = response.event("response.reasoning_text.done", **where, text=text)
+    else:
+        done = response.event("response.output_text.done", **where, text=text, logprobs=[])
     return [
-        response.event(
-            "response.output_text.done",
-            item_id=item["id"],
-            output_index=index,
-            content_index=0,
-            text=text,
-            logprobs=[],
-        ),
-        response.event(
-            "response.content_part.done",
-            item_id=item["id"],
-            output_index=index,
-            content_index=0,
-            part=_text_part(text),
-        ),
+        done,
+        response.event("response.content_part.done", **where, part=_part(item["type"], text)),
         response.event("response.output_item.done", output_index=index, item=item),
     ]
 
@@ -227,18 +249,20 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_part(text: str) -> dict[str, Any]:
+def _part(item_type: str, text: str) -> dict[str, Any]:
+    """The content part a message (output text) or reasoning item (its text) holds."""
+    if item_type == "reasoning":
+        return {"type": "reasoning_text", "text": text}
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "type": "message",
-        "status": status,
-        "role": "assistant",
-        "content": [_text_part(text)],
-    }
+def _item(kind: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A message item, or a reasoning item; both hold their text in `content[0]`."""
+    if kind == "reasoning":
+        head = {"id": _item_id("rs"), "type": "reasoning", "status": status, "summary": []}
+    else:
+        head = {"id": _item_id("msg"), "type": "message", "status": status, "role": "assistant"}
+    return {**head, "content": [_part(kind, text)]}
 
 
 def _empty(item: dict[str, Any]) -> dict[str, Any]:
@@ -259,6 +283,7 @@ def _call_item(item_id: str, call: ToolCall) -> dict[str, Any]:
 def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output as the chat messages the next turn's template renders."""
     text = "".join(i["content"][0]["text"] for i in output if i["type"] == "message")
+    reasoning = "".join(i["content"][0]["text"] for i in output if i["type"] == "reasoning")
     calls = [
         {
             "id": i["call_id"],
@@ -269,16 +294,18 @@ def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if i["type"] == "function_call"
     ]
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
     return [message]
 
 
-def _usage(completion: Completion) -> dict[str, Any]:
+def _usage(completion: Completion, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": completion.prompt_tokens,
         "input_tokens_details": {"cached_tokens": completion.cached_tokens},
         "output_tokens": completion.generation_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": completion.prompt_tokens + completion.generation_tokens,
     }

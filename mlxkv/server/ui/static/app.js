@@ -85,8 +85,14 @@ function statsLine(stats) {
 
 function messageHtml(message) {
   if (message.role === "user") return `<div class="bubble">${escapeHtml(message.content)}</div>`;
-  let html = `<div class="bubble markdown">${renderMarkdown(message.content)}`;
-  if (message.pending && !message.content) html += '<span class="typing" aria-label="Waiting for the reply">●●●</span>';
+  let html = '<div class="bubble markdown">';
+  if (message.reasoning) {
+    // open while the model thinks, folded once the answer comes
+    const open = message.pending && !message.content ? " open" : "";
+    html += `<details class="thinking"${open}><summary>Thinking</summary><div class="thought">${escapeHtml(message.reasoning)}</div></details>`;
+  }
+  html += renderMarkdown(message.content);
+  if (message.pending && !message.content && !message.reasoning) html += '<span class="typing" aria-label="Waiting for the reply">●●●</span>';
   html += "</div>";
   if (message.error) html += `<div class="error" role="alert">${escapeHtml(message.error)}</div>`;
   const notes = [];
@@ -257,10 +263,11 @@ async function send(text) {
         message.error = event.error.message || "the generation failed";
         return;
       }
-      const delta = event.choices?.[0]?.delta?.content;
-      if (delta) {
+      const delta = event.choices?.[0]?.delta;
+      if (delta?.content || delta?.reasoning_content) {
         firstAt = firstAt ?? performance.now();
-        message.content += delta;
+        message.content += delta.content || "";
+        if (delta.reasoning_content) message.reasoning = (message.reasoning || "") + delta.reasoning_content;
         update();
       }
       if (event.usage) {
