@@ -25,6 +25,15 @@ from mlxkv.server.connections import Server, uvicorn_config
 from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE, build_scripted_model
 
 TOOL_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+# The function TOOL_CALL calls, as a request's tool definition.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 SCRIPT = ("Let", "<tool_call>", TOOL_CALL, "</tool_call>")
 # Qwen3's thinking switch (off renders an empty thought after the generation prompt), and
 # assistant turns rendering the thinking sent back with them (`reasoning_content`), as

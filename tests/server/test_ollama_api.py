@@ -10,17 +10,9 @@ import pytest
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
 from mlxkv.server.ollama_api.protocol import ChatRequest
-from tests.server.conftest import serve
+from tests.server.conftest import WEATHER, serve
 
 QUESTION = [{"role": "user", "content": "Once upon a time there was"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 
 
 @pytest.fixture(scope="module")

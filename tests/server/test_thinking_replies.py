@@ -14,7 +14,13 @@ import pytest
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
 from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE
-from tests.server.conftest import THINKING_TEMPLATE, TOOL_CALL, build_template_model, serve
+from tests.server.conftest import (
+    THINKING_TEMPLATE,
+    TOOL_CALL,
+    WEATHER,
+    build_template_model,
+    serve,
+)
 
 THOUGHT = ("<think>", "Hmm.", "</think>")
 # DeepSeek-R1's (and Qwen3's thinking-only models'): the generation prompt opens the thought.
@@ -22,14 +28,6 @@ OPENING_TEMPLATE = THINKING_TEMPLATE.replace(
     "</think>{% endif %}{% endif %}", "</think>{% else %}<think>{% endif %}{% endif %}"
 )
 ASK = [{"role": "user", "content": "Capital of France?"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 ANTHROPIC_TOOLS = [
     {
         "name": "get_weather",
@@ -39,30 +37,26 @@ ANTHROPIC_TOOLS = [
 ]
 
 
+def _served(tmp_path_factory, script, template, max_context=512):
+    path = build_template_model(tmp_path_factory.mktemp("model"), script, template)
+    with serve(Runner(load_model(path), max_context=max_context), model_name="m") as served:
+        yield served
+
+
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
-    path = build_template_model(
-        tmp_path_factory.mktemp("thinker"), (*THOUGHT, "Paris"), THINKING_TEMPLATE
-    )
-    with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
-        yield served
+    yield from _served(tmp_path_factory, (*THOUGHT, "Paris"), THINKING_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def opener(tmp_path_factory):
-    path = build_template_model(
-        tmp_path_factory.mktemp("opener"), (*THOUGHT, "Paris"), OPENING_TEMPLATE
-    )
-    with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
-        yield served
+    yield from _served(tmp_path_factory, (*THOUGHT, "Paris"), OPENING_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def caller(tmp_path_factory):
     script = (*THOUGHT, "Let", "<tool_call>", TOOL_CALL, "</tool_call>")
-    path = build_template_model(tmp_path_factory.mktemp("caller"), script, THINKING_TEMPLATE)
-    with serve(Runner(load_model(path), max_context=1024), model_name="m") as served:
-        yield served
+    yield from _served(tmp_path_factory, script, THINKING_TEMPLATE, max_context=1024)
 
 
 @pytest.fixture(scope="module")
