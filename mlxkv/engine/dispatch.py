@@ -203,11 +203,22 @@ class Dispatcher:
         chunks = self._run(request, entries.append, self._batching)
         if request.params.seed is not None:
             chunks = with_own_key(chunks, request.params.seed)
+        ended = False
         try:
-            yield from chunks
+            for chunk in chunks:
+                if chunk is not None and chunk.completion is not None:
+                    # Ended in the job that hands out the last chunk: a caller may start the
+                    # conversation's next turn as soon as it has it (the server does), and
+                    # that turn's first job goes ahead of the others: it must find the
+                    # entry released, with the tokens this turn left in it.
+                    ended = True
+                    chunks.close()
+                    self._end_request(entries[0] if entries else None)
+                yield chunk
         finally:
-            chunks.close()
-            self._end_request(entries[0] if entries else None)
+            if not ended:
+                chunks.close()
+                self._end_request(entries[0] if entries else None)
 
     def _crowded(self) -> bool:
         """True while another batched stream runs or waits for its turn."""

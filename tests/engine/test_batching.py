@@ -271,3 +271,31 @@ def test_close_mid_batch_saves_what_each_entry_held_and_the_streams_finish(
     again = list(restarted.stream(PROMPTS[0], **options))
     _assert_same_answers([_tokens_and_logprobs(again)], want[:1])
     assert again[-1].completion.cached_tokens > 0  # from the disk tier
+
+
+def test_the_next_turn_started_at_the_last_chunk_finds_the_entry_released(loaded_tiny):
+    """A client (the server) may send its next turn as soon as it has a reply's last chunk,
+    before it asks the stream for its end; that turn reuses what it would after the end."""
+    options = {"max_tokens": 16, "temperature": 0.0, "speculative": None}
+    chat = [{"role": "user", "content": "Tell me about caches and their entries, please."}]
+
+    def second_turn(early: bool):
+        runner = Runner(loaded_tiny("llama"), max_context=1024, cache_entries=8, max_batch=4)
+        first = runner.stream(chat, batched=True, **options)
+        last = next(chunk for chunk in first if chunk.completion is not None)
+        if not early:
+            first.close()
+        turn = [*chat, {"role": "assistant", "content": last.completion.text}]
+        turn.append({"role": "user", "content": "And again?"})
+        reply = {}
+        second = threading.Thread(
+            target=lambda: reply.setdefault("c", runner.generate(turn, batched=True, **options))
+        )
+        second.start()
+        second.join(60)
+        first.close()
+        return reply["c"].cached_tokens, len(runner._pool.entries)
+
+    after_the_end = second_turn(early=False)
+    assert after_the_end[0] > 0
+    assert second_turn(early=True) == after_the_end
