@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -117,6 +117,18 @@ class DecodeBatch:
             row.cache.trim_to(row.cache.num_tokens - unread_fed)
         row.out.clear()
 
+    def detach(self, row: _Row) -> list[int]:
+        """Takes the row out of the batch with all it was fed, and returns the tokens picked
+        for it and not read yet, oldest first (all fed but the newest), for its request to go
+        on from alone."""
+        if row.failure is not None:
+            raise row.failure
+        if row in self._rows:
+            self._part(row)
+        tokens = [int(token.item()) for token in row.out]
+        row.out.clear()
+        return tokens
+
     def _step(self) -> None:
         rows = self._rows
         inputs = mx.concatenate([row.next_input for row in rows]).reshape(len(rows), 1)
@@ -177,15 +189,25 @@ def batched_tokens(
 
 
 def joined_tokens(
-    batch: DecodeBatch, cache: ModelCache, last: mx.array, pick: TokenPicker, left: int
-) -> Iterator[int]:
+    batch: DecodeBatch,
+    cache: ModelCache,
+    last: mx.array,
+    pick: TokenPicker,
+    left: int,
+    leave_when: Callable[[], bool] | None = None,
+) -> Generator[int, None, list[int]]:
     """Yields the `left` tokens after `last` (picked by `pick`, not yet in `cache`), decoding
-    in `batch`: how a request decoding alone so far goes on with others."""
+    in `batch`: how a request decoding alone so far goes on with others. `leave_when` is
+    asked after each token; True takes the row out at once and returns the tokens picked for
+    it and not yet yielded (the newest not fed), from which it goes on alone."""
     if left <= 0:
-        return
+        return []
     row = batch.join(cache, last, pick, left)
     try:
         while (token := batch.next_token(row)) is not None:
             yield token.item()
+            if leave_when is not None and leave_when():
+                return batch.detach(row)
     finally:
         batch.leave(row)
+    return []

@@ -105,22 +105,25 @@ def speculative_tokens(
     counts: DraftCounts,
     make_room: Callable[[ModelCache, int], None] | None = None,
     hand_over: Callable[[], bool] | None = None,
+    after: int | None = None,
 ) -> Iterator[int]:
     """Yields up to `max_tokens` token ids from the prompt's last logits, like
     `decode_tokens`, verifying drafts where `length` asks for some and the drafter has them,
     and decoding plainly (pipelined) in between, until the drafter has a draft again. Counts
-    drafted and accepted tokens in `counts`.
-
-    `hand_over` is asked after each token from the second on; True ends the iterator as soon
-    as the cache allows (at once between passes, one token later in a plain stretch), with
-    its last token yielded but not fed: the caller goes on decoding elsewhere from it (a
-    batch that other requests joined)."""
+    drafted and accepted tokens in `counts`. `hand_over` is asked before each pass and after
+    each token of a plain stretch; True ends the iterator as soon as the cache allows, its
+    last token yielded but not fed: the caller goes on from it elsewhere (in a batch).
+    `after`, in place of `logits`, is such a token from elsewhere (known to `pick` and the
+    drafter): the iterator goes on from it with `max_tokens` more."""
     if max_tokens <= 0:
         return
-    token = int(pick(logits).item())
-    yield token
-    drafter.extend([token])
-    produced = 1
+    if after is None:
+        token = int(pick(logits).item())
+        yield token
+        drafter.extend([token])
+        produced = 1
+    else:
+        token, produced = after, 0
     most = max(1, (cache.capacity_tokens or max_tokens) // 8)  # a pass must fit the window
     while produced < max_tokens:
         if hand_over and hand_over():

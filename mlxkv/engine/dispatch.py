@@ -83,7 +83,7 @@ class Dispatcher:
         self._consumers: dict[int, Relay | Interleaved] = {}  # threads iterating a stream()
         self._places = Places(max_batch)
         batch = DecodeBatch(loaded.model, max_batch)
-        self._batching = Batching(batch, self._crowded)
+        self._batching = Batching(batch)
         pool.working = batch
         self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         self._requests_lock = threading.Lock()
@@ -219,10 +219,6 @@ class Dispatcher:
             if not ended:
                 chunks.close()
                 self._end_request(entries[0] if entries else None)
-
-    def _crowded(self) -> bool:
-        """True while another batched stream runs or waits for its turn."""
-        return self._places.taken > 1
 
     def _end_request(self, entry: CacheEntry | None) -> None:
         """Leaves nothing lazy behind (the disk tier and other threads read the entry);

@@ -38,7 +38,8 @@ T = TypeVar("T")
 
 
 class EngineThread:
-    """A worker thread that runs jobs one at a time, in the order they come.
+    """A worker thread that runs jobs one at a time, in the order they come (except the first
+    item of an interleaved generator, which goes ahead of the jobs waiting).
 
     Args:
         name: the thread's name (shown in stack dumps).
@@ -57,7 +58,8 @@ class EngineThread:
         return self._thread is not None and threading.current_thread() is self._thread
 
     def call(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
-        """Runs `fn(*args)` on the engine thread after the jobs before it; returns its result
+        """Runs `fn(*args)` on the engine thread after the jobs before it (an interleaved
+        generator's first item may still go ahead of it); returns its result
         or raises its exception. On the engine thread itself, runs it at once.
 
         Raises:

@@ -24,7 +24,7 @@ from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
 from mlxkv.decoding.prefill import PrefillPlan, fill
-from mlxkv.decoding.speculative import AcceptanceRule, speculative_tokens
+from mlxkv.decoding.speculative import AcceptanceRule, Drafter, speculative_tokens
 from mlxkv.engine.context import ContextWindow
 from mlxkv.engine.prompt_fill import PrefillCancelled, fill_prompt
 from mlxkv.engine.request import Request
@@ -33,19 +33,23 @@ from mlxkv.engine.text_chunks import emit_chunks
 from mlxkv.models.loading import LoadedModel
 
 
-@dataclass(frozen=True)
+@dataclass
 class Batching:
-    """How an interleaved request may decode with others.
+    """How interleaved requests decode together (read and changed on the engine thread only).
 
     Attributes:
         batch: the rows decoding together.
-        crowded: True while other requests are running or waiting; a request alone decodes
-            speculatively (which does not batch) until then, and joins the batch when they
-            come.
+        streams: requests decoding now that can batch (not seeded, reply within the window),
+            in the batch or, alone, speculatively.
     """
 
     batch: DecodeBatch
-    crowded: Callable[[], bool]
+    streams: int = 0
+
+    def crowded(self) -> bool:
+        """True while another request that can batch is decoding: a request alone decodes
+        speculatively (which does not batch) until then, in the batch meanwhile."""
+        return self.streams > 1
 
 
 def run_request(
@@ -92,21 +96,22 @@ def run_request(
     if len(hit.remaining) >= plan.step_tokens:  # long enough to measure; weighs disk loads
         pool.prefill_tokens_per_s = len(hit.remaining) / (time.perf_counter() - start)
     window = ContextWindow(
-        max_context,
-        request.keep,
-        rotations,
-        refill=lambda cache, ids: fill(model, cache, ids, plan),
+        max_context, request.keep, rotations, refill=lambda c, ids: fill(model, c, ids, plan)
     )
     draft_cache = _draft_cache_for(entry, request, draft, max_context)
-    batch = _batch_for(request, hit.cache, max_context, batching)
+    batching = batching if _can_batch(request, hit.cache, max_context, batching) else None
+    if batching is not None:
+        batching.streams += 1
     decoded, pick = _decode(
         request, draft, draft_cache, loaded, hit.cache, logits, stats, plan, window.make_room,
-        batch, batching.crowded if batch is not None else None,
+        batching,
     )  # fmt: skip
     try:
         yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
     finally:  # here, on the engine thread, before the entry is released (an error included)
         decoded.close()
+        if batching is not None:
+            batching.streams -= 1
 
 
 def _claim_entry(
@@ -139,20 +144,18 @@ def _draft_cache_for(
     return entry.draft_cache
 
 
-def _batch_for(
+def _can_batch(
     request: Request, cache: ModelCache, max_context: int, batching: Batching | None
-) -> DecodeBatch | None:
-    """The batch this request decodes in (at once, or when others come), or None to decode
-    alone: a batch cannot shift one row's context (the reply must fit the window), and a
-    seeded request draws from its own random key, which a batched step (sampling every row
-    at once) would share."""
+) -> bool:
+    """Whether this request may decode in the batch (at once, or when others come): not a
+    seeded one, which draws from its own random key that a batched step (sampling every row
+    at once) would share, nor one whose reply may not fit the window (a batch cannot shift
+    one row's context)."""
     if batching is None or request.params.seed is not None:
-        return None
+        return False
     if not batching.batch.accepts(cache):
-        return None
-    if len(request.tokens) + request.params.max_tokens > max_context:
-        return None
-    return batching.batch
+        return False
+    return len(request.tokens) + request.params.max_tokens <= max_context
 
 
 def _decode(
@@ -165,14 +168,13 @@ def _decode(
     stats: CompletionStats,
     plan: PrefillPlan,
     make_room: Callable[[ModelCache, int], None] | None = None,
-    batch: DecodeBatch | None = None,
-    crowded: Callable[[], bool] | None = None,
+    batching: Batching | None = None,
 ) -> tuple[Iterator[int], TokenPicker]:
     """The generated token ids of one request, from the prompt's last logits, and the picker
     that samples them: `decode_tokens` when the request's mode is None, else
-    `speculative_tokens` with the mode's drafter (see `MODES`). With a `batch`: in the batch
-    from the start when the mode is None or others are `crowded` in already, else
-    speculatively until they come, then in the batch."""
+    `speculative_tokens` with the mode's drafter (see `MODES`). With `batching`: in the batch
+    from the start when the mode is None or others are decoding already, else speculatively
+    while alone and in the batch while others decode (`_alone_or_batched`)."""
     params, prompt = request.params, request.tokens
     processors = params.make_logits_processors()
     if request.grammar is not None:
@@ -181,8 +183,8 @@ def _decode(
         )
     sampler = params.make_sampler(loaded.vocab_size)
     pick = TokenPicker(sampler, processors, prompt, top_logprobs=request.top_logprobs)
-    if batch is not None and (request.speculative is None or crowded()):
-        return batched_tokens(batch, cache, logits, pick, params.max_tokens), pick
+    if batching is not None and (request.speculative is None or batching.crowded()):
+        return batched_tokens(batching.batch, cache, logits, pick, params.max_tokens), pick
     if request.speculative is None:
         return decode_tokens(loaded.model, cache, logits, pick, params.max_tokens, make_room), pick
     distribution = params.make_distribution(loaded.vocab_size) if params.temperature > 0 else None
@@ -190,37 +192,72 @@ def _decode(
         drafter = draft_model.drafter(draft_cache, prompt, distribution, plan)
     else:
         drafter = NgramDrafter(prompt)
-    tokens = speculative_tokens(
-        loaded.model,
-        cache,
-        logits,
-        pick,
-        params.max_tokens,
-        drafter=drafter,
-        length=DraftLength(gated=request.speculative == "auto"),
-        rule=AcceptanceRule(distribution),
-        counts=stats.drafts,
-        make_room=make_room,
-        hand_over=crowded,
-    )
-    if batch is not None:
-        tokens = _then_joined(tokens, batch, cache, pick, params.max_tokens)
+    length = DraftLength(gated=request.speculative == "auto")
+
+    def speculate(after: int | None, max_tokens: int) -> Iterator[int]:
+        return speculative_tokens(
+            loaded.model,
+            cache,
+            logits,
+            pick,
+            max_tokens,
+            drafter=drafter,
+            length=length,
+            rule=AcceptanceRule(distribution),
+            counts=stats.drafts,
+            make_room=make_room,
+            hand_over=batching.crowded if batching is not None else None,
+            after=after,
+        )
+
+    if batching is None:
+        return speculate(None, params.max_tokens), pick
+    tokens = _alone_or_batched(speculate, drafter, batching, cache, pick, params.max_tokens)
     return tokens, pick
 
 
-def _then_joined(
-    alone: Iterator[int], batch: DecodeBatch, cache: ModelCache, pick: TokenPicker, total: int
+def _alone_or_batched(
+    speculate: Callable[[int | None, int], Iterator[int]],
+    drafter: Drafter,
+    batching: Batching,
+    cache: ModelCache,
+    pick: TokenPicker,
+    total: int,
 ) -> Iterator[int]:
-    """The tokens of `alone` (speculative, ended early when others came), then the rest of
-    the `total` decoded in `batch`, from its last token."""
+    """`total` tokens: speculatively while the request decodes alone (ended early when others
+    come), in the batch while others decode (left when they are gone), and so on. Each part
+    goes on from the last token of the one before, yielded and not fed."""
     produced, last = 0, None
-    try:
-        for last in alone:
+    alone = speculate(None, total)
+    while True:
+        try:
+            for last in alone:
+                produced += 1
+                yield last
+        finally:
+            alone.close()
+        if last is None or produced >= total:
+            return
+        joined = joined_tokens(
+            batching.batch, cache, mx.array([last], dtype=mx.uint32), pick, total - produced,
+            leave_when=lambda: not batching.crowded(),
+        )  # fmt: skip
+        try:
+            while True:
+                try:
+                    last = next(joined)
+                except StopIteration as end:
+                    queued = end.value
+                    break
+                produced += 1
+                drafter.extend([last])
+                yield last
+        finally:
+            joined.close()
+        for last in queued:  # picked in the batch, not read yet (the newest not fed)
             produced += 1
+            drafter.extend([last])
             yield last
-    finally:
-        alone.close()
-    if 0 < produced < total:
-        yield from joined_tokens(
-            batch, cache, mx.array([last], dtype=mx.uint32), pick, total - produced
-        )
+        if produced >= total:
+            return
+        alone = speculate(last, total - produced)

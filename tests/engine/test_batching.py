@@ -299,3 +299,53 @@ def test_the_next_turn_started_at_the_last_chunk_finds_the_entry_released(loaded
     after_the_end = second_turn(early=False)
     assert after_the_end[0] > 0
     assert second_turn(early=True) == after_the_end
+
+
+def _joined_mid_reply(runner, first_options, second_prompt, second_options):
+    """A stream read for 3 chunks alone, then a second one started; the first read to its end
+    (with its alone answer compared by the caller); the second's tokens."""
+    first = runner.stream(PROMPTS[0], batched=True, **first_options)
+    head = [next(first) for _ in range(3)]
+    gate, holding, results = threading.Event(), threading.Event(), []
+    runner._engine._submit(lambda: holding.set() or gate.wait(30))
+    holding.wait(30)
+    second = threading.Thread(
+        target=lambda: results.append(
+            _tokens_and_logprobs(runner.stream(second_prompt, batched=True, **second_options))
+        )
+    )
+    second.start()
+    wait_until(lambda: runner._engine._jobs.qsize() == 1, what="the second stream queued")
+    gate.set()
+    got = _tokens_and_logprobs([*head, *first])
+    second.join(60)
+    return got, results[0]
+
+
+def test_a_speculative_stream_stays_alone_beside_one_that_cannot_batch(loaded_tiny, rows):
+    """A seeded stream never joins the batch: the other keeps speculating."""
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 40, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = _tokens_and_logprobs(alone.stream(PROMPTS[0], **options))
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    seeded = {"max_tokens": 8, "temperature": 1.0, "seed": 3}
+    got, _ = _joined_mid_reply(runner, options, PROMPTS[1], seeded)
+    _assert_same_answers([got], [want])
+    assert not rows, "it went into a batch that nobody else could join"
+
+
+def test_a_speculative_stream_goes_back_alone_when_the_others_are_done(loaded_tiny, rows):
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 60, "temperature": 0.0, "logprobs": 0}
+    short = {"max_tokens": 4, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [
+        _tokens_and_logprobs(alone.stream(PROMPTS[0], **options)),
+        _tokens_and_logprobs(alone.stream(PROMPTS[1], **short)),
+    ]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    got = _joined_mid_reply(runner, options, PROMPTS[1], short)
+    _assert_same_answers(list(got), want)
+    assert max(rows) == 2
+    assert len(rows) < 10, f"{len(rows)} batched steps: it stayed in the batch alone"

@@ -205,22 +205,24 @@ def test_openai_stream_starts_and_comments_while_waiting(served, blocked_worker)
     ("path", "last"),
     [("/v1/messages", 'data: {"type": "message_stop"}'), ("/v1/chat/completions", "data: [DONE]")],
 )
-def test_a_stream_ends_with_its_last_event_while_the_engine_still_tidies_up(
+def test_a_stream_ends_with_its_last_event_while_the_engine_is_still_busy(
     served, monkeypatch, path, last
 ):
     """Nothing after the API's last event (a keep-alive there broke clients' end checks):
-    the response ends when the reply is whole, not when the request's end on the engine
-    (keeping its entry, the budget, the memory line) is done."""
+    the response ends when the reply is whole, not when the Runner's stream, asked for more
+    after its last chunk, has ended."""
     monkeypatch.setattr(state, "KEEPALIVE_INTERVAL_S", 0.05)
     read, ended = threading.Event(), threading.Event()
-    end = Dispatcher._end_request
+    stream = Dispatcher.stream
 
-    def slow_end(self, entry):
-        read.wait(30)  # the client has had the whole response by then
-        end(self, entry)
+    def slow_after_the_last_chunk(self, request, **options):
+        for chunk in stream(self, request, **options):
+            yield chunk
+            if chunk.completion is not None:
+                read.wait(30)  # the client has had the whole response by then
         ended.set()
 
-    monkeypatch.setattr(Dispatcher, "_end_request", slow_end)
+    monkeypatch.setattr(Dispatcher, "stream", slow_after_the_last_chunk)
     body = {"model": "m", "max_tokens": 3, "stream": True}
     body["messages"] = [{"role": "user", "content": "hi"}]
     try:
