@@ -15,11 +15,6 @@ import mlxkv
 PACKAGE = Path(mlxkv.__file__).parent
 MAX_LINES = 60
 
-# Long functions in code other work is changing now: audited separately, then removed here.
-AUDITED_SEPARATELY = {
-    "server/turn.py:start_turn",
-}
-
 
 def _long_functions() -> dict[str, int]:
     """`path:name` -> lines, for every function over `MAX_LINES` lines without a reason."""
@@ -38,11 +33,5 @@ def _long_functions() -> dict[str, int]:
 
 
 def test_no_function_is_over_60_lines_without_a_reason():
-    over = {name: n for name, n in _long_functions().items() if name not in AUDITED_SEPARATELY}
+    over = _long_functions()
     assert not over, f"functions over {MAX_LINES} lines with no '# long: <why>' before them: {over}"
-
-
-def test_every_function_audited_separately_is_still_long():
-    """An entry left here after its function was shortened would hide the next long one."""
-    stale = AUDITED_SEPARATELY - set(_long_functions())
-    assert not stale, f"no longer over {MAX_LINES} lines (remove from AUDITED_SEPARATELY): {stale}"

@@ -145,6 +145,23 @@ class Turn:
         return TokenInfo(decode([token]), logprob.logprob, top)
 
 
+def _within_limit(
+    sampling: dict[str, Any], limit: int | None, max_tokens_asked: bool
+) -> dict[str, Any]:
+    """`sampling` with `max_tokens` at most the server's `limit`: a client's own ask over it
+    is refused (400), a server default is lowered to it."""
+    if limit is None or sampling.get("max_tokens", 0) <= limit:
+        return sampling
+    if max_tokens_asked:
+        raise ApiError(
+            400,
+            f"max_tokens is {sampling['max_tokens']}, over this server's limit of {limit} "
+            "tokens per request (--max-tokens-limit)",
+            param="max_tokens",
+        )
+    return {**sampling, "max_tokens": limit}
+
+
 async def start_turn(
     request: Request,
     messages: Sequence[dict[str, Any]] | str | list[int],
@@ -177,16 +194,7 @@ async def start_turn(
             (`errors.context_length_error`).
     """
     worker: GenerationWorker = request.app.state.mlxkv.worker
-    limit = request.app.state.mlxkv.max_tokens_limit
-    if limit is not None and sampling.get("max_tokens", 0) > limit:
-        if max_tokens_asked:
-            raise ApiError(
-                400,
-                f"max_tokens is {sampling['max_tokens']}, over this server's limit of {limit} "
-                "tokens per request (--max-tokens-limit)",
-                param="max_tokens",
-            )
-        sampling = {**sampling, "max_tokens": limit}
+    sampling = _within_limit(sampling, request.app.state.mlxkv.max_tokens_limit, max_tokens_asked)
     tokenizer = worker.runner.tokenizer
     if forced is not None:
         sampling = {**sampling, "grammar": forced_call_grammar(tokenizer, tools or [], forced)}
