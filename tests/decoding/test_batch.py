@@ -120,15 +120,22 @@ def test_rows_that_join_and_leave_keep_the_others_exact(llama):
     assert len(streams[2][2]) == MAX_TOKENS[2] and len(streams[1][2]) == MAX_TOKENS[1]
 
 
-def test_a_failed_step_leaves_every_entry_as_it_joined(llama):
-    model, _ = llama
+def _two_started(model):
+    """A batch and the streams of prompts 0 and 2 on it, each past its first token (read
+    before its row joins), with their caches."""
     batch = DecodeBatch(model, max_rows=4)
     caches, streams = [], []
     for i in (0, 2):
         cache, logits, pick = _start(model, PROMPTS[i])
         caches.append(cache)
         streams.append(batched_tokens(batch, cache, logits, pick, MAX_TOKENS[i]))
-        next(streams[-1])  # the first token, before the row joins
+        next(streams[-1])
+    return batch, caches, streams
+
+
+def test_a_failed_step_leaves_every_entry_as_it_joined(llama):
+    model, _ = llama
+    batch, caches, streams = _two_started(model)
     batch._model = _raising
     with pytest.raises(RuntimeError, match="broken step"):
         next(streams[0])
@@ -147,13 +154,7 @@ def test_a_row_whose_processors_fail_fails_the_step_and_leaves_entries_as_joined
     """A grammar that refuses a token raises inside one row's pick, after the forward pass
     updated every row's K/V in the batch: no entry may keep that half step."""
     model, _ = llama
-    batch = DecodeBatch(model, max_rows=4)
-    caches, streams = [], []
-    for i in (0, 2):
-        cache, logits, pick = _start(model, PROMPTS[i])
-        caches.append(cache)
-        streams.append(batched_tokens(batch, cache, logits, pick, MAX_TOKENS[i]))
-        next(streams[-1])
+    batch, caches, streams = _two_started(model)
     next(streams[0]), next(streams[1])  # both rows joined, one step taken
     batch._rows[1].pick = _raising
     with pytest.raises(RuntimeError, match="broken step"):

@@ -36,20 +36,26 @@ def _together(runner, prompts, **options):
     """Each prompt's batched stream on a thread of its own, all started before any runs (the
     engine held meanwhile): (tokens, logprobs) per prompt, and the batch's row counts."""
     results: list = [None] * len(prompts)
-    gate = threading.Event()
-    runner._engine._submit(lambda: gate.wait(30))
 
     def run(i):
         results[i] = _tokens_and_logprobs(runner.stream(prompts[i], batched=True, **options))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(len(prompts))])
+    return results
+
+
+def _queued_then_run(runner, targets) -> None:
+    """Each target (reading one batched stream) on a thread of its own, the engine held until
+    every stream has taken its place; returns when all have ended."""
+    gate = threading.Event()
+    runner._engine._submit(lambda: gate.wait(30))
+    threads = [threading.Thread(target=target) for target in targets]
     for thread in threads:
         thread.start()
-    wait_until(lambda: runner._dispatch._places.taken == len(prompts), what="every stream queued")
+    wait_until(lambda: runner._dispatch._places.taken == len(targets), what="every stream queued")
     gate.set()
     for thread in threads:
         thread.join(60)
-    return results
 
 
 @pytest.fixture
@@ -95,9 +101,8 @@ def test_a_stream_that_leaves_mid_batch_leaves_the_others_exact(loaded_tiny, row
     alone = Runner(loaded, max_context=512, speculative=None)
     want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:3]]
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
-    gate, left = threading.Event(), threading.Event()
+    left = threading.Event()
     results: list = [None] * 3
-    runner._engine._submit(lambda: gate.wait(30))
 
     def leaver():
         stream = runner.stream(PROMPTS[0], batched=True, **options)
@@ -110,14 +115,7 @@ def test_a_stream_that_leaves_mid_batch_leaves_the_others_exact(loaded_tiny, row
     def stayer(i):
         results[i] = _tokens_and_logprobs(runner.stream(PROMPTS[i], batched=True, **options))
 
-    threads = [threading.Thread(target=leaver)]
-    threads += [threading.Thread(target=stayer, args=(i,)) for i in (1, 2)]
-    for thread in threads:
-        thread.start()
-    wait_until(lambda: runner._dispatch._places.taken == 3, what="every stream queued")
-    gate.set()
-    for thread in threads:
-        thread.join(60)
+    _queued_then_run(runner, [leaver, lambda: stayer(1), lambda: stayer(2)])
     assert left.is_set() and max(rows) == 3
     _assert_same_answers(results[1:], want[1:])
     assert runner._dispatch._places.taken == 0 and runner._dispatch._batching.batch.num_rows == 0
@@ -131,21 +129,13 @@ def test_a_seeded_stream_among_batched_ones_draws_as_alone(loaded_tiny, rows):
     want = [c.token for c in alone.stream(PROMPTS[0], **seeded) if c.token is not None]
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
     results: list = [None] * 3
-    gate = threading.Event()
-    runner._engine._submit(lambda: gate.wait(30))
 
     def run(i):
         options = seeded if i == 0 else {"max_tokens": 16, "temperature": 1.0}
         stream = runner.stream(PROMPTS[i], batched=True, **options)
         results[i] = [c.token for c in stream if c.token is not None]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    wait_until(lambda: runner._dispatch._places.taken == 3, what="every stream queued")
-    gate.set()
-    for thread in threads:
-        thread.join(60)
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
     assert results[0] == want
     assert max(rows) == 2  # the two others, batched
 
@@ -195,23 +185,8 @@ def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, ro
     alone = Runner(loaded, max_context=512, speculative=None)
     want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:2]]
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
-    first = runner.stream(PROMPTS[0], batched=True, **options)
-    head = [next(first) for _ in range(3)]  # decoding alone, speculatively
-    assert not rows
-    gate, holding, results = threading.Event(), threading.Event(), []
-    runner._engine._submit(lambda: holding.set() or gate.wait(30))
-    holding.wait(30)
-    second = threading.Thread(
-        target=lambda: results.append(
-            _tokens_and_logprobs(runner.stream(PROMPTS[1], batched=True, **options))
-        )
-    )
-    second.start()
-    wait_until(lambda: runner._engine._jobs.qsize() == 1, what="the second stream queued")
-    gate.set()
-    got = _tokens_and_logprobs([*head, *first])
-    second.join(60)
-    _assert_same_answers([got, *results], want)
+    got = _joined_mid_reply(runner, options, PROMPTS[1], options)
+    _assert_same_answers(list(got), want)
     assert max(rows) == 2, "the speculative stream never joined the batch"
 
 
@@ -306,6 +281,7 @@ def _joined_mid_reply(runner, first_options, second_prompt, second_options):
     (with its alone answer compared by the caller); the second's tokens."""
     first = runner.stream(PROMPTS[0], batched=True, **first_options)
     head = [next(first) for _ in range(3)]
+    assert runner._dispatch._batching.batch.num_rows == 0  # decoding alone, speculatively
     gate, holding, results = threading.Event(), threading.Event(), []
     runner._engine._submit(lambda: holding.set() or gate.wait(30))
     holding.wait(30)
