@@ -9,6 +9,7 @@ requests, thread bookkeeping or the memory line (`runner`), nor the cache policy
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,6 +46,15 @@ class Batching:
 
     batch: DecodeBatch
     streams: int = 0
+
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        """Counts a request in `streams` while it decodes, however it ends."""
+        self.streams += 1
+        try:
+            yield
+        finally:
+            self.streams -= 1
 
     def crowded(self) -> bool:
         """True while another request that can batch is decoding: a request alone decodes
@@ -100,18 +110,15 @@ def run_request(
     )
     draft_cache = _draft_cache_for(entry, request, draft, max_context)
     batching = batching if _can_batch(request, hit.cache, max_context, batching) else None
-    if batching is not None:
-        batching.streams += 1
-    decoded, pick = _decode(
-        request, draft, draft_cache, loaded, hit.cache, logits, stats, plan, window.make_room,
-        batching,
-    )  # fmt: skip
-    try:
-        yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
-    finally:  # here, on the engine thread, before the entry is released (an error included)
-        decoded.close()
-        if batching is not None:
-            batching.streams -= 1
+    with batching.counted() if batching is not None else contextlib.nullcontext():
+        decoded, pick = _decode(
+            request, draft, draft_cache, loaded, hit.cache, logits, stats, plan,
+            window.make_room, batching,
+        )  # fmt: skip
+        try:
+            yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
+        finally:  # here, on the engine thread, before the entry is released (even on error)
+            decoded.close()
 
 
 def _claim_entry(

@@ -13,6 +13,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.decoding import batch as batch_module
+from mlxkv.engine import request_run
 from mlxkv.errors import RunnerBusyError
 from mlxkv.testing.factory import ARCHITECTURES
 from tests.factories import wait_until
@@ -325,3 +326,18 @@ def test_a_speculative_stream_goes_back_alone_when_the_others_are_done(loaded_ti
     _assert_same_answers(list(got), want)
     assert max(rows) == 2
     assert len(rows) < 10, f"{len(rows)} batched steps: it stayed in the batch alone"
+
+
+def test_a_request_failing_as_its_decoding_starts_is_not_counted_as_decoding(
+    loaded_tiny, monkeypatch
+):
+    """Else every later stream would think another one decodes beside it."""
+    runner = Runner(loaded_tiny("llama"), max_context=512, max_batch=4)
+
+    def failing(*args, **kwargs):
+        raise ValueError("no decoder")
+
+    monkeypatch.setattr(request_run, "_decode", failing)
+    with pytest.raises(ValueError, match="no decoder"):
+        list(runner.stream(PROMPTS[0], batched=True, max_tokens=4))
+    assert runner._dispatch._batching.streams == 0
