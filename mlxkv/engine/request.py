@@ -2,8 +2,9 @@
 
 Owns: `Request` (a validated request) and `RequestBuilder`, which turns a call's arguments into
 one: sampling settings checked, the prompt encoded and fitted to the context window, the tokens
-no cut may drop (`keep`), and the length of the chat template's generation prompt. Everything
-that can be wrong with a call raises here, in the caller's thread, before any model work.
+no cut may drop (`keep`), the length of the chat template's generation prompt, and the opaque
+isolation domain a `cache_salt` stands for (`salt_digest`). Everything that can be wrong with a
+call raises here, in the caller's thread, before any model work.
 
 Does not own the cut itself (`context.fit_prompt`) or prompt encoding (`prompt`).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -86,7 +88,8 @@ class RequestOptions:
         cache_key: a label for the cache entry this request generates into.
         speculative: the speculative decoding mode, already checked.
         grammar: an llguidance grammar (`decoding.grammar`) the output must keep to, or None.
-        cache_salt: the isolation domain (a digest, `runner.salt_digest`), or None.
+        cache_salt: the caller's salt, a secret the request keeps only as its digest
+            (`salt_digest`), or None.
         switches: chat-template variables (`enable_thinking`, ...), passed where the template
             reads them.
     """
@@ -147,19 +150,20 @@ class RequestBuilder:
         sampling: dict[str, Any],
         options: RequestOptions,
         *,
-        cached_prefix: Callable[[Sequence[int]], int],
-        cut_starts: Callable[[], Sequence[Message]] = tuple,
+        cached_prefix: Callable[..., int],
+        cut_starts: Callable[[str | None], Sequence[Message]],
     ) -> Request:
         """The request for `prompt`, cut to the window if it must be: a chat preferably where
-        one of `cut_starts()` (the cache entries' cuts, newest first) begins, which that
-        entry holds; `cached_prefix` tells how much of a candidate the cache holds. Both ask
-        the prompt cache, and only for a prompt that must be cut.
+        one of `cut_starts(salt)` (cuts the cache entries of its isolation domain hold, newest
+        first) begins; `cached_prefix(tokens, salt=salt)` tells how much of a candidate those
+        entries hold. Both are asked only for a prompt that must be cut.
 
         Raises:
             ValueError: bad input; ContextLengthError for a prompt that cannot fit.
         """
         params = _sampling_params(sampling)
         options.check()
+        salt = salt_digest(options.cache_salt)
         template = {
             "parse_control_tokens": options.parse_control_tokens,
             "tools": options.tools,
@@ -181,14 +185,14 @@ class RequestBuilder:
             budget -= max(1, min(params.max_tokens, self._max_context // 4))
         chat = None
         if marks.chat and len(tokens) > budget:  # `fit_prompt` cuts only such a prompt
-            chat = self._chat_cut(prompt, marks.system, render, cut_starts())
-        fitted = fit_prompt(tokens, budget, keep, cached_prefix=cached_prefix, chat=chat)
+            chat = self._chat_cut(prompt, marks.system, render, cut_starts(salt))
+        held = functools.partial(cached_prefix, salt=salt)
+        fitted = fit_prompt(tokens, budget, keep, cached_prefix=held, chat=chat)
         cut_start = None if fitted.first_message is None else prompt[fitted.first_message]
-        header = marks.header_tokens
         return Request(
             fitted.tokens,
             keep,
-            header,
+            marks.header_tokens,
             params,
             options.progress,
             options.cancel or threading.Event(),
@@ -198,7 +202,7 @@ class RequestBuilder:
             None if options.grammar is not None else options.speculative,
             cut_start,
             options.grammar,
-            options.cache_salt,
+            salt,
         )
 
     def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:
@@ -264,3 +268,13 @@ def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
             f"unknown generation settings {', '.join(unknown)}; use {', '.join(_SAMPLING_FIELDS)}"
         )
     return SamplingParams(**sampling)
+
+
+def salt_digest(cache_salt: str | None) -> str | None:
+    """The isolation domain of a request's `cache_salt` (kept instead of the salt itself,
+    which may be a secret): None, the shared domain, for no salt."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
+    return hashlib.sha256(f"mlxkv-cache-salt\n{cache_salt}".encode()).hexdigest()[:32]

@@ -2,8 +2,7 @@
 
 Owns: loading, the settings a Runner fits to its model (context window, batch size), the
 warm-up, and the public API: building each request (validated before anything changes) and
-handing it to the dispatcher (`dispatch`), which runs it on the engine thread; a request's
-`cache_salt` made the opaque isolation domain the prompt cache matches (`salt_digest`).
+handing it to the dispatcher (`dispatch`), which runs it on the engine thread.
 
 Invariant, however a request ends (normal end, stop string, the caller leaving `stream()`
 early, an exception in a callback, KeyboardInterrupt, `cancel()`): each prompt-cache entry's
@@ -13,8 +12,6 @@ because every model call goes through `ModelCache.forward`, which is all or noth
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import threading
 import weakref
@@ -36,7 +33,7 @@ from mlxkv.engine.dispatch import Dispatcher
 from mlxkv.engine.engine_thread import EngineThread
 from mlxkv.engine.lockstep import Lockstep
 from mlxkv.engine.prompt import Prompt, PromptEncoder, Tools
-from mlxkv.engine.request import RequestBuilder, RequestOptions
+from mlxkv.engine.request import RequestBuilder, RequestOptions, salt_digest
 from mlxkv.engine.results import Completion, GenerationChunk
 from mlxkv.engine.setup import (
     choose_max_batch,
@@ -285,7 +282,7 @@ class Runner:
         options = RequestOptions(
             progress, parse_control_tokens, tools, cancel, logprobs, truncate, cache_key,
             check_mode(speculative, has_draft_model=self._draft is not None), overflow, grammar,
-            salt_digest(cache_salt), switches,
+            cache_salt, switches,
         )  # fmt: skip
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.
@@ -293,8 +290,8 @@ class Runner:
             prompt,
             sampling,
             options,
-            cached_prefix=functools.partial(self._pool.longest_prefix, salt=options.cache_salt),
-            cut_starts=functools.partial(self._pool.cut_starts, options.cache_salt),
+            cached_prefix=self._pool.longest_prefix,
+            cut_starts=self._pool.cut_starts,
         )
         if self._lockstep is not None:  # ranks decide on a cancel and a seed together
             request = self._lockstep.prepare(request)
@@ -393,13 +390,3 @@ class Runner:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def salt_digest(cache_salt: str | None) -> str | None:
-    """The isolation domain of a request's `cache_salt` (kept instead of the salt itself,
-    which may be a secret): None, the shared domain, for no salt."""
-    if cache_salt is None:
-        return None
-    if not isinstance(cache_salt, str) or not cache_salt:
-        raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
-    return hashlib.sha256(f"mlxkv-cache-salt\n{cache_salt}".encode()).hexdigest()[:32]
