@@ -2,11 +2,12 @@
 
 Owns `CacheEntry`. Does not own which entry a request uses or when one is evicted (`pool`),
 the bytes entries hold (`usage`), nor how a request's `cache_salt` becomes the isolation
-domain an entry belongs to (the Runner's).
+domain an entry belongs to (the request builder's).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -42,7 +45,18 @@ class CacheEntry:
         return int(self.tokens.size)
 
     def record(self) -> int:
-        """Takes as `tokens` the token ids its cache holds now (at a request's end, on the
-        thread that generated into it); returns how many."""
-        self.tokens = np.asarray(self.cache.tokens, dtype=np.uint32)
+        """Takes as `tokens` the token ids its cache holds now, its caches materialized first
+        (at a request's end, on the thread that generated into it: the disk tier and other
+        threads read them after); returns how many. A cache whose lazy arrays fail to evaluate
+        is dropped, draft cache included: an entry never keeps a broken state."""
+        try:
+            held = self.cache.materialize()
+            if self.draft_cache is not None:
+                self.draft_cache.materialize()
+        except RuntimeError as error:  # a failed lazy computation
+            logger.warning("prompt cache dropped: its arrays could not be evaluated (%s)", error)
+            self.cache.free()
+            self.draft_cache = None
+            held = []
+        self.tokens = np.asarray(held, dtype=np.uint32)
         return self.num_tokens

@@ -97,15 +97,16 @@ class ModelCache:
         self._pending.clear()
         self._num_pending = 0
 
-    def materialize(self) -> None:
-        """Evaluates every lazy array and reads back pending token ids.
+    def materialize(self) -> list[int]:
+        """Evaluates every lazy array and reads back pending token ids; returns the token ids
+        held, as `tokens` does.
 
         MLX streams belong to the thread that made them: a lazy array built on one thread
         cannot be evaluated on another. Materializing at the end of each request lets the next
         one run on any thread.
         """
         mx.eval(self.arrays() + [p for p in self._pending if isinstance(p, mx.array)])
-        self._settle()
+        return self.tokens
 
     def forward(self, model: nn.Module, token_ids: Sequence[int] | mx.array) -> mx.array:
         """Runs `model` on `token_ids` after the held tokens and records them as held.
@@ -150,6 +151,13 @@ class ModelCache:
         else:
             self._tokens.extend(int(t) for t in token_ids)
         return logits
+
+    def feed(self, model: nn.Module, token_ids: Sequence[int]) -> None:
+        """`forward` for tokens whose logits nobody reads (a prompt's, all but its last):
+        evaluates what the layers hold, not the logits, so MLX never runs the vocabulary
+        projection for them (as in mlx-lm)."""
+        self.forward(model, token_ids)
+        mx.eval(self.arrays())
 
     def forward_tentative(
         self, model: nn.Module, token_ids: Sequence[int]
@@ -202,19 +210,13 @@ class ModelCache:
             raise ValueError(
                 f"cannot trim to {num_tokens} tokens; the cache holds {self.num_tokens}"
             )
+        drop = self.num_tokens - num_tokens
         if not self.can_trim_to(num_tokens):
-            blocking = sorted(
-                {
-                    type(layer).__name__
-                    for layer in self.layers
-                    if not layer_can_trim(layer, self.num_tokens - num_tokens)
-                }
-            )
+            kinds = sorted({type(x).__name__ for x in self.layers if not layer_can_trim(x, drop)})
             raise NotSupportedError(
                 f"cannot go back from {self.num_tokens} to {num_tokens} tokens: layers of type "
-                f"{', '.join(blocking)} cannot trim that far; free() the cache and prefill again"
+                f"{', '.join(kinds)} cannot trim that far; free() the cache and prefill again"
             )
-        drop = self.num_tokens - num_tokens
         if drop:
             for layer in self.layers:
                 layer.trim(drop)
@@ -380,7 +382,7 @@ class ModelCache:
         return sum(layer.shrink() for layer in leaves(self.layers) if hasattr(layer, "shrink"))
 
     def arrays(self) -> list[mx.array]:
-        """Every array the layers hold: pass them to `mx.eval` to materialize a prefill."""
+        """Every array the layers hold: what `mx.eval` runs to leave nothing of them lazy."""
         return [a for layer in self.layers for a in arrays_of(layer)]
 
     def footprint(self) -> Footprint:

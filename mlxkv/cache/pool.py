@@ -1,9 +1,9 @@
 """CachePool: the prompt cache's entries, matched by longest common prefix, under a count and
 a byte budget, with an optional disk tier.
 
-Owns: for each request, which entry to generate into and how much of it to reuse; evicting
-entries after a request; handing evicted entries to the disk tier and loading them back. Does
-not own the file format (`store`) or any model call.
+Owns: for each request, which entry to generate into, how much of it to reuse and where its
+fill checkpoints; evicting entries after a request; handing evicted entries to the disk tier
+and loading them back. Does not own the file format (`store`) or any model call.
 
 Terms:
   entry        a ModelCache and the token ids it holds (generated into in place; `entry`);
@@ -69,11 +69,14 @@ class PrefixHit:
         cache: the entry, already trimmed to `num_cached` tokens.
         num_cached: tokens of the request whose K/V are reused.
         remaining: the request's tokens after those (never empty).
+        checkpoints: where feeding `remaining` checkpoints the layers that cannot trim back
+            (`ModelCache.checkpoint`), in tokens into it, ascending; empty when all can.
     """
 
     cache: ModelCache
     num_cached: int
     remaining: list[int]
+    checkpoints: tuple[int, ...] = ()
 
 
 class CachePool:
@@ -95,6 +98,8 @@ class CachePool:
         store: DiskStore | None = None,
     ):
         self._make_entry = make_entry
+        # whether every entry's layers (all from `make_entry`) need checkpoints, read once
+        self._checkpointed = make_entry().needs_checkpoints
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.store = store
@@ -112,7 +117,12 @@ class CachePool:
         return sorted(self._entries, key=lambda e: e.last_used)
 
     def fetch_nearest(
-        self, tokens: Sequence[int], *, reply_start: int | None = None, salt: str | None = None
+        self,
+        tokens: Sequence[int],
+        *,
+        reply_start: int | None = None,
+        salt: str | None = None,
+        keep: int = 0,
     ) -> PrefixHit:
         """Picks (or makes) the entry for `tokens`, prepared to receive the rest of them.
 
@@ -122,6 +132,7 @@ class CachePool:
                 template's generation prompt); None for the prompt's end.
             salt: the isolation domain (a digest of a request's `cache_salt`); only its
                 entries and files match.
+            keep: the leading tokens every cut of the prompt keeps (its system prompt).
 
         The entry is in use until `release(entry)`: other requests meanwhile copy from it.
 
@@ -156,11 +167,23 @@ class CachePool:
             logger.info("prefix cache miss total=%d left=%d", len(tokens), len(tokens))
         entry.salt = salt
         entry.tokens = query[:reuse].copy()  # held, in order, for requests meanwhile
-        entry.reply_start = min(len(tokens) if reply_start is None else reply_start, limit)
+        reply_start = len(tokens) if reply_start is None else reply_start
+        entry.reply_start = min(reply_start, limit)
         entry.last_used = time.time()
         self.current = entry
         self._in_use[entry] = query
-        return PrefixHit(entry.cache, reuse, list(tokens[reuse:]))
+        points = self._checkpoints(len(tokens), reuse, reply_start, keep)
+        return PrefixHit(entry.cache, reuse, list(tokens[reuse:]), points)
+
+    def _checkpoints(self, total: int, reuse: int, reply: int, keep: int) -> tuple[int, ...]:
+        """Where a request feeding tokens `reuse`..`total` checkpoints layers that cannot trim
+        back, in tokens after `reuse`: where the reply starts (`reply`: the conversation's next
+        turn goes back there when it renders the reply differently) and, with several entries,
+        where `keep` ends (another conversation sharing the system prompt copies it)."""
+        if not self._checkpointed:
+            return ()
+        ends = {reply, keep} if self.max_entries > 1 else {reply}
+        return tuple(sorted(p - reuse for p in ends if reuse < p < total))
 
     def awaits_prefix(self, tokens: Sequence[int], salt: str | None = None) -> bool:
         """True when a request running now is still feeding its prompt, and that prompt

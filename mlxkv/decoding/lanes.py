@@ -45,12 +45,11 @@ _thread_streams = threading.local()  # MLX streams belong to the thread that mad
 
 
 def feed(model: nn.Module, cache: ModelCache, tokens: Sequence[int], lanes: int) -> None:
-    """`cache.forward(model, tokens)`, evaluated (the cache's arrays only), over up to `lanes`
-    CPU lanes, each taking at least `MIN_PART_TOKENS` tokens."""
+    """`cache.feed(model, tokens)` (evaluating the cache's arrays only) over up to `lanes` CPU
+    lanes, each taking at least `MIN_PART_TOKENS` tokens."""
     parts = min(lanes, len(tokens) // MIN_PART_TOKENS)
     if parts < 2:
-        cache.forward(model, tokens)
-        mx.eval(cache.arrays())
+        cache.feed(model, tokens)
         return
     bounds = [len(tokens) * i // parts for i in range(parts + 1)]
     for stream, start, end in zip(_streams(parts), bounds[:-1], bounds[1:], strict=True):

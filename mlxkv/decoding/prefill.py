@@ -67,9 +67,8 @@ class PrefillPlan:
 
 
 def fill(model: nn.Module, cache: ModelCache, tokens: Sequence[int], plan: PrefillPlan) -> None:
-    """Feeds `tokens` into the cache in chunks of at most `plan.step_tokens`, computing no logits:
-    only the cache's arrays are evaluated, so MLX never runs the vocabulary projection for them
-    (as in mlx-lm). On the CPU backend each chunk is spread over the cores (`lanes`)."""
+    """Feeds `tokens` into the cache in chunks of at most `plan.step_tokens`, computing no logits
+    (`ModelCache.feed`). On the CPU backend each chunk is spread over the cores (`lanes`)."""
     for _ in fill_steps(model, cache, tokens, plan):
         pass
 

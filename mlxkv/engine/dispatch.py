@@ -222,17 +222,8 @@ class Dispatcher:
                 self._end_request(entries[0] if entries else None)
 
     def _end_request(self, entry: CacheEntry | None) -> None:
-        """Leaves nothing lazy behind (the disk tier and other threads read the entry);
-        evicts to the cache's budget; logs the memory line."""
-        try:
-            if entry is not None:
-                entry.cache.materialize()
-                if entry.draft_cache is not None:
-                    entry.draft_cache.materialize()
-        except RuntimeError as error:  # a failed lazy computation: never keep a broken entry
-            logger.warning("prompt cache dropped: its arrays could not be evaluated (%s)", error)
-            entry.cache.free()
-            entry.draft_cache = None
+        """Releases the entry (which records what it holds, leaving nothing lazy behind, and
+        evicts to the cache's budget); logs the memory line."""
         usage = self._pool.release(entry) if entry is not None else None
         self._log_memory(usage)
 

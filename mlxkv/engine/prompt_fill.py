@@ -1,10 +1,9 @@
 """Feeding a request's uncached prompt tokens, with checkpoints where messages end.
 
 Owns `fill_prompt`: prefill in chunks (a pause between chunks, where requests interleaved with
-this one run), progress and cancel between chunks, and where layers
-that cannot trim (recurrent, sliding window) are checkpointed: where the template's generation
-prompt starts (the next turn re-renders from there) and, when several entries are kept, where
-the system prompt ends (other conversations share it). Does not own the chunked model calls
+this one run), progress and cancel between chunks, and checkpoints of the layers that cannot
+trim (recurrent, sliding window) where the pool asks for them (`PrefixHit.checkpoints`). Does
+not own where those go (the pool, which goes back to them) or the chunked model calls
 (`mlxkv.decoding.prefill`).
 """
 
@@ -36,14 +35,12 @@ def fill_prompt(
     stats: CompletionStats,
     *,
     plan: PrefillPlan,
-    checkpoint_keep: bool,
 ) -> Generator[None, None, mx.array]:
     """Feeds `hit.remaining` into `hit.cache` and returns the last position's logits; yields
     None between chunks (a pause: `yield from` it in a request's generator).
 
     Args:
         plan: how the tokens are fed (chunk size, CPU lanes).
-        checkpoint_keep: also checkpoint where `request.keep` ends (several entries kept).
 
     Raises:
         PrefillCancelled: the request's cancel flag was set; the chunks fed stay cached.
@@ -61,7 +58,7 @@ def fill_prompt(
     # No pause after the prompt's last chunk: its last token's logits (the first generated
     # token) come in the same turn, or a short prompt would wait a round for them.
     last_pause = total - 1
-    for split in _checkpoint_points(request, hit, checkpoint_keep):
+    for split in hit.checkpoints:
         steps = fill_steps(model, cache, remaining[: split - offset], plan)
         yield from _paced(steps, fed, offset, last_pause)
         cache.checkpoint()
@@ -86,14 +83,3 @@ def _paced(
         fed(offset + done)
         if offset + done < last_pause:
             yield
-
-
-def _checkpoint_points(request: Request, hit: PrefixHit, checkpoint_keep: bool) -> list[int]:
-    """Checkpoint positions, in tokens after the cached ones, strictly inside what is fed."""
-    if not hit.cache.needs_checkpoints:
-        return []
-    ends = {len(request.tokens) - request.header_tokens}
-    if checkpoint_keep:
-        ends.add(request.keep)
-    total = len(hit.remaining)
-    return sorted(p - hit.num_cached for p in ends if 0 < p - hit.num_cached < total)

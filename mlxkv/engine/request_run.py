@@ -98,10 +98,7 @@ def run_request(
     start = time.perf_counter()
     model = loaded.model
     try:
-        logits = yield from fill_prompt(
-            model, request, hit, stats,
-            plan=plan, checkpoint_keep=pool.max_entries > 1,
-        )  # fmt: skip
+        logits = yield from fill_prompt(model, request, hit, stats, plan=plan)
     except PrefillCancelled:
         yield stats.final_chunk("", "cancelled")
         return
@@ -140,7 +137,10 @@ def _claim_entry(
     labels."""
     tokens = request.tokens
     hit = pool.fetch_nearest(
-        tokens, reply_start=len(tokens) - request.header_tokens, salt=request.cache_salt
+        tokens,
+        reply_start=len(tokens) - request.header_tokens,
+        salt=request.cache_salt,
+        keep=request.keep,
     )
     entry = pool.current
     on_entry(entry)

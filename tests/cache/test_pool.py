@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 
-from mlxkv.cache import KVCache, ModelCache
+from mlxkv.cache import KVCache, ModelCache, SlidingWindowCache
 from mlxkv.cache.pool import CachePool
 from tests.factories import make_kv, positions_of
 
@@ -186,3 +186,35 @@ def test_a_copy_from_an_entry_in_use_follows_what_its_cache_holds_now():
     pool.release(pool.current)
     pool.release(in_use)
     _check_entries(pool)
+
+
+def _make_windowed_entry() -> ModelCache:
+    """Layers of which one cannot always trim back (a sliding window): it needs checkpoints."""
+
+    def make_layers():
+        return [KVCache(step=4), SlidingWindowCache(window=64)]
+
+    return ModelCache(make_layers(), make_layers)
+
+
+@pytest.mark.parametrize(
+    ("make_entry", "max_entries", "cached", "expected"),
+    [
+        (_make_windowed_entry, 2, [], (3, 8)),
+        (_make_windowed_entry, 1, [], (8,)),
+        (_make_windowed_entry, 2, [1, 2, 3, 4, 5], (3,)),  # keep is cached; reply 8 - 5
+        (_make_entry, 2, [], ()),  # every layer trims back
+    ],
+)
+def test_a_fill_checkpoints_where_the_reply_starts_and_with_several_entries_the_kept_prefix(
+    make_entry, max_entries, cached, expected
+):
+    """Layers that cannot trim back return only to checkpoints: the pool asks for one where
+    the reply starts (the next turn goes back there) and, when another conversation may copy
+    it, where the kept system prompt ends; in tokens after those reused."""
+    pool = CachePool(make_entry, max_entries=max_entries)
+    if cached:
+        _request(pool, cached)
+    hit = pool.fetch_nearest(list(range(1, 13)), reply_start=8, keep=3)
+    assert hit.num_cached == len(cached)
+    assert hit.checkpoints == expected

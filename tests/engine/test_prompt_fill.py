@@ -27,9 +27,8 @@ def test_a_prefill_pauses_between_chunks_not_after_the_last(loaded_tiny, tokens,
     )
     stats = CompletionStats(time.perf_counter(), tokens, 0)
     steps = fill_prompt(
-        loaded.model, request, PrefixHit(cache, 0, ids), stats,
-        plan=PrefillPlan(32, 1), checkpoint_keep=False,
-    )  # fmt: skip
+        loaded.model, request, PrefixHit(cache, 0, ids), stats, plan=PrefillPlan(32, 1)
+    )
     seen = 0
     while True:
         try:
