@@ -104,7 +104,7 @@ class RequestOptions:
     speculative: str | None = None
     overflow: str = "shift"
     grammar: str | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = dataclasses.field(default=None, repr=False)  # a secret: never shown
     switches: dict[str, Any] | None = None
 
     def check(self) -> None:
