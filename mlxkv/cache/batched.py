@@ -2,9 +2,10 @@
 
 Owns `BatchedKV`: the per-layer K/V of the sequences decoding together, in mlx-lm's
 `BatchKVCache` (left-padded rows with per-row offsets and masks, which mlx-lm's models read),
-with `join` (an entry's K/V become a new row, copied in) and `part` (a row's K/V copied back
-out, the row removed); `can_batch` says which caches can join. Does not own the decode loop
-(`mlxkv.decoding.batch`) or which entry a request uses (`pool`).
+with `join` (an entry's K/V become a new row, copied in), `merged` (several entries' at once,
+empty ones included, for a batched prefill), `part` (a row's K/V copied back out, the row
+removed) and `split` (every row's); `can_batch` says which caches can join. Does not own the
+decode loop (`mlxkv.decoding.batch`) or which entry a request uses (`pool`).
 
 Why copies rather than views: batched attention reads every row from one array, so each row's
 K/V must live in it. The entry's own buffers are left as they were when it joined, with the
@@ -17,6 +18,8 @@ sliding-window and recurrent layers do not convert (those models decode one at a
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
@@ -56,9 +59,46 @@ class BatchedKV:
                 batch.extend(row)
         self.num_rows += 1
 
+    @classmethod
+    def merged(cls, caches: Sequence[ModelCache]) -> BatchedKV:
+        """`caches`' K/V as rows, in order (copied in; the caches unchanged). Unlike `join`,
+        an empty cache becomes a row too: prompts prefilled together may start from nothing.
+
+        Raises:
+            ValueError: no caches, or one cannot batch (see `can_batch`).
+        """
+        if not caches or not all(can_batch(cache) for cache in caches):
+            raise ValueError("only caches of float KVCache layers can be merged into a batch")
+        batched = cls()
+        per_layer = zip(*(cache.layers for cache in caches), strict=True)
+        batched.layers = [BatchKVCache.merge(list(layers)) for layers in per_layer]
+        batched.num_rows = len(caches)
+        return batched
+
+    def split(self, steps: Sequence[int]) -> list[list[KVCache]]:
+        """Every row's K/V as one `KVCache` per layer (row i growing `steps[i]` tokens at a
+        time); the batch is left empty."""
+        if len(steps) != self.num_rows:
+            raise ValueError(f"{len(steps)} growth steps for a batch of {self.num_rows} rows")
+        rows = [self._row(row, step) for row, step in enumerate(steps)]
+        self.layers, self.num_rows = [], 0
+        return rows
+
     def part(self, row: int, step: int) -> list[KVCache]:
         """Row `row`'s K/V as one `KVCache` per layer (growing `step` tokens at a time), and
         the row removed from the batch."""
+        layers = self._row(row, step)
+        self.num_rows -= 1
+        if self.num_rows == 0:
+            self.layers = []
+        else:
+            kept = mx.array([i for i in range(self.num_rows + 1) if i != row])
+            for batch in self.layers:
+                batch.filter(kept)
+        return layers
+
+    def _row(self, row: int, step: int) -> list[KVCache]:
+        """Row `row`'s K/V as one `KVCache` per layer, growing `step` tokens at a time."""
         if not 0 <= row < self.num_rows:
             raise IndexError(f"no row {row} in a batch of {self.num_rows}")
         layers = []
@@ -67,13 +107,6 @@ class BatchedKV:
             layer = KVCache(step)
             layer.state = (extracted.keys, extracted.values)
             layers.append(layer)
-        self.num_rows -= 1
-        if self.num_rows == 0:
-            self.layers = []
-        else:
-            kept = mx.array([i for i in range(self.num_rows + 1) if i != row])
-            for batch in self.layers:
-                batch.filter(kept)
         return layers
 
     @property

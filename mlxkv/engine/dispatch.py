@@ -32,6 +32,7 @@ from mlxkv.decoding.prefill import PrefillPlan
 from mlxkv.engine.engine_thread import EngineThread, Interleaved, Relay
 from mlxkv.engine.lockstep import Lockstep
 from mlxkv.engine.places import Places
+from mlxkv.engine.prefill_group import PrefillGroup
 from mlxkv.engine.request import Request
 from mlxkv.engine.request_run import Batching, run_request
 from mlxkv.engine.results import Completion, CompletionStats, GenerationChunk
@@ -84,7 +85,11 @@ class Dispatcher:
         self._consumers: dict[int, Relay | Interleaved] = {}  # threads iterating a stream()
         self._places = Places(max_batch)
         batch = DecodeBatch(loaded.model, max_batch)
-        self._batching = Batching(batch)
+        prefills = PrefillGroup(
+            loaded.model, max_prompt_tokens=prefill_plan.step_tokens, max_rows=max_batch,
+            queued=lambda: engine.arrivals_waiting,
+        )  # fmt: skip
+        self._batching = Batching(batch, prefills)
         pool.working = batch
         self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         self._requests_lock = threading.Lock()

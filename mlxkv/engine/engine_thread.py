@@ -57,6 +57,12 @@ class EngineThread:
         """True on the engine thread itself."""
         return self._thread is not None and threading.current_thread() is self._thread
 
+    @property
+    def arrivals_waiting(self) -> bool:
+        """True while the first items of interleaved generators (requests just started) wait
+        to run: they run before any other job."""
+        return bool(self._urgent)
+
     def call(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
         """Runs `fn(*args)` on the engine thread after the jobs before it (an interleaved
         generator's first item may still go ahead of it); returns its result

@@ -17,6 +17,7 @@ import mlx.nn as nn
 
 from mlxkv.cache.pool import PrefixHit
 from mlxkv.decoding.prefill import PrefillPlan, fill_steps, prefill_steps
+from mlxkv.engine.prefill_group import PrefillGroup
 from mlxkv.engine.request import Request
 from mlxkv.engine.results import CompletionStats
 
@@ -35,12 +36,15 @@ def fill_prompt(
     stats: CompletionStats,
     *,
     plan: PrefillPlan,
+    together: PrefillGroup | None = None,
 ) -> Generator[None, None, mx.array]:
     """Feeds `hit.remaining` into `hit.cache` and returns the last position's logits; yields
     None between chunks (a pause: `yield from` it in a request's generator).
 
     Args:
         plan: how the tokens are fed (chunk size, CPU lanes).
+        together: the group a short prompt needing no checkpoint is fed with, when other
+            requests reach their prefill at the same moment (None: always alone).
 
     Raises:
         PrefillCancelled: the request's cancel flag was set; the chunks fed stay cached.
@@ -55,6 +59,11 @@ def fill_prompt(
         if request.cancelled.is_set():
             raise PrefillCancelled
 
+    if together is not None and not hit.checkpoints and together.admits(cache, remaining):
+        logits = yield from together.prefill(cache, remaining)
+        if logits is not None:  # fed with others; else no other came
+            fed(total)
+            return logits
     # No pause after the prompt's last chunk: its last token's logits (the first generated
     # token) come in the same turn, or a short prompt would wait a round for them.
     last_pause = total - 1

@@ -27,6 +27,7 @@ from mlxkv.decoding.plain import decode_tokens
 from mlxkv.decoding.prefill import PrefillPlan, fill
 from mlxkv.decoding.speculative import AcceptanceRule, Drafter, speculative_tokens
 from mlxkv.engine.context import ContextWindow
+from mlxkv.engine.prefill_group import PrefillGroup
 from mlxkv.engine.prompt_fill import PrefillCancelled, fill_prompt
 from mlxkv.engine.request import Request
 from mlxkv.engine.results import CompletionStats, GenerationChunk
@@ -40,11 +41,13 @@ class Batching:
 
     Attributes:
         batch: the rows decoding together.
+        prefills: the short prompts reaching their prefill at the same moment, fed together.
         streams: requests decoding now that can batch (not seeded, reply within the window),
             in the batch or, alone, speculatively.
     """
 
     batch: DecodeBatch
+    prefills: PrefillGroup
     streams: int = 0
 
     @contextlib.contextmanager
@@ -89,7 +92,8 @@ def run_request(
     tokens = request.tokens
     stats_start = time.perf_counter()
     if batching is not None:  # interleaved: other requests run between this one's turns
-        yield from _await_shared_prefix(request, pool)
+        with batching.prefills.arriving():
+            yield from _await_shared_prefix(request, pool)
     if request.cancelled.is_set():  # cancelled while waiting its turn: touch nothing
         yield CompletionStats(stats_start, len(tokens), 0).final_chunk("", "cancelled")
         return
@@ -98,7 +102,8 @@ def run_request(
     start = time.perf_counter()
     model = loaded.model
     try:
-        logits = yield from fill_prompt(model, request, hit, stats, plan=plan)
+        together = batching.prefills if batching is not None else None
+        logits = yield from fill_prompt(model, request, hit, stats, plan=plan, together=together)
     except PrefillCancelled:
         yield stats.final_chunk("", "cancelled")
         return

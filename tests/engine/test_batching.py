@@ -14,7 +14,7 @@ import pytest
 from mlxkv import Runner
 from mlxkv.decoding import batch as batch_module
 from mlxkv.decoding.picker import TokenPicker
-from mlxkv.engine import request_run
+from mlxkv.engine import prefill_group, request_run
 from mlxkv.errors import RunnerBusyError
 from mlxkv.testing.factory import ARCHITECTURES
 from tests.factories import wait_until
@@ -342,6 +342,45 @@ def test_a_request_failing_as_its_decoding_starts_is_not_counted_as_decoding(
     with pytest.raises(ValueError, match="no decoder"):
         list(runner.stream(PROMPTS[0], batched=True, max_tokens=4))
     assert runner._dispatch._batching.streams == 0
+
+
+@pytest.mark.parametrize("arch", BATCHING)
+def test_streams_arriving_together_are_prefilled_together_and_answer_as_alone(
+    loaded_tiny, arch, monkeypatch
+):
+    """Four streams whose first jobs are all queued before any runs: the three sharing no
+    prefix are prefilled in one batched pass; the fourth (its first token is the first one's)
+    waits for that token to be fed, copies it and feeds the rest itself. Every answer is
+    its alone one."""
+    loaded = loaded_tiny(arch)
+    options = {"max_tokens": 12, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    passes = []
+    together = prefill_group.prefill_together
+
+    def counting(model, caches, prompts):
+        passes.append([cache.num_tokens for cache in caches])
+        return together(model, caches, prompts)
+
+    monkeypatch.setattr(prefill_group, "prefill_together", counting)
+    results: list = [None] * len(PROMPTS)
+
+    def run(i):
+        results[i] = _tokens_and_logprobs(runner.stream(PROMPTS[i], batched=True, **options))
+
+    gate = threading.Event()
+    runner._engine._submit(lambda: gate.wait(30))
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: len(runner._engine._urgent) == len(PROMPTS), what="every first job queued")
+    gate.set()
+    for thread in threads:
+        thread.join(60)
+    assert passes == [[0, 0, 0]]
+    _assert_same_answers(results, want)
 
 
 _SHARED_TOKENS = 100
