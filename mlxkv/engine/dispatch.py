@@ -84,7 +84,7 @@ class Dispatcher:
         self._lockstep = lockstep
         self._consumers: dict[int, Relay | Interleaved] = {}  # threads iterating a stream()
         self._places = Places(max_batch)
-        batch = DecodeBatch(loaded.model, max_batch)
+        batch = DecodeBatch(loaded.model, max_batch, others_waiting=lambda: engine.jobs_waiting)
         prefills = PrefillGroup(
             loaded.model, max_prompt_tokens=prefill_plan.step_tokens, max_rows=max_batch,
             queued=lambda: engine.arrivals_waiting,

@@ -58,6 +58,11 @@ class EngineThread:
         return self._thread is not None and threading.current_thread() is self._thread
 
     @property
+    def jobs_waiting(self) -> bool:
+        """True while jobs wait to run (besides the one running)."""
+        return bool(self._urgent) or not self._jobs.empty()
+
+    @property
     def arrivals_waiting(self) -> bool:
         """True while the first items of interleaved generators (requests just started) wait
         to run: they run before any other job."""

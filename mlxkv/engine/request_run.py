@@ -192,7 +192,7 @@ def _decode(
     plan: PrefillPlan,
     make_room: Callable[[ModelCache, int], None] | None = None,
     batching: Batching | None = None,
-) -> tuple[Iterator[int], TokenPicker]:
+) -> tuple[Iterator[int | None], TokenPicker]:
     """The generated token ids of one request, from the prompt's last logits, and the picker
     that samples them: `decode_tokens` when the request's mode is None, else
     `speculative_tokens` with the mode's drafter (see `MODES`). With `batching`: in the batch
@@ -248,7 +248,7 @@ def _alone_or_batched(
     cache: ModelCache,
     pick: TokenPicker,
     total: int,
-) -> Iterator[int]:
+) -> Iterator[int | None]:
     """`total` tokens: speculatively while the request decodes alone (ended early when others
     come), in the batch while others decode (left when they are gone), and so on. Each part
     goes on from the last token of the one before, yielded and not fed."""
@@ -270,10 +270,14 @@ def _alone_or_batched(
         try:
             while True:
                 try:
-                    last = next(joined)
+                    token = next(joined)
                 except StopIteration as end:
                     queued = end.value
                     break
+                if token is None:  # a pause (`DecodeBatch.waits`): passed on
+                    yield None
+                    continue
+                last = token
                 produced += 1
                 drafter.extend([last])
                 yield last

@@ -18,12 +18,13 @@ from mlxkv.engine.stop_strings import StopStrings
 
 def emit_chunks(
     tokenizer: Any,
-    decoded: Iterator[int],
+    decoded: Iterator[int | None],
     stats: CompletionStats,
     request: Request,
     pick: TokenPicker,
-) -> Iterator[GenerationChunk]:
-    """Yields one chunk per sampled token that is not EOS, then the final chunk; EOS, a stop
+) -> Iterator[GenerationChunk | None]:
+    """Yields one chunk per sampled token that is not EOS, then the final chunk, and None
+    where `decoded` pauses (batched decoding letting other work run); EOS, a stop
     string, and the request's cancel flag end it (the generator `decoded` is then left, which
     stops the model)."""
     stops = StopStrings(request.params.stop)
@@ -31,6 +32,9 @@ def emit_chunks(
     detokenizer.reset()
     finish, cut_by_stop_string = "length", False
     for token in decoded:
+        if token is None:  # a pause in batched decoding: other work runs first
+            yield None
+            continue
         stats.sampled()
         logprob = pick.pop_logprob()
         if token in tokenizer.eos_token_ids:

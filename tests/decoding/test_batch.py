@@ -179,3 +179,30 @@ def test_quantized_kv_cannot_batch(loaded_tiny):
     model = loaded_tiny("llama").model
     assert not can_batch(make_cache(model, kv_bits=8))
     assert can_batch(make_cache(model))
+
+
+def test_rows_joining_while_other_work_waits_pause_once_and_share_their_first_step(
+    llama, monkeypatch
+):
+    """Rows joining one after the other while other work waits on the engine thread (the
+    requests of one prefill group): each pauses once on joining instead of stepping with
+    part of the batch, so the first step runs every row; the tokens are still their own."""
+    model, alone = llama
+    steps: list[int] = []
+    step = DecodeBatch._step
+    monkeypatch.setattr(
+        DecodeBatch, "_step", lambda self: (steps.append(self.num_rows), step(self))[1]
+    )
+    batch = DecodeBatch(model, max_rows=4, others_waiting=lambda: True)
+    streams = {}
+    for i in (0, 2):
+        cache, logits, pick = _start(model, PROMPTS[i])
+        stream = batched_tokens(batch, cache, logits, pick, MAX_TOKENS[i])
+        streams[i] = (cache, stream, [next(stream)])  # the first token, before joining
+    for _, stream, _ in streams.values():
+        assert next(stream) is None  # joined, paused once
+    for i, (cache, stream, streamed) in streams.items():
+        streamed.extend(stream)
+        assert None not in streamed and streamed == alone[i][0]
+        _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, alone[i][0])
+    assert steps[0] == 2
