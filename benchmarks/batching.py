@@ -1,8 +1,9 @@
 """Concurrent streams: `mlxkv serve` against `mlx_lm.server`, side by side, on the default model.
 
 Both serve a float32 copy of SmolLM2-135M-Instruct, greedy, with the same OpenBLAS (the peer
-preloads it), one server at a time on the machine. Per server and load:
-  - aggregate generated tokens/s of N concurrent streams of `--tokens` tokens (N = 1, 4, 8);
+preloads it); both run at once, measured in turns (the other idle). Per server and load:
+  - aggregate generated tokens/s of N concurrent streams of `--tokens` tokens (N = 1, 4, 8),
+    in `--rounds` rounds, each round both servers one after the other;
   - time to the whole answer of a 1-token request, idle and while 4 long streams run;
   - 4 requests sent at once sharing a long system prompt: time to all answers, tokens fed.
 Goals (batching issue): at 4 streams >= 2.5x one stream's tokens/s on this CPU and >= 1.0x
@@ -13,7 +14,7 @@ First, the device's ceiling: one decode step of mlx-lm's own model on its `Batch
 1, 4 and 8 rows, in this process, no server and no cache policy (pipelined, greedy): what N
 streams could give at best over one, measured the same moment as the servers.
 
-    python -m benchmarks.batching [--tokens 128] [--probes 6]
+    python -m benchmarks.batching [--tokens 128] [--probes 6] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--probes", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="mlxkv-batching-"))
     model = float32_copy(work)
@@ -163,28 +165,45 @@ def main(argv: list[str] | None = None) -> int:
     steps_per_s = ceiling(model)
     print("ceiling, decode steps/s by rows:", steps_per_s, flush=True)
     env = blas_env()
-    results: dict[str, dict[str, object]] = {}
-    for offset, (name, command) in enumerate(servers.items()):
-        port = free_port()
-        process = start_server([*command, str(port)], port, env, work / f"{offset}.log")
-        try:
-            client = _client(port)
-            _ask(client, -1, 8)  # warm
-            rates = {n: throughput(client, n, args.tokens, 100 * offset + 10 * n) for n in LOADS}
+    processes, clients = [], {}
+    try:
+        for offset, (name, command) in enumerate(servers.items()):
+            port = free_port()
+            processes.append(start_server([*command, str(port)], port, env, work / f"{offset}.log"))
+            clients[name] = _client(port)
+            _ask(clients[name], -1, 8)  # warm
+        # In turns, a round at a time (the other server idle): drift in the machine's speed
+        # from one minute to the next hits both alike; the medians of the rounds are reported.
+        rates = {name: {n: [] for n in LOADS} for name in clients}  # tokens/s per round
+        for round_ in range(args.rounds):
+            for offset, (name, client) in enumerate(clients.items()):
+                for n in LOADS:
+                    prompt = 1000 * round_ + 100 * offset + 10 * n
+                    rates[name][n].append(throughput(client, n, args.tokens, prompt))
+            print(f"round {round_ + 1}:", rates, flush=True)
+        results: dict[str, dict[str, object]] = {}
+        for offset, (name, client) in enumerate(clients.items()):
             idle = probe_latencies(client, args.probes, False, 500 + 100 * offset)
             busy = probe_latencies(client, args.probes, True, 700 + 100 * offset)
             shared = shared_system_prompt(client, BACKGROUND_STREAMS, 900 + 100 * offset)
-            results[name] = {"rates": rates, "idle": idle, "busy": busy, "shared": shared}
+            results[name] = {"idle": idle, "busy": busy, "shared": shared}
             print(name, results[name], flush=True)
-        finally:
+    finally:
+        for process in processes:
             process.terminate()
             process.wait(30)
-    ours, peer = results["mlxkv serve"], results["mlx_lm.server"]
-    print(f"\n{args.tokens}-token streams, aggregate generated tokens/s:")
-    print("streams | mlxkv serve | vs 1 stream | mlx_lm.server | mlxkv / mlx_lm")
+    ours, peer = rates["mlxkv serve"], rates["mlx_lm.server"]
+    print(f"\n{args.tokens}-token streams, aggregate generated tokens/s (median of {args.rounds}")
+    print("rounds; mlxkv / mlx_lm: the median of each round's ratio):")
+    print("streams | mlxkv serve | vs 1 stream | mlx_lm.server | mlxkv / mlx_lm (rounds)")
     for n in LOADS:
-        a, b = ours["rates"][n], peer["rates"][n]
-        print(f"{n:7d} | {a:11.1f} | {a / ours['rates'][1]:10.2f}x | {b:13.1f} | {a / b:.2f}x")
+        a, b = statistics.median(ours[n]), statistics.median(peer[n])
+        each = [x / y for x, y in zip(ours[n], peer[n], strict=True)]
+        rounds = ", ".join(f"{r:.2f}" for r in each)
+        print(
+            f"{n:7d} | {a:11.1f} | {a / statistics.median(ours[1]):10.2f}x | {b:13.1f} | "
+            f"{statistics.median(each):.2f}x ({rounds})"
+        )
     print("\nThe device's ceiling (mlx-lm's model on BatchKVCache, in process, no server):")
     for n in LOADS:
         rate = n * steps_per_s[n]
