@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -53,6 +55,21 @@ def fail_layer_update(monkeypatch, fail_at: int, error: type[BaseException]) -> 
             return _real(self, keys, values)
 
         monkeypatch.setattr(cls, "update_and_fetch", failing)
+
+
+def recorded(monkeypatch, owner: Any, name: str, measure: Callable[..., Any]) -> list:
+    """Every call of `owner.name` from now on (a function of a module, or a method of a class,
+    `self` then first), measured by `measure(*args, **kwargs)` into the list returned, then
+    run as before."""
+    seen: list = []
+    original = getattr(owner, name)
+
+    def measured(*args, **kwargs):
+        seen.append(measure(*args, **kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, measured)
+    return seen
 
 
 def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition") -> None:

@@ -17,7 +17,7 @@ from mlxkv.decoding.picker import TokenPicker
 from mlxkv.engine import prefill_group, request_run
 from mlxkv.errors import RunnerBusyError
 from mlxkv.testing.factory import ARCHITECTURES
-from tests.factories import wait_until
+from tests.factories import recorded, wait_until
 
 PROMPTS = [
     "The first request, about caches.",
@@ -357,14 +357,10 @@ def test_streams_arriving_together_are_prefilled_together_and_answer_as_alone(
     alone = Runner(loaded, max_context=512, speculative=None)
     want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS]
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
-    passes = []
-    together = prefill_group.prefill_together
-
-    def counting(model, caches, prompts):
-        passes.append([cache.num_tokens for cache in caches])
-        return together(model, caches, prompts)
-
-    monkeypatch.setattr(prefill_group, "prefill_together", counting)
+    passes = recorded(
+        monkeypatch, prefill_group, "prefill_together",
+        lambda _model, caches, _prompts: [cache.num_tokens for cache in caches],
+    )  # fmt: skip
     results: list = [None] * len(PROMPTS)
 
     def run(i):

@@ -11,6 +11,7 @@ from mlxkv.cache.building import make_cache
 from mlxkv.decoding.prefill import PrefillPlan, fill, prefill
 from mlxkv.engine import prefill_group as group_module
 from mlxkv.engine.prefill_group import PrefillGroup
+from tests.factories import recorded
 from tests.tolerances import assert_logits_close
 
 PLAN = PrefillPlan(512)
@@ -36,15 +37,9 @@ def model(loaded_tiny):
 @pytest.fixture
 def passes(monkeypatch):
     """The rows of every batched pass the group runs."""
-    seen: list[int] = []
-    together = group_module.prefill_together
-
-    def counting(model, caches, prompts):
-        seen.append(len(caches))
-        return together(model, caches, prompts)
-
-    monkeypatch.setattr(group_module, "prefill_together", counting)
-    return seen
+    return recorded(
+        monkeypatch, group_module, "prefill_together", lambda _model, caches, _p: len(caches)
+    )
 
 
 def _group(model, arrivals, max_rows=4):

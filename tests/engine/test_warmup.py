@@ -8,20 +8,13 @@ import pytest
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cli.common import runner_config
 from mlxkv.cli.parser import build_parser
+from tests.factories import recorded
 
 
 @pytest.fixture
 def widths_fed(monkeypatch):
     """The token count of every `ModelCache.forward` call, in order."""
-    fed: list[int] = []
-    forward = ModelCache.forward
-
-    def counting(self, model, token_ids):
-        fed.append(len(token_ids))
-        return forward(self, model, token_ids)
-
-    monkeypatch.setattr(ModelCache, "forward", counting)
-    return fed
+    return recorded(monkeypatch, ModelCache, "forward", lambda _cache, _model, ids: len(ids))
 
 
 def _warm_up_widths(make_runner, widths_fed, **settings) -> list[int]:
