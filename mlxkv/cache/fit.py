@@ -48,7 +48,8 @@ def fit_to_budget(entry: CacheEntry, max_bytes: int, store: DiskStore | None) ->
         cache.shrink()
         held = holdings([entry]).held_bytes
         if held <= max_bytes:
-            entry.record()
+            if entry.record() == 0:  # its arrays failed to evaluate: dropped, not kept
+                return False
             entry.reply_start = min(entry.reply_start, kept)
             logger.info(
                 "prefix cache: an entry of %d tokens is over the budget (%d bytes); kept its "

@@ -107,7 +107,7 @@ class DecodeBatch:
     def waits(self, row: _Row) -> bool:
         """True, once, when `row` just joined and has no token while other work waits on the
         engine thread: its reader pauses, and a step run meanwhile serves it too."""
-        if not row.fresh or row.out or self._others_waiting is None:
+        if not row.fresh or self._others_waiting is None:
             return False
         row.fresh = False
         return self._others_waiting()

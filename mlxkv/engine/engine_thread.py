@@ -50,7 +50,8 @@ class EngineThread:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._urgent: collections.deque[Callable[[], None]] = collections.deque()
         self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+        self._start_lock = threading.Lock()  # also guards `_wakeups`
+        self._wakeups = 0  # `_run_ahead` wake-ups in `_jobs`
 
     @property
     def is_current(self) -> bool:
@@ -59,8 +60,9 @@ class EngineThread:
 
     @property
     def jobs_waiting(self) -> bool:
-        """True while jobs wait to run (besides the one running)."""
-        return bool(self._urgent) or not self._jobs.empty()
+        """True while jobs wait to run (besides the one running; a wake-up left in the queue
+        by a job that ran ahead is not one). A reading: other threads may add jobs."""
+        return bool(self._urgent) or self._jobs.qsize() > self._wakeups
 
     @property
     def arrivals_waiting(self) -> bool:
@@ -131,9 +133,10 @@ class EngineThread:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
                 _running.add(self)
-        if ahead:
-            self._urgent.append(job)
-            job = _run_ahead  # wakes the thread; the job itself runs before the next taken
+            if ahead:
+                self._urgent.append(job)
+                job = _run_ahead  # wakes the thread; the job itself runs before the next taken
+                self._wakeups += 1
         self._jobs.put(job)
 
     def _loop(self) -> None:
@@ -142,6 +145,9 @@ class EngineThread:
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
         try:
             while (job := self._jobs.get()) is not None:
+                if job is _run_ahead:
+                    with self._start_lock:
+                        self._wakeups -= 1
                 while self._urgent:
                     self._urgent.popleft()()
                 job()  # jobs hand their own errors to their callers

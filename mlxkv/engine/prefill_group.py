@@ -9,7 +9,9 @@ Owns `PrefillGroup`: a request whose prompt (what its cache lacks) fits one chun
 group when it reaches its prefill. While more requests are about to reach theirs (their first
 jobs queued on the engine thread, or waiting for a shared prefix another request is feeding),
 it pauses once; the last one to come, or the first to resume, feeds every member's prompt in
-one pass, and each member takes its logits. A member alone feeds its prompt itself, as any
+one pass, and each member takes its logits. Rows are padded to the longest (cached tokens
+and prompt), so only members within twice each other's length (or `SLACK_TOKENS`) are fed
+together: the largest such set; a member left out, or alone, feeds its prompt itself, as any
 request does. Everything runs on the engine thread. Does not own the batched pass
 (`prefill_together`) or the request's own prefill (`prompt_fill`).
 """
@@ -30,6 +32,10 @@ from mlxkv.decoding.prefill_together import prefill_together
 
 logger = logging.getLogger(__name__)
 
+# Rows whose lengths (cached tokens and prompt) differ by this much are fed together even when
+# one is over twice the other: short rows' padding costs next to nothing.
+SLACK_TOKENS = 64
+
 
 @dataclass(eq=False)
 class _Member:
@@ -37,6 +43,12 @@ class _Member:
     prompt: Sequence[int]
     logits: mx.array | None = None
     failure: BaseException | None = None
+    settled: bool = False  # fed, failed, or left out by a feed: it feeds alone
+
+    @property
+    def row_tokens(self) -> int:
+        """The row's length in the batch: what its cache holds and its prompt."""
+        return self.cache.num_tokens + len(self.prompt)
 
 
 class PrefillGroup:
@@ -44,8 +56,8 @@ class PrefillGroup:
 
     Args:
         model: the model every member runs on.
-        max_prompt_tokens: the longest prompt that joins (one prefill chunk: a longer one
-            is fed in chunks, taking turns with running requests).
+        max_prompt_tokens: prompts of this many tokens or more do not join (one prefill
+            chunk: such a prompt is fed in chunks, taking turns with running requests).
         max_rows: the most members fed at once (the decode batch's rows).
         queued: True while requests' first jobs wait on the engine thread (they may join).
     """
@@ -94,7 +106,7 @@ class PrefillGroup:
         try:
             if len(self._members) < self._max_rows and (self._arriving or self._queued()):
                 yield None
-            if member.logits is None and member.failure is None and len(self._members) > 1:
+            if not member.settled and len(self._members) > 1:
                 self._feed()
         finally:
             if member in self._members:  # closed while paused, or alone
@@ -104,9 +116,15 @@ class PrefillGroup:
         return member.logits
 
     def _feed(self) -> None:
-        """Feeds every member's prompt in one pass, handing each its logits (or the error)."""
-        members, self._members = self._members, []
-        logger.debug("prefilling %d prompts together", len(members))
+        """Feeds the largest set of members of similar lengths in one pass, handing each its
+        logits (or the error); the others, and a set of one, feed their own."""
+        for member in self._members:
+            member.settled = True
+        members = _similar(self._members)
+        self._members = []
+        if len(members) < 2:
+            return
+        logger.debug("prefill group: rows=%d", len(members))
         try:
             logits = prefill_together(
                 self._model, [m.cache for m in members], [m.prompt for m in members]
@@ -117,3 +135,21 @@ class PrefillGroup:
             return
         for m, row_logits in zip(members, logits, strict=True):
             m.logits = row_logits
+
+
+def _similar(members: list[_Member]) -> list[_Member]:
+    """The largest set of `members` whose longest row is at most twice the shortest (or
+    `SLACK_TOKENS` longer): rows padded to at most about twice what they hold."""
+    ordered = sorted(members, key=lambda member: member.row_tokens)
+    best, first = ordered[:1], 0
+    for last, member in enumerate(ordered):
+        while member.row_tokens > _longest_beside(ordered[first].row_tokens):
+            first += 1
+        if last + 1 - first > len(best):
+            best = ordered[first : last + 1]
+    return best
+
+
+def _longest_beside(row_tokens: int) -> int:
+    """The longest row fed together with a row of `row_tokens` tokens."""
+    return max(2 * row_tokens, row_tokens + SLACK_TOKENS)

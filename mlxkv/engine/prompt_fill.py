@@ -39,12 +39,13 @@ def fill_prompt(
     together: PrefillGroup | None = None,
 ) -> Generator[None, None, mx.array]:
     """Feeds `hit.remaining` into `hit.cache` and returns the last position's logits; yields
-    None between chunks (a pause: `yield from` it in a request's generator).
+    None between chunks, or while prompts to prefill together come (a pause: `yield from` it
+    in a request's generator).
 
     Args:
         plan: how the tokens are fed (chunk size, CPU lanes).
-        together: the group a short prompt needing no checkpoint is fed with, when other
-            requests reach their prefill at the same moment (None: always alone).
+        together: the group a short prompt (on a cache that batches: no checkpoints) is fed
+            with, when other requests reach their prefill at the same moment (None: alone).
 
     Raises:
         PrefillCancelled: the request's cancel flag was set; the chunks fed stay cached.
@@ -59,7 +60,7 @@ def fill_prompt(
         if request.cancelled.is_set():
             raise PrefillCancelled
 
-    if together is not None and not hit.checkpoints and together.admits(cache, remaining):
+    if together is not None and together.admits(cache, remaining):
         logits = yield from together.prefill(cache, remaining)
         if logits is not None:  # fed with others; else no other came
             fed(total)

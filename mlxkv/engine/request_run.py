@@ -78,8 +78,9 @@ def run_request(
     batching: Batching | None = None,
 ) -> Iterator[GenerationChunk | None]:
     """Runs `request` on the pool's nearest entry, in place; yields its chunks, the last one
-    with the Completion, and None between prefill chunks (a pause where interleaved requests
-    run; a serial caller skips it). The caller ends the request (releases the entry).
+    with the Completion, and None for a pause where interleaved requests run (between prefill
+    chunks, waiting for a shared prefix or for prompts prefilled together, joining the decode
+    batch; a serial caller skips it). The caller ends the request (releases the entry).
 
     Args:
         max_context: the context window, in tokens (a generation that reaches it shifts).
@@ -102,7 +103,9 @@ def run_request(
     start = time.perf_counter()
     model = loaded.model
     try:
-        together = batching.prefills if batching is not None else None
+        # Not a seeded request: its draws must be those it makes alone, from its own logits.
+        grouped = batching is not None and request.params.seed is None
+        together = batching.prefills if grouped else None
         logits = yield from fill_prompt(model, request, hit, stats, plan=plan, together=together)
     except PrefillCancelled:
         yield stats.final_chunk("", "cancelled")

@@ -361,22 +361,55 @@ def test_streams_arriving_together_are_prefilled_together_and_answer_as_alone(
         monkeypatch, prefill_group, "prefill_together",
         lambda _model, caches, _prompts: [cache.num_tokens for cache in caches],
     )  # fmt: skip
-    results: list = [None] * len(PROMPTS)
+    results = _first_jobs_queued_then_run(runner, PROMPTS, [options] * len(PROMPTS))
+    assert passes == [[0, 0, 0]]
+    _assert_same_answers(results, want)
+
+
+def _first_jobs_queued_then_run(runner, prompts, options) -> list:
+    """Each prompt's batched stream on a thread of its own, their first jobs all queued on
+    the engine (held meanwhile) before any runs: (tokens, logprobs) per prompt."""
+    results: list = [None] * len(prompts)
 
     def run(i):
-        results[i] = _tokens_and_logprobs(runner.stream(PROMPTS[i], batched=True, **options))
+        chunks = runner.stream(prompts[i], batched=True, **options[i])
+        results[i] = _tokens_and_logprobs(chunks)
 
-    gate = threading.Event()
-    runner._engine._submit(lambda: gate.wait(30))
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    holding, gate = threading.Event(), threading.Event()
+    runner._engine._submit(lambda: (holding.set(), gate.wait(30)))
+    assert holding.wait(30), "the engine never took the holding job"  # no first job before it
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
-    wait_until(lambda: len(runner._engine._urgent) == len(PROMPTS), what="every first job queued")
+    wait_until(lambda: len(runner._engine._urgent) == len(prompts), what="every first job queued")
     gate.set()
     for thread in threads:
         thread.join(60)
-    assert passes == [[0, 0, 0]]
-    _assert_same_answers(results, want)
+    return results
+
+
+def test_a_seeded_stream_is_not_prefilled_with_others(loaded_tiny, monkeypatch):
+    """Its first token is drawn from logits of its prompt fed alone, as when it runs alone
+    (batched kernels round otherwise): the two others are prefilled together without it."""
+    loaded = loaded_tiny("llama")
+    prompts = ["Alpha one two.", "Bravo three four.", "Zulu five six seven eight."]
+    greedy = {"max_tokens": 8, "temperature": 0.0, "logprobs": 0}
+    seeded = {"max_tokens": 8, "temperature": 1.0, "seed": 7, "logprobs": 0}
+    options = [greedy, greedy, seeded]
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [
+        _tokens_and_logprobs(alone.stream(p, **o)) for p, o in zip(prompts, options, strict=True)
+    ]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    passes = recorded(
+        monkeypatch, prefill_group, "prefill_together",
+        lambda _model, _caches, fed: sorted(len(tokens) for tokens in fed),
+    )  # fmt: skip
+    results = _first_jobs_queued_then_run(runner, prompts, options)
+    lengths = [len(runner.encode(p)) for p in prompts]
+    assert passes == [sorted(lengths[:2])]
+    assert results[2] == want[2]  # the seeded one's draws, exactly
+    _assert_same_answers(results[:2], want[:2])
 
 
 _SHARED_TOKENS = 100

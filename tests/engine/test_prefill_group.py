@@ -123,6 +123,25 @@ def test_a_member_closed_while_paused_is_left_out(model, passes):
     _assert_as_alone(model, 2, caches[2], logits[1])
 
 
+def test_rows_of_very_different_lengths_are_not_padded_to_each_other(model, passes):
+    """A member whose cache holds 300 tokens beside two short ones: the short ones are fed
+    together; the long one feeds alone (its row would pad theirs to 300 tokens)."""
+    arrivals = _Arrivals()
+    group, caches = _group(model, arrivals), _caches(model)
+    long_cache = make_cache(model)
+    fill(model, long_cache, [(7 * i) % 250 + 3 for i in range(300)], PLAN)
+    arrivals.waiting = True
+    paused = [group.prefill(long_cache, [5, 6]), group.prefill(caches[0], PROMPTS[0])]
+    for member in paused:
+        assert next(member) is None
+    arrivals.waiting = False
+    last = _result(group.prefill(caches[1], PROMPTS[1]))
+    assert passes == [2]
+    assert _result(paused[0]) is None and long_cache.num_tokens == 300  # left to feed alone
+    _assert_as_alone(model, 0, caches[0], _result(paused[1]))
+    _assert_as_alone(model, 1, caches[1], last)
+
+
 def test_requests_waiting_for_a_shared_prefix_are_waited_for(model, passes):
     group, caches = _group(model, _Arrivals()), _caches(model)
     with group.arriving():
