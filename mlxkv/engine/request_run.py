@@ -103,9 +103,7 @@ def run_request(
     start = time.perf_counter()
     model = loaded.model
     try:
-        # Not a seeded request: its draws must be those it makes alone, from its own logits.
-        grouped = batching is not None and request.params.seed is None
-        together = batching.prefills if grouped else None
+        together = _prefilled_with(request, batching)
         logits = yield from fill_prompt(model, request, hit, stats, plan=plan, together=together)
     except PrefillCancelled:
         yield stats.final_chunk("", "cancelled")
@@ -126,6 +124,15 @@ def run_request(
             yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
         finally:  # here, on the engine thread, before the entry is released (even on error)
             decoded.close()
+
+
+def _prefilled_with(request: Request, batching: Batching | None) -> PrefillGroup | None:
+    """The group the request's prompt may be prefilled with: none when not interleaved, nor
+    for a seeded request, whose draws must be those it makes alone (from its prompt's logits
+    fed alone, not a batched pass's, which round otherwise)."""
+    if batching is None or request.params.seed is not None:
+        return None
+    return batching.prefills
 
 
 def _await_shared_prefix(request: Request, pool: CachePool) -> Iterator[None]:
