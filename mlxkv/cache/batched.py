@@ -51,7 +51,7 @@ class BatchedKV:
         """
         if not can_batch(cache) or cache.num_tokens == 0:
             raise ValueError("only a non-empty cache of float KVCache layers can join a batch")
-        rows = [BatchKVCache.merge([layer]) for layer in cache.layers]
+        rows = BatchedKV.merged([cache]).layers
         if self.num_rows == 0:
             self.layers = rows
         else:
