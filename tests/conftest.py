@@ -41,14 +41,20 @@ def load_tiny(model_root):
 
 @pytest.fixture(autouse=True)
 def checked_runners(request, monkeypatch):
-    """After every request of every Runner in the test, its entry must hold what it fed
-    (`tests/invariants.py`); a test marked `unchecked_entries` opts out (it breaks the model
-    on purpose, so a fresh prefill cannot be the reference, or it counts a request's calls)."""
+    """After every request of every Runner in the test, its entry must hold what it fed and
+    the idle entries' recorded bytes what they hold (`tests/invariants.py`); a test marked
+    `unchecked_entries` opts out (it breaks the model on purpose, so a fresh prefill cannot
+    be the reference, or it counts a request's calls)."""
     if request.node.get_closest_marker("unchecked_entries"):
         return
     from mlxkv.cache.model_cache import ModelCache
     from mlxkv.engine.dispatch import Dispatcher
-    from tests.invariants import Fed, assert_entry_holds_what_it_fed, recording
+    from tests.invariants import (
+        Fed,
+        assert_entry_holds_what_it_fed,
+        assert_recorded_bytes_current,
+        recording,
+    )
 
     run, end = Dispatcher._run, Dispatcher._end_request
 
@@ -65,6 +71,7 @@ def checked_runners(request, monkeypatch):
         end(self, entry)
         if entry is not None:
             assert_entry_holds_what_it_fed(self, entry, entry.__dict__.pop("fed_in_test", None))
+        assert_recorded_bytes_current(self._pool)
 
     shift = ModelCache.shift
 

@@ -48,6 +48,27 @@ def assert_entry_holds_what_it_fed(runner, entry, fed: Fed | None) -> None:
         _assert_same_as_fresh_prefill(runner, entry.cache, tokens)
 
 
+def assert_recorded_bytes_current(pool) -> None:
+    """Every entry no request uses has its bytes as recorded at its request's end (what the
+    budget and the memory line read) equal to what its caches hold now: nothing changed an
+    idle entry without recording it again."""
+    for entry in pool.entries:
+        if entry.recorded is None or entry in pool._in_use:
+            continue
+        footprint, draft = entry.recorded
+        assert _figures(footprint) == _figures(entry.cache.footprint()), "stale recorded bytes"
+        live_draft = None if entry.draft_cache is None else entry.draft_cache.footprint()
+        assert _figures(draft) == _figures(live_draft), "stale recorded draft bytes"
+
+
+def _figures(footprint) -> tuple | None:
+    if footprint is None:
+        return None
+    f = footprint
+    snapshots = sorted(id(s) for s in f.snapshots)
+    return f.num_tokens, f.used_bytes, f.allocated_bytes, f.checkpoint_bytes, snapshots
+
+
 def _no_shift_possible(runner, fed: Fed) -> bool:
     """A context shift drops tokens from the middle: no order to check then."""
     return len(fed.prompt) + len(fed.generated) + 1 < runner.max_context

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from mlxkv.cache.footprint import Footprint
 from mlxkv.cache.model_cache import ModelCache
 
 logger = logging.getLogger(__name__)
@@ -40,23 +41,29 @@ class CacheEntry:
     draft_cache: ModelCache | None = None
     salt: str | None = None
 
+    # What `record` measured: the footprints of its cache and of its draft cache (None without
+    # one). None while a request uses the entry (it changes as it is fed; the pool sets it)
+    # and before its first record: `usage` measures it then.
+    recorded: tuple[Footprint, Footprint | None] | None = field(default=None, repr=False)
+
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.size)
 
     def record(self) -> int:
-        """Takes as `tokens` the token ids its cache holds now, its caches materialized first
-        (at a request's end, on the thread that generated into it: the disk tier and other
-        threads read them after); returns how many. A cache whose lazy arrays fail to evaluate
-        is dropped, draft cache included: an entry never keeps a broken state."""
+        """Takes as `tokens` the token ids its cache holds now, and as `recorded` their bytes,
+        its caches materialized first (at a request's end, on the thread that generated into
+        it, or after the pool changed it: the disk tier and other threads read them after);
+        returns how many. A cache whose lazy arrays fail to evaluate is dropped, draft cache
+        included: an entry never keeps a broken state."""
         try:
-            held = self.cache.materialize()
-            if self.draft_cache is not None:
-                self.draft_cache.materialize()
+            held, footprint = self.cache.materialize()
+            draft = None if self.draft_cache is None else self.draft_cache.materialize()[1]
         except RuntimeError as error:  # a failed lazy computation
             logger.warning("prompt cache dropped: its arrays could not be evaluated (%s)", error)
             self.cache.free()
-            self.draft_cache = None
-            held = []
+            self.draft_cache = draft = None
+            held, footprint = [], self.cache.footprint()
         self.tokens = np.asarray(held, dtype=np.uint32)
+        self.recorded = (footprint, draft)
         return self.num_tokens

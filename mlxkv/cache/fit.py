@@ -28,11 +28,13 @@ def fit_to_budget(entry: CacheEntry, max_bytes: int, store: DiskStore | None) ->
 
     Returns:
         False when not even a prefix fits (the entry, already written to `store`, is for the
-        caller to drop), else True.
+        caller to drop) or its arrays failed to evaluate (`CacheEntry.record`), else True.
     """
     if holdings([entry]).held_bytes <= max_bytes:
         return True
     entry.draft_cache = None  # the draft model catches up again when it is needed
+    if entry.record() == 0:  # its arrays failed to evaluate: dropped, not kept
+        return False
     held = holdings([entry]).held_bytes
     if held <= max_bytes:
         return True
@@ -46,10 +48,10 @@ def fit_to_budget(entry: CacheEntry, max_bytes: int, store: DiskStore | None) ->
             break
         cache.rewind_to(kept)
         cache.shrink()
+        if entry.record() == 0:
+            return False
         held = holdings([entry]).held_bytes
         if held <= max_bytes:
-            if entry.record() == 0:  # its arrays failed to evaluate: dropped, not kept
-                return False
             entry.reply_start = min(entry.reply_start, kept)
             logger.info(
                 "prefix cache: an entry of %d tokens is over the budget (%d bytes); kept its "

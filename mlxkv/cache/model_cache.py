@@ -97,16 +97,16 @@ class ModelCache:
         self._pending.clear()
         self._num_pending = 0
 
-    def materialize(self) -> list[int]:
+    def materialize(self) -> tuple[list[int], Footprint]:
         """Evaluates every lazy array and reads back pending token ids; returns the token ids
-        held, as `tokens` does.
+        held (as `tokens`) and their footprint: what an entry records at a request's end.
 
         MLX streams belong to the thread that made them: a lazy array built on one thread
         cannot be evaluated on another. Materializing at the end of each request lets the next
         one run on any thread.
         """
         mx.eval(self.arrays() + [p for p in self._pending if isinstance(p, mx.array)])
-        return self.tokens
+        return self.tokens, self.footprint()
 
     def forward(self, model: nn.Module, token_ids: Sequence[int] | mx.array) -> mx.array:
         """Runs `model` on `token_ids` after the held tokens and records them as held.

@@ -165,7 +165,7 @@ class CachePool:
             )
         else:
             logger.info("prefix cache miss total=%d left=%d", len(tokens), len(tokens))
-        entry.salt = salt
+        entry.salt, entry.recorded = salt, None  # measured as it is fed until released
         entry.tokens = query[:reuse].copy()  # held, in order, for requests meanwhile
         reply_start = len(tokens) if reply_start is None else reply_start
         entry.reply_start = min(reply_start, limit)

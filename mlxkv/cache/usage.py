@@ -1,10 +1,11 @@
 """What the prompt cache's entries hold, in bytes: the figures the pool's budget and the memory
 report both read.
 
-Owns `Holdings` and `holdings`: each entry's footprint and its draft cache's bytes, read once
-per entry, and their totals, where a checkpoint snapshot that entries copied from one another
-share is counted once; and `Sized`, what holds memory outside the entries. Does not own which
-entries are kept or evicted (`pool`), nor how a report shows them (`report`).
+Owns `Holdings` and `holdings`: each entry's footprint and its draft cache's bytes (as its
+request's end recorded them, `CacheEntry.record`; measured now for an entry in use), and their
+totals, where a checkpoint snapshot that entries copied from one another share is counted
+once; and `Sized`, what holds memory outside the entries. Does not own which entries are kept
+or evicted (`pool`), nor how a report shows them (`report`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def holdings(
     """What `kept` (counted against the budget) and `unkept` (measured, not counted: the
     last request's entry when the pool no longer keeps it) hold, with `outside_bytes` held
     elsewhere."""
-    measured = [Holding(e, e.cache.footprint(), _draft_bytes(e)) for e in [*kept, *unkept]]
+    measured = [_measure(e) for e in [*kept, *unkept]]
     counted = measured[: len(kept)]
     held = sum(h.footprint.allocated_bytes + h.draft_bytes for h in counted)
     return Holdings(
@@ -68,11 +69,15 @@ def holdings(
     )
 
 
-def _draft_bytes(entry: CacheEntry) -> int:
-    if entry.draft_cache is None:
-        return 0
-    draft = entry.draft_cache.footprint()
-    return draft.allocated_bytes + draft.checkpoint_bytes
+def _measure(entry: CacheEntry) -> Holding:
+    """As `entry.record` measured it at its request's end, else (in use) now."""
+    if entry.recorded is not None:
+        footprint, draft = entry.recorded
+    else:
+        footprint = entry.cache.footprint()
+        draft = None if entry.draft_cache is None else entry.draft_cache.footprint()
+    draft_bytes = 0 if draft is None else draft.allocated_bytes + draft.checkpoint_bytes
+    return Holding(entry, footprint, draft_bytes)
 
 
 def _snapshot_bytes(measured: list[Holding]) -> int:

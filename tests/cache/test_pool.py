@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from mlxkv.cache import KVCache, ModelCache, SlidingWindowCache
 from mlxkv.cache.pool import CachePool
 from tests.factories import make_kv, positions_of
+from tests.invariants import assert_recorded_bytes_current
 
 LAYERS = 2
 
@@ -54,6 +55,7 @@ def _check_entries(pool: CachePool) -> None:
         for layer in entry.cache:
             assert layer.offset == len(held)
             assert positions_of(layer.state[0]) == held  # K/V really are these tokens'
+    assert_recorded_bytes_current(pool)
 
 
 # Prompts from a tiny alphabet share prefixes often: hits, copies, trims and misses all occur.
@@ -169,6 +171,23 @@ def test_an_entry_in_use_is_copied_from_never_trimmed_extended_or_evicted():
     pool.release(in_use)
     _check_entries(pool)
     assert pool.entries[0].tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_an_entry_in_use_is_measured_as_it_is_fed_an_idle_one_as_recorded():
+    """The budget and the memory line read an idle entry's bytes as its request's end
+    recorded them (no walk of its layers, safe from any thread), and one in use as it grows."""
+    pool = CachePool(_make_entry, max_entries=2)
+    _request(pool, [1, 2, 3, 4], [5])
+    (entry,) = pool.entries
+    assert entry.recorded is not None and pool.usage().entries[0].footprint.num_tokens == 5
+    hit = pool.fetch_nearest([1, 2, 3, 4, 5, 6])  # extended in place: in use
+    hit.cache.forward(_IdWriter(), hit.remaining + list(range(7, 20)))
+    (measured,) = pool.usage().entries
+    assert measured.footprint.num_tokens == 19
+    assert measured.footprint.allocated_bytes == entry.cache.footprint().allocated_bytes
+    pool.release()
+    assert pool.usage().entries[0].footprint == entry.recorded[0]
+    _check_entries(pool)
 
 
 def test_a_copy_from_an_entry_in_use_follows_what_its_cache_holds_now():
