@@ -53,8 +53,9 @@ def assert_recorded_bytes_current(pool) -> None:
     budget and the memory line read) equal to what its caches hold now: nothing changed an
     idle entry without recording it again."""
     for entry in pool.entries:
-        if entry.recorded is None or entry in pool._in_use:
+        if entry in pool._in_use:
             continue
+        assert entry.recorded is not None, "an idle entry never recorded"
         footprint, draft = entry.recorded
         assert _figures(footprint) == _figures(entry.cache.footprint()), "stale recorded bytes"
         live_draft = None if entry.draft_cache is None else entry.draft_cache.footprint()

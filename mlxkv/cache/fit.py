@@ -46,8 +46,7 @@ def fit_to_budget(entry: CacheEntry, max_bytes: int, store: DiskStore | None) ->
         kept = cache.nearest_restorable(int(kept * _FIT_MARGIN * max_bytes / held))
         if kept == 0:
             break
-        cache.rewind_to(kept)
-        cache.shrink()
+        cache.rewind_to(kept, shrink=True)
         if entry.record() == 0:
             return False
         held = holdings([entry]).held_bytes

@@ -97,16 +97,20 @@ class ModelCache:
         self._pending.clear()
         self._num_pending = 0
 
-    def materialize(self) -> tuple[list[int], Footprint]:
+    def materialize(self) -> list[int]:
         """Evaluates every lazy array and reads back pending token ids; returns the token ids
-        held (as `tokens`) and their footprint: what an entry records at a request's end.
+        held, as `tokens` does.
 
         MLX streams belong to the thread that made them: a lazy array built on one thread
         cannot be evaluated on another. Materializing at the end of each request lets the next
         one run on any thread.
         """
         mx.eval(self.arrays() + [p for p in self._pending if isinstance(p, mx.array)])
-        return self.tokens, self.footprint()
+        return self.tokens
+
+    def settle(self) -> tuple[list[int], Footprint]:
+        """`materialize`, and the footprint then: what an entry records at a request's end."""
+        return self.materialize(), self.footprint()
 
     def forward(self, model: nn.Module, token_ids: Sequence[int] | mx.array) -> mx.array:
         """Runs `model` on `token_ids` after the held tokens and records them as held.
@@ -142,11 +146,8 @@ class ModelCache:
             for layer, mark in zip(self.layers, marks, strict=True):
                 restore_layer(layer, mark)
             raise
-        if is_array:
-            self._pending.append(ids.reshape(-1))
-            self._num_pending += ids.size
-        elif self._pending:  # behind ids not yet read back: keep the order
-            self._pending.append([int(t) for t in token_ids])
+        if is_array or self._pending:  # a list behind ids not yet read back waits its turn
+            self._pending.append(ids.reshape(-1) if is_array else [int(t) for t in token_ids])
             self._num_pending += ids.size
         else:
             self._tokens.extend(int(t) for t in token_ids)
@@ -269,9 +270,10 @@ class ModelCache:
             return num_tokens
         return max((n for n in self._checkpoints if n <= num_tokens), default=0)
 
-    def rewind_to(self, num_tokens: int) -> int:
+    def rewind_to(self, num_tokens: int, *, shrink: bool = False) -> int:
         """Goes back to `num_tokens` by trimming, or by restoring the checkpoint taken there
-        (to 0 by starting over when the layers cannot trim).
+        (to 0 by starting over when the layers cannot trim); with `shrink`, then gives back
+        the buffer slots a large trim leaves (`shrink()`).
 
         Returns:
             The number of tokens dropped.
@@ -279,6 +281,12 @@ class ModelCache:
         Raises:
             NotSupportedError: neither is possible (see `nearest_restorable`).
         """
+        dropped = self._rewind(num_tokens)
+        if shrink and dropped:
+            self.shrink()
+        return dropped
+
+    def _rewind(self, num_tokens: int) -> int:
         if num_tokens == 0 and not self.can_trim_to(0):  # starting over is always possible
             dropped = self.num_tokens
             self.free()
@@ -351,27 +359,19 @@ class ModelCache:
         self._settle()
         drop = self.num_tokens - num_tokens
         snapshot = None if self.can_trim_to(num_tokens) else self._checkpoints[num_tokens]
-        layers = []
-        for i, layer in enumerate(self.layers):
-            if snapshot is not None and snapshot[i] is not None:
-                layers.append(copy_layer(snapshot[i]))
-            else:
-                layers.append(copy_layer(layer, drop))
+        saved = snapshot or [None] * len(self.layers)
+        layers = [
+            copy_layer(layer, drop) if at is None else copy_layer(at)
+            for layer, at in zip(self.layers, saved, strict=True)
+        ]
+        kept = {n: snap for n, snap in self._checkpoints.items() if n <= num_tokens}
         clone = ModelCache([], self._make_layers, self.capacity_tokens)
-        clone.adopt(
-            layers,
-            self._tokens[:num_tokens],
-            {n: s for n, s in self._checkpoints.items() if n <= num_tokens},
-        )
+        clone.adopt(layers, self._tokens[:num_tokens], kept)
         return clone
 
     def free(self) -> None:
         """Drops every token and the memory that held them."""
-        self.layers = self._make_layers()
-        self._tokens.clear()
-        self._pending.clear()
-        self._num_pending = 0
-        self._checkpoints.clear()
+        self.adopt(self._make_layers(), [], {})
 
     def shrink(self) -> int:
         """Gives back buffer slots beyond the next growth step above the held tokens.

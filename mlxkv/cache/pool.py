@@ -54,7 +54,7 @@ import numpy as np
 from mlxkv.cache.entry import CacheEntry
 from mlxkv.cache.fit import fit_to_budget
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.prefix import common_prefix_length
+from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths
 from mlxkv.cache.store import DiskStore
 from mlxkv.cache.usage import Holdings, Sized, holdings
 
@@ -212,15 +212,13 @@ class CachePool:
         if entry in self._in_use:  # another request is generating into it
             how = "copied prefix of an entry in use"
             return self._add(entry.cache.copy_prefix(reuse), keep=entry), how
-        if reuse >= entry.cache.num_tokens:
+        if reuse >= entry.num_tokens:  # not in use: its tokens are its cache's
             return entry, "extended in place"
         # one entry and nowhere to keep the other conversation: trim (today's behaviour)
         alone = self.max_entries == 1 and self.store is None
         if alone or reuse >= entry.reply_start:
-            trimmed = entry.cache.rewind_to(reuse)
-            # Keep allocation within one growth step of what is held after a large trim.
-            freed = entry.cache.shrink() if trimmed else 0
-            logger.debug("prefix cache trim tokens=%d freed_bytes=%d", trimmed, freed)
+            trimmed = entry.cache.rewind_to(reuse, shrink=True)
+            logger.debug("prefix cache trim tokens=%d", trimmed)
             return entry, "trimmed in place"
         return self._add(entry.cache.copy_prefix(reuse), keep=entry), "copied prefix"
 
@@ -229,17 +227,16 @@ class CachePool:
     ) -> tuple[CacheEntry | None, int, int]:
         """The entry to reuse, how many tokens it gives back, and how many it shares."""
         best, best_key, best_common = None, (0, False, 0.0), 0
-        for entry in self._entries:
-            if entry.salt != salt:
-                continue
-            # An entry in use: what its cache holds now (fed since, or moved by a shift).
-            held = entry.cache.tokens if entry in self._in_use else entry.tokens
-            common = min(common_prefix_length(held, query), limit)
-            reuse = common
-            if 0 < reuse < entry.cache.num_tokens:
+        entries = [entry for entry in self._entries if entry.salt == salt]
+        # An entry in use: what its cache holds now (fed since, or moved by a shift).
+        helds = [e.cache.tokens if e in self._in_use else e.tokens for e in entries]
+        shared = common_prefix_lengths(query, helds)
+        for entry, held, common in zip(entries, helds, shared, strict=True):
+            reuse = common = min(common, limit)
+            if self._checkpointed and 0 < reuse < len(held):  # else it trims back to any
                 reuse = entry.cache.nearest_restorable(reuse)
             # the longest reuse; then one that needs no trim or copy; then the most recent
-            key = (reuse, reuse == entry.num_tokens and entry not in self._in_use, entry.last_used)
+            key = (reuse, reuse == len(held) and entry not in self._in_use, entry.last_used)
             if reuse and key > best_key:
                 best, best_key, best_common = entry, key, common
         return best, best_key[0], best_common
@@ -260,7 +257,7 @@ class CachePool:
             return entry, reuse
         logger.info("disk cache: loaded an entry of %d tokens", cache.num_tokens)
         loaded = self._add(cache)
-        loaded.tokens = record.tokens.copy()
+        loaded.record()  # idle until a request takes it (it may only be copied from)
         loaded.reply_start = cache.num_tokens  # a reply rendered back is the same conversation
         return loaded, cache.nearest_restorable(disk_reuse)
 
@@ -314,7 +311,7 @@ class CachePool:
             if victim is self.current and len(candidates) == 1 and not over_count:
                 room = max(0, max_bytes - self._in_use_bytes())
                 if not fit_to_budget(victim, room, self.store):
-                    self._drop(victim, write=False)  # written to the disk tier whole already
+                    self._drop(victim, write=False)  # written to the disk tier, or broken
                     evicted += 1
                 return evicted
             self._drop(victim)
@@ -353,8 +350,8 @@ class CachePool:
         """The most tokens of `tokens` some entry of `salt` held at the end of its last
         request (safe from any thread; used to choose among ways to cut a long prompt)."""
         query = np.asarray(tokens, dtype=np.uint32)
-        entries = [e for e in list(self._entries) if e.salt == salt]
-        return max((common_prefix_length(e.tokens, query) for e in entries), default=0)
+        entries = [e.tokens for e in list(self._entries) if e.salt == salt]
+        return max(common_prefix_lengths(query, entries), default=0)
 
     @property
     def nbytes(self) -> int:

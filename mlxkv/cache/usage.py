@@ -71,8 +71,9 @@ def holdings(
 
 def _measure(entry: CacheEntry) -> Holding:
     """As `entry.record` measured it at its request's end, else (in use) now."""
-    if entry.recorded is not None:
-        footprint, draft = entry.recorded
+    recorded = entry.recorded  # read once: the engine thread may reset it meanwhile
+    if recorded is not None:
+        footprint, draft = recorded
     else:
         footprint = entry.cache.footprint()
         draft = None if entry.draft_cache is None else entry.draft_cache.footprint()

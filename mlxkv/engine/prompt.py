@@ -26,7 +26,7 @@ from typing import Any
 import jinja2
 from jinja2 import TemplateError, meta
 
-from mlxkv.cache.prefix import common_prefix_length
+from mlxkv.cache.prefix import common_prefix_lengths
 
 Message = dict[str, Any]
 Prompt = str | Sequence[int] | Sequence[Message]
@@ -174,12 +174,11 @@ class PromptEncoder:
         if not is_messages(prompt):
             return Landmarks(False, [], 0, 1)
         system = leading_system_messages(prompt)
-        system_end = 0
-        if system and system_tokens:
-            system_end = common_prefix_length(render(system, add_generation_prompt=False), tokens)
-        without = render(prompt, add_generation_prompt=False)
-        header = max(1, len(tokens) - common_prefix_length(without, tokens))
-        return Landmarks(True, system, system_end, header)
+        parts = [prompt, system] if system and system_tokens else [prompt]
+        rendered = [render(part, add_generation_prompt=False) for part in parts]
+        ends = common_prefix_lengths(tokens, rendered)
+        system_end = ends[1] if len(ends) > 1 else 0
+        return Landmarks(True, system, system_end, max(1, len(tokens) - ends[0]))
 
     def render(
         self,

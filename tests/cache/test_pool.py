@@ -11,6 +11,7 @@ from hypothesis import given, settings
 
 from mlxkv.cache import KVCache, ModelCache, SlidingWindowCache
 from mlxkv.cache.pool import CachePool
+from mlxkv.cache.store import DiskStore
 from tests.factories import make_kv, positions_of
 from tests.invariants import assert_recorded_bytes_current
 
@@ -187,6 +188,19 @@ def test_an_entry_in_use_is_measured_as_it_is_fed_an_idle_one_as_recorded():
     assert measured.footprint.allocated_bytes == entry.cache.footprint().allocated_bytes
     pool.release()
     assert pool.usage().entries[0].footprint == entry.recorded[0]
+    _check_entries(pool)
+
+
+def test_an_entry_loaded_from_disk_and_only_copied_from_is_recorded(tmp_path):
+    """A request sharing part of a file loads it whole and copies that part: the loaded
+    entry stays idle, its bytes recorded like any other's."""
+    store = DiskStore(tmp_path, fingerprint="f", signature="s", max_bytes=2**30, trimmable=True)
+    pool = CachePool(_make_entry, max_entries=3, store=store)
+    _request(pool, list(range(1, 11)), [11, 12])
+    pool.persist()
+    pool.clear()
+    _request(pool, [1, 2, 3, 4, 5, 6, 99, 98])
+    assert len(pool.entries) == 2
     _check_entries(pool)
 
 
