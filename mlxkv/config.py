@@ -5,6 +5,7 @@ Owns:
   - `ServerConfig`: what `mlxkv serve` adds around it;
   - `ENVIRONMENT`: each `MLXKV_*` variable and what it sets, read through `env` and nowhere
     else;
+  - `check_speculative`: the speculative decoding modes, for a config and for a request;
   - `parse_bytes` ("4GiB" -> bytes) and `format_bytes` (bytes -> "4.0 GiB").
 
 Defaults that depend on the machine (memory, device) are resolved from `platform.machine`
@@ -54,6 +55,23 @@ SPECULATIVE_MODES = ("auto", "ngram", "draft", None)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def check_speculative(mode: object, *, has_draft_model: bool = True) -> str | None:
+    """The speculative decoding mode `mode` names ("off": None), or ValueError saying what is
+    accepted; "draft" also needs a draft model (`has_draft_model`: known once one is loaded)."""
+    if mode == "off":
+        return None
+    if mode not in SPECULATIVE_MODES:
+        raise ValueError(
+            f"speculative must be one of 'auto', 'ngram', 'draft', 'off' or None; got {mode!r}"
+        )
+    if mode == "draft" and not has_draft_model:
+        raise ValueError(
+            "speculative='draft' needs a draft model: Runner.load(..., draft_model=PATH) or "
+            "--draft-model PATH"
+        )
+    return mode
 
 
 def env(name: str) -> str | None:
@@ -207,13 +225,7 @@ class RunnerConfig(_Options):
             if path.exists() and not path.is_dir():
                 raise ValueError(f"cache_dir {str(path)!r} exists and is not a directory")
             self._set("cache_dir", path)
-        speculative = None if self.speculative == "off" else self.speculative
-        if speculative not in SPECULATIVE_MODES:
-            raise ValueError(
-                "speculative must be one of 'auto', 'ngram', 'draft', 'off' or None; got "
-                f"{self.speculative!r}"
-            )
-        self._set("speculative", speculative)
+        self._set("speculative", check_speculative(self.speculative))
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # normalizing a frozen dataclass's own field

@@ -12,11 +12,15 @@ module, on the caller's thread or the engine thread. Not counted:
   - calls into `config` and `errors`, the helpers every layer may import
     (`tests/test_layering.py`): range checks and units, not a stage of the walk.
 
-What is the walk. A chat prompt with a system message (the server's form), the first request
-of a warmed-up Runner (a miss: no entry to reuse), greedy, decoded plainly (`speculative=None`).
-Speculative drafting, the default, is not part of it: what it does per token depends on how many
-drafts the model accepts, a property of the weights and the text rather than of the code, so its
-entries per token are not a number the code's structure sets (`tests/decoding` covers it).
+What is the walk. A chat prompt with a system message (the server's form), greedy, decoded
+plainly (`speculative=None`), on a new Runner's cache in three states: empty (a miss: no entry
+to reuse), holding the same conversation (a regenerated reply: the entry trimmed back in place)
+and holding its previous turn (the next turn: the entry trimmed back to where its reply began,
+then fed the reply as the client renders it and the new message); and the miss decoded with
+speculative drafting, the default. How often drafts are verified depends on what the model
+accepts, a property of the weights and the text rather than of the code: with these tiny
+random models the n-gram drafter finds nothing, so the speculative walk counts the drafter's
+bookkeeping around the plain stretches between drafts.
 
 How the counts are separated. Each module's entries are `request + per_token * T + per_layer *
 L + per_layer_token * L * T` for T generated tokens on an L-layer model: four walks (L = 1, 2;
@@ -108,7 +112,34 @@ def layered(tmp_path_factory):
     }
 
 
-def _walk_entries(loaded, max_tokens: int) -> Counter[str]:
+def _regenerated(runner) -> list[dict]:
+    list(runner.stream(_PROMPT, max_tokens=3, temperature=0, speculative=None))
+    return _PROMPT
+
+
+def _next_turn(runner) -> list[dict]:
+    """The reply is given, not the one generated: a tiny random model's text need not
+    encode back to its tokens, and each model would trim back by a different length."""
+    list(runner.stream(_PROMPT, max_tokens=3, temperature=0, speculative=None))
+    reply = {"role": "assistant", "content": "Paris."}
+    return [*_PROMPT, reply, {"role": "user", "content": "And of Spain?"}]
+
+
+def _miss(runner) -> list[dict]:
+    return _PROMPT
+
+
+# Each walk: what the Runner serves before the counted request (it returns that request's
+# prompt), and the counted request's speculative mode.
+_WALKS = {
+    "miss": (_miss, None),
+    "regenerated": (_regenerated, None),
+    "next turn": (_next_turn, None),
+    "miss, speculative": (_miss, "auto"),
+}
+
+
+def _walk_entries(loaded, max_tokens: int, walk: str = "miss") -> Counter[str]:
     counter = _EntryCounter()
     threading.setprofile(counter)  # before the Runner: its engine thread starts with it
     # No collection during the walk: an earlier Runner's finalizer (stopping its engine
@@ -118,10 +149,12 @@ def _walk_entries(loaded, max_tokens: int) -> Counter[str]:
     try:
         runner = Runner(loaded)
         try:
+            before, speculative = _WALKS[walk]
+            prompt = before(runner)
             sys.setprofile(counter)
             counter.active = True
             chunks = list(
-                runner.stream(_PROMPT, max_tokens=max_tokens, temperature=0, speculative=None)
+                runner.stream(prompt, max_tokens=max_tokens, temperature=0, speculative=speculative)
             )
             counter.active = False
         finally:
@@ -135,11 +168,11 @@ def _walk_entries(loaded, max_tokens: int) -> Counter[str]:
     return counter.entries
 
 
-def _separated(layered) -> dict[str, tuple[int, int, int, int]]:
+def _separated(layered, walk: str) -> dict[str, tuple[int, int, int, int]]:
     """Per module: (request, per_token, per_layer, per_layer_token) entries."""
-    walks = {(layers, tokens): _walk_entries(layered[layers], tokens)
+    walks = {(layers, tokens): _walk_entries(layered[layers], tokens, walk)
              for layers in (1, 2) for tokens in (2, 4)}  # fmt: skip
-    check = _walk_entries(layered[2], 6)
+    check = _walk_entries(layered[2], 6, walk)
     counts = {}
     for module in set().union(*walks.values(), check):
         e = {key: walk[module] for key, walk in walks.items()}
@@ -157,8 +190,9 @@ def _separated(layered) -> dict[str, tuple[int, int, int, int]]:
 
 
 @pytest.mark.unchecked_entries  # the entry check after each request would be counted too
-def test_one_prompt_enters_each_module_at_most_twice(layered):
-    counts = _separated(layered)
+@pytest.mark.parametrize("walk", list(_WALKS))
+def test_one_prompt_enters_each_module_at_most_twice(layered, walk):
+    counts = _separated(layered, walk)
     over = {
         module: (request, per_token)
         for module, (request, per_token, _, _) in counts.items()

@@ -1,12 +1,10 @@
-"""Where speculative decoding's drafts come from, and how many to ask for.
+"""Where speculative decoding's drafts come from.
 
 Owns: `DraftModel` (a draft model checked against the target; each conversation's cache
 for it is kept on its prompt-cache entry), `NgramDrafter` (prompt lookup: the tokens that
 followed an earlier occurrence of the text's last few tokens), `ModelDrafter` (drafts from
-the draft model),
-`Draft`, and `DraftLength` (the adaptive draft length, and for "auto" the gate that stops
-drafting while drafts do not pay). Does not own verification or the acceptance rule
-(`speculative`).
+the draft model), `Draft`, and `DraftCounts` (a request's drafted and accepted tokens).
+Does not own verification, the acceptance rule or how many tokens to draft (`speculative`).
 
 Terms:
   text    the prompt and every token generated so far, the last one not yet fed to the model.
@@ -46,6 +44,14 @@ class Draft:
 
     tokens: list[int]
     probabilities: list[mx.array] | None = None
+
+
+@dataclass
+class DraftCounts:
+    """Tokens drafted and verified in one request, and how many of them the model accepted."""
+
+    drafted: int = 0
+    accepted: int = 0
 
 
 class NgramDrafter:
@@ -149,47 +155,6 @@ class ModelDrafter:
             self._cache.rewind_to(common)
         if common < len(target):
             fill(self._model, self._cache, target[common:], self._plan)
-
-
-class DraftLength:
-    """How many tokens to draft next, and how long to decode plainly in between.
-
-    The length doubles (up to `MAX_TOKENS`) while whole drafts are accepted and falls to one
-    more than the accepted count after a rejection. Gated (the "auto" mode), it
-    also stops drafting for `PAUSE_TOKENS` generated tokens after `MISSES_TO_PAUSE`
-    verifications in a row that accepted nothing: a pass of k drafts costs about 1 + 0.11 k
-    decode steps on this CPU (7 tokens: 1.65x one), so isolated misses (an edit inside copied
-    text) cost little, while a run of them (free text) is a drafter that does not pay.
-    """
-
-    START_TOKENS = 4
-    MAX_TOKENS = 16
-    MISSES_TO_PAUSE = 3
-    PAUSE_TOKENS = 16
-
-    def __init__(self, *, gated: bool):
-        self._gated = gated
-        self._length = self.START_TOKENS
-        self._misses = 0
-        self.paused_tokens = 0  # generated tokens left before drafting again
-
-    def next(self) -> int:
-        """Tokens to draft now (0 while paused)."""
-        return 0 if self.paused_tokens else self._length
-
-    def generated(self, num_tokens: int) -> None:
-        """Counts tokens generated without drafts against the pause."""
-        self.paused_tokens = max(0, self.paused_tokens - num_tokens)
-
-    def verified(self, drafted: int, accepted: int) -> None:
-        """Takes the outcome of one verification."""
-        if accepted == drafted:
-            self._length = min(self.MAX_TOKENS, 2 * self._length)
-        else:
-            self._length = max(1, accepted + 1)
-        self._misses = self._misses + 1 if accepted == 0 else 0
-        if self._gated and self._misses >= self.MISSES_TO_PAUSE:
-            self.paused_tokens, self._misses = self.PAUSE_TOKENS, 0
 
 
 class DraftModel:

@@ -20,12 +20,12 @@ from mlxkv.cache.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.pool import CacheEntry, CachePool, PrefixHit
 from mlxkv.decoding.batch import DecodeBatch, batched_tokens, joined_tokens
-from mlxkv.decoding.drafts import DraftLength, DraftModel, NgramDrafter
+from mlxkv.decoding.drafts import DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
 from mlxkv.decoding.prefill import PrefillPlan, fill
-from mlxkv.decoding.speculative import AcceptanceRule, Drafter, speculative_tokens
+from mlxkv.decoding.speculative import Drafter, DraftLength, speculative_tokens
 from mlxkv.engine.context import ContextWindow
 from mlxkv.engine.prefill_group import PrefillGroup
 from mlxkv.engine.prompt_fill import PrefillCancelled, fill_prompt
@@ -238,7 +238,7 @@ def _decode(
             max_tokens,
             drafter=drafter,
             length=length,
-            rule=AcceptanceRule(sampling.distribution),
+            distribution=sampling.distribution,
             counts=stats.drafts,
             make_room=make_room,
             hand_over=batching.crowded if batching is not None else None,

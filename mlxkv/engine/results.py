@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxkv.decoding.drafts import DraftCounts
 from mlxkv.decoding.picker import TokenLogprob
-from mlxkv.decoding.speculative import DraftCounts
 
 
 @dataclass(frozen=True)

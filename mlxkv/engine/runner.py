@@ -24,10 +24,9 @@ import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.report import MemoryReport
-from mlxkv.config import RunnerConfig
+from mlxkv.config import RunnerConfig, check_speculative
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.prefill import PrefillPlan, ProgressCallback
-from mlxkv.decoding.speculative import check_mode
 from mlxkv.engine.context import rope_rotations
 from mlxkv.engine.dispatch import Dispatcher
 from mlxkv.engine.engine_thread import EngineThread
@@ -83,7 +82,7 @@ class Runner:
         if draft is None and config.draft_model is not None:
             draft = load_model(config.draft_model)
         self._lockstep = None if group is None else Lockstep(group)
-        self.speculative = check_mode(config.speculative, has_draft_model=draft is not None)
+        self.speculative = check_speculative(config.speculative, has_draft_model=draft is not None)
         self.loaded = loaded
         self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
         per_token_bytes = kv_bytes_per_token(loaded.model, make_layers(loaded.model, config))
@@ -279,10 +278,10 @@ class Runner:
             self._lockstep.check_can_lead()
         if speculative == "default":
             speculative = self.speculative
+        mode = check_speculative(speculative, has_draft_model=self._draft is not None)
         options = RequestOptions(
-            progress, parse_control_tokens, tools, cancel, logprobs, truncate, cache_key,
-            check_mode(speculative, has_draft_model=self._draft is not None), overflow, grammar,
-            cache_salt, switches,
+            progress, parse_control_tokens, tools, cancel, logprobs, truncate, cache_key, mode,
+            overflow, grammar, cache_salt, switches,
         )  # fmt: skip
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.

@@ -14,6 +14,7 @@ from scipy.stats import chi2_contingency, chisquare
 from mlxkv import Runner
 from mlxkv.cache.building import make_cache
 from mlxkv.cache.prefix import common_prefix_length
+from mlxkv.decoding import speculative
 from mlxkv.decoding.drafts import Draft
 from mlxkv.decoding.prefill import PrefillPlan, fill
 from mlxkv.decoding.speculative import AcceptanceRule
@@ -284,7 +285,7 @@ def test_sampling_with_a_draft_model_keeps_the_distribution(loaded_tiny, other_l
         return chi2_contingency(table).pvalue
 
     assert p_value("draft") > SIGNIFICANCE
-    monkeypatch.setattr(request_run, "AcceptanceRule", _AlwaysAccept)
+    monkeypatch.setattr(speculative, "AcceptanceRule", _AlwaysAccept)
     assert p_value("draft") < SIGNIFICANCE  # the same test rejects a broken rule
 
 
