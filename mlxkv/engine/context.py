@@ -49,21 +49,13 @@ def _rope_of(layer: Any) -> Any:
 
 
 def _rotation(rope: Any) -> Rotation | None:
-    if type(rope) is nn.RoPE:
-        kwargs = {"base": rope.base, "scale": rope.scale}
-    elif type(rope) is Llama3RoPE:
-        # its frequencies have no public accessor (mlx-lm is pinned to a tested range)
-        kwargs = {"base": None, "scale": 1.0, "freqs": rope._freqs}
-    else:
+    # Only RoPEs that rotate and nothing else: YaRN's, for one, also scales what it turns.
+    if type(rope) not in (nn.RoPE, Llama3RoPE):
         return None
 
     def rotate(keys: mx.array, delta: int) -> mx.array:
         # One position per token: the sequence axis becomes a batch axis of length-1 sequences.
-        per_token = keys[..., None, :]  # (B, H, L, 1, D)
-        turned = mx.fast.rope(
-            per_token, rope.dims, traditional=rope.traditional, offset=delta, **kwargs
-        )
-        return turned.squeeze(-2)
+        return rope(keys[..., None, :], offset=delta).squeeze(-2)  # (B, H, L, 1, D) turned
 
     return rotate
 

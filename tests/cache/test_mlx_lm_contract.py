@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import inspect
 
+import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm.models.cache as mlx_cache
 import pytest
 from mlx_lm.models.rope_utils import Llama3RoPE
@@ -38,8 +40,22 @@ def test_an_unknown_cache_class_is_refused_by_name():
         make_cache(Model())
 
 
-def test_llama3_rope_keeps_its_frequencies():
-    rope = Llama3RoPE(8, max_position_embeddings=128, base=10000.0, scaling_config={
-        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64})  # fmt: skip
-    assert rope._freqs.shape == (4,)
+_LLAMA3_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+_ROPES = {
+    "rope": nn.RoPE(8, base=10000.0),
+    "llama3": Llama3RoPE(8, max_position_embeddings=128, scaling_config=_LLAMA3_SCALING),
+}
+
+
+@pytest.mark.parametrize("rope", list(_ROPES.values()), ids=list(_ROPES))
+def test_a_rope_turns_rotated_keys_further_by_its_own_call(rope):
+    """A context shift re-rotates cached keys with the RoPE's public call, one position per
+    token (`engine.context`): keys rotated at positions 3.. and then by 4 are those at 7.."""
+    keys = mx.random.normal((1, 2, 5, 8), key=mx.random.key(0))
+    turned = rope(rope(keys, offset=3)[..., None, :], offset=4).squeeze(-2)
+    assert mx.allclose(turned, rope(keys, offset=7), atol=1e-5)
