@@ -5,6 +5,7 @@ included: a cycle hidden inside a function is still a cycle)."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Collection
 from pathlib import Path
 
 import mlxkv
@@ -22,9 +23,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, package: str) -> set[str]:
-    """Every mlxkv module the file at `path` (in `package`) imports, wherever the import
-    statement is."""
+def _imports(path: Path, package: str, modules: Collection[str]) -> set[str]:
+    """Every mlxkv module (of `modules`) the file at `path` (in `package`) imports, wherever
+    the import statement is. `from P import m` of a module m imports m, not what P's
+    `__init__` holds."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -34,9 +36,9 @@ def _imports(path: Path, package: str) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
-    return {name for name in found if name.startswith("mlxkv.")}
+            named = {f"{base}.{alias.name}" for alias in node.names}
+            found.update(named if named <= set(modules) else {base, *named})
+    return {name for name in found if name in modules}
 
 
 def _layer(module: str) -> str:
@@ -49,7 +51,7 @@ def _graph() -> dict[str, set[str]]:
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        graph[name] = {m for m in _imports(path, package) if m in modules}
+        graph[name] = _imports(path, package, modules)
     return graph
 
 
@@ -83,11 +85,7 @@ def test_imports_flow_down_the_layers():
 
 def test_no_import_cycles():
     graph = _graph()
-    # A package's __init__ importing its own modules is how re-exports work, not a cycle.
-    edges = {
-        module: {t for t in targets if not module.startswith(t + ".") and t != module}
-        for module, targets in graph.items()
-    }
+    edges = {module: targets - {module} for module, targets in graph.items()}
     cycles = _cycles(edges)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
@@ -114,7 +112,10 @@ def _cycles(edges: dict[str, set[str]]) -> list[str]:
 def test_the_checks_see_wrong_imports_and_cycles(tmp_path):
     module = tmp_path / "mod.py"
     module.write_text("def f():\n    from ..engine.runner import Runner\n")
-    assert _imports(module, "mlxkv.cache") == {"mlxkv.engine.runner", "mlxkv.engine.runner.Runner"}
+    modules = {"mlxkv", "mlxkv.config", "mlxkv.engine.runner"}
+    assert _imports(module, "mlxkv.cache", modules) == {"mlxkv.engine.runner"}
+    module.write_text("from mlxkv import config\nfrom mlxkv import Runner, config\n")
+    assert _imports(module, "mlxkv.cache", modules) == {"mlxkv", "mlxkv.config"}
     assert _violations({"mlxkv.cache.mod": {"mlxkv.engine.runner"}}) == [
         "mlxkv.cache.mod imports mlxkv.engine.runner"
     ]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import sys
 
-import mlxkv  # noqa: F401  (picks the BLAS before mlx is imported)
 from mlxkv.cli.common import setup_logging
 from mlxkv.cli.parser import build_parser
 from mlxkv.errors import MlxkvError

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from mlxkv.config import env
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def select_blas() -> str:
     global blas_in_use, _openblas
     if not sys.platform.startswith("linux"):
         return blas_in_use
-    setting = os.environ.get("MLXKV_OPENBLAS", "1")
+    setting = env("MLXKV_OPENBLAS") or "1"
     if setting.lower() in ("0", "false", "no", "off"):
         blas_in_use = "reference (MLXKV_OPENBLAS=0)"
     elif "mlx.core" in sys.modules:
