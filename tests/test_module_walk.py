@@ -20,7 +20,10 @@ then fed the reply as the client renders it and the new message); and the miss d
 speculative drafting, the default. How often drafts are verified depends on what the model
 accepts, a property of the weights and the text rather than of the code: with these tiny
 random models the n-gram drafter finds nothing, so the speculative walk counts the drafter's
-bookkeeping around the plain stretches between drafts.
+bookkeeping around the plain stretches between drafts. Not counted: a stream that joins the
+engine's decode batch (`batched=True`, the server's way), whose steps are the batch's, shared
+by every row; it enters the batch's modules when it joins and leaves, and `ModelCache` when
+its prefill and its row are handed over (`tests/engine/test_batching.py` checks its tokens).
 
 How the counts are separated. Each module's entries are `request + per_token * T + per_layer *
 L + per_layer_token * L * T` for T generated tokens on an L-layer model: four walks (L = 1, 2;
