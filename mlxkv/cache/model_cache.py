@@ -356,6 +356,8 @@ class ModelCache:
                 f"cannot copy the first {num_tokens} of {self.num_tokens} tokens: some layers "
                 "cannot go back there and no checkpoint was taken there"
             )
+        if num_tokens == 0:  # starting over (layers that cannot trim have no checkpoint at 0)
+            return ModelCache(self._make_layers(), self._make_layers, self.capacity_tokens)
         self._settle()
         drop = self.num_tokens - num_tokens
         snapshot = None if self.can_trim_to(num_tokens) else self._checkpoints[num_tokens]
@@ -374,11 +376,8 @@ class ModelCache:
         self.adopt(self._make_layers(), [], {})
 
     def shrink(self) -> int:
-        """Gives back buffer slots beyond the next growth step above the held tokens.
-
-        Returns:
-            Bytes freed.
-        """
+        """Gives back buffer slots beyond the next growth step above the held tokens; returns
+        the bytes freed."""
         return sum(layer.shrink() for layer in leaves(self.layers) if hasattr(layer, "shrink"))
 
     def arrays(self) -> list[mx.array]:

@@ -126,14 +126,16 @@ def test_ids_fed_as_a_list_after_lazy_ones_keep_their_order(load_tiny):
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "mamba"])
-def test_rewind_to_zero_starts_over_where_layers_cannot_trim(load_tiny, arch):
+def test_going_back_to_zero_starts_over_where_layers_cannot_trim(load_tiny, arch):
     model, _ = load_tiny(arch)
     cache = make_cache(model)
     cache.forward(model, [5, 6, 7])
     assert not cache.can_trim_to(0) and cache.nearest_restorable(1) == 0
+    copy = cache.copy_prefix(0)
     assert cache.rewind_to(0) == 3
-    assert cache.num_tokens == 0 and cache.tokens == []
-    assert_logits_close(cache.forward(model, [8])[0], model(mx.array([[8]]))[0])
+    for empty in (cache, copy):
+        assert empty.num_tokens == 0 and empty.tokens == []
+        assert_logits_close(empty.forward(model, [8])[0], model(mx.array([[8]]))[0])
 
 
 def test_empty_forward_is_refused(load_tiny):
