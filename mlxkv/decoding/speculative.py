@@ -4,9 +4,8 @@ rolled back with an O(1) trim.
 Owns: the modes (`MODES`, checked by `config.check_speculative`), the decode loop that
 drafts, verifies and yields (`speculative_tokens`), how many tokens to draft (`DraftLength`:
 the adaptive length, and for "auto" the gate that stops drafting while drafts do not pay), and
-the acceptance rule. Does not own where
-drafts come from (`drafts`) or the plain loop it falls back to between drafts
-(`plain.decode_tokens`).
+the acceptance rule. Does not own where drafts come from (`drafts`) or the plain loop it
+falls back to between drafts (`plain.decode_tokens`).
 
 The acceptance rule (speculative sampling: Leviathan et al. 2023, "Fast Inference from
 Transformers via Speculative Decoding"; Chen et al. 2023): at a drafted position the model's
