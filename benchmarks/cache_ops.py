@@ -10,8 +10,8 @@ import mlx.core as mx
 
 from benchmarks.common import Stat
 from mlxkv.cache import KVCache, ModelCache
-from mlxkv.cache.pool import CachePool
-from mlxkv.cache.report import MemoryReport
+from mlxkv.runner.prompt_cache.pool import CachePool
+from mlxkv.runner.prompt_cache.report import MemoryReport
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 

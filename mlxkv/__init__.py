@@ -7,11 +7,8 @@ select_blas()  # must run before mlx is first imported (see mlxkv.platform.blas)
 # ruff: noqa: E402
 
 from mlxkv.cache import KVCache, ModelCache, QuantizedKVCache, SlidingWindowCache, make_cache
-from mlxkv.cache.report import MemoryReport
 from mlxkv.config import format_bytes
 from mlxkv.decoding.grammar import json_schema_grammar
-from mlxkv.engine.results import Completion, GenerationChunk
-from mlxkv.engine.runner import Runner
 from mlxkv.errors import (
     CacheFullError,
     CacheStateError,
@@ -22,6 +19,9 @@ from mlxkv.errors import (
     RunnerBusyError,
     UnsupportedFormatError,
 )
+from mlxkv.runner.prompt_cache.report import MemoryReport
+from mlxkv.runner.results import Completion, GenerationChunk
+from mlxkv.runner.runner import Runner
 
 __all__ = [
     "CacheFullError",

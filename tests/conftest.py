@@ -48,7 +48,7 @@ def checked_runners(request, monkeypatch):
     if request.node.get_closest_marker("unchecked_entries"):
         return
     from mlxkv.cache.model_cache import ModelCache
-    from mlxkv.engine.dispatch import Dispatcher
+    from mlxkv.runner.dispatch import Dispatcher
     from tests.invariants import (
         Fed,
         assert_entry_holds_what_it_fed,

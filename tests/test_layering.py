@@ -14,7 +14,7 @@ PACKAGE = Path(mlxkv.__file__).parent
 
 # Each layer may import the layers below it (and itself); `config` and `errors` are importable
 # from anywhere, and import only `platform` and `errors` themselves.
-LAYERS = ("platform", "cache", "models", "decoding", "engine", "server", "cli")
+LAYERS = ("platform", "cache", "models", "decoding", "runner", "server", "cli")
 ANYWHERE = ("config", "errors")
 
 
@@ -59,7 +59,7 @@ def _violations(graph: dict[str, set[str]]) -> list[str]:
     wrong = []
     for module, imported in graph.items():
         layer = _layer(module)
-        if layer in ("", "factory"):  # the public API and the old factory location re-export
+        if layer == "":  # the public API re-exports
             continue
         for target in imported:
             below = _layer(target)
@@ -111,13 +111,13 @@ def _cycles(edges: dict[str, set[str]]) -> list[str]:
 
 def test_the_checks_see_wrong_imports_and_cycles(tmp_path):
     module = tmp_path / "mod.py"
-    module.write_text("def f():\n    from ..engine.runner import Runner\n")
-    modules = {"mlxkv", "mlxkv.config", "mlxkv.engine.runner"}
-    assert _imports(module, "mlxkv.cache", modules) == {"mlxkv.engine.runner"}
+    module.write_text("def f():\n    from ..runner.runner import Runner\n")
+    modules = {"mlxkv", "mlxkv.config", "mlxkv.runner.runner"}
+    assert _imports(module, "mlxkv.cache", modules) == {"mlxkv.runner.runner"}
     module.write_text("from mlxkv import config\nfrom mlxkv import Runner, config\n")
     assert _imports(module, "mlxkv.cache", modules) == {"mlxkv", "mlxkv.config"}
-    assert _violations({"mlxkv.cache.mod": {"mlxkv.engine.runner"}}) == [
-        "mlxkv.cache.mod imports mlxkv.engine.runner"
+    assert _violations({"mlxkv.cache.mod": {"mlxkv.runner.runner"}}) == [
+        "mlxkv.cache.mod imports mlxkv.runner.runner"
     ]
-    assert _violations({"mlxkv.engine.x": {"mlxkv.cache.pool", "mlxkv.config"}}) == []
+    assert _violations({"mlxkv.runner.x": {"mlxkv.runner.prompt_cache.pool", "mlxkv.config"}}) == []
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a -> b -> c -> a"]

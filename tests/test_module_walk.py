@@ -23,7 +23,7 @@ random models the n-gram drafter finds nothing, so the speculative walk counts t
 bookkeeping around the plain stretches between drafts. Not counted: a stream that joins the
 engine's decode batch (`batched=True`, the server's way), whose steps are the batch's, shared
 by every row; it enters the batch's modules when it joins and leaves, and `ModelCache` when
-its prefill and its row are handed over (`tests/engine/test_batching.py` checks its tokens).
+its prefill and its row are handed over (`tests/runner/test_batching.py` checks its tokens).
 
 How the counts are separated. Each module's entries are `request + per_token * T + per_layer *
 L + per_layer_token * L * T` for T generated tokens on an L-layer model: four walks (L = 1, 2;
@@ -208,5 +208,5 @@ def test_one_prompt_enters_each_module_at_most_twice(layered, walk):
 def test_the_walk_is_counted_the_same_way_twice(layered):
     """The counts are deterministic (greedy decoding, a fixed prompt)."""
     first = _walk_entries(layered[2], 4)
-    assert first["mlxkv.engine.runner"] >= 1 and first["mlxkv.cache.model_cache"] >= 1
+    assert first["mlxkv.runner.runner"] >= 1 and first["mlxkv.cache.model_cache"] >= 1
     assert _walk_entries(layered[2], 4) == first

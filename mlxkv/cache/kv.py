@@ -76,7 +76,7 @@ class KVCache(ContiguousCache):
 
         Their keys were rotated (RoPE) for their old positions; `rotate(keys, -drop)` must turn
         them into keys for the new ones. RoPE composes, so this is exact for the RoPE kinds
-        whose rotation angle is linear in the position (see `mlxkv.engine.context`).
+        whose rotation angle is linear in the position (see `mlxkv.runner.context`).
         Costs one copy of the held K/V.
 
         Raises:

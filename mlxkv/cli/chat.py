@@ -7,8 +7,8 @@ import signal
 import sys
 
 from mlxkv.cli.common import follow, load_runner, progress_bar
-from mlxkv.engine.results import Completion
-from mlxkv.engine.runner import Runner
+from mlxkv.runner.results import Completion
+from mlxkv.runner.runner import Runner
 
 CHAT_COMMANDS = {
     "/reset": "forget the conversation and the cache",

@@ -9,8 +9,8 @@ import sys
 from collections.abc import Callable
 
 from mlxkv.config import RunnerConfig
-from mlxkv.engine.runner import Runner
 from mlxkv.models.sharding import world
+from mlxkv.runner.runner import Runner
 
 
 def setup_logging(verbose: bool) -> None:
@@ -20,7 +20,7 @@ def setup_logging(verbose: bool) -> None:
     root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
     # Cutting a prompt to the window or shifting the cache changes what the model sees: say so.
-    logging.getLogger("mlxkv.engine.context").setLevel(logging.INFO)
+    logging.getLogger("mlxkv.runner.context").setLevel(logging.INFO)
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 

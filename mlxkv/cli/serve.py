@@ -11,7 +11,7 @@ import sys
 
 from mlxkv.cli.common import follow, load_runner
 from mlxkv.config import ServerConfig, env, format_bytes
-from mlxkv.engine.runner import Runner
+from mlxkv.runner.runner import Runner
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -22,7 +22,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     logging.getLogger("mlxkv.server").setLevel(logging.INFO)  # one access line per request
     if not args.verbose:  # the access line carries the memory line already
-        logging.getLogger("mlxkv.engine.runner").setLevel(logging.WARNING)
+        logging.getLogger("mlxkv.runner.runner").setLevel(logging.WARNING)
     config = ServerConfig(
         host=args.host,
         port=args.port,

@@ -1,7 +1,7 @@
 """Plain decoding: the pipelined token loop on a ModelCache.
 
 Owns `decode_tokens`. Does not own sampling (`picker`), drafts (`speculative`) or turning
-tokens into text (`mlxkv.engine.text_chunks`).
+tokens into text (`mlxkv.runner.text.chunks`).
 
 The loop keeps the device busy the way mlx-lm's does: step n+1 is queued with
 `mx.async_eval` before token n is read back into Python, so the host never waits on the device

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from mlxkv.config import ServerConfig
-from mlxkv.engine.runner import Runner
 from mlxkv.errors import RanksOutOfStepError
+from mlxkv.runner.runner import Runner
 from mlxkv.server.anthropic_api import routes as anthropic
 from mlxkv.server.errors import ApiError, error_response
 from mlxkv.server.middleware import (

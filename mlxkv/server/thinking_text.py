@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxkv.engine.stop_strings import partial_suffix_length
+from mlxkv.runner.text.stop_strings import partial_suffix_length
 
 logger = logging.getLogger(__name__)
 

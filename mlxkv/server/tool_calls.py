@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxkv.engine.stop_strings import partial_suffix_length
+from mlxkv.runner.text.stop_strings import partial_suffix_length
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 from starlette.requests import Request
 
 from mlxkv.decoding.picker import TokenLogprob
-from mlxkv.engine.results import Completion, PromptUsage
 from mlxkv.errors import ContextLengthError
+from mlxkv.runner.results import Completion, PromptUsage
 from mlxkv.server.errors import ApiError, context_length_error
 from mlxkv.server.forced_tools import ForcedCall, forced_call_grammar
 from mlxkv.server.thinking_text import (

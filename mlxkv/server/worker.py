@@ -23,8 +23,8 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from mlxkv.engine.results import Completion, GenerationChunk
-from mlxkv.engine.runner import Runner
+from mlxkv.runner.results import Completion, GenerationChunk
+from mlxkv.runner.runner import Runner
 from mlxkv.server.errors import ApiError
 
 logger = logging.getLogger(__name__)

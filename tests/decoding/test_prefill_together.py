@@ -10,7 +10,7 @@ import pytest
 from mlxkv.cache.batched import can_batch
 from mlxkv.cache.building import make_cache
 from mlxkv.decoding.prefill import PrefillPlan, fill, prefill
-from mlxkv.decoding.prefill_together import prefill_together
+from mlxkv.decoding.prefill_batched import prefill_together
 from tests.tolerances import assert_logits_close
 
 PLAN = PrefillPlan(512)

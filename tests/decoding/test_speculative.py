@@ -18,8 +18,8 @@ from mlxkv.decoding import speculative
 from mlxkv.decoding.drafts import Draft
 from mlxkv.decoding.prefill import PrefillPlan, fill
 from mlxkv.decoding.speculative import AcceptanceRule
-from mlxkv.engine import request_run
 from mlxkv.models.loading import load_model
+from mlxkv.runner import request_run
 from mlxkv.testing.factory import build_model, build_scripted_model
 from tests.tolerances import assert_logits_close
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlxkv.engine.stop_strings import StopStrings
+from mlxkv.runner.text.stop_strings import StopStrings
 
 _TEXT = st.text(alphabet="abc", max_size=40)
 _STOPS = st.lists(st.text(alphabet="abc", min_size=1, max_size=5), max_size=5)

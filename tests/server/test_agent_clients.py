@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from mlxkv import Runner
-from mlxkv.engine.dispatch import Dispatcher
+from mlxkv.runner.dispatch import Dispatcher
 from mlxkv.server import state
 from tests.server.conftest import held_worker, serve
 

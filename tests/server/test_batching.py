@@ -65,7 +65,7 @@ def test_a_client_leaving_mid_batch_leaves_the_others_their_answers(
         alone = [_ask(client, i) for i in (1, 2)]
         runner.reset()
         rows.clear()
-        places = runner._dispatch._places
+        slots = runner._dispatch._slots
         with ThreadPoolExecutor(2) as pool:
             leaving = client.chat.completions.create(
                 model="m",
@@ -80,7 +80,7 @@ def test_a_client_leaving_mid_batch_leaves_the_others_their_answers(
             leaving.close()  # the client goes away mid-batch
             together = [f.result(120) for f in futures]
         left = access_log(r"POST /v1/chat/completions 200 .* generated=(\d+) .*finish=cancelled")
-        wait_until(lambda: places.taken == 0, what="every place given back")
+        wait_until(lambda: slots.taken == 0, what="every place given back")
     assert int(left.group(1)) < 200
     for (text, logprobs), (want_text, want_logprobs) in zip(together, alone, strict=True):
         assert text == want_text

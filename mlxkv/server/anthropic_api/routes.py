@@ -21,7 +21,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from mlxkv.engine.results import Completion
+from mlxkv.runner.results import Completion
 from mlxkv.server.anthropic_api.diagnostics import (
     PromptRecord,
     content_hash,

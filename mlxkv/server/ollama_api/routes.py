@@ -22,8 +22,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from mlx.utils import tree_flatten
 
-from mlxkv.engine.results import Completion
 from mlxkv.models.fingerprint import model_fingerprint
+from mlxkv.runner.results import Completion
 from mlxkv.server.errors import ApiError
 from mlxkv.server.ollama_api.protocol import ChatRequest, GenerateRequest, ModelRequest
 from mlxkv.server.state import Context, ServerContext, event_stream

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from mlxkv.engine.results import Completion
+from mlxkv.runner.results import Completion
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.state import Context, event_stream, sse
 from mlxkv.server.tool_calls import ToolCall

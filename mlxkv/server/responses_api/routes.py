@@ -23,7 +23,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from mlxkv.engine.results import Completion
+from mlxkv.runner.results import Completion
 from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.protocol import ResponsesRequest, chat_messages
 from mlxkv.server.state import Context, event_stream, sse

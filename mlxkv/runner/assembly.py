@@ -1,0 +1,148 @@
+"""Setting a Runner up, once: the context window and decode batch its memory holds, the
+prompt cache it uses (its entries' pool and, when asked for, the disk tier in the model's own
+subdirectory), and the warm-up.
+
+Owns `fit_window`, `choose_max_batch`, `make_layers` (and the measures behind them), `make_pool` and
+`warm_up`. Does not own the pool's policy (`mlxkv.runner.prompt_cache.pool`), the file format
+(`mlxkv.runner.disk.store`) or the settings (`mlxkv.config.RunnerConfig`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxkv.cache.batched import can_batch
+from mlxkv.cache.building import make_cache
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.cache.serialize import layout_signature
+from mlxkv.config import (
+    BATCH_MEMORY_FRACTION,
+    CONTEXT_MEMORY_FRACTION,
+    DEFAULT_MAX_BATCH,
+    RunnerConfig,
+    format_bytes,
+)
+from mlxkv.decoding.drafts import DraftModel
+from mlxkv.models.fingerprint import model_fingerprint
+from mlxkv.models.loading import LoadedModel
+from mlxkv.platform.machine import memory_bytes
+from mlxkv.runner.disk.files import DiskStoreUnavailable
+from mlxkv.runner.disk.store import DiskStore
+from mlxkv.runner.prompt_cache.pool import CachePool
+
+logger = logging.getLogger(__name__)
+
+# The warm-up's prefill chunk and draft verification widths (tokens).
+_WARMUP_CHUNK_TOKENS = 32
+_WARMUP_DRAFT_TOKENS = 4
+
+
+def make_pool(
+    loaded: LoadedModel, make_entry: Callable[[], ModelCache], config: RunnerConfig
+) -> CachePool:
+    """The pool for these settings, its disk tier indexed (a restart finds its files); a
+    cache directory that cannot be written leaves the tier off, with a warning."""
+    store = None
+    if config.cache_dir is not None:
+        empty: ModelCache = make_entry()
+        try:
+            store = DiskStore(
+                config.cache_dir,
+                fingerprint=model_fingerprint(loaded),
+                signature=layout_signature(empty),
+                max_bytes=config.cache_dir_bytes,
+                trimmable=not empty.needs_checkpoints,
+            )
+        except DiskStoreUnavailable as error:
+            logger.warning("disk tier off: %s; entries live in memory only", error)
+    return CachePool(
+        make_entry, max_entries=config.cache_entries, max_bytes=config.cache_bytes, store=store
+    )
+
+
+def fit_window(
+    config: RunnerConfig, max_position_embeddings: int | None, per_token_bytes: int
+) -> RunnerConfig:
+    """`config` with its context window: by default the model's maximum capped to what
+    the entries' budget holds (`cache_bytes`, else a share of memory), one reading for
+    both. A window the budget cannot hold is allowed, with a warning: a conversation
+    longer than the budget keeps only its first part in the cache after each request."""
+    per_token = per_token_bytes
+    budget = config.cache_bytes or int(memory_bytes() * CONTEXT_MEMORY_FRACTION)
+    window = config.max_context or default_max_context(max_position_embeddings, per_token, budget)
+    if config.cache_bytes is not None and window * per_token > config.cache_bytes:
+        logger.warning(
+            "the context window (%d tokens) needs %s of K/V but cache_bytes is %s: a "
+            "conversation keeps only its first %d tokens in the cache between requests "
+            "(raise cache_bytes or lower max_context)",
+            window,
+            format_bytes(window * per_token),
+            format_bytes(config.cache_bytes),
+            config.cache_bytes // per_token,
+        )
+    return config.replace(max_context=window)
+
+
+def kv_bytes_per_token(model: nn.Module, cache: ModelCache) -> int:
+    """Bytes one token's K/V (and state) take in this cache layout, measured by feeding one
+    token through a scratch copy."""
+    scratch = cache.copy()
+    scratch.forward(model, [0])
+    return max(scratch.used_bytes, 1)
+
+
+def default_max_context(
+    max_position_embeddings: int | None, per_token_bytes: int, budget_bytes: int
+) -> int:
+    """The model's own maximum, capped to the tokens whose K/V fit in `budget_bytes`."""
+    fits = max(2, budget_bytes // per_token_bytes)
+    return min(max_position_embeddings or fits, fits)
+
+
+def default_max_batch(window_tokens: int, per_token_bytes: int, memory_bytes: int) -> int:
+    """Rows of a decode batch whose K/V fit in `BATCH_MEMORY_FRACTION` of memory when each
+    holds a whole window (rows are padded to the longest), between 1 and `DEFAULT_MAX_BATCH`."""
+    rows = int(memory_bytes * BATCH_MEMORY_FRACTION) // max(1, window_tokens * per_token_bytes)
+    return max(1, min(DEFAULT_MAX_BATCH, rows))
+
+
+def choose_max_batch(config: RunnerConfig, per_token_bytes: int, empty: ModelCache) -> int:
+    """`config.max_batch`, else the rows whose K/V fit (`default_max_batch`); logs when the
+    model's cache layers (those of `empty`, an unused entry) do not batch."""
+    max_batch = config.max_batch or default_max_batch(
+        config.max_context, per_token_bytes, memory_bytes()
+    )
+    if max_batch > 1 and not can_batch(empty):
+        logger.info(
+            "this model's cache layers (%s) do not batch: batched streams take turns, "
+            "decoding one at a time",
+            ", ".join(sorted({type(layer).__name__ for layer in empty})),
+        )
+    return max_batch
+
+
+def make_layers(model: nn.Module, config: RunnerConfig) -> ModelCache:
+    """An empty cache for `model` with `config`'s K/V kind (bits), holding any length."""
+    return make_cache(model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+
+
+def warm_up(loaded: LoadedModel, draft: DraftModel | None, config: RunnerConfig) -> None:
+    """One forward pass per shape class a request meets (a prefill chunk, a draft's
+    verification, a decode step) on a scratch cache, for the model and the draft model: MLX
+    compiles kernels for new shapes (9.8 s for the first request on an H100), here instead of
+    in the first user's request. Touches no entry."""
+    start = time.perf_counter()
+    models = [(loaded.model, make_layers(loaded.model, config))]
+    if draft is not None:
+        models.append((draft.loaded.model, draft.make_cache()))
+    chunk = min(_WARMUP_CHUNK_TOKENS, config.max_context - _WARMUP_DRAFT_TOKENS - 1)
+    for model, cache in models:
+        for width in (chunk, _WARMUP_DRAFT_TOKENS, 1):
+            if width > 0:
+                mx.eval(mx.argmax(cache.forward(model, [0] * width)[:, -1, :], axis=-1))
+    logger.info("warm-up: %.2f s", time.perf_counter() - start)

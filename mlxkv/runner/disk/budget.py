@@ -1,0 +1,71 @@
+"""The disk tier's budget: which files count against it and which go first.
+
+Owns `tier_files` (every file under the cache root this tier wrote, any model's, proven by its
+header) and `removal_order` (superseded files first, then the least recently used). Does not
+remove anything (`store.DiskStore.enforce_budget` does, through `store_files.remove_own_file`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlxkv.cache.prefix import common_prefix_length
+from mlxkv.runner.disk.files import BadFile, StoredEntry, model_directories, own_files, read_header
+
+FileInfo = tuple[Path, int, int]  # (path, bytes, mtime in ns)
+
+
+def tier_files(
+    root: Path, directory: Path, indexed: set[str], proven: dict[tuple[str, int, int], bool]
+) -> list[FileInfo]:
+    """(path, bytes, mtime) of every file under `root` this tier wrote: the files of
+    `directory` (this model's) named in `indexed`, and other models' files whose header says
+    so. `proven` holds that answer by (path, size, mtime), so each header is read once; it is
+    updated in place."""
+    found = []
+    for model_directory in model_directories(root):
+        ours = model_directory == directory
+        for entry in own_files(model_directory):
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            key = (entry.path, info.st_size, info.st_mtime_ns)
+            if ours and entry.name in indexed or not ours and _is_tier_file(key, proven):
+                found.append((Path(entry.path), info.st_size, info.st_mtime_ns))
+    return found
+
+
+def _is_tier_file(key: tuple[str, int, int], proven: dict[tuple[str, int, int], bool]) -> bool:
+    if key not in proven:
+        if len(proven) > 100_000:
+            proven.clear()
+        try:
+            read_header(Path(key[0]))
+            proven[key] = True
+        except BadFile as why:
+            proven[key] = why.ours
+        except OSError:
+            return False  # not proven ours; asked again next time
+    return proven[key]
+
+
+def removal_order(
+    files: list[FileInfo], records: dict[str, StoredEntry], *, trimmable: bool, keep: Path | None
+) -> list[FileInfo]:
+    """`files` in the order the budget removes them: files another file supersedes first
+    (only when every layer can trim, so the longer file serves the shorter's tokens), then the
+    least recently used; `keep` (the file just written) last, so it goes only when it alone is
+    over the budget."""
+    superseded = {
+        name
+        for name, record in records.items()
+        if trimmable and any(_extends(other, record) for other in records.values())
+    }
+    return sorted(files, key=lambda f: (f[0] == keep, f[0].name not in superseded, f[2]))
+
+
+def _extends(longer: StoredEntry, shorter: StoredEntry) -> bool:
+    return longer.num_tokens > shorter.num_tokens and (
+        common_prefix_length(longer.tokens, shorter.tokens) == shorter.num_tokens
+    )

@@ -1,0 +1,253 @@
+"""Dispatching a Runner's requests: each one runs on the engine thread for the thread that
+streams it, one at a time in turn, or interleaved with the other batched streams in one of
+`max_batch` places.
+
+Owns `Dispatcher`: the threads reading a stream (a second stream on one of them is refused),
+the requests started and not ended (what `cancel` reaches), the places in the decode batch,
+how a request ends (its entry materialized and released, the memory line logged) and the
+memory line. Does not own what a request does on the model (`request_run`), how work reaches
+the engine thread (`engine`), or building the request (`request`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import mlx.core as mx
+
+from mlxkv.cache.kv import Rotation
+from mlxkv.config import RunnerConfig
+from mlxkv.decoding.batch import DecodeBatch
+from mlxkv.decoding.drafts import DraftModel
+from mlxkv.decoding.prefill import PrefillPlan
+from mlxkv.errors import RunnerBusyError
+from mlxkv.models.loading import LoadedModel
+from mlxkv.platform.random_state import request_random_state, with_own_key
+from mlxkv.runner.engine import EngineThread, Interleaved, Relay
+from mlxkv.runner.lockstep import Lockstep
+from mlxkv.runner.prefill.group import PrefillGroup
+from mlxkv.runner.prompt_cache.entry import CacheEntry
+from mlxkv.runner.prompt_cache.holdings import Holdings
+from mlxkv.runner.prompt_cache.pool import CachePool
+from mlxkv.runner.prompt_cache.report import MemoryReport
+from mlxkv.runner.request import Request
+from mlxkv.runner.request_run import Batching, run_request
+from mlxkv.runner.results import Completion, CompletionStats, GenerationChunk
+from mlxkv.runner.slots import Slots
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Dispatcher:
+    """Runs a Runner's requests on its engine thread for the threads streaming them.
+
+    Args:
+        loaded: the model and tokenizer.
+        pool: the prompt cache's entries.
+        engine: the thread every model call runs on.
+        config: the Runner's settings (its context window included).
+        draft: the draft model for speculative decoding, or None.
+        rotations: per layer, how to re-rotate keys when the context shifts (None: cannot).
+        prefill_plan: how prompt tokens are fed.
+        lockstep: the sharded ranks' coordination, or None when not sharded.
+        max_batch: the most batched streams decoding together.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        pool: CachePool,
+        engine: EngineThread,
+        config: RunnerConfig,
+        *,
+        draft: DraftModel | None,
+        rotations: list[Rotation | None],
+        prefill_plan: PrefillPlan,
+        lockstep: Lockstep | None,
+        max_batch: int,
+    ):
+        self.loaded = loaded
+        self.config = config
+        self.max_context = config.max_context
+        self.prefill_plan = prefill_plan
+        self._pool = pool
+        self._engine = engine
+        self._draft = draft
+        self._rotations = rotations
+        self._lockstep = lockstep
+        self._consumers: dict[int, Relay | Interleaved] = {}  # threads iterating a stream()
+        self._slots = Slots(max_batch)
+        batch = DecodeBatch(loaded.model, max_batch, others_waiting=lambda: engine.jobs_waiting)
+        prefills = PrefillGroup(
+            loaded.model, max_prompt_tokens=prefill_plan.step_tokens, max_rows=max_batch,
+            queued=lambda: engine.arrivals_waiting,
+        )  # fmt: skip
+        self._batching = Batching(batch, prefills)
+        pool.working = batch
+        self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
+        self._requests_lock = threading.Lock()
+        # The memory line logged after the last generation (sharded: with the ranks' sum).
+        self.memory_line = ""
+
+    def stream(self, request: Request, *, batched: bool) -> Iterator[GenerationChunk]:
+        """The chunks of `request` (see `Runner.stream`), batched with the other batched
+        streams (not when sharded) or alone in turn."""
+        with self._requests_lock:
+            self._requests.add(request.cancelled)
+        if batched and self._lockstep is None:
+            return self._consume_interleaved(request)
+        return self._consume(request)
+
+    def cancel(self) -> None:
+        """Sets the cancel flag of every request started and not ended."""
+        with self._requests_lock:
+            started = list(self._requests)
+        for cancelled in started:
+            cancelled.set()
+
+    @property
+    def inside_stream(self) -> bool:
+        """True on a thread still reading a stream of this Runner."""
+        return threading.get_ident() in self._consumers
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Runs `fn()` on the engine thread: after the running generation, or inside this
+        thread's own stream (whose generation waits for this thread meanwhile) between two
+        of its chunks."""
+        relay = self._consumers.get(threading.get_ident())
+        if relay is not None:
+            return relay.call(fn)
+        return self._engine.call(fn)
+
+    def follow(self, reset: Callable[[], None]) -> Iterator[Completion]:
+        """Runs the leading rank's requests and resets (`reset`) in step with it (see
+        `Runner.follow`)."""
+        return self._relay(lambda: self._lockstep.follow(self._serve, reset))
+
+    def _consume(self, request: Request) -> Iterator[GenerationChunk]:
+        """The caller's side of a request: its chunks, computed on the engine thread."""
+        try:
+            yield from self._relay(lambda: self._serve(request))
+        finally:
+            with self._requests_lock:
+                self._requests.discard(request.cancelled)
+
+    def _consume_interleaved(self, request: Request) -> Iterator[GenerationChunk]:
+        """A batched stream's side: waits for one of `max_batch` places, then its chunks."""
+        try:
+            self._refuse_second_stream()
+            if not self._slots.acquire(request.cancelled):
+                stats = CompletionStats(time.perf_counter(), len(request.tokens), 0)
+                yield stats.final_chunk("", "cancelled")
+                return
+            try:
+                yield from self._relay(lambda: self._serve_interleaved(request), interleaved=True)
+            finally:
+                self._slots.release()
+        finally:
+            with self._requests_lock:
+                self._requests.discard(request.cancelled)
+
+    def _refuse_second_stream(self) -> None:
+        """Raises RunnerBusyError on a thread still reading a stream of this Runner: its new
+        one would wait on the first (for the engine, or for a place), which only this thread
+        can finish."""
+        if threading.get_ident() in self._consumers:
+            raise RunnerBusyError(
+                "this thread is still iterating another stream() of this Runner; "
+                "finish it or close() it before starting a new generation (waiting "
+                "would never end)"
+            )
+
+    def _relay(self, make: Callable[[], Iterator[T]], *, interleaved: bool = False) -> Iterator[T]:
+        """The items of the generator `make()` returns, run on the engine thread for this
+        thread. A second one on a thread still reading one would wait on the first, which
+        only this thread can finish: refused before it is queued. Meanwhile this thread's
+        `cache_tokens` reads go through the relay (the engine is busy with its generator)."""
+        me = threading.get_ident()
+        with self._requests_lock:
+            self._refuse_second_stream()
+            engine = self._engine
+            relay = engine.interleave(make) if interleaved else engine.iterate(make)
+            self._consumers[me] = relay
+        try:
+            yield from relay
+        finally:
+            with self._requests_lock:
+                del self._consumers[me]
+
+    def _serve(self, request: Request) -> Iterator[GenerationChunk]:
+        """One request on the engine thread, start to end, alone."""
+        mx.reset_peak_memory()
+        entries: list[CacheEntry] = []
+        try:
+            with request_random_state(request.params.seed):
+                if self._lockstep is None:
+                    chunks = self._run(request, entries.append)
+                else:
+                    chunks = self._lockstep.run(request, lambda r: self._run(r, entries.append))
+                try:
+                    for chunk in chunks:
+                        if chunk is not None:  # a pause between prefill chunks: none here
+                            yield chunk
+                finally:
+                    chunks.close()
+        finally:
+            self._end_request(entries[0] if entries else None)
+
+    def _serve_interleaved(self, request: Request) -> Iterator[GenerationChunk | None]:
+        """One request on the engine thread, taking turns with the other interleaved ones
+        (each item is one engine job; None pauses)."""
+        entries: list[CacheEntry] = []
+        chunks = self._run(request, entries.append, self._batching)
+        if request.params.seed is not None:
+            chunks = with_own_key(chunks, request.params.seed)
+        ended = False
+        try:
+            for chunk in chunks:
+                if chunk is not None and chunk.completion is not None:
+                    # Ended in the job that hands out the last chunk: a caller may start the
+                    # conversation's next turn as soon as it has it (the server does), and
+                    # that turn's first job goes ahead of the others: it must find the
+                    # entry released, with the tokens this turn left in it.
+                    ended = True
+                    chunks.close()
+                    self._end_request(entries[0] if entries else None)
+                yield chunk
+        finally:
+            if not ended:
+                chunks.close()
+                self._end_request(entries[0] if entries else None)
+
+    def _end_request(self, entry: CacheEntry | None) -> None:
+        """Releases the entry (which records what it holds, leaving nothing lazy behind, and
+        evicts to the cache's budget); logs the memory line."""
+        usage = self._pool.release(entry) if entry is not None else None
+        self._log_memory(usage)
+
+    def _run(
+        self,
+        request: Request,
+        on_entry: Callable[[CacheEntry], None],
+        batching: Batching | None = None,
+    ) -> Iterator[GenerationChunk | None]:
+        return run_request(
+            request, self.loaded, self._pool, draft=self._draft, max_context=self.max_context,
+            rotations=self._rotations, plan=self.prefill_plan, on_entry=on_entry,
+            batching=batching,
+        )  # fmt: skip
+
+    def _log_memory(self, usage: Holdings | None) -> None:
+        """Logs the memory line, from `holdings` when the pool was just read (at a release), else
+        from a reading now."""
+        report = MemoryReport.measure(self._pool, usage)
+        ranks = "" if self._lockstep is None else self._lockstep.ranks_line(report)
+        self.memory_line = report.log_line() + ranks
+        logger.info("%s", self.memory_line)

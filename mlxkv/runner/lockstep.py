@@ -1,0 +1,267 @@
+"""Every rank's cache in step when one model is sharded over several processes (`mlx.launch`).
+
+Owns `Lockstep`: rank 0 decides and the other ranks replay. Does not own finding the process
+group or sharding the model (`mlxkv.models.sharding`). Does not own any cache policy: every
+rank runs the same Runner code on the same inputs, so prefix matching, trims, checkpoint
+restores, context cuts and shifts, and eviction come out the same on every rank.
+
+How the ranks stay in step:
+  - rank 0 (the leader) broadcasts each operation before running it: a request (its fitted
+    prompt tokens, sampling settings with a seed drawn by the leader when none was given, and
+    the other options), a reset, or the end; the others (followers) replay it in `follow`;
+  - the settings that decide the cache's behaviour (context window, entries, byte budget) are
+    the leader's, broadcast when the Runner is built;
+  - a cancel is decided together: at every point where a request checks its cancel flag, all
+    ranks sum rank 0's flag (one tiny all_sum), so every rank stops at the same token;
+  - a leader whose caller stops reading a stream cancels it and runs it to that agreed stop.
+Decisions that read clocks (the disk tier weighing loads against prefill speed) are not
+taken: the disk tier is refused when sharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+
+from mlxkv.config import RunnerConfig, env, format_bytes
+from mlxkv.decoding.sampling import SamplingParams
+from mlxkv.errors import NotSupportedError, RanksOutOfStepError
+from mlxkv.runner.engine import EngineThread
+from mlxkv.runner.prompt_cache.report import MemoryReport
+from mlxkv.runner.request import Request
+from mlxkv.runner.results import Completion, GenerationChunk
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RANK_TIMEOUT_S = 120.0  # a prefill chunk of a large model stays well inside it
+
+
+class Lockstep:
+    """Rank 0 leads, the other ranks follow (see the module docstring).
+
+    Args:
+        group: the process group (size > 1).
+    """
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        # Collectives run one at a time on a thread of their own, so a wait for a rank that
+        # froze or died is bounded (MLX's own wait cannot be interrupted).
+        self._collectives = EngineThread(f"mlxkv-collectives-{self.rank}")
+        self._timeout_s = float(env("MLXKV_RANK_TIMEOUT_S") or DEFAULT_RANK_TIMEOUT_S)
+        self.failure: str | None = None  # why the ranks are out of step, once they are
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    def _sum(self, values: list[int], dtype: mx.Dtype, *, bounded: bool = True) -> list[int]:
+        """The element-wise sum of `values` over the ranks.
+
+        Raises:
+            RanksOutOfStepError: a `bounded` wait ran past the timeout, now or before.
+        """
+        if self.failure is not None:
+            raise RanksOutOfStepError(self.failure)
+
+        def collective() -> list[int]:
+            summed = mx.distributed.all_sum(
+                mx.array(values, dtype=dtype), group=self.group, stream=mx.cpu
+            )
+            return summed.tolist()
+
+        # The model's own collectives (sharded layers) run on the engine thread's stream: they
+        # must all be done before this one starts on another thread, or the two interleave on
+        # the wire. (A rank that freezes inside a forward pass is therefore not bounded here.)
+        mx.synchronize()
+        try:
+            return self._collectives.call(
+                collective, timeout_s=self._timeout_s if bounded else None
+            )
+        except TimeoutError:
+            self.failure = (
+                f"rank {self.rank}: the other ranks did not answer within {self._timeout_s:g} s "
+                "(one froze or died); the sharded model cannot serve any more: restart every "
+                "rank (MLXKV_RANK_TIMEOUT_S sets the wait)"
+            )
+            self._collectives.abandon()
+            logger.error("%s", self.failure)
+            raise RanksOutOfStepError(self.failure) from None
+
+    def broadcast(self, message: dict[str, Any] | None, *, bounded: bool = True) -> dict[str, Any]:
+        """Rank 0's `message` (JSON-able), on every rank; the others pass None. A follower
+        waiting for the leader's next operation passes `bounded=False` (idle is normal)."""
+        payload = json.dumps(message).encode() if self.leads else b""
+        (size,) = self._sum([len(payload)], mx.int32, bounded=bounded)
+        data = list(payload) if self.leads else [0] * size
+        return json.loads(bytes(self._sum(data, mx.uint8)))
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's `flag`, on every rank."""
+        mine = 1 if flag and self.leads else 0
+        return bool(self._sum([mine], mx.int32)[0])
+
+    def total(self, value: int) -> int:
+        """The sum of `value` over the ranks."""
+        return int(self._sum([value], mx.int64)[0])
+
+    def check_can_lead(self) -> None:
+        """Raises at once where a request could only hang: on a follower (the leader never
+        sends it), or once the ranks are out of step.
+
+        Raises:
+            NotSupportedError: this rank is not 0.
+            RanksOutOfStepError: a wait for the other ranks ran past its timeout.
+        """
+        if not self.leads:
+            raise NotSupportedError(
+                f"this is rank {self.rank} of a model sharded over {self.size} processes: only "
+                "rank 0 calls stream()/generate(); ranks other than 0 call runner.follow(), "
+                "which runs rank 0's requests in step with it until rank 0 closes its Runner"
+            )
+        if self.failure is not None:
+            raise RanksOutOfStepError(self.failure)
+
+    def prepare(self, request: Request) -> Request:
+        """Leader: the request as every rank will run it: a cancel flag that every rank reads
+        alike (`AgreedCancel`), and a seed drawn here when it samples without one (every
+        rank must draw alike; drawn before the request runs, which seeds with it)."""
+        params = request.params
+        if params.seed is None and params.temperature > 0:
+            params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(7), "little"))
+        cancelled = AgreedCancel(request.cancelled, self)
+        return dataclasses.replace(request, params=params, cancelled=cancelled)
+
+    def run(
+        self, request: Request, run: Callable[[Request], Iterator[GenerationChunk]]
+    ) -> Iterator[GenerationChunk]:
+        """Runs a request in step: the leader announces it first and, if its caller stops
+        reading, runs it to the agreed cancel (`drain`); followers just run it."""
+        if self.leads:
+            self.announce_request(request)
+        yield from drain(run(request), request.cancelled)
+
+    def leaders_settings(self, config: RunnerConfig) -> RunnerConfig:
+        """`config` with rank 0's context window (tokens) and cache settings, on every rank:
+        they decide cuts, shifts and evictions, which must come out alike (machines may differ
+        in memory, and so in their defaults).
+
+        Raises:
+            NotSupportedError: a disk tier is set (its choices depend on measured speeds).
+        """
+        if config.cache_dir is not None:
+            raise NotSupportedError(
+                "the disk tier (cache_dir) is not supported when the model is sharded over "
+                "several processes; leave cache_dir unset (mlxkv serve: --no-cache-dir)"
+            )
+        shared = self.broadcast(  # unbounded: the ranks may finish loading far apart
+            bounded=False,
+            message={
+                "max_context": config.max_context,
+                "cache_entries": config.cache_entries,
+                "cache_bytes": config.cache_bytes,
+            },
+        )
+        return config.replace(**shared)
+
+    def ranks_line(self, report: MemoryReport) -> str:
+        """What the memory log line adds when sharded: this rank, and the sum over ranks."""
+        held = self.total(report.allocated_bytes)
+        return f" (rank {self.rank} of {self.size}; all ranks: {format_bytes(held)} allocated)"
+
+    def announce_request(self, request: Request) -> None:
+        """Leader: sends the request (`prepare`d) to the followers."""
+        self.broadcast(
+            {
+                "op": "request",
+                "tokens": request.tokens,
+                "keep": request.keep,
+                "header_tokens": request.header_tokens,
+                "params": dataclasses.asdict(request.params),
+                "top_logprobs": request.top_logprobs,
+                "cache_key": request.cache_key,
+                "speculative": request.speculative,
+                "grammar": request.grammar,
+                "cache_salt": request.cache_salt,
+            }
+        )
+
+    def announce(self, op: str) -> None:
+        """Leader: sends an operation without arguments ("reset", "stop")."""
+        self.broadcast({"op": op})
+
+    def follow(
+        self,
+        stream: Callable[[Request], Iterator[GenerationChunk]],
+        reset: Callable[[], None],
+    ) -> Iterator[Completion]:
+        """Follower: runs the leader's operations until "stop", yielding each request's
+        Completion (`stream` and `reset` are the Runner's)."""
+        while (received := self.receive())[0] != "stop":
+            op, request = received
+            if op == "reset":
+                reset()
+            else:
+                yield list(stream(request))[-1].completion
+
+    def receive(self) -> tuple[str, Request | None]:
+        """Follower: the leader's next operation, and its request for "request"."""
+        message = self.broadcast(None, bounded=False)
+        if message["op"] != "request":
+            return message["op"], None
+        params = message["params"]
+        request = Request(
+            tokens=message["tokens"],
+            keep=message["keep"],
+            header_tokens=message["header_tokens"],
+            params=SamplingParams(**{**params, "stop": tuple(params["stop"])}),
+            progress=None,
+            cancelled=AgreedCancel(threading.Event(), self),
+            top_logprobs=message["top_logprobs"],
+            cache_key=message["cache_key"],
+            speculative=message["speculative"],
+            grammar=message["grammar"],
+            cache_salt=message["cache_salt"],
+        )
+        return "request", request
+
+
+class AgreedCancel:
+    """A request's cancel flag as every rank sees it: set on rank 0 (by `Runner.cancel`, the
+    caller's Event or a client that left), and read together at every check.
+
+    Every rank must call `is_set` at the same points: the Runner's code does, because each
+    rank runs the same request through the same steps.
+    """
+
+    def __init__(self, event: threading.Event, lockstep: Lockstep):
+        self._event = event
+        self._lockstep = lockstep
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._lockstep.agree(self._event.is_set())
+
+
+def drain(chunks: Iterator[Any], cancelled: AgreedCancel) -> Iterator[Any]:
+    """Yields `chunks`; if the caller stops reading, cancels and runs them to the agreed stop
+    (the followers are still running the same request and must reach the same end)."""
+    try:
+        for chunk in chunks:  # noqa: UP028 (`yield from` would close `chunks` with this)
+            yield chunk
+    except GeneratorExit:
+        cancelled.set()
+        for _ in chunks:
+            pass
+        raise

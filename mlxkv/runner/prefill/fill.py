@@ -1,0 +1,95 @@
+"""Feeding a request's uncached prompt tokens, with checkpoints where messages end.
+
+Owns `fill_prompt`: prefill in chunks (a pause between chunks, where requests interleaved with
+this one run), progress and cancel between chunks, and checkpoints of the layers that cannot
+trim (recurrent, sliding window) where the pool asks for them (`PrefixHit.checkpoints`). Does
+not own where those go (the pool, which goes back to them) or the chunked model calls
+(`mlxkv.decoding.prefill`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import TypeVar
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxkv.decoding.prefill import PrefillPlan, fill_steps, prefill_steps
+from mlxkv.runner.prefill.group import PrefillGroup
+from mlxkv.runner.prompt_cache.pool import PrefixHit
+from mlxkv.runner.request import Request
+from mlxkv.runner.results import CompletionStats
+
+T = TypeVar("T")
+
+
+class PrefillCancelled(Exception):
+    """Raised between prefill chunks when the request was cancelled; the chunks already fed
+    stay in the cache."""
+
+
+def fill_prompt(
+    model: nn.Module,
+    request: Request,
+    hit: PrefixHit,
+    stats: CompletionStats,
+    *,
+    plan: PrefillPlan,
+    together: PrefillGroup | None = None,
+) -> Generator[None, None, mx.array]:
+    """Feeds `hit.remaining` into `hit.cache` and returns the last position's logits; yields
+    None between chunks, or while prompts to prefill together come (a pause: `yield from` it
+    in a request's generator).
+
+    Args:
+        plan: how the tokens are fed (chunk size, CPU lanes).
+        together: the group a short prompt (on a cache that batches: no checkpoints) is fed
+            with, when other requests reach their prefill at the same moment (None: alone).
+
+    Raises:
+        PrefillCancelled: the request's cancel flag was set; the chunks fed stay cached.
+    """
+    cache, remaining = hit.cache, hit.remaining
+    total, offset = len(remaining), 0
+
+    def fed(done: int) -> None:
+        stats.processed = done
+        if request.progress:
+            request.progress(done, total)
+        if request.cancelled.is_set():
+            raise PrefillCancelled
+
+    if together is not None and together.admits(cache, remaining):
+        logits = yield from together.prefill(cache, remaining)
+        if logits is not None:  # fed with others; else no other came
+            fed(total)
+            return logits
+    # No pause after the prompt's last chunk: its last token's logits (the first generated
+    # token) come in the same turn, or a short prompt would wait a round for them.
+    last_pause = total - 1
+    for split in hit.checkpoints:
+        steps = fill_steps(model, cache, remaining[: split - offset], plan)
+        yield from _paced(steps, fed, offset, last_pause)
+        cache.checkpoint()
+        offset, remaining = split, remaining[split - offset :]
+    steps = prefill_steps(model, cache, remaining, plan)
+    logits = yield from _paced(steps, fed, offset, last_pause)
+    fed(total)
+    return logits
+
+
+def _paced(
+    steps: Generator[int, None, T], fed: Callable[[int], None], offset: int, last_pause: int
+) -> Generator[None, None, T]:
+    """Runs `steps` (a prefill generator yielding the tokens it has fed), telling `fed` the
+    tokens fed in all (`offset` before it) and pausing (yielding None) after each chunk that
+    ends before `last_pause` tokens; returns what `steps` returns."""
+    while True:
+        try:
+            done = next(steps)
+        except StopIteration as end:
+            return end.value
+        fed(offset + done)
+        if offset + done < last_pause:
+            yield

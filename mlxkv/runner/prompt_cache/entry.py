@@ -1,0 +1,69 @@
+"""CacheEntry: one conversation's state in the prompt cache.
+
+Owns `CacheEntry`. Does not own which entry a request uses or when one is evicted (`pool`),
+the bytes entries hold (`holdings`), nor how a request's `cache_salt` becomes the isolation
+domain an entry belongs to (the request builder's).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mlxkv.cache.footprint import Footprint
+from mlxkv.cache.model_cache import ModelCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    """One entry: a conversation's state. `tokens` is read at the end of each request (safe
+    to read from any thread; `cache.tokens` is not while a generation runs). `label` names
+    what the entry serves (a conversation id a client sent); it is shown, never matched:
+    lookup is by tokens alone. `cut_start` is the first message kept when the conversation
+    was cut to the window (opaque here; the request builder matches it), so its next turn
+    cuts there again. `draft_cache` is the draft model's cache for this conversation
+    (speculative decoding), counted in the entry's bytes. `salt` is the isolation domain the
+    entry belongs to (a digest of a request's `cache_salt`, None for the shared one): only
+    requests of the same salt reuse it."""
+
+    cache: ModelCache
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
+    reply_start: int = 0
+    last_used: float = field(default_factory=time.time)
+    label: str | None = None
+    cut_start: Any = None
+    draft_cache: ModelCache | None = None
+    salt: str | None = None
+
+    # What `record` measured: the footprints of its cache and of its draft cache (None without
+    # one). None while a request uses the entry (it changes as it is fed; the pool sets it)
+    # and before its first record: `holdings` measures it then.
+    recorded: tuple[Footprint, Footprint | None] | None = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
+
+    def record(self) -> int:
+        """Takes as `tokens` the token ids its cache holds now, and as `recorded` their bytes,
+        its caches materialized first (at a request's end, on the thread that generated into
+        it, or after the pool changed it: the disk tier and other threads read them after);
+        returns how many. A cache whose lazy arrays fail to evaluate is dropped, draft cache
+        included: an entry never keeps a broken state."""
+        try:
+            held, footprint = self.cache.settle()
+            draft = None if self.draft_cache is None else self.draft_cache.settle()[1]
+        except RuntimeError as error:  # a failed lazy computation
+            logger.warning("prompt cache dropped: its arrays could not be evaluated (%s)", error)
+            self.cache.free()
+            self.draft_cache = draft = None
+            held, footprint = [], self.cache.footprint()
+        self.tokens = np.asarray(held, dtype=np.uint32)
+        self.recorded = (footprint, draft)
+        return self.num_tokens

@@ -1,0 +1,397 @@
+"""CachePool: the prompt cache's entries, matched by longest common prefix, under a count and
+a byte budget, with an optional disk tier.
+
+Owns: for each request, which entry to generate into, how much of it to reuse and where its
+fill checkpoints; evicting entries after a request; handing evicted entries to the disk tier
+and loading them back. Does not own the file format (`store`) or any model call.
+
+Terms:
+  entry        a ModelCache and the token ids it holds (generated into in place; `entry`);
+  reply start  where the model's reply began in an entry's last request: tokens before it came
+               from the client, tokens after it are the reply the client renders back;
+  superseded   an entry whose tokens are a strict prefix of another entry's.
+
+For a request's tokens T, r is the longest prefix of T an entry can return to exactly (by
+trimming, or from a checkpoint for layers that cannot trim), at most len(T) - 1. The entries
+work as a prefix tree whose nodes are the entries' divergence points: one shared prefix is
+never held twice by entries that extend each other, and lookups compare T with each entry
+(vectorised). Then:
+  - r == 0: a new, empty entry (a miss);
+  - r == the entry's length: generate into it in place (nothing copied);
+  - the entry goes on past r after its reply start (a reply rendered back differently, or
+    regenerated: the same conversation): trim it to r in place;
+  - before it (another conversation sharing a system prompt, an edited message): a new entry
+    with a copy of the first r tokens' K/V; the entry stays for the conversation that still
+    needs it (evicted to disk after the request if one entry is allowed). With one entry
+    allowed and no disk tier it is trimmed in place instead (today's behaviour).
+  - a disk file serving a longer prefix than any entry is loaded when reading it is expected
+    to be faster than prefilling the difference (both rates measured as they run).
+
+Requests may run interleaved (decoded in one batch): each holds its entry from `fetch_nearest`
+to `release`. An entry in use is never trimmed, extended or evicted by another request; one
+that shares a prefix with it gets a copy of that prefix, matched against the token ids its
+cache holds at that moment (its request may have shifted it), so such a copy is exact. One
+whose prompt shares more with a prompt still being fed waits for it (`awaits_prefix`).
+
+Invariants:
+  - `fetch_nearest` returns at least one token still to feed (a `PrefixHit`: generation needs
+    logits, which only come from feeding at least one token);
+  - after `release`, at most `max_entries` entries, and the bytes they hold (K/V allocated,
+    checkpoints; plus entries still being written to disk and `working`'s) are at most
+    `max_bytes`, unless entries in use alone are over (they cannot be evicted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths
+from mlxkv.runner.disk.store import DiskStore
+from mlxkv.runner.prompt_cache.entry import CacheEntry
+from mlxkv.runner.prompt_cache.fit import fit_to_budget
+from mlxkv.runner.prompt_cache.holdings import Holdings, Sized, holdings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What a request reuses and what it still has to feed.
+
+    Attributes:
+        cache: the entry, already trimmed to `num_cached` tokens.
+        num_cached: tokens of the request whose K/V are reused.
+        remaining: the request's tokens after those (never empty).
+        checkpoints: where feeding `remaining` checkpoints the layers that cannot trim back
+            (`ModelCache.checkpoint`), in tokens into it, ascending; empty when all can.
+    """
+
+    cache: ModelCache
+    num_cached: int
+    remaining: list[int]
+    checkpoints: tuple[int, ...] = ()
+
+
+class CachePool:
+    """The prompt cache: entries matched by longest common prefix.
+
+    Args:
+        make_entry: builds an empty ModelCache for the model.
+        max_entries: most entries held in memory (1: one entry, trimmed in place).
+        max_bytes: most bytes the entries may hold after a request; None for no limit.
+        store: the disk tier for evicted entries; None for none.
+    """
+
+    def __init__(
+        self,
+        make_entry: Callable[[], ModelCache],
+        *,
+        max_entries: int = 1,
+        max_bytes: int | None = None,
+        store: DiskStore | None = None,
+    ):
+        self._make_entry = make_entry
+        # whether every entry's layers (all from `make_entry`) need checkpoints, read once
+        self._checkpointed = make_entry().needs_checkpoints
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.store = store
+        self._entries: list[CacheEntry] = []
+        # The entries of requests running now, each with the prompt its request feeds.
+        self._in_use: dict[CacheEntry, np.ndarray] = {}
+        self.current: CacheEntry | None = None  # the entry of the latest request
+        self.prefill_tokens_per_s: float | None = None  # set by the runner as it measures
+        # What running requests hold outside the entries (a decode batch's K/V), if anything.
+        self.working: Sized | None = None
+
+    @property
+    def entries(self) -> list[CacheEntry]:
+        """The entries, least recently used first (a copy of the list)."""
+        return sorted(self._entries, key=lambda e: e.last_used)
+
+    def fetch_nearest(
+        self,
+        tokens: Sequence[int],
+        *,
+        reply_start: int | None = None,
+        salt: str | None = None,
+        keep: int = 0,
+    ) -> PrefixHit:
+        """Picks (or makes) the entry for `tokens`, prepared to receive the rest of them.
+
+        Args:
+            tokens: the request's prompt.
+            reply_start: where the reply will begin (the prompt's length less the chat
+                template's generation prompt); None for the prompt's end.
+            salt: the isolation domain (a digest of a request's `cache_salt`); only its
+                entries and files match.
+            keep: the leading tokens every cut of the prompt keeps (its system prompt).
+
+        The entry is in use until `release(entry)`: other requests meanwhile copy from it.
+
+        Raises:
+            ValueError: tokens is empty.
+        """
+        if not tokens:
+            raise ValueError("cannot match an empty token sequence")
+        query = np.asarray(tokens, dtype=np.uint32)
+        limit = len(tokens) - 1
+        entry, reuse, common = self._nearest_in_memory(query, limit, salt)
+        if entry is not None and reuse < common:
+            logger.info(
+                "prefix cache: cannot go back from %d to %d tokens (recurrent or sliding-window "
+                "layers no longer hold them); the nearest checkpoint is at %d",
+                entry.num_tokens,
+                common,
+                reuse,
+            )
+        if self.store is not None:
+            entry, reuse = self._maybe_load(query, limit, entry, reuse, salt)
+        entry, how = self._prepare(entry, reuse)
+        if reuse:
+            logger.info(
+                "prefix cache hit total=%d cached=%d left=%d (%s)",
+                len(tokens),
+                reuse,
+                len(tokens) - reuse,
+                how,
+            )
+        else:
+            logger.info("prefix cache miss total=%d left=%d", len(tokens), len(tokens))
+        entry.salt, entry.recorded = salt, None  # measured as it is fed until released
+        entry.tokens = query[:reuse].copy()  # held, in order, for requests meanwhile
+        reply_start = len(tokens) if reply_start is None else reply_start
+        entry.reply_start = min(reply_start, limit)
+        entry.last_used = time.time()
+        self.current = entry
+        self._in_use[entry] = query
+        points = self._checkpoints(len(tokens), reuse, reply_start, keep)
+        return PrefixHit(entry.cache, reuse, list(tokens[reuse:]), points)
+
+    def _checkpoints(self, total: int, reuse: int, reply: int, keep: int) -> tuple[int, ...]:
+        """Where a request feeding tokens `reuse`..`total` checkpoints layers that cannot trim
+        back, in tokens after `reuse`: where the reply starts (`reply`: the conversation's next
+        turn goes back there when it renders the reply differently) and, with several entries,
+        where `keep` ends (another conversation sharing the system prompt copies it)."""
+        if not self._checkpointed:
+            return ()
+        ends = {reply, keep} if self.max_entries > 1 else {reply}
+        return tuple(sorted(p - reuse for p in ends if reuse < p < total))
+
+    def awaits_prefix(self, tokens: Sequence[int], salt: str | None = None) -> bool:
+        """True when a request running now is still feeding its prompt, and that prompt
+        shares more of `tokens` than any entry holds yet: a request that waits until it is
+        fed copies those tokens instead of feeding them a second time (agents that send
+        several requests at once with one long system prompt)."""
+        query = np.asarray(tokens, dtype=np.uint32)
+        limit = len(tokens) - 1
+        coming = 0  # the most of `tokens` a prompt still being fed will hold
+        for entry, prompt in self._in_use.items():
+            held = entry.cache.num_tokens
+            if entry.salt != salt or held >= prompt.size or entry not in self._entries:
+                continue
+            shared = min(common_prefix_length(prompt, query), limit)
+            # not fed that far yet, and still feeding that prompt (not moved by a shift)
+            if held < shared and common_prefix_length(entry.cache.tokens, prompt) == held:
+                coming = max(coming, shared)
+        # Read last, only when worth it: it reads what every entry in use holds.
+        return coming > 0 and self._nearest_in_memory(query, limit, salt)[1] < coming
+
+    def _prepare(self, entry: CacheEntry | None, reuse: int) -> tuple[CacheEntry, str]:
+        """The entry a request reusing `reuse` tokens of `entry` generates into (`entry`
+        itself, trimmed, or a new one with a copy of that prefix), and how it was made."""
+        if reuse == 0:
+            return self._add(self._make_entry()), "new entry"
+        if entry in self._in_use:  # another request is generating into it
+            how = "copied prefix of an entry in use"
+            return self._add(entry.cache.copy_prefix(reuse), keep=entry), how
+        if reuse >= entry.num_tokens:  # not in use: its tokens are its cache's
+            return entry, "extended in place"
+        # one entry and nowhere to keep the other conversation: trim (today's behaviour)
+        alone = self.max_entries == 1 and self.store is None
+        if alone or reuse >= entry.reply_start:
+            trimmed = entry.cache.rewind_to(reuse, shrink=True)
+            logger.debug("prefix cache trim tokens=%d", trimmed)
+            return entry, "trimmed in place"
+        return self._add(entry.cache.copy_prefix(reuse), keep=entry), "copied prefix"
+
+    def _nearest_in_memory(
+        self, query: np.ndarray, limit: int, salt: str | None
+    ) -> tuple[CacheEntry | None, int, int]:
+        """The entry to reuse, how many tokens it gives back, and how many it shares."""
+        best, best_key, best_common = None, (0, False, 0.0), 0
+        entries = [entry for entry in self._entries if entry.salt == salt]
+        # An entry in use: what its cache holds now (fed since, or moved by a shift).
+        helds = [e.cache.tokens if e in self._in_use else e.tokens for e in entries]
+        shared = common_prefix_lengths(query, helds)
+        for entry, held, common in zip(entries, helds, shared, strict=True):
+            reuse = common = min(common, limit)
+            if self._checkpointed and 0 < reuse < len(held):  # else it trims back to any
+                reuse = entry.cache.nearest_restorable(reuse)
+            # the longest reuse; then one that needs no trim or copy; then the most recent
+            key = (reuse, reuse == len(held) and entry not in self._in_use, entry.last_used)
+            if reuse and key > best_key:
+                best, best_key, best_common = entry, key, common
+        return best, best_key[0], best_common
+
+    def _maybe_load(
+        self, query: np.ndarray, limit: int, entry: CacheEntry | None, reuse: int, salt: str | None
+    ) -> tuple[CacheEntry | None, int]:
+        record, disk_reuse = self.store.best(query, limit, salt)
+        if record is None or disk_reuse <= reuse:
+            return entry, reuse
+        load_s = record.nbytes / self.store.read_bytes_per_s
+        tps = self.prefill_tokens_per_s
+        if tps is not None and load_s >= (disk_reuse - reuse) / tps:
+            logger.debug("disk cache: prefilling %d tokens beats loading", disk_reuse - reuse)
+            return entry, reuse
+        cache = self.store.load(record, self._make_entry())
+        if cache is None:
+            return entry, reuse
+        logger.info("disk cache: loaded an entry of %d tokens", cache.num_tokens)
+        loaded = self._add(cache)
+        loaded.record()  # idle until a request takes it (it may only be copied from)
+        loaded.reply_start = cache.num_tokens  # a reply rendered back is the same conversation
+        return loaded, cache.nearest_restorable(disk_reuse)
+
+    def _add(self, cache: ModelCache, keep: CacheEntry | None = None) -> CacheEntry:
+        """Adds an entry for `cache`, first evicting one if the pool is full (never `keep`,
+        the entry the new one is copied from)."""
+        self._evict(self.max_entries - 1, None, keep=keep)
+        entry = CacheEntry(cache)
+        self._entries.append(entry)
+        return entry
+
+    def release(self, entry: CacheEntry | None = None) -> Holdings:
+        """Ends a request on `entry` (None: the current one): records what it holds, then
+        evicts to the budget. The entry is evicted last (and only when it alone is over the
+        budget); entries still in use are not evicted.
+
+        Returns:
+            What the pool holds then (`holdings`): the request's memory line reports it.
+        """
+        entry = self.current if entry is None else entry
+        if entry is not None:
+            self._in_use.pop(entry, None)
+            if entry.record() == 0 and entry in self._entries:
+                self._entries.remove(entry)
+        self.evict(max_bytes=self.max_bytes, max_entries=self.max_entries)
+        return self.usage()
+
+    def evict(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> int:
+        """Evicts entries until at most `max_entries` remain and they hold at most `max_bytes`
+        bytes: superseded entries first, then the least recently used. Evicted entries go to
+        the disk tier when there is one (written in the background: never waited for here).
+        The current entry is never evicted for writes still in flight (they end by
+        themselves); when it alone is over `max_bytes` it keeps its longest prefix that fits.
+
+        Returns:
+            The number of entries evicted.
+        """
+        return self._evict(max_entries, max_bytes)
+
+    def _evict(
+        self, max_entries: int | None, max_bytes: int | None, keep: CacheEntry | None = None
+    ) -> int:
+        evicted = 0
+        while True:
+            over_count = max_entries is not None and len(self._entries) > max_entries
+            over_bytes = max_bytes is not None and self.nbytes > max_bytes
+            candidates = [e for e in self._entries if e is not keep and e not in self._in_use]
+            if not (over_count or over_bytes) or not candidates:
+                return evicted
+            victim = min(candidates, key=lambda e: (not self._superseded(e), e.last_used))
+            if victim is self.current and len(candidates) == 1 and not over_count:
+                room = max(0, max_bytes - self._in_use_bytes())
+                if not fit_to_budget(victim, room, self.store):
+                    self._drop(victim, write=False)  # written to the disk tier, or broken
+                    evicted += 1
+                return evicted
+            self._drop(victim)
+            evicted += 1
+
+    def _drop(self, entry: CacheEntry, *, write: bool = True) -> None:
+        self._entries.remove(entry)
+        if entry is self.current:
+            self.current = None
+        held = holdings([entry]).held_bytes
+        logger.debug("prefix cache evict tokens=%d bytes=%d", entry.num_tokens, held)
+        if write and self.store is not None:
+            self.store.write(entry.cache, salt=entry.salt)
+
+    def _in_use_bytes(self) -> int:
+        """Bytes only the requests running now can give back (their entries, the batch)."""
+        return holdings(list(self._in_use), outside_bytes=self._working_bytes()).held_bytes
+
+    def _working_bytes(self) -> int:
+        return 0 if self.working is None else self.working.nbytes
+
+    def _superseded(self, entry: CacheEntry) -> bool:
+        return any(
+            other.num_tokens > entry.num_tokens
+            and common_prefix_length(other.tokens, entry.tokens) == entry.num_tokens
+            for other in self._entries
+        )
+
+    def cut_starts(self, salt: str | None = None) -> list[Any]:
+        """The chat cuts (`CacheEntry.cut_start`) of the entries of `salt`, most recently
+        used first (safe from any thread)."""
+        entries = sorted(list(self._entries), key=lambda e: e.last_used, reverse=True)
+        return [e.cut_start for e in entries if e.cut_start is not None and e.salt == salt]
+
+    def longest_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        """The most tokens of `tokens` some entry of `salt` held at the end of its last
+        request (safe from any thread; used to choose among ways to cut a long prompt)."""
+        query = np.asarray(tokens, dtype=np.uint32)
+        entries = [e.tokens for e in list(self._entries) if e.salt == salt]
+        return max(common_prefix_lengths(query, entries), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the entries hold: K/V allocated and checkpoints (each shared snapshot once),
+        plus `working`'s and entries handed to the disk tier and not yet written."""
+        return self.usage().held_bytes
+
+    def usage(self) -> Holdings:
+        """What the entries hold, least recently used first, then the current one when it is
+        no longer kept (its request fed it nothing): shown, not counted. `held_bytes` is
+        `nbytes`."""
+        kept, current = self.entries, self.current
+        unkept = [current] if current is not None and current not in kept else []
+        pending = self.store.pending_bytes if self.store is not None else 0
+        return holdings(kept, unkept=unkept, outside_bytes=self._working_bytes() + pending)
+
+    def persist(self, timeout_s: float | None = None) -> None:
+        """Writes every entry to the disk tier now (and waits), so a restart finds them: the
+        most recently used first, none started after `timeout_s` (a shutdown has a grace
+        period: docker's is 10 s)."""
+        if self.store is None:
+            return
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        entries = sorted(self._entries, key=lambda e: e.last_used, reverse=True)
+        for entry in self._in_use:  # the writer thread may read nothing lazy
+            entry.cache.materialize()
+        for written, entry in enumerate(entries):
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning(
+                    "disk cache: %d of %d entries not saved: the %.0f s for saving ran out",
+                    len(entries) - written,
+                    len(entries),
+                    timeout_s,
+                )
+                break
+            self.store.write(entry.cache, wait=True, salt=entry.salt)
+        self.store.flush()
+
+    def clear(self) -> None:
+        """Drops every entry and its memory (the disk tier keeps its files); entries in use
+        stay with their requests and are dropped when released."""
+        self._entries.clear()
+        self.current = None

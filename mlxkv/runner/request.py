@@ -1,0 +1,280 @@
+"""One generation request, built and checked before it may touch the cache.
+
+Owns: `Request` (a validated request) and `RequestBuilder`, which turns a call's arguments into
+one: sampling settings checked, the prompt encoded and fitted to the context window, the tokens
+no cut may drop (`keep`), the length of the chat template's generation prompt, and the opaque
+isolation domain a `cache_salt` stands for (`salt_digest`). Everything that can be wrong with a
+call raises here, in the caller's thread, before any model work.
+
+Does not own the cut itself (`context.fit_prompt`) or prompt encoding (`prompt`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, NoReturn
+
+from mlxkv.decoding.grammar import check_grammar
+from mlxkv.decoding.prefill import ProgressCallback
+from mlxkv.decoding.sampling import SamplingParams
+from mlxkv.errors import ContextLengthError, check_int
+from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt
+from mlxkv.runner.text.prompt import Landmarks, Message, Prompt, PromptEncoder, Render, Tools
+
+# The most alternatives per token that logprobs reports (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+# What a max_tokens the window cannot hold does (see RequestOptions.overflow).
+OVERFLOW_MODES = ("shift", "stop", "refuse")
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+@dataclass(frozen=True)
+class Request:
+    """One validated request.
+
+    Attributes:
+        tokens: the prompt, already cut to fit the context.
+        keep: leading tokens no cut or shift drops.
+        header_tokens: tokens of the template's generation prompt at the end.
+        params: sampling settings.
+        progress: called as progress(done, total) in prompt tokens during prefill.
+        cancelled: set by `Runner.cancel()` or by the caller that passed it.
+        top_logprobs: None for no log-probabilities; else how many alternatives to report
+            with each sampled token's own.
+        cache_key: a label for the cache entry the request generates into (None: keep its
+            label).
+        speculative: the speculative decoding mode (`speculative.MODES`); None with a grammar.
+        grammar: an llguidance grammar every generated token must keep to (checked), or None.
+        cache_salt: the isolation domain of the cache entries it may reuse (a digest), or None.
+        cut_start: the first message kept when a chat was cut to the window (None: not cut);
+            kept on the request's cache entry, so this conversation's next turn cuts there
+            again and reuses the entry.
+    """
+
+    tokens: list[int]
+    keep: int
+    header_tokens: int
+    params: SamplingParams
+    progress: ProgressCallback | None
+    cancelled: threading.Event
+    top_logprobs: int | None = None
+    cache_key: str | None = None
+    speculative: str | None = None
+    cut_start: Message | None = None
+    grammar: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """How a request is rendered and run, besides its sampling settings (see `Runner.stream`).
+
+    Attributes:
+        progress: called as progress(done, total) in prompt tokens during prefill.
+        parse_control_tokens: let control-token strings in message content be control tokens.
+        tools: function definitions for the chat template.
+        cancel: an Event that ends this request when set; None makes a private one.
+        top_logprobs: None for no log-probabilities, else alternatives per token (0..20).
+        truncate: cut a prompt that does not fit; False raises ContextLengthError.
+        overflow: what a `max_tokens` the window cannot hold after the prompt does: "shift"
+            (the context shifts mid-reply), "stop" (the reply ends with "length" when the window
+            is full) or "refuse" (ContextLengthError before anything runs).
+        cache_key: a label for the cache entry this request generates into.
+        speculative: the speculative decoding mode, already checked.
+        grammar: an llguidance grammar (`decoding.grammar`) the output must keep to, or None.
+        cache_salt: the caller's salt, a secret the request keeps only as its digest
+            (`salt_digest`), or None.
+        switches: chat-template variables (`enable_thinking`, ...), passed where the template
+            reads them.
+    """
+
+    progress: ProgressCallback | None = None
+    parse_control_tokens: bool = False
+    tools: Tools | None = None
+    cancel: threading.Event | None = None
+    top_logprobs: int | None = None
+    truncate: bool = True
+    cache_key: str | None = None
+    speculative: str | None = None
+    overflow: str = "shift"
+    grammar: str | None = None
+    cache_salt: str | None = dataclasses.field(default=None, repr=False)  # a secret: never shown
+    switches: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if self.overflow not in OVERFLOW_MODES:
+            raise ValueError(
+                f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {self.overflow!r}"
+            )
+        if self.progress is not None and not callable(self.progress):
+            raise ValueError(
+                f"progress must be a callable or None, got {type(self.progress).__name__}"
+            )
+        if self.cancel is not None and not isinstance(self.cancel, threading.Event):
+            raise ValueError(
+                f"cancel must be a threading.Event or None, got {type(self.cancel).__name__}"
+            )
+        if self.cache_key is not None and not isinstance(self.cache_key, str):
+            raise ValueError(
+                f"cache_key must be a str or None, got {type(self.cache_key).__name__}"
+            )
+        if self.top_logprobs is not None:
+            check_int(
+                "logprobs (alternatives per token)", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS
+            )
+
+
+class RequestBuilder:
+    """Builds Requests for one model and context window.
+
+    Args:
+        prompts: the model's prompt encoder.
+        max_context: the window, in tokens.
+        keep: the Runner's `keep` setting (None: the system prompt, else 4 tokens).
+    """
+
+    def __init__(self, prompts: PromptEncoder, max_context: int, keep: int | None):
+        self._prompts = prompts
+        self._max_context = max_context
+        self._keep = keep
+
+    def build(
+        self,
+        prompt: Prompt,
+        sampling: dict[str, Any],
+        options: RequestOptions,
+        *,
+        cached_prefix: Callable[..., int],
+        cut_starts: Callable[[str | None], Sequence[Message]],
+    ) -> Request:
+        """The request for `prompt`, cut to the window if it must be: a chat preferably where
+        one of `cut_starts(salt)` (cuts the cache entries of its isolation domain hold, newest
+        first) begins; `cached_prefix(tokens, salt=salt)` tells how much of a candidate those
+        entries hold. Both are asked only for a prompt that must be cut.
+
+        Raises:
+            ValueError: bad input; ContextLengthError for a prompt that cannot fit.
+        """
+        params = _sampling_params(sampling)
+        options.check()
+        salt = salt_digest(options.cache_salt)
+        template = {
+            "parse_control_tokens": options.parse_control_tokens,
+            "tools": options.tools,
+            "switches": options.switches,
+        }
+        tokens = self._prompts.encode(prompt, **template)
+        render = functools.partial(self._prompts.render, **template)
+        if not options.truncate and len(tokens) >= self._max_context:
+            self._refuse_too_long(len(tokens))
+        params = self._fit_max_tokens(params, len(tokens), options.overflow)
+        if options.grammar is not None:
+            check_grammar(options.grammar, self._prompts.tokenizer)
+        marks = self._prompts.landmarks(prompt, tokens, render, system_tokens=self._keep is None)
+        keep = self._keep_for(tokens, marks)
+        # A prompt that must be cut leaves room to answer, so the answer does not begin with a
+        # shift.
+        budget = self._max_context
+        if len(tokens) > budget:
+            budget -= max(1, min(params.max_tokens, self._max_context // 4))
+        chat = None
+        if marks.chat and len(tokens) > budget:  # `fit_prompt` cuts only such a prompt
+            chat = self._chat_cut(prompt, marks.system, render, cut_starts(salt))
+        held = functools.partial(cached_prefix, salt=salt)
+        fitted = fit_prompt(tokens, budget, keep, cached_prefix=held, chat=chat)
+        cut_start = None if fitted.first_message is None else prompt[fitted.first_message]
+        return Request(
+            fitted.tokens,
+            keep,
+            marks.header_tokens,
+            params,
+            options.progress,
+            options.cancel or threading.Event(),
+            options.top_logprobs,
+            options.cache_key,
+            # drafts verified k at a time would each need the grammar's state: off
+            None if options.grammar is not None else options.speculative,
+            cut_start,
+            options.grammar,
+            salt,
+        )
+
+    def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:
+        raise ContextLengthError(
+            f"the prompt is {prompt_tokens:,} tokens and the context holds {self._max_context:,}"
+            " (at least 1 must stay free for the answer); shorten the prompt or raise "
+            "max_context",
+            prompt_tokens=prompt_tokens,
+            max_context=self._max_context,
+        )
+
+    def _fit_max_tokens(
+        self, params: SamplingParams, prompt_tokens: int, overflow: str
+    ) -> SamplingParams:
+        """`params` whose max_tokens the window holds after the prompt, as `overflow` says."""
+        room = self._max_context - prompt_tokens
+        if overflow == "shift" or params.max_tokens <= room:
+            return params
+        if overflow == "stop":
+            return dataclasses.replace(params, max_tokens=max(room, 0))
+        raise ContextLengthError(
+            f"the prompt is {prompt_tokens:,} tokens and max_tokens is {params.max_tokens:,}: "
+            f"together over the context of {self._max_context:,}; lower max_tokens to at most "
+            f"{max(room, 0):,} or shorten the prompt",
+            prompt_tokens=prompt_tokens,
+            max_tokens=params.max_tokens,
+            max_context=self._max_context,
+        )
+
+    def _keep_for(self, tokens: list[int], marks: Landmarks) -> int:
+        """Tokens truncation and shifts never drop: the setting, else the system prompt."""
+        if self._keep is not None:
+            return self._keep
+        if not marks.system:
+            return min(DEFAULT_KEEP_TOKENS, len(tokens))
+        return marks.system_tokens
+
+    @staticmethod
+    def _chat_cut(
+        prompt: Sequence[Message],
+        system: list[Message],
+        render: Render,
+        cut_starts: Sequence[Message],
+    ) -> ChatCut:
+        """How a chat may be cut: at user messages after the first, keeping the system prompt
+        (`system`); a cut an entry holds is preferred (found by its first message; the latest
+        such point, for the newest entry first)."""
+        points = [i for i in range(len(system) + 1, len(prompt)) if prompt[i].get("role") == "user"]
+        preferred = next(
+            (i for start in cut_starts for i in reversed(points) if prompt[i] == start), None
+        )
+        return ChatCut(
+            render_from=lambda first: render(system + list(prompt[first:])),
+            cut_points=points,
+            preferred=preferred,
+        )
+
+
+def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
+    unknown = sorted(set(sampling) - set(_SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"unknown generation settings {', '.join(unknown)}; use {', '.join(_SAMPLING_FIELDS)}"
+        )
+    return SamplingParams(**sampling)
+
+
+def salt_digest(cache_salt: str | None) -> str | None:
+    """The isolation domain of a request's `cache_salt` (kept instead of the salt itself,
+    which may be a secret): None, the shared domain, for no salt."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
+    return hashlib.sha256(f"mlxkv-cache-salt\n{cache_salt}".encode()).hexdigest()[:32]

@@ -1,0 +1,61 @@
+"""Sampled token ids -> the text chunks a caller streams.
+
+Owns `emit_chunks`: detokenizing, EOS, stop strings (text after a stop string is never
+shown), per-request cancel, and the final chunk with the `Completion`. Does not own how the
+tokens were produced (`generate.decode_tokens`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from mlxkv.decoding.picker import TokenPicker
+from mlxkv.runner.request import Request
+from mlxkv.runner.results import CompletionStats, GenerationChunk
+from mlxkv.runner.text.stop_strings import StopStrings
+
+
+def emit_chunks(
+    tokenizer: Any,
+    decoded: Iterator[int | None],
+    stats: CompletionStats,
+    request: Request,
+    pick: TokenPicker,
+) -> Iterator[GenerationChunk | None]:
+    """Yields one chunk per sampled token that is not EOS, then the final chunk, and None
+    where `decoded` pauses (batched decoding letting other work run); EOS, a stop
+    string, and the request's cancel flag end it (the generator `decoded` is then left, which
+    stops the model)."""
+    stops = StopStrings(request.params.stop)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    finish, cut_by_stop_string = "length", False
+    for token in decoded:
+        if token is None:  # a pause in batched decoding: other work runs first
+            yield None
+            continue
+        stats.sampled()
+        logprob = pick.pop_logprob()
+        if token in tokenizer.eos_token_ids:
+            finish = "stop"
+            break
+        detokenizer.add_token(token)
+        text, stopped = stops.push(detokenizer.last_segment)
+        yield stats.chunk(token, text, logprob)
+        if stopped:
+            finish, cut_by_stop_string = "stop", True
+            break
+        if request.cancelled.is_set():
+            finish = "cancelled"
+            break
+    if hasattr(decoded, "close"):  # stop the model now, not when the caller moves on
+        decoded.close()
+    tail = ""
+    if not cut_by_stop_string:
+        detokenizer.finalize()  # text held back (e.g. trailing spaces) may complete a stop
+        tail, stopped = stops.finish(detokenizer.last_segment)
+        if stopped and finish == "length":
+            finish = "stop"
+        stats.text.append(tail)
+    yield stats.final_chunk(tail, finish, stops.matched)

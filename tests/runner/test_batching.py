@@ -1,0 +1,508 @@
+"""Batched streams (`Runner.stream(batched=True)`, the server's) against the same requests run
+one at a time: the same greedy tokens and log-probabilities on every architecture (batched
+where the cache batches, taking turns where it cannot, said in the log), a stream that leaves
+mid-batch, seeded sampling, and the cache budget held with a full batch. Every entry is checked
+after every request by `tests/invariants.py`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from mlxkv import Runner
+from mlxkv.decoding import batch as batch_module
+from mlxkv.decoding.picker import TokenPicker
+from mlxkv.errors import RunnerBusyError
+from mlxkv.runner import request_run
+from mlxkv.runner.prefill import group as prefill_group
+from mlxkv.testing.factory import ARCHITECTURES
+from tests.factories import recorded, wait_until
+
+PROMPTS = [
+    "The first request, about caches.",
+    "Another one, somewhat longer than the first request was, about memory.",
+    "Third.",
+    "The fourth request of this test asks about batches and their rows.",
+]
+BATCHING = ("llama", "qwen3")  # factory models whose caches are all float K/V layers
+
+
+def _tokens_and_logprobs(chunks):
+    chunks = list(chunks)
+    tokens = [c.token for c in chunks if c.token is not None]
+    return tokens, [c.logprob.logprob for c in chunks if c.logprob is not None]
+
+
+def _together(runner, prompts, **options):
+    """Each prompt's batched stream on a thread of its own, all started before any runs (the
+    engine held meanwhile): (tokens, logprobs) per prompt, and the batch's row counts."""
+    results: list = [None] * len(prompts)
+
+    def run(i):
+        results[i] = _tokens_and_logprobs(runner.stream(prompts[i], batched=True, **options))
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(len(prompts))])
+    return results
+
+
+def _queued_then_run(runner, targets) -> None:
+    """Each target (reading one batched stream) on a thread of its own, the engine held until
+    every stream has taken its place; returns when all have ended."""
+    gate = threading.Event()
+    runner._engine._submit(lambda: gate.wait(30))
+    threads = [threading.Thread(target=target) for target in targets]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: runner._dispatch._slots.taken == len(targets), what="every stream queued")
+    gate.set()
+    for thread in threads:
+        thread.join(60)
+
+
+@pytest.fixture
+def rows(monkeypatch):
+    """The number of rows of every batched step taken."""
+    seen: list[int] = []
+    step = batch_module.DecodeBatch._step
+
+    def counting(self):
+        seen.append(self.num_rows)
+        return step(self)
+
+    monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
+    return seen
+
+
+def _assert_same_answers(got, want):
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_batched_streams_answer_as_one_at_a_time(loaded_tiny, arch, rows, caplog):
+    loaded = loaded_tiny(arch)
+    options = {"max_tokens": 24, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS]
+    with caplog.at_level(logging.INFO, logger="mlxkv.runner.assembly"):
+        runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    got = _together(runner, PROMPTS, **options)
+    _assert_same_answers(got, want)
+    if arch in BATCHING:
+        assert max(rows) >= 2, "the streams never decoded together"
+    else:
+        assert not rows
+        assert "do not batch" in caplog.text
+
+
+def test_a_stream_that_leaves_mid_batch_leaves_the_others_exact(loaded_tiny, rows):
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 32, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:3]]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    left = threading.Event()
+    results: list = [None] * 3
+
+    def leaver():
+        stream = runner.stream(PROMPTS[0], batched=True, **options)
+        for n, _ in enumerate(stream, 1):
+            if n == 3:
+                stream.close()  # a client that went away
+                left.set()
+                return
+
+    def stayer(i):
+        results[i] = _tokens_and_logprobs(runner.stream(PROMPTS[i], batched=True, **options))
+
+    _queued_then_run(runner, [leaver, lambda: stayer(1), lambda: stayer(2)])
+    assert left.is_set() and max(rows) == 3
+    _assert_same_answers(results[1:], want[1:])
+    assert runner._dispatch._slots.taken == 0 and runner._dispatch._batching.batch.num_rows == 0
+
+
+def test_a_seeded_stream_among_batched_ones_draws_as_alone(loaded_tiny, rows):
+    """It decodes alone (taking turns with the batch), on its own random key."""
+    loaded = loaded_tiny("llama")
+    seeded = {"max_tokens": 16, "temperature": 1.0, "seed": 7}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [c.token for c in alone.stream(PROMPTS[0], **seeded) if c.token is not None]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    results: list = [None] * 3
+
+    def run(i):
+        options = seeded if i == 0 else {"max_tokens": 16, "temperature": 1.0}
+        stream = runner.stream(PROMPTS[i], batched=True, **options)
+        results[i] = [c.token for c in stream if c.token is not None]
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    assert results[0] == want
+    assert max(rows) == 2  # the two others, batched
+
+
+def test_the_budget_holds_after_a_full_batch(loaded_tiny):
+    loaded = loaded_tiny("llama")
+    budget = 96 * 1024
+    runner = Runner(loaded, max_context=512, cache_entries=8, cache_bytes=budget, max_batch=4)
+    _together(runner, PROMPTS, max_tokens=40, temperature=0.0)
+    assert runner._dispatch._batching.batch.nbytes == 0
+    assert runner._pool.nbytes <= budget
+
+
+def test_more_streams_than_places_wait_and_a_cancelled_waiter_gives_up(loaded_tiny):
+    runner = Runner(loaded_tiny("llama"), max_context=512, cache_entries=8, max_batch=1)
+    gate = threading.Event()
+    runner._engine._submit(lambda: gate.wait(30))
+    first = runner.stream(PROMPTS[0], batched=True, max_tokens=4)
+    holder = threading.Thread(target=lambda: list(first))
+    holder.start()
+    wait_until(lambda: runner._dispatch._slots.taken == 1, what="the first stream in its place")
+    cancel = threading.Event()
+    cancel.set()
+    waiting = list(runner.stream(PROMPTS[1], batched=True, max_tokens=4, cancel=cancel))
+    assert waiting[-1].completion.finish_reason == "cancelled"
+    gate.set()
+    holder.join(60)
+    assert runner._dispatch._slots.taken == 0
+
+
+def test_a_second_stream_on_a_thread_still_reading_one_is_refused_not_hung(loaded_tiny):
+    """With every place taken by this thread's own stream, waiting would never end."""
+    runner = Runner(loaded_tiny("llama"), max_context=512, max_batch=1)
+    first = runner.stream(PROMPTS[0], batched=True, max_tokens=8)
+    next(first)
+    with pytest.raises(RunnerBusyError):
+        next(runner.stream(PROMPTS[1], batched=True, max_tokens=8))
+    first.close()
+    assert runner._dispatch._slots.taken == 0
+
+
+def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, rows):
+    """Alone, a stream decodes speculatively; when a second stream takes a place it goes on
+    in the batch with it (one forward for both), with the tokens it would have had alone."""
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 40, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:2]]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    got = _joined_mid_reply(runner, options, PROMPTS[1], options)
+    _assert_same_answers(list(got), want)
+    assert max(rows) == 2, "the speculative stream never joined the batch"
+
+
+def _paused_mid_batch(runner, prompts, options, during):
+    """Each prompt's batched stream on its own thread; once every stream has read 4 chunks
+    (all of them decoding in the batch), `during()` runs; then the streams finish."""
+    results: list = [None] * len(prompts)
+    halfway = [threading.Event() for _ in prompts]
+    go = threading.Event()
+
+    def run(i):
+        chunks = []
+        for chunk in runner.stream(prompts[i], batched=True, **options):
+            chunks.append(chunk)
+            if len(chunks) == 4:
+                halfway[i].set()
+                go.wait(30)
+        results[i] = _tokens_and_logprobs(chunks)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for event in halfway:
+        assert event.wait(30)
+    during()
+    go.set()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def test_reset_mid_batch_lets_the_streams_finish_then_drops_their_entries(loaded_tiny, rows):
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 16, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:2]]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4, speculative=None)
+    got = _paused_mid_batch(runner, PROMPTS[:2], options, runner.reset)
+    _assert_same_answers(got, want)
+    assert max(rows) == 2
+    assert runner._pool.entries == [] and runner.cache_info().entries == ()
+
+
+def test_close_mid_batch_saves_what_each_entry_held_and_the_streams_finish(
+    loaded_tiny, rows, tmp_path
+):
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 16, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:2]]
+    config = {"max_context": 512, "cache_entries": 8, "max_batch": 4, "cache_dir": tmp_path}
+    runner = Runner(loaded, **config)
+    got = _paused_mid_batch(runner, PROMPTS[:2], options, runner.close)
+    _assert_same_answers(got, want)
+    assert max(rows) == 2
+    restarted = Runner(loaded, **config)
+    again = list(restarted.stream(PROMPTS[0], **options))
+    _assert_same_answers([_tokens_and_logprobs(again)], want[:1])
+    assert again[-1].completion.cached_tokens > 0  # from the disk tier
+
+
+def test_the_next_turn_started_at_the_last_chunk_finds_the_entry_released(loaded_tiny):
+    """A client (the server) may send its next turn as soon as it has a reply's last chunk,
+    before it asks the stream for its end; that turn reuses what it would after the end."""
+    options = {"max_tokens": 16, "temperature": 0.0, "speculative": None}
+    chat = [{"role": "user", "content": "Tell me about caches and their entries, please."}]
+
+    def second_turn(early: bool):
+        runner = Runner(loaded_tiny("llama"), max_context=1024, cache_entries=8, max_batch=4)
+        first = runner.stream(chat, batched=True, **options)
+        last = next(chunk for chunk in first if chunk.completion is not None)
+        if not early:
+            first.close()
+        turn = [*chat, {"role": "assistant", "content": last.completion.text}]
+        turn.append({"role": "user", "content": "And again?"})
+        reply = {}
+        second = threading.Thread(
+            target=lambda: reply.setdefault("c", runner.generate(turn, batched=True, **options))
+        )
+        second.start()
+        second.join(60)
+        first.close()
+        return reply["c"].cached_tokens, len(runner._pool.entries)
+
+    after_the_end = second_turn(early=False)
+    assert after_the_end[0] > 0
+    assert second_turn(early=True) == after_the_end
+
+
+def _joined_mid_reply(runner, first_options, second_prompt, second_options):
+    """A stream read for 3 chunks alone, then a second one started; the first read to its end
+    (with its alone answer compared by the caller); the second's tokens."""
+    first = runner.stream(PROMPTS[0], batched=True, **first_options)
+    head = [next(first) for _ in range(3)]
+    assert runner._dispatch._batching.batch.num_rows == 0  # decoding alone, speculatively
+    gate, holding, results = threading.Event(), threading.Event(), []
+    runner._engine._submit(lambda: holding.set() or gate.wait(30))
+    holding.wait(30)
+    second = threading.Thread(
+        target=lambda: results.append(
+            _tokens_and_logprobs(runner.stream(second_prompt, batched=True, **second_options))
+        )
+    )
+    second.start()
+    wait_until(lambda: runner._engine._jobs.qsize() == 1, what="the second stream queued")
+    gate.set()
+    got = _tokens_and_logprobs([*head, *first])
+    second.join(60)
+    return got, results[0]
+
+
+def test_a_speculative_stream_stays_alone_beside_one_that_cannot_batch(loaded_tiny, rows):
+    """A seeded stream never joins the batch: the other keeps speculating."""
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 40, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = _tokens_and_logprobs(alone.stream(PROMPTS[0], **options))
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    seeded = {"max_tokens": 8, "temperature": 1.0, "seed": 3}
+    got, _ = _joined_mid_reply(runner, options, PROMPTS[1], seeded)
+    _assert_same_answers([got], [want])
+    assert not rows, "it went into a batch that nobody else could join"
+
+
+def test_a_speculative_stream_goes_back_alone_when_the_others_are_done(loaded_tiny, rows):
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 60, "temperature": 0.0, "logprobs": 0}
+    short = {"max_tokens": 4, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [
+        _tokens_and_logprobs(alone.stream(PROMPTS[0], **options)),
+        _tokens_and_logprobs(alone.stream(PROMPTS[1], **short)),
+    ]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    got = _joined_mid_reply(runner, options, PROMPTS[1], short)
+    _assert_same_answers(list(got), want)
+    assert max(rows) == 2
+    assert len(rows) < 10, f"{len(rows)} batched steps: it stayed in the batch alone"
+
+
+def test_a_request_failing_as_its_decoding_starts_is_not_counted_as_decoding(
+    loaded_tiny, monkeypatch
+):
+    """Else every later stream would think another one decodes beside it."""
+    runner = Runner(loaded_tiny("llama"), max_context=512, max_batch=4)
+
+    def failing(*args, **kwargs):
+        raise ValueError("no decoder")
+
+    monkeypatch.setattr(request_run, "_decode", failing)
+    with pytest.raises(ValueError, match="no decoder"):
+        list(runner.stream(PROMPTS[0], batched=True, max_tokens=4))
+    assert runner._dispatch._batching.streams == 0
+
+
+@pytest.mark.parametrize("arch", BATCHING)
+def test_streams_arriving_together_are_prefilled_together_and_answer_as_alone(
+    loaded_tiny, arch, monkeypatch
+):
+    """Four streams whose first jobs are all queued before any runs: the three sharing no
+    prefix are prefilled in one batched pass; the fourth (its first token is the first one's)
+    waits for that token to be fed, copies it and feeds the rest itself. Every answer is
+    its alone one."""
+    loaded = loaded_tiny(arch)
+    options = {"max_tokens": 12, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    passes = recorded(
+        monkeypatch, prefill_group, "prefill_together",
+        lambda _model, caches, _prompts: [cache.num_tokens for cache in caches],
+    )  # fmt: skip
+    results = _first_jobs_queued_then_run(runner, PROMPTS, [options] * len(PROMPTS))
+    assert passes == [[0, 0, 0]]
+    _assert_same_answers(results, want)
+
+
+def _first_jobs_queued_then_run(runner, prompts, options) -> list:
+    """Each prompt's batched stream on a thread of its own, their first jobs all queued on
+    the engine (held meanwhile) before any runs: (tokens, logprobs) per prompt."""
+    results: list = [None] * len(prompts)
+
+    def run(i):
+        chunks = runner.stream(prompts[i], batched=True, **options[i])
+        results[i] = _tokens_and_logprobs(chunks)
+
+    holding, gate = threading.Event(), threading.Event()
+    runner._engine._submit(lambda: (holding.set(), gate.wait(30)))
+    assert holding.wait(30), "the engine never took the holding job"  # no first job before it
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: len(runner._engine._urgent) == len(prompts), what="every first job queued")
+    gate.set()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def test_a_seeded_stream_is_not_prefilled_with_others(loaded_tiny, monkeypatch):
+    """Its first token is drawn from logits of its prompt fed alone, as when it runs alone
+    (batched kernels round otherwise): the two others are prefilled together without it."""
+    loaded = loaded_tiny("llama")
+    prompts = ["Alpha one two.", "Bravo three four.", "Zulu five six seven eight."]
+    greedy = {"max_tokens": 8, "temperature": 0.0, "logprobs": 0}
+    seeded = {"max_tokens": 8, "temperature": 1.0, "seed": 7, "logprobs": 0}
+    options = [greedy, greedy, seeded]
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [
+        _tokens_and_logprobs(alone.stream(p, **o)) for p, o in zip(prompts, options, strict=True)
+    ]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    passes = recorded(
+        monkeypatch, prefill_group, "prefill_together",
+        lambda _model, _caches, fed: sorted(len(tokens) for tokens in fed),
+    )  # fmt: skip
+    results = _first_jobs_queued_then_run(runner, prompts, options)
+    lengths = [len(runner.encode(p)) for p in prompts]
+    assert passes == [sorted(lengths[:2])]
+    assert results[2] == want[2]  # the seeded one's draws, exactly
+    _assert_same_answers(results[:2], want[:2])
+
+
+_SHARED_TOKENS = 100
+
+
+def _sharing_a_prefix(loaded):
+    """Three token prompts sharing their first 100 tokens, greedy options with logprobs, each
+    prompt's alone answer, and a Runner that batches and feeds 16 tokens per chunk."""
+    shared = [(7 * i) % 200 + 5 for i in range(_SHARED_TOKENS)]
+    prompts = [shared + [300 + i, 310 + i, 320 + i] for i in range(3)]
+    options = {"max_tokens": 8, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in prompts]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4, prefill_step_size=16)
+    return prompts, options, want, runner
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_streams_arriving_together_feed_their_shared_prefix_once(loaded_tiny, arch):
+    """Three prompts sharing 100 tokens (an agent's system prompt), started at once: the
+    first feeds them, the others wait for it and copy them (cached 100; layers that cannot
+    trim back copy a checkpoint), and every answer is still its alone one."""
+    prompts, options, want, runner = _sharing_a_prefix(loaded_tiny(arch))
+    results: list = [None] * 3
+
+    def run(i):
+        chunks = list(runner.stream(prompts[i], batched=True, **options))
+        results[i] = (_tokens_and_logprobs(chunks), chunks[-1].completion.cached_tokens)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    _assert_same_answers([answer for answer, _ in results], want)
+    assert sorted(cached for _, cached in results) == [0, _SHARED_TOKENS, _SHARED_TOKENS]
+
+
+def test_streams_waiting_for_a_shared_prefix_go_on_when_its_feeder_is_cancelled(loaded_tiny):
+    """The stream feeding the shared 100 tokens, cancelled halfway through: the others stop
+    waiting, reuse what it fed and feed the rest themselves, with their alone answers."""
+    prompts, options, want, runner = _sharing_a_prefix(loaded_tiny("llama"))
+    cancels = [threading.Event() for _ in prompts]
+    first_past_48 = threading.Lock()  # taken by the feeder, the first to feed 48 tokens
+    results: list = [None] * 3
+
+    def run(i):
+        def progress(done, _total):
+            if done >= 48 and first_past_48.acquire(blocking=False):
+                cancels[i].set()
+
+        stream = runner.stream(
+            prompts[i], batched=True, cancel=cancels[i], progress=progress, **options
+        )
+        chunks = list(stream)
+        results[i] = (_tokens_and_logprobs(chunks), chunks[-1].completion)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    (feeder,) = [i for i in range(3) if cancels[i].is_set()]
+    assert results[feeder][1].finish_reason == "cancelled"
+    others = [i for i in range(3) if i != feeder]
+    _assert_same_answers([results[i][0] for i in others], [want[i] for i in others])
+    cached = sorted(results[i][1].cached_tokens for i in others)
+    assert 48 <= cached[0] < _SHARED_TOKENS and cached[1] == _SHARED_TOKENS
+
+
+def test_greedy_rows_reporting_no_logprobs_pick_together_and_answer_as_alone(
+    loaded_tiny, rows, monkeypatch
+):
+    """Greedy rows that report no log-probabilities take the argmax of the batch's logits in
+    one op (no normalizing, no per-row pick): their tokens are those of the same request
+    alone with log-probabilities (normalized, row by row), beside a row that reports them."""
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 24, "temperature": 0.0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, logprobs=0, **options)) for p in PROMPTS[:3]]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    bare_picks = []
+    call = TokenPicker.__call__
+
+    def counting(self, logits):
+        if self.bare_argmax:
+            bare_picks.append(logits.shape)
+        return call(self, logits)
+
+    monkeypatch.setattr(TokenPicker, "__call__", counting)
+    results: list = [None] * 3
+
+    def run(i):
+        logprobs = {"logprobs": 0} if i == 2 else {}
+        results[i] = _tokens_and_logprobs(
+            runner.stream(PROMPTS[i], batched=True, **logprobs, **options)
+        )
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    assert max(rows) == 3
+    assert [tokens for tokens, _ in results] == [tokens for tokens, _ in want]
+    _assert_same_answers(results[2:], want[2:])
+    assert len(bare_picks) == 2  # each bare row's first token, from its prompt's logits

@@ -1,0 +1,96 @@
+"""The disk tier gives memory back: an entry handed to the background writer is freed once
+written, and a Runner that is closed and dropped leaves neither a writer thread nor memory
+behind (issue: +1 entry per request with a disk tier, never given back)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import mlx.core as mx
+import pytest
+
+from mlxkv.runner.disk import store as store_module
+
+EVICTIONS = 200
+
+
+def _settled_memory() -> int:
+    gc.collect()
+    mx.synchronize()
+    return mx.get_active_memory()
+
+
+@pytest.mark.parametrize("speculative", ["auto", None], ids=["auto", "off"])
+def test_evictions_to_disk_give_their_memory_back(make_runner, loaded_tiny, tmp_path, speculative):
+    loaded_tiny("llama")  # the weights stay loaded for the session: not counted
+    start = _settled_memory()
+    runner = make_runner(
+        "llama", max_context=256, cache_entries=1, cache_dir=tmp_path, speculative=speculative
+    )
+    settled = entry_bytes = 0
+    for turn in range(EVICTIONS):
+        # each prompt starts apart from the last one's, so its entry evicts the last (to disk)
+        runner.generate(f"{turn} the history of conversation {turn}", max_tokens=4)
+        if turn == 9:
+            runner._pool.store.flush()
+            settled, entry_bytes = _settled_memory(), runner.cache_info().held_bytes
+    runner._pool.store.flush()
+    assert runner._pool.store.num_entries >= EVICTIONS - 10
+    assert _settled_memory() - settled <= entry_bytes
+
+    runner.close()
+    dropped = weakref.ref(runner)
+    del runner
+    gc.collect()
+    assert dropped() is None
+    assert not [t for t in threading.enumerate() if t.name == "mlxkv-disk-writer"]
+    assert _settled_memory() - start <= entry_bytes // 4  # what MLX keeps, not an entry
+
+
+def test_a_runner_dropped_without_close_stops_its_writer(make_runner, tmp_path):
+    runner = make_runner("llama", cache_entries=1, cache_dir=tmp_path)
+    for turn in range(3):
+        runner.generate(f"{turn} apart {turn}", max_tokens=2)
+    writer = runner._pool.store._writer
+    assert writer is not None
+    del runner
+    gc.collect()
+    writer.join(timeout=30)
+    assert not writer.is_alive()
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """Background writes wait for `release` (set it to let them go); each started write's name
+    is appended to `started`."""
+    release, started = threading.Event(), []
+    run = store_module.DiskStore._run
+
+    def held(self, job):
+        started.append(job.name)
+        assert release.wait(timeout=60)
+        run(self, job)
+
+    monkeypatch.setattr(store_module.DiskStore, "_run", held)
+    yield release, started
+    release.set()
+
+
+def test_a_queued_write_is_not_queued_again_and_counts_its_whole_buffers(
+    make_runner, tmp_path, held_writes
+):
+    release, started = held_writes
+    runner = make_runner("llama", cache_entries=4, cache_dir=tmp_path)
+    runner.generate("a conversation to keep on disk", max_tokens=2)
+    store, cache = runner._pool.store, runner._pool.current.cache
+    store.write(cache)
+    store.write(cache)
+    assert store.holds(store_module.np.asarray(cache.tokens, dtype=store_module.np.uint32))
+    # the views written keep the entry's allocated buffers alive, not only their slices
+    assert store.pending_bytes == cache.nbytes > cache.used_bytes
+    release.set()
+    store.flush()
+    assert len(started) == 1
+    assert store.pending_bytes == 0

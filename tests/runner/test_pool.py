@@ -1,0 +1,253 @@
+"""CachePool against brute force: the reuse it picks is the longest common prefix over the
+entries, every entry's K/V holds exactly its token ids (copies included), and the count and
+byte budgets hold after every request."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+
+from mlxkv.cache import KVCache, ModelCache, SlidingWindowCache
+from mlxkv.runner.disk.store import DiskStore
+from mlxkv.runner.prompt_cache.pool import CachePool
+from tests.factories import make_kv, positions_of
+from tests.invariants import assert_recorded_bytes_current
+
+LAYERS = 2
+
+
+class _IdWriter:
+    """Stands in for a model: each layer's K/V for a token is the token's id."""
+
+    def __call__(self, ids: mx.array, cache) -> mx.array:
+        for layer in cache:
+            layer.update_and_fetch(*make_kv(ids.reshape(-1).tolist()))
+        return mx.zeros((1, ids.shape[1], 1))
+
+
+def _make_entry() -> ModelCache:
+    def make_layers():
+        return [KVCache(step=4) for _ in range(LAYERS)]
+
+    return ModelCache(make_layers(), make_layers)
+
+
+def _request(pool: CachePool, tokens: list[int], extra: list[int] = (), reply_start=None):
+    """One request: look up, feed the rest and `extra` (a reply), release."""
+    hit = pool.fetch_nearest(tokens, reply_start=reply_start)
+    hit.cache.forward(_IdWriter(), hit.remaining + list(extra))
+    pool.release()
+    return hit
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _check_entries(pool: CachePool) -> None:
+    for entry in pool.entries:
+        held = entry.cache.tokens
+        assert entry.tokens.tolist() == held
+        for layer in entry.cache:
+            assert layer.offset == len(held)
+            assert positions_of(layer.state[0]) == held  # K/V really are these tokens'
+    assert_recorded_bytes_current(pool)
+
+
+# Prompts from a tiny alphabet share prefixes often: hits, copies, trims and misses all occur.
+_prompts = st.lists(st.integers(1, 3), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(st.tuples(_prompts, st.lists(st.integers(1, 3), max_size=3)), max_size=12),
+    max_entries=st.integers(1, 4),
+    budget_tokens=st.one_of(st.none(), st.integers(8, 40)),
+)
+def test_fetch_nearest_agrees_with_brute_force(requests, max_entries, budget_tokens):
+    # one token of one layer is 2 heads x 4 dims x 4 bytes, keys and values
+    max_bytes = None if budget_tokens is None else budget_tokens * LAYERS * 64
+    pool = CachePool(_make_entry, max_entries=max_entries, max_bytes=max_bytes)
+    for prompt, reply in requests:
+        held = [e.cache.tokens for e in pool.entries]
+        want = max((min(_lcp(h, prompt), len(prompt) - 1) for h in held), default=0)
+        hit = _request(pool, prompt, reply)
+        assert hit.num_cached == want
+        assert hit.remaining == prompt[want:]
+        _check_entries(pool)
+        assert len(pool.entries) <= max_entries
+        if max_bytes is not None:
+            assert pool.nbytes <= max_bytes
+
+
+def test_a_prefix_shared_by_another_conversation_is_copied_not_taken():
+    pool = CachePool(_make_entry, max_entries=4)
+    system = [7, 7, 7, 7]
+    first = system + [1, 1, 1]
+    _request(pool, first, [5, 5], reply_start=len(first))
+    hit = _request(pool, system + [2, 2], [6], reply_start=6)
+    assert hit.num_cached == len(system)
+    held = sorted(e.cache.tokens for e in pool.entries)
+    assert held == sorted([first + [5, 5], system + [2, 2, 6]])
+    _check_entries(pool)
+
+
+def test_a_reply_rendered_back_differently_trims_in_place():
+    pool = CachePool(_make_entry, max_entries=4)
+    prompt = [7, 7, 1, 1]
+    _request(pool, prompt, [5, 5, 5], reply_start=len(prompt))
+    hit = _request(pool, prompt + [5, 9, 2], [6], reply_start=7)
+    assert hit.num_cached == len(prompt) + 1
+    assert [e.cache.tokens for e in pool.entries] == [prompt + [5, 9, 2, 6]]
+
+
+def test_one_entry_trims_in_place_like_a_single_cache():
+    pool = CachePool(_make_entry, max_entries=1)
+    _request(pool, [7, 7, 1, 1], [5])
+    hit = _request(pool, [7, 7, 2], [6])
+    assert hit.num_cached == 2
+    assert [e.cache.tokens for e in pool.entries] == [[7, 7, 2, 6]]
+
+
+def test_eviction_takes_superseded_entries_first_then_least_recently_used():
+    pool = CachePool(_make_entry, max_entries=3)
+    _request(pool, [1, 1, 1, 1, 1], [1])  # A
+    hit = pool.fetch_nearest([1, 1, 1, 9], reply_start=4)  # B: a copy of A's first 3 tokens
+    assert hit.num_cached == 3
+    pool.release()  # B is fed nothing (a cancelled request): a strict prefix of A
+    _request(pool, [2, 2, 2], [2])  # C, the newest
+    _request(pool, [3, 3, 3], [3])  # D: over the count by one
+    held = sorted(e.cache.tokens for e in pool.entries)
+    assert held == [[1, 1, 1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]]  # B went, not A (older)
+    _request(pool, [4, 4, 4], [4])
+    held = sorted(e.cache.tokens for e in pool.entries)
+    assert held == [[2, 2, 2, 2], [3, 3, 3, 3], [4, 4, 4, 4]]  # then A, least recently used
+
+
+def test_an_entry_alone_over_the_byte_budget_keeps_its_longest_prefix_that_fits():
+    budget = 8 * LAYERS * 64
+    pool = CachePool(_make_entry, max_entries=4, max_bytes=budget)
+    _request(pool, [1] * 5, [1])
+    assert len(pool.entries) == 1
+    _request(pool, list(range(2, 22)), [22])  # 21 tokens: the other entry goes, then its tail
+    (entry,) = pool.entries
+    kept = entry.cache.tokens
+    assert 0 < len(kept) < 21 and kept == list(range(2, 2 + len(kept)))
+    assert entry.tokens.tolist() == kept and pool.nbytes <= budget
+    hit = pool.fetch_nearest(list(range(2, 30)))
+    assert hit.num_cached == len(kept)
+
+
+def test_an_entry_not_even_a_token_of_which_fits_is_evicted():
+    pool = CachePool(_make_entry, max_entries=4, max_bytes=1)
+    _request(pool, [2] * 20, [2])
+    assert pool.entries == [] and pool.nbytes == 0
+
+
+def test_empty_tokens_are_refused():
+    with pytest.raises(ValueError, match="empty"):
+        CachePool(_make_entry).fetch_nearest([])
+
+
+def test_an_entry_in_use_is_copied_from_never_trimmed_extended_or_evicted():
+    """Interleaved requests (a decode batch): while one request generates into an entry, a
+    request sharing part of it gets a copy of that part, and eviction passes it over."""
+    pool = CachePool(_make_entry, max_entries=2)
+    _request(pool, [1, 2, 3, 4], [5, 6])
+    first = pool.fetch_nearest([1, 2, 3, 4, 5, 6, 7], reply_start=2)  # in place: in use
+    in_use = pool.current
+    first.cache.forward(_IdWriter(), first.remaining + [8, 9])
+    second = pool.fetch_nearest([1, 2, 3, 9])  # would trim the entry were it free
+    assert pool.current is not in_use and second.num_cached == 3
+    assert in_use.cache.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    second.cache.forward(_IdWriter(), second.remaining)
+    pool.release(pool.current)
+    pool.evict(max_entries=0)  # everything evictable goes; the entry in use stays
+    assert pool.entries == [in_use]
+    pool.release(in_use)
+    _check_entries(pool)
+    assert pool.entries[0].tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_an_entry_in_use_is_measured_as_it_is_fed_an_idle_one_as_recorded():
+    """The budget and the memory line read an idle entry's bytes as its request's end
+    recorded them (no walk of its layers, safe from any thread), and one in use as it grows."""
+    pool = CachePool(_make_entry, max_entries=2)
+    _request(pool, [1, 2, 3, 4], [5])
+    (entry,) = pool.entries
+    assert entry.recorded is not None and pool.usage().entries[0].footprint.num_tokens == 5
+    hit = pool.fetch_nearest([1, 2, 3, 4, 5, 6])  # extended in place: in use
+    hit.cache.forward(_IdWriter(), hit.remaining + list(range(7, 20)))
+    (measured,) = pool.usage().entries
+    assert measured.footprint.num_tokens == 19
+    assert measured.footprint.allocated_bytes == entry.cache.footprint().allocated_bytes
+    pool.release()
+    assert pool.usage().entries[0].footprint == entry.recorded[0]
+    _check_entries(pool)
+
+
+def test_an_entry_loaded_from_disk_and_only_copied_from_is_recorded(tmp_path):
+    """A request sharing part of a file loads it whole and copies that part: the loaded
+    entry stays idle, its bytes recorded like any other's."""
+    store = DiskStore(tmp_path, fingerprint="f", signature="s", max_bytes=2**30, trimmable=True)
+    pool = CachePool(_make_entry, max_entries=3, store=store)
+    _request(pool, list(range(1, 11)), [11, 12])
+    pool.persist()
+    pool.clear()
+    _request(pool, [1, 2, 3, 4, 5, 6, 99, 98])
+    assert len(pool.entries) == 2
+    _check_entries(pool)
+
+
+def test_a_copy_from_an_entry_in_use_follows_what_its_cache_holds_now():
+    """Its request may have shifted it (a context shift drops tokens mid-window): a copy of
+    the recorded prefix would then be other tokens' K/V."""
+    pool = CachePool(_make_entry, max_entries=2)
+    _request(pool, [1, 2, 3, 4, 5, 6])
+    first = pool.fetch_nearest([1, 2, 3, 4, 5, 6, 7])
+    in_use = pool.current
+    in_use.cache.trim_to(2)  # as if shifted: it holds [1, 2, 8, 9] now
+    first.cache.forward(_IdWriter(), [8, 9])
+    second = pool.fetch_nearest([1, 2, 3, 4, 5, 6, 10])
+    assert second.num_cached == 2
+    second.cache.forward(_IdWriter(), second.remaining)
+    pool.release(pool.current)
+    pool.release(in_use)
+    _check_entries(pool)
+
+
+def _make_windowed_entry() -> ModelCache:
+    """Layers of which one cannot always trim back (a sliding window): it needs checkpoints."""
+
+    def make_layers():
+        return [KVCache(step=4), SlidingWindowCache(window=64)]
+
+    return ModelCache(make_layers(), make_layers)
+
+
+@pytest.mark.parametrize(
+    ("make_entry", "max_entries", "cached", "expected"),
+    [
+        (_make_windowed_entry, 2, [], (3, 8)),
+        (_make_windowed_entry, 1, [], (8,)),
+        (_make_windowed_entry, 2, [1, 2, 3, 4, 5], (3,)),  # keep is cached; reply 8 - 5
+        (_make_entry, 2, [], ()),  # every layer trims back
+    ],
+)
+def test_a_fill_checkpoints_where_the_reply_starts_and_with_several_entries_the_kept_prefix(
+    make_entry, max_entries, cached, expected
+):
+    """Layers that cannot trim back return only to checkpoints: the pool asks for one where
+    the reply starts (the next turn goes back there) and, when another conversation may copy
+    it, where the kept system prompt ends; in tokens after those reused."""
+    pool = CachePool(make_entry, max_entries=max_entries)
+    if cached:
+        _request(pool, cached)
+    hit = pool.fetch_nearest(list(range(1, 13)), reply_start=8, keep=3)
+    assert hit.num_cached == len(cached)
+    assert hit.checkpoints == expected

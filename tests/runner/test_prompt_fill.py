@@ -1,0 +1,41 @@
+"""A prompt's prefill in turns (`mlxkv.runner.prefill.fill.fill_prompt`): it pauses between
+chunks, so running requests decode meanwhile, and not after the last one, so a short prompt's
+first token comes in the same turn as its prefill."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from mlxkv.cache import make_cache
+from mlxkv.decoding.prefill import PrefillPlan
+from mlxkv.runner.prefill.fill import fill_prompt
+from mlxkv.runner.prompt_cache.pool import PrefixHit
+from mlxkv.runner.results import CompletionStats
+
+
+@pytest.mark.parametrize(("tokens", "pauses"), [(1, 0), (33, 0), (34, 1), (97, 2)])
+def test_a_prefill_pauses_between_chunks_not_after_the_last(loaded_tiny, tokens, pauses):
+    loaded = loaded_tiny("llama")
+    cache = make_cache(loaded.model)
+    ids = list(range(1, tokens + 1))
+    request = SimpleNamespace(
+        tokens=ids, header_tokens=0, keep=0, progress=None, cancelled=threading.Event()
+    )
+    stats = CompletionStats(time.perf_counter(), tokens, 0)
+    steps = fill_prompt(
+        loaded.model, request, PrefixHit(cache, 0, ids), stats, plan=PrefillPlan(32, 1)
+    )
+    seen = 0
+    while True:
+        try:
+            assert next(steps) is None
+            seen += 1
+        except StopIteration as end:
+            logits = end.value
+            break
+    assert seen == pauses
+    assert logits.shape[0] == 1 and cache.num_tokens == tokens and stats.processed == tokens
