@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from mlxkv.runner.disk import store as store_module
-from tests.engine.test_disk_tier import SYSTEM, _chat, _files
+from tests.runner.test_disk_tier import SYSTEM, _chat, _files
 
 
 def _one_file_bytes(make_runner, tmp_path) -> int:

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from mlxkv import RunnerBusyError
-from tests.engine.test_faults import _assert_consistent
+from tests.runner.test_faults import _assert_consistent
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. What next?"}]
