@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 
-from mlxkv.cli.common import follow, load_runner, progress_bar
+from mlxkv.cli.common import MEMORY_LOGGER, follow, load_runner, progress_bar
 from mlxkv.runner.results import Completion
 from mlxkv.runner.runner import Runner
 
@@ -46,12 +47,12 @@ def _stream_reply(
     return completion
 
 
-def _print_stats(out: Completion) -> None:
+def _print_stats(runner: Runner, out: Completion) -> None:
     print(
         f"[prompt {out.prompt_tokens} tokens, cached {out.cached_tokens} | "
         f"prefill {out.prompt_tps:.1f} tok/s | generation {out.generation_tokens} tokens, "
         f"{out.generation_tps:.1f} tok/s{_acceptance(out)} | ttft {out.ttft * 1000:.0f} ms | "
-        f"finish {out.finish_reason}]",
+        f"finish {out.finish_reason}]\n[{runner.memory_line}]",
         file=sys.stderr,
     )
 
@@ -64,7 +65,14 @@ def _acceptance(out: Completion) -> str:
     return f", drafted {out.drafted_tokens}, accepted {out.accepted_tokens} ({share:.0%})"
 
 
+def _quiet_memory_logger() -> None:
+    """The memory line is printed after the reply (with `--verbose`), not logged in the middle
+    of it: the request logs it before its last chunk reaches stdout."""
+    logging.getLogger(MEMORY_LOGGER).setLevel(logging.WARNING)
+
+
 def generate_command(args: argparse.Namespace) -> int:
+    _quiet_memory_logger()
     runner = load_runner(args)
     if runner.rank:
         return follow(runner)
@@ -74,11 +82,12 @@ def generate_command(args: argparse.Namespace) -> int:
     with runner:  # when sharded, closing ends the other ranks
         out = _stream_reply(runner, prompt, args)
     if args.verbose:
-        _print_stats(out)
+        _print_stats(runner, out)
     return 0
 
 
 def chat_command(args: argparse.Namespace) -> int:
+    _quiet_memory_logger()
     with load_runner(args) as runner:  # closing it writes the cache to the disk tier, if any
         if runner.rank:
             return follow(runner)
@@ -109,7 +118,7 @@ def _chat_loop(runner: Runner, args: argparse.Namespace) -> int:
         else:
             messages.pop()  # stopped before a word: the question stays unasked
         if args.verbose:
-            _print_stats(out)
+            _print_stats(runner, out)
 
 
 def _chat_command(line: str, runner: Runner, messages: list, args: argparse.Namespace) -> list:

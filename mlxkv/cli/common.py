@@ -12,6 +12,9 @@ from mlxkv.config import RunnerConfig
 from mlxkv.models.sharding import world
 from mlxkv.runner.runner import Runner
 
+# The logger of the memory line each request ends with (`Runner.memory_line`).
+MEMORY_LOGGER = "mlxkv.runner.dispatch"
+
 
 def setup_logging(verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)

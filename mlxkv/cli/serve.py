@@ -9,7 +9,7 @@ import signal
 import socket
 import sys
 
-from mlxkv.cli.common import follow, load_runner
+from mlxkv.cli.common import MEMORY_LOGGER, follow, load_runner
 from mlxkv.config import ServerConfig, env, format_bytes
 from mlxkv.runner.runner import Runner
 
@@ -22,7 +22,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     logging.getLogger("mlxkv.server").setLevel(logging.INFO)  # one access line per request
     if not args.verbose:  # the access line carries the memory line already
-        logging.getLogger("mlxkv.runner.runner").setLevel(logging.WARNING)
+        logging.getLogger(MEMORY_LOGGER).setLevel(logging.WARNING)
     config = ServerConfig(
         host=args.host,
         port=args.port,

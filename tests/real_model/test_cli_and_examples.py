@@ -41,6 +41,18 @@ def test_generate_prints_the_answer_and_stats(converted_cache):
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "kv cache:" in result.stderr and "ttft" in result.stderr
+    # Both streams to one terminal: the memory line has a line of its own, after the answer.
+    args = ["-m", "mlxkv.cli", "generate", "-p", "Hi", "--verbose", "--max-tokens", "8"]
+    merged = subprocess.run(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    ).stdout
+    memory_lines = [line for line in merged.splitlines() if "kv cache:" in line]
+    assert memory_lines and all(line.startswith("[kv cache:") for line in memory_lines), merged
 
 
 def test_speculative_options_report_acceptance_and_refuse_a_missing_draft_model(converted_cache):
