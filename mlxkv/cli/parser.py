@@ -65,7 +65,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     """`mlxkv serve`: its options are most of the command line, so they have a function."""
     serve = commands.add_parser(
         "serve",
-        help="OpenAI- and Anthropic-compatible HTTP server",
+        help="HTTP server: OpenAI, Anthropic and Ollama APIs",
         epilog="OpenAI clients: base_url http://HOST:PORT/v1; Anthropic clients: "
         "ANTHROPIC_BASE_URL=http://HOST:PORT",
     )

@@ -1,9 +1,9 @@
 """Dispatching a Runner's requests: each one runs on the engine thread for the thread that
-streams it, one at a time in turn, or interleaved with the other batched streams in one of
-`max_batch` places.
+streams it, alone in turn, or interleaved with the other batched streams in one of `max_batch`
+slots.
 
 Owns `Dispatcher`: the threads reading a stream (a second stream on one of them is refused),
-the requests started and not ended (what `cancel` reaches), the places in the decode batch,
+the requests started and not ended (what `cancel` reaches), the slots in the decode batch,
 how a request ends (its entry materialized and released, the memory line logged) and the
 memory line. Does not own what a request does on the model (`request_run`), how work reaches
 the engine thread (`engine`), or building the request (`request`).

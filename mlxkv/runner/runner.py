@@ -52,8 +52,9 @@ logger = logging.getLogger(__name__)
 class Runner:
     """A loaded model plus its prompt cache.
 
-    Every method may be called from any thread. Generations run one at a time, in the order
-    their turn comes; `cache_info`, `tokenizer`, `encode` and `cancel` never wait for one.
+    Every method may be called from any thread. A plain stream runs alone, in the order its
+    turn comes; batched streams (`batched=True`, the server's) decode together. `cache_info`,
+    `tokenizer`, `encode` and `cancel` never wait for one.
 
     Args:
         loaded: the model and tokenizer (see `Runner.load`).
@@ -246,7 +247,7 @@ class Runner:
             batched: run interleaved with the other batched streams of this Runner (the
                 server's way): their prefills take turns chunk by chunk, and their decoding
                 runs as one batch, one forward pass per token for all (up to `max_batch`
-                streams; more wait for a place). Not batched: one request at a time, in turn.
+                streams; more wait for a slot). Not batched: one request at a time, in turn.
                 A batched stream decodes alone (taking turns) while no other request runs
                 (speculatively, as set), when seeded (on its own random key), and where the
                 model's cache layers do not batch (sliding windows, recurrent state,

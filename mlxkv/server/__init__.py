@@ -1,4 +1,5 @@
-"""An OpenAI- and Anthropic-compatible HTTP server over a Runner (`mlxkv serve`).
+"""An HTTP server over a Runner (`mlxkv serve`): OpenAI's chat, completions and Responses APIs,
+Anthropic's and Ollama's.
 
 Owns HTTP only: requests become Runner calls and results become each API's responses. Cache
 policy stays in the Runner.

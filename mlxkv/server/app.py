@@ -39,9 +39,11 @@ from mlxkv.server.worker import GenerationWorker
 
 
 def create_app(runner: Runner, config: ServerConfig | None = None, **options: Any) -> FastAPI:
-    """The OpenAI- and Anthropic-compatible app for a loaded Runner (serve it with uvicorn).
+    """The app (OpenAI, Responses, Anthropic and Ollama APIs) for a loaded Runner (serve it
+    with uvicorn).
 
-    Generations run one at a time on a thread of the app's own, in arrival order; the app owns
+    Generations start in arrival order, up to the Runner's `max_batch` decoded together in one
+    batch (more wait their turn); the app owns
     the Runner while it serves (generating with it elsewhere meanwhile only makes requests
     wait). Any model name a client sends is answered by this model.
 

@@ -35,7 +35,7 @@ KEEPALIVE_INTERVAL_S = 5.0
 @dataclass(frozen=True)
 class ServerContext:
     """Attributes:
-    worker: runs generations one at a time.
+    worker: starts generations in arrival order, up to the Runner's `max_batch` at once.
     model_name: the id `/v1/models` lists and responses carry.
     default_max_tokens: tokens generated when a request gives no limit.
     created: when the server started (Unix seconds), for `/v1/models`.

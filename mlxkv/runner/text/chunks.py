@@ -2,7 +2,7 @@
 
 Owns `emit_chunks`: detokenizing, EOS, stop strings (text after a stop string is never
 shown), per-request cancel, and the final chunk with the `Completion`. Does not own how the
-tokens were produced (`generate.decode_tokens`).
+tokens were produced (`mlxkv.decoding.plain.decode_tokens`).
 """
 
 from __future__ import annotations

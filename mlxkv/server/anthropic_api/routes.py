@@ -2,7 +2,7 @@
 sequence) and `/v1/messages/count_tokens`.
 
 Owns the translation between Anthropic's bodies and a `Turn`; schemas are in
-`anthropic_protocol.py`. Usage follows Anthropic's definitions: `cache_read_input_tokens` are
+`protocol.py`. Usage follows Anthropic's definitions: `cache_read_input_tokens` are
 the prompt tokens the prompt cache supplied, `input_tokens` the rest (computed now), and
 `cache_creation_input_tokens` is 0 (nothing is billed for writing the cache). The model's
 thinking comes as `thinking` blocks (streamed as `thinking_delta`s) before the text, with an

@@ -3,7 +3,7 @@
 guess). Fields clients send that do not change the answer (`user`, `metadata`, `store`, ...)
 are accepted and ignored.
 
-Owns the schemas and their translation into Runner arguments; the routes are in `openai.py`.
+Owns the schemas and their translation into Runner arguments; the routes are in `routes.py`.
 Reference: https://platform.openai.com/docs/api-reference/chat/create
 """
 

@@ -2,7 +2,7 @@
 server-sent events.
 
 Owns the translation between OpenAI's bodies and a `Turn`; the request schemas are in
-`openai_protocol.py`. `usage.prompt_tokens_details.cached_tokens` is the number of prompt
+`protocol.py`. `usage.prompt_tokens_details.cached_tokens` is the number of prompt
 tokens the prompt cache supplied (not computed again). A chat reply's thinking is
 `reasoning_content` (DeepSeek's and vLLM's name; `reasoning` too, with the same text, as vLLM
 keeps both and mlx-lm's server sends that one), in the message and in stream deltas.
