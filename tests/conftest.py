@@ -40,48 +40,23 @@ def load_tiny(model_root):
 
 
 @pytest.fixture(autouse=True)
-def checked_runners(request, monkeypatch):
+def checked_runners(request):
     """After every request of every Runner in the test, its entry must hold what it fed and
     the idle entries' recorded bytes what they hold (`tests/invariants.py`); a test marked
     `unchecked_entries` opts out (it breaks the model on purpose, so a fresh prefill cannot
     be the reference, or it counts a request's calls)."""
     if request.node.get_closest_marker("unchecked_entries"):
+        yield
         return
-    from mlxkv.cache.model_cache import ModelCache
-    from mlxkv.runner.dispatch import Dispatcher
-    from tests.invariants import (
-        Fed,
-        assert_entry_holds_what_it_fed,
-        assert_recorded_bytes_current,
-        recording,
-    )
+    from mlxkv.runner.hooks import request_ends
+    from tests.invariants import assert_entry_holds_what_it_fed, assert_recorded_bytes_current
 
-    run, end = Dispatcher._run, Dispatcher._end_request
+    def check(end):
+        assert_entry_holds_what_it_fed(end.context, end.entry, end.prompt + end.generated)
+        assert_recorded_bytes_current(end.context.pool)
 
-    def recording_run(self, request, on_entry, *args):
-        fed = Fed(list(request.tokens))
-
-        def noting_entry(entry):
-            entry.fed_in_test = fed  # the request chose it (one cancelled first touches none)
-            on_entry(entry)
-
-        return recording(run(self, request, noting_entry, *args), fed)
-
-    def checked_end(self, entry):
-        end(self, entry)
-        if entry is not None:
-            assert_entry_holds_what_it_fed(self, entry, entry.__dict__.pop("fed_in_test", None))
-        assert_recorded_bytes_current(self._pool)
-
-    shift = ModelCache.shift
-
-    def noting_shift(self, *args, **kwargs):
-        self.shifted = True  # deeper layers keep K/V computed with the dropped tokens (README)
-        return shift(self, *args, **kwargs)
-
-    monkeypatch.setattr(ModelCache, "shift", noting_shift)
-    monkeypatch.setattr(Dispatcher, "_run", recording_run)
-    monkeypatch.setattr(Dispatcher, "_end_request", checked_end)
+    with request_ends(check):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -4,13 +4,11 @@ An entry's recorded token ids are, in order, what its K/V were computed from: th
 prompt and then the tokens it streamed (the last one fed or not, as decoding's pipeline left
 it), possibly followed by tokens the model produced but the caller never saw (an EOS, drafts
 accepted after a stop string); and feeding those ids to a fresh cache gives the same next
-token logits. `tests/conftest.py` applies it to every Runner through `checked_runners`.
+token logits. `tests/conftest.py` applies it to every Runner through `checked_runners`, an
+observer of `mlxkv.runner.hooks.request_ends`.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -22,30 +20,22 @@ from tests.tolerances import assert_logits_close
 _MOST_UNSEEN_TOKENS = 17
 
 
-@dataclass
-class Fed:
-    """What one request fed: its prompt ids and the tokens it streamed."""
-
-    prompt: list[int]
-    generated: list[int] = field(default_factory=list)
-
-
-def assert_entry_holds_what_it_fed(runner, entry, fed: Fed | None) -> None:
-    """Checks the entry a request of the runner ended with (call on the engine thread);
-    `runner` is the Runner or its `Dispatcher` (either has `loaded`, `config` and
-    `max_context`)."""
+def assert_entry_holds_what_it_fed(context, entry, fed: list[int]) -> None:
+    """Checks the entry a request ended with, given the ids it fed (its prompt, then the tokens
+    it streamed); call on the engine thread. `context` has `loaded` and `config` (a Runner's
+    `RunContext`)."""
     if entry.cache.num_tokens == 0:
         return
     tokens = entry.cache.tokens
-    if fed is not None and _no_shift_possible(runner, fed):
-        expected = fed.prompt + fed.generated
+    if len(fed) + 1 < context.config.max_context:  # a shift drops tokens: no order to check
+        expected = fed
         assert tokens[: len(expected)] == expected[: len(tokens)], (
             "the entry's token ids are not the prompt and the reply, in order"
         )
         unseen = len(tokens) - len(expected)
         assert unseen <= _MOST_UNSEEN_TOKENS, f"{unseen} tokens past what the request streamed"
-    if not getattr(entry.cache, "shifted", False):  # a shift in place approximates (README)
-        _assert_same_as_fresh_prefill(runner, entry.cache, tokens)
+    if not entry.cache.shifted:  # a shift in place approximates (docs/long-conversations.md)
+        _assert_same_as_fresh_prefill(context, entry.cache, tokens)
 
 
 def assert_recorded_bytes_current(pool) -> None:
@@ -70,11 +60,6 @@ def _figures(footprint) -> tuple | None:
     return f.num_tokens, f.used_bytes, f.allocated_bytes, f.checkpoint_bytes, snapshots
 
 
-def _no_shift_possible(runner, fed: Fed) -> bool:
-    """A context shift drops tokens from the middle: no order to check then."""
-    return len(fed.prompt) + len(fed.generated) + 1 < runner.max_context
-
-
 def _assert_same_as_fresh_prefill(runner, cache, tokens: list[int]) -> None:
     model = runner.loaded.model
     config = runner.config
@@ -85,14 +70,3 @@ def _assert_same_as_fresh_prefill(runner, cache, tokens: list[int]) -> None:
     got = cache.copy().forward(model, probe)
     mx.eval(want, got)
     assert_logits_close(got, want, "the entry's K/V against a fresh prefill of its token ids")
-
-
-def recording(chunks: Iterator, fed: Fed) -> Iterator:
-    """Wraps the chunks of `Dispatcher._run`, noting in `fed` each token the request streams."""
-    try:
-        for chunk in chunks:
-            if chunk is not None and chunk.token is not None:
-                fed.generated.append(chunk.token)
-            yield chunk
-    finally:
-        chunks.close()

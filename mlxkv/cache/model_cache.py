@@ -70,6 +70,9 @@ class ModelCache:
         self._num_pending = 0  # their count, kept so num_tokens is O(1) in the decode loop
         # num_tokens -> per-layer snapshot (None for layers that can simply trim back)
         self._checkpoints: dict[int, list[Any]] = {}
+        # Whether `shift` ever ran: deeper layers then keep K/V computed with the dropped
+        # tokens, so the cache approximates, and no longer equals, a prefill of its tokens.
+        self.shifted = False
 
     def __getitem__(self, index: int) -> Any:
         return self.layers[index]
@@ -336,6 +339,7 @@ class ModelCache:
             layer.shift(keep, drop, rotate)
         del self._tokens[keep : keep + drop]
         self._checkpoints.clear()  # positions moved
+        self.shifted = True
 
     def copy(self) -> ModelCache:
         """An independent cache holding the same tokens (copies the used K/V, not the slack)."""

@@ -13,7 +13,7 @@ from mlxkv.models.sharding import world
 from mlxkv.runner.runner import Runner
 
 # The logger of the memory line each request ends with (`Runner.memory_line`).
-MEMORY_LOGGER = "mlxkv.runner.dispatch"
+MEMORY_LOGGER = "mlxkv.runner.prompt_cache.report"
 
 
 def setup_logging(verbose: bool) -> None:

@@ -4,13 +4,14 @@ slots.
 
 Owns `Dispatcher`: the threads reading a stream (a second stream on one of them is refused),
 the requests started and not ended (what `cancel` reaches), the slots in the decode batch,
-how a request ends (its entry materialized and released, the memory line logged) and the
-memory line. Does not own what a request does on the model (`request_run`), how work reaches
-the engine thread (`engine`), or building the request (`request`).
+and the memory line. Does not own what a request does on the model,
+its entry's claim and release included (`request_run`), how work reaches the engine thread
+(`engine`), or building the request (`request`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -31,12 +32,10 @@ from mlxkv.platform.random_state import request_random_state, with_own_key
 from mlxkv.runner.engine import EngineThread, Interleaved, Relay
 from mlxkv.runner.lockstep import Lockstep
 from mlxkv.runner.prefill.group import PrefillGroup
-from mlxkv.runner.prompt_cache.entry import CacheEntry
-from mlxkv.runner.prompt_cache.holdings import Holdings
 from mlxkv.runner.prompt_cache.pool import CachePool
-from mlxkv.runner.prompt_cache.report import MemoryReport
+from mlxkv.runner.prompt_cache.report import MemoryLine
 from mlxkv.runner.request import Request
-from mlxkv.runner.request_run import Batching, run_request
+from mlxkv.runner.request_run import Batching, RunContext, run_request
 from mlxkv.runner.results import Completion, CompletionStats, GenerationChunk
 from mlxkv.runner.slots import Slots
 
@@ -79,9 +78,18 @@ class Dispatcher:
         self.prefill_plan = prefill_plan
         self._pool = pool
         self._engine = engine
-        self._draft = draft
-        self._rotations = rotations
         self._lockstep = lockstep
+        # The memory line logged as each request ends (sharded: with the ranks' sum).
+        self._memory = MemoryLine(pool, None if lockstep is None else lockstep.ranks_line)
+        self._context = RunContext(
+            loaded=loaded,
+            pool=pool,
+            config=config,
+            draft=draft,
+            rotations=rotations,
+            plan=prefill_plan,
+            ended=self._memory.log,
+        )
         self._consumers: dict[int, Relay | Interleaved] = {}  # threads iterating a stream()
         self._slots = Slots(max_batch)
         batch = DecodeBatch(loaded.model, max_batch, others_waiting=lambda: engine.jobs_waiting)
@@ -93,8 +101,6 @@ class Dispatcher:
         pool.working = batch
         self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         self._requests_lock = threading.Lock()
-        # The memory line logged after the last generation (sharded: with the ranks' sum).
-        self.memory_line = ""
 
     def stream(self, request: Request, *, batched: bool) -> Iterator[GenerationChunk]:
         """The chunks of `request` (see `Runner.stream`), batched with the other batched
@@ -186,68 +192,26 @@ class Dispatcher:
     def _serve(self, request: Request) -> Iterator[GenerationChunk]:
         """One request on the engine thread, start to end, alone."""
         mx.reset_peak_memory()
-        entries: list[CacheEntry] = []
-        try:
-            with request_random_state(request.params.seed):
-                if self._lockstep is None:
-                    chunks = self._run(request, entries.append)
-                else:
-                    chunks = self._lockstep.run(request, lambda r: self._run(r, entries.append))
-                try:
-                    for chunk in chunks:
-                        if chunk is not None:  # a pause between prefill chunks: none here
-                            yield chunk
-                finally:
-                    chunks.close()
-        finally:
-            self._end_request(entries[0] if entries else None)
+        with request_random_state(request.params.seed):
+            if self._lockstep is None:
+                chunks = run_request(request, self._context)
+            else:
+                chunks = self._lockstep.run(request, lambda r: run_request(r, self._context))
+            with contextlib.closing(chunks):
+                for chunk in chunks:
+                    if chunk is not None:  # a pause between prefill chunks: none here
+                        yield chunk
 
     def _serve_interleaved(self, request: Request) -> Iterator[GenerationChunk | None]:
         """One request on the engine thread, taking turns with the other interleaved ones
         (each item is one engine job; None pauses)."""
-        entries: list[CacheEntry] = []
-        chunks = self._run(request, entries.append, self._batching)
+        chunks = run_request(request, self._context, batching=self._batching)
         if request.params.seed is not None:
             chunks = with_own_key(chunks, request.params.seed)
-        ended = False
-        try:
-            for chunk in chunks:
-                if chunk is not None and chunk.completion is not None:
-                    # Ended in the job that hands out the last chunk: a caller may start the
-                    # conversation's next turn as soon as it has it (the server does), and
-                    # that turn's first job goes ahead of the others: it must find the
-                    # entry released, with the tokens this turn left in it.
-                    ended = True
-                    chunks.close()
-                    self._end_request(entries[0] if entries else None)
-                yield chunk
-        finally:
-            if not ended:
-                chunks.close()
-                self._end_request(entries[0] if entries else None)
+        with contextlib.closing(chunks):
+            yield from chunks
 
-    def _end_request(self, entry: CacheEntry | None) -> None:
-        """Releases the entry (which records what it holds, leaving nothing lazy behind, and
-        evicts to the cache's budget); logs the memory line."""
-        usage = self._pool.release(entry) if entry is not None else None
-        self._log_memory(usage)
-
-    def _run(
-        self,
-        request: Request,
-        on_entry: Callable[[CacheEntry], None],
-        batching: Batching | None = None,
-    ) -> Iterator[GenerationChunk | None]:
-        return run_request(
-            request, self.loaded, self._pool, draft=self._draft, max_context=self.max_context,
-            rotations=self._rotations, plan=self.prefill_plan, on_entry=on_entry,
-            batching=batching,
-        )  # fmt: skip
-
-    def _log_memory(self, usage: Holdings | None) -> None:
-        """Logs the memory line, from `holdings` when the pool was just read (at a release), else
-        from a reading now."""
-        report = MemoryReport.measure(self._pool, usage)
-        ranks = "" if self._lockstep is None else self._lockstep.ranks_line(report)
-        self.memory_line = report.log_line() + ranks
-        logger.info("%s", self.memory_line)
+    @property
+    def memory_line(self) -> str:
+        """The memory line logged after the last generation."""
+        return self._memory.text

@@ -2,9 +2,10 @@
 decoding (plain, speculative or batched with other requests), and the text chunks the caller
 streams.
 
-Owns `run_request` and the choice of decoder. Does not own serializing or interleaving
-requests, thread bookkeeping or the memory line (`runner`), nor the cache policy
-(`mlxkv.runner.prompt_cache.pool`).
+Owns `run_request` (a request's entry claimed and released in one place), `RunContext` (what
+every request of a Runner runs with) and the choice of decoder. Does not own serializing or
+interleaving requests, thread bookkeeping or the memory line (`dispatch`), nor the cache
+policy (`mlxkv.runner.prompt_cache.pool`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import mlx.core as mx
 
 from mlxkv.cache.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
+from mlxkv.config import RunnerConfig
 from mlxkv.decoding.batch import DecodeBatch, batched_tokens, joined_tokens
 from mlxkv.decoding.drafts import DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
@@ -27,9 +29,12 @@ from mlxkv.decoding.prefill import PrefillPlan, fill
 from mlxkv.decoding.speculative import Drafter, DraftLength, speculative_tokens
 from mlxkv.models.loading import LoadedModel
 from mlxkv.runner.context import ContextWindow
+from mlxkv.runner.hooks import RequestEnd, notify
 from mlxkv.runner.prefill.fill import PrefillCancelled, fill_prompt
 from mlxkv.runner.prefill.group import PrefillGroup
-from mlxkv.runner.prompt_cache.pool import CacheEntry, CachePool, PrefixHit
+from mlxkv.runner.prompt_cache.entry import CacheEntry
+from mlxkv.runner.prompt_cache.holdings import Holdings
+from mlxkv.runner.prompt_cache.pool import CachePool, PrefixHit
 from mlxkv.runner.request import Request
 from mlxkv.runner.results import CompletionStats, GenerationChunk
 from mlxkv.runner.text.chunks import emit_chunks
@@ -65,32 +70,49 @@ class Batching:
         return self.streams > 1
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunContext:
+    """What every request of a Runner runs with (fixed when the Runner is made).
+
+    Attributes:
+        loaded: the model and tokenizer.
+        pool: the prompt cache's entries.
+        config: the Runner's settings (`max_context`: the window; a generation that reaches
+            it shifts).
+        draft: the draft model for speculative decoding, or None.
+        rotations: per layer, how to re-rotate keys when the context shifts (None: cannot).
+        plan: how prompt tokens are fed (chunk size, CPU lanes).
+        ended: told what the pool holds as each request ends, right after its entry is
+            released (the Runner logs its memory line; `mlxkv.runner.hooks` observers are
+            told of the end next).
+    """
+
+    loaded: LoadedModel
+    pool: CachePool
+    config: RunnerConfig
+    draft: DraftModel | None
+    rotations: list[Rotation | None]
+    plan: PrefillPlan
+    ended: Callable[[Holdings], None]
+
+
 def run_request(
-    request: Request,
-    loaded: LoadedModel,
-    pool: CachePool,
-    *,
-    draft: DraftModel | None,
-    max_context: int,
-    rotations: list[Rotation | None],
-    plan: PrefillPlan,
-    on_entry: Callable[[CacheEntry], None],
-    batching: Batching | None = None,
+    request: Request, context: RunContext, *, batching: Batching | None = None
 ) -> Iterator[GenerationChunk | None]:
     """Runs `request` on the pool's nearest entry, in place; yields its chunks, the last one
     with the Completion, and None for a pause where interleaved requests run (between prefill
     chunks, waiting for a shared prefix or for prompts prefilled together, joining the decode
-    batch; a serial caller skips it). The caller ends the request (releases the entry).
+    batch; a serial caller skips it).
+
+    The entry is claimed and released here: released however the request ends, and before
+    its last chunk is handed out (a caller may start the conversation's next turn as soon as
+    it has it, and that turn must find the entry released, holding this one's tokens).
 
     Args:
-        max_context: the context window, in tokens (a generation that reaches it shifts).
-        rotations: per layer, how to re-rotate keys when the context shifts (None: cannot).
-        plan: how prompt tokens are fed (chunk size, CPU lanes).
-        on_entry: told the entry the request generates into, as soon as it is chosen.
         batching: decode in a batch with other requests where possible, taking turns with
             them (first waiting for a prefix one of them is feeding); None: alone.
     """
-    tokens = request.tokens
+    tokens, pool = request.tokens, context.pool
     stats_start = time.perf_counter()
     if batching is not None:  # interleaved: other requests run between this one's turns
         with batching.prefills.arriving():
@@ -98,10 +120,47 @@ def run_request(
     if request.cancelled.is_set():  # cancelled while waiting its turn: touch nothing
         yield CompletionStats(stats_start, len(tokens), 0).final_chunk("", "cancelled")
         return
-    hit, entry = _claim_entry(request, pool, on_entry)
+    hit = pool.fetch_nearest(
+        tokens,
+        reply_start=len(tokens) - request.header_tokens,
+        salt=request.cache_salt,
+        keep=request.keep,
+        label=request.cache_key,
+        cut_start=request.cut_start,
+    )
     stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
-    start = time.perf_counter()
+    final = None
+    try:
+        with contextlib.closing(_generate(request, context, hit, stats, batching)) as chunks:
+            for chunk in chunks:
+                if chunk is not None and chunk.completion is not None:
+                    final = chunk
+                    break
+                yield chunk
+    finally:  # on the engine thread, the generation closed first (even on error)
+        holdings = pool.release(hit.entry)
+        context.ended(holdings)
+        generated = list(stats.tokens)
+        notify(
+            RequestEnd(entry=hit.entry, prompt=list(tokens), generated=generated, context=context)
+        )
+    if final is not None:
+        yield final
+
+
+def _generate(
+    request: Request,
+    context: RunContext,
+    hit: PrefixHit,
+    stats: CompletionStats,
+    batching: Batching | None,
+) -> Iterator[GenerationChunk | None]:
+    """The request's chunks on its claimed entry: what the cache lacks prefilled, then the
+    reply decoded (plain, speculative or in the batch) and turned into text."""
+    loaded, plan, pool = context.loaded, context.plan, context.pool
+    max_context = context.config.max_context
     model = loaded.model
+    start = time.perf_counter()
     try:
         together = _prefilled_with(request, batching)
         logits = yield from fill_prompt(model, request, hit, stats, plan=plan, together=together)
@@ -111,15 +170,24 @@ def run_request(
     if len(hit.remaining) >= plan.step_tokens:  # long enough to measure; weighs disk loads
         pool.prefill_tokens_per_s = len(hit.remaining) / (time.perf_counter() - start)
     window = ContextWindow(
-        max_context, request.keep, rotations, refill=lambda c, ids: fill(model, c, ids, plan)
+        max_context,
+        request.keep,
+        context.rotations,
+        refill=lambda c, ids: fill(model, c, ids, plan),
     )
-    draft_cache = _draft_cache_for(entry, request, draft, max_context)
-    batching = batching if _can_batch(request, hit.cache, max_context, batching) else None
+    draft_cache = _draft_cache_for(hit.entry, request, context.draft, max_context)
+    batching = batching if _can_batch(request, hit.entry.cache, max_context, batching) else None
     with batching.counted() if batching is not None else contextlib.nullcontext():
         decoded, pick = _decode(
-            request, draft, draft_cache, loaded, hit.cache, logits, stats, plan,
-            window.make_room, batching,
-        )  # fmt: skip
+            request,
+            context,
+            draft_cache,
+            hit.entry.cache,
+            logits,
+            stats,
+            window.make_room,
+            batching,
+        )
         try:
             yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
         finally:  # here, on the engine thread, before the entry is released (even on error)
@@ -142,27 +210,6 @@ def _await_shared_prefix(request: Request, pool: CachePool) -> Iterator[None]:
     waits for feeds meanwhile."""
     while not request.cancelled.is_set() and pool.awaits_prefix(request.tokens, request.cache_salt):
         yield None
-
-
-def _claim_entry(
-    request: Request, pool: CachePool, on_entry: Callable[[CacheEntry], None]
-) -> tuple[PrefixHit, CacheEntry]:
-    """The pool's nearest entry for the request (reused, copied or new), told to `on_entry`
-    at once (whatever happens next, the caller releases it), marked with the request's
-    labels."""
-    tokens = request.tokens
-    hit = pool.fetch_nearest(
-        tokens,
-        reply_start=len(tokens) - request.header_tokens,
-        salt=request.cache_salt,
-        keep=request.keep,
-    )
-    entry = pool.current
-    on_entry(entry)
-    entry.cut_start = request.cut_start
-    if request.cache_key is not None:
-        entry.label = request.cache_key
-    return hit, entry
 
 
 def _draft_cache_for(
@@ -193,13 +240,11 @@ def _can_batch(
 
 def _decode(
     request: Request,
-    draft_model: DraftModel | None,
+    context: RunContext,
     draft_cache: ModelCache | None,
-    loaded: LoadedModel,
     cache: ModelCache,
     logits: mx.array,
     stats: CompletionStats,
-    plan: PrefillPlan,
     make_room: Callable[[ModelCache, int], None] | None = None,
     batching: Batching | None = None,
 ) -> tuple[Iterator[int | None], TokenPicker]:
@@ -208,7 +253,7 @@ def _decode(
     `speculative_tokens` with the mode's drafter (see `MODES`). With `batching`: in the batch
     from the start when the mode is None or others are decoding already, else speculatively
     while alone and in the batch while others decode (`_alone_or_batched`)."""
-    params, prompt = request.params, request.tokens
+    params, prompt, loaded = request.params, request.tokens, context.loaded
     sampling = params.make_sampling(loaded.vocab_size)
     processors = list(sampling.processors)
     if request.grammar is not None:
@@ -224,7 +269,7 @@ def _decode(
     if request.speculative is None:
         return decode_tokens(loaded.model, cache, logits, pick, params.max_tokens, make_room), pick
     if draft_cache is not None:
-        drafter = draft_model.drafter(draft_cache, prompt, sampling.distribution, plan)
+        drafter = context.draft.drafter(draft_cache, prompt, sampling.distribution, context.plan)
     else:
         drafter = NgramDrafter(prompt)
     length = DraftLength(gated=request.speculative == "auto")

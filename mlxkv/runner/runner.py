@@ -331,7 +331,7 @@ class Runner:
         return self._dispatch.call(self._current_tokens)
 
     def _current_tokens(self) -> list[int]:
-        entry = self._pool.current
+        entry = self._pool.latest
         return [] if entry is None else entry.cache.tokens
 
     def reset(self) -> None:

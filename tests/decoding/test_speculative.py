@@ -150,7 +150,7 @@ def test_a_stop_string_inside_an_accepted_draft(loaded_tiny, arch):
 def _assert_cache_continues_like_a_fresh_runner(runner: Runner, loaded) -> None:
     """The entry holds token ids whose K/V agree: a follow-up equals a fresh runner's, and
     reuses what the rule says (the common prefix of the entry's tokens and the prompt)."""
-    cache = runner._pool.current.cache
+    cache = runner._pool.latest.cache
     held = cache.tokens
     # The next token's logits from the entry equal those of the same tokens fed afresh.
     fresh = make_cache(loaded.model)
@@ -188,7 +188,7 @@ def test_cancel_during_speculation_leaves_a_reusable_cache(loaded_tiny):
     for n, _ in enumerate(stream):
         if n == 5:
             runner.cancel()
-    assert runner._pool.current.cache.num_tokens > len(runner.encode(PROMPT))
+    assert runner._pool.latest.cache.num_tokens > len(runner.encode(PROMPT))
     _assert_cache_continues_like_a_fresh_runner(runner, loaded)
 
 

@@ -36,7 +36,7 @@ def test_checkpoint_memory_is_bounded_and_reported(make_runner):
         out = runner.generate(messages, max_tokens=4)
         messages.append({"role": "assistant", "content": out.text})
     info = runner.cache_info()
-    entry = runner._pool.current.cache
+    entry = runner._pool.latest.cache
     recurrent = sum(layer.nbytes for layer in entry if not hasattr(layer, "offset"))
     assert 0 < info.checkpoint_bytes <= MAX_CHECKPOINTS * recurrent
     assert "checkpoints" in info.log_line()

@@ -84,7 +84,7 @@ def test_a_queued_write_is_not_queued_again_and_counts_its_whole_buffers(
     release, started = held_writes
     runner = make_runner("llama", cache_entries=4, cache_dir=tmp_path)
     runner.generate("a conversation to keep on disk", max_tokens=2)
-    store, cache = runner._pool.store, runner._pool.current.cache
+    store, cache = runner._pool.store, runner._pool.latest.cache
     store.write(cache)
     store.write(cache)
     assert store.holds(store_module.np.asarray(cache.tokens, dtype=store_module.np.uint32))

@@ -13,7 +13,7 @@ PROMPT = "<|im_start|>user\nThe quick brown fox jumps over the lazy dog. What ne
 
 
 def _assert_consistent(runner):
-    entry = runner._pool.current.cache
+    entry = runner._pool.latest.cache
     held = runner.cache_tokens
     assert runner.cache_info().num_tokens == len(held)
     offsets = {layer.offset for layer in entry if hasattr(layer, "offset")}
@@ -24,7 +24,7 @@ def _assert_next_request_reuses_exactly(runner, fresh, prompt):
     held = runner.cache_tokens
     want_cached = min(common_prefix_length(held, prompt), len(prompt) - 1)
     if want_cached < len(held):  # layers that cannot trim go back to a checkpoint, or to 0
-        want_cached = runner._pool.current.cache.nearest_restorable(want_cached)
+        want_cached = runner._pool.latest.cache.nearest_restorable(want_cached)
     out = runner.generate(prompt, max_tokens=5)
     assert out.cached_tokens == want_cached
     assert out.tokens == fresh.generate(prompt, max_tokens=5).tokens

@@ -86,6 +86,6 @@ def test_memory_log_line_once_per_generation_matches_cache_info(make_runner, cap
         f"kv cache: {info.num_tokens} tokens, {format_bytes(info.used_bytes)} in use, "
         f"{format_bytes(info.allocated_bytes)} allocated, peak "
     )
-    layers = runner._pool.current.cache.layers
+    layers = runner._pool.latest.cache.layers
     assert info.allocated_bytes == sum(layer.nbytes for layer in layers)
     assert info.used_bytes == sum(layer.used_bytes for layer in layers)

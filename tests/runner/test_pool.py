@@ -37,8 +37,8 @@ def _make_entry() -> ModelCache:
 def _request(pool: CachePool, tokens: list[int], extra: list[int] = (), reply_start=None):
     """One request: look up, feed the rest and `extra` (a reply), release."""
     hit = pool.fetch_nearest(tokens, reply_start=reply_start)
-    hit.cache.forward(_IdWriter(), hit.remaining + list(extra))
-    pool.release()
+    hit.entry.cache.forward(_IdWriter(), hit.remaining + list(extra))
+    pool.release(hit.entry)
     return hit
 
 
@@ -119,7 +119,7 @@ def test_eviction_takes_superseded_entries_first_then_least_recently_used():
     _request(pool, [1, 1, 1, 1, 1], [1])  # A
     hit = pool.fetch_nearest([1, 1, 1, 9], reply_start=4)  # B: a copy of A's first 3 tokens
     assert hit.num_cached == 3
-    pool.release()  # B is fed nothing (a cancelled request): a strict prefix of A
+    pool.release(hit.entry)  # B is fed nothing (a cancelled request): a strict prefix of A
     _request(pool, [2, 2, 2], [2])  # C, the newest
     _request(pool, [3, 3, 3], [3])  # D: over the count by one
     held = sorted(e.cache.tokens for e in pool.entries)
@@ -160,13 +160,13 @@ def test_an_entry_in_use_is_copied_from_never_trimmed_extended_or_evicted():
     pool = CachePool(_make_entry, max_entries=2)
     _request(pool, [1, 2, 3, 4], [5, 6])
     first = pool.fetch_nearest([1, 2, 3, 4, 5, 6, 7], reply_start=2)  # in place: in use
-    in_use = pool.current
-    first.cache.forward(_IdWriter(), first.remaining + [8, 9])
+    in_use = first.entry
+    first.entry.cache.forward(_IdWriter(), first.remaining + [8, 9])
     second = pool.fetch_nearest([1, 2, 3, 9])  # would trim the entry were it free
-    assert pool.current is not in_use and second.num_cached == 3
+    assert second.entry is not in_use and second.num_cached == 3
     assert in_use.cache.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    second.cache.forward(_IdWriter(), second.remaining)
-    pool.release(pool.current)
+    second.entry.cache.forward(_IdWriter(), second.remaining)
+    pool.release(second.entry)
     pool.evict(max_entries=0)  # everything evictable goes; the entry in use stays
     assert pool.entries == [in_use]
     pool.release(in_use)
@@ -182,11 +182,11 @@ def test_an_entry_in_use_is_measured_as_it_is_fed_an_idle_one_as_recorded():
     (entry,) = pool.entries
     assert entry.recorded is not None and pool.usage().entries[0].footprint.num_tokens == 5
     hit = pool.fetch_nearest([1, 2, 3, 4, 5, 6])  # extended in place: in use
-    hit.cache.forward(_IdWriter(), hit.remaining + list(range(7, 20)))
+    hit.entry.cache.forward(_IdWriter(), hit.remaining + list(range(7, 20)))
     (measured,) = pool.usage().entries
     assert measured.footprint.num_tokens == 19
     assert measured.footprint.allocated_bytes == entry.cache.footprint().allocated_bytes
-    pool.release()
+    pool.release(hit.entry)
     assert pool.usage().entries[0].footprint == entry.recorded[0]
     _check_entries(pool)
 
@@ -210,13 +210,13 @@ def test_a_copy_from_an_entry_in_use_follows_what_its_cache_holds_now():
     pool = CachePool(_make_entry, max_entries=2)
     _request(pool, [1, 2, 3, 4, 5, 6])
     first = pool.fetch_nearest([1, 2, 3, 4, 5, 6, 7])
-    in_use = pool.current
+    in_use = first.entry
     in_use.cache.trim_to(2)  # as if shifted: it holds [1, 2, 8, 9] now
-    first.cache.forward(_IdWriter(), [8, 9])
+    first.entry.cache.forward(_IdWriter(), [8, 9])
     second = pool.fetch_nearest([1, 2, 3, 4, 5, 6, 10])
     assert second.num_cached == 2
-    second.cache.forward(_IdWriter(), second.remaining)
-    pool.release(pool.current)
+    second.entry.cache.forward(_IdWriter(), second.remaining)
+    pool.release(second.entry)
     pool.release(in_use)
     _check_entries(pool)
 

@@ -13,6 +13,7 @@ import pytest
 from mlxkv.cache import make_cache
 from mlxkv.decoding.prefill import PrefillPlan
 from mlxkv.runner.prefill.fill import fill_prompt
+from mlxkv.runner.prompt_cache.entry import CacheEntry
 from mlxkv.runner.prompt_cache.pool import PrefixHit
 from mlxkv.runner.results import CompletionStats
 
@@ -27,7 +28,7 @@ def test_a_prefill_pauses_between_chunks_not_after_the_last(loaded_tiny, tokens,
     )
     stats = CompletionStats(time.perf_counter(), tokens, 0)
     steps = fill_prompt(
-        loaded.model, request, PrefixHit(cache, 0, ids), stats, plan=PrefillPlan(32, 1)
+        loaded.model, request, PrefixHit(CacheEntry(cache), 0, ids), stats, plan=PrefillPlan(32, 1)
     )
     seen = 0
     while True:

@@ -38,7 +38,7 @@ def fill_prompt(
     plan: PrefillPlan,
     together: PrefillGroup | None = None,
 ) -> Generator[None, None, mx.array]:
-    """Feeds `hit.remaining` into `hit.cache` and returns the last position's logits; yields
+    """Feeds `hit.remaining` into `hit.entry.cache` and returns the last position's logits; yields
     None between chunks, or while prompts to prefill together come (a pause: `yield from` it
     in a request's generator).
 
@@ -50,7 +50,7 @@ def fill_prompt(
     Raises:
         PrefillCancelled: the request's cancel flag was set; the chunks fed stay cached.
     """
-    cache, remaining = hit.cache, hit.remaining
+    cache, remaining = hit.entry.cache, hit.remaining
     total, offset = len(remaining), 0
 
     def fed(done: int) -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from mlxkv.cache.footprint import Footprint
 from mlxkv.cache.model_cache import ModelCache
+from mlxkv.runner.text.prompt import Message
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class CacheEntry:
     to read from any thread; `cache.tokens` is not while a generation runs). `label` names
     what the entry serves (a conversation id a client sent); it is shown, never matched:
     lookup is by tokens alone. `cut_start` is the first message kept when the conversation
-    was cut to the window (opaque here; the request builder matches it), so its next turn
+    was cut to the window (the request builder matches it), so its next turn
     cuts there again. `draft_cache` is the draft model's cache for this conversation
     (speculative decoding), counted in the entry's bytes. `salt` is the isolation domain the
     entry belongs to (a digest of a request's `cache_salt`, None for the shared one): only
@@ -37,7 +37,7 @@ class CacheEntry:
     reply_start: int = 0
     last_used: float = field(default_factory=time.time)
     label: str | None = None
-    cut_start: Any = None
+    cut_start: Message | None = None
     draft_cache: ModelCache | None = None
     salt: str | None = None
 

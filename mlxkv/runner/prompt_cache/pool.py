@@ -47,7 +47,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -57,6 +56,7 @@ from mlxkv.runner.disk.store import DiskStore
 from mlxkv.runner.prompt_cache.entry import CacheEntry
 from mlxkv.runner.prompt_cache.fit import fit_to_budget
 from mlxkv.runner.prompt_cache.holdings import Holdings, Sized, holdings
+from mlxkv.runner.text.prompt import Message
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +66,15 @@ class PrefixHit:
     """What a request reuses and what it still has to feed.
 
     Attributes:
-        cache: the entry, already trimmed to `num_cached` tokens.
+        entry: the entry the request generates into, claimed by it until `CachePool.release`;
+            its cache already trimmed to `num_cached` tokens.
         num_cached: tokens of the request whose K/V are reused.
         remaining: the request's tokens after those (never empty).
         checkpoints: where feeding `remaining` checkpoints the layers that cannot trim back
             (`ModelCache.checkpoint`), in tokens into it, ascending; empty when all can.
     """
 
-    cache: ModelCache
+    entry: CacheEntry
     num_cached: int
     remaining: list[int]
     checkpoints: tuple[int, ...] = ()
@@ -106,7 +107,9 @@ class CachePool:
         self._entries: list[CacheEntry] = []
         # The entries of requests running now, each with the prompt its request feeds.
         self._in_use: dict[CacheEntry, np.ndarray] = {}
-        self.current: CacheEntry | None = None  # the entry of the latest request
+        # The entry claimed last: shown as current, and kept (by its longest prefix that fits)
+        # rather than dropped when it alone is over the budget.
+        self.latest: CacheEntry | None = None
         self.prefill_tokens_per_s: float | None = None  # set by the runner as it measures
         # What running requests hold outside the entries (a decode batch's K/V), if anything.
         self.working: Sized | None = None
@@ -123,8 +126,11 @@ class CachePool:
         reply_start: int | None = None,
         salt: str | None = None,
         keep: int = 0,
+        label: str | None = None,
+        cut_start: Message | None = None,
     ) -> PrefixHit:
-        """Picks (or makes) the entry for `tokens`, prepared to receive the rest of them.
+        """Claims the entry for `tokens` (reused, copied or new), prepared to receive the rest
+        of them.
 
         Args:
             tokens: the request's prompt.
@@ -133,8 +139,11 @@ class CachePool:
             salt: the isolation domain (a digest of a request's `cache_salt`); only its
                 entries and files match.
             keep: the leading tokens every cut of the prompt keeps (its system prompt).
+            label: what the entry serves (a conversation id a client sent), if known.
+            cut_start: the first message kept when the chat was cut to the window, if cut.
 
-        The entry is in use until `release(entry)`: other requests meanwhile copy from it.
+        The entry (`PrefixHit.entry`) is in use until `release(entry)`: other requests
+        meanwhile copy from it.
 
         Raises:
             ValueError: tokens is empty.
@@ -170,10 +179,12 @@ class CachePool:
         reply_start = len(tokens) if reply_start is None else reply_start
         entry.reply_start = min(reply_start, limit)
         entry.last_used = time.time()
-        self.current = entry
+        entry.cut_start = cut_start
+        entry.label = label if label is not None else entry.label
+        self.latest = entry
         self._in_use[entry] = query
         points = self._checkpoints(len(tokens), reuse, reply_start, keep)
-        return PrefixHit(entry.cache, reuse, list(tokens[reuse:]), points)
+        return PrefixHit(entry, reuse, list(tokens[reuse:]), points)
 
     def _checkpoints(self, total: int, reuse: int, reply: int, keep: int) -> tuple[int, ...]:
         """Where a request feeding tokens `reuse`..`total` checkpoints layers that cannot trim
@@ -269,19 +280,17 @@ class CachePool:
         self._entries.append(entry)
         return entry
 
-    def release(self, entry: CacheEntry | None = None) -> Holdings:
-        """Ends a request on `entry` (None: the current one): records what it holds, then
+    def release(self, entry: CacheEntry) -> Holdings:
+        """Ends a request on `entry` (`PrefixHit.entry`): records what it holds, then
         evicts to the budget. The entry is evicted last (and only when it alone is over the
         budget); entries still in use are not evicted.
 
         Returns:
             What the pool holds then (`holdings`): the request's memory line reports it.
         """
-        entry = self.current if entry is None else entry
-        if entry is not None:
-            self._in_use.pop(entry, None)
-            if entry.record() == 0 and entry in self._entries:
-                self._entries.remove(entry)
+        self._in_use.pop(entry, None)
+        if entry.record() == 0 and entry in self._entries:
+            self._entries.remove(entry)
         self.evict(max_bytes=self.max_bytes, max_entries=self.max_entries)
         return self.usage()
 
@@ -289,7 +298,7 @@ class CachePool:
         """Evicts entries until at most `max_entries` remain and they hold at most `max_bytes`
         bytes: superseded entries first, then the least recently used. Evicted entries go to
         the disk tier when there is one (written in the background: never waited for here).
-        The current entry is never evicted for writes still in flight (they end by
+        The latest entry is never evicted for writes still in flight (they end by
         themselves); when it alone is over `max_bytes` it keeps its longest prefix that fits.
 
         Returns:
@@ -308,7 +317,7 @@ class CachePool:
             if not (over_count or over_bytes) or not candidates:
                 return evicted
             victim = min(candidates, key=lambda e: (not self._superseded(e), e.last_used))
-            if victim is self.current and len(candidates) == 1 and not over_count:
+            if victim is self.latest and len(candidates) == 1 and not over_count:
                 room = max(0, max_bytes - self._in_use_bytes())
                 if not fit_to_budget(victim, room, self.store):
                     self._drop(victim, write=False)  # written to the disk tier, or broken
@@ -319,8 +328,8 @@ class CachePool:
 
     def _drop(self, entry: CacheEntry, *, write: bool = True) -> None:
         self._entries.remove(entry)
-        if entry is self.current:
-            self.current = None
+        if entry is self.latest:
+            self.latest = None
         held = holdings([entry]).held_bytes
         logger.debug("prefix cache evict tokens=%d bytes=%d", entry.num_tokens, held)
         if write and self.store is not None:
@@ -340,7 +349,7 @@ class CachePool:
             for other in self._entries
         )
 
-    def cut_starts(self, salt: str | None = None) -> list[Any]:
+    def cut_starts(self, salt: str | None = None) -> list[Message]:
         """The chat cuts (`CacheEntry.cut_start`) of the entries of `salt`, most recently
         used first (safe from any thread)."""
         entries = sorted(list(self._entries), key=lambda e: e.last_used, reverse=True)
@@ -360,11 +369,11 @@ class CachePool:
         return self.usage().held_bytes
 
     def usage(self) -> Holdings:
-        """What the entries hold, least recently used first, then the current one when it is
+        """What the entries hold, least recently used first, then the latest one when it is
         no longer kept (its request fed it nothing): shown, not counted. `held_bytes` is
         `nbytes`."""
-        kept, current = self.entries, self.current
-        unkept = [current] if current is not None and current not in kept else []
+        kept, latest = self.entries, self.latest
+        unkept = [latest] if latest is not None and latest not in kept else []
         pending = self.store.pending_bytes if self.store is not None else 0
         return holdings(kept, unkept=unkept, outside_bytes=self._working_bytes() + pending)
 
@@ -394,4 +403,4 @@ class CachePool:
         """Drops every entry and its memory (the disk tier keeps its files); entries in use
         stay with their requests and are dropped when released."""
         self._entries.clear()
-        self.current = None
+        self.latest = None

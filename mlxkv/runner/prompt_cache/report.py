@@ -1,10 +1,14 @@
 """Memory reports: what the cache and the process hold, in bytes, and how to show them.
 
-Owns: `MemoryReport` and `EntryReport` (bytes as ints) and the log line shown from them.
+Owns: `MemoryReport` and `EntryReport` (bytes as ints), the log line shown from them, and
+`MemoryLine`, which logs that line as each request ends (the line a Runner's `memory_line`
+returns).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -12,6 +16,8 @@ import mlx.core as mx
 from mlxkv.config import format_bytes
 from mlxkv.runner.prompt_cache.holdings import Holdings
 from mlxkv.runner.prompt_cache.pool import CachePool
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,7 @@ class MemoryReport:
         """The report of `pool` now; `holdings` is what it holds when the caller has just read
         it (`CachePool.release` returns it), else it is read here (`CachePool.usage`)."""
         usage = pool.usage() if usage is None else usage
-        current = pool.current
+        current = pool.latest
         reports = tuple(
             EntryReport(
                 num_tokens=h.footprint.num_tokens,
@@ -133,3 +139,25 @@ class MemoryReport:
 
 def _entries(n: int) -> str:
     return f"{n} {'entry' if n == 1 else 'entries'}"
+
+
+class MemoryLine:
+    """Logs the memory line (INFO, this module's logger) each time a request ends, and keeps
+    the last one (`text`).
+
+    Args:
+        pool: the prompt cache reported on.
+        ranks: for a model sharded over processes, the ranks' part of the line (what every
+            rank holds), from the report; None otherwise.
+    """
+
+    def __init__(self, pool: CachePool, ranks: Callable[[MemoryReport], str] | None = None):
+        self._pool = pool
+        self._ranks = ranks
+        self.text = ""
+
+    def log(self, holdings: Holdings) -> None:
+        """Logs the line for what the pool holds (`holdings`, just read at a release)."""
+        report = MemoryReport.measure(self._pool, holdings)
+        self.text = report.log_line() + ("" if self._ranks is None else self._ranks(report))
+        logger.info("%s", self.text)
