@@ -35,8 +35,9 @@ from mlxkv.runner.prefill.group import PrefillGroup
 from mlxkv.runner.prompt_cache.pool import CachePool
 from mlxkv.runner.prompt_cache.report import MemoryLine
 from mlxkv.runner.request import Request
-from mlxkv.runner.request_run import Batching, RunContext, run_request
+from mlxkv.runner.request_run import Batching, run_request
 from mlxkv.runner.results import Completion, CompletionStats, GenerationChunk
+from mlxkv.runner.run_context import RunContext
 from mlxkv.runner.slots import Slots
 
 logger = logging.getLogger(__name__)
@@ -94,9 +95,11 @@ class Dispatcher:
         self._slots = Slots(max_batch)
         batch = DecodeBatch(loaded.model, max_batch, others_waiting=lambda: engine.jobs_waiting)
         prefills = PrefillGroup(
-            loaded.model, max_prompt_tokens=prefill_plan.step_tokens, max_rows=max_batch,
+            loaded.model,
+            max_prompt_tokens=prefill_plan.step_tokens,
+            max_rows=max_batch,
             queued=lambda: engine.arrivals_waiting,
-        )  # fmt: skip
+        )
         self._batching = Batching(batch, prefills)
         pool.working = batch
         self._requests: weakref.WeakSet[threading.Event] = weakref.WeakSet()

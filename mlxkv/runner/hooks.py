@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from mlxkv.runner.prompt_cache.entry import CacheEntry
-    from mlxkv.runner.request_run import RunContext
+    from mlxkv.runner.run_context import RunContext
 
 
 @dataclass(frozen=True, kw_only=True)

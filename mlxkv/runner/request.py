@@ -34,7 +34,7 @@ OVERFLOW_MODES = ("shift", "stop", "refuse")
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Request:
     """One validated request.
 
@@ -71,7 +71,7 @@ class Request:
     cache_salt: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestOptions:
     """How a request is rendered and run, besides its sampling settings (see `Runner.stream`).
 
@@ -190,19 +190,19 @@ class RequestBuilder:
         fitted = fit_prompt(tokens, budget, keep, cached_prefix=held, chat=chat)
         cut_start = None if fitted.first_message is None else prompt[fitted.first_message]
         return Request(
-            fitted.tokens,
-            keep,
-            marks.header_tokens,
-            params,
-            options.progress,
-            options.cancel or threading.Event(),
-            options.top_logprobs,
-            options.cache_key,
+            tokens=fitted.tokens,
+            keep=keep,
+            header_tokens=marks.header_tokens,
+            params=params,
+            progress=options.progress,
+            cancelled=options.cancel or threading.Event(),
+            top_logprobs=options.top_logprobs,
+            cache_key=options.cache_key,
             # drafts verified k at a time would each need the grammar's state: off
-            None if options.grammar is not None else options.speculative,
-            cut_start,
-            options.grammar,
-            salt,
+            speculative=None if options.grammar is not None else options.speculative,
+            cut_start=cut_start,
+            grammar=options.grammar,
+            cache_salt=salt,
         )
 
     def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:

@@ -2,8 +2,8 @@
 decoding (plain, speculative or batched with other requests), and the text chunks the caller
 streams.
 
-Owns `run_request` (a request's entry claimed and released in one place), `RunContext` (what
-every request of a Runner runs with) and the choice of decoder. Does not own serializing or
+Owns `run_request` (a request's entry claimed and released in one place) and the choice of
+decoder. Does not own serializing or
 interleaving requests, thread bookkeeping or the memory line (`dispatch`), nor the cache
 policy (`mlxkv.runner.prompt_cache.pool`).
 """
@@ -17,26 +17,23 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxkv.cache.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.config import RunnerConfig
 from mlxkv.decoding.batch import DecodeBatch, batched_tokens, joined_tokens
 from mlxkv.decoding.drafts import DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
-from mlxkv.decoding.prefill import PrefillPlan, fill
+from mlxkv.decoding.prefill import fill
 from mlxkv.decoding.speculative import Drafter, DraftLength, speculative_tokens
-from mlxkv.models.loading import LoadedModel
 from mlxkv.runner.context import ContextWindow
 from mlxkv.runner.hooks import RequestEnd, notify
 from mlxkv.runner.prefill.fill import PrefillCancelled, fill_prompt
 from mlxkv.runner.prefill.group import PrefillGroup
 from mlxkv.runner.prompt_cache.entry import CacheEntry
-from mlxkv.runner.prompt_cache.holdings import Holdings
 from mlxkv.runner.prompt_cache.pool import CachePool, PrefixHit
 from mlxkv.runner.request import Request
 from mlxkv.runner.results import CompletionStats, GenerationChunk
+from mlxkv.runner.run_context import RunContext
 from mlxkv.runner.text.chunks import emit_chunks
 
 
@@ -68,32 +65,6 @@ class Batching:
         """True while another request that can batch is decoding: a request alone decodes
         speculatively (which does not batch) until then, in the batch meanwhile."""
         return self.streams > 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunContext:
-    """What every request of a Runner runs with (fixed when the Runner is made).
-
-    Attributes:
-        loaded: the model and tokenizer.
-        pool: the prompt cache's entries.
-        config: the Runner's settings (`max_context`: the window; a generation that reaches
-            it shifts).
-        draft: the draft model for speculative decoding, or None.
-        rotations: per layer, how to re-rotate keys when the context shifts (None: cannot).
-        plan: how prompt tokens are fed (chunk size, CPU lanes).
-        ended: told what the pool holds as each request ends, right after its entry is
-            released (the Runner logs its memory line; `mlxkv.runner.hooks` observers are
-            told of the end next).
-    """
-
-    loaded: LoadedModel
-    pool: CachePool
-    config: RunnerConfig
-    draft: DraftModel | None
-    rotations: list[Rotation | None]
-    plan: PrefillPlan
-    ended: Callable[[Holdings], None]
 
 
 def run_request(
@@ -261,9 +232,12 @@ def _decode(
             grammar_processor(request.grammar, loaded.tokenizer, loaded.vocab_size, len(prompt))
         )
     pick = TokenPicker(
-        sampling.sampler, processors, prompt,
-        top_logprobs=request.top_logprobs, greedy=sampling.distribution is None,
-    )  # fmt: skip
+        sampling.sampler,
+        processors,
+        prompt,
+        top_logprobs=request.top_logprobs,
+        greedy=sampling.distribution is None,
+    )
     if batching is not None and (request.speculative is None or batching.crowded()):
         return batched_tokens(batching.batch, cache, logits, pick, params.max_tokens), pick
     if request.speculative is None:
@@ -319,9 +293,13 @@ def _alone_or_batched(
         if last is None or produced >= total:
             return
         joined = joined_tokens(
-            batching.batch, cache, mx.array([last], dtype=mx.uint32), pick, total - produced,
+            batching.batch,
+            cache,
+            mx.array([last], dtype=mx.uint32),
+            pick,
+            total - produced,
             leave_when=lambda: not batching.crowded(),
-        )  # fmt: skip
+        )
         try:
             while True:
                 try:

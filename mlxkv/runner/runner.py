@@ -106,10 +106,16 @@ class Runner:
             self._engine.call(warm_up, loaded, self._draft, config)
         self.max_batch = choose_max_batch(config, per_token_bytes, self._make_entry())
         self._dispatch = Dispatcher(
-            loaded, self._pool, self._engine, config, draft=self._draft,
-            rotations=rope_rotations(loaded.model), prefill_plan=self.prefill_plan,
-            lockstep=self._lockstep, max_batch=self.max_batch,
-        )  # fmt: skip
+            loaded,
+            self._pool,
+            self._engine,
+            config,
+            draft=self._draft,
+            rotations=rope_rotations(loaded.model),
+            prefill_plan=self.prefill_plan,
+            lockstep=self._lockstep,
+            max_batch=self.max_batch,
+        )
         self._builder = RequestBuilder(self._prompts, self.max_context, config.keep)
 
     @classmethod
@@ -281,9 +287,19 @@ class Runner:
             speculative = self.speculative
         mode = check_speculative(speculative, has_draft_model=self._draft is not None)
         options = RequestOptions(
-            progress, parse_control_tokens, tools, cancel, logprobs, truncate, cache_key, mode,
-            overflow, grammar, cache_salt, switches,
-        )  # fmt: skip
+            progress=progress,
+            parse_control_tokens=parse_control_tokens,
+            tools=tools,
+            cancel=cancel,
+            top_logprobs=logprobs,
+            truncate=truncate,
+            cache_key=cache_key,
+            speculative=mode,
+            overflow=overflow,
+            grammar=grammar,
+            cache_salt=cache_salt,
+            switches=switches,
+        )
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.
         request = self._builder.build(

@@ -22,6 +22,7 @@ from mlxkv.config import ServerConfig
 from mlxkv.errors import RanksOutOfStepError
 from mlxkv.runner.runner import Runner
 from mlxkv.server.anthropic_api import routes as anthropic
+from mlxkv.server.anthropic_api.diagnostics import keep_prompt_records
 from mlxkv.server.errors import ApiError, error_response
 from mlxkv.server.middleware import (
     AccessLog,
@@ -33,6 +34,7 @@ from mlxkv.server.middleware import (
 from mlxkv.server.ollama_api import routes as ollama
 from mlxkv.server.openai_api import routes as openai
 from mlxkv.server.responses_api import routes as responses
+from mlxkv.server.responses_api.history import keep_responses
 from mlxkv.server.state import ServerContext, server_context
 from mlxkv.server.ui.page import add_page
 from mlxkv.server.worker import GenerationWorker
@@ -71,6 +73,8 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
         config.default_max_tokens,
         config.max_tokens_limit,
     )
+    keep_responses(app)
+    keep_prompt_records(app)
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(responses.router)

@@ -11,16 +11,14 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
-from mlxkv.server.anthropic_api.diagnostics import PromptRecords
 from mlxkv.server.errors import ApiError
-from mlxkv.server.responses_api.history import ResponseHistory
-from mlxkv.server.turn import Turn
+from mlxkv.server.reply.turn import Turn
 from mlxkv.server.worker import GenerationWorker
 
 logger = logging.getLogger(__name__)
@@ -40,8 +38,9 @@ class ServerContext:
     default_max_tokens: tokens generated when a request gives no limit.
     created: when the server started (Unix seconds), for `/v1/models`.
     max_tokens_limit: most tokens one request may ask for (None: the window decides).
-    responses: stored Responses API conversations, for `previous_response_id`.
-    prompt_records: prompts of Anthropic requests that asked for diagnostics, by message id.
+
+    What one API alone keeps (stored responses, diagnosed prompts) is that API's, kept on the
+    app's state by the API folder that defines it.
     """
 
     worker: GenerationWorker
@@ -49,8 +48,6 @@ class ServerContext:
     default_max_tokens: int
     created: int = 0
     max_tokens_limit: int | None = None
-    responses: ResponseHistory = field(default_factory=ResponseHistory)
-    prompt_records: PromptRecords = field(default_factory=PromptRecords)
 
     @classmethod
     def make(

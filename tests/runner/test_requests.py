@@ -58,7 +58,12 @@ def test_stop_string_in_text_the_detokenizer_held_to_the_end_ends_with_stop(load
 
     def run(stop):
         request = Request(
-            [1], 0, 1, SamplingParams(max_tokens=12, stop=stop), None, threading.Event()
+            tokens=[1],
+            keep=0,
+            header_tokens=1,
+            params=SamplingParams(max_tokens=12, stop=stop),
+            progress=None,
+            cancelled=threading.Event(),
         )
         stats = CompletionStats(0.0, 1, 0)
         pick = TokenPicker(lambda x: x, [], [])

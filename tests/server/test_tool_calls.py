@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mlx_lm.tool_parsers import json_tools, kimi_k2, mistral
 
 from mlxkv.server.anthropic_api.tool_ids import client_id, model_id
-from mlxkv.server.tool_calls import ToolCall, ToolCallSplitter
+from mlxkv.server.reply.tool_calls import ToolCall, ToolCallSplitter
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 TEXT = f"Let me check.<tool_call>{CALL}</tool_call> Done <tool <tool_call>not json</tool_call>"

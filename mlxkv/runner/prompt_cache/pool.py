@@ -164,16 +164,7 @@ class CachePool:
         if self.store is not None:
             entry, reuse = self._maybe_load(query, limit, entry, reuse, salt)
         entry, how = self._prepare(entry, reuse)
-        if reuse:
-            logger.info(
-                "prefix cache hit total=%d cached=%d left=%d (%s)",
-                len(tokens),
-                reuse,
-                len(tokens) - reuse,
-                how,
-            )
-        else:
-            logger.info("prefix cache miss total=%d left=%d", len(tokens), len(tokens))
+        _log_lookup(len(tokens), reuse, how)
         entry.salt, entry.recorded = salt, None  # measured as it is fed until released
         entry.tokens = query[:reuse].copy()  # held, in order, for requests meanwhile
         reply_start = len(tokens) if reply_start is None else reply_start
@@ -404,3 +395,13 @@ class CachePool:
         stay with their requests and are dropped when released."""
         self._entries.clear()
         self.latest = None
+
+
+def _log_lookup(num_tokens: int, reuse: int, how: str) -> None:
+    if reuse:
+        left = num_tokens - reuse
+        logger.info(
+            "prefix cache hit total=%d cached=%d left=%d (%s)", num_tokens, reuse, left, how
+        )
+    else:
+        logger.info("prefix cache miss total=%d left=%d", num_tokens, num_tokens)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from fastapi import FastAPI, Request
 
 from mlxkv.cache.prefix import common_prefix_length
 
@@ -152,3 +153,13 @@ def make_locator(
         return low - 1, origins[low - 1]
 
     return locate
+
+
+def keep_prompt_records(app: FastAPI) -> None:
+    """Gives `app` its diagnosed prompts (empty: a new server knows none)."""
+    app.state.prompt_records = PromptRecords()
+
+
+def prompt_records(request: Request) -> PromptRecords:
+    """The diagnosed prompts of the app serving `request` (`keep_prompt_records`)."""
+    return request.app.state.prompt_records

@@ -21,10 +21,10 @@ from pydantic import Field
 from mlxkv.server.anthropic_api.diagnostics import Origin
 from mlxkv.server.anthropic_api.tool_ids import model_id
 from mlxkv.server.errors import ApiError
-from mlxkv.server.forced_tools import ForcedCall
-from mlxkv.server.openai_api.protocol import Lenient
-from mlxkv.server.structured import anthropic_grammar
-from mlxkv.server.thinking import anthropic_switches
+from mlxkv.server.protocol import Lenient
+from mlxkv.server.reply.forced_tools import ForcedCall
+from mlxkv.server.reply.structured import anthropic_grammar
+from mlxkv.server.reply.thinking_switch import anthropic_switches
 
 
 class TextBlock(Lenient):

@@ -24,16 +24,18 @@ from starlette.concurrency import run_in_threadpool
 from mlxkv.runner.results import Completion
 from mlxkv.server.anthropic_api.diagnostics import (
     PromptRecord,
+    PromptRecords,
     content_hash,
     diagnose,
     make_locator,
+    prompt_records,
 )
 from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
 from mlxkv.server.anthropic_api.tool_ids import client_id
 from mlxkv.server.errors import ApiError
+from mlxkv.server.reply.tool_calls import ToolCall
+from mlxkv.server.reply.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
 from mlxkv.server.state import Context, ServerContext, event_stream, sse
-from mlxkv.server.tool_calls import ToolCall
-from mlxkv.server.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
 
 router = APIRouter()
 
@@ -54,7 +56,7 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
     # Before the request runs: what the cache holds for the prompt now.
     diagnostics = None
     if body.diagnostics is not None:
-        diagnostics = await _diagnostics(body, ctx, message_id)
+        diagnostics = await _diagnostics(body, ctx, prompt_records(request), message_id)
     turn = await start_turn(
         request,
         body.chat_messages(),
@@ -169,7 +171,7 @@ def _usage(completion: Completion | None, prewarm: bool = False) -> dict[str, in
 
 
 async def _diagnostics(
-    body: MessagesRequest, ctx: ServerContext, message_id: str
+    body: MessagesRequest, ctx: ServerContext, records: PromptRecords, message_id: str
 ) -> dict[str, Any] | None:
     """Records this prompt under `message_id`, and explains what the cache misses of the
     previous one (`diagnostics.previous_message_id`); None when it misses nothing."""
@@ -186,12 +188,12 @@ async def _diagnostics(
     previous_id = body.diagnostics.get("previous_message_id")
     reason = None
     if previous_id is not None:
-        previous = ctx.prompt_records.get(previous_id) if isinstance(previous_id, str) else None
+        previous = records.get(previous_id) if isinstance(previous_id, str) else None
         held = runner.cached_prefix_tokens(tokens, body.cache_salt)
         on_disk = runner.stored_prefix_tokens(tokens, body.cache_salt)
         locate = make_locator(tokens, origins, lambda k: encode(messages[:k]))
         reason = await run_in_threadpool(diagnose, record, previous, held, locate, on_disk)
-    ctx.prompt_records.put(message_id, record)
+    records.put(message_id, record)
     return None if reason is None else {"cache_miss_reason": reason}
 
 

@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.ollama_api.keep_alive import keep_alive_ns
-from mlxkv.server.openai_api.protocol import mlx_seed, tool_arguments
-from mlxkv.server.structured import ollama_grammar
-from mlxkv.server.thinking import ollama_switches
+from mlxkv.server.protocol import mlx_seed, tool_arguments
+from mlxkv.server.reply.structured import ollama_grammar
+from mlxkv.server.reply.thinking_switch import ollama_switches
 
 
 class Lenient(BaseModel):

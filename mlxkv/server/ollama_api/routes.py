@@ -26,9 +26,9 @@ from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.runner.results import Completion
 from mlxkv.server.errors import ApiError
 from mlxkv.server.ollama_api.protocol import ChatRequest, GenerateRequest, ModelRequest
+from mlxkv.server.reply.tool_calls import ToolCall
+from mlxkv.server.reply.turn import ReasoningDelta, TextDelta, Turn, collect, start_turn
 from mlxkv.server.state import Context, ServerContext, event_stream
-from mlxkv.server.tool_calls import ToolCall
-from mlxkv.server.turn import ReasoningDelta, TextDelta, Turn, collect, start_turn
 
 router = APIRouter(prefix="/api")
 

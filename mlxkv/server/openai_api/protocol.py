@@ -9,40 +9,15 @@ Reference: https://platform.openai.com/docs/api-reference/chat/create
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from mlxkv.server.errors import ApiError
-from mlxkv.server.forced_tools import ForcedCall
-from mlxkv.server.json_limits import MAX_JSON_DEPTH, json_depth, too_deep_message
-from mlxkv.server.structured import openai_grammar
-from mlxkv.server.thinking import effort_switches, merged
-
-
-def mlx_seed(seed: int | None) -> int | None:
-    """A client's seed as MLX takes it: the APIs take any integer, MLX an unsigned 64-bit."""
-    return None if seed is None else seed % 2**64
-
-
-class Lenient(BaseModel):
-    """Strict types, unknown fields ignored; null for an optional field means its default
-    (OpenAI's own reading: clients send `"stream": null`, `"n": null`)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {
-            key: value
-            for key, value in data.items()
-            if value is not None or key not in fields or fields[key].is_required()
-        }
+from mlxkv.server.protocol import Lenient, mlx_seed, tool_arguments
+from mlxkv.server.reply.forced_tools import ForcedCall
+from mlxkv.server.reply.structured import openai_grammar
+from mlxkv.server.reply.thinking_switch import effort_switches, merged
 
 
 class ContentPart(Lenient):
@@ -252,25 +227,3 @@ def _text(index: int, content: str | list[ContentPart] | None) -> str:
             param=f"messages[{index}].content",
         )
     return "".join(part.text or "" for part in content)
-
-
-def tool_arguments(arguments: str | dict[str, Any], where: str) -> dict[str, Any]:
-    """A tool call's arguments as the object chat templates take; `where` names the field
-    in errors ("messages[2]", "input[3]").
-
-    Raises:
-        ApiError: 400 for arguments that are not a JSON object, or nest too deeply.
-    """
-    if isinstance(arguments, dict):
-        return arguments
-    if (depth := json_depth(arguments)) > MAX_JSON_DEPTH:
-        raise ApiError(400, too_deep_message(depth, f"{where}'s tool call arguments"), param=where)
-    try:
-        parsed = json.loads(arguments or "{}")
-    except json.JSONDecodeError as error:
-        raise ApiError(
-            400, f"{where} has tool call arguments that are not JSON ({error})", param=where
-        ) from error
-    if not isinstance(parsed, dict):
-        raise ApiError(400, f"{where} has tool call arguments that are not an object", param=where)
-    return parsed

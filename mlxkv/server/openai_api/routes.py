@@ -19,9 +19,8 @@ from fastapi import APIRouter, Request
 
 from mlxkv.runner.results import Completion
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from mlxkv.server.state import Context, event_stream, sse
-from mlxkv.server.tool_calls import ToolCall
-from mlxkv.server.turn import (
+from mlxkv.server.reply.tool_calls import ToolCall
+from mlxkv.server.reply.turn import (
     Event,
     ReasoningDelta,
     TextDelta,
@@ -30,6 +29,7 @@ from mlxkv.server.turn import (
     collect,
     start_turn,
 )
+from mlxkv.server.state import Context, event_stream, sse
 
 router = APIRouter()
 

@@ -9,6 +9,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from fastapi import FastAPI, Request
+
 MAX_RESPONSES = 256
 MAX_STORED_CHARS = 64 * 2**20
 
@@ -40,3 +42,13 @@ class ResponseHistory:
             while len(self._items) > self._max_responses or self._chars > self._max_chars:
                 _, (_, dropped) = self._items.popitem(last=False)
                 self._chars -= dropped
+
+
+def keep_responses(app: FastAPI) -> None:
+    """Gives `app` its stored responses (empty: a new server remembers none)."""
+    app.state.responses = ResponseHistory()
+
+
+def stored_responses(request: Request) -> ResponseHistory:
+    """The stored responses of the app serving `request` (`keep_responses`)."""
+    return request.app.state.responses

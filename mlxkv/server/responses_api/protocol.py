@@ -23,10 +23,10 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlxkv.server.errors import ApiError
-from mlxkv.server.forced_tools import ForcedCall
-from mlxkv.server.openai_api.protocol import Lenient, mlx_seed, tool_arguments
-from mlxkv.server.structured import openai_grammar
-from mlxkv.server.thinking import effort_switches
+from mlxkv.server.protocol import Lenient, mlx_seed, tool_arguments
+from mlxkv.server.reply.forced_tools import ForcedCall
+from mlxkv.server.reply.structured import openai_grammar
+from mlxkv.server.reply.thinking_switch import effort_switches
 
 logger = logging.getLogger(__name__)
 
@@ -229,5 +229,6 @@ def _note_dropped(what: str, kinds: set[str]) -> None:
 def _log_dropped(what: str, kinds: tuple[str, ...], count: int) -> None:
     more = f" and {count - len(kinds)} more" if count > len(kinds) else ""
     shown = ", ".join(repr(kind[:40]) for kind in kinds)
-    logger.info("responses: %s of type %s%s dropped (not something a local model runs)",
-                what, shown, more)  # fmt: skip
+    logger.info(
+        "responses: %s of type %s%s dropped (not something a local model runs)", what, shown, more
+    )

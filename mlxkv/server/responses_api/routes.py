@@ -25,10 +25,11 @@ from fastapi import APIRouter, Request
 
 from mlxkv.runner.results import Completion
 from mlxkv.server.errors import ApiError
+from mlxkv.server.reply.tool_calls import ToolCall
+from mlxkv.server.reply.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
+from mlxkv.server.responses_api.history import stored_responses
 from mlxkv.server.responses_api.protocol import ResponsesRequest, chat_messages
 from mlxkv.server.state import Context, event_stream, sse
-from mlxkv.server.tool_calls import ToolCall
-from mlxkv.server.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
 
 router = APIRouter()
 
@@ -37,7 +38,7 @@ router = APIRouter()
 async def create_response(body: ResponsesRequest, request: Request, ctx: Context):
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        found = ctx.responses.get(body.previous_response_id)
+        found = stored_responses(request).get(body.previous_response_id)
         if found is None:
             raise ApiError(
                 400,
@@ -65,7 +66,7 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
 
     def remember(output: list[dict[str, Any]]) -> None:
         if body.store:
-            ctx.responses.put(response.id, conversation + _as_messages(output))
+            stored_responses(request).put(response.id, conversation + _as_messages(output))
 
     if body.stream:
         events = _response_events(turn, response, remember)

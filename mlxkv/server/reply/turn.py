@@ -4,7 +4,7 @@ only format.
 
 Owns: `start_turn` (queue a generation with the request's tools and settings) and `Turn`
 (its events). The text goes through one pipeline: detokenized text -> thinking split
-(`thinking_text`) -> tool-call parse of the answer part (`tool_calls`). Does not own the
+(`thinking_split`) -> tool-call parse of the answer part (`tool_calls`). Does not own the
 wire formats.
 """
 
@@ -23,14 +23,14 @@ from mlxkv.decoding.picker import TokenLogprob
 from mlxkv.errors import ContextLengthError
 from mlxkv.runner.results import Completion, PromptUsage
 from mlxkv.server.errors import ApiError, context_length_error
-from mlxkv.server.forced_tools import ForcedCall, forced_call_grammar
-from mlxkv.server.thinking_text import (
+from mlxkv.server.reply.forced_tools import ForcedCall, forced_call_grammar
+from mlxkv.server.reply.thinking_split import (
     ThinkingSplitter,
     Thought,
     checked_reasoning,
     prompt_ends_thinking,
 )
-from mlxkv.server.tool_calls import Piece, ToolCall, ToolCallSplitter
+from mlxkv.server.reply.tool_calls import Piece, ToolCall, ToolCallSplitter
 from mlxkv.server.worker import GenerationStream, GenerationWorker
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlxkv.server.thinking_text import ThinkingSplitter, Thought, checked_reasoning
+from mlxkv.server.reply.thinking_split import ThinkingSplitter, Thought, checked_reasoning
 
 START, END, CALL = "<think>", "</think>", "<tool_call>"
 

@@ -1,0 +1,61 @@
+"""Request types every API's schemas share: `Lenient` (the base of every request model: strict
+types, unknown fields ignored, null as the default), and the readings of fields several APIs
+have (`mlx_seed`, `tool_arguments`). Lives apart from every API folder, so none imports
+another.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from mlxkv.server.errors import ApiError
+from mlxkv.server.json_limits import MAX_JSON_DEPTH, json_depth, too_deep_message
+
+
+def mlx_seed(seed: int | None) -> int | None:
+    """A client's seed as MLX takes it: the APIs take any integer, MLX an unsigned 64-bit."""
+    return None if seed is None else seed % 2**64
+
+
+class Lenient(BaseModel):
+    """Strict types, unknown fields ignored; null for an optional field means its default
+    (OpenAI's own reading: clients send `"stream": null`, `"n": null`)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
+
+
+def tool_arguments(arguments: str | dict[str, Any], where: str) -> dict[str, Any]:
+    """A tool call's arguments as the object chat templates take; `where` names the field
+    in errors ("messages[2]", "input[3]").
+
+    Raises:
+        ApiError: 400 for arguments that are not a JSON object, or nest too deeply.
+    """
+    if isinstance(arguments, dict):
+        return arguments
+    if (depth := json_depth(arguments)) > MAX_JSON_DEPTH:
+        raise ApiError(400, too_deep_message(depth, f"{where}'s tool call arguments"), param=where)
+    try:
+        parsed = json.loads(arguments or "{}")
+    except json.JSONDecodeError as error:
+        raise ApiError(
+            400, f"{where} has tool call arguments that are not JSON ({error})", param=where
+        ) from error
+    if not isinstance(parsed, dict):
+        raise ApiError(400, f"{where} has tool call arguments that are not an object", param=where)
+    return parsed
