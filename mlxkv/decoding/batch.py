@@ -14,7 +14,7 @@ device bound by memory bandwidth N rows cost little more than one.
 How rows stay in step: each request pulls its own tokens. A step appends one token to every
 row's queue; a request whose queue runs empty runs the next step, queued (`async_eval`) before
 its token is read back, as `decode_tokens` pipelines. A row that has just joined, while other
-work waits on the engine thread, first pauses once (its iterator yields None): a step another
+work waits on the engine thread, first pauses once (its iterator yields `PAUSE`): a step another
 row runs meanwhile gives it its first token too. Rows joining one after another (prompts
 prefilled together) would otherwise each run a step of their own with part of the batch, and
 end as many steps apart (measured: 15 of 128 steps short of 8 rows, about 5% of the time).
@@ -40,6 +40,7 @@ import mlx.nn as nn
 
 from mlxkv.cache.batched import BatchedKV, can_batch
 from mlxkv.cache.model_cache import ModelCache
+from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
 
 logger = logging.getLogger(__name__)
@@ -206,9 +207,9 @@ def batched_tokens(
     logits: mx.array,
     pick: TokenPicker,
     max_tokens: int,
-) -> Iterator[int | None]:
+) -> Iterator[int | Pause]:
     """Yields up to `max_tokens` sampled token ids from the prompt's last logits, decoding in
-    `batch` with the other requests there (see the module docstring), and None for a pause
+    `batch` with the other requests there (see the module docstring), and `PAUSE`
     (other work runs first). The first token comes out before the row joins, as soon as it
     exists. Closing the iterator leaves the batch; `cache` then holds exactly the tokens fed,
     in order."""
@@ -227,9 +228,9 @@ def joined_tokens(
     pick: TokenPicker,
     left: int,
     leave_when: Callable[[], bool] | None = None,
-) -> Generator[int | None, None, list[int]]:
+) -> Generator[int | Pause, None, list[int]]:
     """Yields the `left` tokens after `last` (picked by `pick`, not yet in `cache`), decoding
-    in `batch`, and None for a pause (`DecodeBatch.waits`): how a request decoding alone so
+    in `batch`, and `PAUSE` where it waits (`DecodeBatch.waits`): how a request decoding alone so
     far goes on with others. `leave_when` is asked after each token; True takes the row out
     at once and returns the tokens picked for it and not yet yielded (the newest not fed),
     from which it goes on alone."""
@@ -239,7 +240,7 @@ def joined_tokens(
     try:
         while True:
             if batch.waits(row):
-                yield None
+                yield PAUSE
                 continue
             if (token := batch.next_token(row)) is None:
                 break

@@ -25,6 +25,7 @@ from mlxkv.cache.kv import Rotation
 from mlxkv.config import RunnerConfig
 from mlxkv.decoding.batch import DecodeBatch
 from mlxkv.decoding.drafts import DraftModel
+from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.prefill import PrefillPlan
 from mlxkv.errors import RunnerBusyError
 from mlxkv.models.loading import LoadedModel
@@ -202,12 +203,12 @@ class Dispatcher:
                 chunks = self._lockstep.run(request, lambda r: run_request(r, self._context))
             with contextlib.closing(chunks):
                 for chunk in chunks:
-                    if chunk is not None:  # a pause between prefill chunks: none here
+                    if chunk is not PAUSE:  # nobody to let run here
                         yield chunk
 
-    def _serve_interleaved(self, request: Request) -> Iterator[GenerationChunk | None]:
+    def _serve_interleaved(self, request: Request) -> Iterator[GenerationChunk | Pause]:
         """One request on the engine thread, taking turns with the other interleaved ones
-        (each item is one engine job; None pauses)."""
+        (each item is one engine job; `PAUSE` lets the others run)."""
         chunks = run_request(request, self._context, batching=self._batching)
         if request.params.seed is not None:
             chunks = with_own_key(chunks, request.params.seed)

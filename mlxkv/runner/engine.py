@@ -32,6 +32,8 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
+from mlxkv.decoding.pause import PAUSE
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -105,7 +107,7 @@ class EngineThread:
     def interleave(self, make: Callable[[], Iterator[T | None]]) -> Interleaved:
         """The items of the generator `make()` returns, like `iterate`, except that each item
         is computed by a job of its own: the jobs of other interleaved generators and calls
-        run between two items. The generator yields None to pause: its next part runs after
+        run between two items. The generator yields `PAUSE` to pause: its next part runs after
         the jobs waiting then (a long prefill lets running requests decode between its
         chunks); the caller never sees None. The first item's job goes ahead of those
         waiting (at most one per interleaved generator: a decode step each), so a new
@@ -234,7 +236,7 @@ class Interleaved:
         except BaseException as error:  # raised to the consumer
             self._answers.put(("error", error))
         else:
-            if item is None:
+            if item is PAUSE:
                 self._engine._submit(self._advance)
             else:
                 self._answers.put(("item", item))

@@ -21,6 +21,7 @@ from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.batch import DecodeBatch, batched_tokens, joined_tokens
 from mlxkv.decoding.drafts import DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
+from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
 from mlxkv.decoding.prefill import fill
@@ -69,9 +70,9 @@ class Batching:
 
 def run_request(
     request: Request, context: RunContext, *, batching: Batching | None = None
-) -> Iterator[GenerationChunk | None]:
+) -> Iterator[GenerationChunk | Pause]:
     """Runs `request` on the pool's nearest entry, in place; yields its chunks, the last one
-    with the Completion, and None for a pause where interleaved requests run (between prefill
+    with the Completion, and `PAUSE` where interleaved requests run (between prefill
     chunks, waiting for a shared prefix or for prompts prefilled together, joining the decode
     batch; a serial caller skips it).
 
@@ -104,7 +105,7 @@ def run_request(
     try:
         with contextlib.closing(_generate(request, context, hit, stats, batching)) as chunks:
             for chunk in chunks:
-                if chunk is not None and chunk.completion is not None:
+                if chunk is not PAUSE and chunk.completion is not None:
                     final = chunk
                     break
                 yield chunk
@@ -125,7 +126,7 @@ def _generate(
     hit: PrefixHit,
     stats: CompletionStats,
     batching: Batching | None,
-) -> Iterator[GenerationChunk | None]:
+) -> Iterator[GenerationChunk | Pause]:
     """The request's chunks on its claimed entry: what the cache lacks prefilled, then the
     reply decoded (plain, speculative or in the batch) and turned into text."""
     loaded, plan, pool = context.loaded, context.plan, context.pool
@@ -174,13 +175,13 @@ def _prefilled_with(request: Request, batching: Batching | None) -> PrefillGroup
     return batching.prefills
 
 
-def _await_shared_prefix(request: Request, pool: CachePool) -> Iterator[None]:
-    """Pauses (yields None) while a request running now feeds a longer prefix of this one's
+def _await_shared_prefix(request: Request, pool: CachePool) -> Iterator[Pause]:
+    """Pauses (yields `PAUSE`) while a request running now feeds a longer prefix of this one's
     prompt than the cache holds, so that this one copies it rather than feeding it again;
     ends at once when cancelled. Only between turns of interleaved requests: the one it
     waits for feeds meanwhile."""
     while not request.cancelled.is_set() and pool.awaits_prefix(request.tokens, request.cache_salt):
-        yield None
+        yield PAUSE
 
 
 def _draft_cache_for(
@@ -218,7 +219,7 @@ def _decode(
     stats: CompletionStats,
     make_room: Callable[[ModelCache, int], None] | None = None,
     batching: Batching | None = None,
-) -> tuple[Iterator[int | None], TokenPicker]:
+) -> tuple[Iterator[int | Pause], TokenPicker]:
     """The generated token ids of one request, from the prompt's last logits, and the picker
     that samples them: `decode_tokens` when the request's mode is None, else
     `speculative_tokens` with the mode's drafter (see `MODES`). With `batching`: in the batch
@@ -277,7 +278,7 @@ def _alone_or_batched(
     cache: ModelCache,
     pick: TokenPicker,
     total: int,
-) -> Iterator[int | None]:
+) -> Iterator[int | Pause]:
     """`total` tokens: speculatively while the request decodes alone (ended early when others
     come), in the batch while others decode (left when they are gone), and so on. Each part
     goes on from the last token of the one before, yielded and not fed."""
@@ -307,8 +308,8 @@ def _alone_or_batched(
                 except StopIteration as end:
                     queued = end.value
                     break
-                if token is None:  # a pause (`DecodeBatch.waits`): passed on
-                    yield None
+                if token is PAUSE:  # the batch waits (`DecodeBatch.waits`): passed on
+                    yield PAUSE
                     continue
                 last = token
                 produced += 1

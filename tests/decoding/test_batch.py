@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from mlxkv.cache.batched import BatchedKV, can_batch
 from mlxkv.cache.building import make_cache
 from mlxkv.decoding.batch import DecodeBatch, batched_tokens
+from mlxkv.decoding.pause import PAUSE
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
 from mlxkv.decoding.prefill import PrefillPlan, prefill
@@ -200,9 +201,9 @@ def test_rows_joining_while_other_work_waits_pause_once_and_share_their_first_st
         stream = batched_tokens(batch, cache, logits, pick, MAX_TOKENS[i])
         streams[i] = (cache, stream, [next(stream)])  # the first token, before joining
     for _, stream, _ in streams.values():
-        assert next(stream) is None  # joined, paused once
+        assert next(stream) is PAUSE  # joined, paused once
     for i, (cache, stream, streamed) in streams.items():
         streamed.extend(stream)
-        assert None not in streamed and streamed == alone[i][0]
+        assert PAUSE not in streamed and streamed == alone[i][0]
         _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, alone[i][0])
     assert steps[0] == 2

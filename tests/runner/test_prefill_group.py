@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from mlxkv.cache.building import make_cache
+from mlxkv.decoding.pause import PAUSE
 from mlxkv.decoding.prefill import PrefillPlan, fill, prefill
 from mlxkv.runner.prefill import group as group_module
 from mlxkv.runner.prefill.group import PrefillGroup
@@ -75,7 +76,7 @@ def test_the_last_to_come_feeds_every_member_in_one_pass(model, passes):
     arrivals.waiting = True
     paused = [group.prefill(caches[i], PROMPTS[i]) for i in (0, 1)]
     for member in paused:
-        assert next(member) is None  # paused: others are coming
+        assert next(member) is PAUSE  # paused: others are coming
     arrivals.waiting = False
     last = _result(group.prefill(caches[2], PROMPTS[2]))
     assert passes == [3]
@@ -91,7 +92,7 @@ def test_the_first_to_resume_feeds_the_members_so_far(model, passes):
     group, caches = _group(model, arrivals), _caches(model)
     arrivals.waiting = True
     first, second = (group.prefill(caches[i], PROMPTS[i]) for i in (0, 1))
-    assert next(first) is None and next(second) is None
+    assert next(first) is PAUSE and next(second) is PAUSE
     logits = [_result(first), _result(second)]
     assert passes == [2]
     for i in (0, 1):
@@ -104,7 +105,7 @@ def test_a_member_alone_feeds_itself(model, passes):
     assert _result(group.prefill(caches[0], PROMPTS[0])) is None  # nobody coming: no pause
     arrivals.waiting = True
     member = group.prefill(caches[1], PROMPTS[1])
-    assert next(member) is None
+    assert next(member) is PAUSE
     assert _result(member) is None  # nobody came after all
     assert passes == [] and [c.tokens for c in caches] == HELD
 
@@ -115,7 +116,7 @@ def test_a_member_closed_while_paused_is_left_out(model, passes):
     arrivals.waiting = True
     members = [group.prefill(caches[i], PROMPTS[i]) for i in range(3)]
     for member in members:
-        assert next(member) is None
+        assert next(member) is PAUSE
     members[1].close()  # its client went away
     logits = [_result(members[0]), _result(members[2])]
     assert passes == [2] and caches[1].tokens == HELD[1]
@@ -133,7 +134,7 @@ def test_rows_of_very_different_lengths_are_not_padded_to_each_other(model, pass
     arrivals.waiting = True
     paused = [group.prefill(long_cache, [5, 6]), group.prefill(caches[0], PROMPTS[0])]
     for member in paused:
-        assert next(member) is None
+        assert next(member) is PAUSE
     arrivals.waiting = False
     last = _result(group.prefill(caches[1], PROMPTS[1]))
     assert passes == [2]
@@ -146,7 +147,7 @@ def test_requests_waiting_for_a_shared_prefix_are_waited_for(model, passes):
     group, caches = _group(model, _Arrivals()), _caches(model)
     with group.arriving():
         member = group.prefill(caches[0], PROMPTS[0])
-        assert next(member) is None
+        assert next(member) is PAUSE
     logits = _result(group.prefill(caches[1], PROMPTS[1]))
     assert passes == [2]
     _assert_as_alone(model, 1, caches[1], logits)
@@ -158,7 +159,7 @@ def test_a_full_group_waits_for_no_one(model, passes):
     group, caches = _group(model, arrivals, max_rows=2), _caches(model)
     arrivals.waiting = True
     first = group.prefill(caches[0], PROMPTS[0])
-    assert next(first) is None
+    assert next(first) is PAUSE
     _result(group.prefill(caches[1], PROMPTS[1]))  # the second of two rows: no pause
     assert passes == [2]
     _result(first)
@@ -173,7 +174,7 @@ def test_a_failed_pass_reaches_every_member_and_changes_no_cache(model, monkeypa
     group, caches = _group(model, arrivals), _caches(model)
     arrivals.waiting = True
     first = group.prefill(caches[0], PROMPTS[0])
-    assert next(first) is None
+    assert next(first) is PAUSE
     arrivals.waiting = False
     with pytest.raises(RuntimeError, match="broken pass"):
         next(group.prefill(caches[1], PROMPTS[1]))

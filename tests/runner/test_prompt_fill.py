@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlxkv.cache import make_cache
+from mlxkv.decoding.pause import PAUSE
 from mlxkv.decoding.prefill import PrefillPlan
 from mlxkv.runner.prefill.fill import fill_prompt
 from mlxkv.runner.prompt_cache.entry import CacheEntry
@@ -33,7 +34,7 @@ def test_a_prefill_pauses_between_chunks_not_after_the_last(loaded_tiny, tokens,
     seen = 0
     while True:
         try:
-            assert next(steps) is None
+            assert next(steps) is PAUSE
             seen += 1
         except StopIteration as end:
             logits = end.value

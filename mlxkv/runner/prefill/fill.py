@@ -15,6 +15,7 @@ from typing import TypeVar
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.prefill import PrefillPlan, fill_steps, prefill_steps
 from mlxkv.runner.prefill.group import PrefillGroup
 from mlxkv.runner.prompt_cache.pool import PrefixHit
@@ -37,9 +38,9 @@ def fill_prompt(
     *,
     plan: PrefillPlan,
     together: PrefillGroup | None = None,
-) -> Generator[None, None, mx.array]:
-    """Feeds `hit.remaining` into `hit.entry.cache` and returns the last position's logits; yields
-    None between chunks, or while prompts to prefill together come (a pause: `yield from` it
+) -> Generator[Pause, None, mx.array]:
+    """Feeds `hit.remaining` into `hit.entry.cache` and returns the last position's logits;
+    yields `PAUSE` between chunks, or while prompts to prefill together come (`yield from` it
     in a request's generator).
 
     Args:
@@ -81,9 +82,9 @@ def fill_prompt(
 
 def _paced(
     steps: Generator[int, None, T], fed: Callable[[int], None], offset: int, last_pause: int
-) -> Generator[None, None, T]:
+) -> Generator[Pause, None, T]:
     """Runs `steps` (a prefill generator yielding the tokens it has fed), telling `fed` the
-    tokens fed in all (`offset` before it) and pausing (yielding None) after each chunk that
+    tokens fed in all (`offset` before it) and pausing (yielding `PAUSE`) after each chunk that
     ends before `last_pause` tokens; returns what `steps` returns."""
     while True:
         try:
@@ -92,4 +93,4 @@ def _paced(
             return end.value
         fed(offset + done)
         if offset + done < last_pause:
-            yield
+            yield PAUSE

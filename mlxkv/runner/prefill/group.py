@@ -28,6 +28,7 @@ import mlx.nn as nn
 
 from mlxkv.cache.batched import can_batch
 from mlxkv.cache.model_cache import ModelCache
+from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.prefill_batched import prefill_together
 
 logger = logging.getLogger(__name__)
@@ -93,9 +94,9 @@ class PrefillGroup:
 
     def prefill(
         self, cache: ModelCache, prompt: Sequence[int]
-    ) -> Generator[None, None, mx.array | None]:
+    ) -> Generator[Pause, None, mx.array | None]:
         """Feeds `prompt` into `cache` with the others that come now, pausing (yielding
-        None) at most once for them; returns its last-token logits, shape (1, vocab), or
+        `PAUSE`) at most once for them; returns its last-token logits, shape (1, vocab), or
         None when no other came (`cache` untouched: the caller feeds it alone).
 
         Raises:
@@ -105,7 +106,7 @@ class PrefillGroup:
         self._members.append(member)
         try:
             if len(self._members) < self._max_rows and (self._arriving or self._queued()):
-                yield None
+                yield PAUSE
             if not member.settled and len(self._members) > 1:
                 self._feed()
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.runner.request import Request
 from mlxkv.runner.results import CompletionStats, GenerationChunk
@@ -22,8 +23,8 @@ def emit_chunks(
     stats: CompletionStats,
     request: Request,
     pick: TokenPicker,
-) -> Iterator[GenerationChunk | None]:
-    """Yields one chunk per sampled token that is not EOS, then the final chunk, and None
+) -> Iterator[GenerationChunk | Pause]:
+    """Yields one chunk per sampled token that is not EOS, then the final chunk, and `PAUSE`
     where `decoded` pauses (batched decoding letting other work run); EOS, a stop
     string, and the request's cancel flag end it (the generator `decoded` is then left, which
     stops the model)."""
@@ -32,8 +33,8 @@ def emit_chunks(
     detokenizer.reset()
     finish, cut_by_stop_string = "length", False
     for token in decoded:
-        if token is None:  # a pause in batched decoding: other work runs first
-            yield None
+        if token is PAUSE:  # batched decoding lets other work run first
+            yield PAUSE
             continue
         stats.sampled()
         logprob = pick.pop_logprob()
