@@ -1,6 +1,8 @@
 """One prompt's walk from `Runner.stream` to its last chunk enters each mlxkv module at most
 twice for the request, and at most twice more per generated token (issue 25): a module entered
-more often is one concern spread over several calls.
+more often may be one concern spread over several calls. It is a budget, not a gate (issue 38:
+nothing is merged only to meet a count): a module may exceed it with its reason written in
+`_OVER_BUDGET`.
 
 What is an entry. A call of a function of module M (a property or a dataclass's `__init__`
 included; a generator's first step included, its later resumptions not) from a frame of another
@@ -31,8 +33,8 @@ T = 2, 4) give the four numbers, and a fifth (L = 2, T = 6) checks that the form
 limits apply to `request` and `per_token`; loops over the model's layers (ModelCache fanning a
 call out to its layers) scale with the model's depth, not with how the walk is spread. The
 first token comes from prefill's logits: `mlxkv.cache.model_cache`, for one, is built, fed the
-prompt, and materialized (with its footprint) when its entry records it, once per request, and
-per token fed and (after the first) checked against the window: 3 + 2T - 1, counted (2, 2).
+prompt, materialized and measured when its entry records it, once per request, and per token
+fed and (after the first) checked against the window: 4 + 2T - 1, counted (3, 2).
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ from mlxkv.testing.factory import build_model
 
 _GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 _MAX_ENTRIES = 2
+# Modules over the budget, with the most entries (request, per token) and why.
+_OVER_BUDGET = {
+    "mlxkv.cache.model_cache": (
+        (3, 2),
+        "the K/V object itself: built, fed, then materialized and measured as its entry "
+        "records it (two calls with two jobs, not one merged only for this count)",
+    ),
+}
 _PROMPT = [
     {"role": "system", "content": "You answer in one word."},
     {"role": "user", "content": "The capital of France is"},
@@ -196,12 +206,12 @@ def _separated(layered, walk: str) -> dict[str, tuple[int, int, int, int]]:
 @pytest.mark.parametrize("walk", list(_WALKS))
 def test_one_prompt_enters_each_module_at_most_twice(layered, walk):
     counts = _separated(layered, walk)
-    over = {
-        module: (request, per_token)
-        for module, (request, per_token, _, _) in counts.items()
-        if request > _MAX_ENTRIES or per_token > _MAX_ENTRIES
-    }
-    assert not over, f"entered more than {_MAX_ENTRIES} times (request, per token): {over}"
+    over = {}
+    for module, (request, per_token, _, _) in counts.items():
+        most_request, most_per_token = _OVER_BUDGET.get(module, ((_MAX_ENTRIES, _MAX_ENTRIES),))[0]
+        if request > most_request or per_token > most_per_token:
+            over[module] = (request, per_token)
+    assert not over, f"entered more often than the budget (request, per token): {over}"
 
 
 @pytest.mark.unchecked_entries

@@ -111,10 +111,6 @@ class ModelCache:
         mx.eval(self.arrays() + [p for p in self._pending if isinstance(p, mx.array)])
         return self.tokens
 
-    def settle(self) -> tuple[list[int], Footprint]:
-        """`materialize`, and the footprint then: what an entry records at a request's end."""
-        return self.materialize(), self.footprint()
-
     def forward(self, model: nn.Module, token_ids: Sequence[int] | mx.array) -> mx.array:
         """Runs `model` on `token_ids` after the held tokens and records them as held.
 

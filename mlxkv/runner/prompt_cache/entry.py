@@ -57,8 +57,12 @@ class CacheEntry:
         returns how many. A cache whose lazy arrays fail to evaluate is dropped, draft cache
         included: an entry never keeps a broken state."""
         try:
-            held, footprint = self.cache.settle()
-            draft = None if self.draft_cache is None else self.draft_cache.settle()[1]
+            held = self.cache.materialize()
+            footprint = self.cache.footprint()
+            draft = None
+            if self.draft_cache is not None:
+                self.draft_cache.materialize()
+                draft = self.draft_cache.footprint()
         except RuntimeError as error:  # a failed lazy computation
             logger.warning("prompt cache dropped: its arrays could not be evaluated (%s)", error)
             self.cache.free()
