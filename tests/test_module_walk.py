@@ -60,6 +60,12 @@ _OVER_BUDGET = {
         "the K/V object itself: built, fed, then materialized and measured as its entry "
         "records it (two calls with two jobs, not one merged only for this count)",
     ),
+    "mlxkv.runner.lockstep": (
+        (4, 0),
+        "unsharded, a `Solo` stands where the ranks' `Lockstep` does (no branch for the "
+        "unsharded case): the request is checked, prepared and run through it, and the "
+        "memory line asks it for the ranks' part, each a no-op alone",
+    ),
 }
 _PROMPT = [
     {"role": "system", "content": "You answer in one word."},

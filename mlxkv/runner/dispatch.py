@@ -12,6 +12,7 @@ its entry's claim and release included (`request_run`), how work reaches the eng
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -31,7 +32,7 @@ from mlxkv.errors import RunnerBusyError
 from mlxkv.models.loading import LoadedModel
 from mlxkv.platform.random_state import request_random_state, with_own_key
 from mlxkv.runner.engine import EngineThread, Interleaved, Relay
-from mlxkv.runner.lockstep import Lockstep
+from mlxkv.runner.lockstep import Lockstep, Solo
 from mlxkv.runner.prefill.group import PrefillGroup
 from mlxkv.runner.prompt_cache.pool import CachePool
 from mlxkv.runner.prompt_cache.report import MemoryLine
@@ -57,7 +58,7 @@ class Dispatcher:
         draft: the draft model for speculative decoding, or None.
         rotations: per layer, how to re-rotate keys when the context shifts (None: cannot).
         prefill_plan: how prompt tokens are fed.
-        lockstep: the sharded ranks' coordination, or None when not sharded.
+        lockstep: the sharded ranks' coordination (`Solo` when not sharded).
         max_batch: the most batched streams decoding together.
     """
 
@@ -71,7 +72,7 @@ class Dispatcher:
         draft: DraftModel | None,
         rotations: list[Rotation | None],
         prefill_plan: PrefillPlan,
-        lockstep: Lockstep | None,
+        lockstep: Lockstep | Solo,
         max_batch: int,
     ):
         self.loaded = loaded
@@ -82,7 +83,7 @@ class Dispatcher:
         self._engine = engine
         self._lockstep = lockstep
         # The memory line logged as each request ends (sharded: with the ranks' sum).
-        self._memory = MemoryLine(pool, None if lockstep is None else lockstep.ranks_line)
+        self._memory = MemoryLine(pool, lockstep.ranks_line)
         self._context = RunContext(
             loaded=loaded,
             pool=pool,
@@ -111,7 +112,7 @@ class Dispatcher:
         streams (not when sharded) or alone in turn."""
         with self._requests_lock:
             self._requests.add(request.cancelled)
-        if batched and self._lockstep is None:
+        if batched and not self._lockstep.sharded:
             return self._consume_interleaved(request)
         return self._consume(request)
 
@@ -197,10 +198,9 @@ class Dispatcher:
         """One request on the engine thread, start to end, alone."""
         mx.reset_peak_memory()
         with request_random_state(request.params.seed):
-            if self._lockstep is None:
-                chunks = run_request(request, self._context)
-            else:
-                chunks = self._lockstep.run(request, lambda r: run_request(r, self._context))
+            chunks = self._lockstep.run(
+                request, functools.partial(run_request, context=self._context)
+            )
             with contextlib.closing(chunks):
                 for chunk in chunks:
                     if chunk is not PAUSE:  # nobody to let run here

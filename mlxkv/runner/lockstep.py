@@ -60,6 +60,8 @@ class Lockstep:
         self._timeout_s = float(env("MLXKV_RANK_TIMEOUT_S") or DEFAULT_RANK_TIMEOUT_S)
         self.failure: str | None = None  # why the ranks are out of step, once they are
 
+    sharded = True
+
     @property
     def leads(self) -> bool:
         return self.rank == 0
@@ -233,6 +235,38 @@ class Lockstep:
             cache_salt=message["cache_salt"],
         )
         return "request", request
+
+
+class Solo:
+    """The lockstep of a Runner that is not sharded: one process, which leads and never waits
+    for another. It stands where `Lockstep` stands, so the request path has no second branch
+    for the unsharded case."""
+
+    rank = 0
+    size = 1
+    leads = True
+    sharded = False
+    failure: str | None = None
+
+    def check_can_lead(self) -> None:
+        pass
+
+    def prepare(self, request: Request) -> Request:
+        return request
+
+    def run(
+        self, request: Request, run: Callable[[Request], Iterator[GenerationChunk]]
+    ) -> Iterator[GenerationChunk]:
+        return run(request)
+
+    def leaders_settings(self, config: RunnerConfig) -> RunnerConfig:
+        return config
+
+    def ranks_line(self, report: MemoryReport) -> str:
+        return ""
+
+    def announce(self, op: str) -> None:
+        pass
 
 
 class AgreedCancel:

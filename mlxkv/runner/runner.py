@@ -40,7 +40,7 @@ from mlxkv.runner.assembly import (
 from mlxkv.runner.context import rope_rotations
 from mlxkv.runner.dispatch import Dispatcher
 from mlxkv.runner.engine import EngineThread
-from mlxkv.runner.lockstep import Lockstep
+from mlxkv.runner.lockstep import Lockstep, Solo
 from mlxkv.runner.prompt_cache.report import MemoryReport
 from mlxkv.runner.request import RequestBuilder, RequestOptions, salt_digest
 from mlxkv.runner.results import Completion, GenerationChunk
@@ -82,14 +82,13 @@ class Runner:
         config = RunnerConfig.of(config, options)
         if draft is None and config.draft_model is not None:
             draft = load_model(config.draft_model)
-        self._lockstep = None if group is None else Lockstep(group)
+        self._lockstep = Solo() if group is None else Lockstep(group)
         self.speculative = check_speculative(config.speculative, has_draft_model=draft is not None)
         self.loaded = loaded
         self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
         per_token_bytes = kv_bytes_per_token(loaded.model, make_layers(loaded.model, config))
         config = fit_window(config, loaded.max_position_embeddings, per_token_bytes)
-        if self._lockstep is not None:  # every rank takes rank 0's cache settings
-            config = self._lockstep.leaders_settings(config)
+        config = self._lockstep.leaders_settings(config)  # every rank takes rank 0's
         self.config = config
         self.max_context = config.max_context
         self.prefill_plan = PrefillPlan.make(
@@ -164,12 +163,12 @@ class Runner:
     def health(self) -> str | None:
         """None while the Runner can serve; else why it cannot (the ranks of a sharded
         Runner out of step: every request fails until every rank is restarted)."""
-        return None if self._lockstep is None else self._lockstep.failure
+        return self._lockstep.failure
 
     @property
     def rank(self) -> int:
         """This process's rank when the model is sharded (`mlx.launch`), else 0."""
-        return 0 if self._lockstep is None else self._lockstep.rank
+        return self._lockstep.rank
 
     @property
     def memory_line(self) -> str:
@@ -281,8 +280,7 @@ class Runner:
             NotSupportedError: called on a rank other than 0 of a sharded Runner.
             RanksOutOfStepError: a sharded Runner's ranks stopped answering each other.
         """
-        if self._lockstep is not None:
-            self._lockstep.check_can_lead()
+        self._lockstep.check_can_lead()
         if speculative == "default":
             speculative = self.speculative
         mode = check_speculative(speculative, has_draft_model=self._draft is not None)
@@ -309,8 +307,7 @@ class Runner:
             cached_prefix=self._pool.longest_prefix,
             cut_starts=self._pool.cut_starts,
         )
-        if self._lockstep is not None:  # ranks decide on a cancel and a seed together
-            request = self._lockstep.prepare(request)
+        request = self._lockstep.prepare(request)  # ranks agree on a cancel and a seed
         return self._dispatch.stream(request, batched=batched)
 
     def cancel(self) -> None:
@@ -362,7 +359,7 @@ class Runner:
         self._engine.call(self._reset_now)
 
     def _reset_now(self) -> None:
-        if self._lockstep is not None and self._lockstep.leads:
+        if self._lockstep.leads:
             self._lockstep.announce("reset")
         self._pool.clear()
 
@@ -384,7 +381,7 @@ class Runner:
         self._engine.call(self._close_now, save_timeout_s)
 
     def _close_now(self, save_timeout_s: float | None = None) -> None:
-        if self._lockstep is not None and self._lockstep.leads:
+        if self._lockstep.leads:
             self._lockstep.announce("stop")
         self._pool.persist(save_timeout_s)
         if self._pool.store is not None:
@@ -397,7 +394,7 @@ class Runner:
         Raises:
             ValueError: this Runner is not sharded, or is rank 0.
         """
-        if self._lockstep is None or self._lockstep.leads:
+        if self._lockstep.leads:
             raise ValueError("follow() is for ranks other than 0 of a Runner under mlx.launch")
         return self._dispatch.follow(self._reset_now)
 
