@@ -8,7 +8,7 @@ its own process, so it gets the same OpenBLAS through LD_PRELOAD (without it MLX
 BLAS makes the comparison about 20x in our favour, and worthless).
 
 mlxkv serve runs twice: as it starts by default (on the CPU backend each prefill chunk is
-spread over the cores, see `mlxkv.decoding.prefill_lanes`) and with MLXKV_PREFILL_LANES=1 (one
+spread over the cores, see `mlxkv.decoding.prefill.lanes`) and with MLXKV_PREFILL_LANES=1 (one
 CPU stream, as mlx_lm.server computes), which separates what the cache saves from what the
 second core adds. Every reply is compared with mlx_lm.server's in the same round and turn.
 

@@ -166,7 +166,7 @@ class RunnerConfig(_Options):
         kv_bits: quantize global-attention K/V to 8 or 4 bits; None keeps the model's dtype.
         kv_group_size: head-dimension elements per quantization scale.
         prefill_step_size: most prompt tokens fed per model call (bounds prefill memory);
-            None: chosen for the device (see `mlxkv.decoding.prefill.PrefillPlan`).
+            None: chosen for the device (see `mlxkv.decoding.prefill.chunks.PrefillPlan`).
         prefill_lanes: CPU streams a prefill chunk is spread over; None: $MLXKV_PREFILL_LANES,
             else 2 on a CPU of several cores, 1 on a GPU or under `mlx.launch`.
         cache_entries: most prompt-cache entries (conversations) kept in memory; 1 keeps one

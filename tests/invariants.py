@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.cache.building import make_cache
-from mlxkv.decoding.prefill import PrefillPlan, fill
+from mlxkv.decoding.prefill.chunks import PrefillPlan, fill
 from tests.tolerances import assert_logits_close
 
 # An EOS, or the rest of an accepted draft after a stop string (drafts are at most 16 long).

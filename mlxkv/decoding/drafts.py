@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlxkv.cache.building import make_cache
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length
-from mlxkv.decoding.prefill import PrefillPlan, fill
+from mlxkv.decoding.prefill.chunks import PrefillPlan, fill
 from mlxkv.models.loading import LoadedModel
 
 # Suffix n-grams looked up, longest first. One token matches almost anywhere and drafts

@@ -6,7 +6,7 @@ RTLD_GLOBAL makes MLX's BLAS calls resolve to it (measured here: SmolLM2 float32
 name the library.
 
 Also owns OpenBLAS's thread count while a block runs (`blas_threads`): the CPU prefill lanes
-(`mlxkv.decoding.prefill_lanes`) give each lane one core. Logs which BLAS is in use at DEBUG and
+(`mlxkv.decoding.prefill.lanes`) give each lane one core. Logs which BLAS is in use at DEBUG and
 warns once when only the slow one is available.
 """
 

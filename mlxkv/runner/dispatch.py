@@ -27,7 +27,7 @@ from mlxkv.config import RunnerConfig
 from mlxkv.decoding.batch import DecodeBatch
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.pause import PAUSE, Pause
-from mlxkv.decoding.prefill import PrefillPlan
+from mlxkv.decoding.prefill.chunks import PrefillPlan
 from mlxkv.errors import RunnerBusyError
 from mlxkv.models.loading import LoadedModel
 from mlxkv.platform.random_state import request_random_state, with_own_key

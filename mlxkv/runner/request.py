@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
 from mlxkv.decoding.grammar import check_grammar
-from mlxkv.decoding.prefill import ProgressCallback
+from mlxkv.decoding.prefill.chunks import ProgressCallback
 from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import ContextLengthError, check_int
 from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt

@@ -24,7 +24,7 @@ from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
-from mlxkv.decoding.prefill import fill
+from mlxkv.decoding.prefill.chunks import fill
 from mlxkv.decoding.speculative import Drafter, DraftLength, speculative_tokens
 from mlxkv.runner.context import ContextWindow
 from mlxkv.runner.hooks import RequestEnd, notify

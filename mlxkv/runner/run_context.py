@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from mlxkv.cache.kv import Rotation
 from mlxkv.config import RunnerConfig
 from mlxkv.decoding.drafts import DraftModel
-from mlxkv.decoding.prefill import PrefillPlan
+from mlxkv.decoding.prefill.chunks import PrefillPlan
 from mlxkv.models.loading import LoadedModel
 from mlxkv.runner.prompt_cache.holdings import Holdings
 from mlxkv.runner.prompt_cache.pool import CachePool

@@ -25,7 +25,7 @@ import numpy as np
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.config import RunnerConfig, check_speculative
 from mlxkv.decoding.drafts import DraftModel
-from mlxkv.decoding.prefill import PrefillPlan, ProgressCallback
+from mlxkv.decoding.prefill.chunks import PrefillPlan, ProgressCallback
 from mlxkv.errors import RunnerBusyError
 from mlxkv.models.loading import LoadedModel, load_model
 from mlxkv.models.sharding import world

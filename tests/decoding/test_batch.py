@@ -15,7 +15,7 @@ from mlxkv.decoding.batch import DecodeBatch, batched_tokens
 from mlxkv.decoding.pause import PAUSE
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
-from mlxkv.decoding.prefill import PrefillPlan, prefill
+from mlxkv.decoding.prefill.chunks import PrefillPlan, prefill
 from mlxkv.decoding.sampling import SamplingParams
 from tests.tolerances import assert_logits_close
 

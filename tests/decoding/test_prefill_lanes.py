@@ -1,4 +1,4 @@
-"""Prefill over CPU lanes (`mlxkv.decoding.prefill_lanes`): a chunk split over two streams leaves
+"""Prefill over CPU lanes (`mlxkv.decoding.prefill.lanes`): a chunk split over two streams leaves
 every kind of cache as the model with no cache computes it, and OpenBLAS gets its thread count
 back."""
 
@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxkv.cache import make_cache
-from mlxkv.decoding import prefill_lanes as prefill_lanes
+from mlxkv.decoding.prefill import lanes as prefill_lanes
 from mlxkv.platform import blas as _blas
 from mlxkv.platform.machine import cpu_cores
 from mlxkv.testing.factory import ARCHITECTURES

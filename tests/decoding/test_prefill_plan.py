@@ -1,11 +1,11 @@
-"""The prefill plan by device (`mlxkv.decoding.prefill.PrefillPlan`): the chunk size, and when
-MLX's kept buffers are given back between chunks."""
+"""The prefill plan by device (`mlxkv.decoding.prefill.chunks.PrefillPlan`): the chunk size,
+and when MLX's kept buffers are given back between chunks."""
 
 import mlx.core as mx
 import pytest
 
 from mlxkv.cache import make_cache
-from mlxkv.decoding import prefill
+from mlxkv.decoding.prefill import chunks as prefill
 from mlxkv.platform.machine import memory_bytes
 
 

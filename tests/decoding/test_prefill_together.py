@@ -9,8 +9,8 @@ import pytest
 
 from mlxkv.cache.batched import can_batch
 from mlxkv.cache.building import make_cache
-from mlxkv.decoding.prefill import PrefillPlan, fill, prefill
-from mlxkv.decoding.prefill_batched import prefill_together
+from mlxkv.decoding.prefill.batched import prefill_together
+from mlxkv.decoding.prefill.chunks import PrefillPlan, fill, prefill
 from tests.tolerances import assert_logits_close
 
 PLAN = PrefillPlan(512)

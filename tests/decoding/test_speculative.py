@@ -16,7 +16,7 @@ from mlxkv.cache.building import make_cache
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.decoding import speculative
 from mlxkv.decoding.drafts import Draft
-from mlxkv.decoding.prefill import PrefillPlan, fill
+from mlxkv.decoding.prefill.chunks import PrefillPlan, fill
 from mlxkv.decoding.speculative import AcceptanceRule
 from mlxkv.models.loading import load_model
 from mlxkv.runner import request_run

@@ -9,7 +9,7 @@ import pytest
 
 from mlxkv.cache.building import make_cache
 from mlxkv.decoding.pause import PAUSE
-from mlxkv.decoding.prefill import PrefillPlan, fill, prefill
+from mlxkv.decoding.prefill.chunks import PrefillPlan, fill, prefill
 from mlxkv.runner.prefill import group as group_module
 from mlxkv.runner.prefill.group import PrefillGroup
 from tests.factories import recorded

@@ -12,7 +12,7 @@ import pytest
 
 from mlxkv.cache import make_cache
 from mlxkv.decoding.pause import PAUSE
-from mlxkv.decoding.prefill import PrefillPlan
+from mlxkv.decoding.prefill.chunks import PrefillPlan
 from mlxkv.runner.prefill.fill import fill_prompt
 from mlxkv.runner.prompt_cache.entry import CacheEntry
 from mlxkv.runner.prompt_cache.pool import PrefixHit

@@ -4,7 +4,7 @@ Owns `fill_prompt`: prefill in chunks (a pause between chunks, where requests in
 this one run), progress and cancel between chunks, and checkpoints of the layers that cannot
 trim (recurrent, sliding window) where the pool asks for them (`PrefixHit.checkpoints`). Does
 not own where those go (the pool, which goes back to them) or the chunked model calls
-(`mlxkv.decoding.prefill`).
+(`mlxkv.decoding.prefill.chunks`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.decoding.pause import PAUSE, Pause
-from mlxkv.decoding.prefill import PrefillPlan, fill_steps, prefill_steps
+from mlxkv.decoding.prefill.chunks import PrefillPlan, fill_steps, prefill_steps
 from mlxkv.runner.prefill.group import PrefillGroup
 from mlxkv.runner.prompt_cache.pool import PrefixHit
 from mlxkv.runner.request import Request

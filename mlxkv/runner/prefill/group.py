@@ -3,7 +3,7 @@
 Why: requests sent at once (an agent's parallel sub-agents, a chat page's title request
 beside its answer, several users) each reach their prefill in a job of their own, one after
 the other; short prompts fed in one batched pass cost a fraction of feeding them in turn
-(`mlxkv.decoding.prefill_batched`), and start decoding in the same step.
+(`mlxkv.decoding.prefill.batched`), and start decoding in the same step.
 
 Owns `PrefillGroup`: a request whose prompt (what its cache lacks) fits one chunk joins the
 group when it reaches its prefill. While more requests are about to reach theirs (their first
@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlxkv.cache.batched import can_batch
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.pause import PAUSE, Pause
-from mlxkv.decoding.prefill_batched import prefill_together
+from mlxkv.decoding.prefill.batched import prefill_together
 
 logger = logging.getLogger(__name__)
 

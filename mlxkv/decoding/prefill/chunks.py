@@ -4,7 +4,7 @@ Owns `PrefillPlan` (chunk size and lanes for the device), `fill` (tokens into th
 logits) and `prefill` (the same, then the last token's logits), each also as a generator that
 pauses after every chunk, yielding the tokens fed so far (`fill_steps`, `prefill_steps`: a
 request interleaved with others lets them run between its chunks, and reports its progress).
-On MLX's CPU backend each chunk is spread over the cores (`prefill_lanes`). Does not own which
+On MLX's CPU backend each chunk is spread over the cores (`lanes`). Does not own which
 tokens to feed (`mlxkv.runner.prefill.fill`) or the cache's bookkeeping (`ModelCache`).
 """
 
@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.decoding import prefill_lanes as cpu_lanes
+from mlxkv.decoding.prefill import lanes as cpu_lanes
 from mlxkv.platform.machine import memory_bytes, on_gpu
 
 ProgressCallback = Callable[[int, int], None]
@@ -69,7 +69,7 @@ class PrefillPlan:
 def fill(model: nn.Module, cache: ModelCache, tokens: Sequence[int], plan: PrefillPlan) -> None:
     """Feeds `tokens` into the cache in chunks of at most `plan.step_tokens`, computing no logits
     (`ModelCache.feed`). On the CPU backend each chunk is spread over the cores
-    (`prefill_lanes`)."""
+    (`lanes`)."""
     for _ in fill_steps(model, cache, tokens, plan):
         pass
 
