@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.decoding.batch import DecodeBatch, batched_tokens, joined_tokens
+from mlxkv.decoding.batch import DecodeBatch
+from mlxkv.decoding.decoders import Speculation, decode_reply
 from mlxkv.decoding.drafts import DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
-from mlxkv.decoding.plain import decode_tokens
 from mlxkv.decoding.prefill.chunks import fill
-from mlxkv.decoding.speculative import Drafter, DraftLength, speculative_tokens
+from mlxkv.decoding.speculative import DraftLength
 from mlxkv.runner.context import ContextWindow
 from mlxkv.runner.hooks import RequestEnd, notify
 from mlxkv.runner.prefill.fill import PrefillCancelled, fill_prompt
@@ -239,88 +239,29 @@ def _decode(
         top_logprobs=request.top_logprobs,
         greedy=sampling.distribution is None,
     )
-    if batching is not None and (request.speculative is None or batching.crowded()):
-        return batched_tokens(batching.batch, cache, logits, pick, params.max_tokens), pick
-    if request.speculative is None:
-        return decode_tokens(loaded.model, cache, logits, pick, params.max_tokens, make_room), pick
-    if draft_cache is not None:
-        drafter = context.draft.drafter(draft_cache, prompt, sampling.distribution, context.plan)
-    else:
-        drafter = NgramDrafter(prompt)
-    length = DraftLength(gated=request.speculative == "auto")
-
-    def speculate(after: int | None, max_tokens: int) -> Iterator[int]:
-        return speculative_tokens(
-            loaded.model,
-            cache,
-            logits,
-            pick,
-            max_tokens,
+    speculation = None
+    if request.speculative is not None:
+        if draft_cache is not None:
+            drafter = context.draft.drafter(
+                draft_cache, prompt, sampling.distribution, context.plan
+            )
+        else:
+            drafter = NgramDrafter(prompt)
+        speculation = Speculation(
             drafter=drafter,
-            length=length,
+            length=DraftLength(gated=request.speculative == "auto"),
             distribution=sampling.distribution,
             counts=stats.drafts,
-            make_room=make_room,
-            hand_over=batching.crowded if batching is not None else None,
-            after=after,
         )
-
-    if batching is None:
-        return speculate(None, params.max_tokens), pick
-    tokens = _alone_or_batched(speculate, drafter, batching, cache, pick, params.max_tokens)
+    tokens = decode_reply(
+        loaded.model,
+        cache,
+        logits,
+        pick,
+        params.max_tokens,
+        make_room=make_room,
+        speculation=speculation,
+        batch=None if batching is None else batching.batch,
+        crowded=None if batching is None else batching.crowded,
+    )
     return tokens, pick
-
-
-def _alone_or_batched(
-    speculate: Callable[[int | None, int], Iterator[int]],
-    drafter: Drafter,
-    batching: Batching,
-    cache: ModelCache,
-    pick: TokenPicker,
-    total: int,
-) -> Iterator[int | Pause]:
-    """`total` tokens: speculatively while the request decodes alone (ended early when others
-    come), in the batch while others decode (left when they are gone), and so on. Each part
-    goes on from the last token of the one before, yielded and not fed."""
-    produced, last = 0, None
-    alone = speculate(None, total)
-    while True:
-        try:
-            for last in alone:
-                produced += 1
-                yield last
-        finally:
-            alone.close()
-        if last is None or produced >= total:
-            return
-        joined = joined_tokens(
-            batching.batch,
-            cache,
-            mx.array([last], dtype=mx.uint32),
-            pick,
-            total - produced,
-            leave_when=lambda: not batching.crowded(),
-        )
-        try:
-            while True:
-                try:
-                    token = next(joined)
-                except StopIteration as end:
-                    queued = end.value
-                    break
-                if token is PAUSE:  # the batch waits (`DecodeBatch.waits`): passed on
-                    yield PAUSE
-                    continue
-                last = token
-                produced += 1
-                drafter.extend([last])
-                yield last
-        finally:
-            joined.close()
-        for last in queued:  # picked in the batch, not read yet (the newest not fed)
-            produced += 1
-            drafter.extend([last])
-            yield last
-        if produced >= total:
-            return
-        alone = speculate(last, total - produced)

@@ -1,0 +1,147 @@
+"""Which decoder a request's reply runs on, chosen once: plain (`plain.decode_tokens`),
+speculative (`speculative.speculative_tokens`), in the decode batch with other requests
+(`batch.batched_tokens`), or speculative while alone and in the batch while others decode.
+
+Owns `decode_reply` and `Speculation` (what a speculative reply drafts with). Does not own the
+token picker or the drafter's making (the request path builds them), nor any decoder itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxkv.cache.model_cache import ModelCache
+from mlxkv.decoding.batch import DecodeBatch, batched_tokens, joined_tokens
+from mlxkv.decoding.drafts import DraftCounts
+from mlxkv.decoding.pause import PAUSE, Pause
+from mlxkv.decoding.picker import TokenPicker
+from mlxkv.decoding.plain import decode_tokens
+from mlxkv.decoding.speculative import Distribution, Drafter, DraftLength, speculative_tokens
+
+
+@dataclass(frozen=True, kw_only=True)
+class Speculation:
+    """What a reply decoded speculatively drafts with.
+
+    Attributes:
+        drafter: proposes tokens (n-gram or draft model).
+        length: how many tokens to draft each time (grown and shrunk by acceptance).
+        distribution: turns logits into the sampling distribution (None: greedy).
+        counts: drafted and accepted tokens, counted for the Completion.
+    """
+
+    drafter: Drafter
+    length: DraftLength
+    distribution: Distribution | None
+    counts: DraftCounts
+
+
+def decode_reply(
+    model: nn.Module,
+    cache: ModelCache,
+    logits: mx.array,
+    pick: TokenPicker,
+    max_tokens: int,
+    *,
+    make_room: Callable[[ModelCache, int], None] | None,
+    speculation: Speculation | None,
+    batch: DecodeBatch | None,
+    crowded: Callable[[], bool] | None,
+) -> Iterator[int | Pause]:
+    """Up to `max_tokens` token ids after the prompt's last `logits`, from the one decoder the
+    request's settings choose: in `batch` from the start when it does not speculate or others
+    decode there already (`crowded()`), plainly or speculatively when it has no batch, else
+    speculatively while alone and in the batch while others decode.
+
+    Args:
+        make_room: called when the window is full (a context shift), or None: stop there.
+        speculation: how to draft, or None for no speculation.
+        batch: the decode batch the request may join, or None: alone.
+        crowded: True while another request that can batch is decoding (with `batch`).
+    """
+    if batch is not None and (speculation is None or crowded()):
+        return batched_tokens(batch, cache, logits, pick, max_tokens)
+    if speculation is None:
+        return decode_tokens(model, cache, logits, pick, max_tokens, make_room)
+
+    def speculate(after: int | None, total: int) -> Iterator[int]:
+        return speculative_tokens(
+            model,
+            cache,
+            logits,
+            pick,
+            total,
+            drafter=speculation.drafter,
+            length=speculation.length,
+            distribution=speculation.distribution,
+            counts=speculation.counts,
+            make_room=make_room,
+            hand_over=crowded if batch is not None else None,
+            after=after,
+        )
+
+    if batch is None:
+        return speculate(None, max_tokens)
+    return _alone_or_batched(
+        speculate, speculation.drafter, batch, crowded, cache, pick, max_tokens
+    )
+
+
+def _alone_or_batched(
+    speculate: Callable[[int | None, int], Iterator[int]],
+    drafter: Drafter,
+    batch: DecodeBatch,
+    crowded: Callable[[], bool],
+    cache: ModelCache,
+    pick: TokenPicker,
+    total: int,
+) -> Iterator[int | Pause]:
+    """`total` tokens: speculatively while the request decodes alone (ended early when others
+    come), in the batch while others decode (left when they are gone), and so on. Each part
+    goes on from the last token of the one before, yielded and not fed."""
+    produced, last = 0, None
+    alone = speculate(None, total)
+    while True:
+        try:
+            for last in alone:
+                produced += 1
+                yield last
+        finally:
+            alone.close()
+        if last is None or produced >= total:
+            return
+        joined = joined_tokens(
+            batch,
+            cache,
+            mx.array([last], dtype=mx.uint32),
+            pick,
+            total - produced,
+            leave_when=lambda: not crowded(),
+        )
+        try:
+            while True:
+                try:
+                    token = next(joined)
+                except StopIteration as end:
+                    queued = end.value
+                    break
+                if token is PAUSE:  # the batch waits (`DecodeBatch.waits`): passed on
+                    yield PAUSE
+                    continue
+                last = token
+                produced += 1
+                drafter.extend([last])
+                yield last
+        finally:
+            joined.close()
+        for last in queued:  # picked in the batch, not read yet (the newest not fed)
+            produced += 1
+            drafter.extend([last])
+            yield last
+        if produced >= total:
+            return
+        alone = speculate(last, total - produced)
