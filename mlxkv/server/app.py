@@ -31,7 +31,9 @@ from mlxkv.server.middleware import (
     HostCheck,
     ServerErrors,
 )
+from mlxkv.server.ollama_api import embed as ollama_embed
 from mlxkv.server.ollama_api import routes as ollama
+from mlxkv.server.openai_api import embeddings as openai_embeddings
 from mlxkv.server.openai_api import routes as openai
 from mlxkv.server.responses_api import routes as responses
 from mlxkv.server.responses_api.history import keep_responses
@@ -79,6 +81,8 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
     app.include_router(anthropic.router)
     app.include_router(responses.router)
     app.include_router(ollama.router)
+    app.include_router(openai_embeddings.router)
+    app.include_router(ollama_embed.router)
     app.add_api_route("/health", _health, methods=["GET", "HEAD"])  # HEAD: clients probing
     add_page(app)
     _add_error_handlers(app)
