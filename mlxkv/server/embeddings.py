@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from mlxkv.errors import ContextLengthError, NotSupportedError
 from mlxkv.models.embedding import EmbeddingInput, Embeddings
 from mlxkv.server.errors import ApiError
+from mlxkv.server.models import request_context
 
 
 async def embed(
@@ -32,7 +33,7 @@ async def embed(
         ApiError: 400 for bad input, an input over the window (unless `truncate`), or a model
             that cannot compute embeddings (the message names it).
     """
-    runner = request.app.state.mlxkv.worker.runner
+    runner = (await request_context(request)).worker.runner
     try:
         return await run_in_threadpool(
             runner.embed, inputs, dimensions=dimensions, truncate=truncate

@@ -43,18 +43,21 @@ async def version() -> dict[str, str]:
 
 @router.get("/tags")
 async def tags(ctx: Context) -> dict[str, Any]:
-    return {"models": [_model_entry(ctx)]}
+    return {"models": [_model_entry(each) for each in ctx.each_model()]}
 
 
 @router.get("/ps")
 async def running(ctx: Context) -> dict[str, Any]:
-    entry = {
-        **_model_entry(ctx),
-        "expires_at": "0001-01-01T00:00:00Z",  # never unloaded
-        "size_vram": 0,
-        "context_length": ctx.worker.runner.max_context,
-    }
-    return {"models": [entry]}
+    entries = [
+        {
+            **_model_entry(each),
+            "expires_at": "0001-01-01T00:00:00Z",  # never unloaded
+            "size_vram": 0,
+            "context_length": each.worker.runner.max_context,
+        }
+        for each in ctx.each_model()
+    ]
+    return {"models": entries}
 
 
 @router.post("/show")
