@@ -19,6 +19,7 @@ from mlxkv.errors import (
     RunnerBusyError,
     UnsupportedFormatError,
 )
+from mlxkv.models.embedding import Embeddings
 from mlxkv.runner.prompt_cache.report import MemoryReport
 from mlxkv.runner.results import Completion, GenerationChunk
 from mlxkv.runner.runner import Runner
@@ -28,6 +29,7 @@ __all__ = [
     "CacheStateError",
     "Completion",
     "ContextLengthError",
+    "Embeddings",
     "GenerationChunk",
     "KVCache",
     "MemoryReport",

@@ -280,6 +280,8 @@ class ServerConfig(_Options):
         max_queue: most generations running or waiting; more get 429 with Retry-After.
         queue_timeout_s: seconds a generation may wait for its turn before it gets an error.
         max_connections: most open connections; more get 503.
+        model_aliases: "PATTERN=NAME" entries: with several models served, request names
+            matching PATTERN (fnmatch: "claude-*") go to the model NAME.
     """
 
     host: str = "127.0.0.1"
@@ -294,6 +296,7 @@ class ServerConfig(_Options):
     max_queue: int = DEFAULT_MAX_QUEUE
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    model_aliases: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         check_int("port", self.port, low=0, high=65535)
@@ -306,6 +309,7 @@ class ServerConfig(_Options):
         check_int("max_connections", self.max_connections, low=1)
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
+        object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
 
     @classmethod
     def of(cls, config: ServerConfig | None, options: dict[str, Any]) -> ServerConfig:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ from mlxkv.cache.model_cache import ModelCache
 from mlxkv.config import RunnerConfig, check_speculative
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.prefill.chunks import PrefillPlan, ProgressCallback
-from mlxkv.errors import RunnerBusyError
+from mlxkv.errors import NotSupportedError, RunnerBusyError
+from mlxkv.models.embedding import Embedder, EmbeddingInput, Embeddings
 from mlxkv.models.loading import LoadedModel, load_model
 from mlxkv.models.sharding import world
 from mlxkv.runner.assembly import (
@@ -116,6 +117,14 @@ class Runner:
             max_batch=self.max_batch,
         )
         self._builder = RequestBuilder(self._prompts, self.max_context, config.keep)
+        self._embedder = Embedder(
+            loaded,
+            self._prompts.encode,
+            self._engine.call,
+            max_tokens=self.max_context,
+            batch_tokens=self.prefill_plan.step_tokens,
+            name=loaded.path.name,
+        )
 
     @classmethod
     def load(
@@ -309,6 +318,40 @@ class Runner:
         )
         request = self._lockstep.prepare(request)  # ranks agree on a cancel and a seed
         return self._dispatch.stream(request, batched=batched)
+
+    def embed(
+        self,
+        texts: EmbeddingInput | Sequence[EmbeddingInput],
+        *,
+        dimensions: int | None = None,
+        truncate: bool = False,
+    ) -> Embeddings:
+        """Embeds texts: one unit vector each, from the model's final hidden states pooled as
+        its sentence-transformers config says (else the last token for a model named as an
+        embedding model, Qwen3-Embedding's way, and the mean for any other). Inputs of similar
+        length run together, one forward pass per batch, between the steps of any generation
+        running meanwhile; the prompt cache is neither read nor changed.
+
+        Args:
+            texts: a string, a list of strings, or token ids (a list, or a list of lists).
+            dimensions: keep the first this many components, normalized again (for models
+                trained for it, Matryoshka-style: Qwen3-Embedding, nomic); None keeps all.
+            truncate: cut an input longer than `max_context` to its first `max_context`
+                tokens; False raises ContextLengthError instead.
+
+        Returns:
+            `Embeddings`: float32 vectors (N, D) in the inputs' order, and the tokens counted.
+
+        Raises:
+            ValueError: an empty input, ids outside the vocabulary, or `dimensions` out of
+                range (raised before any model work).
+            ContextLengthError: an input over `max_context` and `truncate` False.
+            NotSupportedError: the model's architecture does not expose its hidden states
+                (recurrent models such as Mamba), or the model is sharded.
+        """
+        if self._lockstep.sharded:  # the other ranks would have to run the same forward passes
+            raise NotSupportedError("embeddings from a model sharded over processes")
+        return self._embedder.embed(texts, dimensions=dimensions, truncate=truncate)
 
     def cancel(self) -> None:
         """Ends every request already started (the one generating, and those waiting their

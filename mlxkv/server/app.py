@@ -8,7 +8,7 @@ with one line.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -31,7 +31,10 @@ from mlxkv.server.middleware import (
     HostCheck,
     ServerErrors,
 )
+from mlxkv.server.models import ServedModels
+from mlxkv.server.ollama_api import embed as ollama_embed
 from mlxkv.server.ollama_api import routes as ollama
+from mlxkv.server.openai_api import embeddings as openai_embeddings
 from mlxkv.server.openai_api import routes as openai
 from mlxkv.server.responses_api import routes as responses
 from mlxkv.server.responses_api.history import keep_responses
@@ -40,17 +43,21 @@ from mlxkv.server.ui.page import add_page
 from mlxkv.server.worker import GenerationWorker
 
 
-def create_app(runner: Runner, config: ServerConfig | None = None, **options: Any) -> FastAPI:
-    """The app (OpenAI, Responses, Anthropic and Ollama APIs) for a loaded Runner (serve it
-    with uvicorn).
+def create_app(
+    runner: Runner | Mapping[str, Runner], config: ServerConfig | None = None, **options: Any
+) -> FastAPI:
+    """The app (OpenAI, Responses, Anthropic and Ollama APIs) for a loaded Runner, or several
+    by name (serve it with uvicorn).
 
     Generations start in arrival order, up to the Runner's `max_batch` decoded together in one
-    batch (more wait their turn); the app owns
-    the Runner while it serves (generating with it elsewhere meanwhile only makes requests
-    wait). Any model name a client sends is answered by this model.
+    batch (more wait their turn); the app owns the Runner while it serves (generating with it
+    elsewhere meanwhile only makes requests wait). With one Runner, any model name a client
+    sends is answered by it; with several, the request's `model` chooses
+    (`models.ServedModels`: exact names, then `config.model_aliases`, else a 404 listing
+    them), each with its own worker and cache.
 
     Args:
-        runner: the model and its prompt cache.
+        runner: the model and its prompt cache; or several by name, the first the default.
         config: the server's settings (`mlxkv.config.ServerConfig`: model name, API key,
             CORS origins, body limit, default max tokens); None for defaults.
         **options: `ServerConfig` fields replacing those of `config`.
@@ -59,26 +66,24 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
         ValueError: an unknown option, or one of the wrong type or out of range.
     """
     config = ServerConfig.of(config, options)
-    worker = GenerationWorker(runner, config.max_queue, config.queue_timeout_s)
+    models = _served_models(runner, config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        worker.shutdown()
+        for worker in models.workers.values():
+            worker.shutdown()
 
     app = FastAPI(title="mlxkv", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.mlxkv = ServerContext.make(
-        worker,
-        config.model_name or runner.loaded.path.name,
-        config.default_max_tokens,
-        config.max_tokens_limit,
-    )
+    app.state.mlxkv = ServerContext.make(models, config.default_max_tokens, config.max_tokens_limit)
     keep_responses(app)
     keep_prompt_records(app)
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(responses.router)
     app.include_router(ollama.router)
+    app.include_router(openai_embeddings.router)
+    app.include_router(ollama_embed.router)
     app.add_api_route("/health", _health, methods=["GET", "HEAD"])  # HEAD: clients probing
     add_page(app)
     _add_error_handlers(app)
@@ -95,12 +100,25 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
         )
     app.add_middleware(HostCheck, bound_host=config.host, allowed_hosts=config.allowed_hosts)
     app.add_middleware(ServerErrors)
-    app.add_middleware(AccessLog, memory_line=lambda: runner.memory_line)
+    default = app.state.mlxkv.worker.runner
+    app.add_middleware(AccessLog, memory_line=lambda: default.memory_line)
     return app
 
 
+def _served_models(runner: Runner | Mapping[str, Runner], config: ServerConfig) -> ServedModels:
+    """Each Runner with a worker of its own, by name (one Runner: `config.model_name`, else
+    its directory's name)."""
+    if isinstance(runner, Runner):
+        runner = {config.model_name or runner.loaded.path.name: runner}
+    workers = {
+        name: GenerationWorker(each, config.max_queue, config.queue_timeout_s)
+        for name, each in runner.items()
+    }
+    return ServedModels(workers, config.model_aliases)
+
+
 async def _health(request: Request) -> Any:
-    ctx = server_context(request)
+    ctx = await server_context(request)
     runner = ctx.worker.runner
     if runner.health is not None:  # it cannot serve (a sharded model's ranks out of step)
         return JSONResponse({"status": "error", "error": runner.health}, status_code=503)

@@ -1,12 +1,14 @@
 """What every route needs: the generation worker, the model's name and the server's defaults.
 
-Owns: `ServerContext` (kept on `app.state.mlxkv`), the `server_context` dependency, and the
-server-sent-events framing both streaming APIs use.
+Owns: `ServerContext` (kept on `app.state.mlxkv`: the default model's; a request naming
+another served model gets that model's, `models.request_context`), the `server_context`
+dependency, and the server-sent-events framing both streaming APIs use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -18,6 +20,7 @@ from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
 from mlxkv.server.errors import ApiError
+from mlxkv.server.models import ServedModels, request_context
 from mlxkv.server.reply.turn import Turn
 from mlxkv.server.worker import GenerationWorker
 
@@ -34,7 +37,8 @@ KEEPALIVE_INTERVAL_S = 5.0
 class ServerContext:
     """Attributes:
     worker: starts generations in arrival order, up to the Runner's `max_batch` at once.
-    model_name: the id `/v1/models` lists and responses carry.
+    model_name: the id responses carry (the served model's name).
+    models: every served model's worker, by name, and the alias patterns.
     default_max_tokens: tokens generated when a request gives no limit.
     created: when the server started (Unix seconds), for `/v1/models`.
     max_tokens_limit: most tokens one request may ask for (None: the window decides).
@@ -46,22 +50,28 @@ class ServerContext:
     worker: GenerationWorker
     model_name: str
     default_max_tokens: int
+    models: ServedModels
     created: int = 0
     max_tokens_limit: int | None = None
 
     @classmethod
-    def make(
-        cls,
-        worker: GenerationWorker,
-        model_name: str,
-        default_max_tokens: int,
-        max_tokens_limit: int | None = None,
-    ):
-        return cls(worker, model_name, default_max_tokens, int(time.time()), max_tokens_limit)
+    def make(cls, models: ServedModels, default_max_tokens: int, max_tokens_limit: int | None):
+        """The context of the default (first) model."""
+        name, worker = next(iter(models.workers.items()))
+        created = int(time.time())
+        return cls(worker, name, default_max_tokens, models, created, max_tokens_limit)
+
+    def each_model(self) -> list[ServerContext]:
+        """One context per served model, the default first (for the listings)."""
+        return [
+            dataclasses.replace(self, worker=worker, model_name=name)
+            for name, worker in self.models.workers.items()
+        ]
 
 
-def server_context(request: Request) -> ServerContext:
-    return request.app.state.mlxkv
+async def server_context(request: Request) -> ServerContext:
+    """The context of the model the request names (`models.request_context`)."""
+    return await request_context(request)
 
 
 # A route parameter of this type receives the app's ServerContext.

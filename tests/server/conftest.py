@@ -119,7 +119,7 @@ def build_template_model(path: Path, script: tuple[str, ...], template: str) -> 
 
 
 @contextlib.contextmanager
-def serve(runner: Runner, **app_options) -> Iterator[Served]:
+def serve(runner: Runner | dict[str, Runner], **app_options) -> Iterator[Served]:
     """Serves `runner` until the block ends; the port is picked by the OS."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

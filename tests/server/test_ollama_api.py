@@ -76,7 +76,7 @@ def test_tool_calls_come_back_as_objects_with_ids(scripted_dir):
 @pytest.mark.parametrize(
     ("call", "status", "mentions"),
     [
-        (lambda c: c.embed(model="tiny", input="hi"), 501, "embeddings"),
+        (lambda c: c.embed(model="tiny", input="hi", dimensions=9999), 400, "dimensions"),
         (lambda c: c.chat(model="tiny", messages=QUESTION, format={"type": "nonsense"}), 400,
          "nonsense"),
         (lambda c: c.chat(model="tiny", messages=[{"role": "user", "content": "x",

@@ -1,9 +1,8 @@
 """Ollama's API: `/api/version`, `/api/tags`, `/api/show`, `/api/ps`, `/api/chat`,
 `/api/generate` (streamed NDJSON, Ollama's default, or one object), `/api/pull` (success for
-the served model, a 404 for any other), `/api/embed` and `/api/embeddings` (501: this server
-does not embed), `/api/create`, `/api/copy`, `/api/delete` and `/api/push` (501: it serves the
-one model it started with; Open WebUI's model settings offer them, where a bare 404 "Not
-Found" said nothing of why).
+the served model, a 404 for any other), `/api/create`, `/api/copy`, `/api/delete` and
+`/api/push` (501: it serves the one model it started with; Open WebUI's model settings offer
+them, where a bare 404 "Not Found" said nothing of why). Embeddings are in `embed.py`.
 
 The served model is listed under its name with the tag `latest`; chat and generate answer any
 name with it, as the other APIs do. A thinking model's thinking comes as `message.thinking`
@@ -44,18 +43,21 @@ async def version() -> dict[str, str]:
 
 @router.get("/tags")
 async def tags(ctx: Context) -> dict[str, Any]:
-    return {"models": [_model_entry(ctx)]}
+    return {"models": [_model_entry(each) for each in ctx.each_model()]}
 
 
 @router.get("/ps")
 async def running(ctx: Context) -> dict[str, Any]:
-    entry = {
-        **_model_entry(ctx),
-        "expires_at": "0001-01-01T00:00:00Z",  # never unloaded
-        "size_vram": 0,
-        "context_length": ctx.worker.runner.max_context,
-    }
-    return {"models": [entry]}
+    entries = [
+        {
+            **_model_entry(each),
+            "expires_at": "0001-01-01T00:00:00Z",  # never unloaded
+            "size_vram": 0,
+            "context_length": each.worker.runner.max_context,
+        }
+        for each in ctx.each_model()
+    ]
+    return {"models": entries}
 
 
 @router.post("/show")
@@ -87,12 +89,6 @@ async def pull(body: ModelRequest, ctx: Context):
     return StreamingResponse(
         iter(json.dumps(line) + "\n" for line in lines), media_type="application/x-ndjson"
     )
-
-
-@router.post("/embed")
-@router.post("/embeddings")
-async def embed() -> None:
-    raise ApiError(501, "this server does not compute embeddings; use an embedding server")
 
 
 @router.post("/create")

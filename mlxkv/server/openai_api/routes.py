@@ -36,8 +36,11 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(ctx: Context) -> dict[str, Any]:
-    model = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "mlxkv"}
-    return {"object": "list", "data": [model]}
+    models = [
+        {"id": each.model_name, "object": "model", "created": ctx.created, "owned_by": "mlxkv"}
+        for each in ctx.each_model()
+    ]
+    return {"object": "list", "data": models}
 
 
 @router.post("/v1/chat/completions")

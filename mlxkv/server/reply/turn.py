@@ -23,6 +23,7 @@ from mlxkv.decoding.picker import TokenLogprob
 from mlxkv.errors import ContextLengthError
 from mlxkv.runner.results import Completion, PromptUsage
 from mlxkv.server.errors import ApiError, context_length_error
+from mlxkv.server.models import request_context
 from mlxkv.server.reply.forced_tools import ForcedCall, forced_call_grammar
 from mlxkv.server.reply.thinking_split import (
     ThinkingSplitter,
@@ -193,8 +194,9 @@ async def start_turn(
             write one (`forced_tools`), and a request over the window in each API's wording
             (`errors.context_length_error`).
     """
-    worker: GenerationWorker = request.app.state.mlxkv.worker
-    sampling = _within_limit(sampling, request.app.state.mlxkv.max_tokens_limit, max_tokens_asked)
+    context = await request_context(request)
+    worker: GenerationWorker = context.worker
+    sampling = _within_limit(sampling, context.max_tokens_limit, max_tokens_asked)
     tokenizer = worker.runner.tokenizer
     if forced is not None:
         grammar = forced_call_grammar(tokenizer, tools or [], forced, messages)

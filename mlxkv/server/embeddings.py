@@ -1,0 +1,47 @@
+"""Embeddings over HTTP, whatever the API: the Runner's work run off the event loop, and its
+errors as 400s that say what to fix.
+
+Owns `embed`, which the OpenAI (`/v1/embeddings`) and Ollama (`/api/embed`, `/api/embeddings`)
+routes call; each API shapes its own body. Lives apart from every API folder, so none imports
+another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from mlxkv.errors import ContextLengthError, NotSupportedError
+from mlxkv.models.embedding import EmbeddingInput, Embeddings
+from mlxkv.server.errors import ApiError
+from mlxkv.server.models import request_context
+
+
+async def embed(
+    request: Request,
+    inputs: EmbeddingInput | Sequence[EmbeddingInput],
+    *,
+    dimensions: int | None = None,
+    truncate: bool = False,
+) -> Embeddings:
+    """`Runner.embed` for an HTTP request (on a worker thread: tokenizing and the forward
+    passes take a while; the model work itself interleaves with running generations).
+
+    Raises:
+        ApiError: 400 for bad input, an input over the window (unless `truncate`), or a model
+            that cannot compute embeddings (the message names it).
+    """
+    runner = (await request_context(request)).worker.runner
+    try:
+        return await run_in_threadpool(
+            runner.embed, inputs, dimensions=dimensions, truncate=truncate
+        )
+    except ContextLengthError as error:
+        raise ApiError(400, str(error), code="context_length_exceeded", param="input") from error
+    except NotSupportedError as error:
+        raise ApiError(400, str(error), param="model") from error
+    except ValueError as error:
+        param = "dimensions" if str(error).startswith("dimensions") else "input"
+        raise ApiError(400, str(error), param=param) from error
