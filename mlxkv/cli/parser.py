@@ -69,7 +69,23 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         epilog="OpenAI clients: base_url http://HOST:PORT/v1; Anthropic clients: "
         "ANTHROPIC_BASE_URL=http://HOST:PORT",
     )
-    serve.add_argument("-m", "--model", default=None, help=_MODEL_HELP)
+    serve.add_argument(
+        "-m",
+        "--model",
+        action="append",
+        default=[],
+        metavar="[NAME=]MODEL",
+        help=f"{_MODEL_HELP}; repeat to serve several, each known by NAME (default: its "
+        "directory or file name, repo id or Ollama name); the request's model chooses",
+    )
+    serve.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="PATTERN=NAME",
+        help="with several models, request names matching PATTERN (shell-style: 'claude-*') "
+        "go to the model NAME; repeat for more",
+    )
     serve.add_argument("--host", default=_SERVER.host, help="address to listen on")
     serve.add_argument("--port", type=_port, default=_SERVER.port, help="port (0: any free one)")
     serve.add_argument("--max-context", type=int, default=None, help=_MAX_CONTEXT_HELP)
