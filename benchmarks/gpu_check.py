@@ -4,9 +4,10 @@ figures against mlx-lm, in one device call, ending in one Markdown table with PA
     python -m benchmarks.gpu_check --device gpu|cpu [--quick] [--total-s 420] [--out DIR]
                                    [--parts models tests throughput batching agent]
 
-Parts, in this order, each in a process of its own with its share of `--total-s` (never more
-than what is left); one that fails or runs out of time is recorded, stopped (its process
-group: SIGINT, then SIGKILL) and the check goes on:
+Parts, in this order, each in a process of its own with a time budget: its share of
+`--total-s` (the shares of the parts chosen with --parts, scaled to add up to 1) plus what the
+parts before it left unused. One that fails or runs out of time is recorded, stopped (its
+process group: SIGINT, then SIGKILL) and the check goes on:
   models      a ~1B factory llama (16 x 2048) in bf16 and 4-bit, the 64k-window agent llama
               (built offline with mlxkv.testing.factory and mlx-lm's convert; kept in --work)
   tests       the suite's GPU-relevant part: tests/cache, decoding, runner (or engine),
@@ -43,9 +44,10 @@ from pathlib import Path
 from benchmarks.gpu_check_report import machine, summarize, tests_outcome
 
 PARTS = ("models", "tests", "throughput", "batching", "agent")
-SHARES = {"models": 0.12, "tests": 0.24, "throughput": 0.30, "batching": 0.16, "agent": 0.18}
+SHARES = {"models": 0.15, "tests": 0.22, "throughput": 0.28, "batching": 0.15, "agent": 0.20}
 GRACE_S = 20  # after SIGINT: pytest writes its junit file, parts stop their servers
 _GPU_MARK = re.compile(r"mark\.gpu\b")
+_RUNNING: set[int] = set()  # process groups of the parts running now
 
 PLANS = {
     # device, quick -> what is measured
@@ -76,6 +78,7 @@ def run_bounded(command: list[str], budget_s: float, log: Path, env: dict | None
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        _RUNNING.add(process.pid)
         try:
             code = process.wait(timeout=max(budget_s, 1))
             status = "ok" if code == 0 else f"failed (exit {code})"
@@ -88,7 +91,16 @@ def run_bounded(command: list[str], budget_s: float, log: Path, env: dict | None
                 process.wait()
             status = f"out of time ({budget_s:.0f} s)"
         _signal_group(process.pid, signal.SIGKILL)  # whatever it left running (servers)
+        _RUNNING.discard(process.pid)
     return status
+
+
+def _stop_parts(signum: int, _frame: object) -> None:
+    """On SIGTERM or SIGINT (an outer `timeout`, ^C): a part's group runs in a session of its
+    own, which the device machine leaves running after the command, so it is killed first."""
+    for pgid in list(_RUNNING):
+        _signal_group(pgid, signal.SIGKILL)
+    raise SystemExit(128 + signum)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -110,7 +122,7 @@ def test_paths(root: Path) -> list[str]:
 
 
 def run_tests(plan: dict, budget_s: float, out: Path, log: Path) -> str:
-    per_test_s = int(max(10, min(90, budget_s / 3)))
+    per_test_s = int(max(30, min(90, budget_s / 2)))  # a hang's bound, not a speed test
     command = [
         sys.executable,
         "-m",
@@ -135,6 +147,8 @@ def run_tests(plan: dict, budget_s: float, out: Path, log: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_parts)
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -150,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         if part not in args.parts:
             continue
         left_s = deadline - time.monotonic()
-        share = plan.get("shares", SHARES)[part]
-        budget_s = min(share * args.total_s * args.scale, left_s)
+        budget_s = left_s - args.total_s * _share_after(part, args.parts, plan)
         begun = time.monotonic()
         if wrong or budget_s < 5:
             status = wrong or "skipped: the total budget is spent"
@@ -168,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     table = summarize(report, args.out, time.monotonic() - started)
     print("\n" + table)
     return 2 if wrong else 0
+
+
+def _share_after(part: str, chosen: list[str], plan: dict) -> float:
+    """The share of the total that the chosen parts after `part` are kept."""
+    shares = {p: plan.get("shares", SHARES)[p] for p in PARTS if p in chosen}
+    later = [p for p in PARTS if p in shares and PARTS.index(p) > PARTS.index(part)]
+    return sum(shares[p] for p in later) / sum(shares.values())
 
 
 def _run_part(part: str, plan: dict, budget_s: float, work: Path, log: Path) -> str:
@@ -219,14 +239,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--total-s",
         type=float,
-        default=420.0,
+        default=360.0,
         help="the whole check's time budget, in seconds (parts get shares)",
-    )
-    parser.add_argument(
-        "--scale",
-        type=float,
-        default=1.0,
-        help="multiplies each part's share (e.g. 3 when rerunning one part)",
     )
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     out = os.environ.get("OUT", "/tmp/mlxkv-gpu-check/out")

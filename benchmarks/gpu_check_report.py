@@ -67,11 +67,12 @@ def _junit_outcome(path: Path) -> dict | None:
         root = ElementTree.parse(path).getroot()
         suite = root if root.tag == "testsuite" else root.find("testsuite")
         counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-        failed = [
-            f"{case.get('classname')}::{case.get('name')}"
-            for case in suite.iter("testcase")
-            if case.find("failure") is not None or case.find("error") is not None
-        ]
+        failed = []
+        for case in suite.iter("testcase"):
+            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+            if bad is not None:
+                name = f"{case.get('classname')}::{case.get('name')}"
+                failed.append(f"{name}: {(bad.get('message') or '').partition(chr(10))[0][:160]}")
         passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
         seconds = float(suite.get("time", 0))
         return {"source": "junit", "seconds": seconds, "passed": passed, **counts,
@@ -246,6 +247,8 @@ def summarize(report: dict, out: Path, elapsed_s: float) -> str:
         f"GPU {m.get('gpu')}, BLAS {m.get('blas')}, {m.get('cpus')} CPUs\n"
     )
     markdown = title + "\n" + "\n".join(lines) + "\n"
+    if tests and tests.get("failed_tests"):
+        markdown += "\nFailed tests:\n" + "".join(f"- {t}\n" for t in tests["failed_tests"])
     (out / "summary.md").write_text(markdown)
     summary = {**report, "rows": rows, "elapsed_s": round(elapsed_s, 1)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
