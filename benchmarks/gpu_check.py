@@ -64,7 +64,7 @@ PLANS = {
                     "reps": 1, "stream_tokens": 16, "rounds": 1, "agents": ["codex"],
                     "agent_turns": 3, "agent_model": "tiny", "examples": 3,
                     # a 13k-token cold prompt takes ~30 s per server on 2 cores
-                    "shares": {"models": 0.05, "tests": 0.2, "throughput": 0.15,
+                    "shares": {"models": 0.05, "tests": 0.15, "throughput": 0.15,
                                "batching": 0.1, "agent": 0.35}},
 }  # fmt: skip
 
