@@ -28,6 +28,14 @@ def make_kv(positions, heads: int = HEADS, head_dim: int = HEAD_DIM) -> tuple[mx
     return mx.array(keys), mx.array(-keys)
 
 
+def assert_shared_view(cache, keys: mx.array, values: mx.array) -> None:
+    """A KV-shared layer (Gemma 3n, AFM) reads `cache.keys_and_values()` after the owner's
+    update: it must see exactly the K/V, in the slot order, that the update returned."""
+    shared_keys, shared_values = cache.keys_and_values()
+    assert positions_of(shared_keys) == positions_of(keys)
+    assert positions_of(-shared_values) == positions_of(-values)
+
+
 def positions_of(keys: mx.array) -> list[int]:
     """Reads back the positions stored in keys made by `make_kv` (first head, first dim)."""
     return [int(p) for p in np.array(keys[0, 0, :, 0])]

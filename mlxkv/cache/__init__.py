@@ -6,12 +6,14 @@ reverse.
 
 from mlxkv.cache.base import LayerCache
 from mlxkv.cache.building import make_cache
+from mlxkv.cache.chunked import ChunkedKVCache
 from mlxkv.cache.kv import KVCache
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.quantized import QuantizedKVCache
 from mlxkv.cache.window import SlidingWindowCache
 
 __all__ = [
+    "ChunkedKVCache",
     "KVCache",
     "LayerCache",
     "ModelCache",

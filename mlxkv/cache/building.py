@@ -10,6 +10,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
+from mlxkv.cache.chunked import ChunkedKVCache
 from mlxkv.cache.kv import KVCache
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.quantized import QuantizedKVCache, check_quantization
@@ -25,8 +26,8 @@ MLX_LM_CACHE_CLASSES = {
     "RotatingKVCache": "converted",
     "CacheList": "kept",
     "ArraysCache": "kept",
-    "ChunkedKVCache": "refused",
-    "ConcatenateKVCache": "refused",
+    "ChunkedKVCache": "converted",
+    "ConcatenateKVCache": "converted",
     "BatchKVCache": "refused",  # batching's, not a model's
     "BatchRotatingKVCache": "refused",
 }
@@ -54,17 +55,24 @@ def make_cache(
         check_quantization(kv_bits, kv_group_size)
 
     def convert(layer: Any) -> Any:
-        if type(layer) in (mlx_cache.KVCache, mlx_cache.QuantizedKVCache):
+        if type(layer) in (
+            mlx_cache.KVCache,
+            mlx_cache.QuantizedKVCache,
+            mlx_cache.ConcatenateKVCache,
+        ):
             return KVCache() if kv_bits is None else QuantizedKVCache(kv_group_size, kv_bits)
         if type(layer) is mlx_cache.RotatingKVCache:
             return SlidingWindowCache(layer.max_size, keep=layer.keep)
+        if type(layer) is mlx_cache.ChunkedKVCache:
+            return ChunkedKVCache(layer.chunk_size)
         if type(layer) is mlx_cache.CacheList:
             return mlx_cache.CacheList(*(convert(c) for c in layer.caches))
         if isinstance(layer, mlx_cache.ArraysCache):  # recurrent state: kept as mlx-lm's
             return layer
         raise NotSupportedError(
-            f"this model's cache uses mlx-lm's {type(layer).__name__}, which mlxkv does not "
-            "handle yet; use a model of another architecture"
+            f"{type(model).__module__.rsplit('.', 1)[-1]}: this model's cache uses "
+            f"{type(layer).__name__}, which mlxkv does not handle yet; use a model of another "
+            "architecture"
         )
 
     def make_layers() -> list[Any]:

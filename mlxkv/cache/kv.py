@@ -47,6 +47,11 @@ class KVCache(ContiguousCache):
         self.keys[..., prev : prev + num_new, :] = keys
         self.values[..., prev : prev + num_new, :] = values
         self.offset = prev + num_new
+        return self.keys_and_values()
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """The K/V of every held token, as the last `update_and_fetch` returned them: what a
+        KV-shared layer (Gemma 3n, AFM) that reads this layer's cache attends to."""
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     def _reallocate(self, keys: mx.array, values: mx.array, capacity: int) -> None:

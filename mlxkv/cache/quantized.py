@@ -73,6 +73,11 @@ class QuantizedKVCache(ContiguousCache):
         for stored, new in zip(self.keys + self.values, q_keys + q_values, strict=True):
             stored[..., prev : prev + num_new, :] = new
         self.offset = prev + num_new
+        return self.keys_and_values()
+
+    def keys_and_values(self) -> tuple[Triple, Triple]:
+        """The quantized K/V of every held token, as the last `update_and_fetch` returned them
+        (for KV-shared layers)."""
         return self._used(self.keys), self._used(self.values)
 
     def _used(self, triple: Triple) -> Triple:

@@ -19,13 +19,16 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
+from mlxkv.cache.chunked import ChunkedKVCache
 from mlxkv.cache.kv import KVCache
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.quantized import QuantizedKVCache
 from mlxkv.cache.window import SlidingWindowCache
 from mlxkv.errors import CacheStateError, NotSupportedError
 
-_STATEFUL = {cls.__name__: cls for cls in (KVCache, QuantizedKVCache, SlidingWindowCache)}
+_STATEFUL = {
+    cls.__name__: cls for cls in (KVCache, QuantizedKVCache, SlidingWindowCache, ChunkedKVCache)
+}
 
 
 def cache_to_arrays(cache: ModelCache) -> tuple[dict[str, mx.array], dict[str, Any]]:
@@ -86,7 +89,7 @@ def _signature(layer: Any) -> Any:
         return [_signature(c) for c in layer.caches]
     settings = {
         name: getattr(layer, name)
-        for name in ("window", "keep", "group_size", "bits")
+        for name in ("window", "keep", "chunk_size", "group_size", "bits")
         if isinstance(getattr(layer, name, None), int)
     }
     return [type(layer).__name__, settings]

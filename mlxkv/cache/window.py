@@ -94,6 +94,11 @@ class SlidingWindowCache(BufferedCache):
             self._append_chunk(keys, values)
         else:
             self._append_one(keys, values)
+        return self.keys_and_values()
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """The held K/V in slot order, as the last `update_and_fetch` returned them: a
+        KV-shared layer reading this cache uses the mask made for the owner's update."""
         if self._num_slots == self.capacity_tokens:
             return self.keys, self.values
         return self.keys[..., : self._num_slots, :], self.values[..., : self._num_slots, :]

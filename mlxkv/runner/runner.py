@@ -87,7 +87,14 @@ class Runner:
         self.speculative = check_speculative(config.speculative, has_draft_model=draft is not None)
         self.loaded = loaded
         self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
-        per_token_bytes = kv_bytes_per_token(loaded.model, make_layers(loaded.model, config))
+        # Every model call runs on this thread (see `engine`); it ends with the Runner. Load-time
+        # forwards run there too: a model that updates weights lazily in its forward (Gemma
+        # 3n's AltUp) leaves arrays only that thread can evaluate later.
+        self._engine = EngineThread(f"mlxkv-engine-{id(self):x}")
+        weakref.finalize(self, self._engine.stop, False)
+        per_token_bytes = self._engine.call(
+            kv_bytes_per_token, loaded.model, make_layers(loaded.model, config)
+        )
         config = fit_window(config, loaded.max_position_embeddings, per_token_bytes)
         config = self._lockstep.leaders_settings(config)  # every rank takes rank 0's
         self.config = config
@@ -99,9 +106,6 @@ class Runner:
         self._pool = make_pool(loaded, self._make_entry, config)
         if self._pool.store is not None:  # a Runner dropped without close() stops its writer
             weakref.finalize(self, self._pool.store.close)
-        # Every model call runs on this thread (see `engine`); it ends with the Runner.
-        self._engine = EngineThread(f"mlxkv-engine-{id(self):x}")
-        weakref.finalize(self, self._engine.stop, False)
         if config.warmup:
             self._engine.call(warm_up, loaded, self._draft, config)
         self.max_batch = choose_max_batch(config, per_token_bytes, self._make_entry())

@@ -16,15 +16,17 @@ Architectures (`ARCHITECTURES`):
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+
+from mlxkv.testing.architectures import SWEEP_CONFIGS
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -169,7 +171,7 @@ def build_model(
     """Writes a random-weight model of architecture `arch` in Hugging Face layout.
 
     Args:
-        arch: one of `ARCHITECTURES`.
+        arch: one of `ARCHITECTURES`, or of `architectures.SWEEP_CONFIGS` (an mlx-lm module).
         out_dir: directory to create (parents too); existing files in it are overwritten.
         size: "tiny" (tests) or "100m" (benchmarks).
         vocab_size: tokens in the trained tokenizer and the embedding table.
@@ -185,33 +187,40 @@ def build_model(
     Raises:
         ValueError: for an unknown architecture or size.
     """
-    if arch not in _CONFIGS:
-        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    configs = {**SWEEP_CONFIGS, **_CONFIGS}
+    if arch not in configs:
+        raise ValueError(
+            f"unknown architecture {arch!r}; choose one of {', '.join(sorted(configs))}"
+        )
     if size not in _SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(_SIZES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = {**_CONFIGS[arch], **_SIZES[size], "vocab_size": vocab_size}
+    config = {**configs[arch], **_SIZES[size], "vocab_size": vocab_size}
     config.update(config_overrides or {})
     if arch == "lfm2":
         config["block_dim"] = config["hidden_size"]
         config["block_ff_dim"] = config["intermediate_size"]
     tokenizer_ids = _write_tokenizer(out, vocab_size, chat_template, added_tokens)
     config.update(tokenizer_ids)
+    if "text_config" in config:  # a multimodal wrapper: the language model reads these there
+        config["text_config"] = {**config["text_config"], **tokenizer_ids}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_weights(out, config, seed)
     return out
 
 
 def _write_weights(out: Path, config: dict[str, Any], seed: int) -> None:
-    """Random weights for `config` as mlx-lm initializes its model class (built through its
-    public `load_model` from the config alone), scaled by `WEIGHT_SCALE`, in float32."""
-    from mlx_lm.utils import load_model
+    """Random weights for `config` as mlx-lm initializes its model class (found by mlx-lm's
+    model module, as its `load` does), scaled by `WEIGHT_SCALE`, in float32. The class is built
+    directly: `load_model` would run the model's `sanitize` on no weights, which some
+    models (Gemma 3n) cannot."""
+    from mlx_lm.utils import MODEL_REMAPPING
 
-    with tempfile.TemporaryDirectory() as bare:
-        (Path(bare) / "config.json").write_text(json.dumps(config))
-        mx.random.seed(seed)
-        model, _ = load_model(Path(bare), lazy=True, strict=False)
+    model_type = MODEL_REMAPPING.get(config["model_type"], config["model_type"])
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
     weights = {
         k: (v * WEIGHT_SCALE).astype(mx.float32) for k, v in tree_flatten(model.parameters())
     }

@@ -34,9 +34,9 @@ def test_an_unknown_cache_class_is_refused_by_name():
         layers = [object()]
 
         def make_cache(self):
-            return [mlx_cache.ChunkedKVCache(64)]
+            return [mlx_cache.BatchKVCache([0])]
 
-    with pytest.raises(NotSupportedError, match="ChunkedKVCache"):
+    with pytest.raises(NotSupportedError, match="BatchKVCache"):
         make_cache(Model())
 
 

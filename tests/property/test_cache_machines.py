@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from mlxkv.cache import KVCache, SlidingWindowCache
 from mlxkv.cache.base import round_up
 from mlxkv.errors import NotSupportedError
-from tests.factories import make_kv, positions_of
+from tests.factories import assert_shared_view, make_kv, positions_of
 
 STEP = 4  # small, so sequences cross growth boundaries often
 
@@ -33,6 +33,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def update(self, n):
         ids = self._new_ids(n)
         keys, values = self.cache.update_and_fetch(*make_kv(ids))
+        assert_shared_view(self.cache, keys, values)
         self.reference += ids
         assert positions_of(keys) == self.reference
         assert positions_of(-values) == self.reference
@@ -82,6 +83,7 @@ class WindowMachine(RuleBasedStateMachine):
         self.next_id += n
         mask = self.cache.make_mask(n, window_size=self.mask_window)
         keys, values = self.cache.update_and_fetch(*make_kv(ids))
+        assert_shared_view(self.cache, keys, values)
         mask = _as_array(mask, n, keys.shape[2])
         start = len(self.history)
         self.history += ids
