@@ -59,7 +59,7 @@ def checked_runners(request, monkeypatch):
     run, end = Dispatcher._run, Dispatcher._end_request
 
     def recording_run(self, request, on_entry, *args):
-        fed = Fed(list(request.tokens))
+        fed = Fed(list(request.tokens), images=request.images)
 
         def noting_entry(entry):
             entry.fed_in_test = fed  # the request chose it (one cancelled first touches none)

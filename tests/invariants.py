@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from mlxkv.cache.building import make_cache
 from mlxkv.decoding.prefill import PrefillPlan, fill
+from mlxkv.models.vision import ImagePrompt
 from tests.tolerances import assert_logits_close
 
 # An EOS, or the rest of an accepted draft after a stop string (drafts are at most 16 long).
@@ -28,6 +29,7 @@ class Fed:
 
     prompt: list[int]
     generated: list[int] = field(default_factory=list)
+    images: tuple = ()  # the prompt's `ImageSpan`s
 
 
 def assert_entry_holds_what_it_fed(runner, entry, fed: Fed | None) -> None:
@@ -45,7 +47,9 @@ def assert_entry_holds_what_it_fed(runner, entry, fed: Fed | None) -> None:
         unseen = len(tokens) - len(expected)
         assert unseen <= _MOST_UNSEEN_TOKENS, f"{unseen} tokens past what the request streamed"
     if not getattr(entry.cache, "shifted", False):  # a shift in place approximates (README)
-        _assert_same_as_fresh_prefill(runner, entry.cache, tokens)
+        _assert_same_as_fresh_prefill(
+            runner, entry.cache, tokens, () if fed is None else fed.images
+        )
 
 
 def assert_recorded_bytes_current(pool) -> None:
@@ -75,8 +79,10 @@ def _no_shift_possible(runner, fed: Fed) -> bool:
     return len(fed.prompt) + len(fed.generated) + 1 < runner.max_context
 
 
-def _assert_same_as_fresh_prefill(runner, cache, tokens: list[int]) -> None:
+def _assert_same_as_fresh_prefill(runner, cache, tokens: list[int], images: tuple) -> None:
     model = runner.loaded.model
+    if images:  # the prompt's images spliced in, at its M-RoPE positions
+        model = ImagePrompt(model, runner.loaded.vision, tokens, images)
     config = runner.config
     fresh = make_cache(model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
     probe = [tokens[-1]]

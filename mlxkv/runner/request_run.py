@@ -10,6 +10,7 @@ requests, thread bookkeeping or the memory line (`runner`), nor the cache policy
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from mlxkv.decoding.plain import decode_tokens
 from mlxkv.decoding.prefill import PrefillPlan, fill
 from mlxkv.decoding.speculative import Drafter, DraftLength, speculative_tokens
 from mlxkv.models.loading import LoadedModel
+from mlxkv.models.vision import ImagePrompt
 from mlxkv.runner.context import ContextWindow
 from mlxkv.runner.prefill.fill import PrefillCancelled, fill_prompt
 from mlxkv.runner.prefill.group import PrefillGroup
@@ -92,6 +94,7 @@ def run_request(
     """
     tokens = request.tokens
     stats_start = time.perf_counter()
+    loaded, batching = _with_images(loaded, request, batching)
     if batching is not None:  # interleaved: other requests run between this one's turns
         with batching.prefills.arriving():
             yield from _await_shared_prefix(request, pool)
@@ -124,6 +127,20 @@ def run_request(
             yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
         finally:  # here, on the engine thread, before the entry is released (even on error)
             decoded.close()
+
+
+def _with_images(
+    loaded: LoadedModel, request: Request, batching: Batching | None
+) -> tuple[LoadedModel, Batching | None]:
+    """For a vision model: `loaded` with its model bound to the request's images (the
+    encoder's output over their placeholders, M-RoPE positions), and no batching (each call
+    carries one prompt's positions). A text model's come back as they are."""
+    if loaded.vision is None:
+        return loaded, batching
+    if not request.images:
+        return loaded, None
+    bound = ImagePrompt(loaded.model, loaded.vision, request.tokens, request.images)
+    return dataclasses.replace(loaded, model=bound), None
 
 
 def _prefilled_with(request: Request, batching: Batching | None) -> PrefillGroup | None:
