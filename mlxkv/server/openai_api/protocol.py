@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.forced_tools import ForcedCall
+from mlxkv.server.images import image_part, parts_or_text
 from mlxkv.server.json_limits import MAX_JSON_DEPTH, json_depth, too_deep_message
 from mlxkv.server.structured import openai_grammar
 from mlxkv.server.thinking import effort_switches, merged
@@ -45,9 +46,15 @@ class Lenient(BaseModel):
         }
 
 
+class ImageUrl(Lenient):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(Lenient):
     type: str
     text: str | None = None
+    image_url: ImageUrl | str | None = None
 
 
 class FunctionCall(Lenient):
@@ -240,18 +247,26 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _text(index: int, content: str | list[ContentPart] | None) -> str:
+def _text(index: int, content: str | list[ContentPart] | None) -> str | list[dict[str, Any]]:
+    """The content as the template takes it: text, or text and image parts."""
     if content is None or isinstance(content, str):
         return content or ""
-    kinds = sorted({part.type for part in content if part.type != "text"})
+    kinds = sorted({part.type for part in content if part.type not in ("text", "image_url")})
     if kinds:
         raise ApiError(
             400,
             f"messages[{index}] has content of type {', '.join(kinds)}; this server takes text "
-            "only",
+            "and image_url parts",
             param=f"messages[{index}].content",
         )
-    return "".join(part.text or "" for part in content)
+    parts = []
+    for j, part in enumerate(content):
+        if part.type == "text":
+            parts.append({"type": "text", "text": part.text or ""})
+            continue
+        url = part.image_url.url if isinstance(part.image_url, ImageUrl) else part.image_url
+        parts.append(image_part(url, f"messages[{index}].content[{j}].image_url"))
+    return parts_or_text(parts)
 
 
 def tool_arguments(arguments: str | dict[str, Any], where: str) -> dict[str, Any]:
