@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 PLACEHOLDER_BASE = 1 << 31
 # Architectures loaded through mlx-vlm (their checkpoints hold a vision tower).
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# The most images one prompt may hold.
+MAX_IMAGES_PER_PROMPT = 16
 # The vision encoder's outputs kept by image digest (an image sent again skips the encoder).
 ENCODER_CACHE_BYTES = 256 * 1024 * 1024
 

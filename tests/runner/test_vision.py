@@ -133,3 +133,28 @@ def test_a_placeholder_typed_by_the_user_stays_text(loaded, images):
     assert image_token_id not in record
     assert sum(t >= PLACEHOLDER_BASE for t in record) == 4  # one 56x56 image: 4 tokens
     _greedy(runner, _ask(images[0], "<|image_pad|>"))
+
+
+def test_a_conversation_with_an_image_comes_back_from_disk_after_a_restart(
+    loaded, images, tmp_path
+):
+    turn1 = _ask(images[0])
+    before = Runner(loaded, cache_entries=4, cache_dir=tmp_path)
+    first = _greedy(before, turn1)
+    before.close()
+    assert list(tmp_path.glob("*/*"))
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Again?"},
+    ]
+    after = Runner(loaded, cache_entries=4, cache_dir=tmp_path)
+    got = _greedy(after, turn2)
+    assert got.cached_tokens >= first.prompt_tokens  # the image's tokens came from disk
+    assert got.tokens == _greedy(Runner(loaded), turn2).tokens
+
+
+def test_info_says_whether_a_model_takes_images(loaded, loaded_tiny):
+    from mlxkv.models.inspect import describe
+
+    assert describe(loaded)["images"].startswith("yes")
+    assert describe(loaded_tiny("llama"))["images"] == "no (text only)"

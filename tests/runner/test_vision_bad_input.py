@@ -16,7 +16,7 @@ from PIL import Image, ImageFile  # noqa: E402
 from mlxkv import Runner  # noqa: E402
 from mlxkv.models import images as image_limits  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
-from mlxkv.runner.text import vision as vision_prompts  # noqa: E402
+from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT  # noqa: E402
 from mlxkv.testing.vision_factory import build_vision_model  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def test_an_image_over_the_byte_limit_is_refused(runner):
 
 def test_more_images_than_the_model_takes_are_refused(runner):
     image = _png(56, 56)
-    parts = [{"type": "image", "image": image}] * (vision_prompts.MAX_IMAGES_PER_PROMPT + 1)
+    parts = [{"type": "image", "image": image}] * (MAX_IMAGES_PER_PROMPT + 1)
     with pytest.raises(ValueError, match="holds 17 images; this model takes at most 16"):
         runner.generate([{"role": "user", "content": parts}], max_tokens=2)
     assert runner.cache_tokens == []

@@ -22,11 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxkv.models.images import decode_image
-from mlxkv.models.vision import ImageSpan, VisionSupport, placeholder_id
+from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
 from mlxkv.runner.text.prompt import Message, PromptEncoder, Tools, _checked_tools, _valid_text
-
-# The most images one prompt may hold.
-MAX_IMAGES_PER_PROMPT = 16
 
 
 @dataclass(frozen=True)
