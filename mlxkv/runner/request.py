@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -28,6 +29,8 @@ from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt
 from mlxkv.runner.text.prompt import Landmarks, Message, Prompt, PromptEncoder, Render, Tools
 from mlxkv.runner.text.vision import VisionPrompts, has_images
+
+logger = logging.getLogger(__name__)
 
 # The most alternatives per token that logprobs reports (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -228,6 +231,14 @@ class RequestBuilder:
         tokens = encoded.tokens
         if len(tokens) >= self._max_context:
             self._refuse_too_long(len(tokens))
+        fitted = self._fit_max_tokens(params, len(tokens), _no_shift(options.overflow))
+        if fitted.max_tokens < params.max_tokens:
+            logger.info(
+                "reply with images limited to the window: max_tokens=%d (asked %d); a context "
+                "shift cannot keep M-RoPE positions exact",
+                fitted.max_tokens,
+                params.max_tokens,
+            )
         bare = self._vision.encode(prompt, **template, add_generation_prompt=False).tokens
         header = max(1, len(tokens) - common_prefix_lengths(tokens, [bare])[0])
         if options.grammar is not None:
@@ -236,7 +247,7 @@ class RequestBuilder:
             tokens,
             self._keep if self._keep is not None else min(DEFAULT_KEEP_TOKENS, len(tokens)),
             header,
-            self._fit_max_tokens(params, len(tokens), options.overflow),
+            fitted,
             options.progress,
             options.cancel or threading.Event(),
             options.top_logprobs,
@@ -302,6 +313,11 @@ class RequestBuilder:
             cut_points=points,
             preferred=preferred,
         )
+
+
+def _no_shift(overflow: str) -> str:
+    """The overflow mode for a prompt with images: "stop" in place of "shift"."""
+    return "stop" if overflow == "shift" else overflow
 
 
 def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:

@@ -158,3 +158,10 @@ def test_info_says_whether_a_model_takes_images(loaded, loaded_tiny):
 
     assert describe(loaded)["images"].startswith("yes")
     assert describe(loaded_tiny("llama"))["images"] == "no (text only)"
+
+
+def test_a_reply_with_an_image_stops_at_the_window_instead_of_shifting(loaded, images):
+    runner = Runner(loaded, max_context=40)
+    completion = runner.generate(_ask(images[0]), max_tokens=100, temperature=0.0)
+    assert completion.finish_reason == "length"
+    assert completion.prompt_tokens + completion.generation_tokens == 40
