@@ -48,16 +48,38 @@ _PREPROCESSOR = {
     "processor_class": "Qwen2VLProcessor",
 }
 
+# Per size: text config overrides, vision config overrides, the largest image in pixels.
+_SIZES: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
+    "tiny": ({}, {}, 112 * 112),
+    "small": (
+        {
+            "hidden_size": 512,
+            "num_hidden_layers": 8,
+            "intermediate_size": 1408,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
+        },
+        {"depth": 4, "embed_dim": 256, "hidden_size": 512, "num_heads": 4},
+        448 * 448,
+    ),
+}
+
 # Larger than the text factory's scale: the image must change the greedy answer
 # (tests/models/test_vision_factory.py checks two images give two answers).
 WEIGHT_SCALE = 2.0
 
 
-def build_vision_model(out_dir: str | Path, *, vocab_size: int = 512, seed: int = 0) -> Path:
-    """Writes a random-weight Qwen2-VL (2 text layers of width 64, 1 vision block).
+def build_vision_model(
+    out_dir: str | Path, *, size: str = "tiny", vocab_size: int = 512, seed: int = 0
+) -> Path:
+    """Writes a random-weight Qwen2-VL.
 
     Args:
         out_dir: directory to create (parents too); existing files in it are overwritten.
+        size: "tiny" (tests: 2 text layers of width 64, 1 vision block; 56x56 to 112x112
+            images) or "small" (benchmarks: 8 layers of width 512, 4 vision blocks; up to
+            448x448, 256 tokens).
         vocab_size: tokens in the trained tokenizer (the vision tokens come after them).
         seed: seeds the weights.
 
@@ -70,6 +92,11 @@ def build_vision_model(out_dir: str | Path, *, vocab_size: int = 512, seed: int 
     token_ids = _add_special_tokens(out, VISION_TOKENS)
     # mlx-vlm's detokenizer indexes its table by every id the head can pick: no spare rows
     config = _config({**ids, "vocab_size": max(token_ids.values()) + 1})
+    if size not in _SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(_SIZES)}")
+    text, vision, max_pixels = _SIZES[size]
+    config.update(text)
+    config["vision_config"].update(vision)
     config.update(
         vision_start_token_id=token_ids["<|vision_start|>"],
         vision_end_token_id=token_ids["<|vision_end|>"],
@@ -77,7 +104,8 @@ def build_vision_model(out_dir: str | Path, *, vocab_size: int = 512, seed: int 
         video_token_id=token_ids["<|video_pad|>"],
     )
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "preprocessor_config.json").write_text(json.dumps(_PREPROCESSOR, indent=2))
+    preprocessor = {**_PREPROCESSOR, "max_pixels": max_pixels}
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     _write_weights(out, config, seed)
     return out
 

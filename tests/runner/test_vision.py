@@ -51,16 +51,7 @@ def _greedy(runner: Runner, messages: list[dict]):
 def _reference(loaded, messages: list[dict], image) -> tuple[list[int], float]:
     """mlx-vlm's own processor and model, no cache: the whole sequence each step."""
     vlm, processor = loaded.vision.vlm, loaded.vision.processor
-    bare = [
-        {
-            **m,
-            "content": [
-                {"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
-                for p in m["content"]
-            ],
-        }
-        for m in messages
-    ]
+    bare = [{**m, "content": _without_pixels(m["content"])} for m in messages]
     text = processor.apply_chat_template(bare, add_generation_prompt=True, tokenize=False)
     inputs = processor(images=[image], text=[text])
     ids = np.asarray(inputs["input_ids"]).tolist()[0]
@@ -74,6 +65,12 @@ def _reference(loaded, messages: list[dict], image) -> tuple[list[int], float]:
         first_logprob = float(logprobs[token]) if first_logprob is None else first_logprob
         tokens.append(token)
     return tokens, first_logprob
+
+
+def _without_pixels(content):
+    if isinstance(content, str):
+        return content
+    return [{k: v for k, v in part.items() if k != "image"} for part in content]
 
 
 def test_image_answers_equal_mlx_vlm_and_depend_on_the_image(loaded, images):
@@ -104,6 +101,9 @@ def test_next_turn_reuses_the_image_without_encoding_or_prefilling_it(loaded, im
     fresh = _greedy(Runner(loaded), turn2)
     assert second.tokens == fresh.tokens
     assert second.first_logprob == pytest.approx(fresh.first_logprob, abs=1e-4)
+    want_tokens, want_logprob = _reference(loaded, turn2, images[0])
+    assert second.tokens == want_tokens
+    assert second.first_logprob == pytest.approx(want_logprob, abs=1e-3)
 
 
 def test_other_image_at_the_same_place_stops_the_match_before_it(loaded, images):
