@@ -87,8 +87,8 @@ def encoder_share(model_dir: Path) -> dict[str, float]:
     runner = Runner.load(model_dir)
     raw = base64.b64decode(image_data_url().partition(",")[2])
     image = Image.open(io.BytesIO(raw))
-    messages = [{"role": "user", "content": [{"type": "image", "image": image}, "x"][:1]}]
-    messages[0]["content"].append({"type": "text", "text": "Describe this picture."})
+    parts = [{"type": "image", "image": image}, {"type": "text", "text": "Describe this."}]
+    messages = [{"role": "user", "content": parts}]
     ttft = runner.generate(messages, max_tokens=1, temperature=0.0).ttft
     vision = runner.loaded.vision
     span = runner._vision.encode(messages).spans[0]
