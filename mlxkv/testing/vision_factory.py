@@ -65,18 +65,42 @@ _SIZES: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
     ),
 }
 
+# Per family, what its config adds to Qwen2-VL's: Qwen2.5-VL's vision tower has windowed
+# attention blocks (the tiny one's only block attends fully), a gated MLP and its own output
+# width. The tiny vision sizes, scaled with "small" as for Qwen2-VL where they matter.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2_vl": {"architectures": ["Qwen2VLForConditionalGeneration"]},
+    "qwen2_5_vl": {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "vision_config": {
+            "model_type": "qwen2_5_vl",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "window_size": 112,
+            "fullatt_block_indexes": [0],
+        },
+    },
+}
+
 # Larger than the text factory's scale: the image must change the greedy answer
-# (tests/models/test_vision_factory.py checks two images give two answers).
+# (tests/runner/test_vision.py checks two images give two answers).
 WEIGHT_SCALE = 2.0
 
 
 def build_vision_model(
-    out_dir: str | Path, *, size: str = "tiny", vocab_size: int = 512, seed: int = 0
+    out_dir: str | Path,
+    *,
+    family: str = "qwen2_vl",
+    size: str = "tiny",
+    vocab_size: int = 512,
+    seed: int = 0,
 ) -> Path:
-    """Writes a random-weight Qwen2-VL.
+    """Writes a random-weight Qwen2-VL or Qwen2.5-VL.
 
     Args:
         out_dir: directory to create (parents too); existing files in it are overwritten.
+        family: one of `FAMILIES` (the model_type).
         size: "tiny" (tests: 2 text layers of width 64, 1 vision block; 56x56 to 112x112
             images) or "small" (benchmarks: 8 layers of width 512, 4 vision blocks; up to
             448x448, 256 tokens).
@@ -92,11 +116,15 @@ def build_vision_model(
     token_ids = _add_special_tokens(out, VISION_TOKENS)
     # mlx-vlm's detokenizer indexes its table by every id the head can pick: no spare rows
     config = _config({**ids, "vocab_size": max(token_ids.values()) + 1})
-    if size not in _SIZES:
-        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(_SIZES)}")
+    if size not in _SIZES or family not in FAMILIES:
+        raise ValueError(
+            f"unknown size {size!r} or family {family!r}; choose a size of "
+            f"{', '.join(_SIZES)} and a family of {', '.join(FAMILIES)}"
+        )
     text, vision, max_pixels = _SIZES[size]
-    config.update(text)
-    config["vision_config"].update(vision)
+    config.update(text, model_type=family, architectures=FAMILIES[family]["architectures"])
+    config["vision_config"].update(vision if family == "qwen2_vl" else {})
+    config["vision_config"].update(FAMILIES[family].get("vision_config", {}))
     config.update(
         vision_start_token_id=token_ids["<|vision_start|>"],
         vision_end_token_id=token_ids["<|vision_end|>"],
@@ -113,7 +141,6 @@ def build_vision_model(
 def _config(ids: dict[str, int]) -> dict[str, Any]:
     return {
         "model_type": "qwen2_vl",
-        "architectures": ["Qwen2VLForConditionalGeneration"],
         "hidden_size": 64,
         "num_hidden_layers": 2,
         "intermediate_size": 128,
@@ -152,15 +179,17 @@ def _add_special_tokens(out: Path, tokens: list[str]) -> dict[str, int]:
 
 
 def _write_weights(out: Path, config: dict[str, Any], seed: int) -> None:
-    """Random weights as mlx-vlm's Qwen2-VL class initializes them, scaled, in float32."""
-    from mlx_vlm.models import qwen2_vl
+    """Random weights as mlx-vlm's model class initializes them, scaled, in float32."""
+    import importlib
+
     from mlx_vlm.utils import update_module_configs
 
+    family = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
     config = json.loads(json.dumps(config))  # from_dict changes it in place
-    model_config = qwen2_vl.ModelConfig.from_dict(config)
-    model_config = update_module_configs(model_config, qwen2_vl, config, ["text", "vision"])
+    model_config = family.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, family, config, ["text", "vision"])
     mx.random.seed(seed)
-    model = qwen2_vl.Model(model_config)
+    model = family.Model(model_config)
     weights = {
         k: (v * WEIGHT_SCALE).astype(mx.float32) for k, v in tree_flatten(model.parameters())
     }

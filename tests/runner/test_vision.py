@@ -1,6 +1,7 @@
-"""Images in chat messages on a tiny random Qwen2-VL: answers equal mlx-vlm's own model run
-without a cache, a conversation's next turn reuses the image's K/V (no encoder run, no prefill of
-its tokens), a different image at the same place stops the match before its first token."""
+"""Images in chat messages on tiny random Qwen2-VL and Qwen2.5-VL models: answers equal
+mlx-vlm's own model run without a cache, a conversation's next turn reuses the image's K/V (no
+encoder run, no prefill of its tokens), a different image at the same place stops the match
+before its first token."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from PIL import Image  # noqa: E402
 from mlxkv import Runner  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
-from mlxkv.testing.vision_factory import build_vision_model  # noqa: E402
+from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
 
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    return load_model(build_vision_model(tmp_path_factory.mktemp("vlm") / "qwen2_vl"))
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def loaded(tmp_path_factory, request):
+    out = tmp_path_factory.mktemp("vlm") / request.param
+    return load_model(build_vision_model(out, family=request.param))
 
 
 @pytest.fixture(scope="module")
