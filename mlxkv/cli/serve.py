@@ -34,6 +34,7 @@ def serve_command(args: argparse.Namespace) -> int:
         default_max_tokens=args.max_tokens,
         max_tokens_limit=args.max_tokens_limit,
         max_queue=args.max_queue,
+        fetch_images=args.fetch_images,
     )
     runner = load_runner(args)
     if runner.rank:  # rank 0 alone serves HTTP

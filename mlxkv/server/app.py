@@ -68,6 +68,7 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
         config.model_name or runner.loaded.path.name,
         config.default_max_tokens,
         config.max_tokens_limit,
+        config.fetch_images,
     )
     app.include_router(openai.router)
     app.include_router(anthropic.router)

@@ -42,6 +42,7 @@ class ServerContext:
     max_tokens_limit: most tokens one request may ask for (None: the window decides).
     responses: stored Responses API conversations, for `previous_response_id`.
     prompt_records: prompts of Anthropic requests that asked for diagnostics, by message id.
+    fetch_images: fetch http(s) image URLs (else refuse them).
     """
 
     worker: GenerationWorker
@@ -51,6 +52,7 @@ class ServerContext:
     max_tokens_limit: int | None = None
     responses: ResponseHistory = field(default_factory=ResponseHistory)
     prompt_records: PromptRecords = field(default_factory=PromptRecords)
+    fetch_images: bool = False
 
     @classmethod
     def make(
@@ -59,8 +61,13 @@ class ServerContext:
         model_name: str,
         default_max_tokens: int,
         max_tokens_limit: int | None = None,
+        fetch_images: bool = False,
     ):
-        return cls(worker, model_name, default_max_tokens, int(time.time()), max_tokens_limit)
+        created = int(time.time())
+        return cls(
+            worker, model_name, default_max_tokens, created, max_tokens_limit,
+            fetch_images=fetch_images,
+        )  # fmt: skip
 
 
 def server_context(request: Request) -> ServerContext:

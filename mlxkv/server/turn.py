@@ -24,6 +24,7 @@ from mlxkv.errors import ContextLengthError
 from mlxkv.runner.results import Completion, PromptUsage
 from mlxkv.server.errors import ApiError, context_length_error
 from mlxkv.server.forced_tools import ForcedCall, forced_call_grammar
+from mlxkv.server.images import fetched_images
 from mlxkv.server.thinking_text import (
     ThinkingSplitter,
     Thought,
@@ -194,6 +195,7 @@ async def start_turn(
             (`errors.context_length_error`).
     """
     worker: GenerationWorker = request.app.state.mlxkv.worker
+    messages = await fetched_images(messages, request.app.state.mlxkv.fetch_images)
     sampling = _within_limit(sampling, request.app.state.mlxkv.max_tokens_limit, max_tokens_asked)
     tokenizer = worker.runner.tokenizer
     if forced is not None:

@@ -117,7 +117,7 @@ def test_ollama_chat_and_generate_take_images(served):
 
 def test_an_image_url_is_not_fetched(served):
     content = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]
-    with pytest.raises(openai.BadRequestError, match="not fetched by this server"):
+    with pytest.raises(openai.BadRequestError, match="not fetched by this server.*--fetch-images"):
         served.openai().chat.completions.create(
             model="tiny-vl", messages=[{"role": "user", "content": content}], max_tokens=2
         )
@@ -142,3 +142,47 @@ def test_an_image_for_a_text_model_is_a_400_in_each_api_shape(text_only):
         )
     assert ollama_refused.value.status_code == 400
     assert text_only.runner.cache_tokens == []
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A local HTTP server answering every GET with the PNG (the test's remote host)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = _png() if self.path == "/cat.png" else b""
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=host.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{host.server_address[1]}"
+    host.shutdown()
+
+
+def test_an_image_url_is_fetched_where_the_operator_allows_it(served, image_host):
+    want = _expected(served.runner)
+    with serve(served.runner, model_name="tiny-vl", fetch_images=True) as fetching:
+        content = [
+            {"type": "image_url", "image_url": {"url": f"{image_host}/cat.png"}},
+            {"type": "text", "text": QUESTION},
+        ]
+        reply = fetching.openai().chat.completions.create(
+            model="tiny-vl", messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_TOKENS, temperature=0.0,
+        )  # fmt: skip
+        assert reply.choices[0].message.content == want.text
+        source = {"type": "url", "url": f"{image_host}/missing.png"}
+        with pytest.raises(anthropic.BadRequestError, match="could not fetch the image"):
+            fetching.anthropic().messages.create(
+                model="tiny-vl", max_tokens=2,
+                messages=[{"role": "user", "content": [{"type": "image", "source": source}]}],
+            )  # fmt: skip
