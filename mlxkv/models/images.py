@@ -27,6 +27,7 @@ from typing import Any
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_IMAGE_PIXELS = 40_000_000
 ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+_BASE64 = re.compile(r"[A-Za-z0-9+/=\s]+", re.ASCII)
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<b64>;base64)?,", re.ASCII)
 
 
@@ -79,7 +80,10 @@ def _encoded_bytes(source: Any, max_bytes: int) -> bytes:
     if isinstance(source, Path) or (isinstance(source, str) and _looks_like_path(source)):
         path = Path(source)
         if not path.is_file():
-            raise ValueError(f"image file {str(path)!r} does not exist")
+            raise ValueError(
+                f"image file {str(path)!r} does not exist (a str image is a path, base64 or a "
+                "data: URL)"
+            )
         if path.stat().st_size > max_bytes:
             raise ValueError(
                 f"image file is {path.stat().st_size:,} bytes; the limit is {max_bytes:,} bytes"
@@ -94,7 +98,11 @@ def _encoded_bytes(source: Any, max_bytes: int) -> bytes:
 
 
 def _looks_like_path(text: str) -> bool:
-    return not text.startswith("data:") and len(text) < 4096 and ("/" in text or "." in text[-6:])
+    """A path, not base64: a file that exists, or text with a character base64 lacks (short
+    base64 may hold "/", so that alone decides nothing)."""
+    if text.startswith("data:") or len(text) >= 4096:
+        return False
+    return Path(text).is_file() or _BASE64.fullmatch(text) is None
 
 
 def _base64_bytes(text: str, max_bytes: int) -> bytes:

@@ -24,10 +24,13 @@ _REMOTE = ("http://", "https://")
 
 
 def image_part(reference: str, where: str) -> dict[str, Any]:
-    """An image given as a `data:` URL, bare base64 or an http(s) URL (fetched later, by
-    `fetched_images`, where allowed)."""
+    """An image given as a `data:` URL, bare base64 (made a data: URL, so the runner never
+    takes a client's string for a file path on this machine) or an http(s) URL (fetched
+    later, by `fetched_images`, where allowed)."""
     if not isinstance(reference, str) or not reference:
         raise ApiError(400, f"{where}: an image needs a data: URL or base64 data", param=where)
+    if not reference.startswith(("data:", *_REMOTE)):
+        reference = f"data:application/octet-stream;base64,{reference}"
     return {"type": "image", "image": reference}
 
 

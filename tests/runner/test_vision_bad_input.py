@@ -51,7 +51,8 @@ def test_an_image_for_a_text_model_is_refused_naming_the_model(make_runner):
     ("image", "message"),
     [
         ("data:image/png;base64,@@not base64@@", "not valid base64"),
-        ("iVBORw0KGgo=!!", "not valid base64"),
+        ("iVBORw0KGgo=", "could not decode the image"),
+        ("iVBORw0KGgo=!!", "does not exist .a str image is a path"),
         (b"GIF89a-broken", "could not decode the image"),
         (_png(56, 56, "TIFF"), "image format TIFF is not supported"),
         (b"just some text", "could not decode the image"),
@@ -104,3 +105,15 @@ def test_the_same_pixels_in_another_encoding_are_the_same_image(runner):
     as_data_url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     assert runner.encode(_ask(as_data_url)) == runner.encode(_ask(bmp.getvalue()))
     assert runner.encode(_ask(as_data_url)) == runner.encode(_ask(Image.fromarray(pixels)))
+
+
+def test_short_base64_holding_a_slash_is_base64_not_a_path(runner):
+    for grey in range(256):  # the first solid colour whose PNG's base64 holds a "/"
+        image = Image.new("RGB", (56, 56), (grey, grey, grey))
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        short = base64.b64encode(out.getvalue()).decode()
+        if "/" in short:
+            break
+    assert "/" in short and len(short) < 4096
+    assert runner.encode(_ask(short)) == runner.encode(_ask(image))

@@ -186,3 +186,13 @@ def test_an_image_url_is_fetched_where_the_operator_allows_it(served, image_host
                 model="tiny-vl", max_tokens=2,
                 messages=[{"role": "user", "content": [{"type": "image", "source": source}]}],
             )  # fmt: skip
+
+
+def test_a_client_string_is_never_read_as_a_local_file(served, tmp_path):
+    """Sent raw: the `ollama` client itself reads a path it is given (on the client's side)."""
+    picture = tmp_path / "on-the-server.png"
+    picture.write_bytes(_png())
+    message = {"role": "user", "content": "hi", "images": [str(picture)]}
+    status, answer = served.post("/api/chat", {"model": "tiny-vl", "messages": [message]})
+    assert status == 400
+    assert "not valid base64" in answer["error"]
