@@ -96,6 +96,10 @@ def test_anthropic_takes_a_base64_image_block(served):
         max_tokens=MAX_TOKENS, extra_body={"temperature": 0.0},
     )  # fmt: skip
     assert reply.content[0].text == want.text
+    counted = served.anthropic().messages.count_tokens(
+        model="tiny-vl", messages=[{"role": "user", "content": content}]
+    )
+    assert counted.input_tokens == want.prompt_tokens
     usage = reply.usage
     total = usage.input_tokens + (usage.cache_read_input_tokens or 0)
     assert total + (usage.cache_creation_input_tokens or 0) == want.prompt_tokens
