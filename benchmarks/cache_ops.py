@@ -56,8 +56,7 @@ def measure(sizes: list[int], reps: int) -> dict:
 def _measure_size(size: int, reps: int) -> dict:
     cache = _filled(size)
     pool = CachePool(lambda: cache)  # its first (missing) lookup adopts the filled cache
-    pool.fetch_nearest([0])
-    pool.release()
+    pool.release(pool.fetch_nearest([0]).entry)
     extension = cache.tokens + [1, 2, 3]
     return {
         "prefix_match_us": _micros(lambda: pool.fetch_nearest(extension), reps),

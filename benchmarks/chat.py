@@ -117,7 +117,7 @@ def _ttft_mlx_lm(loaded, ids, cache=None, max_tokens=1, start=None):
 def _floor(runner: Runner, ids: list[int]) -> float:
     """Seconds to feed only the tokens the runner's cache lacks and pick one token, on a copy
     of the runner's cache (the runner itself is untouched)."""
-    cache = runner._pool.current.cache.copy()  # benchmark-only look at the runner's entry
+    cache = runner._pool.latest.cache.copy()  # benchmark-only look at the runner's entry
     keep = min(common_prefix_length(cache.tokens, ids), len(ids) - 1)
     if not cache.can_trim_to(keep):
         keep = 0

@@ -279,6 +279,8 @@ class ServerConfig(_Options):
         max_tokens_limit: most tokens one request may ask for; None: the context window.
         max_queue: most generations running or waiting; more get 429 with Retry-After.
         queue_timeout_s: seconds a generation may wait for its turn before it gets an error.
+        fetch_images: fetch the http(s) image URLs requests name (within the image byte limit
+            and `server.images.FETCH_TIMEOUT_S`); off, such a request gets a 400.
         max_connections: most open connections; more get 503.
         model_aliases: "PATTERN=NAME" entries: with several models served, request names
             matching PATTERN (fnmatch: "claude-*") go to the model NAME.
@@ -295,6 +297,7 @@ class ServerConfig(_Options):
     max_tokens_limit: int | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    fetch_images: bool = False
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     model_aliases: tuple[str, ...] = field(default_factory=tuple)
 

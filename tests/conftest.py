@@ -52,7 +52,8 @@ def checked_runners(request):
     from tests.invariants import assert_entry_holds_what_it_fed, assert_recorded_bytes_current
 
     def check(end):
-        assert_entry_holds_what_it_fed(end.context, end.entry, end.prompt + end.generated)
+        fed = end.prompt + end.generated
+        assert_entry_holds_what_it_fed(end.context, end.entry, fed, end.images)
         assert_recorded_bytes_current(end.context.pool)
 
     with request_ends(check):

@@ -14,16 +14,17 @@ import mlx.core as mx
 
 from mlxkv.cache.building import make_cache
 from mlxkv.decoding.prefill.chunks import PrefillPlan, fill
+from mlxkv.models.vision import ImagePrompt
 from tests.tolerances import assert_logits_close
 
 # An EOS, or the rest of an accepted draft after a stop string (drafts are at most 16 long).
 _MOST_UNSEEN_TOKENS = 17
 
 
-def assert_entry_holds_what_it_fed(context, entry, fed: list[int]) -> None:
+def assert_entry_holds_what_it_fed(context, entry, fed: list[int], images: tuple = ()) -> None:
     """Checks the entry a request ended with, given the ids it fed (its prompt, then the tokens
-    it streamed); call on the engine thread. `context` has `loaded` and `config` (a Runner's
-    `RunContext`)."""
+    it streamed) and its prompt's images (`ImageSpan`s); call on the engine thread. `context`
+    has `loaded` and `config` (a Runner's `RunContext`)."""
     if entry.cache.num_tokens == 0:
         return
     tokens = entry.cache.tokens
@@ -35,7 +36,7 @@ def assert_entry_holds_what_it_fed(context, entry, fed: list[int]) -> None:
         unseen = len(tokens) - len(expected)
         assert unseen <= _MOST_UNSEEN_TOKENS, f"{unseen} tokens past what the request streamed"
     if not entry.cache.shifted:  # a shift in place approximates (docs/long-conversations.md)
-        _assert_same_as_fresh_prefill(context, entry.cache, tokens)
+        _assert_same_as_fresh_prefill(context, entry.cache, tokens, images)
 
 
 def assert_recorded_bytes_current(pool) -> None:
@@ -60,8 +61,10 @@ def _figures(footprint) -> tuple | None:
     return f.num_tokens, f.used_bytes, f.allocated_bytes, f.checkpoint_bytes, snapshots
 
 
-def _assert_same_as_fresh_prefill(runner, cache, tokens: list[int]) -> None:
+def _assert_same_as_fresh_prefill(runner, cache, tokens: list[int], images: tuple) -> None:
     model = runner.loaded.model
+    if images:  # the prompt's images spliced in, at its M-RoPE positions
+        model = ImagePrompt(model, runner.loaded.vision, tokens, images)
     config = runner.config
     fresh = make_cache(model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
     probe = [tokens[-1]]

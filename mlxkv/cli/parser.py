@@ -133,6 +133,11 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         help="largest request body accepted",
     )
     serve.add_argument(
+        "--fetch-images",
+        action="store_true",
+        help="fetch the http(s) image URLs requests name (default: refuse them; send data: URLs)",
+    )
+    serve.add_argument(
         "--max-tokens-limit",
         type=int,
         default=None,

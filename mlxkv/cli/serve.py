@@ -39,6 +39,7 @@ def serve_command(args: argparse.Namespace) -> int:
         default_max_tokens=args.max_tokens,
         max_tokens_limit=args.max_tokens_limit,
         max_queue=args.max_queue,
+        fetch_images=args.fetch_images,
     )
     models = _named_models(args.model)
     if len(models) > 1 and world() is not None:

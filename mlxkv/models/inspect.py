@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from mlxkv.cache import KVCache, QuantizedKVCache, SlidingWindowCache, make_cache
 from mlxkv.config import format_bytes
 from mlxkv.models.loading import LoadedModel
+from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT
 
 
 def describe(loaded: LoadedModel) -> dict[str, str]:
@@ -45,7 +46,14 @@ def describe(loaded: LoadedModel) -> dict[str, str]:
         "kv bytes per token": f"{per_token:,} ({format_bytes(per_token)})"
         + (" while under the window" if windows else ""),
         "max context": f"{loaded.max_position_embeddings or 'unknown'} tokens",
+        "images": _images(loaded),
     }
+
+
+def _images(loaded: LoadedModel) -> str:
+    if loaded.vision is None:
+        return "no (text only)"
+    return f"yes (vision encoder through mlx-vlm; at most {MAX_IMAGES_PER_PROMPT} per prompt)"
 
 
 def _indices(indices: list[int]) -> str:

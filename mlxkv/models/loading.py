@@ -7,6 +7,7 @@ CPU backend, floating-point weights are cast to float32, the fast dtype there.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from mlxkv.errors import ModelLoadError
 from mlxkv.models import gguf
 from mlxkv.models.sharding import shard_model
 from mlxkv.models.sources import default_model_path, find_model, is_gguf
+from mlxkv.models.vision import VisionSupport, is_vision_model, load_vision_model
 from mlxkv.platform.machine import on_gpu
 
 logger = logging.getLogger(__name__)
@@ -27,12 +29,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    """A model ready to run. `tokenizer` is mlx-lm's TokenizerWrapper."""
+    """A model ready to run. `tokenizer` is mlx-lm's TokenizerWrapper; `vision` is None for
+    a model that takes no images."""
 
     model: nn.Module
     tokenizer: Any
     config: dict[str, Any]
     path: Path
+    vision: VisionSupport | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -69,6 +73,9 @@ def load_model(
     path = find_model(default_model_path() if path_or_repo is None else str(path_or_repo))
     if path.suffix == ".gguf" or is_gguf(path):
         path = gguf.converted_dir(path, progress=progress)
+    config = _read_config(path)
+    if group is None and is_vision_model(config):
+        return _load_vision(path, config)
     try:
         model, tokenizer, config = load(str(path), return_config=True, lazy=group is not None)
     except (ValueError, FileNotFoundError, KeyError, OSError, RuntimeError) as error:
@@ -81,6 +88,27 @@ def load_model(
     materialize(model)
     logger.info("loaded model path=%s type=%s", path, config.get("model_type"))
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}  # mlx-lm's load says what is missing
+
+
+def _load_vision(path: Path, config: dict[str, Any]) -> LoadedModel:
+    """A vision-language model through mlx-vlm: mlx-lm would load some of these as text
+    models, dropping the vision tower and M-RoPE."""
+    model, tokenizer, vision = load_vision_model(path, config)
+    if not on_gpu():
+        model.set_dtype(mx.float32)
+    materialize(model)
+    text_config = {**config, **config.get("text_config", {})}
+    logger.info("loaded vision model path=%s type=%s", path, config.get("model_type"))
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, config=text_config, path=path, vision=vision
+    )
 
 
 def materialize(model: nn.Module) -> None:

@@ -29,12 +29,14 @@ class RequestEnd:
         entry: the entry it generated into, released (its tokens and bytes recorded).
         prompt: the token ids of its (fitted) prompt.
         generated: the token ids it streamed, in order.
+        images: the prompt's images (`mlxkv.models.vision.ImageSpan`s), none for text.
         context: the Runner's model, pool and settings it ran with.
     """
 
     entry: CacheEntry
     prompt: list[int]
     generated: list[int]
+    images: tuple = ()
     context: RunContext
 
 

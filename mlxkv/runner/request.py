@@ -14,17 +14,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
+from mlxkv.cache.prefix import common_prefix_lengths
 from mlxkv.decoding.grammar import check_grammar
 from mlxkv.decoding.prefill.chunks import ProgressCallback
 from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import ContextLengthError, check_int
+from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt
 from mlxkv.runner.text.prompt import Landmarks, Message, Prompt, PromptEncoder, Render, Tools
+from mlxkv.runner.text.vision import VisionPrompts, has_images
+
+logger = logging.getLogger(__name__)
 
 # The most alternatives per token that logprobs reports (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -55,6 +61,7 @@ class Request:
         cut_start: the first message kept when a chat was cut to the window (None: not cut);
             kept on the request's cache entry, so this conversation's next turn cuts there
             again and reuses the entry.
+        images: the images in `tokens`, in order (empty: a text prompt).
     """
 
     tokens: list[int]
@@ -69,6 +76,7 @@ class Request:
     cut_start: Message | None = None
     grammar: str | None = None
     cache_salt: str | None = None
+    images: tuple[ImageSpan, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,12 +145,16 @@ class RequestBuilder:
         prompts: the model's prompt encoder.
         max_context: the window, in tokens.
         keep: the Runner's `keep` setting (None: the system prompt, else 4 tokens).
+        vision: renders prompts with images (refusing them for a text-only model).
     """
 
-    def __init__(self, prompts: PromptEncoder, max_context: int, keep: int | None):
+    def __init__(
+        self, prompts: PromptEncoder, max_context: int, keep: int | None, vision: VisionPrompts
+    ):
         self._prompts = prompts
         self._max_context = max_context
         self._keep = keep
+        self._vision = vision
 
     def build(
         self,
@@ -164,11 +176,10 @@ class RequestBuilder:
         params = _sampling_params(sampling)
         options.check()
         salt = salt_digest(options.cache_salt)
-        template = {
-            "parse_control_tokens": options.parse_control_tokens,
-            "tools": options.tools,
-            "switches": options.switches,
-        }
+        template = {"parse_control_tokens": options.parse_control_tokens, "tools": options.tools}
+        template["switches"] = options.switches
+        if has_images(prompt):
+            return self._image_request(prompt, params, options, template, salt)
         tokens = self._prompts.encode(prompt, **template)
         render = functools.partial(self._prompts.render, **template)
         if not options.truncate and len(tokens) >= self._max_context:
@@ -203,6 +214,49 @@ class RequestBuilder:
             cut_start=cut_start,
             grammar=options.grammar,
             cache_salt=salt,
+        )
+
+    def _image_request(
+        self,
+        prompt: Sequence[Message],
+        params: SamplingParams,
+        options: RequestOptions,
+        template: dict[str, Any],
+        salt: str | None,
+    ) -> Request:
+        """The request for chat messages with images. Never cut: a cut inside an image, or
+        M-RoPE positions moved by a cut, cannot be exact, so a prompt over the window is
+        refused (`ContextLengthError`)."""
+        encoded = self._vision.encode(prompt, **template)
+        tokens = encoded.tokens
+        if len(tokens) >= self._max_context:
+            self._refuse_too_long(len(tokens))
+        fitted = self._fit_max_tokens(params, len(tokens), _no_shift(options.overflow))
+        if fitted.max_tokens < params.max_tokens:
+            logger.info(
+                "reply with images limited to the window: max_tokens=%d (asked %d); a context "
+                "shift cannot keep M-RoPE positions exact",
+                fitted.max_tokens,
+                params.max_tokens,
+            )
+        bare = self._vision.encode(prompt, **template, add_generation_prompt=False).tokens
+        header = max(1, len(tokens) - common_prefix_lengths(tokens, [bare])[0])
+        if options.grammar is not None:
+            check_grammar(options.grammar, self._prompts.tokenizer)
+        return Request(
+            tokens,
+            self._keep if self._keep is not None else min(DEFAULT_KEEP_TOKENS, len(tokens)),
+            header,
+            fitted,
+            options.progress,
+            options.cancel or threading.Event(),
+            options.top_logprobs,
+            options.cache_key,
+            None,  # drafts would see placeholder ids; verified decoding has no image path
+            None,
+            options.grammar,
+            salt,
+            encoded.spans,
         )
 
     def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:
@@ -259,6 +313,11 @@ class RequestBuilder:
             cut_points=points,
             preferred=preferred,
         )
+
+
+def _no_shift(overflow: str) -> str:
+    """The overflow mode for a prompt with images: "stop" in place of "shift"."""
+    return "stop" if overflow == "shift" else overflow
 
 
 def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:

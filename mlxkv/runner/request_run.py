@@ -11,6 +11,7 @@ policy (`mlxkv.runner.prompt_cache.pool`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.prefill.chunks import fill
 from mlxkv.decoding.speculative import DraftLength
+from mlxkv.models.vision import ImagePrompt
 from mlxkv.runner.context import ContextWindow
 from mlxkv.runner.hooks import RequestEnd, notify
 from mlxkv.runner.prefill.fill import PrefillCancelled, fill_prompt
@@ -86,6 +88,7 @@ def run_request(
     """
     tokens, pool = request.tokens, context.pool
     stats_start = time.perf_counter()
+    run, batching = _with_images(context, request, batching)
     if batching is not None:  # interleaved: other requests run between this one's turns
         with batching.prefills.arriving():
             yield from _await_shared_prefix(request, pool)
@@ -103,7 +106,7 @@ def run_request(
     stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
     final = None
     try:
-        with contextlib.closing(_generate(request, context, hit, stats, batching)) as chunks:
+        with contextlib.closing(_generate(request, run, hit, stats, batching)) as chunks:
             for chunk in chunks:
                 if chunk is not PAUSE and chunk.completion is not None:
                     final = chunk
@@ -112,10 +115,14 @@ def run_request(
     finally:  # on the engine thread, the generation closed first (even on error)
         holdings = pool.release(hit.entry)
         context.ended(holdings)
-        generated = list(stats.tokens)
-        notify(
-            RequestEnd(entry=hit.entry, prompt=list(tokens), generated=generated, context=context)
+        end = RequestEnd(
+            entry=hit.entry,
+            prompt=list(tokens),
+            generated=list(stats.tokens),
+            images=request.images,
+            context=context,
         )
+        notify(end)
     if final is not None:
         yield final
 
@@ -164,6 +171,21 @@ def _generate(
             yield from emit_chunks(loaded.tokenizer, decoded, stats, request, pick)
         finally:  # here, on the engine thread, before the entry is released (even on error)
             decoded.close()
+
+
+def _with_images(
+    context: RunContext, request: Request, batching: Batching | None
+) -> tuple[RunContext, Batching | None]:
+    """For a vision model: the context with its model bound to the request's images (the
+    encoder's output over their placeholders, M-RoPE positions), and no batching (each call
+    carries one prompt's positions). A text model's come back as they are."""
+    loaded = context.loaded
+    if loaded.vision is None:
+        return context, batching
+    if not request.images:
+        return context, None
+    bound = ImagePrompt(loaded.model, loaded.vision, request.tokens, request.images)
+    return dataclasses.replace(context, loaded=dataclasses.replace(loaded, model=bound)), None
 
 
 def _prefilled_with(request: Request, batching: Batching | None) -> PrefillGroup | None:

@@ -46,6 +46,7 @@ from mlxkv.runner.prompt_cache.report import MemoryReport
 from mlxkv.runner.request import RequestBuilder, RequestOptions, salt_digest
 from mlxkv.runner.results import Completion, GenerationChunk
 from mlxkv.runner.text.prompt import Prompt, PromptEncoder, Tools
+from mlxkv.runner.text.vision import VisionPrompts, has_images
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ class Runner:
             lockstep=self._lockstep,
             max_batch=self.max_batch,
         )
-        self._builder = RequestBuilder(self._prompts, self.max_context, config.keep)
+        self._vision = VisionPrompts(self._prompts, loaded.vision, loaded.path.name)
+        self._builder = RequestBuilder(self._prompts, self.max_context, config.keep, self._vision)
         self._embedder = Embedder(
             loaded,
             self._prompts.encode,
@@ -202,7 +204,12 @@ class Runner:
     ) -> list[int]:
         """The token ids a prompt becomes (chat messages, tools and template `switches`
         through the chat template, with control-token text inside message content kept as
-        text unless `parse_control_tokens`)."""
+        text unless `parse_control_tokens`); an image's tokens carry its placeholder id
+        (`mlxkv.models.vision`)."""
+        if has_images(prompt):
+            return self._vision.encode(
+                prompt, parse_control_tokens=parse_control_tokens, tools=tools, switches=switches
+            ).tokens
         return self._prompts.encode(
             prompt, parse_control_tokens=parse_control_tokens, tools=tools, switches=switches
         )

@@ -75,7 +75,9 @@ def create_app(
             worker.shutdown()
 
     app = FastAPI(title="mlxkv", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.mlxkv = ServerContext.make(models, config.default_max_tokens, config.max_tokens_limit)
+    app.state.mlxkv = ServerContext.make(
+        models, config.default_max_tokens, config.max_tokens_limit, config.fetch_images
+    )
     keep_responses(app)
     keep_prompt_records(app)
     app.include_router(openai.router)

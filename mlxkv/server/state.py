@@ -42,6 +42,7 @@ class ServerContext:
     default_max_tokens: tokens generated when a request gives no limit.
     created: when the server started (Unix seconds), for `/v1/models`.
     max_tokens_limit: most tokens one request may ask for (None: the window decides).
+    fetch_images: fetch http(s) image URLs (else refuse them).
 
     What one API alone keeps (stored responses, diagnosed prompts) is that API's, kept on the
     app's state by the API folder that defines it.
@@ -53,13 +54,28 @@ class ServerContext:
     models: ServedModels
     created: int = 0
     max_tokens_limit: int | None = None
+    fetch_images: bool = False
 
     @classmethod
-    def make(cls, models: ServedModels, default_max_tokens: int, max_tokens_limit: int | None):
+    def make(
+        cls,
+        models: ServedModels,
+        default_max_tokens: int,
+        max_tokens_limit: int | None,
+        fetch_images: bool = False,
+    ):
         """The context of the default (first) model."""
         name, worker = next(iter(models.workers.items()))
         created = int(time.time())
-        return cls(worker, name, default_max_tokens, models, created, max_tokens_limit)
+        return cls(
+            worker,
+            name,
+            default_max_tokens,
+            models,
+            created,
+            max_tokens_limit,
+            fetch_images=fetch_images,
+        )
 
     def each_model(self) -> list[ServerContext]:
         """One context per served model, the default first (for the listings)."""

@@ -39,7 +39,7 @@ OPENAI_BAD = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ({"messages": [{"role": "user", "content": 5}]}, "content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text only"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "needs a data: URL"),
     ({"messages": USER, "temperature": "hot"}, "temperature"),
     ({"messages": USER, "temperature": -1}, "temperature"),
     ({"messages": USER, "top_p": 1.5}, "top_p"),

@@ -115,7 +115,7 @@ def test_input_items_as_codex_sends_them(scripted_server):
     ("body", "mentions"),
     [
         ({"input": [{"type": "message", "role": "user",
-                     "content": [{"type": "input_image", "image_url": "x"}]}]}, "text only"),
+                     "content": [{"type": "input_image", "image_url": "x"}]}]}, "take images"),
         ({"input": "hi", "previous_response_id": "resp_unknown"}, "not found"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{oops",
                      "call_id": "c"}]}, "not JSON"),

@@ -21,6 +21,7 @@ from pydantic import Field
 from mlxkv.server.anthropic_api.diagnostics import Origin
 from mlxkv.server.anthropic_api.tool_ids import model_id
 from mlxkv.server.errors import ApiError
+from mlxkv.server.images import image_part, parts_or_text
 from mlxkv.server.protocol import Lenient
 from mlxkv.server.reply.forced_tools import ForcedCall
 from mlxkv.server.reply.structured import anthropic_grammar
@@ -47,9 +48,22 @@ class ToolResultBlock(Lenient):
 
 
 class MediaBlock(Lenient):
-    """Images and documents: refused with a clear message (this server is text only)."""
+    """An image (base64, or a URL, which is not fetched) or a document (refused: text only).
+    `source` as Anthropic sends it: {"type": "base64", "media_type", "data"} or
+    {"type": "url", "url"}."""
 
     type: Literal["image", "document"]
+    source: dict[str, Any] | None = None
+
+    def image(self, where: str) -> dict[str, Any]:
+        """The runner's image part, or a 400 for a document or a source without data."""
+        source = self.source or {}
+        if self.type != "image":
+            raise ApiError(400, f"{where}: {self.type} blocks are not supported; send text only")
+        if source.get("type") == "base64":
+            media = source.get("media_type") or "image/png"
+            return image_part(f"data:{media};base64,{source.get('data') or ''}", where)
+        return image_part(source.get("url") or "", where)
 
 
 class ThinkingBlock(Lenient):
@@ -186,18 +200,16 @@ def _template_messages(index: int, message: Message) -> list[dict[str, Any]]:
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
-    for block in message.content:
+    for j, block in enumerate(message.content):
         if isinstance(block, TextBlock):
-            texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
         elif isinstance(block, ThinkingBlock):
             thoughts.append(block.thinking or "")
         elif isinstance(block, MediaBlock):
-            raise ApiError(
-                400, f"messages.{index}: {block.type} blocks are not supported; send text only"
-            )
+            parts.append(block.image(f"messages.{index}.content.{j}"))
         elif isinstance(block, ToolUseBlock):
             _expect_role(index, message, "assistant", block.type)
             function = {"name": block.name, "arguments": block.input}
@@ -211,8 +223,8 @@ def _template_messages(index: int, message: Message) -> list[dict[str, Any]]:
                     "content": _result_text(block),
                 }
             )
-    if texts or calls or not out:
-        reply: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+    if parts or calls or not out:
+        reply: dict[str, Any] = {"role": message.role, "content": parts_or_text(parts)}
         if calls:
             reply["tool_calls"] = calls
         if any(thoughts) and message.role == "assistant":

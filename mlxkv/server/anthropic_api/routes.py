@@ -33,6 +33,7 @@ from mlxkv.server.anthropic_api.diagnostics import (
 from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
 from mlxkv.server.anthropic_api.tool_ids import client_id
 from mlxkv.server.errors import ApiError
+from mlxkv.server.images import fetched_images
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
 from mlxkv.server.state import Context, ServerContext, event_stream, sse
@@ -86,10 +87,11 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: PromptFields, ctx: Context) -> dict[str, int]:
     runner = ctx.worker.runner
+    messages = await fetched_images(body.chat_messages(), ctx.fetch_images)
     try:
         tokens = await run_in_threadpool(
             runner.encode,
-            body.chat_messages(),
+            messages,
             tools=body.template_tools(),
             switches=body.template_switches(),
         )

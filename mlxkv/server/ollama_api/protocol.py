@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxkv.server.errors import ApiError
+from mlxkv.server.images import image_part, parts_or_text
 from mlxkv.server.ollama_api.keep_alive import keep_alive_ns
 from mlxkv.server.protocol import mlx_seed, tool_arguments
 from mlxkv.server.reply.structured import ollama_grammar
@@ -126,9 +127,8 @@ class ChatRequest(GenerationRequest):
         out = []
         for index, message in enumerate(self.messages):
             where = f"messages[{index}]"
-            if message.images:
-                raise ApiError(400, f"{where} has images; this server takes text only")
-            entry: dict[str, Any] = {"role": message.role, "content": message.content}
+            content = _with_images(message.content, message.images, f"{where}.images")
+            entry: dict[str, Any] = {"role": message.role, "content": content}
             if message.tool_calls:
                 entry["tool_calls"] = [
                     {
@@ -160,14 +160,24 @@ class GenerateRequest(GenerationRequest):
 
     def prompt_for_runner(self) -> str | list[dict[str, Any]]:
         """Text as given (`raw`), else a chat of the system and the prompt."""
-        if self.images:
-            raise ApiError(400, "images are not supported; this server takes text only")
         if self.suffix:
             raise ApiError(400, "suffix (fill in the middle) is not supported; leave it out")
         if self.raw:
+            if self.images:
+                raise ApiError(400, "a raw prompt cannot hold images; leave raw out to send them")
             return self.prompt
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return [*system, {"role": "user", "content": self.prompt}]
+        content = _with_images(self.prompt, self.images, "images")
+        return [*system, {"role": "user", "content": content}]
+
+
+def _with_images(text: str, images: list[str] | None, where: str) -> str | list[dict[str, Any]]:
+    """A message's content with Ollama's `images` (base64) before its text, as Ollama
+    places them."""
+    if not images:
+        return text
+    parts = [image_part(image, f"{where}[{i}]") for i, image in enumerate(images)]
+    return parts_or_text([*parts, {"type": "text", "text": text}])
 
 
 class ModelRequest(Lenient):

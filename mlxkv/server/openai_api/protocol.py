@@ -14,15 +14,22 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlxkv.server.errors import ApiError
+from mlxkv.server.images import image_part, parts_or_text
 from mlxkv.server.protocol import Lenient, mlx_seed, tool_arguments
 from mlxkv.server.reply.forced_tools import ForcedCall
 from mlxkv.server.reply.structured import openai_grammar
 from mlxkv.server.reply.thinking_switch import effort_switches, merged
 
 
+class ImageUrl(Lenient):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(Lenient):
     type: str
     text: str | None = None
+    image_url: ImageUrl | str | None = None
 
 
 class FunctionCall(Lenient):
@@ -215,15 +222,23 @@ def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _text(index: int, content: str | list[ContentPart] | None) -> str:
+def _text(index: int, content: str | list[ContentPart] | None) -> str | list[dict[str, Any]]:
+    """The content as the template takes it: text, or text and image parts."""
     if content is None or isinstance(content, str):
         return content or ""
-    kinds = sorted({part.type for part in content if part.type != "text"})
+    kinds = sorted({part.type for part in content if part.type not in ("text", "image_url")})
     if kinds:
         raise ApiError(
             400,
             f"messages[{index}] has content of type {', '.join(kinds)}; this server takes text "
-            "only",
+            "and image_url parts",
             param=f"messages[{index}].content",
         )
-    return "".join(part.text or "" for part in content)
+    parts = []
+    for j, part in enumerate(content):
+        if part.type == "text":
+            parts.append({"type": "text", "text": part.text or ""})
+            continue
+        url = part.image_url.url if isinstance(part.image_url, ImageUrl) else part.image_url
+        parts.append(image_part(url, f"messages[{index}].content[{j}].image_url"))
+    return parts_or_text(parts)

@@ -23,6 +23,7 @@ from mlxkv.decoding.picker import TokenLogprob
 from mlxkv.errors import ContextLengthError
 from mlxkv.runner.results import Completion, PromptUsage
 from mlxkv.server.errors import ApiError, context_length_error
+from mlxkv.server.images import fetched_images
 from mlxkv.server.models import request_context
 from mlxkv.server.reply.forced_tools import ForcedCall, forced_call_grammar
 from mlxkv.server.reply.thinking_split import (
@@ -196,6 +197,7 @@ async def start_turn(
     """
     context = await request_context(request)
     worker: GenerationWorker = context.worker
+    messages = await fetched_images(messages, context.fetch_images)
     sampling = _within_limit(sampling, context.max_tokens_limit, max_tokens_asked)
     tokenizer = worker.runner.tokenizer
     if forced is not None:

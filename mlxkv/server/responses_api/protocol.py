@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlxkv.server.errors import ApiError
+from mlxkv.server.images import image_part, parts_or_text
 from mlxkv.server.protocol import Lenient, mlx_seed, tool_arguments
 from mlxkv.server.reply.forced_tools import ForcedCall
 from mlxkv.server.reply.structured import openai_grammar
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 class InputPart(Lenient):
     type: str
     text: str | None = None
+    image_url: str | None = None  # input_image: a data: URL (a file_id is not supported)
 
 
 class InputItem(Lenient):
@@ -149,7 +151,7 @@ def chat_messages(
             if item.role is None:
                 raise ApiError(400, f"{where} is a message without a role", param=where)
             role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": _text(item.content, where)})
+            out.append({"role": role, "content": _content(item.content, where)})
         elif item.type == "function_call":
             if not item.name or not item.call_id:
                 raise ApiError(
@@ -192,6 +194,19 @@ def _text(content: str | list[InputPart] | None, where: str) -> str:
             param=where,
         )
     return "".join(part.text or "" for part in content)
+
+
+def _content(content: str | list[InputPart] | None, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or its text and `input_image` parts in order."""
+    if content is None or isinstance(content, str) or all(p.type != "input_image" for p in content):
+        return _text(content, where)
+    parts = []
+    for j, part in enumerate(content):
+        if part.type == "input_image":
+            parts.append(image_part(part.image_url or "", f"{where}.content[{j}].image_url"))
+        else:
+            parts.append({"type": "text", "text": _text([part], where)})
+    return parts_or_text(parts)
 
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")

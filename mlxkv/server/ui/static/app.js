@@ -83,8 +83,12 @@ function statsLine(stats) {
   return parts.join(" · ");
 }
 
+function imagesHtml(images) {
+  return (images || []).map((url) => `<img class="thumb" alt="attached image" src="${escapeHtml(url)}">`).join("");
+}
+
 function messageHtml(message) {
-  if (message.role === "user") return `<div class="bubble">${escapeHtml(message.content)}</div>`;
+  if (message.role === "user") return `<div class="bubble">${imagesHtml(message.images)}${escapeHtml(message.content)}</div>`;
   let html = '<div class="bubble markdown">';
   if (message.reasoning) {
     // open while the model thinks, folded once the answer comes
@@ -169,12 +173,38 @@ function headers() {
   return h;
 }
 
+// A user message with pasted or dropped images: OpenAI's image_url parts before the text.
+function contentParts(message) {
+  const images = message.images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return [...images, { type: "text", text: message.content }];
+}
+
+// Images pasted or dropped into the composer, as data: URLs, sent with the next message.
+let attached = [];
+
+function renderAttached() {
+  $("#attachments").innerHTML = imagesHtml(attached);
+  $("#attachments").hidden = attached.length === 0;
+}
+
+function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.onload = () => {
+      attached.push(reader.result);
+      renderAttached();
+    };
+    reader.readAsDataURL(file);
+  }
+}
+
 function requestBody(chat) {
   const messages = [];
   if (chat.system.trim()) messages.push({ role: "system", content: chat.system });
   for (const m of chat.messages) {
     if (m.pending || (m.role === "assistant" && m.error && !m.content)) continue;
-    messages.push({ role: m.role, content: m.content });
+    messages.push({ role: m.role, content: m.images?.length ? contentParts(m) : m.content });
   }
   const body = {
     model: "mlxkv",
@@ -231,7 +261,9 @@ async function readEvents(response, onEvent) {
 async function send(text) {
   let chat = currentChat() || newChat();
   if (chat.title === "New chat") chat.title = text.replace(/\s+/g, " ").slice(0, 48);
-  chat.messages.push({ role: "user", content: text });
+  chat.messages.push(attached.length ? { role: "user", content: text, images: attached } : { role: "user", content: text });
+  attached = [];
+  renderAttached();
   const message = { role: "assistant", content: "", pending: true };
   chat.messages.push(message);
   const controller = new AbortController();
@@ -327,7 +359,7 @@ function wire() {
   $("#composer").addEventListener("submit", (event) => {
     event.preventDefault();
     const text = $("#input").value.trim();
-    if (!text || active) return;
+    if ((!text && !attached.length) || active) return;
     $("#input").value = "";
     send(text);
   });
@@ -336,6 +368,18 @@ function wire() {
       event.preventDefault();
       $("#composer").requestSubmit();
     }
+  });
+  $("#input").addEventListener("paste", (event) => {
+    const files = [...(event.clipboardData?.files || [])];
+    if (files.some((f) => f.type.startsWith("image/"))) {
+      event.preventDefault();
+      attach(files);
+    }
+  });
+  $("#composer").addEventListener("dragover", (event) => event.preventDefault());
+  $("#composer").addEventListener("drop", (event) => {
+    event.preventDefault();
+    attach([...(event.dataTransfer?.files || [])]);
   });
   $("#stop").onclick = stop;
   $("#new-chat").onclick = () => {

@@ -1,0 +1,260 @@
+"""Vision-language models through mlx-vlm: loading, the vision encoder's output cache, and the
+language model called the way mlxkv calls every model (`model(ids, cache=layers)`).
+
+Owns: `is_vision_model` (a config mlx-vlm must load), `load_vision_model`, `VisionSupport`
+(the processor, the image token, the encoder and its cache by image digest) and
+`VisionLanguageModel` (the language model with explicit positions) with its per-request form
+`ImagePrompt`. Does not own rendering messages into token ids (`mlxkv.runner.text.vision`) nor
+the prompt cache: it only reads the cache's offset.
+
+Terms:
+  - placeholder id: the id an image's tokens carry in a prompt's token record:
+    `PLACEHOLDER_BASE` + 31 bits of the image's digest, past every vocabulary. The prompt cache
+    matches records token by token, so the same image matches itself and a different image
+    stops the match before its first placeholder; the model never embeds these ids (the
+    encoder's output takes their place).
+  - M-RoPE: Qwen-VL's positions are (time, height, width) triples; an image's tokens sit on a
+    grid, so the text after an image is not at its token index. A prompt's positions are a
+    function of its tokens and image grids up to each token, so a cached prefix keeps the
+    positions a fresh run gives it; positions are always passed explicitly (mlx-vlm's
+    language models otherwise keep position state between calls).
+
+mlx-vlm is imported only here, and only when a vision model loads (the `vision` extra).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+PLACEHOLDER_BASE = 1 << 31
+# Architectures loaded through mlx-vlm (their checkpoints hold a vision tower).
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# The most images one prompt may hold.
+MAX_IMAGES_PER_PROMPT = 16
+# The vision encoder's outputs kept by image digest (an image sent again skips the encoder).
+ENCODER_CACHE_BYTES = 256 * 1024 * 1024
+
+
+def is_vision_model(config: dict[str, Any]) -> bool:
+    """Whether a model's config.json describes a vision-language model mlxkv loads through
+    mlx-vlm."""
+    return config.get("model_type") in VISION_MODEL_TYPES and "vision_config" in config
+
+
+def placeholder_id(digest: str) -> int:
+    """The id an image's tokens carry in the token record (see the module's terms)."""
+    return PLACEHOLDER_BASE + int(digest[:8], 16) % PLACEHOLDER_BASE
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image's place in a prompt.
+
+    Attributes:
+        start: index of its first token in the prompt.
+        num_tokens: tokens it takes (its encoder's output rows).
+        digest: its pixels' digest (`images.DecodedImage.digest`).
+        pixel_values: the processor's patches, (patches, channels x patch area), float32.
+        grid_thw: (time, height, width) in patches.
+    """
+
+    start: int
+    num_tokens: int
+    digest: str
+    pixel_values: np.ndarray
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+class VisionSupport:
+    """What a vision-language model adds to a text model: its processor and vision encoder.
+
+    Args:
+        vlm: mlx-vlm's model (vision tower + language model).
+        processor: mlx-vlm's processor for it (image processor and tokenizer).
+        encoder_cache_bytes: the most bytes of encoder output kept by digest.
+    """
+
+    def __init__(self, vlm: nn.Module, processor: Any, encoder_cache_bytes: int):
+        self.vlm = vlm
+        self.processor = processor
+        self.image_token_id = int(vlm.config.image_token_id)
+        self.merge_size = int(vlm.config.vision_config.spatial_merge_size)
+        self.encoder_cache_bytes = encoder_cache_bytes
+        self.encoder_runs = 0  # vision-encoder calls (one per image not in the cache)
+        self._features: OrderedDict[str, mx.array] = OrderedDict()
+
+    def patches(self, image: Any) -> tuple[np.ndarray, tuple[int, int, int], int]:
+        """The processor's patches for one RGB image, its grid and its token count."""
+        out = self.processor.image_processor(images=[image])
+        grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"]).reshape(-1)[:3])
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        return pixels, grid, int(np.prod(grid)) // self.merge_size**2
+
+    def features(self, span: ImageSpan) -> mx.array:
+        """The encoder's output for an image, (num_tokens, hidden): from the cache by digest,
+        else encoded now (on the engine thread) and kept within the byte budget."""
+        cached = self._features.get(span.digest)
+        if cached is not None:
+            self._features.move_to_end(span.digest)
+            return cached
+        tower = self.vlm.vision_tower
+        pixels = mx.array(span.pixel_values).astype(tower.patch_embed.proj.weight.dtype)
+        features = tower(pixels, mx.array([span.grid_thw]), output_hidden_states=False)
+        mx.eval(features)
+        self.encoder_runs += 1
+        logger.debug("vision encoder ran digest=%s tokens=%d", span.digest[:12], span.num_tokens)
+        self._features[span.digest] = features
+        while sum(f.nbytes for f in self._features.values()) > self.encoder_cache_bytes:
+            self._features.popitem(last=False)
+        return features
+
+
+class VisionLanguageModel(nn.Module):
+    """mlx-vlm's language model called as mlxkv calls every model: `model(ids, cache=layers)`
+    with text ids only, positions 1-D in all three M-RoPE axes (what a text-only prompt gets).
+    A prompt with images runs through `ImagePrompt` instead."""
+
+    def __init__(self, vlm: nn.Module):
+        super().__init__()
+        self.vlm = vlm
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.vlm.language_model.model.layers
+
+    def __call__(self, inputs: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
+        offset = _offset(cache)
+        return self.run(self.embed(inputs), inputs, cache, _text_positions(offset, inputs.shape[1]))
+
+    def embed(self, ids: mx.array) -> mx.array:
+        """Token embeddings; placeholder ids embed as token 0 (their rows are replaced)."""
+        safe = mx.where(ids >= PLACEHOLDER_BASE, 0, ids)
+        return self.vlm.language_model.model.embed_tokens(safe)
+
+    def run(self, embeds: mx.array, ids: mx.array, cache: Any, positions: mx.array) -> mx.array:
+        out = self.vlm.language_model(ids, embeds, cache=cache, position_ids=positions)
+        return out.logits
+
+
+class ImagePrompt:
+    """A vision model bound to one prompt with images: called like the model, it splices the
+    encoder's output over each image's placeholders and gives the prompt's M-RoPE positions
+    (after the prompt: the last position plus one per token). The encoder runs only for an
+    image whose tokens a call feeds (not for images in a reused prefix).
+
+    Args:
+        model: the vision model.
+        support: its `VisionSupport`.
+        prompt: the prompt's token record (placeholder ids in the images' places).
+        spans: the images, in order.
+    """
+
+    def __init__(
+        self,
+        model: VisionLanguageModel,
+        support: VisionSupport,
+        prompt: Sequence[int],
+        spans: Sequence[ImageSpan],
+    ):
+        self.model = model
+        self.support = support
+        self.spans = list(spans)
+        self._prompt = list(prompt)
+        self._positions: mx.array | None = None  # (3, 1, prompt tokens), made on first call
+        self._delta = 0
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.model.layers
+
+    def __call__(self, inputs: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
+        offset, length = _offset(cache), inputs.shape[1]
+        embeds = self.model.embed(inputs)
+        pieces, at = [], offset
+        for span in self.spans:
+            start, end = max(span.start, offset), min(span.end, offset + length)
+            if start >= end:
+                continue
+            pieces += [embeds[:, at - offset : start - offset]] if start > at else []
+            rows = self.support.features(span)[start - span.start : end - span.start]
+            pieces.append(rows[None].astype(embeds.dtype))
+            at = end
+        if pieces:
+            pieces.append(embeds[:, at - offset :])
+            embeds = mx.concatenate(pieces, axis=1)
+        return self.model.run(embeds, inputs, cache, self._positions_at(offset, length))
+
+    def _positions_at(self, offset: int, length: int) -> mx.array:
+        if self._positions is None:
+            self._positions, self._delta = self._prompt_positions()
+        total = len(self._prompt)
+        parts = []
+        if offset < total:
+            parts.append(self._positions[:, :, offset : min(total, offset + length)])
+        if offset + length > total:
+            first = max(offset, total)
+            parts.append(_text_positions(first + self._delta, offset + length - first))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+    def _prompt_positions(self) -> tuple[mx.array, int]:
+        """The prompt's M-RoPE positions (mlx-vlm's own `get_rope_index`) and the shift of
+        the tokens after it (their position minus their index)."""
+        ids = np.array(self._prompt, dtype=np.int64)
+        ids[ids >= PLACEHOLDER_BASE] = self.support.image_token_id
+        grids = mx.array([span.grid_thw for span in self.spans])
+        language = self.model.vlm.language_model
+        positions, deltas = language.get_rope_index(mx.array(ids[None].astype(np.int32)), grids)
+        return positions, int(np.asarray(deltas).reshape(-1)[0])
+
+
+def _offset(cache: Sequence[Any] | None) -> int:
+    return 0 if not cache else int(cache[0].offset)
+
+
+def _text_positions(first: int, length: int) -> mx.array:
+    positions = mx.arange(first, first + length).reshape(1, 1, length)
+    return mx.broadcast_to(positions, (3, 1, length))
+
+
+def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, Any, VisionSupport]:
+    """Loads a vision-language model with mlx-vlm (its own processor and chat template): the
+    model mlxkv calls, mlx-lm's tokenizer wrapper, and the vision support.
+
+    Raises:
+        ModelLoadError: mlx-vlm is not installed, or cannot load the directory.
+    """
+    from mlxkv.errors import ModelLoadError
+
+    try:
+        from mlx_vlm.utils import load as vlm_load
+    except ImportError:
+        raise ModelLoadError(
+            f"{path} is a vision-language model ({config.get('model_type')}); install the "
+            "vision extra to run it: pip install 'mlxkv[vision]'"
+        ) from None
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    try:
+        vlm, processor = vlm_load(str(path))
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except (ValueError, FileNotFoundError, KeyError, OSError) as error:
+        raise ModelLoadError(f"could not load a vision model from {path}: {error}") from error
+    if getattr(tokenizer, "chat_template", None) is None:
+        tokenizer._tokenizer.chat_template = getattr(processor, "chat_template", None)
+    support = VisionSupport(vlm, processor, ENCODER_CACHE_BYTES)
+    return VisionLanguageModel(vlm), tokenizer, support

@@ -1,0 +1,189 @@
+"""Chat messages with images into a token record and the images' places.
+
+Owns: recognizing image parts in messages (`has_images`), refusing them for a model without
+vision, and `VisionPrompts`, which renders messages through the model's own chat template and
+expands each image marker the template writes into the image's tokens, carrying its
+placeholder id (`mlxkv.models.vision.placeholder_id`). Does not own decoding the images
+(`mlxkv.models.images`) nor running them (`mlxkv.models.vision`).
+
+Terms:
+  - image part: `{"type": "image", "image": path | bytes | base64/data: URL | PIL.Image}` in a
+    message's content list, beside `{"type": "text", "text": ...}` parts.
+  - Control-token escaping: a text part holding control-token strings (a user typing
+    `<|image_pad|>`) is tokenized as plain text, so only the template's own image markers
+    become images (else the count of markers would no longer match the images).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlxkv.models.images import decode_image
+from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
+from mlxkv.runner.text.prompt import Message, PromptEncoder, Tools, _checked_tools, _valid_text
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """A prompt with images, encoded.
+
+    Attributes:
+        tokens: the token record: text ids, and each image's placeholder id once per token.
+        spans: the images' places, in order.
+    """
+
+    tokens: list[int]
+    spans: tuple[ImageSpan, ...]
+
+
+def has_images(prompt: Any) -> bool:
+    """Whether `prompt` is chat messages with at least one image part."""
+    if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
+        return False
+    return any(
+        isinstance(m, dict) and any(_is_image(part) for part in _parts(m.get("content")))
+        for m in prompt
+    )
+
+
+class VisionPrompts:
+    """Messages with images to `ImageTokens` for one model.
+
+    Args:
+        prompts: the model's text prompt encoder (its tokenizer and control tokens).
+        support: the model's vision support; None for a text-only model (every image refused).
+        model_name: how errors name the model.
+    """
+
+    def __init__(self, prompts: PromptEncoder, support: VisionSupport | None, model_name: str):
+        self._prompts = prompts
+        self._support = support
+        self._model_name = model_name
+
+    def encode(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        parse_control_tokens: bool = False,
+        tools: Tools | None = None,
+        switches: dict[str, Any] | None = None,
+    ) -> ImageTokens:
+        """Renders `messages` and their images.
+
+        Raises:
+            ValueError: a text-only model; malformed parts; an image that cannot be decoded or
+                is over a limit; more than `MAX_IMAGES_PER_PROMPT` images; a template that
+                does not place one marker per image.
+        """
+        if self._support is None:
+            raise ValueError(
+                f"model {self._model_name} does not take images; send text only, or load a "
+                "vision-language model"
+            )
+        masked, images, tainted = self._masked(messages, parse_control_tokens)
+        if len(images) > MAX_IMAGES_PER_PROMPT:
+            raise ValueError(
+                f"the prompt holds {len(images)} images; this model takes at most "
+                f"{MAX_IMAGES_PER_PROMPT} per prompt"
+            )
+        decoded = [decode_image(source) for source in images]
+        args: dict[str, Any] = {
+            **self._prompts.template_switches(switches),
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if tools:
+            args["tools"] = _checked_tools(tools)
+        text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
+        return self._expanded(self._ids(text, tainted), decoded)
+
+    def _masked(
+        self, messages: Sequence[Message], parse_control_tokens: bool
+    ) -> tuple[list[Message], list[Any], dict[str, str]]:
+        """Messages as the template takes them (image parts bare, tainted text behind a
+        random slot), the image sources in order, and slot -> text."""
+        nonce, controls = secrets.token_hex(8), self._prompts._controls
+        masked, images, tainted = [], [], {}
+
+        def text(value: Any, where: str) -> str:
+            if not isinstance(value, str):
+                raise ValueError(f"{where} needs a string text, got {type(value).__name__}")
+            value = _valid_text(value)
+            if parse_control_tokens or controls is None or not controls.search(value):
+                return value
+            slot = f"mlxkv{nonce}slot{len(tainted)}"
+            tainted[slot] = value
+            return slot
+
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
+            content = message.get("content")
+            if isinstance(content, str):
+                masked.append({**message, "content": text(content, f"message {i}")})
+                continue
+            parts = []
+            for j, part in enumerate(_parts(content)):
+                where = f"message {i} part {j}"
+                if _is_image(part):
+                    images.append(part.get("image"))
+                    parts.append({"type": "image"})
+                elif isinstance(part, dict) and part.get("type") == "text":
+                    parts.append({"type": "text", "text": text(part.get("text"), where)})
+                else:
+                    raise ValueError(f"{where} must be a text or image part: {_describe(part)}")
+            masked.append({**message, "content": parts})
+        return masked, images, tainted
+
+    def _ids(self, text: str, tainted: dict[str, str]) -> list[tuple[list[int], bool]]:
+        """The rendered text's ids in segments: (ids, from the template) pairs."""
+        tokenizer, segments, cursor = self._prompts.tokenizer, [], 0
+        for slot, content in tainted.items():
+            start = text.find(slot, cursor)
+            if start < 0:
+                raise ValueError("the chat template rewrote a message's text; it cannot be kept")
+            segments.append((tokenizer.encode(text[cursor:start], add_special_tokens=False), True))
+            plain = self._prompts._plain.encode(content, add_special_tokens=False).ids
+            segments.append((plain, False))
+            cursor = start + len(slot)
+        segments.append((tokenizer.encode(text[cursor:], add_special_tokens=False), True))
+        return segments
+
+    def _expanded(self, segments: list[tuple[list[int], bool]], decoded: list[Any]) -> ImageTokens:
+        """Each image marker the template wrote, expanded into that image's tokens."""
+        support = self._support
+        tokens: list[int] = []
+        spans: list[ImageSpan] = []
+        for ids, from_template in segments:
+            for token in ids:
+                if not (from_template and token == support.image_token_id):
+                    tokens.append(token)
+                    continue
+                if len(spans) == len(decoded):
+                    raise ValueError("the chat template wrote more image markers than images")
+                image = decoded[len(spans)]
+                pixels, grid, count = support.patches(image.image)
+                spans.append(ImageSpan(len(tokens), count, image.digest, pixels, grid))
+                tokens += [placeholder_id(image.digest)] * count
+        if len(spans) != len(decoded):
+            raise ValueError(
+                f"the chat template placed {len(spans)} image markers for {len(decoded)} images"
+            )
+        return ImageTokens(tokens, tuple(spans))
+
+
+def _parts(content: Any) -> list[Any]:
+    return list(content) if isinstance(content, list | tuple) else []
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image"
+
+
+def _describe(part: Any) -> str:
+    if isinstance(part, dict):
+        return f"type {part.get('type')!r}"
+    return type(part).__name__

@@ -1,0 +1,199 @@
+"""Small vision-language models with random weights, built offline for tests and benchmarks.
+
+Owns: writing a Qwen2-VL directory in Hugging Face layout (`config.json` with its
+`vision_config`, `model.safetensors`, a tokenizer holding the family's vision tokens and chat
+template, `preprocessor_config.json` sized so a 56x56 image is 16 patches, 4 image tokens) that
+`mlx_vlm.load` and `mlxkv.Runner.load` read like a downloaded model. Weights come from mlx-vlm's
+own model class, so the vision tower, the merger and M-RoPE are the real code. Does not own:
+loading (`mlxkv.models.vision`), nor text models (`factory`).
+
+Imports mlx-vlm (the `vision` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlxkv.testing.factory import CHAT_TEMPLATE, _write_tokenizer
+
+# Qwen2-VL's own markers: an image is <|vision_start|> <|image_pad|> x N <|vision_end|>.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+# ChatML where content may be a list of parts, as Qwen2-VL's template renders them.
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Patches of 14 pixels merged 2x2: a 56x56 image is a 4x4 grid, 4 tokens; up to 112x112.
+_PREPROCESSOR = {
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "min_pixels": 56 * 56,
+    "max_pixels": 112 * 112,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+}
+
+# Per size: text config overrides, vision config overrides, the largest image in pixels.
+_SIZES: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
+    "tiny": ({}, {}, 112 * 112),
+    "small": (
+        {
+            "hidden_size": 512,
+            "num_hidden_layers": 8,
+            "intermediate_size": 1408,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
+        },
+        {"depth": 4, "embed_dim": 256, "hidden_size": 512, "num_heads": 4},
+        448 * 448,
+    ),
+}
+
+# Per family, what its config adds to Qwen2-VL's: Qwen2.5-VL's vision tower has windowed
+# attention blocks (the tiny one's only block attends fully), a gated MLP and its own output
+# width. The tiny vision sizes, scaled with "small" as for Qwen2-VL where they matter.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2_vl": {"architectures": ["Qwen2VLForConditionalGeneration"]},
+    "qwen2_5_vl": {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "vision_config": {
+            "model_type": "qwen2_5_vl",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "window_size": 112,
+            "fullatt_block_indexes": [0],
+        },
+    },
+}
+
+# Larger than the text factory's scale: the image must change the greedy answer
+# (tests/runner/test_vision.py checks two images give two answers).
+WEIGHT_SCALE = 2.0
+
+
+def build_vision_model(
+    out_dir: str | Path,
+    *,
+    family: str = "qwen2_vl",
+    size: str = "tiny",
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Writes a random-weight Qwen2-VL or Qwen2.5-VL.
+
+    Args:
+        out_dir: directory to create (parents too); existing files in it are overwritten.
+        family: one of `FAMILIES` (the model_type).
+        size: "tiny" (tests: 2 text layers of width 64, 1 vision block; 56x56 to 112x112
+            images) or "small" (benchmarks: 8 layers of width 512, 4 vision blocks; up to
+            448x448, 256 tokens).
+        vocab_size: tokens in the trained tokenizer (the vision tokens come after them).
+        seed: seeds the weights.
+
+    Returns:
+        The directory, ready for `mlx_vlm.load` or `mlxkv.Runner.load`.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = _write_tokenizer(out, vocab_size, VISION_CHAT_TEMPLATE, ())
+    token_ids = _add_special_tokens(out, VISION_TOKENS)
+    # mlx-vlm's detokenizer indexes its table by every id the head can pick: no spare rows
+    config = _config({**ids, "vocab_size": max(token_ids.values()) + 1})
+    if size not in _SIZES or family not in FAMILIES:
+        raise ValueError(
+            f"unknown size {size!r} or family {family!r}; choose a size of "
+            f"{', '.join(_SIZES)} and a family of {', '.join(FAMILIES)}"
+        )
+    text, vision, max_pixels = _SIZES[size]
+    config.update(text, model_type=family, architectures=FAMILIES[family]["architectures"])
+    config["vision_config"].update(vision if family == "qwen2_vl" else {})
+    config["vision_config"].update(FAMILIES[family].get("vision_config", {}))
+    config.update(
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    preprocessor = {**_PREPROCESSOR, "max_pixels": max_pixels}
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    _write_weights(out, config, seed)
+    return out
+
+
+def _config(ids: dict[str, int]) -> dict[str, Any]:
+    return {
+        "model_type": "qwen2_vl",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        # head_dim 16: 8 rotary frequencies split over (time, height, width)
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "vision_config": {
+            "model_type": "qwen2_vl",
+            "depth": 1,
+            "embed_dim": 32,
+            "hidden_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        **ids,
+    }
+
+
+def _add_special_tokens(out: Path, tokens: list[str]) -> dict[str, int]:
+    """Adds `tokens` to the tokenizer as special (control) tokens; returns their ids."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tokenizer.add_special_tokens(tokens)
+    tokenizer.save(str(out / "tokenizer.json"))
+    return {t: tokenizer.token_to_id(t) for t in tokens}
+
+
+def _write_weights(out: Path, config: dict[str, Any], seed: int) -> None:
+    """Random weights as mlx-vlm's model class initializes them, scaled, in float32."""
+    import importlib
+
+    from mlx_vlm.utils import update_module_configs
+
+    family = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
+    config = json.loads(json.dumps(config))  # from_dict changes it in place
+    model_config = family.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, family, config, ["text", "vision"])
+    mx.random.seed(seed)
+    model = family.Model(model_config)
+    weights = {
+        k: (v * WEIGHT_SCALE).astype(mx.float32) for k, v in tree_flatten(model.parameters())
+    }
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+__all__ = ["CHAT_TEMPLATE", "VISION_CHAT_TEMPLATE", "build_vision_model"]

@@ -1,0 +1,169 @@
+"""Images in chat messages on tiny random Qwen2-VL and Qwen2.5-VL models: answers equal
+mlx-vlm's own model run without a cache, a conversation's next turn reuses the image's K/V (no
+encoder run, no prefill of its tokens), a different image at the same place stops the match
+before its first token."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+from PIL import Image  # noqa: E402
+
+from mlxkv import Runner  # noqa: E402
+from mlxkv.models.loading import load_model  # noqa: E402
+from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
+from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def loaded(tmp_path_factory, request):
+    out = tmp_path_factory.mktemp("vlm") / request.param
+    return load_model(build_vision_model(out, family=request.param))
+
+
+@pytest.fixture(scope="module")
+def images():
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8)) for _ in range(2)]
+
+
+def _ask(image, text: str = "What is this?") -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": text}],
+        }
+    ]
+
+
+def _greedy(runner: Runner, messages: list[dict]):
+    """The completion, with the first token's log-probability as `first_logprob`."""
+    chunks = list(runner.stream(messages, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0))
+    completion = chunks[-1].completion
+    completion.__dict__["first_logprob"] = chunks[0].logprob.logprob
+    return completion
+
+
+def _reference(loaded, messages: list[dict], image) -> tuple[list[int], float]:
+    """mlx-vlm's own processor and model, no cache: the whole sequence each step."""
+    vlm, processor = loaded.vision.vlm, loaded.vision.processor
+    bare = [{**m, "content": _without_pixels(m["content"])} for m in messages]
+    text = processor.apply_chat_template(bare, add_generation_prompt=True, tokenize=False)
+    inputs = processor(images=[image], text=[text])
+    ids = np.asarray(inputs["input_ids"]).tolist()[0]
+    pixels = mx.array(np.asarray(inputs["pixel_values"])).astype(mx.float32)
+    grid = mx.array(np.asarray(inputs["image_grid_thw"]))
+    tokens, first_logprob = [], None
+    for _ in range(MAX_TOKENS):
+        logits = vlm(mx.array([ids + tokens]), pixel_values=pixels, image_grid_thw=grid).logits
+        logprobs = logits[0, -1] - mx.logsumexp(logits[0, -1])
+        token = int(mx.argmax(logprobs))
+        first_logprob = float(logprobs[token]) if first_logprob is None else first_logprob
+        tokens.append(token)
+    return tokens, first_logprob
+
+
+def _without_pixels(content):
+    if isinstance(content, str):
+        return content
+    return [{k: v for k, v in part.items() if k != "image"} for part in content]
+
+
+def test_image_answers_equal_mlx_vlm_and_depend_on_the_image(loaded, images):
+    runner = Runner(loaded)
+    answers = []
+    for image in images:
+        completion = _greedy(runner, _ask(image))
+        want_tokens, want_logprob = _reference(loaded, _ask(image), image)
+        assert completion.tokens == want_tokens
+        assert completion.first_logprob == pytest.approx(want_logprob, abs=1e-3)
+        answers.append(completion.tokens)
+    assert answers[0] != answers[1], "the tiny model must see the image"
+
+
+def test_next_turn_reuses_the_image_without_encoding_or_prefilling_it(loaded, images):
+    runner = Runner(loaded)
+    question = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 12
+    first = _greedy(runner, _ask(images[0], question))
+    runs = loaded.vision.encoder_runs
+    turn2 = _ask(images[0], question) + [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And the colors?"},
+    ]
+    second = _greedy(runner, turn2)
+    assert loaded.vision.encoder_runs == runs, "the image's tokens came from the cache"
+    assert second.cached_tokens >= first.prompt_tokens  # the image and the question
+    assert second.cached_tokens >= 0.9 * second.prompt_tokens
+    fresh = _greedy(Runner(loaded), turn2)
+    assert second.tokens == fresh.tokens
+    assert second.first_logprob == pytest.approx(fresh.first_logprob, abs=1e-4)
+    want_tokens, want_logprob = _reference(loaded, turn2, images[0])
+    assert second.tokens == want_tokens
+    assert second.first_logprob == pytest.approx(want_logprob, abs=1e-3)
+
+
+def test_other_image_at_the_same_place_stops_the_match_before_it(loaded, images):
+    runner = Runner(loaded)
+    _greedy(runner, _ask(images[0]))
+    second = _greedy(runner, _ask(images[1]))
+    record = runner.encode(_ask(images[1]))
+    first_placeholder = next(i for i, t in enumerate(record) if t >= PLACEHOLDER_BASE)
+    assert second.cached_tokens == first_placeholder
+    fresh = _greedy(Runner(loaded), _ask(images[1]))
+    assert second.tokens == fresh.tokens
+
+
+def test_an_image_sent_again_skips_the_encoder(loaded, images):
+    image = Image.fromarray(np.full((56, 56, 3), 77, dtype=np.uint8))
+    runner = Runner(loaded)
+    runs = loaded.vision.encoder_runs
+    _greedy(runner, _ask(image, "first conversation"))
+    _greedy(runner, [{"role": "system", "content": "Be brief."}] + _ask(image, "second"))
+    assert loaded.vision.encoder_runs == runs + 1
+
+
+def test_a_placeholder_typed_by_the_user_stays_text(loaded, images):
+    runner = Runner(loaded)
+    record = runner.encode(_ask(images[0], "<|image_pad|> <|vision_start|>"))
+    image_token_id = loaded.vision.image_token_id
+    assert image_token_id not in record
+    assert sum(t >= PLACEHOLDER_BASE for t in record) == 4  # one 56x56 image: 4 tokens
+    _greedy(runner, _ask(images[0], "<|image_pad|>"))
+
+
+def test_a_conversation_with_an_image_comes_back_from_disk_after_a_restart(
+    loaded, images, tmp_path
+):
+    turn1 = _ask(images[0])
+    before = Runner(loaded, cache_entries=4, cache_dir=tmp_path)
+    first = _greedy(before, turn1)
+    before.close()
+    assert list(tmp_path.glob("*/*"))
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Again?"},
+    ]
+    after = Runner(loaded, cache_entries=4, cache_dir=tmp_path)
+    got = _greedy(after, turn2)
+    assert got.cached_tokens >= first.prompt_tokens  # the image's tokens came from disk
+    assert got.tokens == _greedy(Runner(loaded), turn2).tokens
+
+
+def test_info_says_whether_a_model_takes_images(loaded, loaded_tiny):
+    from mlxkv.models.inspect import describe
+
+    assert describe(loaded)["images"].startswith("yes")
+    assert describe(loaded_tiny("llama"))["images"] == "no (text only)"
+
+
+def test_a_reply_with_an_image_stops_at_the_window_instead_of_shifting(loaded, images):
+    runner = Runner(loaded, max_context=40)
+    completion = runner.generate(_ask(images[0]), max_tokens=100, temperature=0.0)
+    assert completion.finish_reason == "length"
+    assert completion.prompt_tokens + completion.generation_tokens == 40

@@ -1,0 +1,119 @@
+"""Bad images are refused before any model work, with a message that says which limit or
+which part, and nothing is cached for a refused request."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+from PIL import Image, ImageFile  # noqa: E402
+
+from mlxkv import Runner  # noqa: E402
+from mlxkv.models import images as image_limits  # noqa: E402
+from mlxkv.models.loading import load_model  # noqa: E402
+from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT  # noqa: E402
+from mlxkv.testing.vision_factory import build_vision_model  # noqa: E402
+
+
+def _png(width: int, height: int, fmt: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 200, 30)).save(out, format=fmt)
+    return out.getvalue()
+
+
+def _ask(image) -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}],
+        }
+    ]
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    return Runner(load_model(build_vision_model(tmp_path_factory.mktemp("vlm") / "qwen2_vl")))
+
+
+def test_an_image_for_a_text_model_is_refused_naming_the_model(make_runner):
+    runner = make_runner("llama")
+    with pytest.raises(ValueError, match=r"model \S+ does not take images"):
+        runner.generate(_ask(_png(56, 56)), max_tokens=2)
+    assert runner.cache_tokens == []
+
+
+@pytest.mark.parametrize(
+    ("image", "message"),
+    [
+        ("data:image/png;base64,@@not base64@@", "not valid base64"),
+        ("iVBORw0KGgo=", "could not decode the image"),
+        ("iVBORw0KGgo=!!", "does not exist .a str image is a path"),
+        (b"GIF89a-broken", "could not decode the image"),
+        (_png(56, 56, "TIFF"), "image format TIFF is not supported"),
+        (b"just some text", "could not decode the image"),
+        (42, "an image must be a path, bytes"),
+        ("/no/such/picture.png", "does not exist"),
+    ],
+)
+def test_a_bad_image_is_refused_saying_why(runner, image, message):
+    with pytest.raises(ValueError, match=message):
+        runner.generate(_ask(image), max_tokens=2)
+    assert runner.cache_tokens == []
+
+
+def test_an_image_over_the_pixel_limit_is_refused_before_decoding(runner, monkeypatch):
+    png = _png(101, 100)
+    monkeypatch.setattr(image_limits, "MAX_IMAGE_PIXELS", 100 * 100)
+    decoded = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(self))
+    with pytest.raises(ValueError, match=r"101x100 = 10,100 pixels; the limit is 10,000"):
+        runner.generate(_ask(png), max_tokens=2)
+    assert decoded == [], "the pixels were decoded before the header was checked"
+
+
+def test_a_decompression_bomb_is_refused_before_decoding(runner):
+    bomb = _png(8000, 8000)  # 64 megapixels of one colour: a few kilobytes of PNG
+    assert len(bomb) < 1_000_000
+    with pytest.raises(ValueError, match="8000x8000 = 64,000,000 pixels"):
+        runner.generate(_ask(bomb), max_tokens=2)
+
+
+def test_an_image_over_the_byte_limit_is_refused(runner):
+    big = base64.b64encode(b"\0" * (image_limits.MAX_IMAGE_BYTES + 10)).decode()
+    with pytest.raises(ValueError, match="the limit is 20,971,520 bytes"):
+        runner.generate(_ask(big), max_tokens=2)
+
+
+def test_more_images_than_the_model_takes_are_refused(runner):
+    image = _png(56, 56)
+    parts = [{"type": "image", "image": image}] * (MAX_IMAGES_PER_PROMPT + 1)
+    with pytest.raises(ValueError, match="holds 17 images; this model takes at most 16"):
+        runner.generate([{"role": "user", "content": parts}], max_tokens=2)
+    assert runner.cache_tokens == []
+
+
+def test_the_same_pixels_in_another_encoding_are_the_same_image(runner):
+    pixels = np.random.default_rng(1).integers(0, 255, (56, 56, 3), dtype=np.uint8)
+    png, bmp = io.BytesIO(), io.BytesIO()
+    Image.fromarray(pixels).save(png, format="PNG")
+    Image.fromarray(pixels).save(bmp, format="BMP")
+    as_data_url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    assert runner.encode(_ask(as_data_url)) == runner.encode(_ask(bmp.getvalue()))
+    assert runner.encode(_ask(as_data_url)) == runner.encode(_ask(Image.fromarray(pixels)))
+
+
+def test_short_base64_holding_a_slash_is_base64_not_a_path(runner):
+    for grey in range(256):  # the first solid colour whose PNG's base64 holds a "/"
+        image = Image.new("RGB", (56, 56), (grey, grey, grey))
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        short = base64.b64encode(out.getvalue()).decode()
+        if "/" in short:
+            break
+    assert "/" in short and len(short) < 4096
+    assert runner.encode(_ask(short)) == runner.encode(_ask(image))
