@@ -244,19 +244,19 @@ class RequestBuilder:
         if options.grammar is not None:
             check_grammar(options.grammar, self._prompts.tokenizer)
         return Request(
-            tokens,
-            self._keep if self._keep is not None else min(DEFAULT_KEEP_TOKENS, len(tokens)),
-            header,
-            fitted,
-            options.progress,
-            options.cancel or threading.Event(),
-            options.top_logprobs,
-            options.cache_key,
-            None,  # drafts would see placeholder ids; verified decoding has no image path
-            None,
-            options.grammar,
-            salt,
-            encoded.spans,
+            tokens=tokens,
+            keep=self._keep if self._keep is not None else min(DEFAULT_KEEP_TOKENS, len(tokens)),
+            header_tokens=header,
+            params=fitted,
+            progress=options.progress,
+            cancelled=options.cancel or threading.Event(),
+            top_logprobs=options.top_logprobs,
+            cache_key=options.cache_key,
+            # drafts would see placeholder ids; verified decoding has no image path
+            speculative=None,
+            grammar=options.grammar,
+            cache_salt=salt,
+            images=encoded.spans,
         )
 
     def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:
