@@ -19,7 +19,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from benchmarks.common import Stat, filler_text, peak_rss_bytes
 from mlxkv import Runner
-from mlxkv.cache.base import DEFAULT_STEP_TOKENS
+from mlxkv.cache.layers.base import DEFAULT_STEP_TOKENS
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.decoding.prefill.chunks import prefill
 from mlxkv.models.loading import LoadedModel

@@ -4,13 +4,13 @@ Imports `platform` (and `config`, `errors`) only: everything else builds on this
 reverse.
 """
 
-from mlxkv.cache.base import LayerCache
 from mlxkv.cache.building import make_cache
-from mlxkv.cache.chunked import ChunkedKVCache
-from mlxkv.cache.kv import KVCache
+from mlxkv.cache.layers.base import LayerCache
+from mlxkv.cache.layers.chunked import ChunkedKVCache
+from mlxkv.cache.layers.kv import KVCache
+from mlxkv.cache.layers.quantized import QuantizedKVCache
+from mlxkv.cache.layers.window import SlidingWindowCache
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.quantized import QuantizedKVCache
-from mlxkv.cache.window import SlidingWindowCache
 
 __all__ = [
     "ChunkedKVCache",

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from mlxkv.cache.kv import KVCache
+from mlxkv.cache.layers.kv import KVCache
 from mlxkv.cache.model_cache import ModelCache
 
 

@@ -10,11 +10,11 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.cache.chunked import ChunkedKVCache
-from mlxkv.cache.kv import KVCache
+from mlxkv.cache.layers.chunked import ChunkedKVCache
+from mlxkv.cache.layers.kv import KVCache
+from mlxkv.cache.layers.quantized import QuantizedKVCache, check_quantization
+from mlxkv.cache.layers.window import SlidingWindowCache
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.quantized import QuantizedKVCache, check_quantization
-from mlxkv.cache.window import SlidingWindowCache
 from mlxkv.errors import NotSupportedError
 
 # What mlxkv does with each of mlx-lm's cache classes (`mlx_lm.models.cache`): converted to

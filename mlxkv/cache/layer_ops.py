@@ -17,8 +17,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.cache.kv import KVCache
-from mlxkv.cache.quantized import QuantizedKVCache
+from mlxkv.cache.layers.kv import KVCache
+from mlxkv.cache.layers.quantized import QuantizedKVCache
 
 
 def copy_layer(layer: Any, drop: int = 0) -> Any:

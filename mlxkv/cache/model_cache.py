@@ -27,7 +27,6 @@ import mlx.nn as nn
 
 from mlxkv.cache.checkpoints import add_checkpoint, drop_checkpoints_after
 from mlxkv.cache.footprint import Footprint, measure
-from mlxkv.cache.kv import KVCache, Rotation
 from mlxkv.cache.layer_ops import (
     always_trimmable,
     arrays_of,
@@ -37,6 +36,7 @@ from mlxkv.cache.layer_ops import (
     mark_layer,
     restore_layer,
 )
+from mlxkv.cache.layers.kv import KVCache, Rotation
 from mlxkv.errors import CacheFullError, NotSupportedError
 
 logger = logging.getLogger(__name__)

@@ -19,11 +19,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.cache.chunked import ChunkedKVCache
-from mlxkv.cache.kv import KVCache
+from mlxkv.cache.layers.chunked import ChunkedKVCache
+from mlxkv.cache.layers.kv import KVCache
+from mlxkv.cache.layers.quantized import QuantizedKVCache
+from mlxkv.cache.layers.window import SlidingWindowCache
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.quantized import QuantizedKVCache
-from mlxkv.cache.window import SlidingWindowCache
 from mlxkv.errors import CacheStateError, NotSupportedError
 
 _STATEFUL = {

@@ -33,6 +33,8 @@ from mlxkv.models.loading import LoadedModel
 from mlxkv.platform.machine import memory_bytes
 from mlxkv.runner.disk.files import DiskStoreUnavailable
 from mlxkv.runner.disk.store import DiskStore
+from mlxkv.runner.engine import EngineThread
+from mlxkv.runner.lockstep import Lockstep, Solo
 from mlxkv.runner.prompt_cache.pool import CachePool
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,19 @@ def make_pool(
     return CachePool(
         make_entry, max_entries=config.cache_entries, max_bytes=config.cache_bytes, store=store
     )
+
+
+def size_window(
+    loaded: LoadedModel, config: RunnerConfig, engine: EngineThread, lockstep: Lockstep | Solo
+) -> tuple[RunnerConfig, int]:
+    """`config` with its context window fitted to memory (every rank taking rank 0's), and
+    the K/V bytes per token it was fitted from. The forward that measures them runs on the
+    engine thread: a model that updates weights lazily in its forward (Gemma 3n's AltUp) leaves
+    arrays only that thread can evaluate later."""
+    layers = make_layers(loaded.model, config)
+    per_token_bytes = engine.call(kv_bytes_per_token, loaded.model, layers)
+    config = fit_window(config, loaded.max_position_embeddings, per_token_bytes)
+    return lockstep.leaders_settings(config), per_token_bytes
 
 
 def fit_window(

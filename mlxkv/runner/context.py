@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from mlxkv.cache.kv import Rotation
+from mlxkv.cache.layers.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.errors import ContextLengthError
 

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import mlx.core as mx
 
-from mlxkv.cache.kv import Rotation
+from mlxkv.cache.layers.kv import Rotation
 from mlxkv.config import RunnerConfig
 from mlxkv.decoding.batch import DecodeBatch
 from mlxkv.decoding.drafts import DraftModel

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlxkv.cache.kv import Rotation
+from mlxkv.cache.layers.kv import Rotation
 from mlxkv.config import RunnerConfig
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.prefill.chunks import PrefillPlan

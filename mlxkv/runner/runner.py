@@ -32,10 +32,9 @@ from mlxkv.models.loading import LoadedModel, load_model
 from mlxkv.models.sharding import world
 from mlxkv.runner.assembly import (
     choose_max_batch,
-    fit_window,
-    kv_bytes_per_token,
     make_layers,
     make_pool,
+    size_window,
     warm_up,
 )
 from mlxkv.runner.context import rope_rotations
@@ -88,16 +87,10 @@ class Runner:
         self.speculative = check_speculative(config.speculative, has_draft_model=draft is not None)
         self.loaded = loaded
         self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
-        # Every model call runs on this thread (see `engine`); it ends with the Runner. Load-time
-        # forwards run there too: a model that updates weights lazily in its forward (Gemma
-        # 3n's AltUp) leaves arrays only that thread can evaluate later.
+        # Every model call runs on this thread (see `engine`); it ends with the Runner.
         self._engine = EngineThread(f"mlxkv-engine-{id(self):x}")
         weakref.finalize(self, self._engine.stop, False)
-        per_token_bytes = self._engine.call(
-            kv_bytes_per_token, loaded.model, make_layers(loaded.model, config)
-        )
-        config = fit_window(config, loaded.max_position_embeddings, per_token_bytes)
-        config = self._lockstep.leaders_settings(config)  # every rank takes rank 0's
+        config, per_token_bytes = size_window(loaded, config, self._engine, self._lockstep)
         self.config = config
         self.max_context = config.max_context
         self.prefill_plan = PrefillPlan.make(
@@ -338,10 +331,8 @@ class Runner:
         truncate: bool = False,
     ) -> Embeddings:
         """Embeds texts: one unit vector each, from the model's final hidden states pooled as
-        its sentence-transformers config says (else the last token for a model named as an
-        embedding model, Qwen3-Embedding's way, and the mean for any other). Inputs of similar
-        length run together, one forward pass per batch, between the steps of any generation
-        running meanwhile; the prompt cache is neither read nor changed.
+        `mlxkv.models.embedding` says; batched, between the steps of any generation running
+        meanwhile; the prompt cache is neither read nor changed.
 
         Args:
             texts: a string, a list of strings, or token ids (a list, or a list of lists).

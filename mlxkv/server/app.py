@@ -8,7 +8,7 @@ with one line.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -80,6 +80,14 @@ def create_app(
     )
     keep_responses(app)
     keep_prompt_records(app)
+    _add_routes(app)
+    default = app.state.mlxkv.worker.runner
+    _add_middleware(app, config, memory_line=lambda: default.memory_line)
+    return app
+
+
+def _add_routes(app: FastAPI) -> None:
+    """Every API's routes, /health, the chat page, and the errors in each API's shape."""
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(responses.router)
@@ -89,7 +97,11 @@ def create_app(
     app.add_api_route("/health", _health, methods=["GET", "HEAD"])  # HEAD: clients probing
     add_page(app)
     _add_error_handlers(app)
-    # Added innermost first: the access log sees every response, 401s and 413s included.
+
+
+def _add_middleware(app: FastAPI, config: ServerConfig, memory_line: Callable[[], str]) -> None:
+    """The middleware, added innermost first: the access log sees every response, 401s and
+    413s included."""
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyCheck, api_key=config.api_key)
@@ -102,9 +114,7 @@ def create_app(
         )
     app.add_middleware(HostCheck, bound_host=config.host, allowed_hosts=config.allowed_hosts)
     app.add_middleware(ServerErrors)
-    default = app.state.mlxkv.worker.runner
-    app.add_middleware(AccessLog, memory_line=lambda: default.memory_line)
-    return app
+    app.add_middleware(AccessLog, memory_line=memory_line)
 
 
 def _served_models(runner: Runner | Mapping[str, Runner], config: ServerConfig) -> ServedModels:

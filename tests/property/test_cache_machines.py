@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from mlxkv.cache import KVCache, SlidingWindowCache
-from mlxkv.cache.base import round_up
+from mlxkv.cache.layers.base import round_up
 from mlxkv.errors import NotSupportedError
 from tests.factories import assert_shared_view, make_kv, positions_of
 

@@ -186,14 +186,13 @@ async def start_turn(
     the window is full, or at the limit (`max_tokens_asked` False). `cache_salt` keeps the
     request to the cache entries of its salt (vLLM's name for it). `forced`: a `tool_choice`
     that requires a call, kept by a grammar (over any structured-output one: the reply is
-    the call). `switches`: chat-template variables (`server.thinking`). `split_thinking`:
-    the model's thinking comes as `ReasoningDelta`s, apart from the answer, where its
-    vocabulary has thinking tags and no grammar keeps the output to a form without them.
+    the call). `switches`: chat-template variables (`thinking_switch`). `split_thinking`: the
+    model's thinking comes as `ReasoningDelta`s where its vocabulary has thinking tags and no
+    grammar keeps the output to a form without them.
 
     Raises:
-        ApiError: 400 for bad input, a call required of a model that cannot be made to
-            write one (`forced_tools`), and a request over the window in each API's wording
-            (`errors.context_length_error`).
+        ApiError: 400 for bad input, a call required of a model that cannot write one
+            (`forced_tools`), a request over the window (`errors.context_length_error`).
     """
     context = await request_context(request)
     worker: GenerationWorker = context.worker

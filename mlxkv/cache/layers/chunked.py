@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxkv.cache.base import (
+from mlxkv.cache.layers.base import (
     DEFAULT_STEP_TOKENS,
     BufferedCache,
     check_trim_count,

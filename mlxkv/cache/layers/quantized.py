@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxkv.cache.base import DEFAULT_STEP_TOKENS, ContiguousCache, resized_buffer, round_up
+from mlxkv.cache.layers.base import DEFAULT_STEP_TOKENS, ContiguousCache, resized_buffer, round_up
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from mlxkv.cache.base import DEFAULT_STEP_TOKENS, ContiguousCache, resized_buffer, round_up
+from mlxkv.cache.layers.base import DEFAULT_STEP_TOKENS, ContiguousCache, resized_buffer, round_up
 
 Rotation = Callable[[mx.array, int], mx.array]  # (keys (B, H, L, D), position delta) -> keys
 
@@ -103,7 +103,7 @@ class KVCache(ContiguousCache):
 
     def to_quantized(self, group_size: int = 64, bits: int = 8):
         """A QuantizedKVCache holding the same tokens (lossy: see QuantizedKVCache)."""
-        from mlxkv.cache.quantized import QuantizedKVCache
+        from mlxkv.cache.layers.quantized import QuantizedKVCache
 
         quantized = QuantizedKVCache(group_size=group_size, bits=bits, step=self.step)
         if self.offset:
