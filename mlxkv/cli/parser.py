@@ -87,6 +87,15 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="a browser origin allowed to call the API; repeat for more, '*' for any",
     )
     serve.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a web page's origin allowed to send requests (as Ollama's OLLAMA_ORIGINS), "
+        "besides the server's own page, loopback pages and --cors-origin; repeat for more, "
+        "'*' for any",
+    )
+    serve.add_argument(
         "--allowed-host",
         action="append",
         default=[],

@@ -29,6 +29,7 @@ def serve_command(args: argparse.Namespace) -> int:
         model_name=args.model or "SmolLM2-135M-Instruct",
         api_key=args.api_key or env("MLXKV_API_KEY"),
         cors_origins=tuple(args.cors_origin),
+        allowed_origins=tuple(args.allowed_origin),
         allowed_hosts=tuple(args.allowed_host),
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.max_tokens,

@@ -22,14 +22,9 @@ from mlxkv.config import ServerConfig
 from mlxkv.errors import RanksOutOfStepError
 from mlxkv.runner.runner import Runner
 from mlxkv.server.anthropic_api import routes as anthropic
+from mlxkv.server.browsers import HostCheck, OriginCheck
 from mlxkv.server.errors import ApiError, error_response
-from mlxkv.server.middleware import (
-    AccessLog,
-    ApiKeyCheck,
-    BodyLimit,
-    HostCheck,
-    ServerErrors,
-)
+from mlxkv.server.middleware import AccessLog, ApiKeyCheck, BodyLimit, ServerErrors
 from mlxkv.server.ollama_api import routes as ollama
 from mlxkv.server.openai_api import routes as openai
 from mlxkv.server.responses_api import routes as responses
@@ -87,6 +82,7 @@ def create_app(runner: Runner, config: ServerConfig | None = None, **options: An
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )
+    app.add_middleware(OriginCheck, allowed_origins=(*config.cors_origins, *config.allowed_origins))
     app.add_middleware(HostCheck, bound_host=config.host, allowed_hosts=config.allowed_hosts)
     app.add_middleware(ServerErrors)
     app.add_middleware(AccessLog, memory_line=lambda: runner.memory_line)
