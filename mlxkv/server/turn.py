@@ -30,7 +30,7 @@ from mlxkv.server.thinking_text import (
     checked_reasoning,
     prompt_ends_thinking,
 )
-from mlxkv.server.tool_calls import Piece, ToolCall, ToolCallSplitter
+from mlxkv.server.tool_calls import BareCallReader, Piece, ToolCall, ToolCallSplitter
 from mlxkv.server.worker import GenerationStream, GenerationWorker
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Turn:
     def __init__(
         self,
         stream: GenerationStream,
-        splitter: ToolCallSplitter | None,
+        splitter: ToolCallSplitter | BareCallReader | None,
         tokenizer: Any,
         with_logprobs: bool,
         thinking: ThinkingSplitter | None = None,
@@ -189,17 +189,21 @@ async def start_turn(
     vocabulary has thinking tags and no grammar keeps the output to a form without them.
 
     Raises:
-        ApiError: 400 for bad input, a call required of a model that cannot be made to
-            write one (`forced_tools`), and a request over the window in each API's wording
+        ApiError: 400 for bad input, a call required with no tools, and a request over the
+            window in each API's wording
             (`errors.context_length_error`).
     """
     worker: GenerationWorker = request.app.state.mlxkv.worker
     sampling = _within_limit(sampling, request.app.state.mlxkv.max_tokens_limit, max_tokens_asked)
     tokenizer = worker.runner.tokenizer
+    splitter: ToolCallSplitter | BareCallReader | None
     if forced is not None:
-        grammar = forced_call_grammar(tokenizer, tools or [], forced, messages)
-        sampling = {**sampling, "grammar": grammar}
-    splitter = _tool_splitter(tokenizer, tools)
+        call = forced_call_grammar(tokenizer, tools or [], forced, messages)
+        sampling = {**sampling, "grammar": call.grammar}
+    if forced is not None and not call.own_format:
+        splitter = BareCallReader()
+    else:
+        splitter = _tool_splitter(tokenizer, tools)
     thinking = None
     if split_thinking and "grammar" not in sampling:  # a grammar's form has no thinking tags
         thinking = _thinking_splitter(worker.runner, messages, switches, splitter is not None)
