@@ -25,6 +25,7 @@ from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import ContextLengthError, check_int
 from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt
 from mlxkv.runner.text.prompt import Landmarks, Message, Prompt, PromptEncoder, Render, Tools
+from mlxkv.runner.text.replies import replies_for
 
 # The most alternatives per token that logprobs reports (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -143,6 +144,8 @@ class RequestBuilder:
         self._prompts = prompts
         self._max_context = max_context
         self._keep = keep
+        # recent replies' ids, which assistant messages sent back take (`text.replies`)
+        self._replies = replies_for(prompts.tokenizer)
 
     def build(
         self,
@@ -164,11 +167,7 @@ class RequestBuilder:
         params = _sampling_params(sampling)
         options.check()
         salt = salt_digest(options.cache_salt)
-        template = {
-            "parse_control_tokens": options.parse_control_tokens,
-            "tools": options.tools,
-            "switches": options.switches,
-        }
+        template = self._template_args(prompt, options, salt)
         tokens = self._prompts.encode(prompt, **template)
         render = functools.partial(self._prompts.render, **template)
         if not options.truncate and len(tokens) >= self._max_context:
@@ -204,6 +203,18 @@ class RequestBuilder:
             options.grammar,
             salt,
         )
+
+    def _template_args(
+        self, prompt: Prompt, options: RequestOptions, salt: str | None
+    ) -> dict[str, Any]:
+        """How the prompt is rendered: the request's settings, and the ids of the replies of
+        its isolation domain that it sends back (`text.replies`)."""
+        return {
+            "parse_control_tokens": options.parse_control_tokens,
+            "tools": options.tools,
+            "switches": options.switches,
+            "replies": self._replies.known_in(prompt, salt).get,
+        }
 
     def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:
         raise ContextLengthError(

@@ -45,6 +45,7 @@ from mlxkv.runner.prompt_cache.report import MemoryReport
 from mlxkv.runner.request import RequestBuilder, RequestOptions, salt_digest
 from mlxkv.runner.results import Completion, GenerationChunk
 from mlxkv.runner.text.prompt import Prompt, PromptEncoder, Tools
+from mlxkv.runner.text.replies import replies_for
 
 logger = logging.getLogger(__name__)
 
@@ -180,12 +181,18 @@ class Runner:
         parse_control_tokens: bool = False,
         tools: Tools | None = None,
         switches: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """The token ids a prompt becomes (chat messages, tools and template `switches`
         through the chat template, with control-token text inside message content kept as
-        text unless `parse_control_tokens`)."""
+        text unless `parse_control_tokens`, and an assistant message that is a reply generated
+        here, with `cache_salt`, as the ids the model generated: `mlxkv.runner.text.replies`)."""
         return self._prompts.encode(
-            prompt, parse_control_tokens=parse_control_tokens, tools=tools, switches=switches
+            prompt,
+            parse_control_tokens=parse_control_tokens,
+            tools=tools,
+            switches=switches,
+            replies=replies_for(self.tokenizer).known_in(prompt, salt_digest(cache_salt)).get,
         )
 
     def generate(self, prompt: Prompt, **options: Any) -> Completion:

@@ -196,14 +196,11 @@ async def start_turn(
     worker: GenerationWorker = request.app.state.mlxkv.worker
     sampling = _within_limit(sampling, request.app.state.mlxkv.max_tokens_limit, max_tokens_asked)
     tokenizer = worker.runner.tokenizer
-    splitter: ToolCallSplitter | BareCallReader | None
+    splitter = _tool_splitter(tokenizer, tools)
     if forced is not None:
         call = forced_call_grammar(tokenizer, tools or [], forced, messages)
         sampling = {**sampling, "grammar": call.grammar}
-    if forced is not None and not call.own_format:
-        splitter = BareCallReader()
-    else:
-        splitter = _tool_splitter(tokenizer, tools)
+        splitter = splitter if call.own_format else BareCallReader()
     thinking = None
     if split_thinking and "grammar" not in sampling:  # a grammar's form has no thinking tags
         thinking = _thinking_splitter(worker.runner, messages, switches, splitter is not None)
@@ -227,7 +224,9 @@ async def start_turn(
     return request.state.turn
 
 
-def _tool_splitter(tokenizer: Any, tools: list[dict[str, Any]] | None) -> ToolCallSplitter | None:
+def _tool_splitter(
+    tokenizer: Any, tools: list[dict[str, Any]] | None
+) -> ToolCallSplitter | BareCallReader | None:
     if tools and tokenizer.has_tool_calling:
         return ToolCallSplitter(
             tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools
