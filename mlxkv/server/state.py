@@ -17,6 +17,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
+from mlxkv.models.capabilities import Capabilities, model_capabilities
 from mlxkv.server.anthropic_api.diagnostics import PromptRecords
 from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.history import ResponseHistory
@@ -42,6 +43,7 @@ class ServerContext:
     max_tokens_limit: most tokens one request may ask for (None: the window decides).
     responses: stored Responses API conversations, for `previous_response_id`.
     prompt_records: prompts of Anthropic requests that asked for diagnostics, by message id.
+    capabilities: what the model can do with tools and thinking (`/api/show`, `/v1/models`).
     """
 
     worker: GenerationWorker
@@ -51,6 +53,7 @@ class ServerContext:
     max_tokens_limit: int | None = None
     responses: ResponseHistory = field(default_factory=ResponseHistory)
     prompt_records: PromptRecords = field(default_factory=PromptRecords)
+    capabilities: Capabilities = field(default_factory=lambda: Capabilities(False, None, False))
 
     @classmethod
     def make(
@@ -60,7 +63,14 @@ class ServerContext:
         default_max_tokens: int,
         max_tokens_limit: int | None = None,
     ):
-        return cls(worker, model_name, default_max_tokens, int(time.time()), max_tokens_limit)
+        return cls(
+            worker,
+            model_name,
+            default_max_tokens,
+            int(time.time()),
+            max_tokens_limit,
+            capabilities=model_capabilities(worker.runner.tokenizer),
+        )
 
 
 def server_context(request: Request) -> ServerContext:

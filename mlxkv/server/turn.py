@@ -196,7 +196,7 @@ async def start_turn(
     worker: GenerationWorker = request.app.state.mlxkv.worker
     sampling = _within_limit(sampling, request.app.state.mlxkv.max_tokens_limit, max_tokens_asked)
     tokenizer = worker.runner.tokenizer
-    splitter = _tool_splitter(tokenizer, tools)
+    splitter = _tool_splitter(tokenizer, tools, request.app.state.mlxkv.capabilities.tools)
     if forced is not None:
         call = forced_call_grammar(tokenizer, tools or [], forced, messages)
         sampling = {**sampling, "grammar": call.grammar}
@@ -225,14 +225,16 @@ async def start_turn(
 
 
 def _tool_splitter(
-    tokenizer: Any, tools: list[dict[str, Any]] | None
+    tokenizer: Any, tools: list[dict[str, Any]] | None, shown: bool
 ) -> ToolCallSplitter | BareCallReader | None:
+    """Reads calls in the model's format; None without tools or a format (`shown`: the
+    template shows the model its tools)."""
     if tools and tokenizer.has_tool_calling:
         return ToolCallSplitter(
             tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools
         )
     if tools:
-        _warn_no_tool_parser()
+        _warn_no_tool_parser(shown)
     return None
 
 
@@ -273,8 +275,14 @@ async def _cancel_on_disconnect(turn: Turn, request: Request) -> None:
 
 
 @functools.cache  # once per process
-def _warn_no_tool_parser() -> None:
+def _warn_no_tool_parser(shown: bool) -> None:
+    seen = (
+        "its chat template shows the tools to the model, and any call it writes comes back as text"
+        if shown
+        else "its chat template leaves the tools out: the model never sees them"
+    )
     logger.warning(
-        "request has tools but this model has no tool-call format mlx-lm can parse; the "
-        "tools go to the chat template and any call comes back as text"
+        "request has tools but this model has no tool-call format mlx-lm can parse: %s; a "
+        "tool_choice that requires a call still returns one (a grammar keeps the reply to it)",
+        seen,
     )

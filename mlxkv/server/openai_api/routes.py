@@ -37,6 +37,9 @@ router = APIRouter()
 @router.get("/v1/models")
 async def list_models(ctx: Context) -> dict[str, Any]:
     model = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "mlxkv"}
+    # beyond OpenAI's fields, as vLLM adds `max_model_len`: what clients may ask of it
+    model["capabilities"] = ctx.capabilities.names()
+    model["tool_call_format"] = ctx.capabilities.tool_call_format
     return {"object": "list", "data": [model]}
 
 
