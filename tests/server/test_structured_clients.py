@@ -132,3 +132,17 @@ def test_required_among_several_tools_streamed(served):
     arguments = json.loads("".join(d.function.arguments or "" for d in deltas))
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     {"final_answer": CityInfo, "lookup_person": Person}[name].model_validate(arguments)
+
+
+def test_the_real_pydantic_ai_agent_gets_its_typed_output(served):
+    """pydantic-ai itself (`pydantic-ai-slim[openai]`), its defaults: an Agent whose output
+    is a pydantic model, over the OpenAI chat API."""
+    agent_module = pytest.importorskip("pydantic_ai")
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    provider = OpenAIProvider(base_url=f"{served.url}/v1", api_key="unused")
+    model = OpenAIChatModel("m", provider=provider)
+    agent = agent_module.Agent(model, output_type=CityInfo, model_settings={"max_tokens": 300})
+    result = agent.run_sync("Tell me about a city.")
+    assert isinstance(result.output, CityInfo)
