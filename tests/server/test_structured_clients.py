@@ -3,8 +3,8 @@ format (as SmolLM2): each request is the body the library sends (pydantic-ai's t
 instructor's TOOLS mode, LangChain's `with_structured_output` on ChatOpenAI and ChatAnthropic,
 LiteLLM's `anthropic/` provider with `response_format`, smolagents' and the Agents SDK's
 `required`), and its arguments are read back as the library does, with its pydantic model.
-The models' fields are bounded (Literal, ranges, short lists): the random model would
-otherwise fill a string until max_tokens; tests/real_model has free-text fields."""
+The models' fields are bounded (Literal, ranges, short lists, no other keys): the random model
+would otherwise fill a string until max_tokens; tests/real_model has free-text fields."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 from typing import Literal
 
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from mlxkv import Runner
 from tests.server.conftest import serve
@@ -21,12 +21,14 @@ ASK = [{"role": "user", "content": "Tell me about a city."}]
 
 
 class CityInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     city: Literal["Paris", "Rome", "Lima"]
     population_millions: int = Field(ge=0, le=40)
     coastal: bool
 
 
 class Person(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     name: Literal["Ada", "Alan"]
     age: int = Field(ge=0, le=120)
     languages: list[Literal["en", "fr"]] = Field(max_length=2)
@@ -146,3 +148,20 @@ def test_the_real_pydantic_ai_agent_gets_its_typed_output(served):
     agent = agent_module.Agent(model, output_type=CityInfo, model_settings={"max_tokens": 300})
     result = agent.run_sync("Tell me about a city.")
     assert isinstance(result.output, CityInfo)
+
+
+def test_responses_required_streamed(served):
+    """The OpenAI Agents SDK's `tool_choice="required"` over the Responses API, streamed
+    (`Runner.run_streamed`): the call arrives as a `function_call` item whose arguments
+    validate."""
+    tool = {"type": "function", "name": "lookup_person", "parameters": Person.model_json_schema()}
+    events = list(
+        served.openai().responses.create(
+            model="m", input="Who?", tools=[tool], tool_choice="required", stream=True,
+            max_output_tokens=300,
+        )
+    )  # fmt: skip
+    (done,) = [e for e in events if e.type == "response.completed"]
+    (item,) = done.response.output
+    assert item.type == "function_call" and item.name == "lookup_person"
+    Person.model_validate_json(item.arguments)
