@@ -271,7 +271,10 @@ class ServerConfig(_Options):
         port: the port (0: any free one).
         model_name: the id `/v1/models` lists; None: the model directory's name.
         api_key: when set, every path but /health and the chat page needs it.
-        cors_origins: browser origins allowed to call the API ("*" for any).
+        cors_origins: browser origins allowed to call the API and read its answers ("*" for
+            any).
+        allowed_origins: browser origins allowed to send requests, besides the server's own
+            page, loopback pages and `cors_origins` ("*" for any); others get 403.
         allowed_hosts: names the server answers to besides loopback names and `host` (the Host
             header; "*" for any); a server bound to 0.0.0.0 or :: answers any unless set.
         max_body_bytes: largest request body accepted, in bytes.
@@ -291,6 +294,7 @@ class ServerConfig(_Options):
     model_name: str | None = None
     api_key: str | None = None
     cors_origins: tuple[str, ...] = field(default_factory=tuple)
+    allowed_origins: tuple[str, ...] = field(default_factory=tuple)
     allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = DEFAULT_MAX_TOKENS
@@ -311,6 +315,7 @@ class ServerConfig(_Options):
         check_real("queue_timeout_s", self.queue_timeout_s, low=0.001)
         check_int("max_connections", self.max_connections, low=1)
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
         object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
 

@@ -69,6 +69,27 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         epilog="OpenAI clients: base_url http://HOST:PORT/v1; Anthropic clients: "
         "ANTHROPIC_BASE_URL=http://HOST:PORT",
     )
+    _add_served_models(serve)
+    serve.add_argument("--host", default=_SERVER.host, help="address to listen on")
+    serve.add_argument("--port", type=_port, default=_SERVER.port, help="port (0: any free one)")
+    serve.add_argument("--max-context", type=int, default=None, help=_MAX_CONTEXT_HELP)
+    serve.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key from clients (default: $MLXKV_API_KEY, else none)",
+    )
+    _add_browser_options(serve)
+    _add_limit_options(serve)
+    serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
+    _add_warmup_option(serve)
+    _add_speculative_options(serve)
+    _add_cache_options(serve, server=True)
+    serve.set_defaults(run=serve_command, serving=True)
+
+
+def _add_served_models(serve: argparse.ArgumentParser) -> None:
+    """The models a server serves, and the names requests reach them by."""
     serve.add_argument(
         "-m",
         "--model",
@@ -86,21 +107,25 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="with several models, request names matching PATTERN (shell-style: 'claude-*') "
         "go to the model NAME; repeat for more",
     )
-    serve.add_argument("--host", default=_SERVER.host, help="address to listen on")
-    serve.add_argument("--port", type=_port, default=_SERVER.port, help="port (0: any free one)")
-    serve.add_argument("--max-context", type=int, default=None, help=_MAX_CONTEXT_HELP)
-    serve.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
-    serve.add_argument(
-        "--api-key",
-        default=None,
-        help="require this key from clients (default: $MLXKV_API_KEY, else none)",
-    )
+
+
+def _add_browser_options(serve: argparse.ArgumentParser) -> None:
+    """Which web pages may call the server, and by which host names it is reached."""
     serve.add_argument(
         "--cors-origin",
         action="append",
         default=[],
         metavar="URL",
         help="a browser origin allowed to call the API; repeat for more, '*' for any",
+    )
+    serve.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a web page's origin allowed to send requests (as Ollama's OLLAMA_ORIGINS), "
+        "besides the server's own page, loopback pages and --cors-origin; repeat for more, "
+        "'*' for any",
     )
     serve.add_argument(
         "--allowed-host",
@@ -110,12 +135,6 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="a host name clients reach the server by (the Host header), besides localhost and "
         "--host; repeat for more, '*' for any",
     )
-    _add_limit_options(serve)
-    serve.add_argument("-v", "--verbose", action="store_true", help="the cache log on stderr")
-    _add_warmup_option(serve)
-    _add_speculative_options(serve)
-    _add_cache_options(serve, server=True)
-    serve.set_defaults(run=serve_command, serving=True)
 
 
 def _add_limit_options(serve: argparse.ArgumentParser) -> None:

@@ -27,32 +27,10 @@ def serve_command(args: argparse.Namespace) -> int:
     logging.getLogger("mlxkv.server").setLevel(logging.INFO)  # one access line per request
     if not args.verbose:  # the access line carries the memory line already
         logging.getLogger(MEMORY_LOGGER).setLevel(logging.WARNING)
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        model_name=None,
-        model_aliases=tuple(args.alias),
-        api_key=args.api_key or env("MLXKV_API_KEY"),
-        cors_origins=tuple(args.cors_origin),
-        allowed_hosts=tuple(args.allowed_host),
-        max_body_bytes=args.max_body_bytes,
-        default_max_tokens=args.max_tokens,
-        max_tokens_limit=args.max_tokens_limit,
-        max_queue=args.max_queue,
-        fetch_images=args.fetch_images,
-    )
-    models = _named_models(args.model)
-    if len(models) > 1 and world() is not None:
-        print("mlxkv: a sharded server serves one model; give one -m", file=sys.stderr)
+    config = _server_config(args)
+    runners = _load_runners(args)
+    if runners is None:
         return 2
-    runners = {}
-    try:
-        for name, model in models.items():
-            runners[name] = load_runner(argparse.Namespace(**{**vars(args), "model": model}))
-    except BaseException:
-        for runner in runners.values():
-            runner.close()
-        raise
     first = next(iter(runners.values()))
     if first.rank:  # rank 0 alone serves HTTP
         return follow(first)
@@ -80,6 +58,42 @@ def serve_command(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
     return 130 if signal.SIGINT in server.signals else 0
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        model_name=None,
+        model_aliases=tuple(args.alias),
+        api_key=args.api_key or env("MLXKV_API_KEY"),
+        cors_origins=tuple(args.cors_origin),
+        allowed_origins=tuple(args.allowed_origin),
+        allowed_hosts=tuple(args.allowed_host),
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        max_queue=args.max_queue,
+        fetch_images=args.fetch_images,
+    )
+
+
+def _load_runners(args: argparse.Namespace) -> dict[str, Runner] | None:
+    """A Runner for each model `-m` names, by name; None (said on stderr) for several models
+    under `mlx.launch`. A model that fails to load closes those loaded before it."""
+    models = _named_models(args.model)
+    if len(models) > 1 and world() is not None:
+        print("mlxkv: a sharded server serves one model; give one -m", file=sys.stderr)
+        return None
+    runners = {}
+    try:
+        for name, model in models.items():
+            runners[name] = load_runner(argparse.Namespace(**{**vars(args), "model": model}))
+    except BaseException:
+        for runner in runners.values():
+            runner.close()
+        raise
+    return runners
 
 
 # Seconds a stopping server may spend starting to write its entries to the disk tier (a

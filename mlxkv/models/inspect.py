@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten
 
 from mlxkv.cache import KVCache, QuantizedKVCache, SlidingWindowCache, make_cache
 from mlxkv.config import format_bytes
+from mlxkv.models.capabilities import model_capabilities
 from mlxkv.models.loading import LoadedModel
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT
 
@@ -33,6 +34,7 @@ def describe(loaded: LoadedModel) -> dict[str, str]:
             kinds["recurrent"].append(i)
     recurrent_bytes = sum(cache[i].nbytes for i in kinds["recurrent"])
     params = sum(v.size for _, v in tree_flatten(loaded.model.parameters()))
+    capabilities = model_capabilities(loaded.tokenizer)
     return {
         "path": str(loaded.path),
         "architecture": str(loaded.config.get("model_type")),
@@ -47,6 +49,8 @@ def describe(loaded: LoadedModel) -> dict[str, str]:
         + (" while under the window" if windows else ""),
         "max context": f"{loaded.max_position_embeddings or 'unknown'} tokens",
         "images": _images(loaded),
+        "capabilities": ", ".join(capabilities.names()),
+        "tool-call format": capabilities.tool_call_format or "none known (calls come back as text)",
     }
 
 

@@ -28,6 +28,7 @@ from mlxkv.errors import ContextLengthError, check_int
 from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt
 from mlxkv.runner.text.prompt import Landmarks, Message, Prompt, PromptEncoder, Render, Tools
+from mlxkv.runner.text.replies import replies_for
 from mlxkv.runner.text.vision import VisionPrompts, has_images
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ class RequestBuilder:
         self._max_context = max_context
         self._keep = keep
         self._vision = vision
+        # recent replies' ids, which assistant messages sent back take (`text.replies`)
+        self._replies = replies_for(prompts.tokenizer)
 
     def build(
         self,
@@ -176,10 +179,11 @@ class RequestBuilder:
         params = _sampling_params(sampling)
         options.check()
         salt = salt_digest(options.cache_salt)
-        template = {"parse_control_tokens": options.parse_control_tokens, "tools": options.tools}
-        template["switches"] = options.switches
-        if has_images(prompt):
+        if has_images(prompt):  # rendered by the model's processor: no reply ids taken
+            template = {"parse_control_tokens": options.parse_control_tokens}
+            template |= {"tools": options.tools, "switches": options.switches}
             return self._image_request(prompt, params, options, template, salt)
+        template = self._template_args(prompt, options, salt)
         tokens = self._prompts.encode(prompt, **template)
         render = functools.partial(self._prompts.render, **template)
         if not options.truncate and len(tokens) >= self._max_context:
@@ -258,6 +262,37 @@ class RequestBuilder:
             cache_salt=salt,
             images=encoded.spans,
         )
+
+    def encode(
+        self,
+        prompt: Prompt,
+        *,
+        parse_control_tokens: bool = False,
+        tools: Tools | None = None,
+        switches: dict[str, Any] | None = None,
+        salt: str | None = None,
+    ) -> list[int]:
+        """The token ids `prompt` becomes as a request of isolation domain `salt` would feed
+        them (`Runner.encode`): through the model's processor with images, else through the
+        chat template with the domain's replies sent back taking their generated ids."""
+        template = {"parse_control_tokens": parse_control_tokens, "tools": tools}
+        template["switches"] = switches
+        if has_images(prompt):
+            return self._vision.encode(prompt, **template).tokens
+        replies = self._replies.known_in(prompt, salt).get
+        return self._prompts.encode(prompt, **template, replies=replies)
+
+    def _template_args(
+        self, prompt: Prompt, options: RequestOptions, salt: str | None
+    ) -> dict[str, Any]:
+        """How the prompt is rendered: the request's settings, and the ids of the replies of
+        its isolation domain that it sends back (`text.replies`)."""
+        return {
+            "parse_control_tokens": options.parse_control_tokens,
+            "tools": options.tools,
+            "switches": options.switches,
+            "replies": self._replies.known_in(prompt, salt).get,
+        }
 
     def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:
         raise ContextLengthError(

@@ -45,7 +45,7 @@ from mlxkv.runner.prompt_cache.report import MemoryReport
 from mlxkv.runner.request import RequestBuilder, RequestOptions, salt_digest
 from mlxkv.runner.results import Completion, GenerationChunk
 from mlxkv.runner.text.prompt import Prompt, PromptEncoder, Tools
-from mlxkv.runner.text.vision import VisionPrompts, has_images
+from mlxkv.runner.text.vision import VisionPrompts
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +114,8 @@ class Runner:
             lockstep=self._lockstep,
             max_batch=self.max_batch,
         )
-        self._vision = VisionPrompts(self._prompts, loaded.vision, loaded.path.name)
-        self._builder = RequestBuilder(self._prompts, self.max_context, config.keep, self._vision)
+        vision = VisionPrompts(self._prompts, loaded.vision, loaded.path.name)
+        self._builder = RequestBuilder(self._prompts, self.max_context, config.keep, vision)
         self._embedder = Embedder(
             loaded,
             self._prompts.encode,
@@ -164,8 +164,7 @@ class Runner:
     @property
     def cache_dir(self) -> Path | None:
         """The disk tier's directory for this model (None: no disk tier)."""
-        store = self._pool.store
-        return None if store is None else store.directory
+        return None if self._pool.store is None else self._pool.store.directory
 
     @property
     def health(self) -> str | None:
@@ -194,17 +193,19 @@ class Runner:
         parse_control_tokens: bool = False,
         tools: Tools | None = None,
         switches: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """The token ids a prompt becomes (chat messages, tools and template `switches`
         through the chat template, with control-token text inside message content kept as
-        text unless `parse_control_tokens`); an image's tokens carry its placeholder id
-        (`mlxkv.models.vision`)."""
-        if has_images(prompt):
-            return self._vision.encode(
-                prompt, parse_control_tokens=parse_control_tokens, tools=tools, switches=switches
-            ).tokens
-        return self._prompts.encode(
-            prompt, parse_control_tokens=parse_control_tokens, tools=tools, switches=switches
+        text unless `parse_control_tokens`, and an assistant message that is a reply generated
+        here, with `cache_salt`, as the ids the model generated: `mlxkv.runner.text.replies`);
+        an image's tokens carry its placeholder id (`mlxkv.models.vision`)."""
+        return self._builder.encode(
+            prompt,
+            parse_control_tokens=parse_control_tokens,
+            tools=tools,
+            switches=switches,
+            salt=salt_digest(cache_salt),
         )
 
     def generate(self, prompt: Prompt, **options: Any) -> Completion:
@@ -346,10 +347,9 @@ class Runner:
 
         Raises:
             ValueError: an empty input, ids outside the vocabulary, or `dimensions` out of
-                range (raised before any model work).
-            ContextLengthError: an input over `max_context` and `truncate` False.
-            NotSupportedError: the model's architecture does not expose its hidden states
-                (recurrent models such as Mamba), or the model is sharded.
+                range (before any model work); ContextLengthError: an input over `max_context`
+                and `truncate` False.
+            NotSupportedError: the model exposes no hidden states (Mamba), or is sharded.
         """
         if self._lockstep.sharded:  # the other ranks would have to run the same forward passes
             raise NotSupportedError("embeddings from a model sharded over processes")

@@ -23,14 +23,9 @@ from mlxkv.errors import RanksOutOfStepError
 from mlxkv.runner.runner import Runner
 from mlxkv.server.anthropic_api import routes as anthropic
 from mlxkv.server.anthropic_api.diagnostics import keep_prompt_records
+from mlxkv.server.browsers import HostCheck, OriginCheck
 from mlxkv.server.errors import ApiError, error_response
-from mlxkv.server.middleware import (
-    AccessLog,
-    ApiKeyCheck,
-    BodyLimit,
-    HostCheck,
-    ServerErrors,
-)
+from mlxkv.server.middleware import AccessLog, ApiKeyCheck, BodyLimit, ServerErrors
 from mlxkv.server.models import ServedModels
 from mlxkv.server.ollama_api import embed as ollama_embed
 from mlxkv.server.ollama_api import routes as ollama
@@ -112,6 +107,7 @@ def _add_middleware(app: FastAPI, config: ServerConfig, memory_line: Callable[[]
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )
+    app.add_middleware(OriginCheck, allowed_origins=(*config.cors_origins, *config.allowed_origins))
     app.add_middleware(HostCheck, bound_host=config.host, allowed_hosts=config.allowed_hosts)
     app.add_middleware(ServerErrors)
     app.add_middleware(AccessLog, memory_line=memory_line)

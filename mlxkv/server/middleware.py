@@ -1,20 +1,21 @@
-"""ASGI middleware: the access log, the Host check, the API key and the request-body limit.
+"""ASGI middleware: the access log, server errors, the API key and the request body.
 
 Plain ASGI (not Starlette's BaseHTTPMiddleware), so streamed responses pass through untouched
 and a client that disconnects is still seen by the route.
 
-Owns: `AccessLog` (one line per request: method, path, status, seconds, and for generations the
-prompt, cached and generated tokens, time to first token and the cache's memory line),
-`ServerErrors` (a 500 in the API's shape for what no handler took), `HostCheck` (403 for a
-Host header that names another site: DNS rebinding), `ApiKeyCheck` (401 without the key) and
-`BodyLimit` (413 over the limit in bytes, 400 for JSON nested too deeply).
+Owns: `AccessLog` (one line per request: method, path, status, seconds, for a refusal (4xx) its
+reason, and for generations the prompt, cached and generated tokens, time to first token and
+the cache's memory line), `ServerErrors` (a 500 in the API's shape for what no handler took),
+`ApiKeyCheck` (401 without the key) and `BodyLimit` (413 over the limit in bytes, 400 for JSON
+nested too deeply; every body is then read as JSON whatever its Content-Type). What a web page
+may reach is `browsers.py`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
+import json
 import logging
 import re
 import time
@@ -40,10 +41,11 @@ _errors = logging.getLogger(__name__)
 # files hold no data (the page asks for the key and sends it with its API calls).
 _OPEN_PATHS = ("/health", "/")
 _OPEN_PREFIXES = ("/static/",)
-# Names every server answers to, whatever address it is bound to.
-_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # Control characters, and the two Unicode line breaks Python's splitlines() also splits at.
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# How much of a refusal's body is read for its reason, and how much of the reason is logged.
+_MAX_REFUSAL_BYTES = 4096
+_MAX_REASON_CHARS = 300
 # Seconds a request body may take to arrive once its headers have (a slow sender holds a
 # connection and, here, a task).
 BODY_TIMEOUT_S = 120.0
@@ -64,11 +66,13 @@ class AccessLog:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start, status = time.perf_counter(), [0]
+        start, status, refusal = time.perf_counter(), [0], bytearray()
 
         async def record(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+            elif 400 <= status[0] < 500 and len(refusal) < _MAX_REFUSAL_BYTES:
+                refusal.extend(message.get("body", b"")[:_MAX_REFUSAL_BYTES])
             await send(message)
 
         try:
@@ -76,9 +80,11 @@ class AccessLog:
         finally:
             # escaped: a %0a in the path would otherwise start a forged log line
             line = (
-                f"{_printable(scope['method'])} {_printable(scope['path'])} {status[0]}"
+                f"{printable(scope['method'])} {printable(scope['path'])} {status[0]}"
                 f" {time.perf_counter() - start:.3f}s"
             )
+            if refusal:
+                line += f" reason={_reason(bytes(refusal))}"
             turn = scope.get("state", {}).get("turn")
             # A client that left early: its generation ends within a step of the cancel.
             completion = await turn.finished() if turn is not None else None
@@ -98,7 +104,23 @@ class AccessLog:
             logger.info("%s", line)
 
 
-def _printable(text: str) -> str:
+def _reason(body: bytes) -> str:
+    """A refusal's message, from the body of any API's error shape, quoted and bounded: a
+    client that hides the body (LiteLLM, agents retrying) leaves the log to say why."""
+    try:
+        parsed = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        parsed = body.decode("utf-8", "replace")
+    error = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
+    message = error.get("message", error) if isinstance(error, dict) else error
+    text = printable(str(message))
+    if len(text) > _MAX_REASON_CHARS:
+        text = text[: _MAX_REASON_CHARS - 3] + "..."
+    return json.dumps(text, ensure_ascii=False)
+
+
+def printable(text: str) -> str:
+    """`text` with control characters escaped: a log line cannot be forged through it."""
     return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
@@ -126,59 +148,11 @@ class ServerErrors:
             await self.app(scope, receive, watch)
         except Exception as error:
             _errors.exception(
-                "request failed: %s %s", _printable(scope["method"]), _printable(scope["path"])
+                "request failed: %s %s", printable(scope["method"]), printable(scope["path"])
             )
             if not started:  # else the client sees the connection end
                 message = f"internal error ({type(error).__name__}); the server log has the details"
                 await error_response(scope["path"], 500, message)(scope, receive, send)
-
-
-class HostCheck:
-    """Answers only requests whose Host header names this server: a loopback name, the address
-    it is bound to, or one of `allowed_hosts` ("*" for any). Without it a web page could drive
-    the API through DNS rebinding (its own name resolving to 127.0.0.1) with the browser's
-    same-origin checks satisfied. A server bound to every address (0.0.0.0, ::) is reached by
-    names it cannot know, so it checks nothing unless `allowed_hosts` says otherwise.
-    """
-
-    def __init__(self, app: ASGIApp, bound_host: str, allowed_hosts: tuple[str, ...] = ()):
-        self.app = app
-        self._any = "*" in allowed_hosts or (not allowed_hosts and _is_wildcard(bound_host))
-        self._names = {_host_name(n) for n in (*_LOOPBACK_NAMES, bound_host, *allowed_hosts)}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._any:
-            await self.app(scope, receive, send)
-            return
-        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
-        if _host_name(host) in self._names:
-            await self.app(scope, receive, send)
-            return
-        response = error_response(
-            scope["path"],
-            403,
-            f"this server does not answer to the host {_printable(host)[:100]!r}; add it with "
-            "--allowed-host if it is yours",
-            code="host_not_allowed",
-        )
-        await response(scope, receive, send)
-
-
-def _host_name(host: str) -> str:
-    """The name in a Host header (or an address), lower case, without port or brackets."""
-    host = host.strip().lower()
-    if host.startswith("["):  # [::1]:8080
-        return host[1:].partition("]")[0]
-    if host.count(":") == 1:  # name:port
-        return host.partition(":")[0]
-    return host  # a name, or a bare IPv6 address
-
-
-def _is_wildcard(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(_host_name(host)).is_unspecified
-    except ValueError:
-        return host == ""
 
 
 class ApiKeyCheck:
@@ -265,7 +239,7 @@ class BodyLimit:
         if problem is not None:
             await error_response(scope["path"], 400, problem)(scope, receive, send)
             return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(_as_json(scope, body), _replay(body, receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, too_large: bool) -> None:
         if too_large:
@@ -277,6 +251,17 @@ class BodyLimit:
         else:
             response = error_response(scope["path"], 400, "Content-Length is not a number")
         await response(scope, receive, send)
+
+
+def _as_json(scope: Scope, body: bytes) -> Scope:
+    """`scope` with a body's Content-Type set to JSON: Ollama's clients, LiteLLM's `ollama/`
+    provider and `curl -d` send JSON without saying so (none, or a form's type), and Ollama
+    reads it; FastAPI would read it as a form or bytes and answer 400. A page on another site
+    cannot use this to reach the API: `browsers.OriginCheck` refuses its requests first."""
+    if not body:
+        return scope
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

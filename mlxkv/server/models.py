@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import Request
 
+from mlxkv.models.capabilities import model_capabilities
 from mlxkv.server.errors import ApiError
 from mlxkv.server.worker import GenerationWorker
 
@@ -40,6 +41,10 @@ class ServedModels:
         if not workers:
             raise ValueError("serve at least one model")
         self.workers = dict(workers)
+        # what each model can do with tools and thinking, read once from its template
+        self.capabilities = {
+            name: model_capabilities(worker.runner.tokenizer) for name, worker in workers.items()
+        }
         self.aliases: list[tuple[str, str]] = []
         for alias in aliases:
             pattern, _, name = alias.partition("=")

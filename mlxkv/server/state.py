@@ -19,6 +19,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
 
+from mlxkv.models.capabilities import Capabilities
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models import ServedModels, request_context
 from mlxkv.server.reply.turn import Turn
@@ -76,6 +77,11 @@ class ServerContext:
             max_tokens_limit,
             fetch_images=fetch_images,
         )
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this model can do with tools and thinking (`/api/show`, `/v1/models`)."""
+        return self.models.capabilities[self.model_name]
 
     def each_model(self) -> list[ServerContext]:
         """One context per served model, the default first (for the listings)."""

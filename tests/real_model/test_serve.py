@@ -3,6 +3,7 @@ real OpenAI and Anthropic clients."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -11,8 +12,10 @@ import sys
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
+from pydantic import BaseModel
 
 from tests.processes import ready_url
 
@@ -65,3 +68,51 @@ def test_anthropic_client_gets_paris_and_a_cache_read(server_url):
             usage = stream.get_final_message().usage
         assert "Paris" in text
     assert usage.cache_read_input_tokens > 0
+
+
+class CityInfo(BaseModel):
+    city: str
+    country: str
+
+
+def test_ollama_chat_without_content_type_and_capabilities(server_url):
+    """LiteLLM's `ollama_chat/` provider sends its JSON with no Content-Type; SmolLM2's
+    template drops tools, so /api/show lists none."""
+    body = {"model": "smollm2", "messages": QUESTION, "stream": False}
+    with httpx.Client(timeout=120) as client:
+        # raw content: httpx sends no Content-Type, as LiteLLM's `data=` call
+        reply = client.post(f"{server_url}/api/chat", content=json.dumps(body))
+        assert reply.status_code == 200, reply.text
+        assert "Paris" in reply.json()["message"]["content"]
+        show = client.post(f"{server_url}/api/show", json={"model": "SmolLM2-135M-Instruct"})
+    assert show.json()["capabilities"] == ["completion"]
+
+
+def test_pydantic_ai_typed_output(server_url):
+    """pydantic-ai's default typed output: a required `final_result` call, strict schema."""
+    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0)
+    parameters = {**CityInfo.model_json_schema(), "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "final_result", "parameters": parameters}}
+    out = client.chat.completions.create(
+        model="gpt-4o-mini", messages=QUESTION, tools=[tool], tool_choice="required",
+        max_tokens=80,
+    )  # fmt: skip
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "final_result"
+    CityInfo.model_validate_json(call.function.arguments)
+
+
+def test_langchain_chat_anthropic_structured_output(server_url):
+    client = anthropic.Anthropic(base_url=server_url, api_key="unused", max_retries=0)
+    tool = {
+        "name": "CityInfo",
+        "description": "A city.",
+        "input_schema": CityInfo.model_json_schema(),
+    }
+    out = client.messages.create(
+        model="claude-local", messages=QUESTION, tools=[tool], max_tokens=80,
+        tool_choice={"type": "tool", "name": "CityInfo"},
+    )  # fmt: skip
+    (block,) = out.content
+    assert block.type == "tool_use" and out.stop_reason == "tool_use"
+    CityInfo.model_validate(block.input)

@@ -43,3 +43,23 @@ def test_speculation_on_a_quote_drafts_from_the_prompt_and_changes_no_token(smol
     fast = Runner(smollm2).generate(messages, max_tokens=48)  # the default: "auto"
     assert fast.tokens == plain.tokens
     assert fast.accepted_tokens >= 10  # a real model copying its prompt: drafts that pay
+
+
+def test_a_reply_that_encodes_otherwise_is_reused_in_full(smollm2):
+    """SmolLM2 writes some replies in tokens their text does not encode to; sent back, the
+    next turn still reuses the whole reply (the first such reply among a few sampled)."""
+    runner = Runner(smollm2, max_context=2048)
+    tokenizer = smollm2.tokenizer
+    for seed in range(16):
+        ask = [{"role": "user", "content": "Introduce yourself."}]
+        first = runner.generate(ask, max_tokens=32, temperature=1.0, seed=seed)
+        if tokenizer.encode(first.text, add_special_tokens=False) != first.tokens:
+            break
+    else:
+        pytest.fail("no sampled reply encodes otherwise; sample more")
+    held = runner.cache_tokens
+    turn = [*ask, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Hi"}]
+    second = runner.generate(turn, max_tokens=4, temperature=0)
+    assert second.cached_tokens == len(held)
+    fresh = Runner(smollm2).generate(runner.cache_tokens[: second.prompt_tokens], max_tokens=4)
+    assert second.tokens == fresh.tokens

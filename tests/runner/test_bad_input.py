@@ -167,8 +167,8 @@ def test_splitting_at_content_changes_no_token_of_a_clean_chat(make_runner):
         {"role": "assistant", "content": "Paris.\n\nIt is big."},
         {"role": "user", "content": "And Italy?"},
     ]
-    split = runner._prompts._render_keeping_content_as_text(
-        messages, list(range(4)), {"add_generation_prompt": True}
+    split = runner._prompts._render_in_pieces(
+        messages, list(range(4)), {}, {"add_generation_prompt": True}
     )
     assert split == runner.encode(messages)
 

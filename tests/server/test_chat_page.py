@@ -34,6 +34,10 @@ CHROMIUM_ARGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+    # Private Network Access blocks a public page's requests to loopback; Firefox and Safari
+    # send them: off, this Chromium shows what those let a cross-site page do.
+    "--disable-features=BlockInsecurePrivateNetworkRequests,PrivateNetworkAccessSendPreflights,"
+    "PrivateNetworkAccessRespectPreflightResults,LocalNetworkAccessChecks",
 ]
 
 
@@ -316,3 +320,22 @@ def test_a_thinking_models_thinking_is_folded_above_its_answer(browser, tmp_path
         assert thinking.get_attribute("open") is None  # folded once the answer came
         assert page.locator(".message.assistant .bubble").inner_text().endswith("Paris")
         context.close()
+
+
+def test_a_cross_site_page_cannot_make_the_server_generate(browser, page_server, access_log):
+    """A page on another site posts a "simple" request (text/plain, no preflight) with a JSON
+    body: the browser sends it, the server reads JSON whatever the type, and only the Origin
+    check stands between that page and a generation (the chat page, same origin, works above)."""
+    context = browser.new_context()
+    evil = context.new_page()
+    evil.route("http://evil.example/", lambda route: route.fulfill(body="<p>evil</p>"))
+    evil.goto("http://evil.example/")
+    body = json.dumps({"model": "m", "prompt": "Hi", "options": {"num_predict": 2}})
+    evil.evaluate(
+        """([url, body]) => fetch(url, {method: "POST", mode: "no-cors", body,
+        headers: {"Content-Type": "text/plain"}}).catch(() => null)""",
+        [page_server.url + "/api/generate", body],
+    )
+    line = access_log(r"POST /api/generate \d+.*").string
+    context.close()
+    assert " 403 " in line and "evil.example" in line

@@ -1,13 +1,12 @@
 """A `tool_choice` that requires a call, through the real clients: the reply is a call in the
 model's own format (a grammar keeps it there), with arguments that validate, even from a
-model that would answer in text; a model whose format cannot be forced is a 400 in each API's
-shape, and "none" never returns a call."""
+model that would answer in text; a model with no call format writes it as a bare JSON object
+kept by the grammar, and gets it back in each API's shape; "none" never returns a call."""
 
 from __future__ import annotations
 
 import json
 
-import anthropic
 import openai
 import pytest
 
@@ -120,24 +119,55 @@ def test_anthropic_any_and_tool_give_tool_use(texter):
         assert _valid(block.name, block.input) and reply.stop_reason == "tool_use"
 
 
-def test_a_model_that_cannot_be_forced_is_a_400_in_each_api(no_format):
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_model_without_a_call_format_gives_calls_in_each_api(no_format, stream):
+    """SmolLM2 and most small models have no tool-call format: the call is kept to a bare
+    JSON object by the grammar and comes back in each API's shape, streamed or not."""
     client = no_format.openai()
-    with pytest.raises(openai.BadRequestError, match="cannot be made to write") as raised:
-        client.chat.completions.create(
-            model="m", messages=ASK, tools=CHAT_TOOLS, tool_choice="required", max_tokens=5
-        )
-    assert raised.value.body["param"] == "tool_choice"
-    with pytest.raises(openai.BadRequestError, match="cannot be made to write"):
-        client.responses.create(
-            model="m", input="hi", tools=RESPONSES_TOOLS, tool_choice="required"
-        )
-    with pytest.raises(anthropic.BadRequestError, match="cannot be made to write") as raised:
-        no_format.anthropic().messages.create(
-            model="m", messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
-            max_tokens=5,
-        )  # fmt: skip
-    assert raised.value.body["error"]["type"] == "invalid_request_error"
-    assert no_format.runner.cache_info().num_tokens == 0  # refused before any work
+    options = {"model": "m", "messages": ASK, "tools": CHAT_TOOLS, "max_tokens": 200}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, names in (("required", set(VALID)), (named, {"get_time"})):
+        if stream:
+            chunks = list(
+                client.chat.completions.create(**options, tool_choice=choice, stream=True)
+            )
+            (call,) = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+            finish = chunks[-1].choices[0].finish_reason
+            assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+        else:
+            reply = client.chat.completions.create(**options, tool_choice=choice)
+            (call,) = reply.choices[0].message.tool_calls
+            finish = reply.choices[0].finish_reason
+            assert not reply.choices[0].message.content
+        assert call.function.name in names and finish == "tool_calls"
+        assert _valid(call.function.name, json.loads(call.function.arguments))
+    reply = client.responses.create(
+        model="m", input="hi", tools=RESPONSES_TOOLS, tool_choice="required", stream=False,
+        max_output_tokens=200,
+    )  # fmt: skip
+    (item,) = reply.output
+    assert item.type == "function_call" and _valid(item.name, json.loads(item.arguments))
+    anthropic_options = {
+        "model": "m", "messages": ASK, "tools": ANTHROPIC_TOOLS, "max_tokens": 200,
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+    }  # fmt: skip
+    if stream:
+        with no_format.anthropic().messages.stream(**anthropic_options) as events:
+            message = events.get_final_message()
+    else:
+        message = no_format.anthropic().messages.create(**anthropic_options)
+    (block,) = message.content
+    assert block.type == "tool_use" and block.name == "get_weather"
+    assert _valid("get_weather", block.input) and message.stop_reason == "tool_use"
+
+
+def test_a_forced_call_cut_by_max_tokens_comes_back_as_text(no_format):
+    reply = no_format.openai().chat.completions.create(
+        model="m", messages=ASK, tools=CHAT_TOOLS, tool_choice="required", max_tokens=3
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content.startswith("{")
 
 
 def test_required_without_tools_is_a_400(texter):

@@ -23,10 +23,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
-from jinja2 import TemplateError, meta
+from jinja2 import TemplateError
 
 from mlxkv.cache.prefix import common_prefix_lengths
+from mlxkv.runner.text.replies import ReplyIds
+from mlxkv.runner.text.tokenizer_facts import (
+    control_tokens,
+    plain_text_tokenizer,
+    template_variables,
+)
 
 Message = dict[str, Any]
 Prompt = str | Sequence[int] | Sequence[Message]
@@ -70,11 +75,11 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         # mlx-lm's wrapper hands attributes it lacks to the Hugging Face tokenizer it wraps
-        controls = sorted(_control_tokens(tokenizer), key=len, reverse=True)
+        controls = sorted(control_tokens(tokenizer), key=len, reverse=True)
         self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
-        self._plain = _plain_text_tokenizer(tokenizer) if controls else None
+        self._plain = plain_text_tokenizer(tokenizer) if controls else None
         # Variables the chat template reads: only those are passed as switches.
-        self.template_variables = _template_variables(getattr(tokenizer, "chat_template", None))
+        self.template_variables = template_variables(getattr(tokenizer, "chat_template", None))
 
     def template_switches(self, switches: dict[str, Any] | None) -> dict[str, Any]:
         """The entries of `switches` (`enable_thinking`, `reasoning_effort`, ... as vLLM's
@@ -98,6 +103,7 @@ class PromptEncoder:
         parse_control_tokens: bool = False,
         tools: Tools | None = None,
         switches: dict[str, Any] | None = None,
+        replies: ReplyIds | None = None,
     ) -> list[int]:
         """Token ids for a prompt.
 
@@ -110,6 +116,8 @@ class PromptEncoder:
                 form) handed to the chat template; chat messages only.
             switches: chat-template variables such as `enable_thinking`; only those the
                 template reads are passed (`template_switches`); chat messages only.
+            replies: the ids of a reply generated here, by its text (`replies.ReplyTokens`):
+                an assistant message whose content is one takes those ids.
 
         Raises:
             ValueError: a prompt of another type, an empty prompt, ids outside the vocabulary,
@@ -135,7 +143,11 @@ class PromptEncoder:
             raise ValueError(f"prompt is empty; pass {_ACCEPTED}")
         elif all(isinstance(m, dict) for m in prompt):
             tokens = self.render(
-                prompt, parse_control_tokens=parse_control_tokens, tools=tools, switches=switches
+                prompt,
+                parse_control_tokens=parse_control_tokens,
+                tools=tools,
+                switches=switches,
+                replies=replies,
             )
         elif all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             tokens = [int(t) for t in prompt]
@@ -188,11 +200,14 @@ class PromptEncoder:
         parse_control_tokens: bool = False,
         tools: Tools | None = None,
         switches: dict[str, Any] | None = None,
+        replies: ReplyIds | None = None,
     ) -> list[int]:
         """Token ids of chat messages (and tools, and the `switches` the template reads)
-        through the chat template; content stays
-        text. A template that refuses system messages after the first turn (clients such as
-        Claude Code send them as reminders) gets them folded into a user message instead.
+        through the chat template; content stays text, except an assistant message whose
+        content `replies` knows, which takes the ids the model generated for it (so the
+        prompt is what the cache holds). A template that refuses system messages after the
+        first turn (clients such as Claude Code send them as reminders) gets them folded into
+        a user message instead.
 
         Raises:
             ValueError: malformed messages or tools, no chat template, a template that refuses
@@ -210,46 +225,79 @@ class PromptEncoder:
             raise ValueError("this model's tokenizer has no chat template; pass a plain string")
         refused = "the model's chat template refused the messages: {}"
         try:
-            return self._render(messages, parse_control_tokens, template_args)
+            return self._render(messages, parse_control_tokens, template_args, replies)
         except TemplateError as error:
             folded = fold_system_reminders(messages)
             if folded == messages:
                 raise ValueError(refused.format(error)) from None
         try:  # a template that wants its system message first (Gemma, Mistral)
-            return self._render(folded, parse_control_tokens, template_args)
+            return self._render(folded, parse_control_tokens, template_args, replies)
         except TemplateError as error:
             raise ValueError(refused.format(error)) from None
 
     def _render(
-        self, messages: list[Message], parse_control_tokens: bool, template_args: dict[str, Any]
+        self,
+        messages: list[Message],
+        parse_control_tokens: bool,
+        template_args: dict[str, Any],
+        replies: ReplyIds | None,
     ) -> list[int]:
+        known = {
+            i: ids
+            for i, m in enumerate(messages)
+            if replies is not None
+            and m["role"] == "assistant"
+            and m["content"]
+            and (ids := replies(m["content"])) is not None
+        }
         tainted = (
             []
             if parse_control_tokens or self._controls is None
-            else [i for i, m in enumerate(messages) if self._controls.search(m["content"])]
+            else [
+                i
+                for i, m in enumerate(messages)
+                if i not in known and self._controls.search(m["content"])
+            ]
         )
+        if known:
+            try:
+                return self._render_in_pieces(messages, tainted, known, template_args)
+            except _ReplyRewritten:  # the template changed it: the reply renders as text
+                pass
         if not tainted:
             return list(self.tokenizer.apply_chat_template(messages, **template_args))
-        return self._render_keeping_content_as_text(messages, tainted, template_args)
+        return self._render_in_pieces(messages, tainted, {}, template_args)
 
-    def _render_keeping_content_as_text(
-        self, messages: list[Message], tainted: list[int], template_args: dict[str, Any]
+    def _render_in_pieces(
+        self,
+        messages: list[Message],
+        tainted: list[int],
+        known: dict[int, Sequence[int]],
+        template_args: dict[str, Any],
     ) -> list[int]:
-        """Template text with control tokens parsed; tainted messages' content as plain text.
+        """Template text with control tokens parsed; tainted messages' content as plain text,
+        known replies' content as their ids.
 
-        The template renders a random placeholder in place of each tainted content, so the
+        The template renders a random placeholder in place of each such content, so the
         content's place is where the template put it, never an earlier occurrence of the same
         text (content that repeats the template's own markers would otherwise turn them into
-        text and itself into markers)."""
+        text and itself into markers).
+
+        Raises:
+            _ReplyRewritten: the template did not render a known reply's placeholder once, as
+                given (it trims or rewrites content).
+        """
         nonce = secrets.token_hex(8)
-        slots = {i: f"mlxkv{nonce}slot{i}" for i in tainted}
+        slots = {i: f"mlxkv{nonce}slot{i}" for i in sorted([*tainted, *known])}
         masked = [{**m, "content": slots.get(i, m["content"])} for i, m in enumerate(messages)]
         text = self.tokenizer.apply_chat_template(masked, tokenize=False, **template_args)
         ids: list[int] = []
         cursor = 0
-        for i in tainted:
-            start = text.find(slots[i], cursor)
-            if start < 0 or text.count(slots[i]) != 1 or self._plain is None:
+        for i, slot in slots.items():
+            start = text.find(slot, cursor)
+            if start < 0 or text.count(slot) != 1 or (i not in known and self._plain is None):
+                if i in known:
+                    raise _ReplyRewritten
                 found = self._controls.search(messages[i]["content"]).group(0)
                 raise ValueError(
                     f"message {i} contains the control token text {found!r}, which this "
@@ -257,10 +305,17 @@ class PromptEncoder:
                     "from the message"
                 )
             ids += self.tokenizer.encode(text[cursor:start], add_special_tokens=False)
-            ids += self._plain.encode(messages[i]["content"], add_special_tokens=False).ids
-            cursor = start + len(slots[i])
+            if i in known:
+                ids += known[i]
+            else:
+                ids += self._plain.encode(messages[i]["content"], add_special_tokens=False).ids
+            cursor = start + len(slot)
         ids += self.tokenizer.encode(text[cursor:], add_special_tokens=False)
         return ids
+
+
+class _ReplyRewritten(Exception):
+    """A known reply's content was not rendered as given: it cannot take its ids."""
 
 
 def fold_system_reminders(messages: list[Message]) -> list[Message]:
@@ -313,16 +368,6 @@ def leading_system_messages(prompt: Prompt) -> list[Message]:
 _RENDER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize"})
 
 
-def _template_variables(template: Any) -> frozenset[str]:
-    """The undeclared variables a chat template's source reads (none if it does not parse)."""
-    if not isinstance(template, str):
-        return frozenset()
-    try:
-        return frozenset(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
-    except TemplateError:
-        return frozenset()
-
-
 def _valid_text(text: str) -> str:
     return _SURROGATES.sub("\ufffd", text)
 
@@ -349,22 +394,3 @@ def _checked_tools(tools: Tools) -> list[dict[str, Any]]:
         if not isinstance(tool, dict):
             raise ValueError(f"tool {i} must be a dict, got {type(tool).__name__}")
     return list(tools)
-
-
-def _control_tokens(hf_tokenizer: Any) -> list[str]:
-    """The strings of the tokenizer's special added tokens."""
-    decoder = getattr(hf_tokenizer, "added_tokens_decoder", None) or {}
-    return [t.content for t in decoder.values() if getattr(t, "special", False) and t.content]
-
-
-def _plain_text_tokenizer(hf_tokenizer: Any) -> Any:
-    """A copy of the fast tokenizer that tokenizes control-token strings as plain text, or
-    None for tokenizers without a `tokenizers` backend."""
-    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    from tokenizers import Tokenizer
-
-    plain = Tokenizer.from_str(backend.to_str())
-    plain.encode_special_tokens = True
-    return plain

@@ -4,7 +4,7 @@ blocks become `tool` messages, and tools become OpenAI-style function definition
 chat templates take).
 
 `output_config.format` is honoured (structured outputs), and `thinking` sets the chat
-template's thinking switch where it has one (`server.thinking`). Fields current clients send
+template's thinking switch where it has one (`reply.thinking_switch`). Fields current clients send
 that change nothing here are accepted and ignored: `output_config.effort`,
 `cache_control` (every prefix is cached anyway), `context_management`, `diagnostics`,
 `metadata`, `anthropic-beta` headers.

@@ -75,7 +75,7 @@ async def show(body: ModelRequest, ctx: Context) -> dict[str, Any]:
             "general.architecture": arch,
             f"{arch}.context_length": runner.max_context,
         },
-        "capabilities": _capabilities(runner.tokenizer),
+        "capabilities": ctx.capabilities.names(ollama=True),
         "modified_at": _timestamp(ctx.created),
     }
 
@@ -193,10 +193,6 @@ def _payload(field: str, text: str, calls: list[ToolCall], thinking: str = "") -
             for call in calls
         ]
     return {"message": message}
-
-
-def _capabilities(tokenizer: Any) -> list[str]:
-    return ["completion", "tools", *(["thinking"] if tokenizer.has_thinking else [])]
 
 
 def _final(completion: Completion, calls: list[ToolCall], started: int) -> dict[str, Any]:

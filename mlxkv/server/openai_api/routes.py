@@ -36,10 +36,14 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(ctx: Context) -> dict[str, Any]:
-    models = [
-        {"id": each.model_name, "object": "model", "created": ctx.created, "owned_by": "mlxkv"}
-        for each in ctx.each_model()
-    ]
+    models = []
+    for each in ctx.each_model():
+        model = {"id": each.model_name, "object": "model", "created": ctx.created}
+        model["owned_by"] = "mlxkv"
+        # beyond OpenAI's fields, as vLLM adds `max_model_len`: what clients may ask of it
+        model["capabilities"] = each.capabilities.names()
+        model["tool_call_format"] = each.capabilities.tool_call_format
+        models.append(model)
     return {"object": "list", "data": models}
 
 

@@ -4,27 +4,30 @@
 `{"type": "tool", "name": ...}`.
 
 Owns `forced_call_grammar`: the llguidance grammar (Lark, with the arguments as a JSON schema)
-of one call in the model's own tool-call format, whose arguments validate against the tool's
-parameters. The reply is that call, then EOS. Forced only where the format is the tool's name
-and its arguments as one JSON value, so that the schema keeps the arguments exactly (mlx-lm's
-parsers, by the model's chat template):
+of one call, whose arguments validate against the tool's parameters. The reply is that call,
+then EOS. It is written in the model's own tool-call format where that format is the tool's
+name and its arguments as one JSON value, so that the schema keeps the arguments exactly
+(mlx-lm's parsers, by the model's chat template):
   - `json_tools` (Qwen 2.5/3, Hermes and the models that copy them):
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
   - `mistral`: `[TOOL_CALLS]name[ARGS]{...}` where the template renders `[ARGS]` (Mistral
     Small 3.2, Devstral, Magistral), else `[TOOL_CALLS][{"name": ..., "arguments": {...},
     "id": "<9 letters and digits>"}]` (Mistral 7B v0.3, Nemo: the id as their templates
-    render it back, and refuse any other); a template with `[CALL_ID]` is not forced (mlx-lm's
-    parser would read the id as the name), nor is a name mlx-lm cannot read back after
-    `[TOOL_CALLS]` (it reads letters, digits, `_` and `-`: a `.` or `:` would be written and lost);
+    render it back, and refuse any other); not with a template with `[CALL_ID]` (mlx-lm's
+    parser would read the id as the name), nor for a name mlx-lm cannot read back after
+    `[TOOL_CALLS]` (it reads letters, digits, `_` and `-`: a `.` or `:` would be lost);
   - `kimi_k2`: `<|tool_calls_section_begin|><|tool_call_begin|>functions.name:N
     <|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>`, N the
     number of calls before it in the conversation (Kimi counts its calls across the whole
     conversation; the id is kept and sent back, `tool_calls`).
 Formats that spell arguments as XML parameters, Python calls or key-value text (`qwen3_coder`,
 `glm47`, `minimax_m2`, `longcat`, `pythonic`, `function_gemma`, ...) type each value by the
-parser's own reading of the schema, which a JSON schema grammar does not match: for those, and
-models with no format, a forced call is refused with a 400 rather than answered with text the
-client did not ask for (a client that requires a call breaks on a reply without one).
+parser's own reading of the schema, which a JSON schema grammar does not match; those, a name
+the model's format cannot carry, and models with no format at all (SmolLM2, most small chat
+models) write the call as a bare JSON object instead, `{"name": ..., "arguments": {...}}`,
+which `tool_calls.BareCallReader` reads back: a client that requires a call (pydantic-ai's
+typed output, instructor's TOOLS mode, LangChain's structured output, the Agents SDK) gets one
+whose arguments validate, whatever the model.
 """
 
 from __future__ import annotations
@@ -53,10 +56,20 @@ class ForcedCall:
     name: str | None = None
 
 
+@dataclass(frozen=True)
+class ForcedGrammar:
+    """The grammar of a forced call, and how the call is written: in the model's own format
+    (`own_format`, read back by its parser), else as a bare JSON call object."""
+
+    grammar: str
+    own_format: bool
+
+
 def forced_call_grammar(
     tokenizer: Any, tools: list[dict[str, Any]], forced: ForcedCall, messages: Any = None
-) -> str:
-    """The grammar of one call to `forced.name` (or to any of `tools`) in the model's format.
+) -> ForcedGrammar:
+    """The grammar of one call to `forced.name` (or to any of `tools`): in the model's format
+    where it can be forced, else a bare JSON call object.
 
     Args:
         tokenizer: mlx-lm's TokenizerWrapper (its tool-call markers and parser).
@@ -66,8 +79,7 @@ def forced_call_grammar(
             after the calls in it); a text or token prompt has none.
 
     Raises:
-        ApiError: 400 when there is no tool to call, or the model's tool-call format cannot
-            be forced (none known, not JSON between markers, or a name it cannot carry).
+        ApiError: 400 when there is no tool to call.
     """
     functions = [tool["function"] for tool in tools or []]
     if forced.name is not None:
@@ -78,14 +90,10 @@ def forced_call_grammar(
         )
     body = _call_grammar(tokenizer, functions, _calls_in(messages))
     if body is None:
-        raise ApiError(
-            400,
-            "tool_choice requires a tool call, which this model cannot be made to write: "
-            f"{_why_not(tokenizer)}; send tool_choice auto (the model may then call a tool or "
-            "answer)",
-            param="tool_choice",
-        )
-    return LLMatcher.grammar_from_lark(body)
+        calls = [_call_schema(f) for f in functions]
+        body = f"start: call\ncall: {_json(calls[0] if len(calls) == 1 else {'anyOf': calls})}\n"
+        return ForcedGrammar(LLMatcher.grammar_from_lark(body), own_format=False)
+    return ForcedGrammar(LLMatcher.grammar_from_lark(body), own_format=True)
 
 
 def _calls_in(messages: Any) -> int:
@@ -119,7 +127,8 @@ def _mistral(tokenizer: Any, functions: list[dict[str, Any]], start: str) -> str
     if not isinstance(template, str) or "[CALL_ID]" in template:
         return None
     if "[ARGS]" in template:
-        _check_mistral_names(functions)
+        if not all(_MISTRAL_NAME.fullmatch(f["name"]) for f in functions):
+            return None  # mlx-lm would read back another name
         args = _marker(tokenizer, "[ARGS]")
         calls = " | ".join(f"{json.dumps(f['name'])} {args} {_arguments(f)}" for f in functions)
         return f"start: {start} call\ncall: {calls}\n"
@@ -127,18 +136,6 @@ def _mistral(tokenizer: Any, functions: list[dict[str, Any]], start: str) -> str
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {"type": "array", "items": one, "minItems": 1, "maxItems": 1}
     return f'start: {start} " "? call\ncall: {_json(schema)}\n'
-
-
-def _check_mistral_names(functions: list[dict[str, Any]]) -> None:
-    for function in functions:
-        if _MISTRAL_NAME.fullmatch(function["name"]) is None:
-            raise ApiError(
-                400,
-                f"tool_choice requires a call to '{function['name']}', a name this model's "
-                "tool-call format ([TOOL_CALLS]name[ARGS]) cannot carry: it is read back as "
-                "letters, digits, '_' and '-' only; rename the tool, or send tool_choice auto",
-                param="tool_choice",
-            )
 
 
 def _kimi(tokenizer: Any, functions: list[dict[str, Any]], start: str, end: str, index: int) -> str:
@@ -152,13 +149,6 @@ def _kimi(tokenizer: Any, functions: list[dict[str, Any]], start: str, end: str,
         call_id = json.dumps(f"functions.{function['name']}:{index}")
         calls.append(f"{begin} {call_id} {argument} {_arguments(function)} {close}")
     return f"start: {start} call {end}\ncall: {' | '.join(calls)}\n"
-
-
-def _why_not(tokenizer: Any) -> str:
-    if not getattr(tokenizer, "has_tool_calling", False):
-        return "it has no tool-call format mlx-lm knows"
-    parser = getattr(tokenizer.tool_parser, "__module__", None)
-    return f"its tool-call format ({parser}) cannot be forced"
 
 
 def _json(schema: dict[str, Any]) -> str:

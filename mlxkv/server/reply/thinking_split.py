@@ -4,7 +4,7 @@ Owns: `ThinkingSplitter` (streamed text in; `Thought`s and answer text out, at t
 thinking tags: mlx-lm's `TokenizerWrapper.think_start` / `think_end`, such as Qwen3's and
 DeepSeek-R1's `<think>` / `</think>`) and `prompt_ends_thinking` (whether the output begins
 inside a thinking block). Does not own the API formats, nor the thinking switches
-(`server.thinking`).
+(`reply.thinking_switch`).
 
 Terms:
   - thought: text between a start tag and an end tag; the answer is the rest.

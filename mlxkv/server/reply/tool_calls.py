@@ -1,8 +1,10 @@
 """Finding tool calls in generated text as it streams, with mlx-lm's parser for the model.
 
-Owns: `ToolCallSplitter`, which splits streamed text into plain text and `ToolCall`s at the
-model's tool-call markers (mlx-lm's `TokenizerWrapper.tool_call_start` / `tool_call_end`) and
-parses each call with the model's parser (`mlx_lm.tool_parsers`). Does not own the API formats.
+Owns: `BareCallReader`, which reads a forced call written as a bare JSON object (a model
+with no tool-call format, `forced_tools`), and `ToolCallSplitter`, which splits streamed text
+into plain text and `ToolCall`s at the model's tool-call markers (mlx-lm's
+`TokenizerWrapper.tool_call_start` / `tool_call_end`) and parses each call with the model's
+parser (`mlx_lm.tool_parsers`). Does not own the API formats.
 
 Text that only might begin a start marker is held back until it is known, so a client never
 sees half a marker. A call that cannot be parsed (cut off by max_tokens, malformed) comes back
@@ -126,6 +128,31 @@ class ToolCallSplitter:
             logger.warning("tool call not parsed, returned as text (%s): %.200r", error, raw)
             return [raw]
         return list(calls)
+
+
+class BareCallReader:
+    """Reads a reply that is one call as a bare JSON object, `{"name": ..., "arguments": {...}}`
+    (a grammar kept it so): nothing comes out until the end, then the call, or the text as
+    written when it does not parse (cut by max_tokens). Same interface as `ToolCallSplitter`.
+    """
+
+    def __init__(self) -> None:
+        self._ids = call_id_maker(None)
+        self._buffer = ""
+
+    def push(self, text: str) -> list[Piece]:
+        self._buffer += text
+        return []
+
+    def finish(self) -> list[Piece]:
+        text, self._buffer = self._buffer, ""
+        if not text:
+            return []
+        try:
+            return [_tool_call(json.loads(text), self._ids)]
+        except (ValueError, KeyError, TypeError) as error:
+            logger.warning("forced tool call not complete, returned as text (%s)", error)
+            return [text]
 
 
 # Mistral's chat templates raise unless an id is 9 letters and digits.

@@ -32,7 +32,7 @@ from mlxkv.server.reply.thinking_split import (
     checked_reasoning,
     prompt_ends_thinking,
 )
-from mlxkv.server.reply.tool_calls import Piece, ToolCall, ToolCallSplitter
+from mlxkv.server.reply.tool_calls import BareCallReader, Piece, ToolCall, ToolCallSplitter
 from mlxkv.server.worker import GenerationStream, GenerationWorker
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class Turn:
     def __init__(
         self,
         stream: GenerationStream,
-        splitter: ToolCallSplitter | None,
+        splitter: ToolCallSplitter | BareCallReader | None,
         tokenizer: Any,
         with_logprobs: bool,
         thinking: ThinkingSplitter | None = None,
@@ -179,30 +179,29 @@ async def start_turn(
     split_thinking: bool = True,
 ) -> Turn:
     """Validates and queues one generation for an HTTP request (kept on `request.state.turn`
-    for the access log). The context never shifts over HTTP: a client's history is the
-    client's to cut (agents compact it when told). A prompt longer than the context is
-    refused, so is a `max_tokens` the client asked for that does not fit after it or is over
-    the server's `max_tokens_limit`; a server default that does not fit ends the reply when
-    the window is full, or at the limit (`max_tokens_asked` False). `cache_salt` keeps the
-    request to the cache entries of its salt (vLLM's name for it). `forced`: a `tool_choice`
-    that requires a call, kept by a grammar (over any structured-output one: the reply is
-    the call). `switches`: chat-template variables (`thinking_switch`). `split_thinking`: the
-    model's thinking comes as `ReasoningDelta`s where its vocabulary has thinking tags and no
-    grammar keeps the output to a form without them.
+    for the access log). The context never shifts over HTTP (a client's history is the
+    client's to cut): a prompt over the window is refused, so is a `max_tokens` the client
+    asked for that does not fit after it or is over `max_tokens_limit`; a server default that
+    does not fit ends the reply at the window or the limit (`max_tokens_asked` False).
+    `cache_salt` keeps the request to its salt's entries (vLLM's name). `forced`: a
+    `tool_choice` that requires a call, kept by a grammar (over any structured-output one).
+    `switches`: chat-template variables (`thinking_switch`). `split_thinking`: thinking comes
+    as `ReasoningDelta`s where the vocabulary has thinking tags and no grammar is kept.
 
     Raises:
-        ApiError: 400 for bad input, a call required of a model that cannot write one
-            (`forced_tools`), a request over the window (`errors.context_length_error`).
+        ApiError: 400 for bad input, a call required with no tools, and a request over the
+            window in each API's wording (`errors.context_length_error`).
     """
     context = await request_context(request)
     worker: GenerationWorker = context.worker
     messages = await fetched_images(messages, context.fetch_images)
     sampling = _within_limit(sampling, context.max_tokens_limit, max_tokens_asked)
     tokenizer = worker.runner.tokenizer
+    splitter = _tool_splitter(tokenizer, tools, context.capabilities.tools)
     if forced is not None:
-        grammar = forced_call_grammar(tokenizer, tools or [], forced, messages)
-        sampling = {**sampling, "grammar": grammar}
-    splitter = _tool_splitter(tokenizer, tools)
+        call = forced_call_grammar(tokenizer, tools or [], forced, messages)
+        sampling = {**sampling, "grammar": call.grammar}
+        splitter = splitter if call.own_format else BareCallReader()
     thinking = None
     if split_thinking and "grammar" not in sampling:  # a grammar's form has no thinking tags
         thinking = _thinking_splitter(worker.runner, messages, switches, splitter is not None)
@@ -226,13 +225,17 @@ async def start_turn(
     return request.state.turn
 
 
-def _tool_splitter(tokenizer: Any, tools: list[dict[str, Any]] | None) -> ToolCallSplitter | None:
+def _tool_splitter(
+    tokenizer: Any, tools: list[dict[str, Any]] | None, shown: bool
+) -> ToolCallSplitter | BareCallReader | None:
+    """Reads calls in the model's format; None without tools or a format (`shown`: the
+    template shows the model its tools)."""
     if tools and tokenizer.has_tool_calling:
         return ToolCallSplitter(
             tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools
         )
     if tools:
-        _warn_no_tool_parser()
+        _warn_no_tool_parser(shown)
     return None
 
 
@@ -273,8 +276,14 @@ async def _cancel_on_disconnect(turn: Turn, request: Request) -> None:
 
 
 @functools.cache  # once per process
-def _warn_no_tool_parser() -> None:
+def _warn_no_tool_parser(shown: bool) -> None:
+    seen = (
+        "its chat template shows the tools to the model, and any call it writes comes back as text"
+        if shown
+        else "its chat template leaves the tools out: the model never sees them"
+    )
     logger.warning(
-        "request has tools but this model has no tool-call format mlx-lm can parse; the "
-        "tools go to the chat template and any call comes back as text"
+        "request has tools but this model has no tool-call format mlx-lm can parse: %s; a "
+        "tool_choice that requires a call still returns one (a grammar keeps the reply to it)",
+        seen,
     )

@@ -1,0 +1,83 @@
+"""What a model can do with tools and thinking, read from what its chat template and tokenizer
+actually do, not from what an API allows: SmolLM2's template drops the tools it is given (its
+prompt is the same 42 tokens with or without them), so it does not "have" tools, whatever a
+request may send.
+
+Owns `Capabilities` and `model_capabilities`, which `/api/show`, `/v1/models` and `mlxkv info`
+report alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+logger = logging.getLogger(__name__)
+
+# A tool no template would name by chance: found in the render, the template shows tools.
+_PROBE_NAME = "mlxkv_capability_probe_7f3a"
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": _PROBE_NAME,
+        "description": "Probe.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+    },
+}
+_PROBE_MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Attributes:
+    tools: the chat template shows the model the tools a request sends.
+    tool_call_format: mlx-lm's parser of the calls the model writes (e.g. "json_tools"), by
+        its template; None: none known (a call it writes comes back as text).
+    thinking: its vocabulary has thinking tags (its thinking is returned apart).
+    forced_tool_calls: a `tool_choice` that requires a call returns one whose arguments
+        validate (a grammar keeps the reply to it): every model, through llguidance.
+    """
+
+    tools: bool
+    tool_call_format: str | None
+    thinking: bool
+    forced_tool_calls: bool = True
+
+    def names(self, ollama: bool = False) -> list[str]:
+        """The capabilities by name (`/v1/models`, `mlxkv info`); `ollama`: only those in
+        Ollama's list (`/api/show`), which has no word for forced calls."""
+        named = {
+            "completion": True,
+            "tools": self.tools,
+            "forced_tool_calls": self.forced_tool_calls and not ollama,
+            "thinking": self.thinking,
+        }
+        return [name for name, held in named.items() if held]
+
+
+def model_capabilities(tokenizer: Any) -> Capabilities:
+    """What `tokenizer`'s model (mlx-lm's TokenizerWrapper) can do, from one render of its
+    chat template with a probe tool."""
+    parser = getattr(tokenizer, "tool_parser", None) if tokenizer.has_tool_calling else None
+    format_name = (getattr(parser, "__module__", "") or "").rpartition(".")[2] or None
+    return Capabilities(
+        tools=_template_shows_tools(tokenizer),
+        tool_call_format=format_name,
+        thinking=bool(tokenizer.has_thinking),
+    )
+
+
+def _template_shows_tools(tokenizer: Any) -> bool:
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    try:
+        rendered = tokenizer.apply_chat_template(
+            _PROBE_MESSAGES, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True
+        )
+    except (TemplateError, TypeError, ValueError) as error:  # a template that refuses tools
+        logger.debug("chat template refused a tool: %s", error)
+        return False
+    return _PROBE_NAME in rendered

@@ -1,0 +1,103 @@
+"""The token ids of recent replies, so that a reply sent back renders to what the cache holds.
+
+A model's reply is a sequence of token ids; its text, encoded again, is often another sequence
+(SmolLM2 wrote "SmolLAM" as `S|m|ol|L|AM`, which encodes as `Sm|ol|L|AM`). The next turn's
+prompt would then differ from the cache at the reply's first such token, and everything after
+it would be computed again. When an assistant message's content equals a reply generated
+here, the prompt takes that reply's ids (`PromptEncoder.render`); the rest of the prompt still
+comes from the chat template.
+
+Owns `ReplyTokens`: a bounded, thread-safe memory of replies by (isolation domain, text), one
+per tokenizer (`replies_for`): every Runner of a loaded model in a process renders the same
+messages to the same ids (a fresh Runner compared with a used one sees the same prompt). A
+reply is remembered only when its text is exactly what its ids decode to: not one cut by a stop
+string (its ids go past the text), nor a cancelled one. Keyed by the request's cache salt
+digest, so one tenant's prompt never takes another's reply ids (its token count would tell).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mlxkv.runner.results import Completion
+
+# Replies whose text matches nothing sent back only take memory: the newest are kept.
+MAX_REPLIES = 256
+MAX_REPLY_TOKENS = 1 << 20  # all remembered replies together: 4 MiB of uint32
+
+# A request's known replies' ids by their text (`ReplyTokens.known_in(...).get`).
+ReplyIds = Callable[[str], Sequence[int] | None]
+_BY_TOKENIZER: weakref.WeakKeyDictionary[Any, ReplyTokens] = weakref.WeakKeyDictionary()
+_BY_TOKENIZER_LOCK = threading.Lock()
+
+
+def remember_reply(tokenizer: Any, completion: Completion, salt: str | None) -> None:
+    """Keeps the ids of a reply `tokenizer`'s model generated, in the domain `salt`, if its
+    text is exactly theirs (at the end of a generation, before its last chunk is handed on:
+    the next turn may follow at once)."""
+    replies_for(tokenizer).remember(completion, salt)
+
+
+def replies_for(tokenizer: Any) -> ReplyTokens:
+    """The reply memory of `tokenizer` (mlx-lm's wrapper of a loaded model), made on first use;
+    it lives as long as the tokenizer."""
+    with _BY_TOKENIZER_LOCK:
+        found = _BY_TOKENIZER.get(tokenizer)
+        if found is None:
+            found = _BY_TOKENIZER[tokenizer] = ReplyTokens()
+        return found
+
+
+class ReplyTokens:
+    """Recent replies' token ids by their text, newest kept (`MAX_REPLIES`, and at most
+    `MAX_REPLY_TOKENS` in all)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: OrderedDict[tuple[str | None, str], np.ndarray] = OrderedDict()
+        self._num_tokens = 0
+
+    def remember(self, completion: Completion, salt: str | None) -> None:
+        """Keeps the ids of a finished reply, if its text is exactly theirs."""
+        tokens = completion.tokens
+        if (
+            not completion.text
+            or completion.stop_string is not None
+            or completion.finish_reason not in ("stop", "length")
+            or not 0 < len(tokens) <= MAX_REPLY_TOKENS
+        ):
+            return
+        key = (salt, completion.text)
+        with self._lock:
+            old = self._ids.pop(key, None)
+            self._num_tokens -= 0 if old is None else old.size
+            self._ids[key] = np.asarray(tokens, dtype=np.uint32)
+            self._num_tokens += len(tokens)
+            while len(self._ids) > MAX_REPLIES or self._num_tokens > MAX_REPLY_TOKENS:
+                self._num_tokens -= self._ids.popitem(last=False)[1].size
+
+    def known_in(self, prompt: Any, salt: str | None) -> dict[str, list[int]]:
+        """The ids of the replies of `salt`'s domain that `prompt`'s assistant messages send
+        back, by their text (empty for a text or token prompt): looked up once a request, for
+        the renders it makes."""
+        if not isinstance(prompt, Sequence) or isinstance(prompt, str):
+            return {}
+        texts = {
+            m["content"]
+            for m in prompt
+            if isinstance(m, dict) and m.get("role") == "assistant" and m.get("content")
+        }
+        known: dict[str, list[int]] = {}
+        with self._lock:
+            for text in texts:
+                found = self._ids.get((salt, text)) if isinstance(text, str) else None
+                if found is not None:
+                    self._ids.move_to_end((salt, text))
+                    known[text] = found.tolist()
+        return known
