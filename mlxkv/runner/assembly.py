@@ -105,9 +105,14 @@ def fit_window(
 
 def kv_bytes_per_token(model: nn.Module, cache: ModelCache) -> int:
     """Bytes one token's K/V (and state) take in this cache layout, measured by feeding one
-    token through a scratch copy."""
+    token through a scratch copy.
+
+    The forward is evaluated: a model may reassign its weights lazily in its forward (Gemma
+    3n's AltUp clips two on every call), and arrays left unevaluated could not be evaluated
+    on another thread (another Runner's engine, or the caller's)."""
     scratch = cache.copy()
-    scratch.forward(model, [0])
+    logits = scratch.forward(model, [0])
+    mx.eval(logits, model.parameters())
     return max(scratch.used_bytes, 1)
 
 

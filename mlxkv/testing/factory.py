@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -222,9 +223,27 @@ def _write_weights(out: Path, config: dict[str, Any], seed: int) -> None:
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     weights = {
-        k: (v * WEIGHT_SCALE).astype(mx.float32) for k, v in tree_flatten(model.parameters())
+        k: _trained_like(k, (v * WEIGHT_SCALE).astype(mx.float32))
+        for k, v in tree_flatten(model.parameters())
     }
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+# Random recurrent layers forget within a few tokens (mlx-lm initializes state-space decays
+# A = 1..N per step, so a token's trace is gone after a handful): trained models keep context
+# for hundreds. These decays (A about 0.05, time steps about 0.05) let a token 100 positions
+# back still move the logits, so a corrupted recurrent state is seen.
+_SLOW_DECAY_A = 0.05
+_SMALL_TIME_STEP_BIAS = -3.0  # softplus(-3) = 0.049
+
+
+def _trained_like(name: str, value: mx.array) -> mx.array:
+    """`value`, or a trained-like replacement for a recurrent layer's decay parameters."""
+    if name.endswith("A_log"):
+        return mx.full(value.shape, math.log(_SLOW_DECAY_A), dtype=value.dtype)
+    if name.endswith(("dt_bias", "dt_proj.bias")):
+        return mx.full(value.shape, _SMALL_TIME_STEP_BIAS, dtype=value.dtype)
+    return value
 
 
 def build_scripted_model(out_dir: str | Path, script: Sequence[str]) -> Path:

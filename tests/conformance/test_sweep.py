@@ -1,0 +1,146 @@
+"""The conformance sweep: every architecture the installed mlx-lm ships, built tiny from a
+config (`mlxkv.testing.architectures`), runs a 4-turn chat, a retry and an edit on one Runner
+that answer exactly as a cold Runner does (by log-probabilities) while reusing the prompt.
+
+Each model must be able to see what is checked (changing one token early in the prompt moves
+the last logits, else the architecture is reported blind, not passed) and must really have
+its distinctive layers (windows shorter than the prompt, recurrent state, chunks, shared K/V).
+A model module mlx-lm adds fails `test_every_mlx_lm_architecture_is_swept` by name until it
+gets a tiny config or a reason in `NOT_COVERED`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm.models
+import pytest
+
+from mlxkv import Runner
+from mlxkv.cache import make_cache
+from mlxkv.models.loading import load_model
+from mlxkv.testing.architectures import (
+    EXPECTED_LAYERS,
+    NOT_COVERED,
+    REACH_TOKENS,
+    SWEEP_CONFIGS,
+)
+from mlxkv.testing.factory import ARCHITECTURES, build_model
+
+SWEPT = sorted(set(SWEEP_CONFIGS) | set(ARCHITECTURES))
+# Sized so every window (8 tokens) and chunk is far shorter than a turn's prompt.
+_TURNS = [
+    "Tell me about the capital of France and the river that runs through it.",
+    "And what about Italy? Name its capital and one famous building there.",
+    "Now compare the two cities by size, by age and by the food people eat.",
+    "Finally, which one should a small model visit first, and why exactly?",
+]
+_REPLY_TOKENS = 5
+_LOGPROB_TOLERANCE = 1e-3  # float32 on CPU: the same tokens through other chunkings
+_MIN_REUSE = 0.5  # of turn 4's prompt, from the cache
+
+
+def _model_modules() -> list[str]:
+    """mlx-lm's model modules, read from its sources (importing some needs extra packages)."""
+    folder = Path(mlx_lm.models.__file__).parent
+    has_model = re.compile(r"^class Model\(", re.MULTILINE)
+    return sorted(p.stem for p in folder.glob("*.py") if has_model.search(p.read_text()))
+
+
+def test_every_mlx_lm_architecture_is_swept():
+    modules = set(_model_modules())
+    unknown = sorted(modules - set(SWEPT) - set(NOT_COVERED))
+    assert not unknown, (
+        f"mlx-lm ships architectures the sweep does not cover: {', '.join(unknown)}. Give each "
+        "a tiny config in mlxkv/testing/architectures.py (or a reason in NOT_COVERED)"
+    )
+    gone = sorted((set(SWEPT) | set(NOT_COVERED)) - modules)
+    assert not gone, f"no longer in mlx-lm: {', '.join(gone)}"
+    assert not set(SWEPT) & set(NOT_COVERED)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    models = {}
+
+    def load(arch: str):
+        if arch not in models:
+            models[arch] = load_model(build_model(arch, root / arch))
+        return models[arch]
+
+    return load
+
+
+def _kinds(cache) -> set[str]:
+    kinds = set()
+    for layer in cache:
+        inner = getattr(layer, "caches", None)
+        kinds |= {type(c).__name__ for c in inner} if inner else {type(layer).__name__}
+    return kinds
+
+
+def _last_logprobs(model, ids: list[int]) -> mx.array:
+    logits = make_cache(model).forward(model, ids)[0, -1]
+    return logits - mx.logsumexp(logits)
+
+
+def _answer(runner: Runner, messages: list[dict]) -> tuple[list[int], list[float], float]:
+    """Greedy reply: tokens, their log-probabilities, and the share of the prompt reused."""
+    chunks = list(runner.stream(messages, max_tokens=_REPLY_TOKENS, temperature=0, logprobs=0))
+    done = chunks[-1].completion
+    logprobs = [c.logprob.logprob for c in chunks if c.logprob is not None]
+    return done.tokens, logprobs, done.cached_tokens / done.prompt_tokens
+
+
+def _last_logprobs(model, ids: list[int]) -> mx.array:
+    logits = make_cache(model).forward(model, ids)[0, -1]
+    return logits - mx.logsumexp(logits)
+
+
+def _assert_context_matters(arch: str, model, prompt: list[int]) -> None:
+    """The sweep's power: changing one token far back moves the last log-probabilities."""
+    back = min(len(prompt) - 4, REACH_TOKENS.get(arch, len(prompt)))
+    edited = list(prompt)
+    edited[-back] = (edited[-back] + 1) % 256
+    moved = mx.abs(_last_logprobs(model, prompt) - _last_logprobs(model, edited)).max().item()
+    assert moved > 1e-3, f"{arch} is blind: a token {back} back moves nothing ({moved:.2g})"
+
+
+def _chat_requests(runner: Runner) -> list[list[dict]]:
+    """Four turns of a chat (the replies the runner's own), a retry of the last, an edit."""
+    messages: list[dict] = []
+    requests = []
+    for turn in _TURNS:
+        messages = messages + [{"role": "user", "content": turn}]
+        requests.append(list(messages))
+        tokens, _, _ = _answer(runner, messages)
+        messages.append({"role": "assistant", "content": runner.tokenizer.decode(tokens)})
+    requests.append(requests[-1])
+    requests.append(requests[-1][:-1] + [{"role": "user", "content": "Edited: " + _TURNS[3]}])
+    return requests
+
+
+@pytest.mark.parametrize("arch", SWEPT)
+def test_architecture_reuses_its_cache_exactly(loaded, arch):
+    model = loaded(arch)
+    assert _kinds(make_cache(model.model)) == EXPECTED_LAYERS.get(arch, {"KVCache"})
+    warm = Runner(model, max_context=1024, warmup=False)
+    cold = Runner(model, max_context=1024, warmup=False)
+    _assert_context_matters(
+        arch, model.model, warm.encode([{"role": "user", "content": _TURNS[0] * 2}])
+    )
+    requests = _chat_requests(warm)
+    warm.reset()
+    reuses = []
+    for i, request in enumerate(requests):
+        got_tokens, got, reuse = _answer(warm, request)
+        cold.reset()
+        want_tokens, want, _ = _answer(cold, request)
+        assert got_tokens == want_tokens, f"{arch}: request {i} answers otherwise warm"
+        worst = max(abs(a - b) for a, b in zip(got, want, strict=True))
+        assert worst <= _LOGPROB_TOLERANCE, f"{arch}: request {i} log-probabilities {worst:.2g}"
+        reuses.append(round(reuse, 2))
+    assert min(reuses[1:]) > 0 and reuses[3] >= _MIN_REUSE, f"{arch}: reused {reuses}"
