@@ -83,11 +83,12 @@ def test_a_queued_write_is_not_queued_again_and_counts_its_whole_buffers(
 ):
     release, started = held_writes
     runner = make_runner("llama", cache_entries=4, cache_dir=tmp_path)
-    runner.generate("a conversation to keep on disk", max_tokens=2)
+    runner.generate("a conversation to keep on disk", max_tokens=2)  # written behind
     store, cache = runner._pool.store, runner._pool.current.cache
-    store.write(cache)
-    store.write(cache)
     assert store.holds(store_module.np.asarray(cache.tokens, dtype=store_module.np.uint32))
+    assert store.pending_bytes == 0  # its buffers are the pool's: counted there
+    store.write(cache)  # evicted before it was written: the writer alone holds it now
+    store.write(cache)
     # the views written keep the entry's allocated buffers alive, not only their slices
     assert store.pending_bytes == cache.nbytes > cache.used_bytes
     release.set()

@@ -243,6 +243,22 @@ def patch_crc(path: Path) -> None:
         os.fsync(file.fileno())
 
 
+def fsync_directory(directory: Path) -> None:
+    """Flushes `directory`'s entries (a rename just made in it) to disk, where the platform
+    allows opening a directory (it does not on Windows: the rename is then as durable as the
+    file system makes it)."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
 def check_crc(path: Path, data_start: int, metadata: dict[str, str]) -> None:
     with open(path, "rb") as file:
         crc = _file_crc(file, data_start)

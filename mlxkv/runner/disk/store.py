@@ -14,8 +14,11 @@ Invariants:
     warning. An error that proves nothing about the file (out of file descriptors, out of
     memory) keeps it: the request prefills instead, with a warning;
   - a file appears under its final name only complete: written under a temporary name, its CRC
-    patched in, then renamed (atomic), so an interrupted write leaves at most a temporary file,
-    which indexing ignores and removes once its process is gone;
+    patched in, fsynced, then renamed (atomic) and its directory fsynced, so an interrupted
+    write leaves at most a temporary file, which indexing ignores and removes once its
+    process is gone;
+  - a file is removed once a newer file of its salt holds its tokens and serves them (a
+    conversation written behind turn after turn keeps one file);
   - two processes sharing the directory write identical content under identical names, and
     each picks up the other's new files when the directory changes.
 """
@@ -51,6 +54,7 @@ from mlxkv.runner.disk.files import (
     check_crc,
     check_writable,
     entry_metadata,
+    fsync_directory,
     own_files,
     patch_crc,
     read_header,
@@ -106,7 +110,7 @@ class DiskStore:
         self._records: dict[str, StoredEntry] = {}
         self._lock = threading.Lock()  # guards _records, _queued, _pending_bytes and _writer
         self._pending_bytes = 0
-        self._queued: set[str] = set()  # names handed to the writer, not yet written
+        self._queued: dict[str, _Job] = {}  # handed to the writer, not yet written, by name
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._scanned_mtime = -1
@@ -145,7 +149,7 @@ class DiskStore:
                 self._records[path.name] = record
         remove_orphaned_temporaries(self.directory)
         with self._lock:
-            for name in set(self._records) - present - self._queued:
+            for name in set(self._records) - present - set(self._queued):
                 del self._records[name]
         if complete:
             self._scanned_mtime = mtime
@@ -216,13 +220,22 @@ class DiskStore:
 
     # -- write ----------------------------------------------------------------------------
 
-    def write(self, cache: ModelCache, *, wait: bool = False, salt: str | None = None) -> None:
+    def write(
+        self,
+        cache: ModelCache,
+        *,
+        wait: bool = False,
+        salt: str | None = None,
+        kept: bool = False,
+    ) -> None:
         """Saves `cache` under its token ids: in the background (the arrays stay referenced,
         and count in `pending_bytes`, until written), or now with `wait`. An entry already on
         disk, empty, larger than the budget or of a layer type that cannot be saved is
-        skipped. `salt`: the isolation domain the entry belongs to."""
+        skipped. `salt`: the isolation domain the entry belongs to. `kept`: the entry stays in
+        memory (a turn written behind as it ends), so its buffers are the pool's, not held
+        for the writer alone, and do not count in `pending_bytes`."""
         tokens = np.asarray(cache.tokens, dtype=np.uint32)
-        if tokens.size == 0 or self.holds(tokens, salt):
+        if tokens.size == 0 or self._claim_queued(token_key(tokens, salt) + SUFFIX, cache, kept):
             return
         try:
             arrays, layout = cache_to_arrays(cache)
@@ -237,19 +250,31 @@ class DiskStore:
             )
             return
         metadata = entry_metadata(self.fingerprint, self.signature, layout, tokens, salt)
-        job = _Job(arrays, metadata, token_key(tokens, salt) + SUFFIX, cache.nbytes)
+        held_bytes = 0 if kept else cache.nbytes
+        job = _Job(arrays, metadata, token_key(tokens, salt) + SUFFIX, held_bytes)
         if wait:
             self._run_logged(job)
             return
         with self._lock:
             self._pending_bytes += job.held_bytes
-            self._queued.add(job.name)
+            self._queued[job.name] = job
             if self._writer is None:
                 self._writer = threading.Thread(
                     target=self._write_loop, name="mlxkv-disk-writer", daemon=True
                 )
                 self._writer.start()
         self._jobs.put(job)
+
+    def _claim_queued(self, name: str, cache: ModelCache, kept: bool) -> bool:
+        """True when the file `name` is written, or queued: an entry written behind as its
+        turn ended and evicted before it was written now counts its buffers as held for the
+        writer (the pool no longer does)."""
+        with self._lock:
+            job = self._queued.get(name)
+            if job is not None and not kept and job.held_bytes == 0:
+                job.held_bytes = cache.nbytes
+                self._pending_bytes += job.held_bytes
+            return job is not None or name in self._records
 
     @property
     def pending_bytes(self) -> int:
@@ -282,7 +307,7 @@ class DiskStore:
             finally:
                 with self._lock:
                     self._pending_bytes -= job.held_bytes
-                    self._queued.discard(job.name)
+                    self._queued.pop(job.name, None)
                 # the job's arrays (a whole entry) must not live on while this thread waits
                 del job
                 self._jobs.task_done()
@@ -306,6 +331,7 @@ class DiskStore:
             mx.save_safetensors(str(temporary), job.arrays, job.metadata)
             patch_crc(temporary)
             os.replace(temporary, path)
+            fsync_directory(self.directory)  # the rename itself survives a power cut
         except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
             raise OSError(_why_unwritten(self.directory, job, error)) from error
         finally:
@@ -316,6 +342,7 @@ class DiskStore:
         )  # the index entry, as a restart would read it
         with self._lock:
             self._records[job.name] = record
+        self._remove_superseded(record)
         logger.debug(
             "disk cache write tokens=%d bytes=%d seconds=%.3f",
             record.num_tokens,
@@ -323,6 +350,26 @@ class DiskStore:
             time.perf_counter() - start,
         )
         self.enforce_budget(keep=path)
+
+    def _remove_superseded(self, record: StoredEntry) -> None:
+        """Removes this model's files that `record` makes redundant: of its salt, holding a
+        prefix of its tokens that it serves too (every layer trims, or it has a checkpoint
+        there). A conversation written behind turn after turn so keeps one file, not one per
+        turn."""
+        with self._lock:
+            older = [
+                other
+                for other in self._records.values()
+                if other is not record
+                and other.salt == record.salt
+                and other.num_tokens < record.num_tokens
+                and (self.trimmable or other.num_tokens in record.checkpoints)
+                and common_prefix_length(record.tokens, other.tokens) == other.num_tokens
+            ]
+        for other in older:
+            if remove_own_file(other.path):
+                logger.debug("disk cache superseded file=%s", other.path.name)
+            self._forget(other.path.name)
 
     # -- budget ---------------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 a byte budget, with an optional disk tier.
 
 Owns: for each request, which entry to generate into, how much of it to reuse and where its
-fill checkpoints; evicting entries after a request; handing evicted entries to the disk tier
-and loading them back. Does not own the file format (`store`) or any model call.
+fill checkpoints; evicting entries after a request; handing each finished turn's entry to the
+disk tier (written behind, in the background) and evicted ones too, and loading them back.
+Does not own the file format (`store`) or any model call.
 
 Terms:
   entry        a ModelCache and the token ids it holds (generated into in place; `entry`);
@@ -283,6 +284,9 @@ class CachePool:
             if entry.record() == 0 and entry in self._entries:
                 self._entries.remove(entry)
         self.evict(max_bytes=self.max_bytes, max_entries=self.max_entries)
+        if self.store is not None and entry in self._entries:
+            # written behind: durable within moments, so a kill loses only what is in flight
+            self.store.write(entry.cache, salt=entry.salt, kept=True)
         return self.usage()
 
     def evict(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> int:
