@@ -61,23 +61,6 @@ def test_a_runner_dropped_without_close_stops_its_writer(make_runner, tmp_path):
     assert not writer.is_alive()
 
 
-@pytest.fixture
-def held_writes(monkeypatch):
-    """Background writes wait for `release` (set it to let them go); each started write's name
-    is appended to `started`."""
-    release, started = threading.Event(), []
-    run = store_module.DiskStore._run
-
-    def held(self, job):
-        started.append(job.name)
-        assert release.wait(timeout=60)
-        run(self, job)
-
-    monkeypatch.setattr(store_module.DiskStore, "_run", held)
-    yield release, started
-    release.set()
-
-
 def test_a_queued_write_is_not_queued_again_and_counts_its_whole_buffers(
     make_runner, tmp_path, held_writes
 ):

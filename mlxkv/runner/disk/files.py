@@ -70,6 +70,8 @@ class StoredEntry:
         checkpoints: lengths in tokens of its checkpoints.
         salt: the isolation domain it belongs to (a digest of a request's `cache_salt`), None
             for the shared.
+        reply_start: where the reply of its last request began (tokens before it came from
+            the client; its conversation's next turn renders the rest back, maybe otherwise).
     """
 
     path: Path
@@ -77,6 +79,7 @@ class StoredEntry:
     nbytes: int
     checkpoints: tuple[int, ...] = ()
     salt: str | None = None
+    reply_start: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -171,11 +174,18 @@ def read_header(path: Path) -> tuple[dict[str, str], int]:
 
 
 def entry_metadata(
-    fingerprint: str, signature: str, layout: dict, tokens: np.ndarray, salt: str | None
+    fingerprint: str,
+    signature: str,
+    layout: dict,
+    tokens: np.ndarray,
+    salt: str | None,
+    reply_start: int | None = None,
 ) -> dict[str, str]:
     """The header metadata of an entry's file, its CRC-32 still the placeholder (`patch_crc`
-    fills it in once the file is written)."""
+    fills it in once the file is written). `reply_start`: None for the end of its tokens."""
+    reply_start = tokens.size if reply_start is None else min(reply_start, tokens.size)
     return {
+        "reply_start": str(reply_start),
         "format": FORMAT,
         "fingerprint": fingerprint,
         "signature": signature,
@@ -206,12 +216,14 @@ def read_record(path: Path, fingerprint: str, signature: str) -> StoredEntry:
         tokens = np.frombuffer(base64.b64decode(metadata["tokens"]), dtype="<u4")
         layout = json.loads(metadata["layout"])
         checkpoints = tuple(int(point["at"]) for point in layout["checkpoints"])
+        reply_start = int(metadata.get("reply_start", tokens.size))
     except (KeyError, ValueError, TypeError) as error:
         raise BadFile(f"unreadable metadata ({error})") from error
     salt = metadata.get("salt") or None
     if path.name != token_key(tokens, salt) + SUFFIX:
         raise BadFile("its name does not match its token ids")
-    return StoredEntry(path, tokens, path.stat().st_size, checkpoints, salt)
+    nbytes = path.stat().st_size
+    return StoredEntry(path, tokens, nbytes, checkpoints, salt, min(reply_start, tokens.size))
 
 
 def _file_crc(file: Any, data_start: int) -> int:

@@ -227,13 +227,16 @@ class DiskStore:
         wait: bool = False,
         salt: str | None = None,
         kept: bool = False,
+        reply_start: int | None = None,
     ) -> None:
         """Saves `cache` under its token ids: in the background (the arrays stay referenced,
         and count in `pending_bytes`, until written), or now with `wait`. An entry already on
         disk, empty, larger than the budget or of a layer type that cannot be saved is
         skipped. `salt`: the isolation domain the entry belongs to. `kept`: the entry stays in
         memory (a turn written behind as it ends), so its buffers are the pool's, not held
-        for the writer alone, and do not count in `pending_bytes`."""
+        for the writer alone, and do not count in `pending_bytes`. `reply_start`: where its
+        last request's reply began (None: its end); a later file of its conversation that
+        holds the tokens before it supersedes it."""
         tokens = np.asarray(cache.tokens, dtype=np.uint32)
         if tokens.size == 0 or self._claim_queued(token_key(tokens, salt) + SUFFIX, cache, kept):
             return
@@ -249,7 +252,9 @@ class DiskStore:
                 "disk cache: entry of %d bytes not saved; the budget is %d", nbytes, self.max_bytes
             )
             return
-        metadata = entry_metadata(self.fingerprint, self.signature, layout, tokens, salt)
+        metadata = entry_metadata(
+            self.fingerprint, self.signature, layout, tokens, salt, reply_start
+        )
         held_bytes = 0 if kept else cache.nbytes
         job = _Job(arrays, metadata, token_key(tokens, salt) + SUFFIX, held_bytes)
         if wait:
@@ -352,20 +357,24 @@ class DiskStore:
         self.enforce_budget(keep=path)
 
     def _remove_superseded(self, record: StoredEntry) -> None:
-        """Removes this model's files that `record` makes redundant: of its salt, holding a
-        prefix of its tokens that it serves too (every layer trims, or it has a checkpoint
-        there). A conversation written behind turn after turn so keeps one file, not one per
-        turn."""
-        with self._lock:
-            older = [
-                other
-                for other in self._records.values()
-                if other is not record
+        """Removes this model's files that `record` makes redundant: of its salt, shorter,
+        holding its tokens up to their reply start (the same conversation, its reply maybe
+        rendered back otherwise: the pool trims such an entry in place too), which `record`
+        serves (every layer trims, or it has a checkpoint there). A conversation written
+        behind turn after turn so keeps one file, not one per turn."""
+
+        def supersedes(other: StoredEntry) -> bool:
+            served = other.reply_start or other.num_tokens
+            return (
+                other is not record
                 and other.salt == record.salt
                 and other.num_tokens < record.num_tokens
-                and (self.trimmable or other.num_tokens in record.checkpoints)
-                and common_prefix_length(record.tokens, other.tokens) == other.num_tokens
-            ]
+                and (self.trimmable or served in record.checkpoints)
+                and common_prefix_length(record.tokens, other.tokens) >= served
+            )
+
+        with self._lock:
+            older = [other for other in self._records.values() if supersedes(other)]
         for other in older:
             if remove_own_file(other.path):
                 logger.debug("disk cache superseded file=%s", other.path.name)

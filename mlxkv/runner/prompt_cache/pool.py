@@ -286,7 +286,7 @@ class CachePool:
         self.evict(max_bytes=self.max_bytes, max_entries=self.max_entries)
         if self.store is not None and entry in self._entries:
             # written behind: durable within moments, so a kill loses only what is in flight
-            self.store.write(entry.cache, salt=entry.salt, kept=True)
+            self.store.write(entry.cache, salt=entry.salt, kept=True, reply_start=entry.reply_start)
         return self.usage()
 
     def evict(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> int:
@@ -328,7 +328,7 @@ class CachePool:
         held = holdings([entry]).held_bytes
         logger.debug("prefix cache evict tokens=%d bytes=%d", entry.num_tokens, held)
         if write and self.store is not None:
-            self.store.write(entry.cache, salt=entry.salt)
+            self.store.write(entry.cache, salt=entry.salt, reply_start=entry.reply_start)
 
     def _in_use_bytes(self) -> int:
         """Bytes only the requests running now can give back (their entries, the batch)."""
@@ -391,7 +391,7 @@ class CachePool:
                     timeout_s,
                 )
                 break
-            self.store.write(entry.cache, wait=True, salt=entry.salt)
+            self.store.write(entry.cache, wait=True, salt=entry.salt, reply_start=entry.reply_start)
         self.store.flush()
 
     def clear(self) -> None:
