@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -152,7 +153,7 @@ def test_a_full_disk_is_one_line_per_write_and_a_cold_prefill(
         raise RuntimeError("[save_safetensors] Unable to write 4096 bytes.")
 
     monkeypatch.setattr(store_module.mx, "save_safetensors", full)
-    monkeypatch.setattr(store_module.shutil, "disk_usage", lambda _: SimpleNamespace(free=10))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=10))
     with caplog.at_level(logging.WARNING, logger="mlxkv"):
         messages, _ = _chat(runner, 1)  # its turn, written behind, fails
         runner._pool.store.flush()

@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _written(runner) -> Path:
-    """The file the runner's latest entry is written to, by name."""
+    """The file the runner's latest entry ends in (its chain's last block), by name."""
     entry = runner._pool.current
-    return runner.cache_dir / (store_files.token_key(entry.tokens, entry.salt) + ".safetensors")
+    key = runner._pool.store.block_keys(entry.tokens, entry.salt)[-1]
+    return runner.cache_dir / (key + store_files.SUFFIX)
 
 
 def _wait_for(path: Path, timeout_s: float = DURABLE_S) -> bool:
@@ -50,7 +51,8 @@ def test_a_runner_never_closed_has_each_turn_on_disk_and_one_file_per_conversati
     runner = make_runner("llama", cache_entries=4, cache_dir=tmp_path)
     messages, _ = _chat(runner, 3)
     assert _wait_for(_written(runner))
-    assert _files(tmp_path) == [_written(runner)]  # earlier turns' files superseded
+    runner._pool.store.flush()  # the earlier turns' files are removed once it is written
+    assert _files(tmp_path) == [_written(runner)]
     reference = make_runner("llama")
     _chat(reference, 3)
     want = reference.generate(_next_turn(messages), max_tokens=6)

@@ -245,15 +245,15 @@ class CachePool:
     def _maybe_load(
         self, query: np.ndarray, limit: int, entry: CacheEntry | None, reuse: int, salt: str | None
     ) -> tuple[CacheEntry | None, int]:
-        record, disk_reuse = self.store.best(query, limit, salt)
-        if record is None or disk_reuse <= reuse:
+        chain, disk_reuse = self.store.best(query, limit, salt)
+        if chain is None or disk_reuse <= reuse:
             return entry, reuse
-        load_s = record.nbytes / self.store.read_bytes_per_s
+        load_s = chain.nbytes / self.store.read_bytes_per_s
         tps = self.prefill_tokens_per_s
         if tps is not None and load_s >= (disk_reuse - reuse) / tps:
             logger.debug("disk cache: prefilling %d tokens beats loading", disk_reuse - reuse)
             return entry, reuse
-        cache = self.store.load(record, self._make_entry())
+        cache = self.store.load(chain, self._make_entry())
         if cache is None:
             return entry, reuse
         logger.info("disk cache: loaded an entry of %d tokens", cache.num_tokens)
@@ -271,9 +271,9 @@ class CachePool:
         return entry
 
     def release(self, entry: CacheEntry | None = None) -> Holdings:
-        """Ends a request on `entry` (None: the current one): records what it holds, then
-        evicts to the budget. The entry is evicted last (and only when it alone is over the
-        budget); entries still in use are not evicted.
+        """Ends a request on `entry` (None: the current one): records what it holds, evicts
+        to the budget, and writes it behind to the disk tier. The entry is evicted last (only
+        when it alone is over the budget); entries still in use are not evicted.
 
         Returns:
             What the pool holds then (`holdings`): the request's memory line reports it.
@@ -285,7 +285,6 @@ class CachePool:
                 self._entries.remove(entry)
         self.evict(max_bytes=self.max_bytes, max_entries=self.max_entries)
         if self.store is not None and entry in self._entries:
-            # written behind: durable within moments, so a kill loses only what is in flight
             self.store.write(entry.cache, salt=entry.salt, kept=True, reply_start=entry.reply_start)
         return self.usage()
 
