@@ -1,6 +1,6 @@
 """The disk tier, side by side in one run: a restart after `kill -9` against a cold prefill, decode
 speed with each turn written behind against no disk tier, bytes on disk for conversations
-sharing a long system prompt, and bytes written per generated token.
+sharing a long system prompt, and bytes written per token.
 
     python -m benchmarks.disk_tier [--sizes 1024 8192] [--model PATH] [--quick]
 
@@ -31,13 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 _KILLED_CHILD = """
 import json, os, signal, sys, time
 from mlxkv import Runner
-from mlxkv.runner.disk.files import token_key
 model, cache_dir, max_context, prompt = sys.argv[1] or None, sys.argv[2], int(sys.argv[3]), \
     json.loads(sys.argv[4])
 runner = Runner.load(model, cache_dir=cache_dir, max_context=max_context)
 runner.generate(prompt, max_tokens=4)
 entry = runner._pool.current
-path = runner.cache_dir / (token_key(entry.tokens, entry.salt) + ".safetensors")
+path = runner.cache_dir / (runner._pool.store.block_keys(entry.tokens)[-1] + ".safetensors")
 deadline = time.monotonic() + 120
 while not path.exists() and time.monotonic() < deadline:
     time.sleep(0.01)
@@ -96,8 +95,9 @@ def decode_with_write_behind(
     loaded: LoadedModel, system_tokens: int, turns: int, reply_tokens: int
 ) -> dict[str, float]:
     """Decode tokens/s of a conversation with each turn written behind, and of the same
-    conversation without a disk tier, turns alternating between the two; and bytes written
-    per generated token."""
+    conversation without a disk tier, turns alternating between the two; bytes written per
+    generated token, and per token the conversation holds at the end (each token's K/V
+    written once would be the K/V bytes per token)."""
     writes = _Writes()
     store_logger = logging.getLogger("mlxkv.runner.disk.store")
     store_logger.addHandler(writes)
@@ -117,10 +117,14 @@ def decode_with_write_behind(
                 tps[side].append(out.generation_tps)
                 generated += out.generation_tokens if side == "on" else 0
         runners["on"].close()
+        held = runners["on"]._pool.current.num_tokens
+        stored = list(runners["on"]._pool.store._records.values())
+        kv_per_token = sum(r.nbytes for r in stored) / sum(r.num_tokens for r in stored)
     store_logger.removeHandler(writes)
     on, off = Stat.of(tps["on"]), Stat.of(tps["off"])
     return {"on": on, "off": off, "ratio": on.median / off.median,
-            "written_bytes_per_token": writes.nbytes / max(generated, 1)}  # fmt: skip
+            "per_generated": writes.nbytes / max(generated, 1),
+            "per_held": writes.nbytes / held, "kv_per_token": kv_per_token}  # fmt: skip
 
 
 def shared_prefix_bytes(loaded: LoadedModel, system_tokens: int, conversations: int) -> dict:
@@ -133,11 +137,11 @@ def shared_prefix_bytes(loaded: LoadedModel, system_tokens: int, conversations: 
             chat = [{"role": "system", "content": system}, {"role": "user", "content": f"Q{i}?"}]
             runner.generate(chat, max_tokens=16)
         runner._pool.store.flush()
-        records = list(runner._pool.store._records.values())
+        records = list(runner._pool.store._records.values())  # blocks
         on_disk = sum(r.nbytes for r in records)
         shared = runner.encode([{"role": "system", "content": system}])
         per_token = on_disk / sum(r.num_tokens for r in records)
-        tails = sum(r.num_tokens - len(shared) for r in records)
+        tails = sum(entry.num_tokens - len(shared) for entry in runner._pool.entries)
         runner.close()
     one_copy = int(per_token * (len(shared) + tails))
     return {"files": len(records), "on_disk": on_disk, "one_copy": one_copy,
@@ -165,12 +169,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{got['cached_tokens']} |", flush=True)  # fmt: skip
     turns = 4 if args.quick else 8
     decode = decode_with_write_behind(loaded, 1024, turns, 64)
-    print("\n| decode tok/s, write-behind on | off | on/off | bytes written per token |")
-    print("|---|---|---|---|")
+    print("\n| decode tok/s, write-behind on | off | on/off | written per generated token | "
+          "written per token held | K/V per token |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     print(f"| {decode['on']} | {decode['off']} | {decode['ratio']:.3f} | "
-          f"{format_bytes(int(decode['written_bytes_per_token']))} |")  # fmt: skip
+          f"{format_bytes(int(decode['per_generated']))} | "
+          f"{format_bytes(int(decode['per_held']))} | "
+          f"{format_bytes(int(decode['kv_per_token']))} |")  # fmt: skip
     shared = shared_prefix_bytes(loaded, 1024, 8)
-    print("\n| 8 conversations, one system prompt | files | on disk | one copy of the prompt |")
+    print("\n| 8 conversations, one system prompt | files | on disk | one copy of it + 8 tails |")
     print("|---|---|---|---|")
     print(f"| {shared['prefix_tokens']}-token prompt | {shared['files']} | "
           f"{format_bytes(shared['on_disk'])} | {format_bytes(shared['one_copy'])} |")  # fmt: skip
