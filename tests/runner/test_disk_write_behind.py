@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.runner.disk import files as store_files
 from tests.runner.test_disk_tier import _chat, _files
@@ -45,19 +47,20 @@ def _next_turn(messages: list[dict]) -> list[dict]:
     return messages + [{"role": "user", "content": "And one more?"}]
 
 
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])  # blocks; whole entries with checkpoints
 def test_a_runner_never_closed_has_each_turn_on_disk_and_one_file_per_conversation(
-    make_runner, tmp_path
+    make_runner, tmp_path, arch
 ):
-    runner = make_runner("llama", cache_entries=4, cache_dir=tmp_path)
+    runner = make_runner(arch, cache_entries=4, cache_dir=tmp_path)
     messages, _ = _chat(runner, 3)
     assert _wait_for(_written(runner))
     runner._pool.store.flush()  # the earlier turns' files are removed once it is written
     assert _files(tmp_path) == [_written(runner)]
-    reference = make_runner("llama")
+    reference = make_runner(arch)
     _chat(reference, 3)
     want = reference.generate(_next_turn(messages), max_tokens=6)
     # a second process would see what this one sees: the runner is never closed
-    fresh = make_runner("llama", cache_entries=4, cache_dir=tmp_path)
+    fresh = make_runner(arch, cache_entries=4, cache_dir=tmp_path)
     got = fresh.generate(_next_turn(messages), max_tokens=6)
     assert got.tokens == want.tokens
     assert got.cached_tokens == want.cached_tokens > 0
