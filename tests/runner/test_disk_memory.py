@@ -53,7 +53,7 @@ def test_a_runner_dropped_without_close_stops_its_writer(make_runner, tmp_path):
     runner = make_runner("llama", cache_entries=1, cache_dir=tmp_path)
     for turn in range(3):
         runner.generate(f"{turn} apart {turn}", max_tokens=2)
-    writer = runner._pool.store._writer
+    writer = runner._pool.store._writer.thread
     assert writer is not None
     del runner
     gc.collect()
@@ -61,35 +61,36 @@ def test_a_runner_dropped_without_close_stops_its_writer(make_runner, tmp_path):
     assert not writer.is_alive()
 
 
-@pytest.fixture
-def held_writes(monkeypatch):
-    """Background writes wait for `release` (set it to let them go); each started write's name
-    is appended to `started`."""
-    release, started = threading.Event(), []
-    run = store_module.DiskStore._run
-
-    def held(self, job):
-        started.append(job.name)
-        assert release.wait(timeout=60)
-        run(self, job)
-
-    monkeypatch.setattr(store_module.DiskStore, "_run", held)
-    yield release, started
-    release.set()
-
-
-def test_a_queued_write_is_not_queued_again_and_counts_its_whole_buffers(
+def test_a_whole_entry_queued_is_not_queued_again_and_counts_its_whole_buffers(
     make_runner, tmp_path, held_writes
 ):
     release, started = held_writes
-    runner = make_runner("llama", cache_entries=4, cache_dir=tmp_path)
-    runner.generate("a conversation to keep on disk", max_tokens=2)
+    runner = make_runner("lfm2", cache_entries=4, cache_dir=tmp_path)  # recurrent: whole
+    runner.generate("a conversation to keep on disk", max_tokens=2)  # written behind
     store, cache = runner._pool.store, runner._pool.latest.cache
-    store.write(cache)
-    store.write(cache)
+    assert store.block_tokens is None
     assert store.holds(store_module.np.asarray(cache.tokens, dtype=store_module.np.uint32))
+    assert store.pending_bytes == 0  # its buffers are the pool's: counted there
+    store.write(cache)  # evicted before it was written: the writer alone holds it now
+    store.write(cache)
     # the views written keep the entry's allocated buffers alive, not only their slices
     assert store.pending_bytes == cache.nbytes > cache.used_bytes
+    release.set()
+    store.flush()
+    assert len(started) == 1
+    assert store.pending_bytes == 0
+
+
+def test_blocks_queued_hold_copies_of_their_tokens_only(make_runner, tmp_path, held_writes):
+    release, started = held_writes
+    runner = make_runner("llama", cache_entries=4, cache_dir=tmp_path)  # plain K/V: blocks
+    runner.generate("a conversation to keep on disk", max_tokens=2)  # written behind
+    store, cache = runner._pool.store, runner._pool.latest.cache
+    assert store.block_tokens is not None
+    # copies of the tokens' K/V: no view keeps the entry's buffers (which it updates in place)
+    assert store.pending_bytes == cache.used_bytes < cache.nbytes
+    store.write(cache)  # evicted meanwhile: already queued
+    assert store.pending_bytes == cache.used_bytes
     release.set()
     store.flush()
     assert len(started) == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -58,6 +59,7 @@ def test_a_transient_read_error_keeps_the_file(make_runner, tmp_path, monkeypatc
     messages, _ = _chat(runner, 1)
     runner.close()
     (path,) = _files(tmp_path)
+    (record,) = runner._pool.store._records.values()
     follow_up = messages + [{"role": "user", "content": "Why?"}]
 
     def out_of_descriptors(*_args):
@@ -67,7 +69,11 @@ def test_a_transient_read_error_keeps_the_file(make_runner, tmp_path, monkeypatc
     restarted = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
     with caplog.at_level(logging.WARNING, logger="mlxkv"):
         out = restarted.generate(follow_up, max_tokens=3)
-    assert out.cached_tokens == 0 and path.exists()
+    assert out.cached_tokens == 0
+    # kept (or replaced by this turn's file, written behind, which holds its tokens too)
+    restarted._pool.store.flush()
+    held = record.tokens.tolist()
+    assert restarted.stored_prefix_tokens(held) == len(held)
     assert any("file is kept" in r.getMessage() for r in caplog.records)
     monkeypatch.undo()
     again = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
@@ -137,22 +143,32 @@ def test_a_file_that_cannot_be_removed_is_skipped_not_fatal(
     assert any("could not remove" in r.getMessage() for r in caplog.records)
 
 
-def test_a_full_disk_at_shutdown_is_one_line_saying_so(make_runner, tmp_path, monkeypatch, caplog):
+def test_a_full_disk_is_one_line_per_write_and_a_cold_prefill(
+    make_runner, tmp_path, monkeypatch, caplog
+):
     runner = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
-    _chat(runner, 1)
 
     def full(path, arrays, metadata):
         Path(path).write_bytes(b"")
         raise RuntimeError("[save_safetensors] Unable to write 4096 bytes.")
 
     monkeypatch.setattr(store_module.mx, "save_safetensors", full)
-    monkeypatch.setattr(store_module.shutil, "disk_usage", lambda _: SimpleNamespace(free=10))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=10))
     with caplog.at_level(logging.WARNING, logger="mlxkv"):
-        runner.close()  # no exception
+        messages, _ = _chat(runner, 1)  # its turn, written behind, fails
+        runner._pool.store.flush()
+        runner.close()  # the same entry again: no exception
     lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(lines) == 1 and "the disk is full (10 bytes free" in lines[0].getMessage()
-    assert lines[0].exc_info is None
+    assert len(lines) == 2, [r.getMessage() for r in lines]
+    assert all("the disk is full (10 bytes free" in r.getMessage() for r in lines)
+    assert all(r.exc_info is None for r in lines)
     assert _files(tmp_path) == []
+    monkeypatch.undo()
+    follow_up = messages + [{"role": "user", "content": "Why?"}]
+    restarted = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
+    out = restarted.generate(follow_up, max_tokens=3)
+    assert out.cached_tokens == 0
+    assert out.tokens == make_runner("llama").generate(follow_up, max_tokens=3).tokens
 
 
 def test_the_report_is_what_is_on_disk(make_runner, tmp_path):

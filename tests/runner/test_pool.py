@@ -202,6 +202,7 @@ def test_an_entry_loaded_from_disk_and_only_copied_from_is_recorded(tmp_path):
     _request(pool, [1, 2, 3, 4, 5, 6, 99, 98])
     assert len(pool.entries) == 2
     _check_entries(pool)
+    store.close()  # each request's entry was written behind: stop the writer thread
 
 
 def test_a_copy_from_an_entry_in_use_follows_what_its_cache_holds_now():

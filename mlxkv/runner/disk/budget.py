@@ -7,10 +7,19 @@ remove anything (`store.DiskStore.enforce_budget` does, through `store_files.rem
 
 from __future__ import annotations
 
+import heapq
+from collections import Counter
 from pathlib import Path
 
 from mlxkv.cache.prefix import common_prefix_length
-from mlxkv.runner.disk.files import BadFile, StoredEntry, model_directories, own_files, read_header
+from mlxkv.runner.disk.files import (
+    SUFFIX,
+    BadFile,
+    StoredEntry,
+    model_directories,
+    own_files,
+    read_header,
+)
 
 FileInfo = tuple[Path, int, int]  # (path, bytes, mtime in ns)
 
@@ -53,19 +62,45 @@ def _is_tier_file(key: tuple[str, int, int], proven: dict[tuple[str, int, int], 
 def removal_order(
     files: list[FileInfo], records: dict[str, StoredEntry], *, trimmable: bool, keep: Path | None
 ) -> list[FileInfo]:
-    """`files` in the order the budget removes them: files another file supersedes first
-    (only when every layer can trim, so the longer file serves the shorter's tokens), then the
-    least recently used; `keep` (the file just written) last, so it goes only when it alone is
-    over the budget."""
+    """`files` in the order the budget removes them: a block only after every block that
+    follows it in a chain (a prefix shared by conversations stays while any of them uses it);
+    among those free to go, files another file supersedes first (only when every layer can
+    trim, so the longer file serves the shorter's tokens), then the least recently used;
+    `keep` (the file just written) last, so it goes only when it alone is over the budget."""
     superseded = {
         name
         for name, record in records.items()
         if trimmable and any(_extends(other, record) for other in records.values())
     }
-    return sorted(files, key=lambda f: (f[0] == keep, f[0].name not in superseded, f[2]))
+    by_name = {info[0].name: info for info in files}
+    parent_of = {
+        name: records[name].parent + SUFFIX
+        for name in by_name
+        if name in records and records[name].parent
+    }
+    children = Counter(parent for parent in parent_of.values() if parent in by_name)
+
+    def order_key(info: FileInfo) -> tuple:
+        return (info[0] == keep, info[0].name not in superseded, info[2], info[0].name)
+
+    ready = [(order_key(info), info) for info in files if children[info[0].name] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, info = heapq.heappop(ready)
+        order.append(info)
+        parent = parent_of.get(info[0].name)
+        if parent is not None and parent in by_name:
+            children[parent] -= 1
+            if children[parent] == 0:
+                heapq.heappush(ready, (order_key(by_name[parent]), by_name[parent]))
+    return order
 
 
 def _extends(longer: StoredEntry, shorter: StoredEntry) -> bool:
-    return longer.num_tokens > shorter.num_tokens and (
-        common_prefix_length(longer.tokens, shorter.tokens) == shorter.num_tokens
+    """A whole entry (a block that starts its chain) holding a strict prefix of another's."""
+    return (
+        (longer.parent, longer.start) == (shorter.parent, shorter.start)
+        and (longer.num_tokens > shorter.num_tokens)
+        and (common_prefix_length(longer.tokens, shorter.tokens) == shorter.num_tokens)
     )

@@ -7,10 +7,13 @@ reading and checking a header (`read_header`, and `read_record` for the index's
 whose header says so, never a symlink, a pipe or anything named otherwise. Does not own the
 index (`store`) or the budget (`store`, `budget`).
 
-File: `<directory>/<model key>/<sha256 of the token ids>.safetensors` (16 and 32 hex digits),
-written by MLX's safetensors writer. Its header metadata holds the format, the model's
-fingerprint, the cache's layout signature and layout, the token ids, and a CRC-32 of the whole
-file (header included, its own value read as the placeholder). The model key combines
+File: `<directory>/<model key>/<block key>.safetensors` (16 and 32 hex digits), written by
+MLX's safetensors writer; one block of a chain (`chains`): the K/V of its tokens. The block key
+is the sha256 of its token ids, its salt and its parent's key, so it names every token before
+it too. Its header metadata holds the format, the model's fingerprint, the cache's layout
+signature and layout, its token ids, its parent and start, where its conversation's reply
+began, and a CRC-32 of the whole file (header included, its own value read as the
+placeholder). The model key combines
 fingerprint and signature, so models (or kv_bits settings) sharing a directory keep apart; the
 fingerprint is checked again in every file.
 """
@@ -24,6 +27,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 import struct
 import time
@@ -37,7 +41,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "mlxkv-kv-2"  # 1: the CRC covered the data alone
+FORMAT = "mlxkv-kv-3"  # 2: one file per entry, no chains; 1: the CRC covered the data alone
 FORMAT_FAMILY = "mlxkv-kv-"  # files of any version are this tier's (older ones are removed)
 SUFFIX = ".safetensors"
 _FILE_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
@@ -70,6 +74,12 @@ class StoredEntry:
         checkpoints: lengths in tokens of its checkpoints.
         salt: the isolation domain it belongs to (a digest of a request's `cache_salt`), None
             for the shared.
+        reply_start: where the reply of its last request began (tokens before it came from
+            the client; its conversation's next turn renders the rest back, maybe otherwise),
+            in tokens from the start of its chain.
+        parent: the key (file name stem) of the block before it in its chain; None for the
+            first.
+        start: where its tokens begin in its chain, in tokens.
     """
 
     path: Path
@@ -77,10 +87,17 @@ class StoredEntry:
     nbytes: int
     checkpoints: tuple[int, ...] = ()
     salt: str | None = None
+    reply_start: int = 0
+    parent: str | None = None
+    start: int = 0
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.size)
+
+    @property
+    def key(self) -> str:
+        return self.path.name.removesuffix(SUFFIX)
 
 
 class DiskStoreUnavailable(OSError):
@@ -136,12 +153,15 @@ def remove_own_file(path: Path) -> bool:
         return False
 
 
-def token_key(tokens: np.ndarray, salt: str | None = None) -> str:
-    """The file name stem for an entry holding `tokens` in `salt`'s domain: equal ids and
-    salt, equal names."""
+def token_key(tokens: np.ndarray, salt: str | None = None, parent: str | None = None) -> str:
+    """The file name stem for a block holding `tokens` in `salt`'s domain after the block
+    `parent` (None: the first of its chain): equal ids, salt and parent, equal names, so the
+    key chains every token before it (the model and cache layout are the directory's)."""
     digest = hashlib.sha256(np.asarray(tokens, dtype="<u4").tobytes())
     if salt:
         digest.update(f"\nsalt:{salt}".encode())
+    if parent:
+        digest.update(f"\nparent:{parent}".encode())
     return digest.hexdigest()[:32]
 
 
@@ -171,11 +191,20 @@ def read_header(path: Path) -> tuple[dict[str, str], int]:
 
 
 def entry_metadata(
-    fingerprint: str, signature: str, layout: dict, tokens: np.ndarray, salt: str | None
+    fingerprint: str,
+    signature: str,
+    layout: dict,
+    tokens: np.ndarray,
+    salt: str | None,
+    reply_start: int,
+    parent: str | None = None,
+    start: int = 0,
 ) -> dict[str, str]:
-    """The header metadata of an entry's file, its CRC-32 still the placeholder (`patch_crc`
+    """The header metadata of a block's file, its CRC-32 still the placeholder (`patch_crc`
     fills it in once the file is written)."""
     return {
+        "reply_start": str(reply_start),
+        **({"parent": parent, "start": str(start)} if parent else {}),
         "format": FORMAT,
         "fingerprint": fingerprint,
         "signature": signature,
@@ -206,12 +235,23 @@ def read_record(path: Path, fingerprint: str, signature: str) -> StoredEntry:
         tokens = np.frombuffer(base64.b64decode(metadata["tokens"]), dtype="<u4")
         layout = json.loads(metadata["layout"])
         checkpoints = tuple(int(point["at"]) for point in layout["checkpoints"])
+        start = int(metadata.get("start", 0))
+        reply_start = int(metadata.get("reply_start", start + tokens.size))
     except (KeyError, ValueError, TypeError) as error:
         raise BadFile(f"unreadable metadata ({error})") from error
-    salt = metadata.get("salt") or None
-    if path.name != token_key(tokens, salt) + SUFFIX:
+    salt, parent = metadata.get("salt") or None, metadata.get("parent") or None
+    if path.name != token_key(tokens, salt, parent) + SUFFIX:
         raise BadFile("its name does not match its token ids")
-    return StoredEntry(path, tokens, path.stat().st_size, checkpoints, salt)
+    return StoredEntry(
+        path,
+        tokens,
+        path.stat().st_size,
+        checkpoints,
+        salt=salt,
+        reply_start=reply_start,
+        parent=parent,
+        start=start,
+    )
 
 
 def _file_crc(file: Any, data_start: int) -> int:
@@ -241,6 +281,22 @@ def patch_crc(path: Path) -> None:
         file.write(f"{crc:08x}".encode())
         file.flush()
         os.fsync(file.fileno())
+
+
+def fsync_directory(directory: Path) -> None:
+    """Flushes `directory`'s entries (a rename just made in it) to disk, where the platform
+    allows opening a directory (it does not on Windows: the rename is then as durable as the
+    file system makes it)."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
 
 
 def check_crc(path: Path, data_start: int, metadata: dict[str, str]) -> None:
@@ -278,3 +334,17 @@ def remove_if_orphaned(path: Path) -> None:
             path.unlink()
     except (ValueError, IndexError, OSError):
         pass
+
+
+def why_unwritten(directory: Path, needed_bytes: int, error: Exception) -> str:
+    """MLX's write error with its likely cause (a full disk) spelled out."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return str(error)
+    if free < needed_bytes + 2**20:
+        return (
+            f"the disk is full ({free:,} bytes free in {directory}, "
+            f"the entry needs {needed_bytes:,})"
+        )
+    return str(error)

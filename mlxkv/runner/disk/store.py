@@ -1,9 +1,10 @@
-"""The disk tier: cache entries as safetensors files in a directory with its own byte budget.
+"""The disk tier: cache entries as chains of safetensors blocks in a directory with its own
+byte budget (a prefix conversations share is one chain of blocks, stored once).
 
-Owns: the index of files, the background writer, loading a file back into a ModelCache, and
-the directory's budget. Does not own the file format (`files`), which files count against
-the budget and go first (`budget`), or which entry goes to disk or when a load pays
-(see `pool`).
+Owns: the index of blocks, cutting an entry into blocks for the writer, loading a chain back
+into a ModelCache, and the directory's budget. Does not own the file format (`files`), chains
+(`chains`), the writer thread (`writer`), which files count against the budget and go first
+(`budget`), or which entry goes to disk or when a load pays (see `pool`).
 
 Invariants:
   - only files this tier wrote are ever removed: regular files (never a symlink, a pipe or a
@@ -14,8 +15,11 @@ Invariants:
     warning. An error that proves nothing about the file (out of file descriptors, out of
     memory) keeps it: the request prefills instead, with a warning;
   - a file appears under its final name only complete: written under a temporary name, its CRC
-    patched in, then renamed (atomic), so an interrupted write leaves at most a temporary file,
-    which indexing ignores and removes once its process is gone;
+    patched in, fsynced, then renamed (atomic) and its directory fsynced, so an interrupted
+    write leaves at most a temporary file, which indexing ignores and removes once its
+    process is gone;
+  - a block is removed once a newer one beside it holds its tokens and serves them (a
+    conversation written behind turn after turn keeps one chain), with the blocks after it;
   - two processes sharing the directory write identical content under identical names, and
     each picks up the other's new files when the directory changes.
 """
@@ -27,23 +31,28 @@ import hashlib
 import json
 import logging
 import os
-import queue
-import shutil
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.cache.serialize import arrays_to_cache, cache_to_arrays
 from mlxkv.errors import CacheStateError, NotSupportedError
-from mlxkv.platform.threads import release_streams_at_thread_exit
 from mlxkv.runner.disk.budget import removal_order, tier_files
+from mlxkv.runner.disk.chains import (
+    BLOCK_TOKENS,
+    StoredChain,
+    block_ranges,
+    cut_block,
+    cuttable,
+    join_blocks,
+    longest_chain,
+    superseded_by,
+)
 from mlxkv.runner.disk.files import (
     SUFFIX,
     BadFile,
@@ -51,6 +60,7 @@ from mlxkv.runner.disk.files import (
     check_crc,
     check_writable,
     entry_metadata,
+    fsync_directory,
     own_files,
     patch_crc,
     read_header,
@@ -59,24 +69,14 @@ from mlxkv.runner.disk.files import (
     remove_own_file,
     token_key,
     touch,
+    why_unwritten,
 )
+from mlxkv.runner.disk.writer import BackgroundWriter, WriteJob
 
 logger = logging.getLogger(__name__)
 
 # A first guess at disk read speed, replaced by measurement after the first load.
 DEFAULT_READ_BYTES_PER_S = 500 * 2**20
-
-
-@dataclass
-class _Job:
-    """A background write. `held_bytes` is the memory its arrays keep alive until written:
-    they are views of the entry's buffers, so the whole allocated buffers, not their slices'
-    `nbytes`."""
-
-    arrays: dict[str, mx.array]
-    metadata: dict[str, str]
-    name: str
-    held_bytes: int
 
 
 class DiskStore:
@@ -102,13 +102,12 @@ class DiskStore:
         self.signature = signature
         self.max_bytes = max_bytes
         self.trimmable = trimmable
+        # tokens per block where every layer is plain K/V, cut by token; else whole entries
+        self.block_tokens = BLOCK_TOKENS if trimmable and cuttable(signature) else None
         self.read_bytes_per_s = float(DEFAULT_READ_BYTES_PER_S)
         self._records: dict[str, StoredEntry] = {}
-        self._lock = threading.Lock()  # guards _records, _queued, _pending_bytes and _writer
-        self._pending_bytes = 0
-        self._queued: set[str] = set()  # names handed to the writer, not yet written
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._writer: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards _records
+        self._writer = BackgroundWriter(self._run_logged)
         self._scanned_mtime = -1
         # other models' files proven this tier's, by (path, size, mtime): read once
         self._theirs: dict[tuple[str, int, int], bool] = {}
@@ -145,150 +144,153 @@ class DiskStore:
                 self._records[path.name] = record
         remove_orphaned_temporaries(self.directory)
         with self._lock:
-            for name in set(self._records) - present - self._queued:
+            for name in set(self._records) - present - self._writer.queued_names():
                 del self._records[name]
         if complete:
             self._scanned_mtime = mtime
 
     def best(
         self, tokens: np.ndarray, limit: int, salt: str | None = None, *, rescan: bool = True
-    ) -> tuple[StoredEntry | None, int]:
-        """The file of `salt` that serves the longest prefix of `tokens` (at most `limit`
-        tokens), and that length in tokens (0 with None when none serves any). Without
+    ) -> tuple[StoredChain | None, int]:
+        """The chain of `salt`'s blocks that serves the longest prefix of `tokens` (at most
+        `limit` tokens), and that length in tokens (0 with None when none serves any). Without
         `rescan`, among the files indexed now: safe from any thread (a scan removes bad files,
         the engine thread's job), for questions that must not change the cache."""
         if rescan:
             self.refresh()
-        best, best_reuse = None, 0
         with self._lock:
             records = [r for r in self._records.values() if r.salt == salt]
-        for record in records:
-            reuse = min(common_prefix_length(record.tokens, tokens), limit)
-            if reuse < record.num_tokens and not self.trimmable:
-                reuse = max((n for n in record.checkpoints if n <= reuse), default=0)
-            if reuse > best_reuse:
-                best, best_reuse = record, reuse
-        return best, best_reuse
+        return longest_chain(records, tokens[:limit], trimmable=self.trimmable)
+
+    def block_keys(self, tokens: np.ndarray, salt: str | None = None) -> list[str]:
+        """The keys of the blocks that hold `tokens` in `salt`'s domain, first to last."""
+        keys: list[str] = []
+        for start, end in block_ranges(tokens.size, self.block_tokens):
+            keys.append(token_key(tokens[start:end], salt, keys[-1] if keys else None))
+        return keys
 
     def holds(self, tokens: np.ndarray, salt: str | None = None) -> bool:
-        """True when a file of `salt` holds exactly these tokens (written, indexed or queued
+        """True when blocks of `salt` hold exactly these tokens (written, indexed or queued
         for writing by this store)."""
-        name = token_key(tokens, salt) + SUFFIX
+        return self._written_or_queued(self.block_keys(tokens, salt)[-1] + SUFFIX)
+
+    def _written_or_queued(self, name: str) -> bool:
+        # queued first: a job leaves the queue after its record is indexed
+        if self._writer.is_queued(name):
+            return True
         with self._lock:
-            return name in self._records or name in self._queued
+            return name in self._records
 
     # -- load -----------------------------------------------------------------------------
 
-    def load(self, record: StoredEntry, empty: ModelCache) -> ModelCache | None:
-        """Fills `empty` from `record`'s file; None (the file removed, one warning) when it is
-        missing, truncated, corrupt or for another model."""
-        start = time.perf_counter()
+    def load(self, chain: StoredChain, empty: ModelCache) -> ModelCache | None:
+        """Fills `empty` from `chain`'s files; None (the bad block removed, one warning) when
+        one is missing, truncated, corrupt or for another model."""
+        started = time.perf_counter()
+        block, arrays, layout = chain.blocks[0], [], {}
         try:
-            metadata, data_start = read_header(record.path)
-            check_crc(record.path, data_start, metadata)
-            arrays = mx.load(str(record.path))
-            layout = json.loads(metadata["layout"])
-            cache = arrays_to_cache(arrays, layout, record.tokens.tolist(), empty)
+            for block in chain.blocks:
+                metadata, data_start = read_header(block.path)
+                check_crc(block.path, data_start, metadata)
+                arrays.append(mx.load(str(block.path)))
+                layout = layout or json.loads(metadata["layout"])
+            tokens = chain.tokens.tolist()
+            cache = arrays_to_cache(join_blocks(arrays), layout, tokens, empty)
             mx.eval(cache.arrays())
         except FileNotFoundError:
-            self._forget(record.path.name)
+            self._forget(block.path.name)
             return None
         except (BadFile, CacheStateError, ValueError, KeyError, TypeError, ArithmeticError) as why:
-            self._discard(record.path, why)
+            self._discard(block.path, why)
             return None
         except (OSError, RuntimeError, MemoryError) as error:  # says nothing about the file
             logger.warning(
                 "disk cache: could not read %s now (%s); prefilling instead, the file is kept",
-                record.path.name,
+                block.path.name,
                 error,
             )
             return None
-        seconds = max(time.perf_counter() - start, 1e-6)
-        self.read_bytes_per_s = record.nbytes / seconds
-        touch(record.path)
+        seconds = max(time.perf_counter() - started, 1e-6)
+        self.read_bytes_per_s = chain.nbytes / seconds
+        for block in chain.blocks:
+            touch(block.path)
         logger.debug(
-            "disk cache load tokens=%d bytes=%d seconds=%.3f",
-            record.num_tokens,
-            record.nbytes,
+            "disk cache load tokens=%d blocks=%d bytes=%d seconds=%.3f",
+            chain.num_tokens,
+            len(chain.blocks),
+            chain.nbytes,
             seconds,
         )
         return cache
 
     # -- write ----------------------------------------------------------------------------
 
-    def write(self, cache: ModelCache, *, wait: bool = False, salt: str | None = None) -> None:
+    def write(
+        self,
+        cache: ModelCache,
+        *,
+        wait: bool = False,
+        salt: str | None = None,
+        kept: bool = False,
+        reply_start: int | None = None,
+    ) -> None:
         """Saves `cache` under its token ids: in the background (the arrays stay referenced,
         and count in `pending_bytes`, until written), or now with `wait`. An entry already on
         disk, empty, larger than the budget or of a layer type that cannot be saved is
-        skipped. `salt`: the isolation domain the entry belongs to."""
+        skipped. `salt`: the isolation domain the entry belongs to. `kept`: the entry stays in
+        memory (a turn written behind as it ends), so its buffers are the pool's, not held
+        for the writer alone, and do not count in `pending_bytes`. `reply_start`: where its
+        last request's reply began (None: its end); a later file of its conversation that
+        holds the tokens before it supersedes it."""
         tokens = np.asarray(cache.tokens, dtype=np.uint32)
-        if tokens.size == 0 or self.holds(tokens, salt):
+        if tokens.size == 0:
             return
+        keys = self.block_keys(tokens, salt)
+        last = keys[-1] + SUFFIX
+        if self._writer.claim(last, 0 if kept else cache.nbytes) or self._written_or_queued(last):
+            return  # its last block is written or queued: so are the blocks before it
         try:
             arrays, layout = cache_to_arrays(cache)
         except NotSupportedError as why:
             logger.warning("disk cache: entry not saved: %s", why)
             return
         mx.eval(list(arrays.values()))  # views of evaluated buffers: cheap, and thread-free
-        nbytes = sum(a.nbytes for a in arrays.values())
-        if nbytes > self.max_bytes:
-            logger.info(
-                "disk cache: entry of %d bytes not saved; the budget is %d", nbytes, self.max_bytes
-            )
-            return
-        metadata = entry_metadata(self.fingerprint, self.signature, layout, tokens, salt)
-        job = _Job(arrays, metadata, token_key(tokens, salt) + SUFFIX, cache.nbytes)
-        if wait:
-            self._run_logged(job)
-            return
-        with self._lock:
-            self._pending_bytes += job.held_bytes
-            self._queued.add(job.name)
-            if self._writer is None:
-                self._writer = threading.Thread(
-                    target=self._write_loop, name="mlxkv-disk-writer", daemon=True
+        reply_start = tokens.size if reply_start is None else reply_start
+        parents = [None, *keys[:-1]]
+        for (start, end), key, parent in zip(
+            block_ranges(tokens.size, self.block_tokens), keys, parents, strict=True
+        ):
+            if self._written_or_queued(key + SUFFIX):
+                continue  # a prefix another conversation (or an earlier turn) wrote
+            # a block is a copy of its tokens' K/V; a whole entry (one block), views
+            block = arrays if self.block_tokens is None else cut_block(arrays, start, end)
+            mx.eval(list(block.values()))
+            nbytes = sum(a.nbytes for a in block.values())
+            if nbytes > self.max_bytes:
+                logger.info(
+                    "disk cache: %d bytes not saved; the budget is %d", nbytes, self.max_bytes
                 )
-                self._writer.start()
-        self._jobs.put(job)
+                return
+            metadata = entry_metadata(
+                self.fingerprint, self.signature, layout, tokens[start:end], salt, reply_start,
+                parent, start,
+            )  # fmt: skip
+            held_bytes = nbytes if self.block_tokens else 0 if kept else cache.nbytes
+            job = WriteJob(block, metadata, key + SUFFIX, held_bytes)
+            self._run_logged(job) if wait else self._writer.put(job)
 
     @property
-    def pending_bytes(self) -> int:
-        """Memory held by entries handed to the writer and not yet on disk."""
-        with self._lock:
-            return self._pending_bytes
+    def pending_bytes(self) -> int:  # memory held by entries handed to the writer, not written
+        return self._writer.pending_bytes
 
-    def flush(self) -> None:
-        """Waits until every background write has finished."""
-        self._jobs.join()
+    def flush(self) -> None:  # waits until every background write has finished
+        self._writer.flush()
 
     def close(self) -> None:
-        """Finishes pending writes and stops the writer thread, whose frame holds the store
-        (and so its index) alive. Safe to call twice, from any thread, the writer's own
-        included (a garbage collection there can run a Runner's finalizer); a later `write`
-        starts a new writer."""
-        with self._lock:
-            writer, self._writer = self._writer, None
-        if writer is None:
-            return
-        self._jobs.put(None)
-        if writer is not threading.current_thread():
-            writer.join()
+        """Finishes pending writes and stops the writer thread (`BackgroundWriter.close`)."""
+        self._writer.close()
 
-    def _write_loop(self) -> None:
-        release_streams_at_thread_exit()
-        while (job := self._jobs.get()) is not None:
-            try:
-                self._run_logged(job)
-            finally:
-                with self._lock:
-                    self._pending_bytes -= job.held_bytes
-                    self._queued.discard(job.name)
-                # the job's arrays (a whole entry) must not live on while this thread waits
-                del job
-                self._jobs.task_done()
-        self._jobs.task_done()
-
-    def _run_logged(self, job: _Job) -> None:
+    def _run_logged(self, job: WriteJob) -> None:
         """`_run`, a failure logged in one line: a failed write loses a cache entry, never
         the process (nor a shutdown)."""
         try:
@@ -298,7 +300,7 @@ class DiskStore:
         except Exception:
             logger.exception("disk cache: writing %s failed", job.name)
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: WriteJob) -> None:
         path = self.directory / job.name
         temporary = self.directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
         start = time.perf_counter()
@@ -306,8 +308,10 @@ class DiskStore:
             mx.save_safetensors(str(temporary), job.arrays, job.metadata)
             patch_crc(temporary)
             os.replace(temporary, path)
+            fsync_directory(self.directory)  # the rename itself survives a power cut
         except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
-            raise OSError(_why_unwritten(self.directory, job, error)) from error
+            needed_bytes = sum(a.nbytes for a in job.arrays.values())
+            raise OSError(why_unwritten(self.directory, needed_bytes, error)) from error
         finally:
             with contextlib.suppress(OSError):
                 temporary.unlink(missing_ok=True)
@@ -316,6 +320,7 @@ class DiskStore:
         )  # the index entry, as a restart would read it
         with self._lock:
             self._records[job.name] = record
+        self._remove_superseded(record)
         logger.debug(
             "disk cache write tokens=%d bytes=%d seconds=%.3f",
             record.num_tokens,
@@ -324,19 +329,26 @@ class DiskStore:
         )
         self.enforce_budget(keep=path)
 
+    def _remove_superseded(self, record: StoredEntry) -> None:
+        """Removes the blocks `record` supersedes (`chains.superseded_by`): a conversation
+        written behind turn after turn keeps one chain, not one per turn."""
+        with self._lock:
+            records = list(self._records.values())
+        for other in superseded_by(record, records, trimmable=self.trimmable):
+            if remove_own_file(other.path):
+                logger.debug("disk cache superseded file=%s", other.path.name)
+            self._forget(other.path.name)
+
     # -- budget ---------------------------------------------------------------------------
 
     def enforce_budget(self, keep: Path | None = None) -> None:
         """Removes this tier's files (of any model under `root`) until they fit in
         `max_bytes`: files another file supersedes first, then the least recently used."""
         with self._lock:
-            indexed = set(self._records)
-        files = tier_files(self.root, self.directory, indexed, self._theirs)
-        total = sum(size for _, size, _ in files)
-        if total <= self.max_bytes:
-            return
-        with self._lock:
             records = dict(self._records)
+        files = tier_files(self.root, self.directory, set(records), self._theirs)
+        if (total := sum(size for _, size, _ in files)) <= self.max_bytes:
+            return  # the order below costs more than this sum
         for path, size, _ in removal_order(files, records, trimmable=self.trimmable, keep=keep):
             if total <= self.max_bytes:
                 break
@@ -385,15 +397,3 @@ class DiskStore:
             path.name,
             why,
         )
-
-
-def _why_unwritten(directory: Path, job: _Job, error: Exception) -> str:
-    """MLX's write error with its likely cause (a full disk) spelled out."""
-    try:
-        free = shutil.disk_usage(directory).free
-    except OSError:
-        return str(error)
-    needed = sum(a.nbytes for a in job.arrays.values())
-    if free < needed + 2**20:
-        return f"the disk is full ({free:,} bytes free in {directory}, the entry needs {needed:,})"
-    return str(error)

@@ -40,7 +40,7 @@ def fit_to_budget(entry: CacheEntry, max_bytes: int, store: DiskStore | None) ->
         return True
     cache, total = entry.cache, entry.num_tokens
     if store is not None:
-        store.write(cache, salt=entry.salt)
+        store.write(cache, salt=entry.salt, reply_start=entry.reply_start)
     kept = total
     for _ in range(_FIT_ROUNDS):
         kept = cache.nearest_restorable(int(kept * _FIT_MARGIN * max_bytes / held))

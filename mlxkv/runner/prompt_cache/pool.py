@@ -2,8 +2,9 @@
 a byte budget, with an optional disk tier.
 
 Owns: for each request, which entry to generate into, how much of it to reuse and where its
-fill checkpoints; evicting entries after a request; handing evicted entries to the disk tier
-and loading them back. Does not own the file format (`store`) or any model call.
+fill checkpoints; evicting entries after a request; handing each finished turn's entry to the
+disk tier (written behind, in the background) and evicted ones too, and loading them back.
+Does not own the file format (`store`) or any model call.
 
 Terms:
   entry        a ModelCache and the token ids it holds (generated into in place; `entry`);
@@ -246,15 +247,15 @@ class CachePool:
     def _maybe_load(
         self, query: np.ndarray, limit: int, entry: CacheEntry | None, reuse: int, salt: str | None
     ) -> tuple[CacheEntry | None, int]:
-        record, disk_reuse = self.store.best(query, limit, salt)
-        if record is None or disk_reuse <= reuse:
+        chain, disk_reuse = self.store.best(query, limit, salt)
+        if chain is None or disk_reuse <= reuse:
             return entry, reuse
-        load_s = record.nbytes / self.store.read_bytes_per_s
+        load_s = chain.nbytes / self.store.read_bytes_per_s
         tps = self.prefill_tokens_per_s
         if tps is not None and load_s >= (disk_reuse - reuse) / tps:
             logger.debug("disk cache: prefilling %d tokens beats loading", disk_reuse - reuse)
             return entry, reuse
-        cache = self.store.load(record, self._make_entry())
+        cache = self.store.load(chain, self._make_entry())
         if cache is None:
             return entry, reuse
         logger.info("disk cache: loaded an entry of %d tokens", cache.num_tokens)
@@ -272,9 +273,9 @@ class CachePool:
         return entry
 
     def release(self, entry: CacheEntry) -> Holdings:
-        """Ends a request on `entry` (`PrefixHit.entry`): records what it holds, then
-        evicts to the budget. The entry is evicted last (and only when it alone is over the
-        budget); entries still in use are not evicted.
+        """Ends a request on `entry` (`PrefixHit.entry`): records what it holds, evicts to the
+        budget, and writes it behind to the disk tier. The entry is evicted last (only when it
+        alone is over the budget); entries still in use are not evicted.
 
         Returns:
             What the pool holds then (`holdings`): the request's memory line reports it.
@@ -283,6 +284,8 @@ class CachePool:
         if entry.record() == 0 and entry in self._entries:
             self._entries.remove(entry)
         self.evict(max_bytes=self.max_bytes, max_entries=self.max_entries)
+        if self.store is not None and entry in self._entries:
+            self.store.write(entry.cache, salt=entry.salt, kept=True, reply_start=entry.reply_start)
         return self.usage()
 
     def evict(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> int:
@@ -324,7 +327,7 @@ class CachePool:
         held = holdings([entry]).held_bytes
         logger.debug("prefix cache evict tokens=%d bytes=%d", entry.num_tokens, held)
         if write and self.store is not None:
-            self.store.write(entry.cache, salt=entry.salt)
+            self.store.write(entry.cache, salt=entry.salt, reply_start=entry.reply_start)
 
     def _in_use_bytes(self) -> int:
         """Bytes only the requests running now can give back (their entries, the batch)."""
@@ -387,7 +390,7 @@ class CachePool:
                     timeout_s,
                 )
                 break
-            self.store.write(entry.cache, wait=True, salt=entry.salt)
+            self.store.write(entry.cache, wait=True, salt=entry.salt, reply_start=entry.reply_start)
         self.store.flush()
 
     def clear(self) -> None:

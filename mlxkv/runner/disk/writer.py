@@ -1,0 +1,115 @@
+"""The disk tier's background writer: one thread that writes jobs in the order they came,
+off the engine thread, so a request never waits for a write.
+
+Owns `WriteJob` (a block's arrays, header metadata and file name, and the memory they keep
+alive) and `BackgroundWriter` (the queue, the thread, which names are queued and the bytes they
+hold; `flush` and `close`). Does not own what a job writes or how (`store.DiskStore`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from queue import Queue
+
+import mlx.core as mx
+
+from mlxkv.platform.threads import release_streams_at_thread_exit
+
+
+@dataclass
+class WriteJob:
+    """A background write. `held_bytes` is the memory its arrays keep alive until written and
+    no one else counts: a block's copied K/V; an evicted whole entry's views of its buffers
+    (the whole allocated buffers, not their slices' `nbytes`); 0 for an entry the pool keeps."""
+
+    arrays: dict[str, mx.array]
+    metadata: dict[str, str]
+    name: str
+    held_bytes: int
+
+
+class BackgroundWriter:
+    """Runs `run(job)` for each job put, in order, on a thread started on the first.
+
+    Args:
+        run: writes one job; logs its own failures (it must not raise).
+    """
+
+    def __init__(self, run: Callable[[WriteJob], None]):
+        self._run = run
+        self._lock = threading.Lock()  # guards _queued, _pending_bytes and _thread
+        self._queued: dict[str, WriteJob] = {}
+        self._pending_bytes = 0
+        self._jobs: Queue[WriteJob | None] = Queue()
+        self._thread: threading.Thread | None = None
+
+    def put(self, job: WriteJob) -> None:
+        with self._lock:
+            self._pending_bytes += job.held_bytes
+            self._queued[job.name] = job
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="mlxkv-disk-writer", daemon=True
+                )
+                self._thread.start()
+        self._jobs.put(job)
+
+    def is_queued(self, name: str) -> bool:
+        with self._lock:
+            return name in self._queued
+
+    def queued_names(self) -> set[str]:
+        with self._lock:
+            return set(self._queued)
+
+    def claim(self, name: str, held_bytes: int) -> bool:
+        """True when `name` is queued; a job that held nothing (its entry was kept) now counts
+        `held_bytes` (its entry was evicted before it was written: the writer alone holds it)."""
+        with self._lock:
+            job = self._queued.get(name)
+            if job is not None and job.held_bytes == 0:
+                job.held_bytes = held_bytes
+                self._pending_bytes += held_bytes
+            return job is not None
+
+    @property
+    def pending_bytes(self) -> int:
+        """Memory held by jobs not yet written."""
+        with self._lock:
+            return self._pending_bytes
+
+    def flush(self) -> None:
+        """Waits until every job put has been written (or has failed)."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Finishes pending jobs and stops the thread, whose frame holds `run`'s owner alive.
+        Safe to call twice, from any thread, its own included (a garbage collection there can
+        run a Runner's finalizer); a later `put` starts a new thread."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._jobs.put(None)
+        if thread is not threading.current_thread():
+            thread.join()
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def _loop(self) -> None:
+        release_streams_at_thread_exit()
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._run(job)
+            finally:
+                with self._lock:
+                    self._pending_bytes -= job.held_bytes
+                    self._queued.pop(job.name, None)
+                # the job's arrays must not live on while this thread waits
+                del job
+                self._jobs.task_done()
+        self._jobs.task_done()
