@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 # Shared by most configs: 2 layers, hidden 64, 4 query heads of 16 over 2 KV heads.
-_BASE: dict[str, Any] = {
+BASE_CONFIG: dict[str, Any] = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
     "intermediate_size": 128,
@@ -27,7 +27,7 @@ _BASE: dict[str, Any] = {
 }
 _WINDOW = 8  # sliding windows and attention chunks: far shorter than the sweep's prompts
 
-# Modules whose model builds from `_BASE` alone (their other settings have defaults).
+# Modules whose model builds from `BASE_CONFIG` alone (their other settings have defaults).
 _PLAIN = [
     "bailing_moe_v3",
     "cohere",
@@ -65,11 +65,11 @@ _PLAIN = [
 ]
 
 SWEEP_CONFIGS: dict[str, dict[str, Any]] = {
-    **{name: {**_BASE, "model_type": name} for name in _PLAIN},
+    **{name: {**BASE_CONFIG, "model_type": name} for name in _PLAIN},
     "gemma3n": {
         "model_type": "gemma3n",
         "text_config": {
-            **_BASE,
+            **BASE_CONFIG,
             "model_type": "gemma3n_text",
             "num_hidden_layers": 4,
             "num_kv_shared_layers": 2,  # layers 2-3 read the K/V of layers 0-1
@@ -98,7 +98,7 @@ SWEEP_CONFIGS: dict[str, dict[str, Any]] = {
     "llama4": {
         "model_type": "llama4",
         "text_config": {
-            **_BASE,
+            **BASE_CONFIG,
             "model_type": "llama4_text",
             "num_hidden_layers": 4,  # layers 0-2 chunked, layer 3 global
             "attention_bias": False,

@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlxkv.testing.architectures import SWEEP_CONFIGS
+from mlxkv.testing.architectures import BASE_CONFIG, SWEEP_CONFIGS
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -80,23 +80,11 @@ WEIGHT_SCALE = 2.0
 
 # Each entry: the config of a tiny model (2 layers, hidden 64) that runs in milliseconds on one
 # CPU core. "size" overrides scale them up for benchmarks.
-_BASE = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "rope_theta": 10000.0,
-}
 _CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": {**_BASE, "model_type": "llama"},
-    "qwen3": {**_BASE, "model_type": "qwen3"},
+    "llama": {**BASE_CONFIG, "model_type": "llama"},
+    "qwen3": {**BASE_CONFIG, "model_type": "qwen3"},
     "gemma3_text": {
-        **_BASE,
+        **BASE_CONFIG,
         "model_type": "gemma3_text",
         "num_hidden_layers": 3,
         "sliding_window": 8,
@@ -105,7 +93,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "rope_local_base_freq": 10000.0,
     },
     "spark2_5": {
-        **_BASE,
+        **BASE_CONFIG,
         "model_type": "spark2_5",
         "sliding_window": 8,
         "layer_types": ["sliding_attention", "sliding_attention"],
@@ -115,7 +103,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         },
     },
     "lfm2": {
-        **_BASE,
+        **BASE_CONFIG,
         "model_type": "lfm2",
         "num_hidden_layers": 3,
         "norm_eps": 1e-5,
