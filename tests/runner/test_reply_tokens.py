@@ -67,6 +67,17 @@ def test_another_salts_reply_is_not_taken(scripted):
     assert alice.prompt_tokens == bob.prompt_tokens + len(first.tokens) - 2
 
 
+def test_a_reply_sent_back_as_parts_is_a_clear_error_on_a_text_model(scripted):
+    """Content parts are not a generated reply's text: the prompt check says what is wrong
+    (the reply lookup must not fail first on an unhashable list)."""
+    runner = Runner(scripted, max_context=512)
+    first = runner.generate(ASK, max_tokens=20, temperature=0)
+    messages = _next_turn(first.text)
+    messages[1] = {"role": "assistant", "content": [{"type": "text", "text": first.text}]}
+    with pytest.raises(ValueError, match="message 1 needs a string 'content'"):
+        runner.encode(messages)
+
+
 def test_the_next_reply_is_what_a_runner_without_cache_computes(loaded_tiny):
     """The random model (its replies re-encode otherwise too): its log-probabilities after
     the reused reply are those of a fresh Runner given the same prompt ids."""

@@ -39,3 +39,41 @@ def test_anthropic_streamed_second_turn_reuses_the_whole_reply(served):
     messages = [*ASK, {"role": "assistant", "content": reply}, {"role": "user", "content": "Go"}]
     second = client.messages.create(model="m", messages=messages, max_tokens=2)
     assert second.usage.cache_read_input_tokens == held
+
+
+def _salted_second_turn(served, salt: str) -> list[dict]:
+    """A first turn in `salt`'s domain, and the second turn's messages with its reply sent
+    back (the module's other tests may have generated the same reply without a salt)."""
+    client = served.anthropic()
+    extra = {"cache_salt": salt}
+    first = client.messages.create(model="m", messages=ASK, max_tokens=20, extra_body=extra)
+    reply = first.content[0].text
+    return [*ASK, {"role": "assistant", "content": reply}, {"role": "user", "content": "Go"}]
+
+
+def test_anthropic_count_tokens_counts_the_reply_as_generated_in_its_salt(served):
+    messages = _salted_second_turn(served, "count")
+    client = served.anthropic()
+
+    def count(salt):
+        extra = {"cache_salt": salt}
+        return client.messages.count_tokens(model="m", messages=messages, extra_body=extra)
+
+    salted = {"cache_salt": "count"}
+    second = client.messages.create(model="m", messages=messages, max_tokens=2, extra_body=salted)
+    usage = second.usage
+    total = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    assert count("count").input_tokens == total
+    assert count("another").input_tokens < total  # there, the reply is only text
+
+
+def test_anthropic_diagnostics_see_the_reply_as_generated_in_its_salt(served):
+    messages = _salted_second_turn(served, "diagnose")
+    client = served.anthropic()
+
+    def ask(previous):
+        extra = {"cache_salt": "diagnose", "diagnostics": {"previous_message_id": previous}}
+        return client.messages.create(model="m", messages=messages, max_tokens=2, extra_body=extra)
+
+    second = ask(None)
+    assert ask(second.id).diagnostics is None  # the same prompt again: nothing missed

@@ -88,15 +88,18 @@ class ReplyTokens:
         the renders it makes."""
         if not isinstance(prompt, Sequence) or isinstance(prompt, str):
             return {}
-        texts = {
+        texts = {  # a reply sent back as content parts renders from its parts' text
             m["content"]
             for m in prompt
-            if isinstance(m, dict) and m.get("role") == "assistant" and m.get("content")
+            if isinstance(m, dict)
+            and m.get("role") == "assistant"
+            and isinstance(m.get("content"), str)
+            and m["content"]
         }
         known: dict[str, list[int]] = {}
         with self._lock:
             for text in texts:
-                found = self._ids.get((salt, text)) if isinstance(text, str) else None
+                found = self._ids.get((salt, text))
                 if found is not None:
                     self._ids.move_to_end((salt, text))
                     known[text] = found.tolist()

@@ -111,6 +111,8 @@ class PromptFields(Lenient):
     thinking: dict[str, Any] | None = None  # the template's thinking switch, where it has one
     # `previous_message_id` asks for `diagnostics.cache_miss_reason` (anthropic_api.diagnostics)
     diagnostics: dict[str, Any] | None = None
+    # As vLLM's: the request's cache domain (and replies generated within it: the prompt's ids)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     def template_switches(self) -> dict[str, Any] | None:
         return anthropic_switches(self.thinking)
@@ -180,7 +182,6 @@ class MessagesRequest(PromptFields):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     output_config: dict[str, Any] | None = None  # `format` is honoured, `effort` ignored
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # as vLLM's
 
     def sampling(self) -> dict[str, Any]:
         if self.stop_sequences is not None and not all(self.stop_sequences):

@@ -94,6 +94,7 @@ async def count_tokens(body: PromptFields, ctx: Context) -> dict[str, int]:
             messages,
             tools=body.template_tools(),
             switches=body.template_switches(),
+            cache_salt=body.cache_salt,
         )
     except ValueError as error:
         raise ApiError(400, str(error)) from error
@@ -179,8 +180,15 @@ async def _diagnostics(
     previous one (`diagnostics.previous_message_id`); None when it misses nothing."""
     runner = ctx.worker.runner
     messages, origins = body.chat_messages_with_origins()
+    # as the request will encode it: its images' bytes, its salt's generated replies
+    messages = await fetched_images(messages, ctx.fetch_images)
     tools = body.template_tools()
-    encode = functools.partial(runner.encode, tools=tools, switches=body.template_switches())
+    encode = functools.partial(
+        runner.encode,
+        tools=tools,
+        switches=body.template_switches(),
+        cache_salt=body.cache_salt,
+    )
     try:
         tokens = await run_in_threadpool(encode, messages)
     except ValueError as error:
