@@ -143,6 +143,24 @@ def test_an_entry_alone_over_the_byte_budget_keeps_its_longest_prefix_that_fits(
     assert hit.num_cached == len(kept)
 
 
+def test_a_request_released_before_a_later_one_keeps_its_prefix_that_fits():
+    """A decode batch ends its requests out of order: the one released is not the latest
+    entry (a later request's is), and alone over the budget it is fitted, not dropped."""
+    budget = 8 * LAYERS * 64
+    pool = CachePool(_make_entry, max_entries=4, max_bytes=budget)
+    early = pool.fetch_nearest(list(range(2, 22)))
+    later = pool.fetch_nearest([1, 1, 1])
+    later.entry.cache.forward(_IdWriter(), later.remaining)
+    early.entry.cache.forward(_IdWriter(), early.remaining + [22])
+    assert pool.latest is later.entry
+    pool.release(early.entry)
+    kept = early.entry.cache.tokens
+    assert early.entry in pool.entries and 0 < len(kept) < 21
+    assert kept == list(range(2, 2 + len(kept))) and early.entry.tokens.tolist() == kept
+    pool.release(later.entry)
+    _check_entries(pool)
+
+
 def test_an_entry_not_even_a_token_of_which_fits_is_evicted():
     pool = CachePool(_make_entry, max_entries=4, max_bytes=1)
     _request(pool, [2] * 20, [2])

@@ -283,7 +283,9 @@ class CachePool:
         self._in_use.pop(entry, None)
         if entry.record() == 0 and entry in self._entries:
             self._entries.remove(entry)
-        self.evict(max_bytes=self.max_bytes, max_entries=self.max_entries)
+        # fitted, not dropped, when it alone is over: it is the latest only when no request
+        # started after it (a decode batch releases out of order)
+        self._evict(self.max_entries, self.max_bytes, fit=entry)
         if self.store is not None and entry in self._entries:
             self.store.write(entry.cache, salt=entry.salt, kept=True, reply_start=entry.reply_start)
         return self.usage()
@@ -301,8 +303,15 @@ class CachePool:
         return self._evict(max_entries, max_bytes)
 
     def _evict(
-        self, max_entries: int | None, max_bytes: int | None, keep: CacheEntry | None = None
+        self,
+        max_entries: int | None,
+        max_bytes: int | None,
+        keep: CacheEntry | None = None,
+        fit: CacheEntry | None = None,
     ) -> int:
+        """`evict`, never taking `keep`, and keeping the longest prefix that fits of `fit`
+        (default: the latest entry) when it is the last one left to evict."""
+        fit = self.latest if fit is None else fit
         evicted = 0
         while True:
             over_count = max_entries is not None and len(self._entries) > max_entries
@@ -311,7 +320,7 @@ class CachePool:
             if not (over_count or over_bytes) or not candidates:
                 return evicted
             victim = min(candidates, key=lambda e: (not self._superseded(e), e.last_used))
-            if victim is self.latest and len(candidates) == 1 and not over_count:
+            if victim is fit and len(candidates) == 1 and not over_count:
                 room = max(0, max_bytes - self._in_use_bytes())
                 if not fit_to_budget(victim, room, self.store):
                     self._drop(victim, write=False)  # written to the disk tier, or broken
