@@ -1,4 +1,5 @@
-"""Images in chat messages on tiny random Qwen2-VL and Qwen2.5-VL models: answers equal
+"""Images in chat messages on a tiny random model of each family (Qwen2-VL, Qwen2.5-VL,
+Gemma 3, SmolVLM with its tiles): answers equal
 mlx-vlm's own model run without a cache, a conversation's next turn reuses the image's K/V (no
 encoder run, no prefill of its tokens), a different image at the same place stops the match
 before its first token."""
@@ -51,22 +52,33 @@ def _greedy(runner: Runner, messages: list[dict]):
 
 
 def _reference(loaded, messages: list[dict], image) -> tuple[list[int], float]:
-    """mlx-vlm's own processor and model, no cache: the whole sequence each step."""
+    """mlx-vlm's own processor and model as its `generate` calls them, no cache: the whole
+    sequence each step."""
     vlm, processor = loaded.vision.vlm, loaded.vision.processor
     bare = [{**m, "content": _without_pixels(m["content"])} for m in messages]
-    text = processor.apply_chat_template(bare, add_generation_prompt=True, tokenize=False)
-    inputs = processor(images=[image], text=[text])
-    ids = np.asarray(inputs["input_ids"]).tolist()[0]
-    pixels = mx.array(np.asarray(inputs["pixel_values"])).astype(mx.float32)
-    grid = mx.array(np.asarray(inputs["image_grid_thw"]))
+    text = processor.tokenizer.apply_chat_template(bare, add_generation_prompt=True, tokenize=False)
+    inputs = {k: mx.array(np.asarray(v)) for k, v in processor(images=[image], text=[text]).items()}
+    ids = np.asarray(inputs.pop("input_ids")).tolist()[0]
+    pixels, mask = inputs.pop("pixel_values").astype(mx.float32), inputs.pop("attention_mask")
     tokens, first_logprob = [], None
     for _ in range(MAX_TOKENS):
-        logits = vlm(mx.array([ids + tokens]), pixel_values=pixels, image_grid_thw=grid).logits
+        run = mx.array([ids + tokens])
+        mask = mx.ones(run.shape, dtype=mask.dtype)
+        embedded = vlm.get_input_embeddings(run, pixels, mask=mask, **inputs)
+        extra = {k: v for k, v in embedded.to_dict().items() if v is not None}
+        embeds = extra.pop("inputs_embeds")
+        logits = vlm.language_model(run, inputs_embeds=embeds, **extra).logits
         logprobs = logits[0, -1] - mx.logsumexp(logits[0, -1])
         token = int(mx.argmax(logprobs))
         first_logprob = float(logprobs[token]) if first_logprob is None else first_logprob
         tokens.append(token)
     return tokens, first_logprob
+
+
+def _image_end(runner: Runner, messages: list[dict]) -> int:
+    """The index after the prompt's last image token."""
+    record = runner.encode(messages)
+    return max(i for i, t in enumerate(record) if t >= PLACEHOLDER_BASE) + 1
 
 
 def _without_pixels(content):
@@ -89,7 +101,7 @@ def test_image_answers_equal_mlx_vlm_and_depend_on_the_image(loaded, images):
 
 def test_next_turn_reuses_the_image_without_encoding_or_prefilling_it(loaded, images):
     runner = Runner(loaded)
-    question = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 12
+    question = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 16
     first = _greedy(runner, _ask(images[0], question))
     runs = loaded.vision.encoder_runs
     turn2 = _ask(images[0], question) + [
@@ -98,7 +110,9 @@ def test_next_turn_reuses_the_image_without_encoding_or_prefilling_it(loaded, im
     ]
     second = _greedy(runner, turn2)
     assert loaded.vision.encoder_runs == runs, "the image's tokens came from the cache"
-    assert second.cached_tokens >= first.prompt_tokens  # the image and the question
+    # the image and the question (a windowed model resumes at its last checkpoint before the
+    # reply when the reply's text encodes otherwise)
+    assert second.cached_tokens >= _image_end(runner, turn2)
     assert second.cached_tokens >= 0.9 * second.prompt_tokens
     fresh = _greedy(Runner(loaded), turn2)
     assert second.tokens == fresh.tokens
@@ -130,11 +144,13 @@ def test_an_image_sent_again_skips_the_encoder(loaded, images):
 
 def test_a_placeholder_typed_by_the_user_stays_text(loaded, images):
     runner = Runner(loaded)
-    record = runner.encode(_ask(images[0], "<|image_pad|> <|vision_start|>"))
-    image_token_id = loaded.vision.image_token_id
-    assert image_token_id not in record
-    assert sum(t >= PLACEHOLDER_BASE for t in record) == 4  # one 56x56 image: 4 tokens
-    _greedy(runner, _ask(images[0], "<|image_pad|>"))
+    family = loaded.vision.family
+    typed = f"{family.marker} {loaded.tokenizer.convert_ids_to_tokens(family.image_token_id)}"
+    record = runner.encode(_ask(images[0], typed))
+    assert family.image_token_id not in record
+    image_tokens = family.process(images[0]).num_features  # 4, or 20 in SmolVLM's 5 tiles
+    assert sum(t >= PLACEHOLDER_BASE for t in record) == image_tokens
+    _greedy(runner, _ask(images[0], typed))
 
 
 def test_a_conversation_with_an_image_comes_back_from_disk_after_a_restart(
@@ -151,7 +167,7 @@ def test_a_conversation_with_an_image_comes_back_from_disk_after_a_restart(
     ]
     after = Runner(loaded, cache_entries=4, cache_dir=tmp_path)
     got = _greedy(after, turn2)
-    assert got.cached_tokens >= first.prompt_tokens  # the image's tokens came from disk
+    assert got.cached_tokens >= _image_end(after, turn2)  # the image's tokens came from disk
     assert got.tokens == _greedy(Runner(loaded), turn2).tokens
 
 
@@ -163,7 +179,8 @@ def test_info_says_whether_a_model_takes_images(loaded, loaded_tiny):
 
 
 def test_a_reply_with_an_image_stops_at_the_window_instead_of_shifting(loaded, images):
-    runner = Runner(loaded, max_context=40)
+    window = len(Runner(loaded).encode(_ask(images[0]))) + 8
+    runner = Runner(loaded, max_context=window)
     completion = runner.generate(_ask(images[0]), max_tokens=100, temperature=0.0)
     assert completion.finish_reason == "length"
-    assert completion.prompt_tokens + completion.generation_tokens == 40
+    assert completion.prompt_tokens + completion.generation_tokens == window
