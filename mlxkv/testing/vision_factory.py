@@ -124,7 +124,13 @@ _SMOLVLM_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
-FAMILIES = (*_QWEN, "gemma3", "smolvlm")
+# Idefics3 (SmolVLM v1 checkpoints) is SmolVLM's layout under its own names.
+_TILED = {
+    "smolvlm": ("SmolVLM", "smolvlm_vision"),
+    "idefics3": ("Idefics3", "idefics3_vision"),
+}
+
+FAMILIES = (*_QWEN, "gemma3", *_TILED)
 
 # Larger than the text factory's scale: the image must change the greedy answer
 # (tests/runner/test_vision.py checks two images give two answers).
@@ -160,7 +166,9 @@ def build_vision_model(
             f"unknown size {size!r} or family {family!r}; choose a family of "
             f"{', '.join(FAMILIES)} and a size of {', '.join(_SIZES)} (Qwen only: small)"
         )
-    write = {"gemma3": _write_gemma3, "smolvlm": _write_smolvlm}.get(family, _write_qwen)
+    write = {"gemma3": _write_gemma3, **dict.fromkeys(_TILED, _write_tiled)}.get(
+        family, _write_qwen
+    )
     config = write(out, family, size, vocab_size)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_weights(out, config, seed)
@@ -243,16 +251,18 @@ def _write_gemma3(out: Path, family: str, size: str, vocab_size: int) -> dict[st
     }
 
 
-def _write_smolvlm(out: Path, family: str, size: str, vocab_size: int) -> dict[str, Any]:
-    """SmolVLM: 56x56 tiles of 4x4 patches, pixel-shuffled 2x2 into 4 tokens each; an image
-    over 56 pixels a side is split into tiles (a 112x112 one into 2x2 and the whole: 5 runs)."""
+def _write_tiled(out: Path, family: str, size: str, vocab_size: int) -> dict[str, Any]:
+    """SmolVLM or Idefics3: an image resized to 112 pixels on its longest side and split into
+    56x56 tiles of 4x4 patches, each pixel-shuffled 2x2 into 4 tokens (a square image: 2x2
+    tiles and the whole, 5 runs of 4 tokens)."""
     _write_tokenizer(out, vocab_size, _SMOLVLM_TEMPLATE, ())
     token_ids = _add_special_tokens(out, _SMOLVLM_TOKENS)
     _set_tokenizer_config(out, eos_token="<end_of_utterance>")
     vocab = max(token_ids.values()) + 1
     text = {**BASE_CONFIG, "model_type": "llama", "vocab_size": vocab}
+    name, vision_type = _TILED[family]
     vision = {
-        "model_type": "smolvlm_vision",
+        "model_type": vision_type,
         "num_hidden_layers": 1,
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -261,8 +271,8 @@ def _write_smolvlm(out: Path, family: str, size: str, vocab_size: int) -> dict[s
         "image_size": 56,
     }
     preprocessor = {
-        "image_processor_type": "SmolVLMImageProcessor",
-        "processor_class": "SmolVLMProcessor",
+        "image_processor_type": f"{name}ImageProcessor",
+        "processor_class": f"{name}Processor",
         "do_image_splitting": True,
         "max_image_size": {"longest_edge": 56},
         "size": {"longest_edge": 112},
@@ -270,11 +280,11 @@ def _write_smolvlm(out: Path, family: str, size: str, vocab_size: int) -> dict[s
         "image_std": [0.5, 0.5, 0.5],
     }
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
-    processor = {"processor_class": "SmolVLMProcessor", "image_seq_len": 4}
+    processor = {"processor_class": f"{name}Processor", "image_seq_len": 4}
     (out / "processor_config.json").write_text(json.dumps(processor, indent=2))
     return {
         "model_type": family,
-        "architectures": ["SmolVLMForConditionalGeneration"],
+        "architectures": [f"{name}ForConditionalGeneration"],
         "text_config": text,
         "vision_config": vision,
         "vocab_size": vocab,
