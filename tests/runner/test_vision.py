@@ -129,6 +129,10 @@ def test_other_image_at_the_same_place_stops_the_match_before_it(loaded, images)
     record = runner.encode(_ask(images[1]))
     first_placeholder = next(i for i, t in enumerate(record) if t >= PLACEHOLDER_BASE)
     assert second.cached_tokens == first_placeholder
+    # every run of the image's tokens (SmolVLM: one per tile) is keyed by its pixels
+    other = runner.encode(_ask(images[0]))
+    keyed = [(a, b) for a, b in zip(other, record, strict=True) if b >= PLACEHOLDER_BASE]
+    assert keyed and all(a != b and a >= PLACEHOLDER_BASE for a, b in keyed)
     fresh = _greedy(Runner(loaded), _ask(images[1]))
     assert second.tokens == fresh.tokens
 
