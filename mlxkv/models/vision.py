@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxkv.models.vision_families import FAMILIES, ImageFamily, ProcessedImage
+from mlxkv.models.vision_families import FAMILIES, Deepstack, ImageFamily, ProcessedImage
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ class VisionSupport:
         self._features: OrderedDict[str, mx.array] = OrderedDict()
 
     def features(self, span: ImageSpan) -> mx.array:
-        """The encoder's output for an image, (feature tokens, hidden): from the cache by
+        """The encoder's output for an image, (levels, feature tokens, hidden) (see
+        `ImageFamily.encode`): from the cache by
         digest, else encoded now (on the engine thread) and kept within the byte budget."""
         cached = self._features.get(span.digest)
         if cached is not None:
@@ -112,7 +113,7 @@ class VisionSupport:
         features = self.family.encode(span.processed)
         mx.eval(features)
         self.encoder_runs += 1
-        logger.debug("vision encoder ran digest=%s rows=%d", span.digest[:12], features.shape[0])
+        logger.debug("vision encoder ran digest=%s rows=%d", span.digest[:12], features.shape[1])
         self._features[span.digest] = features
         while sum(f.nbytes for f in self._features.values()) > self.encoder_cache_bytes:
             self._features.popitem(last=False)
@@ -162,8 +163,10 @@ class VisionLanguageModel(nn.Module):
         """Token embeddings; placeholder ids embed as token 0 (their rows are replaced)."""
         return self._family.embed(mx.where(ids >= PLACEHOLDER_BASE, 0, ids))
 
-    def run(self, embeds: mx.array, ids: mx.array, cache: Any, positions: Any) -> mx.array:
-        return self._family.logits(ids, embeds, cache, positions)
+    def run(
+        self, embeds: mx.array, ids: mx.array, cache: Any, positions: Any, deep: Any = None
+    ) -> mx.array:
+        return self._family.logits(ids, embeds, cache, positions, deep)
 
 
 class ImagePrompt:
@@ -203,7 +206,7 @@ class ImagePrompt:
     def __call__(self, inputs: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
         offset, length = _offset(cache), inputs.shape[1]
         embeds = self.model.embed(inputs)
-        pieces, at = [], offset
+        pieces, deep, fed, at = [], [], [], offset
         for span in self.spans:
             row = 0
             for run_start, run_length in span.runs:
@@ -211,8 +214,10 @@ class ImagePrompt:
                 if start < end:
                     pieces += [embeds[:, at - offset : start - offset]] if start > at else []
                     first = row + start - run_start
-                    rows = self.support.features(span)[first : first + end - start]
-                    pieces.append(rows[None].astype(embeds.dtype))
+                    rows = self.support.features(span)[:, first : first + end - start]
+                    pieces.append(rows[:1].astype(embeds.dtype))
+                    deep.append(rows[1:])
+                    fed.extend(range(start - offset, end - offset))
                     at = end
                 row += run_length
         if pieces:
@@ -221,7 +226,7 @@ class ImagePrompt:
         positions = None
         if self.support.family.uses_positions:
             positions = self._positions_at(offset, length)
-        return self.model.run(embeds, inputs, cache, positions)
+        return self.model.run(embeds, inputs, cache, positions, _deepstack(deep, fed, length))
 
     def _positions_at(self, offset: int, length: int) -> mx.array:
         if self._positions is None:
@@ -242,6 +247,17 @@ class ImagePrompt:
         ids[ids >= PLACEHOLDER_BASE] = self.support.image_token_id
         inputs = [span.processed.inputs for span in self.spans]
         return self.support.family.prompt_positions(ids, inputs)
+
+
+def _deepstack(deep: list[mx.array], fed: list[int], length: int) -> Deepstack | None:
+    """The call's deepstack rows (Qwen3-VL), or None: no image rows fed, or a family
+    without deepstack levels."""
+    if not deep or deep[0].shape[0] == 0:
+        return None
+    mask = np.zeros((1, length), dtype=bool)
+    mask[0, fed] = True
+    rows = mx.concatenate(deep, axis=1)  # (levels, image tokens fed, hidden)
+    return Deepstack(mx.array(mask), [rows[level] for level in range(rows.shape[0])])
 
 
 def _offset(cache: Sequence[Any] | None) -> int:

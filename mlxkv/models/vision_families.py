@@ -63,20 +63,26 @@ class ImageFamily(abc.ABC):
         """One RGB image (PIL) through the processor."""
 
     def encode(self, processed: ProcessedImage) -> mx.array:
-        """The encoder's rows for one image, (num_features, hidden), unevaluated."""
+        """The encoder's rows for one image, (levels, num_features, hidden), unevaluated:
+        level 0 replaces the image tokens' embeddings; levels 1.. are Qwen3-VL's deepstack
+        rows, added after the first text layers."""
         ids = self.processor.tokenizer.encode(processed.text, add_special_tokens=False)
         ids = mx.array([ids])
         inputs = {k: mx.array(v) for k, v in processed.inputs.items()}
         pixels = inputs.pop("pixel_values")
         out = self.vlm.get_input_embeddings(ids, pixels, mask=mx.ones(ids.shape), **inputs)
         rows = mx.array(np.flatnonzero(np.array(ids[0]) == self.image_token_id))
-        return out.inputs_embeds[0][rows]
+        return out.inputs_embeds[0][rows][None]
 
     def embed(self, ids: mx.array) -> mx.array:
         language = self.vlm.language_model
         return getattr(language, "model", language).embed_tokens(ids)
 
-    def logits(self, ids: mx.array, embeds: mx.array, cache: Any, positions: Any) -> mx.array:
+    def logits(
+        self, ids: mx.array, embeds: mx.array, cache: Any, positions: Any, deep: Any = None
+    ) -> mx.array:
+        """The language model's logits for one call; `deep` is the call's deepstack rows
+        (`Deepstack`), None when it feeds none."""
         return self.vlm.language_model(ids, inputs_embeds=embeds, cache=cache).logits
 
     def prompt_positions(self, ids: np.ndarray, inputs: list[dict[str, np.ndarray]]) -> Any:
@@ -104,9 +110,11 @@ class QwenVL(ImageFamily):
         pixels = mx.array(processed.inputs["pixel_values"])
         pixels = pixels.astype(tower.patch_embed.proj.weight.dtype)
         grid = mx.array(processed.inputs["image_grid_thw"])
-        return tower(pixels, grid, output_hidden_states=False)
+        return tower(pixels, grid, output_hidden_states=False)[None]
 
-    def logits(self, ids: mx.array, embeds: mx.array, cache: Any, positions: Any) -> mx.array:
+    def logits(
+        self, ids: mx.array, embeds: mx.array, cache: Any, positions: Any, deep: Any = None
+    ) -> mx.array:
         out = self.vlm.language_model(ids, embeds, cache=cache, position_ids=positions)
         return out.logits
 
@@ -116,6 +124,43 @@ class QwenVL(ImageFamily):
         language = self.vlm.language_model
         positions, deltas = language.get_rope_index(mx.array(ids[None].astype(np.int32)), grids)
         return positions, int(np.asarray(deltas).reshape(-1)[0])
+
+
+@dataclass(frozen=True)
+class Deepstack:
+    """Qwen3-VL's deepstack rows for one call.
+
+    Attributes:
+        mask: (1, call tokens) bool, True where the call feeds an image token.
+        rows: per deepstack level, (image tokens fed, hidden), in the mask's order.
+    """
+
+    mask: mx.array
+    rows: list[mx.array]
+
+
+class Qwen3VL(QwenVL):
+    """Qwen3-VL: Qwen2-VL's layout (16-pixel patches) plus deepstack: the encoder also gives
+    rows from some of its blocks that are added to the image tokens' hidden states after the
+    first text layers."""
+
+    def encode(self, processed: ProcessedImage) -> mx.array:
+        tower = self.vlm.vision_tower
+        pixels = mx.array(processed.inputs["pixel_values"])
+        pixels = pixels.astype(tower.patch_embed.proj.weight.dtype)
+        features, deepstack = tower(pixels, mx.array(processed.inputs["image_grid_thw"]))
+        return mx.stack([features, *deepstack])
+
+    def logits(
+        self, ids: mx.array, embeds: mx.array, cache: Any, positions: Any, deep: Any = None
+    ) -> mx.array:
+        extra = (
+            {}
+            if deep is None
+            else {"visual_pos_masks": deep.mask, "deepstack_visual_embeds": deep.rows}
+        )
+        out = self.vlm.language_model(ids, embeds, cache=cache, position_ids=positions, **extra)
+        return out.logits
 
 
 class Gemma3(ImageFamily):
@@ -164,6 +209,7 @@ class Idefics3(ImageFamily):
 FAMILIES: dict[str, type[ImageFamily]] = {
     "qwen2_vl": QwenVL,
     "qwen2_5_vl": QwenVL,
+    "qwen3_vl": Qwen3VL,
     "gemma3": Gemma3,
     "smolvlm": Idefics3,
     "idefics3": Idefics3,

@@ -130,7 +130,7 @@ _TILED = {
     "idefics3": ("Idefics3", "idefics3_vision"),
 }
 
-FAMILIES = (*_QWEN, "gemma3", *_TILED)
+FAMILIES = (*_QWEN, "qwen3_vl", "gemma3", *_TILED)
 
 # Larger than the text factory's scale: the image must change the greedy answer
 # (tests/runner/test_vision.py checks two images give two answers).
@@ -166,9 +166,8 @@ def build_vision_model(
             f"unknown size {size!r} or family {family!r}; choose a family of "
             f"{', '.join(FAMILIES)} and a size of {', '.join(_SIZES)} (Qwen only: small)"
         )
-    write = {"gemma3": _write_gemma3, **dict.fromkeys(_TILED, _write_tiled)}.get(
-        family, _write_qwen
-    )
+    writers = {"qwen3_vl": _write_qwen3, "gemma3": _write_gemma3}
+    write = {**writers, **dict.fromkeys(_TILED, _write_tiled)}.get(family, _write_qwen)
     config = write(out, family, size, vocab_size)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_weights(out, config, seed)
@@ -193,6 +192,46 @@ def _write_qwen(out: Path, family: str, size: str, vocab_size: int) -> dict[str,
     preprocessor = {**_PREPROCESSOR, "max_pixels": max_pixels}
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     return config
+
+
+def _write_qwen3(out: Path, family: str, size: str, vocab_size: int) -> dict[str, Any]:
+    """Qwen3-VL: 16-pixel patches merged 2x2 (a 56x56 image is resized to 64x64: 4 tokens),
+    Qwen's markers and template, one deepstack level (from the first of 2 vision blocks)."""
+    qwen2 = _write_qwen(out, "qwen2_vl", size, vocab_size)
+    text = {
+        **BASE_CONFIG,
+        "model_type": family,
+        "vocab_size": qwen2["vocab_size"],
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+    }
+    vision = {
+        "model_type": family,
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [0],
+    }
+    preprocessor = {**_PREPROCESSOR, "patch_size": 16, "min_pixels": 64 * 64}
+    preprocessor.update(max_pixels=128 * 128, image_processor_type="Qwen3VLImageProcessor")
+    preprocessor.update(processor_class="Qwen3VLProcessor")
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    keep = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return {
+        "model_type": family,
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "vocab_size": qwen2["vocab_size"],
+        "eos_token_id": qwen2["eos_token_id"],
+        **{key: qwen2[key] for key in keep},
+    }
 
 
 def _write_gemma3(out: Path, family: str, size: str, vocab_size: int) -> dict[str, Any]:

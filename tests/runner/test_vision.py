@@ -188,3 +188,12 @@ def test_a_reply_with_an_image_stops_at_the_window_instead_of_shifting(loaded, i
     completion = runner.generate(_ask(images[0]), max_tokens=100, temperature=0.0)
     assert completion.finish_reason == "length"
     assert completion.prompt_tokens + completion.generation_tokens == window
+
+
+def test_an_image_fed_over_several_calls_answers_as_in_one(loaded, images):
+    """Prefill calls of 3 tokens split every image run (and SmolVLM's tiles, and Qwen3-VL's
+    deepstack rows) between calls: the answer is mlx-vlm's on the whole sequence."""
+    completion = _greedy(Runner(loaded, prefill_step_size=3), _ask(images[0]))
+    want_tokens, want_logprob = _reference(loaded, _ask(images[0]), images[0])
+    assert completion.tokens == want_tokens
+    assert completion.first_logprob == pytest.approx(want_logprob, abs=1e-3)
