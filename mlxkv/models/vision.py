@@ -2,9 +2,10 @@
 language model called the way mlxkv calls every model (`model(ids, cache=layers)`).
 
 Owns: `is_vision_model` (a config mlx-vlm must load), `load_vision_model`, `VisionSupport`
-(the processor, the image token, the encoder and its cache by image digest) and
-`VisionLanguageModel` (the language model with explicit positions) with its per-request form
-`ImagePrompt`. Does not own rendering messages into token ids (`mlxkv.runner.text.vision`) nor
+(the processor, the family's image handling, the encoder), `EncoderCache` (a Runner's encoder
+outputs by image digest, counted in its byte budget) and `VisionLanguageModel` (the language
+model with explicit positions) with its per-request form `ImagePrompt`. Does not own
+rendering messages into token ids (`mlxkv.runner.text.vision`) nor
 the prompt cache: it only reads the cache's offset.
 
 Terms:
@@ -44,8 +45,6 @@ PLACEHOLDER_BASE = 1 << 31
 VISION_MODEL_TYPES = tuple(FAMILIES)
 # The most images one prompt may hold.
 MAX_IMAGES_PER_PROMPT = 16
-# The vision encoder's outputs kept by image digest (an image sent again skips the encoder).
-ENCODER_CACHE_BYTES = 256 * 1024 * 1024
 
 
 def is_vision_model(config: dict[str, Any]) -> bool:
@@ -85,37 +84,54 @@ class ImageSpan:
 
 class VisionSupport:
     """What a vision-language model adds to a text model: its processor, its family's image
-    handling and the vision encoder with its output cache by image digest.
+    handling and the vision encoder.
 
     Args:
         vlm: mlx-vlm's model (vision tower + language model).
         processor: mlx-vlm's processor for it (image processor and tokenizer).
-        encoder_cache_bytes: the most bytes of encoder output kept by digest.
     """
 
-    def __init__(self, vlm: nn.Module, processor: Any, encoder_cache_bytes: int):
+    def __init__(self, vlm: nn.Module, processor: Any):
         self.vlm = vlm
         self.processor = processor
         self.family = FAMILIES[vlm.config.model_type](vlm, processor)
         self.image_token_id = self.family.image_token_id
-        self.encoder_cache_bytes = encoder_cache_bytes
-        self.encoder_runs = 0  # vision-encoder calls (one per image not in the cache)
+        self.encoder_runs = 0  # vision-encoder calls (one per image not in a cache)
+
+
+class EncoderCache:
+    """A Runner's vision-encoder outputs by image digest, least recently used dropped first
+    past `max_bytes`; its bytes count inside the Runner's cache budget (the pool reads
+    `nbytes`). Used on the engine thread only.
+
+    Args:
+        support: the model's vision support (its encoder).
+        max_bytes: the most bytes kept (`mlxkv.config.encoder_cache_bytes`).
+    """
+
+    def __init__(self, support: VisionSupport, max_bytes: int):
+        self.support = support
+        self.max_bytes = max_bytes
         self._features: OrderedDict[str, mx.array] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self._features.values())
 
     def features(self, span: ImageSpan) -> mx.array:
         """The encoder's output for an image, (levels, feature tokens, hidden) (see
-        `ImageFamily.encode`): from the cache by
-        digest, else encoded now (on the engine thread) and kept within the byte budget."""
+        `ImageFamily.encode`): from the cache by digest, else encoded now and kept within
+        `max_bytes`."""
         cached = self._features.get(span.digest)
         if cached is not None:
             self._features.move_to_end(span.digest)
             return cached
-        features = self.family.encode(span.processed)
+        features = self.support.family.encode(span.processed)
         mx.eval(features)
-        self.encoder_runs += 1
+        self.support.encoder_runs += 1
         logger.debug("vision encoder ran digest=%s rows=%d", span.digest[:12], features.shape[1])
         self._features[span.digest] = features
-        while sum(f.nbytes for f in self._features.values()) > self.encoder_cache_bytes:
+        while self.nbytes > self.max_bytes and self._features:
             self._features.popitem(last=False)
         return features
 
@@ -177,7 +193,7 @@ class ImagePrompt:
 
     Args:
         model: the vision model.
-        support: its `VisionSupport`.
+        encoder: the Runner's encoder-output cache (`EncoderCache`).
         prompt: the prompt's token record (placeholder ids in the images' places).
         spans: the images, in order.
     """
@@ -185,12 +201,13 @@ class ImagePrompt:
     def __init__(
         self,
         model: VisionLanguageModel,
-        support: VisionSupport,
+        encoder: EncoderCache,
         prompt: Sequence[int],
         spans: Sequence[ImageSpan],
     ):
         self.model = model
-        self.support = support
+        self.encoder = encoder
+        self.support = encoder.support
         self.spans = list(spans)
         self._prompt = list(prompt)
         self._positions: mx.array | None = None  # (3, 1, prompt tokens), made on first call
@@ -214,7 +231,7 @@ class ImagePrompt:
                 if start < end:
                     pieces += [embeds[:, at - offset : start - offset]] if start > at else []
                     first = row + start - run_start
-                    rows = self.support.features(span)[:, first : first + end - start]
+                    rows = self.encoder.features(span)[:, first : first + end - start]
                     pieces.append(rows[:1].astype(embeds.dtype))
                     deep.append(rows[1:])
                     fed.extend(range(start - offset, end - offset))
@@ -294,5 +311,5 @@ def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, An
         raise ModelLoadError(f"could not load a vision model from {path}: {error}") from error
     if getattr(tokenizer, "chat_template", None) is None:
         tokenizer._tokenizer.chat_template = getattr(processor, "chat_template", None)
-    support = VisionSupport(vlm, processor, ENCODER_CACHE_BYTES)
+    support = VisionSupport(vlm, processor)
     return VisionLanguageModel(vlm, support.family), tokenizer, support

@@ -188,11 +188,7 @@ class RequestBuilder:
         options.check()
         salt = salt_digest(options.cache_salt)
         if has_images(prompt):  # rendered by the model's processor: no reply ids taken
-            template = {"parse_control_tokens": options.parse_control_tokens}
-            template |= {"tools": options.tools, "switches": options.switches}
-            held = functools.partial(cached_prefix, salt=salt)
-            cuts = functools.partial(cut_starts, salt)
-            return self._image_request(prompt, params, options, template, salt, held, cuts)
+            return self._image_request(prompt, params, options, salt, cached_prefix, cut_starts)
         template = self._template_args(prompt, options, salt)
         tokens = self._prompts.encode(prompt, **template)
         render = functools.partial(self._prompts.render, **template)
@@ -235,22 +231,24 @@ class RequestBuilder:
         prompt: Sequence[Message],
         params: SamplingParams,
         options: RequestOptions,
-        template: dict[str, Any],
         salt: str | None,
-        cached_prefix: Callable[[Sequence[int]], int],
-        cut_starts: Callable[[], Sequence[Message]],
+        cached_prefix: Callable[..., int],
+        cut_starts: Callable[[str | None], Sequence[Message]],
     ) -> Request:
         """The request for chat messages with images. A prompt over the window is cut at
         message boundaries only (whole oldest messages after the system prompt, as a text
         chat is: never inside an image, and the kept messages' positions are those of a fresh
         prompt); it never shifts, so a reply stops at the window (max_tokens limited)."""
+        template = {"parse_control_tokens": options.parse_control_tokens}
+        template |= {"tools": options.tools, "switches": options.switches}
         encoded = self._vision.encode(prompt, **template)
         keep = self._keep if self._keep is not None else DEFAULT_KEEP_TOKENS
         cut_start = None
         if len(encoded.tokens) >= self._max_context:
             if not options.truncate:
                 self._refuse_too_long(len(encoded.tokens))
-            cut = (prompt, encoded, params, template, cached_prefix, cut_starts())
+            held = functools.partial(cached_prefix, salt=salt)
+            cut = (prompt, encoded, params, template, held, cut_starts(salt))
             encoded, first = self._image_cut(*cut)
             cut_start = prompt[first]
             prompt = leading_system_messages(prompt) + list(prompt[first:])

@@ -15,6 +15,7 @@ pytest.importorskip("mlx_vlm")
 from PIL import Image  # noqa: E402
 
 from mlxkv import Runner  # noqa: E402
+from mlxkv.config import ENCODER_CACHE_FRACTION  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
 from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
@@ -197,3 +198,21 @@ def test_an_image_fed_over_several_calls_answers_as_in_one(loaded, images):
     want_tokens, want_logprob = _reference(loaded, _ask(images[0]), images[0])
     assert completion.tokens == want_tokens
     assert completion.first_logprob == pytest.approx(want_logprob, abs=1e-3)
+
+
+def test_encoder_outputs_count_inside_the_byte_budget_and_show_in_the_memory_line(loaded, images):
+    family = loaded.vision.family
+    one = family.encode(family.process(images[0])).nbytes  # float32 rows, as the cache keeps
+    cache_bytes = int(1.5 * one / ENCODER_CACHE_FRACTION)  # the encoder's share holds one image
+    runner = Runner(loaded, cache_entries=4, cache_bytes=cache_bytes, max_context=256)
+    runs = loaded.vision.encoder_runs
+    _greedy(runner, _ask(images[0]))
+    report = runner.cache_info()
+    assert report.encoder_bytes == one
+    kv_bytes = sum(entry.allocated_bytes + entry.draft_bytes for entry in report.entries)
+    assert report.held_bytes == kv_bytes + one
+    assert "image encoder outputs" in runner.memory_line
+    _greedy(runner, _ask(images[1]))  # the first image's outputs make room for the second's
+    assert runner.cache_info().encoder_bytes == one
+    _greedy(runner, [{"role": "system", "content": "Again."}] + _ask(images[0]))
+    assert loaded.vision.encoder_runs == runs + 3
