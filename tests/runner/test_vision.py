@@ -216,3 +216,19 @@ def test_encoder_outputs_count_inside_the_byte_budget_and_show_in_the_memory_lin
     assert runner.cache_info().encoder_bytes == one
     _greedy(runner, [{"role": "system", "content": "Again."}] + _ask(images[0]))
     assert loaded.vision.encoder_runs == runs + 3
+
+
+def test_each_image_goes_through_the_processor_once_per_conversation(loaded, images, monkeypatch):
+    family = loaded.vision.family
+    calls = []
+    process = family.process
+    monkeypatch.setattr(family, "process", lambda image: calls.append(1) or process(image))
+    runner = Runner(loaded)
+    first = _greedy(runner, _ask(images[1], "a question of its own"))
+    assert len(calls) == 1  # not again for the render without the generation prompt
+    turn2 = _ask(images[1], "a question of its own") + [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And?"},
+    ]
+    _greedy(runner, turn2)
+    assert len(calls) == 1

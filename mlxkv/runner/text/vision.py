@@ -63,6 +63,10 @@ class VisionPrompts:
         self._prompts = prompts
         self._support = support
         self._model_name = model_name
+        # The last prompt's images through the processor, by digest: a request renders its
+        # prompt again (without the generation prompt; a cut's candidates), and the next turn
+        # of a conversation holds the same images. Replaced whole by each encode (atomic).
+        self._recent: dict[str, ProcessedImage] = {}
 
     def encode(
         self,
@@ -99,7 +103,9 @@ class VisionPrompts:
         if tools:
             args["tools"] = _checked_tools(tools)
         text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
-        processed = [self._support.family.process(image.image) for image in decoded]
+        recent, process = self._recent, self._support.family.process
+        processed = [recent.get(i.digest) or process(i.image) for i in decoded]
+        self._recent = {i.digest: p for i, p in zip(decoded, processed, strict=True)}
         segments = self._ids(text, tainted, [p.text for p in processed])
         return self._expanded(segments, decoded, processed)
 
