@@ -36,6 +36,7 @@ import openai
 from benchmarks.common import filler_text
 from benchmarks.serve_agent import blas_env, free_port, start_server
 from mlxkv import Runner
+from mlxkv.models.vision import EncoderCache
 from mlxkv.testing.vision_factory import build_vision_model
 
 REFERENCE = "mlx_vlm.server"
@@ -106,9 +107,8 @@ def encoder_share(model_dir: Path, reps: int) -> dict[str, float]:
         start = time.perf_counter()
         next(iter(stream_generate(vlm, processor, text, image=[image], max_tokens=1)))
         theirs.append(time.perf_counter() - start)
-        cache = runner._pool.encoder  # the Runner's encoder-output cache
+        cache = EncoderCache(loaded.vision, runner._pool.encoder.max_bytes)  # empty
         span = runner._builder._vision.encode(messages).spans[0]
-        cache._features.clear()
         start = time.perf_counter()
         runner._dispatch.call(lambda cache=cache, span=span: cache.features(span))
         encoder.append(time.perf_counter() - start)

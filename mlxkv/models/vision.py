@@ -102,7 +102,7 @@ class VisionSupport:
 class EncoderCache:
     """A Runner's vision-encoder outputs by image digest, least recently used dropped first
     past `max_bytes`; its bytes count inside the Runner's cache budget (the pool reads
-    `nbytes`). Used on the engine thread only.
+    `nbytes`, from any thread). Filled on the engine thread only.
 
     Args:
         support: the model's vision support (its encoder).
@@ -113,10 +113,11 @@ class EncoderCache:
         self.support = support
         self.max_bytes = max_bytes
         self._features: OrderedDict[str, mx.array] = OrderedDict()
+        self._nbytes = 0  # kept as a sum: the memory report reads it from other threads
 
     @property
     def nbytes(self) -> int:
-        return sum(f.nbytes for f in self._features.values())
+        return self._nbytes
 
     def features(self, span: ImageSpan) -> mx.array:
         """The encoder's output for an image, (levels, feature tokens, hidden) (see
@@ -131,8 +132,9 @@ class EncoderCache:
         self.support.encoder_runs += 1
         logger.debug("vision encoder ran digest=%s rows=%d", span.digest[:12], features.shape[1])
         self._features[span.digest] = features
-        while self.nbytes > self.max_bytes and self._features:
-            self._features.popitem(last=False)
+        self._nbytes += features.nbytes
+        while self._nbytes > self.max_bytes and self._features:
+            self._nbytes -= self._features.popitem(last=False)[1].nbytes
         return features
 
 
