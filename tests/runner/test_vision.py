@@ -180,6 +180,7 @@ def test_info_says_whether_a_model_takes_images(loaded, loaded_tiny):
     from mlxkv.models.inspect import describe
 
     assert describe(loaded)["images"].startswith("yes")
+    assert describe(loaded)["architecture"] == loaded.path.name  # the family, e.g. gemma3
     assert describe(loaded_tiny("llama"))["images"] == "no (text only)"
 
 
