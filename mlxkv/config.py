@@ -49,12 +49,26 @@ CONTEXT_MEMORY_FRACTION = 0.5
 # of memory, and at most DEFAULT_MAX_BATCH (decoding gains little past that on a laptop).
 BATCH_MEMORY_FRACTION = 0.25
 DEFAULT_MAX_BATCH = 8
+# A vision model's encoder outputs kept by image digest (an image sent again skips the
+# encoder) may take this share of `cache_bytes` (they count inside it); with no byte budget,
+# this share of the server's default budget (SERVER_MEMORY_FRACTION of memory).
+ENCODER_CACHE_FRACTION = 0.125
 
 SPECULATIVE_MODES = ("auto", "ngram", "draft", None)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def encoder_cache_bytes(cache_bytes: int | None) -> int:
+    """The most bytes a vision model's encoder-output cache keeps, for a Runner whose entries'
+    budget is `cache_bytes` (parsed; None: no budget)."""
+    if cache_bytes is None:
+        from mlxkv.platform.machine import memory_bytes
+
+        cache_bytes = int(memory_bytes() * SERVER_MEMORY_FRACTION)
+    return int(cache_bytes * ENCODER_CACHE_FRACTION)
 
 
 def check_speculative(mode: object, *, has_draft_model: bool = True) -> str | None:
@@ -172,7 +186,8 @@ class RunnerConfig(_Options):
         cache_entries: most prompt-cache entries (conversations) kept in memory; 1 keeps one
             entry and trims it in place.
         cache_bytes: the entries' byte budget (bytes, or a string such as "4GiB"), held after
-            every request; None for no limit.
+            every request; None for no limit. A vision model's encoder-output cache counts
+            inside it (at most `ENCODER_CACHE_FRACTION` of it; `encoder_cache_bytes`).
         cache_dir: a directory for the disk tier (evicted entries are written there and
             loaded back; a restart starts warm); None for none.
         cache_dir_bytes: the disk tier's byte budget.

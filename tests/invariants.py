@@ -64,7 +64,7 @@ def _figures(footprint) -> tuple | None:
 def _assert_same_as_fresh_prefill(runner, cache, tokens: list[int], images: tuple) -> None:
     model = runner.loaded.model
     if images:  # the prompt's images spliced in, at its M-RoPE positions
-        model = ImagePrompt(model, runner.loaded.vision, tokens, images)
+        model = ImagePrompt(model, runner.pool.encoder, tokens, images)
     config = runner.config
     fresh = make_cache(model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
     probe = [tokens[-1]]

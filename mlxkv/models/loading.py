@@ -104,7 +104,8 @@ def _load_vision(path: Path, config: dict[str, Any]) -> LoadedModel:
     if not on_gpu():
         model.set_dtype(mx.float32)
     materialize(model)
-    text_config = {**config, **config.get("text_config", {})}
+    # the language model's settings, named by the whole model's type (gemma3, not gemma3_text)
+    text_config = {**config, **config.get("text_config", {}), "model_type": config["model_type"]}
     logger.info("loaded vision model path=%s type=%s", path, config.get("model_type"))
     return LoadedModel(
         model=model, tokenizer=tokenizer, config=text_config, path=path, vision=vision

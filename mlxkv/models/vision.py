@@ -2,9 +2,10 @@
 language model called the way mlxkv calls every model (`model(ids, cache=layers)`).
 
 Owns: `is_vision_model` (a config mlx-vlm must load), `load_vision_model`, `VisionSupport`
-(the processor, the image token, the encoder and its cache by image digest) and
-`VisionLanguageModel` (the language model with explicit positions) with its per-request form
-`ImagePrompt`. Does not own rendering messages into token ids (`mlxkv.runner.text.vision`) nor
+(the processor, the family's image handling, the encoder), `EncoderCache` (a Runner's encoder
+outputs by image digest, counted in its byte budget) and `VisionLanguageModel` (the language
+model with explicit positions) with its per-request form `ImagePrompt`. Does not own
+rendering messages into token ids (`mlxkv.runner.text.vision`) nor
 the prompt cache: it only reads the cache's offset.
 
 Terms:
@@ -35,15 +36,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlxkv.models.vision_families import FAMILIES, Deepstack, ImageFamily, ProcessedImage
+
 logger = logging.getLogger(__name__)
 
 PLACEHOLDER_BASE = 1 << 31
 # Architectures loaded through mlx-vlm (their checkpoints hold a vision tower).
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VISION_MODEL_TYPES = tuple(FAMILIES)
 # The most images one prompt may hold.
 MAX_IMAGES_PER_PROMPT = 16
-# The vision encoder's outputs kept by image digest (an image sent again skips the encoder).
-ENCODER_CACHE_BYTES = 256 * 1024 * 1024
 
 
 def is_vision_model(config: dict[str, Any]) -> bool:
@@ -62,18 +63,19 @@ class ImageSpan:
     """One image's place in a prompt.
 
     Attributes:
-        start: index of its first token in the prompt.
-        num_tokens: tokens it takes (its encoder's output rows).
+        start: index of its first token in the prompt (its expansion's first feature token).
+        num_tokens: tokens from `start` to its last feature token (text between runs included).
         digest: its pixels' digest (`images.DecodedImage.digest`).
-        pixel_values: the processor's patches, (patches, channels x patch area), float32.
-        grid_thw: (time, height, width) in patches.
+        processed: the processor's output for it (`vision_families.ProcessedImage`).
+        runs: (start, length) of each run of feature tokens in the prompt, in order; the
+            encoder's rows fill them in that order.
     """
 
     start: int
     num_tokens: int
     digest: str
-    pixel_values: np.ndarray
-    grid_thw: tuple[int, int, int]
+    processed: ProcessedImage
+    runs: tuple[tuple[int, int], ...]
 
     @property
     def end(self) -> int:
@@ -81,85 +83,119 @@ class ImageSpan:
 
 
 class VisionSupport:
-    """What a vision-language model adds to a text model: its processor and vision encoder.
+    """What a vision-language model adds to a text model: its processor, its family's image
+    handling and the vision encoder.
 
     Args:
         vlm: mlx-vlm's model (vision tower + language model).
         processor: mlx-vlm's processor for it (image processor and tokenizer).
-        encoder_cache_bytes: the most bytes of encoder output kept by digest.
     """
 
-    def __init__(self, vlm: nn.Module, processor: Any, encoder_cache_bytes: int):
+    def __init__(self, vlm: nn.Module, processor: Any):
         self.vlm = vlm
         self.processor = processor
-        self.image_token_id = int(vlm.config.image_token_id)
-        self.merge_size = int(vlm.config.vision_config.spatial_merge_size)
-        self.encoder_cache_bytes = encoder_cache_bytes
-        self.encoder_runs = 0  # vision-encoder calls (one per image not in the cache)
-        self._features: OrderedDict[str, mx.array] = OrderedDict()
+        self.family = FAMILIES[vlm.config.model_type](vlm, processor)
+        self.image_token_id = self.family.image_token_id
+        self.encoder_runs = 0  # vision-encoder calls (one per image not in a cache)
 
-    def patches(self, image: Any) -> tuple[np.ndarray, tuple[int, int, int], int]:
-        """The processor's patches for one RGB image, its grid and its token count."""
-        out = self.processor.image_processor(images=[image])
-        grid = tuple(int(x) for x in np.asarray(out["image_grid_thw"]).reshape(-1)[:3])
-        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-        return pixels, grid, int(np.prod(grid)) // self.merge_size**2
+
+class EncoderCache:
+    """A Runner's vision-encoder outputs by image digest, least recently used dropped first
+    past `max_bytes`; its bytes count inside the Runner's cache budget (the pool reads
+    `nbytes`, from any thread). Filled on the engine thread only.
+
+    Args:
+        support: the model's vision support (its encoder).
+        max_bytes: the most bytes kept (`mlxkv.config.encoder_cache_bytes`).
+    """
+
+    def __init__(self, support: VisionSupport, max_bytes: int):
+        self.support = support
+        self.max_bytes = max_bytes
+        self._features: OrderedDict[str, mx.array] = OrderedDict()
+        self._nbytes = 0  # kept as a sum: the memory report reads it from other threads
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
 
     def features(self, span: ImageSpan) -> mx.array:
-        """The encoder's output for an image, (num_tokens, hidden): from the cache by digest,
-        else encoded now (on the engine thread) and kept within the byte budget."""
+        """The encoder's output for an image, (levels, feature tokens, hidden) (see
+        `ImageFamily.encode`): from the cache by digest, else encoded now and kept within
+        `max_bytes`."""
         cached = self._features.get(span.digest)
         if cached is not None:
             self._features.move_to_end(span.digest)
             return cached
-        tower = self.vlm.vision_tower
-        pixels = mx.array(span.pixel_values).astype(tower.patch_embed.proj.weight.dtype)
-        features = tower(pixels, mx.array([span.grid_thw]), output_hidden_states=False)
+        features = self.support.family.encode(span.processed)
         mx.eval(features)
-        self.encoder_runs += 1
-        logger.debug("vision encoder ran digest=%s tokens=%d", span.digest[:12], span.num_tokens)
+        self.support.encoder_runs += 1
+        logger.debug("vision encoder ran digest=%s rows=%d", span.digest[:12], features.shape[1])
         self._features[span.digest] = features
-        while sum(f.nbytes for f in self._features.values()) > self.encoder_cache_bytes:
-            self._features.popitem(last=False)
+        self._nbytes += features.nbytes
+        while self._nbytes > self.max_bytes and self._features:
+            self._nbytes -= self._features.popitem(last=False)[1].nbytes
         return features
 
 
 class VisionLanguageModel(nn.Module):
     """mlx-vlm's language model called as mlxkv calls every model: `model(ids, cache=layers)`
-    with text ids only, positions 1-D in all three M-RoPE axes (what a text-only prompt gets).
-    A prompt with images runs through `ImagePrompt` instead."""
+    with text ids only (for M-RoPE, positions 1-D in all three axes: what a text-only prompt
+    gets). A prompt with images runs through `ImagePrompt` instead."""
 
-    def __init__(self, vlm: nn.Module):
+    def __init__(self, vlm: nn.Module, family: ImageFamily):
         super().__init__()
         self.vlm = vlm
+        self._family = family
 
     @property
     def layers(self) -> list[nn.Module]:
-        return self.vlm.language_model.model.layers
+        return self.vlm.layers
+
+    def make_cache(self) -> list[Any]:
+        """mlx-lm's caches in the layout of mlx-vlm's own (sliding-window layers for Gemma 3),
+        which mlxkv's cache building knows."""
+        from mlx_lm.models import cache as lm_cache
+
+        from mlxkv.errors import NotSupportedError
+
+        make = getattr(self.vlm.language_model, "make_cache", None)
+        layers = []
+        for layer in make() if make else [None] * len(self.layers):
+            kind = type(layer).__name__
+            if layer is None or kind == "KVCache":
+                layers.append(lm_cache.KVCache())
+            elif kind == "RotatingKVCache":
+                layers.append(lm_cache.RotatingKVCache(layer.max_size, keep=layer.keep))
+            else:
+                raise NotSupportedError(f"a vision model's {kind} layers are not handled yet")
+        return layers
 
     def __call__(self, inputs: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
-        offset = _offset(cache)
-        return self.run(self.embed(inputs), inputs, cache, _text_positions(offset, inputs.shape[1]))
+        positions = None
+        if self._family.uses_positions:
+            positions = _text_positions(_offset(cache), inputs.shape[1])
+        return self.run(self.embed(inputs), inputs, cache, positions)
 
     def embed(self, ids: mx.array) -> mx.array:
         """Token embeddings; placeholder ids embed as token 0 (their rows are replaced)."""
-        safe = mx.where(ids >= PLACEHOLDER_BASE, 0, ids)
-        return self.vlm.language_model.model.embed_tokens(safe)
+        return self._family.embed(mx.where(ids >= PLACEHOLDER_BASE, 0, ids))
 
-    def run(self, embeds: mx.array, ids: mx.array, cache: Any, positions: mx.array) -> mx.array:
-        out = self.vlm.language_model(ids, embeds, cache=cache, position_ids=positions)
-        return out.logits
+    def run(
+        self, embeds: mx.array, ids: mx.array, cache: Any, positions: Any, deep: Any = None
+    ) -> mx.array:
+        return self._family.logits(ids, embeds, cache, positions, deep)
 
 
 class ImagePrompt:
     """A vision model bound to one prompt with images: called like the model, it splices the
-    encoder's output over each image's placeholders and gives the prompt's M-RoPE positions
-    (after the prompt: the last position plus one per token). The encoder runs only for an
-    image whose tokens a call feeds (not for images in a reused prefix).
+    encoder's output over each image's feature tokens and, for M-RoPE, gives the prompt's
+    positions (after the prompt: the last position plus one per token). The encoder runs only
+    for an image whose tokens a call feeds (not for images in a reused prefix).
 
     Args:
         model: the vision model.
-        support: its `VisionSupport`.
+        encoder: the Runner's encoder-output cache (`EncoderCache`).
         prompt: the prompt's token record (placeholder ids in the images' places).
         spans: the images, in order.
     """
@@ -167,12 +203,13 @@ class ImagePrompt:
     def __init__(
         self,
         model: VisionLanguageModel,
-        support: VisionSupport,
+        encoder: EncoderCache,
         prompt: Sequence[int],
         spans: Sequence[ImageSpan],
     ):
         self.model = model
-        self.support = support
+        self.encoder = encoder
+        self.support = encoder.support
         self.spans = list(spans)
         self._prompt = list(prompt)
         self._positions: mx.array | None = None  # (3, 1, prompt tokens), made on first call
@@ -182,22 +219,33 @@ class ImagePrompt:
     def layers(self) -> list[nn.Module]:
         return self.model.layers
 
+    def make_cache(self) -> list[Any]:
+        return self.model.make_cache()
+
     def __call__(self, inputs: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
         offset, length = _offset(cache), inputs.shape[1]
         embeds = self.model.embed(inputs)
-        pieces, at = [], offset
+        pieces, deep, fed, at = [], [], [], offset
         for span in self.spans:
-            start, end = max(span.start, offset), min(span.end, offset + length)
-            if start >= end:
-                continue
-            pieces += [embeds[:, at - offset : start - offset]] if start > at else []
-            rows = self.support.features(span)[start - span.start : end - span.start]
-            pieces.append(rows[None].astype(embeds.dtype))
-            at = end
+            row = 0
+            for run_start, run_length in span.runs:
+                start, end = max(run_start, offset), min(run_start + run_length, offset + length)
+                if start < end:
+                    pieces += [embeds[:, at - offset : start - offset]] if start > at else []
+                    first = row + start - run_start
+                    rows = self.encoder.features(span)[:, first : first + end - start]
+                    pieces.append(rows[:1].astype(embeds.dtype))
+                    deep.append(rows[1:])
+                    fed.extend(range(start - offset, end - offset))
+                    at = end
+                row += run_length
         if pieces:
             pieces.append(embeds[:, at - offset :])
             embeds = mx.concatenate(pieces, axis=1)
-        return self.model.run(embeds, inputs, cache, self._positions_at(offset, length))
+        positions = None
+        if self.support.family.uses_positions:
+            positions = self._positions_at(offset, length)
+        return self.model.run(embeds, inputs, cache, positions, _deepstack(deep, fed, length))
 
     def _positions_at(self, offset: int, length: int) -> mx.array:
         if self._positions is None:
@@ -212,14 +260,23 @@ class ImagePrompt:
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
     def _prompt_positions(self) -> tuple[mx.array, int]:
-        """The prompt's M-RoPE positions (mlx-vlm's own `get_rope_index`) and the shift of
-        the tokens after it (their position minus their index)."""
+        """The prompt's M-RoPE positions (the family's, from mlx-vlm's own `get_rope_index`)
+        and the shift of the tokens after it (their position minus their index)."""
         ids = np.array(self._prompt, dtype=np.int64)
         ids[ids >= PLACEHOLDER_BASE] = self.support.image_token_id
-        grids = mx.array([span.grid_thw for span in self.spans])
-        language = self.model.vlm.language_model
-        positions, deltas = language.get_rope_index(mx.array(ids[None].astype(np.int32)), grids)
-        return positions, int(np.asarray(deltas).reshape(-1)[0])
+        inputs = [span.processed.inputs for span in self.spans]
+        return self.support.family.prompt_positions(ids, inputs)
+
+
+def _deepstack(deep: list[mx.array], fed: list[int], length: int) -> Deepstack | None:
+    """The call's deepstack rows (Qwen3-VL), or None: no image rows fed, or a family
+    without deepstack levels."""
+    if not deep or deep[0].shape[0] == 0:
+        return None
+    mask = np.zeros((1, length), dtype=bool)
+    mask[0, fed] = True
+    rows = mx.concatenate(deep, axis=1)  # (levels, image tokens fed, hidden)
+    return Deepstack(mx.array(mask), [rows[level] for level in range(rows.shape[0])])
 
 
 def _offset(cache: Sequence[Any] | None) -> int:
@@ -256,5 +313,5 @@ def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, An
         raise ModelLoadError(f"could not load a vision model from {path}: {error}") from error
     if getattr(tokenizer, "chat_template", None) is None:
         tokenizer._tokenizer.chat_template = getattr(processor, "chat_template", None)
-    support = VisionSupport(vlm, processor, ENCODER_CACHE_BYTES)
-    return VisionLanguageModel(vlm), tokenizer, support
+    support = VisionSupport(vlm, processor)
+    return VisionLanguageModel(vlm, support.family), tokenizer, support

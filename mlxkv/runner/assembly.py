@@ -25,11 +25,13 @@ from mlxkv.config import (
     CONTEXT_MEMORY_FRACTION,
     DEFAULT_MAX_BATCH,
     RunnerConfig,
+    encoder_cache_bytes,
     format_bytes,
 )
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel
+from mlxkv.models.vision import EncoderCache
 from mlxkv.platform.machine import memory_bytes
 from mlxkv.runner.disk.files import DiskStoreUnavailable
 from mlxkv.runner.disk.store import DiskStore
@@ -62,9 +64,12 @@ def make_pool(
             )
         except DiskStoreUnavailable as error:
             logger.warning("disk tier off: %s; entries live in memory only", error)
-    return CachePool(
+    pool = CachePool(
         make_entry, max_entries=config.cache_entries, max_bytes=config.cache_bytes, store=store
     )
+    if loaded.vision is not None:  # its outputs count inside the entries' budget
+        pool.encoder = EncoderCache(loaded.vision, encoder_cache_bytes(config.cache_bytes))
+    return pool
 
 
 def size_window(

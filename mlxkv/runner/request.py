@@ -27,9 +27,17 @@ from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import ContextLengthError, check_int
 from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt
-from mlxkv.runner.text.prompt import Landmarks, Message, Prompt, PromptEncoder, Render, Tools
+from mlxkv.runner.text.prompt import (
+    Landmarks,
+    Message,
+    Prompt,
+    PromptEncoder,
+    Render,
+    Tools,
+    leading_system_messages,
+)
 from mlxkv.runner.text.replies import replies_for
-from mlxkv.runner.text.vision import VisionPrompts, has_images
+from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images
 
 logger = logging.getLogger(__name__)
 
@@ -180,9 +188,7 @@ class RequestBuilder:
         options.check()
         salt = salt_digest(options.cache_salt)
         if has_images(prompt):  # rendered by the model's processor: no reply ids taken
-            template = {"parse_control_tokens": options.parse_control_tokens}
-            template |= {"tools": options.tools, "switches": options.switches}
-            return self._image_request(prompt, params, options, template, salt)
+            return self._image_request(prompt, params, options, salt, cached_prefix, cut_starts)
         template = self._template_args(prompt, options, salt)
         tokens = self._prompts.encode(prompt, **template)
         render = functools.partial(self._prompts.render, **template)
@@ -225,21 +231,34 @@ class RequestBuilder:
         prompt: Sequence[Message],
         params: SamplingParams,
         options: RequestOptions,
-        template: dict[str, Any],
         salt: str | None,
+        cached_prefix: Callable[..., int],
+        cut_starts: Callable[[str | None], Sequence[Message]],
     ) -> Request:
-        """The request for chat messages with images. Never cut: a cut inside an image, or
-        M-RoPE positions moved by a cut, cannot be exact, so a prompt over the window is
-        refused (`ContextLengthError`)."""
+        """The request for chat messages with images. A prompt over the window is cut at
+        message boundaries only (whole oldest messages after the system prompt, as a text
+        chat is: never inside an image, and the kept messages' positions are those of a fresh
+        prompt); it never shifts, so a reply stops at the window (max_tokens limited)."""
+        template = {"parse_control_tokens": options.parse_control_tokens}
+        template |= {"tools": options.tools, "switches": options.switches}
         encoded = self._vision.encode(prompt, **template)
+        keep = self._keep if self._keep is not None else DEFAULT_KEEP_TOKENS
+        cut_start = None
+        if len(encoded.tokens) >= self._max_context:
+            if not options.truncate:
+                self._refuse_too_long(len(encoded.tokens))
+            held = functools.partial(cached_prefix, salt=salt)
+            cut = (prompt, encoded, params, template, held, cut_starts(salt))
+            encoded, first = self._image_cut(*cut)
+            cut_start = prompt[first]
+            prompt = leading_system_messages(prompt) + list(prompt[first:])
         tokens = encoded.tokens
-        if len(tokens) >= self._max_context:
-            self._refuse_too_long(len(tokens))
+        keep = min(keep, len(tokens))
         fitted = self._fit_max_tokens(params, len(tokens), _no_shift(options.overflow))
         if fitted.max_tokens < params.max_tokens:
             logger.info(
-                "reply with images limited to the window: max_tokens=%d (asked %d); a context "
-                "shift cannot keep M-RoPE positions exact",
+                "reply with images limited to the window: max_tokens=%d (asked %d); images "
+                "are never shifted out mid-reply (a cut inside an image cannot be exact)",
                 fitted.max_tokens,
                 params.max_tokens,
             )
@@ -249,7 +268,7 @@ class RequestBuilder:
             check_grammar(options.grammar, self._prompts.tokenizer)
         return Request(
             tokens=tokens,
-            keep=self._keep if self._keep is not None else min(DEFAULT_KEEP_TOKENS, len(tokens)),
+            keep=keep,
             header_tokens=header,
             params=fitted,
             progress=options.progress,
@@ -258,10 +277,48 @@ class RequestBuilder:
             cache_key=options.cache_key,
             # drafts would see placeholder ids; verified decoding has no image path
             speculative=None,
+            cut_start=cut_start,
             grammar=options.grammar,
             cache_salt=salt,
             images=encoded.spans,
         )
+
+    def _image_cut(
+        self,
+        prompt: Sequence[Message],
+        encoded: ImageTokens,
+        params: SamplingParams,
+        template: dict[str, Any],
+        cached_prefix: Callable[[Sequence[int]], int],
+        cut_starts: Sequence[Message],
+    ) -> tuple[ImageTokens, int]:
+        """A prompt with images cut to the window: whole messages dropped as `fit_prompt`
+        drops a text chat's (with room left to answer), re-rendered through the processor.
+
+        Raises:
+            ContextLengthError: the last user message with the system prompt does not fit.
+        """
+        system = leading_system_messages(prompt)
+        renders: dict[int, ImageTokens] = {}
+
+        def render(messages: Sequence[Message]) -> list[int]:
+            first = len(prompt) - len(messages) + len(system)
+            renders[first] = self._vision.encode(messages, **template)
+            return renders[first].tokens
+
+        budget = self._max_context - max(1, min(params.max_tokens, self._max_context // 4))
+        chat = self._chat_cut(prompt, system, render, cut_starts)
+        fitted = fit_prompt(encoded.tokens, budget, 1, cached_prefix=cached_prefix, chat=chat)
+        first = fitted.first_message
+        logger.info(
+            "context: a prompt with images cut at message %d of %d: %d of %d tokens kept "
+            "(whole messages only; images are never split)",
+            first,
+            len(prompt),
+            len(fitted.tokens),
+            len(encoded.tokens),
+        )
+        return renders[first], first
 
     def encode(
         self,

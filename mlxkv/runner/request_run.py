@@ -184,7 +184,7 @@ def _with_images(
         return context, batching
     if not request.images:
         return context, None
-    bound = ImagePrompt(loaded.model, loaded.vision, request.tokens, request.images)
+    bound = ImagePrompt(loaded.model, context.pool.encoder, request.tokens, request.images)
     return dataclasses.replace(context, loaded=dataclasses.replace(loaded, model=bound)), None
 
 

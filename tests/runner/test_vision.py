@@ -1,4 +1,5 @@
-"""Images in chat messages on tiny random Qwen2-VL and Qwen2.5-VL models: answers equal
+"""Images in chat messages on a tiny random model of each family (Qwen2-VL, Qwen2.5-VL,
+Gemma 3, SmolVLM with its tiles): answers equal
 mlx-vlm's own model run without a cache, a conversation's next turn reuses the image's K/V (no
 encoder run, no prefill of its tokens), a different image at the same place stops the match
 before its first token."""
@@ -14,6 +15,7 @@ pytest.importorskip("mlx_vlm")
 from PIL import Image  # noqa: E402
 
 from mlxkv import Runner  # noqa: E402
+from mlxkv.config import ENCODER_CACHE_FRACTION  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
 from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
@@ -51,22 +53,33 @@ def _greedy(runner: Runner, messages: list[dict]):
 
 
 def _reference(loaded, messages: list[dict], image) -> tuple[list[int], float]:
-    """mlx-vlm's own processor and model, no cache: the whole sequence each step."""
+    """mlx-vlm's own processor and model as its `generate` calls them, no cache: the whole
+    sequence each step."""
     vlm, processor = loaded.vision.vlm, loaded.vision.processor
     bare = [{**m, "content": _without_pixels(m["content"])} for m in messages]
-    text = processor.apply_chat_template(bare, add_generation_prompt=True, tokenize=False)
-    inputs = processor(images=[image], text=[text])
-    ids = np.asarray(inputs["input_ids"]).tolist()[0]
-    pixels = mx.array(np.asarray(inputs["pixel_values"])).astype(mx.float32)
-    grid = mx.array(np.asarray(inputs["image_grid_thw"]))
+    text = processor.tokenizer.apply_chat_template(bare, add_generation_prompt=True, tokenize=False)
+    inputs = {k: mx.array(np.asarray(v)) for k, v in processor(images=[image], text=[text]).items()}
+    ids = np.asarray(inputs.pop("input_ids")).tolist()[0]
+    pixels, mask = inputs.pop("pixel_values").astype(mx.float32), inputs.pop("attention_mask")
     tokens, first_logprob = [], None
     for _ in range(MAX_TOKENS):
-        logits = vlm(mx.array([ids + tokens]), pixel_values=pixels, image_grid_thw=grid).logits
+        run = mx.array([ids + tokens])
+        mask = mx.ones(run.shape, dtype=mask.dtype)
+        embedded = vlm.get_input_embeddings(run, pixels, mask=mask, **inputs)
+        extra = {k: v for k, v in embedded.to_dict().items() if v is not None}
+        embeds = extra.pop("inputs_embeds")
+        logits = vlm.language_model(run, inputs_embeds=embeds, **extra).logits
         logprobs = logits[0, -1] - mx.logsumexp(logits[0, -1])
         token = int(mx.argmax(logprobs))
         first_logprob = float(logprobs[token]) if first_logprob is None else first_logprob
         tokens.append(token)
     return tokens, first_logprob
+
+
+def _image_end(runner: Runner, messages: list[dict]) -> int:
+    """The index after the prompt's last image token."""
+    record = runner.encode(messages)
+    return max(i for i, t in enumerate(record) if t >= PLACEHOLDER_BASE) + 1
 
 
 def _without_pixels(content):
@@ -89,7 +102,7 @@ def test_image_answers_equal_mlx_vlm_and_depend_on_the_image(loaded, images):
 
 def test_next_turn_reuses_the_image_without_encoding_or_prefilling_it(loaded, images):
     runner = Runner(loaded)
-    question = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 12
+    question = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 16
     first = _greedy(runner, _ask(images[0], question))
     runs = loaded.vision.encoder_runs
     turn2 = _ask(images[0], question) + [
@@ -98,7 +111,9 @@ def test_next_turn_reuses_the_image_without_encoding_or_prefilling_it(loaded, im
     ]
     second = _greedy(runner, turn2)
     assert loaded.vision.encoder_runs == runs, "the image's tokens came from the cache"
-    assert second.cached_tokens >= first.prompt_tokens  # the image and the question
+    # the image and the question (a windowed model resumes at its last checkpoint before the
+    # reply when the reply's text encodes otherwise)
+    assert second.cached_tokens >= _image_end(runner, turn2)
     assert second.cached_tokens >= 0.9 * second.prompt_tokens
     fresh = _greedy(Runner(loaded), turn2)
     assert second.tokens == fresh.tokens
@@ -115,6 +130,10 @@ def test_other_image_at_the_same_place_stops_the_match_before_it(loaded, images)
     record = runner.encode(_ask(images[1]))
     first_placeholder = next(i for i, t in enumerate(record) if t >= PLACEHOLDER_BASE)
     assert second.cached_tokens == first_placeholder
+    # every run of the image's tokens (SmolVLM: one per tile) is keyed by its pixels
+    other = runner.encode(_ask(images[0]))
+    keyed = [(a, b) for a, b in zip(other, record, strict=True) if b >= PLACEHOLDER_BASE]
+    assert keyed and all(a != b and a >= PLACEHOLDER_BASE for a, b in keyed)
     fresh = _greedy(Runner(loaded), _ask(images[1]))
     assert second.tokens == fresh.tokens
 
@@ -130,11 +149,13 @@ def test_an_image_sent_again_skips_the_encoder(loaded, images):
 
 def test_a_placeholder_typed_by_the_user_stays_text(loaded, images):
     runner = Runner(loaded)
-    record = runner.encode(_ask(images[0], "<|image_pad|> <|vision_start|>"))
-    image_token_id = loaded.vision.image_token_id
-    assert image_token_id not in record
-    assert sum(t >= PLACEHOLDER_BASE for t in record) == 4  # one 56x56 image: 4 tokens
-    _greedy(runner, _ask(images[0], "<|image_pad|>"))
+    family = loaded.vision.family
+    typed = f"{family.marker} {loaded.tokenizer.convert_ids_to_tokens(family.image_token_id)}"
+    record = runner.encode(_ask(images[0], typed))
+    assert family.image_token_id not in record
+    image_tokens = family.process(images[0]).num_features  # 4, or 20 in SmolVLM's 5 tiles
+    assert sum(t >= PLACEHOLDER_BASE for t in record) == image_tokens
+    _greedy(runner, _ask(images[0], typed))
 
 
 def test_a_conversation_with_an_image_comes_back_from_disk_after_a_restart(
@@ -151,7 +172,7 @@ def test_a_conversation_with_an_image_comes_back_from_disk_after_a_restart(
     ]
     after = Runner(loaded, cache_entries=4, cache_dir=tmp_path)
     got = _greedy(after, turn2)
-    assert got.cached_tokens >= first.prompt_tokens  # the image's tokens came from disk
+    assert got.cached_tokens >= _image_end(after, turn2)  # the image's tokens came from disk
     assert got.tokens == _greedy(Runner(loaded), turn2).tokens
 
 
@@ -159,11 +180,56 @@ def test_info_says_whether_a_model_takes_images(loaded, loaded_tiny):
     from mlxkv.models.inspect import describe
 
     assert describe(loaded)["images"].startswith("yes")
+    assert describe(loaded)["architecture"] == loaded.path.name  # the family, e.g. gemma3
     assert describe(loaded_tiny("llama"))["images"] == "no (text only)"
 
 
 def test_a_reply_with_an_image_stops_at_the_window_instead_of_shifting(loaded, images):
-    runner = Runner(loaded, max_context=40)
+    window = len(Runner(loaded).encode(_ask(images[0]))) + 8
+    runner = Runner(loaded, max_context=window)
     completion = runner.generate(_ask(images[0]), max_tokens=100, temperature=0.0)
     assert completion.finish_reason == "length"
-    assert completion.prompt_tokens + completion.generation_tokens == 40
+    assert completion.prompt_tokens + completion.generation_tokens == window
+
+
+def test_an_image_fed_over_several_calls_answers_as_in_one(loaded, images):
+    """Prefill calls of 3 tokens split every image run (and SmolVLM's tiles, and Qwen3-VL's
+    deepstack rows) between calls: the answer is mlx-vlm's on the whole sequence."""
+    completion = _greedy(Runner(loaded, prefill_step_size=3), _ask(images[0]))
+    want_tokens, want_logprob = _reference(loaded, _ask(images[0]), images[0])
+    assert completion.tokens == want_tokens
+    assert completion.first_logprob == pytest.approx(want_logprob, abs=1e-3)
+
+
+def test_encoder_outputs_count_inside_the_byte_budget_and_show_in_the_memory_line(loaded, images):
+    family = loaded.vision.family
+    one = family.encode(family.process(images[0])).nbytes  # float32 rows, as the cache keeps
+    cache_bytes = int(1.5 * one / ENCODER_CACHE_FRACTION)  # the encoder's share holds one image
+    runner = Runner(loaded, cache_entries=4, cache_bytes=cache_bytes, max_context=256)
+    runs = loaded.vision.encoder_runs
+    _greedy(runner, _ask(images[0]))
+    report = runner.cache_info()
+    assert report.encoder_bytes == one
+    kv_bytes = sum(entry.allocated_bytes + entry.draft_bytes for entry in report.entries)
+    assert report.held_bytes == kv_bytes + one
+    assert "image encoder outputs" in runner.memory_line
+    _greedy(runner, _ask(images[1]))  # the first image's outputs make room for the second's
+    assert runner.cache_info().encoder_bytes == one
+    _greedy(runner, [{"role": "system", "content": "Again."}] + _ask(images[0]))
+    assert loaded.vision.encoder_runs == runs + 3
+
+
+def test_each_image_goes_through_the_processor_once_per_conversation(loaded, images, monkeypatch):
+    family = loaded.vision.family
+    calls = []
+    process = family.process
+    monkeypatch.setattr(family, "process", lambda image: calls.append(1) or process(image))
+    runner = Runner(loaded)
+    first = _greedy(runner, _ask(images[1], "a question of its own"))
+    assert len(calls) == 1  # not again for the render without the generation prompt
+    turn2 = _ask(images[1], "a question of its own") + [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And?"},
+    ]
+    _greedy(runner, turn2)
+    assert len(calls) == 1

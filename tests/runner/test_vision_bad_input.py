@@ -117,3 +117,27 @@ def test_short_base64_holding_a_slash_is_base64_not_a_path(runner):
             break
     assert "/" in short and len(short) < 4096
     assert runner.encode(_ask(short)) == runner.encode(_ask(image))
+
+
+def test_a_text_model_never_imports_mlx_vlm(model_root):
+    """The vision extra stays optional: loading and running a text model (and refusing an
+    image for it) leaves mlx-vlm unimported."""
+    import subprocess
+    import sys
+
+    from tests.factories import tiny_model_dir
+
+    model = tiny_model_dir("llama", model_root)
+    script = (
+        "import sys\n"
+        "from mlxkv import Runner\n"
+        f"runner = Runner.load({str(model)!r})\n"
+        "runner.generate('hello', max_tokens=2)\n"
+        "try:\n"
+        "    runner.generate([{'role': 'user', 'content': [{'type': 'image', 'image': b'x'}]}])\n"
+        "except ValueError:\n"
+        "    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('mlx_vlm')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

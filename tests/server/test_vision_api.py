@@ -38,9 +38,11 @@ B64 = base64.b64encode(_png()).decode()
 DATA_URL = f"data:image/png;base64,{B64}"
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    loaded = load_model(build_vision_model(tmp_path_factory.mktemp("vlm") / "qwen2_vl"))
+# M-RoPE, sliding windows and tiled images: one family of each through every API.
+@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3", "smolvlm"])
+def served(tmp_path_factory, request):
+    out = tmp_path_factory.mktemp("vlm") / request.param
+    loaded = load_model(build_vision_model(out, family=request.param))
     with serve(Runner(loaded), model_name="tiny-vl") as served:
         yield served
 

@@ -114,6 +114,9 @@ class CachePool:
         self.prefill_tokens_per_s: float | None = None  # set by the runner as it measures
         # What running requests hold outside the entries (a decode batch's K/V), if anything.
         self.working: Sized | None = None
+        # A vision model's encoder outputs by image digest (`EncoderCache`): counted in the
+        # budget like `working` (the entries make room for it), bounded by its own share.
+        self.encoder: Sized | None = None
 
     @property
     def entries(self) -> list[CacheEntry]:
@@ -343,7 +346,8 @@ class CachePool:
         return holdings(list(self._in_use), outside_bytes=self._working_bytes()).held_bytes
 
     def _working_bytes(self) -> int:
-        return 0 if self.working is None else self.working.nbytes
+        held = [self.working, self.encoder]
+        return sum(holder.nbytes for holder in held if holder is not None)
 
     def _superseded(self, entry: CacheEntry) -> bool:
         return any(

@@ -62,7 +62,9 @@ class MemoryReport:
         max_entries: most entries kept in memory.
         budget_bytes: the entries' byte budget (None: no limit).
         held_bytes: what counts against the budget (allocated, checkpoints, the draft model's
-            caches, pending writes).
+            caches, pending writes, a vision model's encoder outputs).
+        encoder_bytes: a vision model's encoder outputs kept by image digest (0: none kept,
+            or a text model), part of `held_bytes`.
         disk_entries: files in the disk tier (0 without one).
         disk_bytes: their bytes.
         disk_budget_bytes: the disk tier's byte budget (None: no disk tier).
@@ -79,6 +81,7 @@ class MemoryReport:
     max_entries: int = 1
     budget_bytes: int | None = None
     held_bytes: int = 0
+    encoder_bytes: int = 0
     disk_entries: int = 0
     disk_bytes: int = 0
     disk_budget_bytes: int | None = None
@@ -115,6 +118,7 @@ class MemoryReport:
             max_entries=pool.max_entries,
             budget_bytes=pool.max_bytes,
             held_bytes=usage.held_bytes,
+            encoder_bytes=0 if pool.encoder is None else pool.encoder.nbytes,
             disk_entries=store.num_entries if store else 0,
             disk_bytes=store.nbytes if store else 0,
             disk_budget_bytes=store.max_bytes if store else None,
@@ -128,6 +132,8 @@ class MemoryReport:
         )
         if self.checkpoint_bytes:
             line += f", checkpoints {format_bytes(self.checkpoint_bytes)}"
+        if self.encoder_bytes:
+            line += f", image encoder outputs {format_bytes(self.encoder_bytes)}"
         if self.max_entries > 1 or self.disk_budget_bytes is not None:
             budget = f" of {format_bytes(self.budget_bytes)}" if self.budget_bytes else ""
             line += f", {_entries(len(self.entries))} {format_bytes(self.held_bytes)}"

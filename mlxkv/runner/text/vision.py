@@ -23,6 +23,7 @@ from typing import Any
 
 from mlxkv.models.images import decode_image
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
+from mlxkv.models.vision_families import ProcessedImage
 from mlxkv.runner.text.prompt import Message, PromptEncoder, Tools, _checked_tools, _valid_text
 
 
@@ -62,6 +63,10 @@ class VisionPrompts:
         self._prompts = prompts
         self._support = support
         self._model_name = model_name
+        # The last prompt's images through the processor, by digest: a request renders its
+        # prompt again (without the generation prompt; a cut's candidates), and the next turn
+        # of a conversation holds the same images. Replaced whole by each encode (atomic).
+        self._recent: dict[str, ProcessedImage] = {}
 
     def encode(
         self,
@@ -98,7 +103,11 @@ class VisionPrompts:
         if tools:
             args["tools"] = _checked_tools(tools)
         text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
-        return self._expanded(self._ids(text, tainted), decoded)
+        recent, process = self._recent, self._support.family.process
+        processed = [recent.get(i.digest) or process(i.image) for i in decoded]
+        self._recent = {i.digest: p for i, p in zip(decoded, processed, strict=True)}
+        segments = self._ids(text, tainted, [p.text for p in processed])
+        return self._expanded(segments, decoded, processed)
 
     def _masked(
         self, messages: Sequence[Message], parse_control_tokens: bool
@@ -138,40 +147,74 @@ class VisionPrompts:
             masked.append({**message, "content": parts})
         return masked, images, tainted
 
-    def _ids(self, text: str, tainted: dict[str, str]) -> list[tuple[list[int], bool]]:
-        """The rendered text's ids in segments: (ids, from the template) pairs."""
+    def _ids(
+        self, text: str, tainted: dict[str, str], expansions: list[str]
+    ) -> list[tuple[list[int], bool]]:
+        """The rendered text's ids in segments: (ids, from the template) pairs. Each image
+        marker the template wrote is replaced, in the text, by its image's expansion (as the
+        processor does), so the text around it tokenizes as in the model's own pipeline."""
         tokenizer, segments, cursor = self._prompts.tokenizer, [], 0
+        pending = list(reversed(expansions))
+
+        def template(piece: str) -> list[int]:
+            marker = self._support.family.marker
+            pieces = piece.split(marker)
+            if len(pieces) - 1 > len(pending):
+                raise ValueError("the chat template wrote more image markers than images")
+            joined = pieces[0] + "".join(pending.pop() + p for p in pieces[1:])
+            return tokenizer.encode(joined, add_special_tokens=False)
+
         for slot, content in tainted.items():
             start = text.find(slot, cursor)
             if start < 0:
                 raise ValueError("the chat template rewrote a message's text; it cannot be kept")
-            segments.append((tokenizer.encode(text[cursor:start], add_special_tokens=False), True))
+            segments.append((template(text[cursor:start]), True))
             plain = self._prompts._plain.encode(content, add_special_tokens=False).ids
             segments.append((plain, False))
             cursor = start + len(slot)
-        segments.append((tokenizer.encode(text[cursor:], add_special_tokens=False), True))
+        segments.append((template(text[cursor:]), True))
+        if pending:
+            raise ValueError(
+                f"the chat template placed {len(expansions) - len(pending)} image markers for "
+                f"{len(expansions)} images"
+            )
         return segments
 
-    def _expanded(self, segments: list[tuple[list[int], bool]], decoded: list[Any]) -> ImageTokens:
-        """Each image marker the template wrote, expanded into that image's tokens."""
-        support = self._support
+    def _expanded(
+        self,
+        segments: list[tuple[list[int], bool]],
+        decoded: list[Any],
+        processed: list[ProcessedImage],
+    ) -> ImageTokens:
+        """The token record: each image's feature tokens (the template's, in order, as many
+        as its encoder gives rows) carry its placeholder id; the text between its runs stays."""
+        image_token_id = self._support.image_token_id
         tokens: list[int] = []
-        spans: list[ImageSpan] = []
+        runs: list[list[tuple[int, int]]] = [[] for _ in decoded]
+        image, left = 0, processed[0].num_features if processed else 0
         for ids, from_template in segments:
             for token in ids:
-                if not (from_template and token == support.image_token_id):
+                if not (from_template and token == image_token_id):
                     tokens.append(token)
                     continue
-                if len(spans) == len(decoded):
-                    raise ValueError("the chat template wrote more image markers than images")
-                image = decoded[len(spans)]
-                pixels, grid, count = support.patches(image.image)
-                spans.append(ImageSpan(len(tokens), count, image.digest, pixels, grid))
-                tokens += [placeholder_id(image.digest)] * count
-        if len(spans) != len(decoded):
-            raise ValueError(
-                f"the chat template placed {len(spans)} image markers for {len(decoded)} images"
-            )
+                if image == len(decoded):
+                    raise ValueError("the chat template wrote more image tokens than images")
+                image_runs = runs[image]
+                if image_runs and sum(image_runs[-1]) == len(tokens):
+                    image_runs[-1] = (image_runs[-1][0], image_runs[-1][1] + 1)
+                else:
+                    image_runs.append((len(tokens), 1))
+                tokens.append(placeholder_id(decoded[image].digest))
+                left -= 1
+                if left == 0:
+                    image += 1
+                    left = processed[image].num_features if image < len(processed) else 0
+        if image != len(decoded):
+            raise ValueError(f"the chat template placed {image} images' tokens for {len(decoded)}")
+        spans = []
+        for image_runs, source, done in zip(runs, decoded, processed, strict=True):
+            start, end = image_runs[0][0], sum(image_runs[-1])
+            spans.append(ImageSpan(start, end - start, source.digest, done, tuple(image_runs)))
         return ImageTokens(tokens, tuple(spans))
 
 
