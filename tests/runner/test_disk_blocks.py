@@ -63,8 +63,9 @@ def test_eight_conversations_store_their_system_prompt_once(make_runner, tmp_pat
         assert got.cached_tokens == want.cached_tokens > shared * BLOCK_TOKENS
 
 
-def test_each_turn_writes_only_its_new_tokens(make_runner, tmp_path, caplog):
-    runner = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
+@pytest.mark.parametrize("arch", ["llama", "lfm2", "gemma3_text"])
+def test_each_turn_writes_only_its_new_tokens(make_runner, tmp_path, caplog, arch):
+    runner = make_runner(arch, cache_entries=2, cache_dir=tmp_path)
     turns = 6
     with caplog.at_level(logging.DEBUG, logger="mlxkv.runner.disk.store"):
         _chat(runner, turns)

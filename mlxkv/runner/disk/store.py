@@ -42,14 +42,12 @@ import numpy as np
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.serialize import arrays_to_cache, cache_to_arrays
 from mlxkv.errors import CacheStateError, NotSupportedError
+from mlxkv.runner.disk.blocks import cut_block, join_blocks
 from mlxkv.runner.disk.budget import removal_order, tier_files
 from mlxkv.runner.disk.chains import (
     BLOCK_TOKENS,
     StoredChain,
     block_ranges,
-    cut_block,
-    cuttable,
-    join_blocks,
     longest_chain,
     superseded_by,
 )
@@ -102,8 +100,7 @@ class DiskStore:
         self.signature = signature
         self.max_bytes = max_bytes
         self.trimmable = trimmable
-        # tokens per block where every layer is plain K/V, cut by token; else whole entries
-        self.block_tokens = BLOCK_TOKENS if trimmable and cuttable(signature) else None
+        self.block_tokens = BLOCK_TOKENS  # read here, so a test may set smaller blocks
         self.read_bytes_per_s = float(DEFAULT_READ_BYTES_PER_S)
         self._records: dict[str, StoredEntry] = {}
         self._lock = threading.Lock()  # guards _records
@@ -187,15 +184,14 @@ class DiskStore:
         """Fills `empty` from `chain`'s files; None (the bad block removed, one warning) when
         one is missing, truncated, corrupt or for another model."""
         started = time.perf_counter()
-        block, arrays, layout = chain.blocks[0], [], {}
+        block, blocks = chain.blocks[0], []
         try:
             for block in chain.blocks:
                 metadata, data_start = read_header(block.path)
                 check_crc(block.path, data_start, metadata)
-                arrays.append(mx.load(str(block.path)))
-                layout = layout or json.loads(metadata["layout"])
-            tokens = chain.tokens.tolist()
-            cache = arrays_to_cache(join_blocks(arrays), layout, tokens, empty)
+                blocks.append((mx.load(str(block.path)), json.loads(metadata["layout"])))
+            arrays, layout = join_blocks(blocks, chain.num_tokens)
+            cache = arrays_to_cache(arrays, layout, chain.tokens.tolist(), empty)
             mx.eval(cache.arrays())
         except FileNotFoundError:
             self._forget(block.path.name)
@@ -231,15 +227,13 @@ class DiskStore:
         *,
         wait: bool = False,
         salt: str | None = None,
-        kept: bool = False,
         reply_start: int | None = None,
     ) -> None:
-        """Saves `cache` under its token ids: in the background (the arrays stay referenced,
-        and count in `pending_bytes`, until written), or now with `wait`. An entry already on
-        disk, empty, larger than the budget or of a layer type that cannot be saved is
-        skipped. `salt`: the isolation domain the entry belongs to. `kept`: the entry stays in
-        memory (a turn written behind as it ends), so its buffers are the pool's, not held
-        for the writer alone, and do not count in `pending_bytes`. `reply_start`: where its
+        """Saves `cache` under its token ids, as the blocks not on disk yet: in the background
+        (each block's arrays stay referenced, and count in `pending_bytes`, until written), or
+        now with `wait`. An entry already on disk, empty, larger than the budget or of a layer
+        type that cannot be saved is skipped. `salt`: the isolation domain the entry belongs
+        to. `reply_start`: where its
         last request's reply began (None: its end); a later file of its conversation that
         holds the tokens before it supersedes it."""
         tokens = np.asarray(cache.tokens, dtype=np.uint32)
@@ -247,7 +241,7 @@ class DiskStore:
             return
         keys = self.block_keys(tokens, salt)
         last = keys[-1] + SUFFIX
-        if self._writer.claim(last, 0 if kept else cache.nbytes) or self._written_or_queued(last):
+        if self._written_or_queued(last):
             return  # its last block is written or queued: so are the blocks before it
         try:
             arrays, layout = cache_to_arrays(cache)
@@ -262,8 +256,7 @@ class DiskStore:
         ):
             if self._written_or_queued(key + SUFFIX):
                 continue  # a prefix another conversation (or an earlier turn) wrote
-            # a block is a copy of its tokens' K/V; a whole entry (one block), views
-            block = arrays if self.block_tokens is None else cut_block(arrays, start, end)
+            block, block_layout = cut_block(arrays, layout, start, end, tokens.size)
             mx.eval(list(block.values()))
             nbytes = sum(a.nbytes for a in block.values())
             if nbytes > self.max_bytes:
@@ -272,11 +265,10 @@ class DiskStore:
                 )
                 return
             metadata = entry_metadata(
-                self.fingerprint, self.signature, layout, tokens[start:end], salt, reply_start,
-                parent, start,
+                self.fingerprint, self.signature, block_layout, tokens[start:end], salt,
+                reply_start, parent, start,
             )  # fmt: skip
-            held_bytes = nbytes if self.block_tokens else 0 if kept else cache.nbytes
-            job = WriteJob(block, metadata, key + SUFFIX, held_bytes)
+            job = WriteJob(block, metadata, key + SUFFIX, nbytes)
             self._run_logged(job) if wait else self._writer.put(job)
 
     @property

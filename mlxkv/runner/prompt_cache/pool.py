@@ -285,7 +285,7 @@ class CachePool:
             self._entries.remove(entry)
         self.evict(max_bytes=self.max_bytes, max_entries=self.max_entries)
         if self.store is not None and entry in self._entries:
-            self.store.write(entry.cache, salt=entry.salt, kept=True, reply_start=entry.reply_start)
+            self.store.write(entry.cache, salt=entry.salt, reply_start=entry.reply_start)
         return self.usage()
 
     def evict(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> int:
