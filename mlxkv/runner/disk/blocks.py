@@ -1,8 +1,9 @@
 """A cache entry's arrays cut into blocks of tokens, and a chain's blocks put back together, for
 every layer kind the cache holds.
 
-Owns `cut_block` (one block's arrays and layout) and `join_blocks` (the arrays and layout that
-rebuild a chain's first `num_tokens` tokens), and which layers are cut by token. Does not own
+Owns `cut_block` (one block's arrays and layout, its K/V quantized with `kv_bits`),
+`join_blocks` (the arrays and layout that rebuild a chain's first `num_tokens` tokens, its
+K/V dequantized) and which layers are cut by token. Does not own
 files or chains (`files`, `chains`), nor turning arrays into caches (`mlxkv.cache.serialize`).
 
 Terms:
@@ -32,6 +33,10 @@ from mlxkv.cache.checkpoints import MAX_CHECKPOINTS
 
 SLICED_KINDS = frozenset({"KVCache", "QuantizedKVCache"})
 _TOKEN_AXIS = 2  # K/V arrays (and quantized K/V's parts) are (B, H, L, D)
+# Head-dimension elements sharing one scale and bias in K/V quantized on disk: mx.quantize's
+# default, else the largest it accepts that divides the head dimension (none: not quantized).
+DISK_GROUP_SIZES = (64, 32)
+_PARTS = (".q", ".scales", ".biases")  # a quantized array's names: its name + each
 
 
 def is_sliced(entry: dict[str, Any]) -> bool:
@@ -60,27 +65,57 @@ def stops(layout: dict[str, Any], end: int) -> tuple[int, ...]:
 
 
 def cut_block(
-    arrays: dict[str, mx.array], layout: dict[str, Any], start: int, end: int, num_tokens: int
+    arrays: dict[str, mx.array],
+    layout: dict[str, Any],
+    start: int,
+    end: int,
+    num_tokens: int,
+    kv_bits: int | None = None,
 ) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """The arrays and layout of the block of tokens `start`..`end` of an entry holding
     `num_tokens` (`cache_to_arrays`'s `arrays` and `layout`). The sliced layers' K/V are
     copied (a write in flight then holds no view of buffers the next request updates in
-    place); snapshots are never changed in place, so they are shared."""
+    place); snapshots are never changed in place, so they are shared. `kv_bits`: float K/V
+    layers' arrays are stored quantized to that many bits (`DISK_GROUP_SIZES`); the layout's
+    "quantized" names them, with what `_dequantized` needs."""
     block: dict[str, mx.array] = {}
+    quantized: dict[str, list] = {}
     for entry in layout["layers"]:
         if is_sliced(entry):
-            block.update(
-                {
-                    name: mx.contiguous(arrays[name][:, :, start:end, :])
-                    for name in array_names(entry)
-                }
-            )
+            for name in array_names(entry):
+                block[name] = mx.contiguous(arrays[name][:, :, start:end, :])
+            for name in _float_kv_names(entry) if kv_bits else ():
+                group = next((g for g in DISK_GROUP_SIZES if block[name].shape[-1] % g == 0), 0)
+                if group:
+                    dtype = str(block[name].dtype).removeprefix("mlx.core.")
+                    parts = mx.quantize(block.pop(name), group_size=group, bits=kv_bits)
+                    block.update({name + part: a for part, a in zip(_PARTS, parts, strict=True)})
+                    quantized[name] = [kv_bits, group, dtype]
         elif end == num_tokens:
             block.update({name: arrays[name] for name in array_names(entry)})
     points = [point for point in layout["checkpoints"] if start < int(point["at"]) <= end]
     for point in points:
         block.update({n: arrays[n] for entry in point["layers"] for n in array_names(entry)})
-    return block, {**layout, "checkpoints": points, "end_state": end == num_tokens}
+    block_layout = {**layout, "checkpoints": points, "end_state": end == num_tokens}
+    return block, {**block_layout, "quantized": quantized} if quantized else block_layout
+
+
+def _dequantized(arrays: dict[str, mx.array], layout: dict[str, Any]) -> dict[str, mx.array]:
+    """A block's arrays (as `cut_block` made them) with those stored quantized dequantized
+    to their dtype. Changes `arrays` in place, and returns it."""
+    for name, (bits, group, dtype) in layout.get("quantized", {}).items():
+        q, scales, biases = (arrays.pop(name + part) for part in _PARTS)
+        arrays[name] = mx.dequantize(
+            q, scales, biases, group_size=int(group), bits=int(bits), dtype=getattr(mx, dtype)
+        )
+    return arrays
+
+
+def _float_kv_names(entry: dict[str, Any]) -> list[str]:
+    """The arrays of a sliced layer's `KVCache` parts (not already quantized)."""
+    if entry["kind"] == "CacheList":
+        return [name for child in entry["children"] for name in _float_kv_names(child)]
+    return array_names(entry) if entry["kind"] == "KVCache" else []
 
 
 def join_blocks(
@@ -93,6 +128,7 @@ def join_blocks(
     Raises:
         KeyError: no block holds the state layers at `num_tokens`.
     """
+    blocks = [(_dequantized(arrays, layout), layout) for arrays, layout in blocks]
     last_arrays, last_layout = blocks[-1]
     points = [(arrays, point) for arrays, layout in blocks for point in layout["checkpoints"]]
     points = _kept([(a, p) for a, p in points if int(p["at"]) <= num_tokens])
@@ -116,7 +152,8 @@ def join_blocks(
     for arrays, point in points:
         joined.update({n: arrays[n] for entry in point["layers"] for n in array_names(entry)})
     checkpoints = [point for _, point in points]
-    return joined, {**last_layout, "layers": layers, "checkpoints": checkpoints}
+    joined_layout = {key: value for key, value in last_layout.items() if key != "quantized"}
+    return joined, {**joined_layout, "layers": layers, "checkpoints": checkpoints}
 
 
 def _kept(points: list[tuple[Any, dict[str, Any]]]) -> list[tuple[Any, dict[str, Any]]]:

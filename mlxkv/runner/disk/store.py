@@ -87,10 +87,19 @@ class DiskStore:
         max_bytes: most bytes all files under `root` may take; the oldest go first.
         trimmable: every layer can trim, so a file serves any prefix of its tokens (else only
             its own length and its checkpoints).
+        kv_bits: float K/V written quantized to this many bits (`blocks.cut_block`); None
+            as computed. Files are loaded whatever theirs.
     """
 
     def __init__(
-        self, root: Path, *, fingerprint: str, signature: str, max_bytes: int, trimmable: bool
+        self,
+        root: Path,
+        *,
+        fingerprint: str,
+        signature: str,
+        max_bytes: int,
+        trimmable: bool,
+        kv_bits: int | None = None,
     ):
         self.root = Path(root)
         key = hashlib.sha256(f"{fingerprint}\n{signature}".encode()).hexdigest()[:16]
@@ -100,6 +109,7 @@ class DiskStore:
         self.signature = signature
         self.max_bytes = max_bytes
         self.trimmable = trimmable
+        self.kv_bits = kv_bits
         self.block_tokens = BLOCK_TOKENS  # read here, so a test may set smaller blocks
         self.read_bytes_per_s = float(DEFAULT_READ_BYTES_PER_S)
         self._records: dict[str, StoredEntry] = {}
@@ -256,7 +266,7 @@ class DiskStore:
         ):
             if self._written_or_queued(key + SUFFIX):
                 continue  # a prefix another conversation (or an earlier turn) wrote
-            block, block_layout = cut_block(arrays, layout, start, end, tokens.size)
+            block, block_layout = cut_block(arrays, layout, start, end, tokens.size, self.kv_bits)
             mx.eval(list(block.values()))
             nbytes = sum(a.nbytes for a in block.values())
             if nbytes > self.max_bytes:
