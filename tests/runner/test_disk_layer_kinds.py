@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mlxkv.runner.disk import store as store_module
+from tests.factories import recorded
 from tests.runner.test_disk_tier import _chat, _files
 
 BLOCK_TOKENS = 16
@@ -132,3 +133,19 @@ def test_cache_dir_kv_bits_other_than_4_or_8_is_a_clear_error():
 
     with pytest.raises(ValueError, match="cache_dir_kv_bits=3 is not supported"):
         RunnerConfig(cache_dir_kv_bits=3)
+
+
+@pytest.mark.parametrize("kind", ["plain", "hybrid"])
+def test_a_load_reads_only_the_blocks_it_restores(make_runner, tmp_path, monkeypatch, kind):
+    before = make_runner(kind, cache_dir=tmp_path)
+    messages, _ = _chat(before, 3)
+    before.close()
+    # the second turn edited: the prompt leaves the stored chain in its middle
+    edited = messages[:3] + [{"role": "user", "content": "Question 1: a river in Asia?"}]
+    read = recorded(monkeypatch, store_module, "read_header", lambda path: path.name)
+    restarted = make_runner(kind, cache_dir=tmp_path)
+    starts = {r.path.name: r.start for r in restarted._pool.store._records.values()}
+    got = _answer(restarted, edited)
+    assert got[2] > BLOCK_TOKENS
+    assert sorted(read) == sorted(name for name, start in starts.items() if start < got[2])
+    assert len(read) < len(starts)  # the blocks past it stayed unread

@@ -114,6 +114,9 @@ class DiskStore:
         self.read_bytes_per_s = float(DEFAULT_READ_BYTES_PER_S)
         self._records: dict[str, StoredEntry] = {}
         self._lock = threading.Lock()  # guards _records
+        # held while a scan compares the directory with the index, and while this process
+        # adds or removes a file and its record: a scan never sees one without the other
+        self._directory_lock = threading.RLock()
         self._writer = BackgroundWriter(self._run_logged)
         self._scanned_mtime = -1
         # other models' files proven this tier's, by (path, size, mtime): read once
@@ -127,6 +130,10 @@ class DiskStore:
     def refresh(self) -> None:
         """Indexes files added since the last scan (by any process) and forgets those removed;
         removes bad ones and temporary files left by processes that are gone."""
+        with self._directory_lock:
+            self._rescan()
+
+    def _rescan(self) -> None:
         mtime = self.directory.stat().st_mtime_ns
         if mtime == self._scanned_mtime:
             return
@@ -309,7 +316,12 @@ class DiskStore:
         try:
             mx.save_safetensors(str(temporary), job.arrays, job.metadata)
             patch_crc(temporary)
-            os.replace(temporary, path)
+            with self._directory_lock:
+                os.replace(temporary, path)
+                # the index entry, as a restart would read it
+                record = read_record(path, self.fingerprint, self.signature)
+                with self._lock:
+                    self._records[job.name] = record
             fsync_directory(self.directory)  # the rename itself survives a power cut
         except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
             needed_bytes = sum(a.nbytes for a in job.arrays.values())
@@ -317,11 +329,6 @@ class DiskStore:
         finally:
             with contextlib.suppress(OSError):
                 temporary.unlink(missing_ok=True)
-        record = read_record(
-            path, self.fingerprint, self.signature
-        )  # the index entry, as a restart would read it
-        with self._lock:
-            self._records[job.name] = record
         self._remove_superseded(record)
         logger.debug(
             "disk cache write tokens=%d bytes=%d seconds=%.3f",
@@ -337,9 +344,10 @@ class DiskStore:
         with self._lock:
             records = list(self._records.values())
         for other in superseded_by(record, records, trimmable=self.trimmable):
-            if remove_own_file(other.path):
-                logger.debug("disk cache superseded file=%s", other.path.name)
-            self._forget(other.path.name)
+            with self._directory_lock:
+                if remove_own_file(other.path):
+                    logger.debug("disk cache superseded file=%s", other.path.name)
+                self._forget(other.path.name)
 
     # -- budget ---------------------------------------------------------------------------
 
@@ -354,10 +362,11 @@ class DiskStore:
         for path, size, _ in removal_order(files, records, trimmable=self.trimmable, keep=keep):
             if total <= self.max_bytes:
                 break
-            if remove_own_file(path):
-                total -= size
-                logger.debug("disk cache evict file=%s bytes=%d", path.name, size)
-            self._forget(path.name)
+            with self._directory_lock:
+                if remove_own_file(path):
+                    total -= size
+                    logger.debug("disk cache evict file=%s bytes=%d", path.name, size)
+                self._forget(path.name)
 
     # -- reports --------------------------------------------------------------------------
 
@@ -382,8 +391,11 @@ class DiskStore:
     def _discard(self, path: Path, why: Exception) -> None:
         """Forgets a file that must not be loaded; removes it if this tier wrote it, else
         leaves it where it is (one warning per file)."""
-        self._forget(path.name)
-        if isinstance(why, BadFile) and not why.ours:
+        ours = not isinstance(why, BadFile) or why.ours
+        with self._directory_lock:
+            self._forget(path.name)
+            removed = ours and remove_own_file(path)
+        if not ours:
             if path.name not in self._strangers:
                 self._strangers.add(path.name)
                 logger.warning(
@@ -392,7 +404,6 @@ class DiskStore:
                     why,
                 )
             return
-        removed = remove_own_file(path)
         logger.warning(
             "disk cache: skipped %s %s: %s",
             "and removed" if removed else "(could not remove)",
