@@ -21,7 +21,9 @@ Invariants:
   - a block is removed once a newer one beside it holds its tokens and serves them (a
     conversation written behind turn after turn keeps one chain), with the blocks after it;
   - two processes sharing the directory write identical content under identical names, and
-    each picks up the other's new files when the directory changes.
+    each picks up the other's new files when the directory changes;
+  - a scan of the directory and this process's own renames and removals (each with its index
+    change) exclude each other, so the index never drops a file written while a scan ran.
 """
 
 from __future__ import annotations
@@ -85,8 +87,8 @@ class DiskStore:
         fingerprint: identifies the model's config and weights (hex).
         signature: the cache layout (`serialize.layout_signature`).
         max_bytes: most bytes all files under `root` may take; the oldest go first.
-        trimmable: every layer can trim, so a file serves any prefix of its tokens (else only
-            its own length and its checkpoints).
+        trimmable: every layer can trim, so a chain serves any prefix of its tokens (else
+            only the lengths its blocks hold every layer's state at: `blocks.stops`).
         kv_bits: float K/V written quantized to this many bits (`blocks.cut_block`); None
             as computed. Files are loaded whatever theirs.
     """
@@ -198,8 +200,9 @@ class DiskStore:
     # -- load -----------------------------------------------------------------------------
 
     def load(self, chain: StoredChain, empty: ModelCache) -> ModelCache | None:
-        """Fills `empty` from `chain`'s files; None (the bad block removed, one warning) when
-        one is missing, truncated, corrupt or for another model."""
+        """Fills `empty` with the first `chain.num_tokens` tokens from `chain`'s files (only
+        those: a chain ends at the block that holds its last token); None (the bad block
+        removed, one warning) when one is missing, truncated, corrupt or for another model."""
         started = time.perf_counter()
         block, blocks = chain.blocks[0], []
         try:
@@ -250,9 +253,8 @@ class DiskStore:
         (each block's arrays stay referenced, and count in `pending_bytes`, until written), or
         now with `wait`. An entry already on disk, empty, larger than the budget or of a layer
         type that cannot be saved is skipped. `salt`: the isolation domain the entry belongs
-        to. `reply_start`: where its
-        last request's reply began (None: its end); a later file of its conversation that
-        holds the tokens before it supersedes it."""
+        to. `reply_start`: where its last request's reply began (None: its end); a later
+        file of its conversation that holds the tokens before it supersedes it."""
         tokens = np.asarray(cache.tokens, dtype=np.uint32)
         if tokens.size == 0:
             return
