@@ -37,8 +37,8 @@ BLOCK_TOKENS = 256
 
 @dataclass(frozen=True)
 class StoredChain:
-    """The blocks that rebuild a prefix, first to last, and the length it is restored to
-    (within the last block)."""
+    """The blocks that rebuild a prefix, first to last, and the length a load restores (within
+    the last block: its end where every layer trims, else a length it holds the state at)."""
 
     blocks: tuple[StoredEntry, ...]
     num_tokens: int
@@ -59,7 +59,8 @@ def longest_chain(
 ) -> tuple[StoredChain | None, int]:
     """The chain of `records` that serves the longest prefix of `query`, and that length in
     tokens (None with 0 when none serves any). A chain goes on past a block only when all of
-    it matches; it ends at the last block that holds a length it can be restored to.
+    it matches; it ends at the last block that holds a length it can be restored to (no block
+    past it is read).
     `trimmable`: every layer trims (so any length; else a block's `checkpoints`)."""
     children: dict[str | None, list[StoredEntry]] = defaultdict(list)
     for record in records:
@@ -88,7 +89,11 @@ def longest_chain(
         parent = best.key
     if not best_blocks:
         return None, 0
-    return StoredChain(tuple(blocks[:best_blocks]), best_tokens), best_tokens
+    chain = tuple(blocks[:best_blocks])
+    # every layer trims: the whole last block, read anyway, stays (it may serve its own
+    # conversation's next turn); else the state layers exist only at `best_tokens`
+    end = chain[-1].start + chain[-1].num_tokens if trimmable else best_tokens
+    return StoredChain(chain, end), best_tokens
 
 
 def _usable(block: StoredEntry, shared: int, trimmable: bool) -> int:
