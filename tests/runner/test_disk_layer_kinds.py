@@ -149,3 +149,15 @@ def test_a_load_reads_only_the_blocks_it_restores(make_runner, tmp_path, monkeyp
     assert got[2] > BLOCK_TOKENS
     assert sorted(read) == sorted(name for name, start in starts.items() if start < got[2])
     assert len(read) < len(starts)  # the blocks past it stayed unread
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [(["serve"], None), (["serve", "--cache-dir-kv-bits", "8"], 8)],
+    ids=["serve-default", "serve-8"],
+)
+def test_cli_cache_dir_kv_bits_option(argv, expected):
+    from mlxkv.cli.common import runner_config
+    from mlxkv.cli.parser import build_parser
+
+    assert runner_config(build_parser().parse_args(argv)).cache_dir_kv_bits == expected
