@@ -1,6 +1,7 @@
-"""The disk tier, side by side in one run: a restart after `kill -9` against a cold prefill, decode
-speed with each turn written behind against no disk tier, bytes on disk for conversations
-sharing a long system prompt, and bytes written per token.
+"""The disk tier, side by side in one run: a restart after `kill -9` against a cold prefill, the
+load alone at 1k/8k/32k tokens, decode speed with each turn written behind against no disk tier,
+bytes on disk for conversations sharing a long system prompt, bytes written per token, and
+K/V quantized on disk (`cache_dir_kv_bits=8`) against K/V as computed.
 
     python -m benchmarks.disk_tier [--sizes 1024 8192] [--model PATH] [--quick]
 
@@ -11,19 +12,29 @@ Prints Markdown; every timing is the median of `--reps` runs with [min-max].
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
 
 from benchmarks.common import Stat, filler_text, load_models, token_prompt
 from mlxkv import Runner, format_bytes
+from mlxkv.cache import make_cache
+from mlxkv.cache.serialize import layout_signature
+from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel, load_model
+from mlxkv.runner.disk.store import DiskStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,52 +90,155 @@ def restart_after_kill(
     return {"warm_s": Stat.of(warm), "cold_s": Stat.of(cold), "cached_tokens": cached}
 
 
-class _Writes(logging.Handler):
-    """Sums the bytes of the disk tier's writes (its DEBUG line per write)."""
+class _DiskLines(logging.Handler):
+    """The disk tier's DEBUG lines: the bytes of its writes, and each load's seconds."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)
-        self.nbytes = 0
+        self.written_bytes = 0
+        self.load_s: list[float] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if found := re.search(r"disk cache write tokens=\d+ bytes=(\d+)", record.getMessage()):
-            self.nbytes += int(found.group(1))
+        message = record.getMessage()
+        if found := re.search(r"disk cache write tokens=\d+ bytes=(\d+)", message):
+            self.written_bytes += int(found.group(1))
+        elif found := re.search(r"disk cache load .* seconds=([\d.]+)", message):
+            self.load_s.append(float(found.group(1)))
+
+
+@contextlib.contextmanager
+def _disk_lines() -> Iterator[_DiskLines]:
+    lines, store_logger = _DiskLines(), logging.getLogger("mlxkv.runner.disk.store")
+    level = store_logger.level
+    store_logger.addHandler(lines)
+    store_logger.setLevel(logging.DEBUG)
+    try:
+        yield lines
+    finally:
+        store_logger.removeHandler(lines)
+        store_logger.setLevel(level)
 
 
 def decode_with_write_behind(
-    loaded: LoadedModel, system_tokens: int, turns: int, reply_tokens: int
+    loaded: LoadedModel, system_tokens: int, turns: int, reply_tokens: int, reps: int
 ) -> dict[str, float]:
     """Decode tokens/s of a conversation with each turn written behind, and of the same
-    conversation without a disk tier, turns alternating between the two; bytes written per
+    conversation without a disk tier, turn by turn alternating which goes first, `reps` times
+    (fresh Runners each); the on/off ratio of each repetition's medians; bytes written per
     generated token, and per token the conversation holds at the end (each token's K/V
     written once would be the K/V bytes per token)."""
-    writes = _Writes()
-    store_logger = logging.getLogger("mlxkv.runner.disk.store")
-    store_logger.addHandler(writes)
-    store_logger.setLevel(logging.DEBUG)
     system = filler_text(system_tokens * 3 // 4, seed=1)
     tps: dict[str, list[float]] = {"on": [], "off": []}
-    generated = 0
+    ratios, generated, held = [], 0, 0
+    with _disk_lines() as lines:
+        for rep in range(reps):
+            with tempfile.TemporaryDirectory() as cache_dir:
+                runners = {"on": Runner(loaded, cache_dir=cache_dir), "off": Runner(loaded)}
+                chats = {side: [{"role": "system", "content": system}] for side in runners}
+                rep_tps: dict[str, list[float]] = {"on": [], "off": []}
+                for turn in range(turns):
+                    order = ("on", "off") if (rep + turn) % 2 == 0 else ("off", "on")
+                    for side in order:
+                        chat = chats[side]
+                        question = f"Turn {turn}: {filler_text(12, turn)}"
+                        chat.append({"role": "user", "content": question})
+                        out = runners[side].generate(chat, max_tokens=reply_tokens)
+                        chat.append({"role": "assistant", "content": out.text})
+                        rep_tps[side].append(out.generation_tps)
+                        generated += out.generation_tokens if side == "on" else 0
+                runners["on"].close()
+                held += runners["on"]._pool.latest.num_tokens
+                stored = list(runners["on"]._pool.store._records.values())
+                kv_per_token = sum(r.nbytes for r in stored) / sum(r.num_tokens for r in stored)
+            ratios.append(statistics.median(rep_tps["on"]) / statistics.median(rep_tps["off"]))
+            for side in tps:
+                tps[side] += rep_tps[side]
+    return {"on": Stat.of(tps["on"]), "off": Stat.of(tps["off"]), "ratio": Stat.of(ratios),
+            "per_generated": lines.written_bytes / max(generated, 1),
+            "per_held": lines.written_bytes / held, "kv_per_token": kv_per_token}  # fmt: skip
+
+
+def load_seconds(loaded: LoadedModel, num_tokens: int, reps: int) -> dict[str, Stat | int]:
+    """Seconds to load `num_tokens` of K/V from the disk tier's blocks into an empty cache,
+    from the page cache (the restore alone, without a Runner): random K/V in the model's
+    layout, so lengths past the model's context (SmolLM2: 8k) are measured too."""
+    model = loaded.model
+    probe = make_cache(model)
+    probe.forward(model, [0])
+    cache = make_cache(model)
+    for layer, shaped in zip(cache.layers, probe.layers, strict=True):
+        keys, values = shaped.state
+        for start in range(0, num_tokens, 4096):
+            size = min(4096, num_tokens - start)
+            layer.update_and_fetch(
+                *(mx.random.normal((*a.shape[:2], size, a.shape[3]), dtype=a.dtype)
+                  for a in (keys, values))
+            )  # fmt: skip
+        mx.eval(layer.state)
+    tokens = np.random.default_rng(0).integers(0, 1000, num_tokens).astype(np.uint32)
+    cache.adopt(cache.layers, tokens.tolist(), {})
     with tempfile.TemporaryDirectory() as cache_dir:
-        runners = {"on": Runner(loaded, cache_dir=cache_dir), "off": Runner(loaded)}
-        chats = {side: [{"role": "system", "content": system}] for side in runners}
-        for turn in range(turns):
-            for side, runner in runners.items():
-                chat = chats[side]
-                chat.append({"role": "user", "content": f"Turn {turn}: {filler_text(12, turn)}"})
-                out = runner.generate(chat, max_tokens=reply_tokens)
-                chat.append({"role": "assistant", "content": out.text})
-                tps[side].append(out.generation_tps)
-                generated += out.generation_tokens if side == "on" else 0
-        runners["on"].close()
-        held = runners["on"]._pool.latest.num_tokens
-        stored = list(runners["on"]._pool.store._records.values())
-        kv_per_token = sum(r.nbytes for r in stored) / sum(r.num_tokens for r in stored)
-    store_logger.removeHandler(writes)
-    on, off = Stat.of(tps["on"]), Stat.of(tps["off"])
-    return {"on": on, "off": off, "ratio": on.median / off.median,
-            "per_generated": writes.nbytes / max(generated, 1),
-            "per_held": writes.nbytes / held, "kv_per_token": kv_per_token}  # fmt: skip
+        store = DiskStore(
+            Path(cache_dir), fingerprint=model_fingerprint(loaded),
+            signature=layout_signature(cache), max_bytes=2**40, trimmable=True,
+        )  # fmt: skip
+        store.write(cache, wait=True)
+        del cache
+        chain, _ = store.best(tokens, num_tokens)
+        seconds = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            restored = store.load(chain, make_cache(model))
+            seconds.append(time.perf_counter() - start)
+            assert restored is not None and restored.num_tokens == num_tokens
+            del restored
+        nbytes = chain.nbytes
+        store.close()
+    return {"load_s": Stat.of(seconds), "nbytes": nbytes}
+
+
+def quantized_on_disk(
+    loaded: LoadedModel, conversations: int, system_tokens: int, reply_tokens: int
+) -> dict[str, object]:
+    """Conversations restored in a new Runner from K/V stored as computed and quantized to 8
+    bits: the greedy follow-up's log-probabilities (max |diff| over the tokens both replies
+    share, and the share of tokens equal), bytes on disk and load seconds of each."""
+    nbytes, load_s = {None: 0, 8: 0}, {None: [], 8: []}
+    diffs, same = [], []
+    with _disk_lines() as lines:
+        for i in range(conversations):
+            system = filler_text(system_tokens * 3 // 4, seed=10 + i)
+            chat = [{"role": "system", "content": system},
+                    {"role": "user", "content": f"Question {i}: {filler_text(12, i)}"}]  # fmt: skip
+            replies = {}
+            for bits in (None, 8):
+                with tempfile.TemporaryDirectory() as cache_dir:
+                    first = Runner(loaded, cache_dir=cache_dir, cache_dir_kv_bits=bits)
+                    answer = first.generate(chat, max_tokens=reply_tokens).text
+                    first.close()
+                    nbytes[bits] += sum(p.stat().st_size for p in Path(cache_dir).glob("*/*"))
+                    follow_up = chat + [{"role": "assistant", "content": answer},
+                                        {"role": "user", "content": "Why? Say more."}]  # fmt: skip
+                    restarted = Runner(loaded, cache_dir=cache_dir, cache_dir_kv_bits=bits)
+                    loads = len(lines.load_s)
+                    chunks = list(restarted.stream(
+                        follow_up, max_tokens=reply_tokens, temperature=0, logprobs=0
+                    ))  # fmt: skip
+                    assert len(lines.load_s) > loads, "the follow-up did not load from disk"
+                    load_s[bits] += lines.load_s[loads:]
+                    replies[bits] = [(c.token, c.logprob.logprob) for c in chunks if c.logprob]
+                    restarted.close()
+            shared = 0
+            for (a, _), (b, _) in zip(replies[None], replies[8], strict=False):
+                if a != b:
+                    break
+                shared += 1
+            pairs = zip(replies[None][:shared], replies[8][:shared], strict=True)
+            diffs.append(max((abs(a[1] - b[1]) for a, b in pairs), default=0.0))
+            same.append(shared / len(replies[None]))
+    load_stats = {bits: Stat.of(seconds) for bits, seconds in load_s.items()}
+    return {"max_diff": max(diffs), "diffs": diffs, "same": statistics.median(same),
+            "nbytes": nbytes, "load_s": load_stats}  # fmt: skip
 
 
 def shared_prefix_bytes(loaded: LoadedModel, system_tokens: int, conversations: int) -> dict:
@@ -152,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a model directory (default: SmolLM2)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--load-sizes", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1k tokens, 1 rep, 4 turns")
     args = parser.parse_args(argv)
@@ -167,20 +282,32 @@ def main(argv: list[str] | None = None) -> int:
         ratio = got["warm_s"].median / got["cold_s"].median
         print(f"| {size} | {got['warm_s']} | {got['cold_s']} | {ratio:.3f} | "
               f"{got['cached_tokens']} |", flush=True)  # fmt: skip
+    print("\n| tokens loaded (random K/V) | bytes | load s (page cache) |\n|---|---|---|")
+    for size in args.load_sizes:
+        got = load_seconds(loaded, size, args.reps)
+        print(f"| {size} | {format_bytes(got['nbytes'])} | {got['load_s']} |", flush=True)
     turns = 4 if args.quick else 8
-    decode = decode_with_write_behind(loaded, 1024, turns, 64)
-    print("\n| decode tok/s, write-behind on | off | on/off | written per generated token | "
-          "written per token held | K/V per token |")  # fmt: skip
+    decode = decode_with_write_behind(loaded, 1024, turns, 64, args.reps)
+    print("\n| decode tok/s, write-behind on | off | on/off (median of reps) | "
+          "written per generated token | written per token held | K/V per token |")  # fmt: skip
     print("|---|---|---|---|---|---|")
-    print(f"| {decode['on']} | {decode['off']} | {decode['ratio']:.3f} | "
+    print(f"| {decode['on']} | {decode['off']} | {decode['ratio']} | "
           f"{format_bytes(int(decode['per_generated']))} | "
           f"{format_bytes(int(decode['per_held']))} | "
-          f"{format_bytes(int(decode['kv_per_token']))} |")  # fmt: skip
+          f"{format_bytes(int(decode['kv_per_token']))} |", flush=True)  # fmt: skip
     shared = shared_prefix_bytes(loaded, 1024, 8)
     print("\n| 8 conversations, one system prompt | files | on disk | one copy of it + 8 tails |")
     print("|---|---|---|---|")
     print(f"| {shared['prefix_tokens']}-token prompt | {shared['files']} | "
-          f"{format_bytes(shared['on_disk'])} | {format_bytes(shared['one_copy'])} |")  # fmt: skip
+          f"{format_bytes(shared['on_disk'])} | {format_bytes(shared['one_copy'])} |",
+          flush=True)  # fmt: skip
+    kv = quantized_on_disk(loaded, 1 if args.quick else 3, 1024, 32)
+    print("\n| K/V on disk | bytes | load s | follow-up log-prob max abs diff | tokens equal |")
+    print("|---|---|---|---|---|")
+    print(f"| as computed | {format_bytes(kv['nbytes'][None])} | {kv['load_s'][None]} | - | - |")
+    diffs = ", ".join(f"{d:.3g}" for d in kv["diffs"])
+    print(f"| 8 bits | {format_bytes(kv['nbytes'][8])} | {kv['load_s'][8]} | "
+          f"{kv['max_diff']:.3g} ({diffs}) | {kv['same']:.0%} |")  # fmt: skip
     return 0
 
 

@@ -38,6 +38,7 @@ ENVIRONMENT = {
 }
 
 DEFAULT_DISK_BYTES = 16 * 2**30
+DISK_KV_BITS = (4, 8)  # what `cache_dir_kv_bits` accepts (mx.quantize's affine bits)
 # `mlxkv serve`'s defaults: a few conversations and their side requests, a quarter of the
 # machine's memory, and a disk tier that survives restarts.
 SERVER_CACHE_ENTRIES = 8
@@ -191,6 +192,10 @@ class RunnerConfig(_Options):
         cache_dir: a directory for the disk tier (evicted entries are written there and
             loaded back; a restart starts warm); None for none.
         cache_dir_bytes: the disk tier's byte budget.
+        cache_dir_kv_bits: store float K/V on disk quantized to 8 (or 4) bits, in groups of 64
+            head-dimension elements (half the bytes and read time at 8 bits; log-probabilities
+            move, see docs/disk.md); None stores them as computed. Files are read whatever
+            their setting.
         draft_model: a small model with the same tokenizer for speculative decoding, loaded by
             `Runner.load` (any form a model path takes); None for none.
         speculative: the requests' default speculative decoding mode: "auto", "ngram",
@@ -212,6 +217,7 @@ class RunnerConfig(_Options):
     cache_bytes: int | str | None = None
     cache_dir: str | Path | None = None
     cache_dir_bytes: int | str = DEFAULT_DISK_BYTES
+    cache_dir_kv_bits: int | None = None
     draft_model: str | Path | None = None
     speculative: str | None = "auto"
     warmup: bool = True
@@ -235,6 +241,11 @@ class RunnerConfig(_Options):
         if self.cache_bytes is not None:
             self._set("cache_bytes", parse_bytes(self.cache_bytes, "cache_bytes"))
         self._set("cache_dir_bytes", parse_bytes(self.cache_dir_bytes, "cache_dir_bytes"))
+        if self.cache_dir_kv_bits not in (None, *DISK_KV_BITS):
+            raise ValueError(
+                f"cache_dir_kv_bits={self.cache_dir_kv_bits!r} is not supported; use one of "
+                f"{DISK_KV_BITS} or None (stored as computed)"
+            )
         if self.cache_dir is not None:
             path = Path(self.cache_dir).expanduser()
             if path.exists() and not path.is_dir():

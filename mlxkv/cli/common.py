@@ -51,7 +51,14 @@ def runner_config(args: argparse.Namespace) -> RunnerConfig:
         "draft_model": args.draft_model,
         "warmup": not args.no_warmup,
     }
-    for key in ("cache_entries", "cache_bytes", "cache_dir", "cache_dir_bytes", "max_batch"):
+    for key in (
+        "cache_entries",
+        "cache_bytes",
+        "cache_dir",
+        "cache_dir_bytes",
+        "cache_dir_kv_bits",
+        "max_batch",
+    ):
         if hasattr(args, key):
             options[key] = getattr(args, key)
     if getattr(args, "serving", False):

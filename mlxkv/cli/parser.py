@@ -10,7 +10,13 @@ from pathlib import Path
 from mlxkv.cli.chat import CHAT_COMMANDS, chat_command, generate_command
 from mlxkv.cli.models import convert_command, info_command
 from mlxkv.cli.serve import serve_command
-from mlxkv.config import DEFAULT_DISK_BYTES, RunnerConfig, ServerConfig, format_bytes
+from mlxkv.config import (
+    DEFAULT_DISK_BYTES,
+    DISK_KV_BITS,
+    RunnerConfig,
+    ServerConfig,
+    format_bytes,
+)
 
 _MODEL_HELP = "model directory, .gguf file, Ollama name or Hugging Face repo (default: SmolLM2)"
 _MAX_CONTEXT_HELP = "tokens the cache holds (None: model's)"
@@ -285,4 +291,12 @@ def _add_cache_options(parser: argparse.ArgumentParser, *, server: bool) -> None
         default=format_bytes(DEFAULT_DISK_BYTES),
         metavar="SIZE",
         help="the disk tier's budget, e.g. 16GiB",
+    )
+    cache.add_argument(
+        "--cache-dir-kv-bits",
+        type=int,
+        choices=DISK_KV_BITS,
+        default=None,
+        help="store K/V on the disk tier quantized to this many bits (8: half the bytes, "
+        "log-probabilities move slightly; default: as computed)",
     )

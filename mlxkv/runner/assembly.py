@@ -60,6 +60,7 @@ def make_pool(
                 fingerprint=model_fingerprint(loaded),
                 signature=layout_signature(empty),
                 max_bytes=config.cache_dir_bytes,
+                kv_bits=config.cache_dir_kv_bits,
                 trimmable=not empty.needs_checkpoints,
             )
         except DiskStoreUnavailable as error:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 
 import pytest
 
@@ -63,8 +64,9 @@ def test_eight_conversations_store_their_system_prompt_once(make_runner, tmp_pat
         assert got.cached_tokens == want.cached_tokens > shared * BLOCK_TOKENS
 
 
-def test_each_turn_writes_only_its_new_tokens(make_runner, tmp_path, caplog):
-    runner = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
+@pytest.mark.parametrize("arch", ["llama", "lfm2", "gemma3_text"])
+def test_each_turn_writes_only_its_new_tokens(make_runner, tmp_path, caplog, arch):
+    runner = make_runner(arch, cache_entries=2, cache_dir=tmp_path)
     turns = 6
     with caplog.at_level(logging.DEBUG, logger="mlxkv.runner.disk.store"):
         _chat(runner, turns)
@@ -105,3 +107,35 @@ def test_the_budget_removes_chains_from_their_end_and_keeps_shared_prefixes(make
     got = restarted.generate(follow_up, max_tokens=4)
     assert got.cached_tokens > 0
     assert got.tokens == make_runner("llama").generate(follow_up, max_tokens=4).tokens
+
+
+def test_a_scan_never_forgets_a_file_written_while_it_ran(
+    make_runner, tmp_path, monkeypatch, held_writes
+):
+    """The race behind the budget test's rare failure: a scan of the directory (the engine
+    thread, at a request's start) listed it just before the writer renamed a block into place
+    and indexed it; the scan then dropped that record as gone, so the index missed a file
+    (a chain's parent, or the newest block) until the directory changed again."""
+    release, _ = held_writes
+    runner = make_runner("llama", cache_entries=4, cache_dir=tmp_path)
+    runner.generate("a conversation to keep on disk", max_tokens=2)  # its write is held
+    store, listed = runner._pool.store, store_module.own_files
+    writes_done = []
+
+    def listing_then_writes(directory):
+        entries = listed(directory)  # the directory before the held write lands
+        if not writes_done:
+            release.set()
+            flushing = threading.Thread(target=store.flush)
+            flushing.start()
+            # bounded: a write cannot land while a scan runs, so this waits it out in vain
+            flushing.join(timeout=2)
+            writes_done.append(not flushing.is_alive())
+        return entries
+
+    monkeypatch.setattr(store_module, "own_files", listing_then_writes)
+    store._scanned_mtime = -1  # scan now, whatever the directory's time says
+    store.refresh()
+    store.flush()
+    assert sorted(store._records) == sorted(p.name for p in _files(tmp_path))
+    assert writes_done == [False]  # the write waited for the scan

@@ -61,20 +61,19 @@ def test_a_runner_dropped_without_close_stops_its_writer(make_runner, tmp_path):
     assert not writer.is_alive()
 
 
-def test_a_whole_entry_queued_is_not_queued_again_and_counts_its_whole_buffers(
+def test_a_hybrid_models_block_is_queued_once_and_counts_what_it_holds(
     make_runner, tmp_path, held_writes
 ):
     release, started = held_writes
-    runner = make_runner("lfm2", cache_entries=4, cache_dir=tmp_path)  # recurrent: whole
+    runner = make_runner("lfm2", cache_entries=4, cache_dir=tmp_path)  # recurrent and K/V
     runner.generate("a conversation to keep on disk", max_tokens=2)  # written behind
     store, cache = runner._pool.store, runner._pool.latest.cache
-    assert store.block_tokens is None
     assert store.holds(store_module.np.asarray(cache.tokens, dtype=store_module.np.uint32))
-    assert store.pending_bytes == 0  # its buffers are the pool's: counted there
-    store.write(cache)  # evicted before it was written: the writer alone holds it now
-    store.write(cache)
-    # the views written keep the entry's allocated buffers alive, not only their slices
-    assert store.pending_bytes == cache.nbytes > cache.used_bytes
+    (job,) = store._writer._queued.values()
+    # the K/V copied and the recurrent state at its end (and at its checkpoint)
+    assert store.pending_bytes == sum(a.nbytes for a in job.arrays.values()) > cache.used_bytes
+    store.write(cache)  # evicted meanwhile: already queued
+    assert store.pending_bytes == sum(a.nbytes for a in job.arrays.values())
     release.set()
     store.flush()
     assert len(started) == 1

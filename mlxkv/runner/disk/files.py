@@ -8,12 +8,12 @@ whose header says so, never a symlink, a pipe or anything named otherwise. Does 
 index (`store`) or the budget (`store`, `budget`).
 
 File: `<directory>/<model key>/<block key>.safetensors` (16 and 32 hex digits), written by
-MLX's safetensors writer; one block of a chain (`chains`): the K/V of its tokens. The block key
-is the sha256 of its token ids, its salt and its parent's key, so it names every token before
-it too. Its header metadata holds the format, the model's fingerprint, the cache's layout
-signature and layout, its token ids, its parent and start, where its conversation's reply
-began, and a CRC-32 of the whole file (header included, its own value read as the
-placeholder). The model key combines
+MLX's safetensors writer; one block of a chain (`chains`): the K/V of its tokens and the state
+layers' snapshots it holds (`blocks`). The block key is the sha256 of its token ids, its salt
+and its parent's key, so it names every token before it too. Its header metadata holds the
+format, the model's fingerprint, the cache's layout signature and the block's layout, its
+token ids, its parent and start, where its conversation's reply began, and a CRC-32 of the
+whole file (header included, its own value read as the placeholder). The model key combines
 fingerprint and signature, so models (or kv_bits settings) sharing a directory keep apart; the
 fingerprint is checked again in every file.
 """
@@ -39,9 +39,13 @@ from typing import Any
 
 import numpy as np
 
+from mlxkv.runner.disk.blocks import stops
+
 logger = logging.getLogger(__name__)
 
-FORMAT = "mlxkv-kv-3"  # 2: one file per entry, no chains; 1: the CRC covered the data alone
+# 4: blocks for every layer kind (3: blocks for plain K/V models only, one file per entry for
+# the others; 2: one file per entry, no chains; 1: the CRC covered the data alone)
+FORMAT = "mlxkv-kv-4"
 FORMAT_FAMILY = "mlxkv-kv-"  # files of any version are this tier's (older ones are removed)
 SUFFIX = ".safetensors"
 _FILE_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
@@ -71,7 +75,8 @@ class StoredEntry:
         path: where it is.
         tokens: the token ids it holds (uint32).
         nbytes: the file's size in bytes.
-        checkpoints: lengths in tokens of its checkpoints.
+        checkpoints: the lengths, in tokens from its chain's start, it holds every layer's
+            state at (`blocks.stops`): where a chain of a model with state layers may end.
         salt: the isolation domain it belongs to (a digest of a request's `cache_salt`), None
             for the shared.
         reply_start: where the reply of its last request began (tokens before it came from
@@ -234,8 +239,8 @@ def read_record(path: Path, fingerprint: str, signature: str) -> StoredEntry:
     try:
         tokens = np.frombuffer(base64.b64decode(metadata["tokens"]), dtype="<u4")
         layout = json.loads(metadata["layout"])
-        checkpoints = tuple(int(point["at"]) for point in layout["checkpoints"])
         start = int(metadata.get("start", 0))
+        checkpoints = stops(layout, start + tokens.size)
         reply_start = int(metadata.get("reply_start", start + tokens.size))
     except (KeyError, ValueError, TypeError) as error:
         raise BadFile(f"unreadable metadata ({error})") from error

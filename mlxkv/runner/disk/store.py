@@ -21,7 +21,9 @@ Invariants:
   - a block is removed once a newer one beside it holds its tokens and serves them (a
     conversation written behind turn after turn keeps one chain), with the blocks after it;
   - two processes sharing the directory write identical content under identical names, and
-    each picks up the other's new files when the directory changes.
+    each picks up the other's new files when the directory changes;
+  - a scan of the directory and this process's own renames and removals (each with its index
+    change) exclude each other, so the index never drops a file written while a scan ran.
 """
 
 from __future__ import annotations
@@ -42,14 +44,12 @@ import numpy as np
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.serialize import arrays_to_cache, cache_to_arrays
 from mlxkv.errors import CacheStateError, NotSupportedError
+from mlxkv.runner.disk.blocks import cut_block, join_blocks
 from mlxkv.runner.disk.budget import removal_order, tier_files
 from mlxkv.runner.disk.chains import (
     BLOCK_TOKENS,
     StoredChain,
     block_ranges,
-    cut_block,
-    cuttable,
-    join_blocks,
     longest_chain,
     superseded_by,
 )
@@ -87,12 +87,21 @@ class DiskStore:
         fingerprint: identifies the model's config and weights (hex).
         signature: the cache layout (`serialize.layout_signature`).
         max_bytes: most bytes all files under `root` may take; the oldest go first.
-        trimmable: every layer can trim, so a file serves any prefix of its tokens (else only
-            its own length and its checkpoints).
+        trimmable: every layer can trim, so a chain serves any prefix of its tokens (else
+            only the lengths its blocks hold every layer's state at: `blocks.stops`).
+        kv_bits: float K/V written quantized to this many bits (`blocks.cut_block`); None
+            as computed. Files are loaded whatever theirs.
     """
 
     def __init__(
-        self, root: Path, *, fingerprint: str, signature: str, max_bytes: int, trimmable: bool
+        self,
+        root: Path,
+        *,
+        fingerprint: str,
+        signature: str,
+        max_bytes: int,
+        trimmable: bool,
+        kv_bits: int | None = None,
     ):
         self.root = Path(root)
         key = hashlib.sha256(f"{fingerprint}\n{signature}".encode()).hexdigest()[:16]
@@ -102,11 +111,14 @@ class DiskStore:
         self.signature = signature
         self.max_bytes = max_bytes
         self.trimmable = trimmable
-        # tokens per block where every layer is plain K/V, cut by token; else whole entries
-        self.block_tokens = BLOCK_TOKENS if trimmable and cuttable(signature) else None
+        self.kv_bits = kv_bits
+        self.block_tokens = BLOCK_TOKENS  # read here, so a test may set smaller blocks
         self.read_bytes_per_s = float(DEFAULT_READ_BYTES_PER_S)
         self._records: dict[str, StoredEntry] = {}
         self._lock = threading.Lock()  # guards _records
+        # held while a scan compares the directory with the index, and while this process
+        # adds or removes a file and its record: a scan never sees one without the other
+        self._directory_lock = threading.RLock()
         self._writer = BackgroundWriter(self._run_logged)
         self._scanned_mtime = -1
         # other models' files proven this tier's, by (path, size, mtime): read once
@@ -120,6 +132,10 @@ class DiskStore:
     def refresh(self) -> None:
         """Indexes files added since the last scan (by any process) and forgets those removed;
         removes bad ones and temporary files left by processes that are gone."""
+        with self._directory_lock:
+            self._rescan()
+
+    def _rescan(self) -> None:
         mtime = self.directory.stat().st_mtime_ns
         if mtime == self._scanned_mtime:
             return
@@ -184,18 +200,18 @@ class DiskStore:
     # -- load -----------------------------------------------------------------------------
 
     def load(self, chain: StoredChain, empty: ModelCache) -> ModelCache | None:
-        """Fills `empty` from `chain`'s files; None (the bad block removed, one warning) when
-        one is missing, truncated, corrupt or for another model."""
+        """Fills `empty` with the first `chain.num_tokens` tokens from `chain`'s files (only
+        those: a chain ends at the block that holds its last token); None (the bad block
+        removed, one warning) when one is missing, truncated, corrupt or for another model."""
         started = time.perf_counter()
-        block, arrays, layout = chain.blocks[0], [], {}
+        block, blocks = chain.blocks[0], []
         try:
             for block in chain.blocks:
                 metadata, data_start = read_header(block.path)
                 check_crc(block.path, data_start, metadata)
-                arrays.append(mx.load(str(block.path)))
-                layout = layout or json.loads(metadata["layout"])
-            tokens = chain.tokens.tolist()
-            cache = arrays_to_cache(join_blocks(arrays), layout, tokens, empty)
+                blocks.append((mx.load(str(block.path)), json.loads(metadata["layout"])))
+            arrays, layout = join_blocks(blocks, chain.num_tokens)
+            cache = arrays_to_cache(arrays, layout, chain.tokens.tolist(), empty)
             mx.eval(cache.arrays())
         except FileNotFoundError:
             self._forget(block.path.name)
@@ -231,23 +247,20 @@ class DiskStore:
         *,
         wait: bool = False,
         salt: str | None = None,
-        kept: bool = False,
         reply_start: int | None = None,
     ) -> None:
-        """Saves `cache` under its token ids: in the background (the arrays stay referenced,
-        and count in `pending_bytes`, until written), or now with `wait`. An entry already on
-        disk, empty, larger than the budget or of a layer type that cannot be saved is
-        skipped. `salt`: the isolation domain the entry belongs to. `kept`: the entry stays in
-        memory (a turn written behind as it ends), so its buffers are the pool's, not held
-        for the writer alone, and do not count in `pending_bytes`. `reply_start`: where its
-        last request's reply began (None: its end); a later file of its conversation that
-        holds the tokens before it supersedes it."""
+        """Saves `cache` under its token ids, as the blocks not on disk yet: in the background
+        (each block's arrays stay referenced, and count in `pending_bytes`, until written), or
+        now with `wait`. An entry already on disk, empty, larger than the budget or of a layer
+        type that cannot be saved is skipped. `salt`: the isolation domain the entry belongs
+        to. `reply_start`: where its last request's reply began (None: its end); a later
+        file of its conversation that holds the tokens before it supersedes it."""
         tokens = np.asarray(cache.tokens, dtype=np.uint32)
         if tokens.size == 0:
             return
         keys = self.block_keys(tokens, salt)
         last = keys[-1] + SUFFIX
-        if self._writer.claim(last, 0 if kept else cache.nbytes) or self._written_or_queued(last):
+        if self._written_or_queued(last):
             return  # its last block is written or queued: so are the blocks before it
         try:
             arrays, layout = cache_to_arrays(cache)
@@ -262,8 +275,7 @@ class DiskStore:
         ):
             if self._written_or_queued(key + SUFFIX):
                 continue  # a prefix another conversation (or an earlier turn) wrote
-            # a block is a copy of its tokens' K/V; a whole entry (one block), views
-            block = arrays if self.block_tokens is None else cut_block(arrays, start, end)
+            block, block_layout = cut_block(arrays, layout, start, end, tokens.size, self.kv_bits)
             mx.eval(list(block.values()))
             nbytes = sum(a.nbytes for a in block.values())
             if nbytes > self.max_bytes:
@@ -272,11 +284,10 @@ class DiskStore:
                 )
                 return
             metadata = entry_metadata(
-                self.fingerprint, self.signature, layout, tokens[start:end], salt, reply_start,
-                parent, start,
+                self.fingerprint, self.signature, block_layout, tokens[start:end], salt,
+                reply_start, parent, start,
             )  # fmt: skip
-            held_bytes = nbytes if self.block_tokens else 0 if kept else cache.nbytes
-            job = WriteJob(block, metadata, key + SUFFIX, held_bytes)
+            job = WriteJob(block, metadata, key + SUFFIX, nbytes)
             self._run_logged(job) if wait else self._writer.put(job)
 
     @property
@@ -307,7 +318,12 @@ class DiskStore:
         try:
             mx.save_safetensors(str(temporary), job.arrays, job.metadata)
             patch_crc(temporary)
-            os.replace(temporary, path)
+            with self._directory_lock:
+                os.replace(temporary, path)
+                # the index entry, as a restart would read it
+                record = read_record(path, self.fingerprint, self.signature)
+                with self._lock:
+                    self._records[job.name] = record
             fsync_directory(self.directory)  # the rename itself survives a power cut
         except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
             needed_bytes = sum(a.nbytes for a in job.arrays.values())
@@ -315,11 +331,6 @@ class DiskStore:
         finally:
             with contextlib.suppress(OSError):
                 temporary.unlink(missing_ok=True)
-        record = read_record(
-            path, self.fingerprint, self.signature
-        )  # the index entry, as a restart would read it
-        with self._lock:
-            self._records[job.name] = record
         self._remove_superseded(record)
         logger.debug(
             "disk cache write tokens=%d bytes=%d seconds=%.3f",
@@ -335,9 +346,10 @@ class DiskStore:
         with self._lock:
             records = list(self._records.values())
         for other in superseded_by(record, records, trimmable=self.trimmable):
-            if remove_own_file(other.path):
-                logger.debug("disk cache superseded file=%s", other.path.name)
-            self._forget(other.path.name)
+            with self._directory_lock:
+                if remove_own_file(other.path):
+                    logger.debug("disk cache superseded file=%s", other.path.name)
+                self._forget(other.path.name)
 
     # -- budget ---------------------------------------------------------------------------
 
@@ -352,10 +364,11 @@ class DiskStore:
         for path, size, _ in removal_order(files, records, trimmable=self.trimmable, keep=keep):
             if total <= self.max_bytes:
                 break
-            if remove_own_file(path):
-                total -= size
-                logger.debug("disk cache evict file=%s bytes=%d", path.name, size)
-            self._forget(path.name)
+            with self._directory_lock:
+                if remove_own_file(path):
+                    total -= size
+                    logger.debug("disk cache evict file=%s bytes=%d", path.name, size)
+                self._forget(path.name)
 
     # -- reports --------------------------------------------------------------------------
 
@@ -380,8 +393,11 @@ class DiskStore:
     def _discard(self, path: Path, why: Exception) -> None:
         """Forgets a file that must not be loaded; removes it if this tier wrote it, else
         leaves it where it is (one warning per file)."""
-        self._forget(path.name)
-        if isinstance(why, BadFile) and not why.ours:
+        ours = not isinstance(why, BadFile) or why.ours
+        with self._directory_lock:
+            self._forget(path.name)
+            removed = ours and remove_own_file(path)
+        if not ours:
             if path.name not in self._strangers:
                 self._strangers.add(path.name)
                 logger.warning(
@@ -390,7 +406,6 @@ class DiskStore:
                     why,
                 )
             return
-        removed = remove_own_file(path)
         logger.warning(
             "disk cache: skipped %s %s: %s",
             "and removed" if removed else "(could not remove)",

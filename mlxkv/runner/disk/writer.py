@@ -20,9 +20,10 @@ from mlxkv.platform.threads import release_streams_at_thread_exit
 
 @dataclass
 class WriteJob:
-    """A background write. `held_bytes` is the memory its arrays keep alive until written and
-    no one else counts: a block's copied K/V; an evicted whole entry's views of its buffers
-    (the whole allocated buffers, not their slices' `nbytes`); 0 for an entry the pool keeps."""
+    """A background write. `held_bytes` is the memory its arrays keep alive until written: a
+    block's copied K/V and the state layers' arrays it holds (shared with the entry's
+    snapshots and state, so counted twice while the entry is also in memory: at most one
+    entry's state layers, for the second or so a write takes)."""
 
     arrays: dict[str, mx.array]
     metadata: dict[str, str]
@@ -63,16 +64,6 @@ class BackgroundWriter:
     def queued_names(self) -> set[str]:
         with self._lock:
             return set(self._queued)
-
-    def claim(self, name: str, held_bytes: int) -> bool:
-        """True when `name` is queued; a job that held nothing (its entry was kept) now counts
-        `held_bytes` (its entry was evicted before it was written: the writer alone holds it)."""
-        with self._lock:
-            job = self._queued.get(name)
-            if job is not None and job.held_bytes == 0:
-                job.held_bytes = held_bytes
-                self._pending_bytes += held_bytes
-            return job is not None
 
     @property
     def pending_bytes(self) -> int:

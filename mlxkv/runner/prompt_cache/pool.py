@@ -290,7 +290,7 @@ class CachePool:
         # started after it (a decode batch releases out of order)
         self._evict(self.max_entries, self.max_bytes, fit=entry)
         if self.store is not None and entry in self._entries:
-            self.store.write(entry.cache, salt=entry.salt, kept=True, reply_start=entry.reply_start)
+            self.store.write(entry.cache, salt=entry.salt, reply_start=entry.reply_start)
         return self.usage()
 
     def evict(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> int:

@@ -1,0 +1,163 @@
+"""A cache entry's arrays cut into blocks of tokens, and a chain's blocks put back together, for
+every layer kind the cache holds.
+
+Owns `cut_block` (one block's arrays and layout, its K/V quantized with `kv_bits`),
+`join_blocks` (the arrays and layout that rebuild a chain's first `num_tokens` tokens, its
+K/V dequantized) and which layers are cut by token. Does not own
+files or chains (`files`, `chains`), nor turning arrays into caches (`mlxkv.cache.serialize`).
+
+Terms:
+  sliced layer  a layer whose state is the K/V of every token it holds, along the token axis
+                (`KVCache`, `QuantizedKVCache`, a `CacheList` of them): a block holds its
+                tokens' slice;
+  state layer   any other (recurrent `ArraysCache`, sliding window, chunked attention): its
+                state at one length cannot be cut, so a block holds its snapshots at the
+                cache's checkpoints that fall in the block, and its state at the block's end
+                when the entry ends there (`end_state`).
+  stop          a length a chain can be restored to: any for a model of sliced layers only;
+                else a checkpoint or an entry's end held in its blocks (the rules a cache in
+                memory follows: `ModelCache.nearest_restorable`).
+
+Invariant: a block's layout names every layer as the whole entry's does; its arrays hold the
+sliced layers' tokens `start`..`end`, the snapshots of its `checkpoints` and, with `end_state`,
+the state layers' arrays at `end`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlxkv.cache.checkpoints import MAX_CHECKPOINTS
+
+SLICED_KINDS = frozenset({"KVCache", "QuantizedKVCache"})
+_TOKEN_AXIS = 2  # K/V arrays (and quantized K/V's parts) are (B, H, L, D)
+# Head-dimension elements sharing one scale and bias in K/V quantized on disk: mx.quantize's
+# default, else the largest it accepts that divides the head dimension (none: not quantized).
+DISK_GROUP_SIZES = (64, 32)
+_PARTS = (".q", ".scales", ".biases")  # a quantized array's names: its name + each
+
+
+def is_sliced(entry: dict[str, Any]) -> bool:
+    """True for a layer (a layout entry) whose arrays are cut by token."""
+    if entry["kind"] == "CacheList":
+        return all(is_sliced(child) for child in entry["children"])
+    return entry["kind"] in SLICED_KINDS
+
+
+def array_names(entry: dict[str, Any] | None) -> list[str]:
+    """The names of the arrays a layer's layout entry (a layer or a snapshot) refers to."""
+    if entry is None:
+        return []
+    if entry["kind"] == "CacheList":
+        return [name for child in entry["children"] for name in array_names(child)]
+    if "arrays" in entry:  # an ArraysCache
+        return list(entry["arrays"])
+    return [f"{entry['prefix']}/{path}" for path in entry["paths"]]
+
+
+def stops(layout: dict[str, Any], end: int) -> tuple[int, ...]:
+    """The lengths, in tokens from the chain's start, a block (its layout, ending at `end`)
+    holds every state layer at."""
+    points = tuple(int(point["at"]) for point in layout["checkpoints"])
+    return points + ((end,) if layout.get("end_state") else ())
+
+
+def cut_block(
+    arrays: dict[str, mx.array],
+    layout: dict[str, Any],
+    start: int,
+    end: int,
+    num_tokens: int,
+    kv_bits: int | None = None,
+) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """The arrays and layout of the block of tokens `start`..`end` of an entry holding
+    `num_tokens` (`cache_to_arrays`'s `arrays` and `layout`). The sliced layers' K/V are
+    copied (a write in flight then holds no view of buffers the next request updates in
+    place); snapshots are never changed in place, so they are shared. `kv_bits`: float K/V
+    layers' arrays are stored quantized to that many bits (`DISK_GROUP_SIZES`); the layout's
+    "quantized" names them, with what `_dequantized` needs."""
+    block: dict[str, mx.array] = {}
+    quantized: dict[str, list] = {}
+    for entry in layout["layers"]:
+        if is_sliced(entry):
+            for name in array_names(entry):
+                block[name] = mx.contiguous(arrays[name][:, :, start:end, :])
+            for name in _float_kv_names(entry) if kv_bits else ():
+                group = next((g for g in DISK_GROUP_SIZES if block[name].shape[-1] % g == 0), 0)
+                if group:
+                    dtype = str(block[name].dtype).removeprefix("mlx.core.")
+                    parts = mx.quantize(block.pop(name), group_size=group, bits=kv_bits)
+                    block.update({name + part: a for part, a in zip(_PARTS, parts, strict=True)})
+                    quantized[name] = [kv_bits, group, dtype]
+        elif end == num_tokens:
+            block.update({name: arrays[name] for name in array_names(entry)})
+    points = [point for point in layout["checkpoints"] if start < int(point["at"]) <= end]
+    for point in points:
+        block.update({n: arrays[n] for entry in point["layers"] for n in array_names(entry)})
+    block_layout = {**layout, "checkpoints": points, "end_state": end == num_tokens}
+    return block, {**block_layout, "quantized": quantized} if quantized else block_layout
+
+
+def _dequantized(arrays: dict[str, mx.array], layout: dict[str, Any]) -> dict[str, mx.array]:
+    """A block's arrays (as `cut_block` made them) with those stored quantized dequantized
+    to their dtype. Changes `arrays` in place, and returns it."""
+    for name, (bits, group, dtype) in layout.get("quantized", {}).items():
+        q, scales, biases = (arrays.pop(name + part) for part in _PARTS)
+        arrays[name] = mx.dequantize(
+            q, scales, biases, group_size=int(group), bits=int(bits), dtype=getattr(mx, dtype)
+        )
+    return arrays
+
+
+def _float_kv_names(entry: dict[str, Any]) -> list[str]:
+    """The arrays of a sliced layer's `KVCache` parts (not already quantized)."""
+    if entry["kind"] == "CacheList":
+        return [name for child in entry["children"] for name in _float_kv_names(child)]
+    return array_names(entry) if entry["kind"] == "KVCache" else []
+
+
+def join_blocks(
+    blocks: list[tuple[dict[str, mx.array], dict[str, Any]]], num_tokens: int
+) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """The arrays and layout (`arrays_to_cache`'s) of the first `num_tokens` tokens of a
+    chain's consecutive `blocks` ((arrays, layout), first to last), `num_tokens` one of the
+    last block's `stops` unless every layer is sliced.
+
+    Raises:
+        KeyError: no block holds the state layers at `num_tokens`.
+    """
+    blocks = [(_dequantized(arrays, layout), layout) for arrays, layout in blocks]
+    last_arrays, last_layout = blocks[-1]
+    points = [(arrays, point) for arrays, layout in blocks for point in layout["checkpoints"]]
+    points = _kept([(a, p) for a, p in points if int(p["at"]) <= num_tokens])
+    at_stop = {int(point["at"]): point for _, point in points}.get(num_tokens)
+    joined: dict[str, mx.array] = {}
+    layers = []
+    for i, entry in enumerate(last_layout["layers"]):
+        if is_sliced(entry):
+            for name in array_names(entry):
+                parts = [arrays[name] for arrays, _ in blocks]
+                whole = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=_TOKEN_AXIS)
+                joined[name] = whole[:, :, :num_tokens, :]
+            layers.append(entry)
+        elif at_stop is not None:
+            layers.append(at_stop["layers"][i])
+        elif last_layout.get("end_state"):
+            joined.update({name: last_arrays[name] for name in array_names(entry)})
+            layers.append(entry)
+        else:
+            raise KeyError(f"no state of layer {i} at {num_tokens} tokens")
+    for arrays, point in points:
+        joined.update({n: arrays[n] for entry in point["layers"] for n in array_names(entry)})
+    checkpoints = [point for _, point in points]
+    joined_layout = {key: value for key, value in last_layout.items() if key != "quantized"}
+    return joined, {**joined_layout, "layers": layers, "checkpoints": checkpoints}
+
+
+def _kept(points: list[tuple[Any, dict[str, Any]]]) -> list[tuple[Any, dict[str, Any]]]:
+    """The checkpoints a cache in memory would keep of these: the earliest and the newest, at
+    most `MAX_CHECKPOINTS` (`add_checkpoint`)."""
+    points = sorted(points, key=lambda item: int(item[1]["at"]))
+    return points[:1] + points[1:][-(MAX_CHECKPOINTS - 1) :]
