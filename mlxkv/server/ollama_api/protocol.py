@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.images import image_part, parts_or_text
-from mlxkv.server.ollama_api.keep_alive import keep_alive_ns
+from mlxkv.server.models.keep_alive import keep_alive_ns
 from mlxkv.server.protocol import mlx_seed, tool_arguments
 from mlxkv.server.reply.structured import ollama_grammar
 from mlxkv.server.reply.thinking_switch import ollama_switches

@@ -24,7 +24,7 @@ from mlxkv.errors import ContextLengthError
 from mlxkv.runner.results import Completion, PromptUsage
 from mlxkv.server.errors import ApiError, context_length_error
 from mlxkv.server.images import fetched_images
-from mlxkv.server.models import request_context
+from mlxkv.server.models.served import request_context
 from mlxkv.server.reply.forced_tools import ForcedCall, forced_call_grammar
 from mlxkv.server.reply.thinking_split import (
     ThinkingSplitter,
