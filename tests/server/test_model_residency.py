@@ -17,7 +17,7 @@ from mlxkv import Runner
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models.resident import ModelLoader, Residency, ResidentModel
 from mlxkv.server.worker import GenerationWorker
-from tests.factories import tiny_model_dir
+from tests.factories import tiny_model_dir, wait_until
 
 ARCHS = ("llama", "qwen3", "gemma3_text")
 CACHE_BYTES = 1 << 20
@@ -31,10 +31,12 @@ class Loads:
         self.root, self.tmp_path = model_root, tmp_path
         self.made: dict[str, list[weakref.ref]] = {}
         self.close_started = threading.Event()
+        self.events: list[str] = []  # "load" and "closed", in the order they happened
         self.close_may_end: threading.Event | None = None  # set: closes wait for it
 
     def loader(self, arch: str, estimated_bytes: int = 0) -> ModelLoader:
         def load() -> Runner:
+            self.events.append("load")
             runner = _Watched.load(
                 str(tiny_model_dir(arch, self.root)),
                 max_context=256,
@@ -60,6 +62,7 @@ class _Watched(Runner):
         if self.loads.close_may_end is not None:
             assert self.loads.close_may_end.wait(60)
         super().close(save_timeout_s)
+        self.loads.events.append("closed")
 
 
 @pytest.fixture
@@ -172,12 +175,17 @@ def test_a_request_racing_an_unload_waits_and_loads_again(loads):
         residency.release(model, 0.0)  # unloads: its close is held
         await asyncio.to_thread(loads.close_started.wait, 60)
         racing = asyncio.ensure_future(residency.acquire(model))
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert not racing.done() and model.num_loads == 1  # waits for the unload
+
+        # until it waits for the unload (or, wrongly, loads the model meanwhile)
+        def waits() -> bool:
+            return bool(model._lock._waiters) or len(loads.events) > 1
+
+        await asyncio.to_thread(wait_until, waits, what="the racing request waiting")
+        assert not racing.done() and loads.events == ["load"]
         loads.close_may_end.set()
         second = await racing
         assert second is not first and model.num_loads == 2 and model.in_flight == 1
+        assert loads.events == ["load", "closed", "load"]  # loaded again once saved
         residency.release(model, None)
         residency.shutdown()
 
