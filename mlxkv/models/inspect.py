@@ -34,7 +34,7 @@ def describe(loaded: LoadedModel) -> dict[str, str]:
             kinds["recurrent"].append(i)
     recurrent_bytes = sum(cache[i].nbytes for i in kinds["recurrent"])
     params = sum(v.size for _, v in tree_flatten(loaded.model.parameters()))
-    capabilities = model_capabilities(loaded.tokenizer)
+    capabilities = model_capabilities(loaded.tokenizer, generates=not loaded.is_encoder)
     return {
         "path": str(loaded.path),
         "architecture": str(loaded.config.get("model_type")),

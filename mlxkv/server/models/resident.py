@@ -97,7 +97,9 @@ class ResidentModel:
     def _attach(self, runner: Runner, worker: GenerationWorker) -> None:
         weights = sum(w.nbytes for _, w in tree_flatten(runner.loaded.model.parameters()))
         self.facts = ModelFacts(
-            capabilities=model_capabilities(runner.tokenizer),
+            capabilities=model_capabilities(
+                runner.tokenizer, generates=not runner.loaded.is_encoder
+            ),
             digest=model_fingerprint(runner.loaded),
             config=dict(runner.loaded.config),
             weights_bytes=weights,

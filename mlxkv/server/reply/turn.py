@@ -194,6 +194,8 @@ async def start_turn(
     """
     context = await request_context(request)
     worker: GenerationWorker = context.worker
+    if not context.capabilities.generates:  # an encoder: it embeds only
+        raise ApiError(400, str(worker.runner.loaded.model.cannot_generate()), param="model")
     messages = await fetched_images(messages, context.fetch_images)
     sampling = _within_limit(sampling, context.max_tokens_limit, max_tokens_asked)
     tokenizer = worker.runner.tokenizer
