@@ -95,15 +95,17 @@ class ServedModels:
 async def request_context(request: Request) -> Any:
     """The app's `ServerContext` for the model the request's body names (kept on the request:
     read once, whoever asks first). A POST loads that model if needed and holds it loaded
-    until `ReleaseModels` sees the request end; a GET gets the default model's, as it is."""
+    until `ReleaseModels` sees the request end; a GET gets the default model's as it is now
+    (its worker None while it is not loaded)."""
     known = getattr(request.state, "mlxkv", None)
     if known is not None:
         return known
     base = request.app.state.mlxkv
-    context = base
+    models: ServedModels = base.models
+    context = dataclasses.replace(base, worker=models.resident[base.model_name].worker)
     if request.method == "POST":
-        body = _body_object(await request.body())
-        models: ServedModels = base.models
+        fixed = len(models.resident) == 1 and models.resident[base.model_name].pinned
+        body = {} if fixed else _body_object(await request.body())  # one name, no keep-alive
         name = models.resolve(_named_model(body))
         model = models.resident[name]
         worker = await models.residency.acquire(model)

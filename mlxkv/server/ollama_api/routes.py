@@ -227,7 +227,7 @@ def _loaded(
     ctx: ServerContext, body: Any, unloads: bool, field: str, payload: Any
 ) -> dict[str, Any]:
     """The answer to a request with nothing to generate: a load, or an unload (`keep_alive`
-    zero), as Ollama answers them (the model stays loaded either way)."""
+    zero: the model unloads as the request ends, `models.served`), as Ollama answers them."""
     reason = "unload" if unloads else "load"
     return {**_head(body.model or _name(ctx)), field: payload, "done": True, "done_reason": reason}
 
