@@ -18,7 +18,8 @@ from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT
 def describe(loaded: LoadedModel) -> dict[str, str]:
     """Facts about a model for `mlxkv info`, as display strings keyed by name."""
     cache = make_cache(loaded.model)
-    cache.forward(loaded.model, [0])
+    if not loaded.is_encoder:  # an encoder has no K/V to measure (and no decoder forward)
+        cache.forward(loaded.model, [0])
     kinds: dict[str, list[int]] = {"global": [], "sliding": [], "recurrent": []}
     per_token = 0
     windows = set()

@@ -48,8 +48,12 @@ def test_a_batch_equals_its_texts_one_by_one_unit_and_distinct(runner):
 
 
 def test_an_encoder_does_not_generate(runner):
+    from mlxkv.models.inspect import describe
+
     with pytest.raises(NotSupportedError, match="'tiny-bert' is an encoder embedding model"):
         runner.generate("Hello", max_tokens=2)
+    facts = describe(runner.loaded)  # `mlxkv info`
+    assert facts["capabilities"] == "embedding" and facts["kv bytes per token"].startswith("0 ")
 
 
 def test_without_mlx_embeddings_loading_says_how_to_install(bert_dir, monkeypatch):

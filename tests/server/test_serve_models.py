@@ -116,3 +116,21 @@ def test_an_address_in_use_still_saves_the_loaded_models_cache(model_root, tmp_p
     finally:
         taken.close()
     assert status == 1 and len(closes) == 1
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds"), [("10m", 600.0), ("90", 90.0), ("0", 0.0), ("-1", -1.0), ("-5m", -1.0)]
+)
+def test_keep_alive_is_read_as_ollama_reads_it(given, seconds):
+    from mlxkv.cli.parser import build_parser
+
+    args = build_parser().parse_args(["serve", f"--keep-alive={given}", "--max-memory", "2GiB"])
+    assert args.keep_alive == seconds and args.max_memory == "2GiB"
+
+
+def test_a_keep_alive_ollama_refuses_is_a_usage_error(capsys):
+    from mlxkv.cli.parser import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--keep-alive", "5 m"])
+    assert 'unknown unit " m"' in capsys.readouterr().err
