@@ -232,3 +232,19 @@ def test_one_model_failing_to_close_does_not_keep_the_others_from_saving(loads, 
 
 def _fail(**_):
     raise OSError("disk full")
+
+
+def test_an_unload_asked_while_busy_happens_at_the_last_requests_end(loads):
+    async def scenario():
+        residency = _residency({"a": loads.loader("llama"), "b": loads.loader("qwen3")})
+        a, b = residency.models
+        await residency.acquire(a)
+        residency.unload_when_idle(a)  # busy: not now
+        residency.unload_when_idle(b)  # not loaded: not loaded for it
+        await _unloads_done(residency)
+        assert a.worker is not None and b.num_loads == 0
+        residency.release(a, None)  # the default (-1) would keep it; the unload wins
+        await _unloads_done(residency)
+        assert a.worker is None and loads.close_started.is_set()
+
+    asyncio.run(scenario())

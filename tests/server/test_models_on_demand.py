@@ -91,6 +91,9 @@ def test_ollamas_unload_request_unloads(served):
     client = ollama.Client(host=served.url)
     client.generate(model="b", prompt="Hi", options=OPTIONS)
     assert _loaded(served) == ["b:latest"]
+    reply = client.chat(model="a", messages=[], keep_alive=0)  # a model not loaded
+    assert reply.done_reason == "unload"
+    assert served.app.state.mlxkv.models.resident["a"].num_loads == 0  # not loaded for it
     reply = client.generate(model="b", keep_alive=0)  # no prompt: Ollama's unload
     assert reply.done_reason == "unload"
     assert served.closed["b"].wait(60)

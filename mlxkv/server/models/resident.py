@@ -88,6 +88,7 @@ class ResidentModel:
         self._given = None if self.loader else source
         self._lock = asyncio.Lock()  # held while it loads or unloads
         self._expiry = 0  # bumped at each request's end: an older timer does nothing
+        self._unload_at_end = False  # an unload asked for while requests were in flight
         self._timer: asyncio.TimerHandle | None = None
 
     @property
@@ -167,10 +168,21 @@ class Residency:
         model.in_flight -= 1
         model.last_used_s = time.monotonic()
         self._released.set()
-        if model.in_flight or model.pinned:
-            return
-        keep_s = self.keep_alive_s if keep_alive_s is None else keep_alive_s
-        if keep_s < 0:
+        if not model.in_flight:
+            self._expire_after(model, self.keep_alive_s if keep_alive_s is None else keep_alive_s)
+
+    def unload_when_idle(self, model: ResidentModel) -> None:
+        """Ollama's unload request (`keep_alive` 0, nothing to generate): a loaded model
+        unloads now, or as its last request ends; one not loaded is not loaded for it."""
+        if model.worker is not None and not model.in_flight:
+            self._expire_after(model, 0.0)
+        elif model.in_flight:  # its last request's end unloads it, whatever it asked
+            model._unload_at_end = True
+
+    def _expire_after(self, model: ResidentModel, keep_s: float) -> None:
+        if model._unload_at_end:
+            keep_s, model._unload_at_end = 0.0, False
+        if keep_s < 0 or model.pinned:
             return
         model._expiry += 1
         model.expires_at = time.time() + keep_s

@@ -116,6 +116,19 @@ async def request_context(request: Request) -> Any:
     return context
 
 
+def unload_named(request: Request, name: str | None) -> str:
+    """Ollama's unload request for the model `name` means: unloaded now if loaded and idle,
+    else as its last request ends; never loaded for it. Returns the served model's name.
+
+    Raises:
+        ApiError: 404 listing the names served, for a name none matches.
+    """
+    models: ServedModels = request.app.state.mlxkv.models
+    served = models.resolve(name)
+    models.residency.unload_when_idle(models.resident[served])
+    return served
+
+
 class ReleaseModels:
     """ASGI middleware: once a request's response has ended, and its generation with it (a
     client that left: within a step), the model it held may unload (`Residency.release`)."""

@@ -24,10 +24,11 @@ from fastapi.responses import StreamingResponse
 
 from mlxkv.runner.results import Completion
 from mlxkv.server.errors import ApiError
+from mlxkv.server.models.served import unload_named
 from mlxkv.server.ollama_api.protocol import ChatRequest, GenerateRequest, ModelRequest
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import ReasoningDelta, TextDelta, Turn, collect, start_turn
-from mlxkv.server.state import Context, ServerContext, event_stream
+from mlxkv.server.state import Context, ServerContext, event_stream, server_context
 
 router = APIRouter(prefix="/api")
 
@@ -111,12 +112,16 @@ async def manage(ctx: Context) -> None:
 
 
 @router.post("/chat")
-async def chat(body: ChatRequest, request: Request, ctx: Context):
+async def chat(body: ChatRequest, request: Request):
     unloads = body.unloads  # first: a keep_alive Ollama refuses is a 400, as there
+    if unloads and not body.messages:
+        message = {"role": "assistant", "content": ""}
+        return _unloaded(request, body, "message", message)
+    ctx = await server_context(request)  # the model, loaded
     sampling = body.sampling(ctx.default_max_tokens, ctx.worker.runner.max_context)
     if not body.messages:  # Ollama's way to load a model: nothing to generate
         message = {"role": "assistant", "content": ""}
-        return _loaded(ctx, body, unloads, "message", message)
+        return _loaded(body.model or _name(ctx), "load", "message", message)
     turn = await start_turn(
         request,
         body.chat_messages(),
@@ -130,11 +135,14 @@ async def chat(body: ChatRequest, request: Request, ctx: Context):
 
 
 @router.post("/generate")
-async def generate(body: GenerateRequest, request: Request, ctx: Context):
+async def generate(body: GenerateRequest, request: Request):
     unloads = body.unloads  # first: a keep_alive Ollama refuses is a 400, as there
+    if unloads and not body.prompt:
+        return _unloaded(request, body, "response", "")
+    ctx = await server_context(request)  # the model, loaded
     sampling = body.sampling(ctx.default_max_tokens, ctx.worker.runner.max_context)
     if not body.prompt:  # loads the model
-        return _loaded(ctx, body, unloads, "response", "")
+        return _loaded(body.model or _name(ctx), "load", "response", "")
     turn = await start_turn(
         request,
         body.prompt_for_runner(),
@@ -223,13 +231,17 @@ def _final(completion: Completion, calls: list[ToolCall], started: int) -> dict[
     }
 
 
-def _loaded(
-    ctx: ServerContext, body: Any, unloads: bool, field: str, payload: Any
-) -> dict[str, Any]:
-    """The answer to a request with nothing to generate: a load, or an unload (`keep_alive`
-    zero: the model unloads as the request ends, `models.served`), as Ollama answers them."""
-    reason = "unload" if unloads else "load"
-    return {**_head(body.model or _name(ctx)), field: payload, "done": True, "done_reason": reason}
+def _unloaded(request: Request, body: Any, field: str, payload: Any) -> dict[str, Any]:
+    """Ollama's unload (`keep_alive` zero, nothing to generate): the model unloads when idle
+    and is never loaded for it (`models.served.unload_named`)."""
+    name = unload_named(request, body.model or None)
+    return _loaded(body.model or f"{name}:latest", "unload", field, payload)
+
+
+def _loaded(model: str, reason: str, field: str, payload: Any) -> dict[str, Any]:
+    """The answer to a request with nothing to generate: a load, or an unload, as Ollama
+    answers them."""
+    return {**_head(model), field: payload, "done": True, "done_reason": reason}
 
 
 def _head(model: str) -> dict[str, Any]:
