@@ -67,7 +67,6 @@ class ModelFacts:
     digest: str
     config: dict
     weights_bytes: int
-    max_context: int
 
 
 class ResidentModel:
@@ -104,7 +103,6 @@ class ResidentModel:
             digest=model_fingerprint(runner.loaded),
             config=dict(runner.loaded.config),
             weights_bytes=weights,
-            max_context=runner.max_context,
         )
         self.footprint_bytes = weights + (runner.cache_info().budget_bytes or 0)
         self.worker = worker
