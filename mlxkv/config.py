@@ -16,6 +16,7 @@ command line is parsed. Imports nothing from mlxkv but `errors` and `platform`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -286,6 +287,7 @@ DEFAULT_MAX_TOKENS = 1024  # generated when a request sets no limit (OpenAI's ma
 DEFAULT_MAX_QUEUE = 32  # requests running or waiting; each waiting one holds its body
 DEFAULT_QUEUE_TIMEOUT_S = 600.0
 DEFAULT_MAX_CONNECTIONS = 256  # below the usual limit of 1,024 open files
+DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default: an idle model unloads after 5 minutes
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,11 @@ class ServerConfig(_Options):
         max_connections: most open connections; more get 503.
         model_aliases: "PATTERN=NAME" entries: with several models served, request names
             matching PATTERN (fnmatch: "claude-*") go to the model NAME.
+        keep_alive_s: seconds a model loaded on demand stays loaded after its last request
+            when the request gives no `keep_alive` (negative: for good; 0: unloaded at once).
+        max_memory_bytes: most bytes the models loaded on demand and those given loaded may
+            take together, weights and cache budgets (bytes, or a string such as "24GiB");
+            loading one over it unloads the least recently used idle ones. None: no limit.
     """
 
     host: str = "127.0.0.1"
@@ -330,9 +337,15 @@ class ServerConfig(_Options):
     fetch_images: bool = False
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     model_aliases: tuple[str, ...] = field(default_factory=tuple)
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+    max_memory_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
         check_int("port", self.port, low=0, high=65535)
+        check_real("keep_alive_s", self.keep_alive_s, low=-math.inf)
+        if self.max_memory_bytes is not None:
+            limit = parse_bytes(self.max_memory_bytes, "max_memory_bytes")
+            object.__setattr__(self, "max_memory_bytes", limit)
         check_int("max_body_bytes", self.max_body_bytes, low=1)
         check_int("default_max_tokens", self.default_max_tokens, low=1)
         if self.max_tokens_limit is not None:

@@ -113,6 +113,30 @@ def _add_served_models(serve: argparse.ArgumentParser) -> None:
         help="with several models, request names matching PATTERN (shell-style: 'claude-*') "
         "go to the model NAME; repeat for more",
     )
+    serve.add_argument(
+        "--models-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="serve every model found in DIR (model directories and .gguf files, a Hugging "
+        "Face hub cache, or Ollama's models directory), each by its name; repeat for more",
+    )
+    serve.add_argument(
+        "--keep-alive",
+        type=_keep_alive,
+        default=_SERVER.keep_alive_s,
+        metavar="DURATION",
+        help="with several models: how long an idle model stays loaded when a request gives "
+        "no keep_alive (seconds or a duration such as 5m, 1h; negative: for good; default 5m)",
+    )
+    serve.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="BYTES",
+        help="with several models: most memory the loaded models' weights and cache budgets "
+        "take together (such as 24GiB); loading one over it unloads the least recently used "
+        "idle one (default: no limit)",
+    )
 
 
 def _add_browser_options(serve: argparse.ArgumentParser) -> None:
@@ -297,6 +321,21 @@ def _add_cache_options(parser: argparse.ArgumentParser, *, server: bool) -> None
         type=int,
         choices=DISK_KV_BITS,
         default=None,
-        help="store K/V on the disk tier quantized to this many bits (8: half the bytes, "
-        "log-probabilities move slightly; default: as computed)",
+        help="store K/V on the disk tier quantized to this many bits (8: half the bytes of "
+        "16-bit K/V, a quarter of 32-bit; log-probabilities move slightly; default: as computed)",
     )
+
+
+def _keep_alive(text: str) -> float:
+    """Seconds from Ollama's spelling of a keep-alive (a number of seconds, or a duration)."""
+    from mlxkv.server.models.keep_alive import FOREVER, keep_alive_ns
+
+    try:
+        value: float | str = float(text)
+    except ValueError:
+        value = text
+    try:
+        ns = keep_alive_ns(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return -1.0 if ns == FOREVER else (ns or 0) / 1e9

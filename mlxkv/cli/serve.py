@@ -4,60 +4,91 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from mlxkv.cli.common import MEMORY_LOGGER, follow, load_runner
+from mlxkv.cli.common import MEMORY_LOGGER, follow, load_runner, runner_config
 from mlxkv.config import ServerConfig, env, format_bytes
 from mlxkv.models.sharding import world
+from mlxkv.models.sources import find_models
 from mlxkv.runner.runner import Runner
+
+if TYPE_CHECKING:  # the server's modules load when it starts (other commands start faster)
+    from mlxkv.server.models.resident import ModelLoader
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from mlxkv.server import create_app
     from mlxkv.server.connections import Server, uvicorn_config
 
     logging.getLogger("mlxkv.server").setLevel(logging.INFO)  # one access line per request
     if not args.verbose:  # the access line carries the memory line already
         logging.getLogger(MEMORY_LOGGER).setLevel(logging.WARNING)
     config = _server_config(args)
-    runners = _load_runners(args)
-    if runners is None:
+    sources = _model_sources(args)
+    if sources is None:
         return 2
-    first = next(iter(runners.values()))
-    if first.rank:  # rank 0 alone serves HTTP
-        return follow(first)
-    app = create_app(runners, config)
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))  # an address in use fails here, as one line
-    sock.listen(128)
-    host, port = sock.getsockname()[:2]
-    url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
-    if args.host not in _LOOPBACK and not config.api_key:
-        print(f"mlxkv: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    for name, runner in runners.items():
-        print(f"mlxkv: {name}: {_describe_cache(runner)}", file=sys.stderr)
-    names = ", ".join(runners)
-    print(f"mlxkv: serving {names} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True)
-    server = Server(uvicorn_config(app, config, timeout_graceful_shutdown=5))
-    try:
-        server.run(sockets=[sock])
+    loaded = [source for source in sources.values() if isinstance(source, Runner)]
+    if loaded and loaded[0].rank:  # rank 0 alone serves HTTP
+        return follow(loaded[0])
+    try:  # whatever fails from here (a bad --alias, an address in use), the caches are saved
+        app, sock, url = _listen(args, config, sources)
+        for name, source in sources.items():
+            print(f"mlxkv: {name}: {_describe(source)}", file=sys.stderr)
+        names = ", ".join(sources)
+        print(f"mlxkv: serving {names} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True)
+        server = Server(uvicorn_config(app, config, timeout_graceful_shutdown=5))
+        server.run(sockets=[sock])  # models loaded on demand are closed as it stops
     finally:  # on the way out, the caches go to their disk tiers (if any)
-        for runner in runners.values():
-            runner.close(save_timeout_s=_SHUTDOWN_SAVE_S / len(runners))
+        _close(loaded)
     if signal.SIGTERM in server.signals:  # die by it, as a process stopped by SIGTERM does
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
     return 130 if signal.SIGINT in server.signals else 0
+
+
+def _listen(
+    args: argparse.Namespace, config: ServerConfig, sources: dict[str, Runner | ModelLoader]
+) -> tuple[Any, socket.socket, str]:
+    """The app, its listening socket and its URL."""
+    from mlxkv.server import create_app
+
+    app = create_app(sources, config)
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))  # an address in use fails here, as one line
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}"
+    if args.host not in _LOOPBACK and not config.api_key:
+        print(f"mlxkv: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    return app, sock, url
+
+
+def _close(runners: list[Runner]) -> None:
+    """Closes each Runner (its entries to its disk tier); one that fails is said, and the
+    others still close."""
+    from mlxkv.server.models.resident import SHUTDOWN_SAVE_S
+
+    for runner in runners:
+        try:
+            runner.close(save_timeout_s=SHUTDOWN_SAVE_S / len(runners))
+        except Exception as error:
+            print(f"mlxkv: error: saving the cache of {runner.loaded.path.name}: {error}",
+                  file=sys.stderr)  # fmt: skip
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
@@ -75,51 +106,75 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         max_tokens_limit=args.max_tokens_limit,
         max_queue=args.max_queue,
         fetch_images=args.fetch_images,
+        keep_alive_s=args.keep_alive,
+        max_memory_bytes=args.max_memory,
     )
 
 
-def _load_runners(args: argparse.Namespace) -> dict[str, Runner] | None:
-    """A Runner for each model `-m` names, by name; None (said on stderr) for several models
-    under `mlx.launch`. A model that fails to load closes those loaded before it."""
-    models = _named_models(args.model)
+def _model_sources(args: argparse.Namespace) -> dict[str, Runner | ModelLoader] | None:
+    """The served models by name: one model is loaded now, and stays; several load on their
+    first request (`ModelLoader`). None (said on stderr) for several under `mlx.launch`."""
+    from mlxkv.server.models.resident import ModelLoader
+
+    models = _named_models(args.model, args.models_dir)
     if len(models) > 1 and world() is not None:
         print("mlxkv: a sharded server serves one model; give one -m", file=sys.stderr)
         return None
-    runners = {}
-    try:
-        for name, model in models.items():
-            runners[name] = load_runner(argparse.Namespace(**{**vars(args), "model": model}))
-    except BaseException:
-        for runner in runners.values():
-            runner.close()
-        raise
-    return runners
+    if len(models) == 1:
+        name, model = next(iter(models.items()))
+        return {name: load_runner(_for_model(args, model))}
+    cache_bytes = runner_config(args).cache_bytes or 0
+    return {
+        name: ModelLoader(
+            functools.partial(load_runner, _for_model(args, model)),
+            estimated_bytes=_weights_bytes(model) + cache_bytes,
+        )
+        for name, model in models.items()
+    }
 
 
-# Seconds a stopping server may spend starting to write its entries to the disk tier (a
-# second Ctrl-C or SIGTERM stops at once; docker waits 10 s before SIGKILL, systemd 90 s).
-_SHUTDOWN_SAVE_S = 8.0
+def _for_model(args: argparse.Namespace, model: str | None) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "model": model})
 
 
-def _named_models(specs: list[str]) -> dict[str, str | None]:
-    """The models `-m` names, by the name requests use: `NAME=MODEL`, else the directory or
-    file name of a local model, else the repo id or Ollama name as given; none: the default.
+def _weights_bytes(model: str | None) -> int:
+    """The bytes of a local model's weight files (0 for another): its expected size in memory
+    until it loads."""
+    path = Path(model).expanduser() if model else None
+    if path is None or not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def _named_models(specs: list[str], folders: list[str]) -> dict[str, str | None]:
+    """The models `-m` names and those found in each `--models-dir`, by the name requests
+    use: `NAME=MODEL`, else the directory or file name of a local model, else the repo id or
+    Ollama name as given; none: the default.
 
     Raises:
         SystemExit: two models with one name (say which, and how to name them apart).
     """
-    if not specs:
+    if not specs and not folders:
         return {_DEFAULT_NAME: None}
-    models: dict[str, str | None] = {}
+    named = []
     for spec in specs:
         name, sep, model = spec.partition("=")
         if not sep or not name or os.path.exists(spec):  # a path may hold '='
             name, model = _name_of(spec), spec
+        named.append((name, model))
+    for folder in folders:
+        named += [(name, str(path)) for name, path in find_models(folder).items()]
+    models: dict[str, str | None] = {}
+    for name, model in named:
         if name in models:
             raise SystemExit(
                 f"mlxkv: two models are named {name!r}; name them apart with -m NAME=MODEL"
             )
         models[name] = model
+    if not models:
+        raise SystemExit(f"mlxkv: no models found in {', '.join(folders)}")
     return models
 
 
@@ -130,13 +185,15 @@ def _name_of(model: str) -> str:
     return model
 
 
-def _describe_cache(runner: Runner) -> str:
-    info = runner.cache_info()
+def _describe(source: Runner | ModelLoader) -> str:
+    if not isinstance(source, Runner):
+        return "loads on its first request"
+    info = source.cache_info()
     budget = format_bytes(info.budget_bytes) if info.budget_bytes else "no memory limit"
     line = f"prompt cache: up to {info.max_entries} entries, {budget}"
     if info.disk_budget_bytes is not None:
         line += (
-            f"; disk tier {runner.cache_dir} ({info.disk_entries} entries, "
+            f"; disk tier {source.cache_dir} ({info.disk_entries} entries, "
             f"{format_bytes(info.disk_bytes)} of {format_bytes(info.disk_budget_bytes)})"
         )
     return line

@@ -45,10 +45,14 @@ class Capabilities:
     tool_call_format: str | None
     thinking: bool
     forced_tool_calls: bool = True
+    generates: bool = True
 
     def names(self, ollama: bool = False) -> list[str]:
         """The capabilities by name (`/v1/models`, `mlxkv info`); `ollama`: only those in
-        Ollama's list (`/api/show`), which has no word for forced calls."""
+        Ollama's list (`/api/show`), which has no word for forced calls. A model that does not
+        generate (an encoder) is an "embedding" model, as Ollama lists one."""
+        if not self.generates:
+            return ["embedding"]
         named = {
             "completion": True,
             "tools": self.tools,
@@ -58,9 +62,12 @@ class Capabilities:
         return [name for name, held in named.items() if held]
 
 
-def model_capabilities(tokenizer: Any) -> Capabilities:
+def model_capabilities(tokenizer: Any, generates: bool = True) -> Capabilities:
     """What `tokenizer`'s model (mlx-lm's TokenizerWrapper) can do, from one render of its
-    chat template with a probe tool."""
+    chat template with a probe tool; nothing but embeddings for a model that does not
+    `generate` (an encoder: its tokenizer is mlx-embeddings')."""
+    if not generates:
+        return Capabilities(False, None, False, forced_tool_calls=False, generates=False)
     parser = getattr(tokenizer, "tool_parser", None) if tokenizer.has_tool_calling else None
     format_name = (getattr(parser, "__module__", "") or "").rpartition(".")[2] or None
     return Capabilities(

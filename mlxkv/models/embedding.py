@@ -31,6 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxkv.errors import ContextLengthError, NotSupportedError
+from mlxkv.models.encoder import EncoderModel
 
 if TYPE_CHECKING:
     from mlxkv.models.loading import LoadedModel
@@ -94,7 +95,7 @@ class Embedder:
         self._max_tokens = max_tokens
         self._batch_tokens = batch_tokens
         self._name = name
-        self.pooling = read_pooling(loaded.path)
+        self.pooling = read_pooling(loaded.path, encoder=loaded.is_encoder)
 
     def embed(
         self,
@@ -172,12 +173,12 @@ def _check_dimensions(dimensions: int | None, hidden_size: int, name: str) -> No
         )
 
 
-def read_pooling(path: Path) -> Pooling:
+def read_pooling(path: Path, encoder: bool = False) -> Pooling:
     """The pooling a model directory asks for: its sentence-transformers config
-    (`modules.json` naming a Pooling module) when there is one; else the last token for a
-    model named as an embedding model (Qwen3-Embedding and its kind, trained on the last
-    token's state), and the mean for any other (a chat model has no trained pooling; the
-    mean is what Ollama gives for one)."""
+    (`modules.json` naming a Pooling module) when there is one; else the mean for an encoder
+    (mlx-embeddings' default), the last token for a decoder named as an embedding model
+    (Qwen3-Embedding and its kind, trained on the last token's state), and the mean for any
+    other (a chat model has no trained pooling; the mean is what Ollama gives for one)."""
     modules = _read_json(path / "modules.json")
     for module in modules if isinstance(modules, list) else []:
         if isinstance(module, dict) and module.get("type") == _ST_POOLING_TYPE:
@@ -186,15 +187,19 @@ def read_pooling(path: Path) -> Pooling:
                 if config.get(key):
                     return mode
             logger.warning("unsupported sentence-transformers pooling path=%s", path)
-    return "lasttoken" if "embed" in path.name.lower() else "mean"
+    return "lasttoken" if "embed" in path.name.lower() and not encoder else "mean"
 
 
-def hidden_states_of(model: nn.Module, name: str) -> Callable[..., mx.array]:
-    """The model's body, which maps token ids (B, L) to its final hidden states (B, L, D).
+def hidden_states_of(model: nn.Module, name: str) -> Callable[[mx.array, mx.array], mx.array]:
+    """The model's final hidden states (B, L, D) for token ids (B, L) padded on the right and
+    their lengths (B,): a decoder's body (causal: the padding is never seen), or an encoder's
+    (`encoder.EncoderModel`: the padding masked).
 
     Raises:
         NotSupportedError: the architecture has no such body in mlx-lm (`model.model`).
     """
+    if isinstance(model, EncoderModel):
+        return model.hidden_states
     body = getattr(model, "model", None)
     if not isinstance(body, nn.Module):
         kind = type(model).__module__.rsplit(".", 1)[-1]
@@ -202,11 +207,11 @@ def hidden_states_of(model: nn.Module, name: str) -> Callable[..., mx.array]:
             f"model '{name}' ({kind}) cannot compute embeddings: its architecture does not "
             "expose hidden states; serve an embedding model or a transformer decoder"
         )
-    return body
+    return lambda tokens, lengths: body(tokens)
 
 
 def embed_batches(
-    body: Callable[..., mx.array],
+    body: Callable[[mx.array, mx.array], mx.array],
     token_lists: Sequence[Sequence[int]],
     pooling: Pooling,
     *,
@@ -236,7 +241,7 @@ def embed_batches(
 
 
 def _embed_one_batch(
-    body: Callable[..., mx.array],
+    body: Callable[[mx.array, mx.array], mx.array],
     batch: Sequence[Sequence[int]],
     pooling: Pooling,
     dimensions: int | None,
@@ -244,7 +249,7 @@ def _embed_one_batch(
     lengths = mx.array([len(tokens) for tokens in batch])
     width = max(len(tokens) for tokens in batch)
     padded = mx.array([list(tokens) + [0] * (width - len(tokens)) for tokens in batch])
-    hidden = body(padded).astype(mx.float32)  # (B, L, D)
+    hidden = body(padded, lengths).astype(mx.float32)  # (B, L, D)
     if pooling == "lasttoken":
         pooled = hidden[mx.arange(len(batch)), lengths - 1]
     elif pooling == "cls":

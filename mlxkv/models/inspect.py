@@ -18,7 +18,8 @@ from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT
 def describe(loaded: LoadedModel) -> dict[str, str]:
     """Facts about a model for `mlxkv info`, as display strings keyed by name."""
     cache = make_cache(loaded.model)
-    cache.forward(loaded.model, [0])
+    if not loaded.is_encoder:  # an encoder has no K/V to measure (and no decoder forward)
+        cache.forward(loaded.model, [0])
     kinds: dict[str, list[int]] = {"global": [], "sliding": [], "recurrent": []}
     per_token = 0
     windows = set()
@@ -34,7 +35,7 @@ def describe(loaded: LoadedModel) -> dict[str, str]:
             kinds["recurrent"].append(i)
     recurrent_bytes = sum(cache[i].nbytes for i in kinds["recurrent"])
     params = sum(v.size for _, v in tree_flatten(loaded.model.parameters()))
-    capabilities = model_capabilities(loaded.tokenizer)
+    capabilities = model_capabilities(loaded.tokenizer, generates=not loaded.is_encoder)
     return {
         "path": str(loaded.path),
         "architecture": str(loaded.config.get("model_type")),

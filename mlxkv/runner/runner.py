@@ -30,13 +30,7 @@ from mlxkv.errors import NotSupportedError, RunnerBusyError
 from mlxkv.models.embedding import Embedder, EmbeddingInput, Embeddings
 from mlxkv.models.loading import LoadedModel, load_model
 from mlxkv.models.sharding import world
-from mlxkv.runner.assembly import (
-    choose_max_batch,
-    make_layers,
-    make_pool,
-    size_window,
-    warm_up,
-)
+from mlxkv.runner.assembly import choose_max_batch, make_layers, make_pool, size_window, warm_up
 from mlxkv.runner.context import rope_rotations
 from mlxkv.runner.dispatch import Dispatcher
 from mlxkv.runner.engine import EngineThread
@@ -291,10 +285,13 @@ class Runner:
                 `max_context`; or the prompt does not fit and `truncate` is False; or with
                 `overflow="refuse"`, the prompt and `max_tokens` do not fit together.
             RunnerBusyError (when iterated): this thread is still inside another `stream()`.
-            NotSupportedError: called on a rank other than 0 of a sharded Runner.
+            NotSupportedError: called on a rank other than 0 of a sharded Runner, or on an
+                encoder embedding model (it embeds, it does not generate).
             RanksOutOfStepError: a sharded Runner's ranks stopped answering each other.
         """
         self._lockstep.check_can_lead()
+        if self.loaded.is_encoder:
+            raise self.loaded.model.cannot_generate()
         if speculative == "default":
             speculative = self.speculative
         mode = check_speculative(speculative, has_draft_model=self._draft is not None)

@@ -26,7 +26,8 @@ from mlxkv.server.anthropic_api.diagnostics import keep_prompt_records
 from mlxkv.server.browsers import HostCheck, OriginCheck
 from mlxkv.server.errors import ApiError, error_response
 from mlxkv.server.middleware import AccessLog, ApiKeyCheck, BodyLimit, ServerErrors
-from mlxkv.server.models import ServedModels
+from mlxkv.server.models.resident import SHUTDOWN_SAVE_S, ModelLoader
+from mlxkv.server.models.served import ReleaseModels, ServedModels
 from mlxkv.server.ollama_api import embed as ollama_embed
 from mlxkv.server.ollama_api import routes as ollama
 from mlxkv.server.openai_api import embeddings as openai_embeddings
@@ -39,20 +40,26 @@ from mlxkv.server.worker import GenerationWorker
 
 
 def create_app(
-    runner: Runner | Mapping[str, Runner], config: ServerConfig | None = None, **options: Any
+    runner: Runner | Mapping[str, Runner | ModelLoader],
+    config: ServerConfig | None = None,
+    **options: Any,
 ) -> FastAPI:
     """The app (OpenAI, Responses, Anthropic and Ollama APIs) for a loaded Runner, or several
-    by name (serve it with uvicorn).
+    models by name (serve it with uvicorn).
 
     Generations start in arrival order, up to the Runner's `max_batch` decoded together in one
     batch (more wait their turn); the app owns the Runner while it serves (generating with it
     elsewhere meanwhile only makes requests wait). With one Runner, any model name a client
     sends is answered by it; with several, the request's `model` chooses
     (`models.ServedModels`: exact names, then `config.model_aliases`, else a 404 listing
-    them), each with its own worker and cache.
+    them), each with its own worker and cache. A model given as a `ModelLoader` loads on its
+    first request and unloads after its keep-alive (`config.keep_alive_s`, or a request's
+    `keep_alive`) or when another needs the memory (`config.max_memory_bytes`); a Runner given
+    loaded stays.
 
     Args:
-        runner: the model and its prompt cache; or several by name, the first the default.
+        runner: the model and its prompt cache; or several by name (Runners or
+            `ModelLoader`s), the first the default.
         config: the server's settings (`mlxkv.config.ServerConfig`: model name, API key,
             CORS origins, body limit, default max tokens); None for defaults.
         **options: `ServerConfig` fields replacing those of `config`.
@@ -66,8 +73,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        for worker in models.workers.values():
-            worker.shutdown()
+        models.residency.shutdown(SHUTDOWN_SAVE_S)
 
     app = FastAPI(title="mlxkv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.mlxkv = ServerContext.make(
@@ -76,9 +82,16 @@ def create_app(
     keep_responses(app)
     keep_prompt_records(app)
     _add_routes(app)
-    default = app.state.mlxkv.worker.runner
-    _add_middleware(app, config, memory_line=lambda: default.memory_line)
+    _add_middleware(app, config, memory_line=_memory_line)
+    app.add_middleware(ReleaseModels, models=models)  # outermost: after the access line
     return app
+
+
+def _memory_line(scope: Any) -> str:
+    """The memory line of the model that served the request."""
+    context = scope.get("state", {}).get("mlxkv")
+    worker = None if context is None else context.worker
+    return "" if worker is None else worker.runner.memory_line
 
 
 def _add_routes(app: FastAPI) -> None:
@@ -94,7 +107,7 @@ def _add_routes(app: FastAPI) -> None:
     _add_error_handlers(app)
 
 
-def _add_middleware(app: FastAPI, config: ServerConfig, memory_line: Callable[[], str]) -> None:
+def _add_middleware(app: FastAPI, config: ServerConfig, memory_line: Callable[[Any], str]) -> None:
     """The middleware, added innermost first: the access log sees every response, 401s and
     413s included."""
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
@@ -113,20 +126,26 @@ def _add_middleware(app: FastAPI, config: ServerConfig, memory_line: Callable[[]
     app.add_middleware(AccessLog, memory_line=memory_line)
 
 
-def _served_models(runner: Runner | Mapping[str, Runner], config: ServerConfig) -> ServedModels:
-    """Each Runner with a worker of its own, by name (one Runner: `config.model_name`, else
-    its directory's name)."""
+def _served_models(
+    runner: Runner | Mapping[str, Runner | ModelLoader], config: ServerConfig
+) -> ServedModels:
+    """The models by name (one Runner: `config.model_name`, else its directory's name), each
+    with a worker of its own while loaded."""
     if isinstance(runner, Runner):
         runner = {config.model_name or runner.loaded.path.name: runner}
-    workers = {
-        name: GenerationWorker(each, config.max_queue, config.queue_timeout_s)
-        for name, each in runner.items()
-    }
-    return ServedModels(workers, config.model_aliases)
+    return ServedModels(
+        runner,
+        lambda loaded: GenerationWorker(loaded, config.max_queue, config.queue_timeout_s),
+        config.model_aliases,
+        budget_bytes=config.max_memory_bytes,
+        keep_alive_s=config.keep_alive_s,
+    )
 
 
 async def _health(request: Request) -> Any:
     ctx = await server_context(request)
+    if ctx.worker is None:  # loads on its first request
+        return {"status": "ok", "model": ctx.model_name, "loaded": False}
     runner = ctx.worker.runner
     if runner.health is not None:  # it cannot serve (a sharded model's ranks out of step)
         return JSONResponse({"status": "error", "error": runner.health}, status_code=503)

@@ -49,7 +49,7 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
         context = getattr(getattr(self.config.app, "state", None), "mlxkv", None)
         if context is not None:
-            context.worker.begin_shutdown()
+            context.models.residency.begin_shutdown()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

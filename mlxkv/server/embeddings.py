@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from mlxkv.errors import ContextLengthError, NotSupportedError
 from mlxkv.models.embedding import EmbeddingInput, Embeddings
 from mlxkv.server.errors import ApiError
-from mlxkv.server.models import request_context
+from mlxkv.server.models.served import request_context
 
 
 async def embed(

@@ -55,10 +55,11 @@ class AccessLog:
     """Logs one INFO line per HTTP request when the response ends.
 
     Args:
-        memory_line: returns the cache's memory line, appended after a generation.
+        memory_line: the memory line of the request's model (given its scope), appended
+            after a generation.
     """
 
-    def __init__(self, app: ASGIApp, memory_line: Callable[[], str]):
+    def __init__(self, app: ASGIApp, memory_line: Callable[[Scope], str]):
         self.app = app
         self.memory_line = memory_line
 
@@ -100,7 +101,7 @@ class AccessLog:
                         f" drafted={completion.drafted_tokens}"
                         f" accepted={completion.accepted_tokens} ({share:.0%})"
                     )
-                line += f" | {self.memory_line()}"
+                line += f" | {self.memory_line(scope)}"
             logger.info("%s", line)
 
 

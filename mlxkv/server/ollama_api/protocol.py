@@ -2,10 +2,11 @@
 
 `options` map onto sampling (`temperature`, `top_p`, `top_k`, `min_p`, `repeat_penalty`,
 `seed`, `stop`, `num_predict`: -1 or -2 for "until the window is full"); options that size or
-schedule Ollama's own runner (`num_ctx`, `num_gpu`, `num_thread`, ...) and `keep_alive` are
-accepted and ignored (the model stays loaded; a zero `keep_alive` with nothing to generate, an
-unload, is answered as Ollama answers it, and one Ollama refuses is a 400 with its message:
-`keep_alive`). Streaming is Ollama's default. Tool-call ids that
+schedule Ollama's own runner (`num_ctx`, `num_gpu`, `num_thread`, ...) are accepted and
+ignored. `keep_alive` is read where the model is held (`mlxkv.server.models.served`: when a
+model loaded on demand unloads); a zero one with nothing to generate, an unload, is answered
+as Ollama answers it, and one Ollama refuses is a 400 with its message (`keep_alive`).
+Streaming is Ollama's default. Tool-call ids that
 clients send back (Open WebUI does: `tool_calls[].id`, `tool_call_id`) reach the template as
 they do through the OpenAI API.
 
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.images import image_part, parts_or_text
-from mlxkv.server.ollama_api.keep_alive import keep_alive_ns
+from mlxkv.server.models.keep_alive import keep_alive_ns
 from mlxkv.server.protocol import mlx_seed, tool_arguments
 from mlxkv.server.reply.structured import ollama_grammar
 from mlxkv.server.reply.thinking_switch import ollama_switches
@@ -78,7 +79,8 @@ class GenerationRequest(Lenient):
     @property
     def unloads(self) -> bool:
         """`keep_alive` zero (a number of seconds, or a Go duration: "0", "0s", "0m0s"): Ollama's
-        way to unload a model, with no prompt; this server keeps it and says it unloaded.
+        way to unload a model, with no prompt (a model loaded on demand unloads as the
+        request ends; one loaded at start stays).
 
         Raises:
             ApiError: 400 with Ollama's message for a keep_alive Ollama refuses ("00", "5 m",

@@ -1,12 +1,14 @@
 """Ollama's API: `/api/version`, `/api/tags`, `/api/show`, `/api/ps`, `/api/chat`,
 `/api/generate` (streamed NDJSON, Ollama's default, or one object), `/api/pull` (success for
-the served model, a 404 for any other), `/api/create`, `/api/copy`, `/api/delete` and
+a served model, a 404 for any other), `/api/create`, `/api/copy`, `/api/delete` and
 `/api/push` (501: it serves the one model it started with; Open WebUI's model settings offer
 them, where a bare 404 "Not Found" said nothing of why). Embeddings are in `embed.py`.
 
-The served model is listed under its name with the tag `latest`; chat and generate answer any
-name with it, as the other APIs do. A thinking model's thinking comes as `message.thinking`
-(chat) and `thinking` (generate) unless `think` is false, as Ollama does.
+Each served model is listed under its name with the tag `latest` (`/api/ps`: those loaded,
+with their sizes and when they unload); with one model served, chat and generate answer any
+name with it, as the other APIs do (`keep_alive` is read by `models.served`). A thinking
+model's thinking comes as `message.thinking` (chat) and `thinking` (generate) unless `think` is
+false, as Ollama does.
 """
 
 from __future__ import annotations
@@ -19,15 +21,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from mlx.utils import tree_flatten
 
-from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.runner.results import Completion
 from mlxkv.server.errors import ApiError
+from mlxkv.server.models.served import unload_named
 from mlxkv.server.ollama_api.protocol import ChatRequest, GenerateRequest, ModelRequest
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import ReasoningDelta, TextDelta, Turn, collect, start_turn
-from mlxkv.server.state import Context, ServerContext, event_stream
+from mlxkv.server.state import Context, ServerContext, event_stream, server_context
 
 router = APIRouter(prefix="/api")
 
@@ -51,13 +52,20 @@ async def running(ctx: Context) -> dict[str, Any]:
     entries = [
         {
             **_model_entry(each),
-            "expires_at": "0001-01-01T00:00:00Z",  # never unloaded
+            "size": each.resident.footprint_bytes,  # what it holds: weights and cache budget
+            "expires_at": _expiry(each.resident.expires_at),
             "size_vram": 0,
             "context_length": each.worker.runner.max_context,
         }
         for each in ctx.each_model()
+        if each.worker is not None
     ]
     return {"models": entries}
+
+
+def _expiry(expires_at: float | None) -> str:
+    """When an idle model unloads; Ollama's far future for one that stays (or is in use)."""
+    return "2318-01-01T00:00:00Z" if expires_at is None else _timestamp(expires_at)
 
 
 @router.post("/show")
@@ -104,12 +112,16 @@ async def manage(ctx: Context) -> None:
 
 
 @router.post("/chat")
-async def chat(body: ChatRequest, request: Request, ctx: Context):
+async def chat(body: ChatRequest, request: Request):
     unloads = body.unloads  # first: a keep_alive Ollama refuses is a 400, as there
+    if unloads and not body.messages:
+        message = {"role": "assistant", "content": ""}
+        return _unloaded(request, body, "message", message)
+    ctx = await server_context(request)  # the model, loaded
     sampling = body.sampling(ctx.default_max_tokens, ctx.worker.runner.max_context)
     if not body.messages:  # Ollama's way to load a model: nothing to generate
         message = {"role": "assistant", "content": ""}
-        return _loaded(ctx, body, unloads, "message", message)
+        return _loaded(body.model or _name(ctx), "load", "message", message)
     turn = await start_turn(
         request,
         body.chat_messages(),
@@ -123,11 +135,14 @@ async def chat(body: ChatRequest, request: Request, ctx: Context):
 
 
 @router.post("/generate")
-async def generate(body: GenerateRequest, request: Request, ctx: Context):
+async def generate(body: GenerateRequest, request: Request):
     unloads = body.unloads  # first: a keep_alive Ollama refuses is a 400, as there
+    if unloads and not body.prompt:
+        return _unloaded(request, body, "response", "")
+    ctx = await server_context(request)  # the model, loaded
     sampling = body.sampling(ctx.default_max_tokens, ctx.worker.runner.max_context)
     if not body.prompt:  # loads the model
-        return _loaded(ctx, body, unloads, "response", "")
+        return _loaded(body.model or _name(ctx), "load", "response", "")
     turn = await start_turn(
         request,
         body.prompt_for_runner(),
@@ -216,13 +231,17 @@ def _final(completion: Completion, calls: list[ToolCall], started: int) -> dict[
     }
 
 
-def _loaded(
-    ctx: ServerContext, body: Any, unloads: bool, field: str, payload: Any
-) -> dict[str, Any]:
-    """The answer to a request with nothing to generate: a load, or an unload (`keep_alive`
-    zero), as Ollama answers them (the model stays loaded either way)."""
-    reason = "unload" if unloads else "load"
-    return {**_head(body.model or _name(ctx)), field: payload, "done": True, "done_reason": reason}
+def _unloaded(request: Request, body: Any, field: str, payload: Any) -> dict[str, Any]:
+    """Ollama's unload (`keep_alive` zero, nothing to generate): the model unloads when idle
+    and is never loaded for it (`models.served.unload_named`)."""
+    name = unload_named(request, body.model or None)
+    return _loaded(body.model or f"{name}:latest", "unload", field, payload)
+
+
+def _loaded(model: str, reason: str, field: str, payload: Any) -> dict[str, Any]:
+    """The answer to a request with nothing to generate: a load, or an unload, as Ollama
+    answers them."""
+    return {**_head(model), field: payload, "done": True, "done_reason": reason}
 
 
 def _head(model: str) -> dict[str, Any]:
@@ -242,7 +261,9 @@ def _name(ctx: ServerContext) -> str:
 
 
 def _check_served(name: str, ctx: ServerContext) -> None:
-    if name not in (ctx.model_name, _name(ctx)):
+    """One model served: only its own name (several: the request's name chose, or was a 404
+    listing them, alias patterns included)."""
+    if len(ctx.models.resident) == 1 and name not in (ctx.model_name, _name(ctx)):
         raise ApiError(
             404,
             f"model '{name}' not found; this server serves '{_name(ctx)}' only (start "
@@ -251,20 +272,22 @@ def _check_served(name: str, ctx: ServerContext) -> None:
 
 
 def _model_entry(ctx: ServerContext) -> dict[str, Any]:
-    runner = ctx.worker.runner
+    """A model as `/api/tags` lists it: sizes and digest as last loaded (a model not loaded
+    yet: its expected size, no digest)."""
+    facts = ctx.resident.facts
     return {
         "name": _name(ctx),
         "model": _name(ctx),
         "modified_at": _timestamp(ctx.created),
-        "size": sum(w.nbytes for _, w in tree_flatten(runner.loaded.model.parameters())),
-        "digest": model_fingerprint(runner.loaded),
+        "size": ctx.resident.footprint_bytes if facts is None else facts.weights_bytes,
+        "digest": "" if facts is None else facts.digest,
         "details": _details(ctx),
     }
 
 
 def _details(ctx: ServerContext) -> dict[str, Any]:
-    config = ctx.worker.runner.loaded.config
-    family = config.get("model_type", "unknown")
+    facts = ctx.resident.facts
+    family = "unknown" if facts is None else facts.config.get("model_type", "unknown")
     return {
         "parent_model": "",
         "format": "safetensors",

@@ -24,7 +24,7 @@ from mlxkv.errors import ContextLengthError
 from mlxkv.runner.results import Completion, PromptUsage
 from mlxkv.server.errors import ApiError, context_length_error
 from mlxkv.server.images import fetched_images
-from mlxkv.server.models import request_context
+from mlxkv.server.models.served import request_context
 from mlxkv.server.reply.forced_tools import ForcedCall, forced_call_grammar
 from mlxkv.server.reply.thinking_split import (
     ThinkingSplitter,
@@ -193,7 +193,7 @@ async def start_turn(
             window in each API's wording (`errors.context_length_error`).
     """
     context = await request_context(request)
-    worker: GenerationWorker = context.worker
+    worker = _generating_worker(context)
     messages = await fetched_images(messages, context.fetch_images)
     sampling = _within_limit(sampling, context.max_tokens_limit, max_tokens_asked)
     tokenizer = worker.runner.tokenizer
@@ -223,6 +223,15 @@ async def start_turn(
         raise ApiError(400, str(error)) from error
     request.state.turn = Turn(stream, splitter, tokenizer, top_logprobs is not None, thinking)
     return request.state.turn
+
+
+def _generating_worker(context: Any) -> GenerationWorker:
+    """The context's worker; a 400 naming the model for one that does not generate (an
+    encoder embedding model)."""
+    worker: GenerationWorker = context.worker
+    if not context.capabilities.generates:
+        raise ApiError(400, str(worker.runner.loaded.model.cannot_generate()), param="model")
+    return worker
 
 
 def _tool_splitter(

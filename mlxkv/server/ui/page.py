@@ -21,6 +21,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from mlxkv.server.errors import ApiError
 from mlxkv.server.state import Context
 
 STATIC_DIR = files("mlxkv.server.ui") / "static"
@@ -49,6 +50,10 @@ async def chat_page() -> FileResponse:
 
 @router.get("/v1/mlxkv/cache")
 async def cache_report(ctx: Context) -> dict[str, Any]:
+    if ctx.worker is None:
+        raise ApiError(
+            409, f"model '{ctx.model_name}' is not loaded; it loads on its first request"
+        )
     runner = ctx.worker.runner
     report = dataclasses.asdict(runner.cache_info())
     # Entries of a cache_salt are another tenant's: their sizes and labels are not listed

@@ -1,0 +1,316 @@
+"""Which served models are in memory: loaded on their first request, unloaded after their
+keep-alive or when another model needs the memory.
+
+Owns `ModelLoader` (how a served model is loaded, and the bytes it is expected to take),
+`ResidentModel` (one served model: its worker while loaded, its requests in flight, its expiry)
+and `Residency` (every served model under one memory budget). A model's footprint is its
+weights plus its prompt cache's byte budget (`Runner.cache_info().budget_bytes`).
+
+Invariants:
+  - a model with requests in flight is never unloaded;
+  - a model loads once however many requests wait for it (the others wait for that load);
+  - unloading writes the model's cache to its disk tier (`Runner.close`) before a request can
+    load it again, so a model loaded again starts warm;
+  - a model given loaded (a Runner, not a `ModelLoader`) is never unloaded: nothing could load
+    it again.
+Every decision runs on the event loop (the slow parts, loading and closing, on a thread), so
+the bookkeeping needs no thread lock. Does not own which name a request means (`served.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from starlette.concurrency import run_in_threadpool
+
+from mlxkv.config import format_bytes
+from mlxkv.models.capabilities import Capabilities, model_capabilities
+from mlxkv.models.fingerprint import model_fingerprint
+from mlxkv.runner.runner import Runner
+from mlxkv.server.errors import ApiError
+from mlxkv.server.worker import GenerationWorker
+
+logger = logging.getLogger(__name__)
+
+# Seconds a stopping server may spend starting to write its models' entries to their disk
+# tiers, shared by the models loaded (a second Ctrl-C or SIGTERM stops at once; docker waits
+# 10 s before SIGKILL, systemd 90 s).
+SHUTDOWN_SAVE_S = 8.0
+
+
+@dataclass(frozen=True)
+class ModelLoader:
+    """A served model loaded on its first request.
+
+    Attributes:
+        load: makes the Runner (called on a worker thread; may take minutes).
+        estimated_bytes: what it is expected to take (weights and cache budget) before its
+            first load measures it; 0: unknown.
+    """
+
+    load: Callable[[], Runner]
+    estimated_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a loaded model's listings show, kept after it unloads (`/api/tags`, `/v1/models`)."""
+
+    capabilities: Capabilities
+    digest: str
+    config: dict
+    weights_bytes: int
+
+
+class ResidentModel:
+    """One served model. Attributes read by the listings: `worker` (None while not loaded),
+    `footprint_bytes`, `expires_at` (Unix seconds; None: never), `facts` (None before its
+    first load) and `num_loads`."""
+
+    def __init__(self, name: str, source: Runner | ModelLoader):
+        self.name = name
+        self.loader = source if isinstance(source, ModelLoader) else None
+        self.worker: GenerationWorker | None = None
+        self.footprint_bytes = self.loader.estimated_bytes if self.loader else 0
+        self.facts: ModelFacts | None = None
+        self.expires_at: float | None = None
+        self.in_flight = 0
+        self.num_loads = 0
+        self.last_used_s = 0.0  # time.monotonic() of the last request's start or end
+        self._given = None if self.loader else source
+        self._lock = asyncio.Lock()  # held while it loads or unloads
+        self._expiry = 0  # bumped at each request's end: an older timer does nothing
+        self._unload_at_end = False  # an unload asked for while requests were in flight
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return self.loader is None
+
+    def _attach(self, runner: Runner, worker: GenerationWorker) -> None:
+        weights = sum(w.nbytes for _, w in tree_flatten(runner.loaded.model.parameters()))
+        self.facts = ModelFacts(
+            capabilities=model_capabilities(
+                runner.tokenizer, generates=not runner.loaded.is_encoder
+            ),
+            digest=model_fingerprint(runner.loaded),
+            config=dict(runner.loaded.config),
+            weights_bytes=weights,
+        )
+        self.footprint_bytes = weights + (runner.cache_info().budget_bytes or 0)
+        self.worker = worker
+
+
+class Residency:
+    """Every served model, loaded on demand under one memory budget.
+
+    Args:
+        models: the served models.
+        make_worker: a worker for a Runner just loaded.
+        budget_bytes: most bytes the loaded models' footprints may add up to; None: no limit.
+        keep_alive_s: seconds an idle model stays loaded when a request names none (negative:
+            for good; 0: unloaded as its last request ends).
+    """
+
+    def __init__(
+        self,
+        models: list[ResidentModel],
+        make_worker: Callable[[Runner], GenerationWorker],
+        budget_bytes: int | None,
+        keep_alive_s: float,
+    ):
+        self.models = models
+        self.budget_bytes = budget_bytes
+        self.keep_alive_s = keep_alive_s
+        self._make_worker = make_worker
+        self._loading = asyncio.Lock()  # one load at a time: each decides what to unload
+        self._released = asyncio.Event()  # a request ended: memory may be free to take
+        self._tasks: set[asyncio.Task] = set()
+        for model in models:
+            if model._given is not None:
+                model._attach(model._given, make_worker(model._given))
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(m.footprint_bytes for m in self.models if m.worker is not None)
+
+    async def acquire(self, model: ResidentModel) -> GenerationWorker:
+        """The model's worker, loading it first if it is not loaded; the model stays loaded
+        until the matching `release`.
+
+        Raises:
+            ApiError: 500 when it fails to load, 507 when it cannot fit in the budget.
+        """
+        async with model._lock:
+            if model.worker is None:
+                async with self._loading:
+                    await self._load(model)
+            model.in_flight += 1
+            model.last_used_s = time.monotonic()
+            model.expires_at = None
+            if model._timer is not None:
+                model._timer.cancel()
+            assert model.worker is not None
+            return model.worker
+
+    def release(self, model: ResidentModel, keep_alive_s: float | None) -> None:
+        """A request's end: the model expires `keep_alive_s` (None: the server's default)
+        after its last request ends."""
+        model.in_flight -= 1
+        model.last_used_s = time.monotonic()
+        self._released.set()
+        if not model.in_flight:
+            self._expire_after(model, self.keep_alive_s if keep_alive_s is None else keep_alive_s)
+
+    def unload_when_idle(self, model: ResidentModel) -> None:
+        """Ollama's unload request (`keep_alive` 0, nothing to generate): a loaded model
+        unloads now, or as its last request ends; one not loaded is not loaded for it."""
+        if model.worker is not None and not model.in_flight:
+            self._expire_after(model, 0.0)
+        elif model.in_flight:  # its last request's end unloads it, whatever it asked
+            model._unload_at_end = True
+
+    def _expire_after(self, model: ResidentModel, keep_s: float) -> None:
+        if model._unload_at_end:
+            keep_s, model._unload_at_end = 0.0, False
+        if keep_s < 0 or model.pinned:
+            return
+        model._expiry += 1
+        model.expires_at = time.time() + keep_s
+        expiry = model._expiry
+        if keep_s == 0:  # now, not at the loop's next turn
+            self._spawn(self._expire(model, expiry))
+            return
+        model._timer = asyncio.get_running_loop().call_later(
+            keep_s, lambda: self._spawn(self._expire(model, expiry))
+        )
+
+    async def _expire(self, model: ResidentModel, expiry: int) -> None:
+        async with model._lock:
+            if model._expiry == expiry and not model.in_flight and model.worker is not None:
+                await self._unload(model)
+
+    async def _load(self, model: ResidentModel) -> None:
+        assert model.loader is not None
+        self._check_fits(model)
+        await self._make_room(model.name, model.footprint_bytes, wait=True)
+        logger.info("loading model=%s (%s in use)", model.name, format_bytes(self.used_bytes))
+        started = time.perf_counter()
+        try:
+            runner = await run_in_threadpool(model.loader.load)
+        except Exception as error:
+            logger.error("model=%s failed to load: %s", model.name, error)
+            raise ApiError(500, f"model '{model.name}' failed to load: {error}") from error
+        model._attach(runner, self._make_worker(runner))
+        model.num_loads += 1
+        logger.info(
+            "loaded model=%s in %.1fs: %s (weights and cache budget), %s of %s in use",
+            model.name,
+            time.perf_counter() - started,
+            format_bytes(model.footprint_bytes),
+            format_bytes(self.used_bytes),
+            "no limit" if self.budget_bytes is None else format_bytes(self.budget_bytes),
+        )
+        try:  # measured now: more than its estimate may leave too little room
+            self._check_fits(model)
+        except ApiError:
+            await self._unload(model)
+            raise
+        await self._make_room(model.name, 0, wait=False)
+
+    def _check_fits(self, model: ResidentModel) -> None:
+        """Raises a 507 for a model that cannot fit even with every other unloaded."""
+        if self.budget_bytes is None:
+            return
+        pinned = sum(m.footprint_bytes for m in self.models if m.pinned)
+        if pinned + model.footprint_bytes <= self.budget_bytes:
+            return
+        held = f", {format_bytes(pinned)} of it held by models loaded at start" if pinned else ""
+        raise ApiError(
+            507,
+            f"model '{model.name}' needs {format_bytes(model.footprint_bytes)} (weights and "
+            f"cache budget); the memory budget is {format_bytes(self.budget_bytes)}{held}; "
+            "raise --max-memory or lower --cache-bytes",
+        )
+
+    async def _make_room(self, name: str, extra_bytes: int, wait: bool) -> None:
+        """Unloads idle models, least recently used first, until `extra_bytes` more fit;
+        with `wait`, waits for busy ones to finish their requests when that is not enough
+        (else says the budget is exceeded)."""
+        while self.budget_bytes is not None and self.used_bytes + extra_bytes > self.budget_bytes:
+            idle = [m for m in self.models if _unloadable(m) and not m._lock.locked()]
+            if not idle and not wait:
+                logger.warning(
+                    "model=%s: %s in use is over the memory budget of %s (the others are busy)",
+                    name,
+                    format_bytes(self.used_bytes),
+                    format_bytes(self.budget_bytes),
+                )
+                return
+            if not idle:  # every other one is busy: wait for a request to end
+                self._released.clear()
+                await self._released.wait()
+                continue
+            victim = min(idle, key=lambda m: m.last_used_s)
+            async with victim._lock:  # a request waiting for it may have taken it first
+                if _unloadable(victim):
+                    logger.info("model=%s unloads model=%s to make room", name, victim.name)
+                    await self._unload(victim)
+
+    async def _unload(self, model: ResidentModel) -> None:
+        """Closes the model's worker and Runner (its entries written to its disk tier) and
+        lets its memory go; `model._lock` is held."""
+        worker, model.worker, model.expires_at = model.worker, None, None
+        assert worker is not None
+        logger.info("unloading model=%s (%s)", model.name, format_bytes(model.footprint_bytes))
+        await run_in_threadpool(_close, worker, True)
+        del worker
+        gc.collect()  # the weights' arrays go with the Runner's last reference
+        mx.clear_cache()
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def begin_shutdown(self) -> None:
+        """Ends every loaded model's generations, running or waiting (from any thread: a
+        signal handler); each stream ends with its API's error event."""
+        for model in self.models:
+            worker = model.worker
+            if worker is not None:
+                worker.begin_shutdown()
+
+    def shutdown(self, save_timeout_s: float | None = None) -> None:
+        """At the server's end: stops every worker and closes the Runners this server loaded
+        (writing their entries to their disk tiers); those given loaded are their owner's.
+        One that fails to close is logged, and the others still close."""
+        for task in self._tasks:
+            task.cancel()
+        loaded = [m for m in self.models if m.worker is not None]
+        for model in loaded:
+            assert model.worker is not None
+            share_s = None if save_timeout_s is None else save_timeout_s / len(loaded)
+            _close(model.worker, not model.pinned, share_s)
+
+
+def _unloadable(model: ResidentModel) -> bool:
+    return model.worker is not None and not model.pinned and not model.in_flight
+
+
+def _close(worker: GenerationWorker, close_runner: bool, save_timeout_s: float | None = None):
+    """Stops the worker and closes its Runner (its entries go to its disk tier); a failure is
+    logged, not raised: the caller goes on with the other models."""
+    try:
+        worker.shutdown()
+        if close_runner:
+            worker.runner.close(save_timeout_s=save_timeout_s)
+    except Exception:
+        logger.exception("closing a model failed")

@@ -1,0 +1,179 @@
+"""Which served model a request names: several models behind one server, chosen by the
+request's `model`, each loaded while requests use it (`resident.py`).
+
+Owns `ServedModels` (names -> `ResidentModel`s, and alias patterns), `request_context` (the
+`ServerContext` of the model a request names, read from its body once, with that model loaded
+and held for the request) and `ReleaseModels` (the middleware that lets the model go when the
+request's response and generation have ended, with the body's `keep_alive`). With one model
+served, every name answers with it (agents whose model ids cannot be changed keep working);
+with several, a name is matched exactly (Ollama's `:latest` tag ignored), then against the
+alias patterns in order (`claude-*=coder`), else the request is a 404 listing the names served.
+A request that names no model gets the first one; a GET loads nothing (the listings read what
+is loaded). Does not own the APIs' listings (each API folder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from fastapi import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mlxkv.runner.runner import Runner
+from mlxkv.server.errors import ApiError
+from mlxkv.server.models.keep_alive import FOREVER, keep_alive_ns
+from mlxkv.server.models.resident import ModelLoader, Residency, ResidentModel
+from mlxkv.server.worker import GenerationWorker
+
+_OLLAMA_TAG = ":latest"
+
+
+class ServedModels:
+    """Args:
+    sources: each served model's name and Runner (loaded: it stays) or `ModelLoader`
+        (loaded on its first request), the default (first) model first.
+    make_worker: a worker for a Runner once loaded.
+    aliases: "PATTERN=NAME" entries (fnmatch patterns such as "claude-*") naming a served
+        model for request names that match.
+    budget_bytes: most bytes the loaded models may take together (`resident.Residency`).
+    keep_alive_s: seconds an idle model stays loaded by default (negative: for good).
+
+    Raises:
+        ValueError: no model, an alias without "=", or one naming a model not served.
+    """
+
+    def __init__(
+        self,
+        sources: Mapping[str, Runner | ModelLoader],
+        make_worker: Callable[[Runner], GenerationWorker],
+        aliases: Sequence[str] = (),
+        budget_bytes: int | None = None,
+        keep_alive_s: float = -1,
+    ):
+        if not sources:
+            raise ValueError("serve at least one model")
+        self.resident = {name: ResidentModel(name, source) for name, source in sources.items()}
+        self.residency = Residency(
+            list(self.resident.values()), make_worker, budget_bytes, keep_alive_s
+        )
+        self.aliases: list[tuple[str, str]] = []
+        for alias in aliases:
+            pattern, _, name = alias.partition("=")
+            if not pattern or name not in self.resident:
+                raise ValueError(
+                    f"alias {alias!r} must be PATTERN=NAME with NAME one of: {self.listed}"
+                )
+            self.aliases.append((pattern, name))
+
+    @property
+    def listed(self) -> str:
+        return ", ".join(self.resident)
+
+    def resolve(self, name: str | None) -> str:
+        """The served model's name for a request's `model`.
+
+        Raises:
+            ApiError: 404 listing the names served, when several are and none matches.
+        """
+        if len(self.resident) == 1 or not name:
+            return next(iter(self.resident))
+        for candidate in (name, name.removesuffix(_OLLAMA_TAG)):
+            if candidate in self.resident:
+                return candidate
+        for pattern, target in self.aliases:
+            if fnmatch.fnmatchcase(name, pattern):
+                return target
+        raise ApiError(
+            404, f"model '{name}' not found; this server serves: {self.listed}", param="model"
+        )
+
+
+async def request_context(request: Request) -> Any:
+    """The app's `ServerContext` for the model the request's body names (kept on the request:
+    read once, whoever asks first). A POST loads that model if needed and holds it loaded
+    until `ReleaseModels` sees the request end; a GET gets the default model's as it is now
+    (its worker None while it is not loaded)."""
+    known = getattr(request.state, "mlxkv", None)
+    if known is not None:
+        return known
+    base = request.app.state.mlxkv
+    models: ServedModels = base.models
+    context = dataclasses.replace(base, worker=models.resident[base.model_name].worker)
+    if request.method == "POST":
+        fixed = len(models.resident) == 1 and models.resident[base.model_name].pinned
+        body = {} if fixed else _body_object(await request.body())  # one name, no keep-alive
+        name = models.resolve(_named_model(body))
+        model = models.resident[name]
+        worker = await models.residency.acquire(model)
+        # held from here: released however the request ends
+        request.state.mlxkv_release = (model, _keep_alive_s(body))
+        context = dataclasses.replace(base, worker=worker, model_name=name)
+    request.state.mlxkv = context
+    return context
+
+
+def unload_named(request: Request, name: str | None) -> str:
+    """Ollama's unload request for the model `name` means: unloaded now if loaded and idle,
+    else as its last request ends; never loaded for it. Returns the served model's name.
+
+    Raises:
+        ApiError: 404 listing the names served, for a name none matches.
+    """
+    models: ServedModels = request.app.state.mlxkv.models
+    served = models.resolve(name)
+    models.residency.unload_when_idle(models.resident[served])
+    return served
+
+
+class ReleaseModels:
+    """ASGI middleware: once a request's response has ended, and its generation with it (a
+    client that left: within a step), the model it held may unload (`Residency.release`)."""
+
+    def __init__(self, app: ASGIApp, models: ServedModels):
+        self.app = app
+        self.models = models
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state = scope.get("state", {})
+            held = state.pop("mlxkv_release", None)
+            if held is not None:
+                try:
+                    turn = state.get("turn")
+                    if turn is not None:
+                        await turn.finished()
+                finally:
+                    self.models.residency.release(*held)
+
+
+def _body_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object; empty for one that is not (its route answers with a 400)."""
+    try:
+        parsed = json.loads(body or b"null")
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _named_model(body: dict[str, Any]) -> str | None:
+    """The body's `model` (Ollama's older `name`)."""
+    name = body.get("model") or body.get("name")
+    return name if isinstance(name, str) else None
+
+
+def _keep_alive_s(body: dict[str, Any]) -> float | None:
+    """Ollama's `keep_alive` in seconds (negative: for good); None when not sent, or sent
+    wrong (the route answers that with Ollama's 400)."""
+    try:
+        ns = keep_alive_ns(body.get("keep_alive"))
+    except ValueError:
+        return None
+    if ns is None:
+        return None
+    return -1.0 if ns == FOREVER else ns / 1e9

@@ -1,0 +1,108 @@
+"""Models served by name and loaded on their first request, through the real clients: nothing is
+loaded at start (`/api/ps` empty, `/api/tags` and `/v1/models` list every model), a request
+loads its model (answering as a fresh Runner of it alone), `keep_alive: 0` unloads it after the
+reply and a later request reloads it warm from its disk tier."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime
+
+import numpy as np
+import ollama
+import pytest
+
+from mlxkv import Runner
+from mlxkv.server.models.resident import ModelLoader
+from tests.factories import tiny_model_dir, wait_until
+from tests.server.conftest import serve
+
+QUESTION = [{"role": "user", "content": "Once upon a time there was"}]
+ARCHS = {"a": "llama", "b": "qwen3"}
+OPTIONS = {"temperature": 0, "num_predict": 6}
+
+
+class _Closed(Runner):
+    closed: threading.Event
+
+    def close(self, save_timeout_s=None) -> None:
+        super().close(save_timeout_s)
+        self.closed.set()
+
+
+@pytest.fixture
+def served(model_root, tmp_path):
+    closed = {name: threading.Event() for name in ARCHS}
+
+    def loader(name: str) -> ModelLoader:
+        def load() -> Runner:
+            path = str(tiny_model_dir(ARCHS[name], model_root))
+            runner = _Closed.load(path, max_context=512, cache_dir=tmp_path / "kv")
+            runner.closed = closed[name]
+            return runner
+
+        return ModelLoader(load)
+
+    sources = {name: loader(name) for name in ARCHS}
+    with serve(sources, model_aliases=("claude-*=b",)) as served:
+        served.closed = closed
+        yield served
+
+
+def _loaded(served) -> list[str]:
+    return [m.model for m in ollama.Client(host=served.url).ps().models]
+
+
+def _alone(loaded_tiny, name: str):
+    return Runner(loaded_tiny(ARCHS[name]), max_context=512)
+
+
+def test_nothing_loads_before_its_first_request(served):
+    client = ollama.Client(host=served.url)
+    assert _loaded(served) == []
+    assert [m.model for m in client.list().models] == ["a:latest", "b:latest"]
+    assert [m.id for m in served.openai().models.list()] == ["a", "b"]
+    reply = client.chat(model="b", messages=QUESTION, options=OPTIONS)
+    assert reply.message.content
+    (shown,) = client.ps().models
+    assert shown.model == "b:latest" and shown.size > 0
+    assert shown.expires_at > datetime.now(UTC)  # the default keep-alive: 5 minutes
+
+
+def test_keep_alive_zero_unloads_and_the_next_request_loads_it_warm(served, loaded_tiny):
+    client = ollama.Client(host=served.url)
+    first = client.chat(model="a", messages=QUESTION, options=OPTIONS, keep_alive=0)
+    assert served.closed["a"].wait(60)  # its entries written to its disk tier
+    wait_until(lambda: _loaded(served) == [], what="model a unloading")
+    history = [*QUESTION, {"role": "assistant", "content": first.message.content}]
+    follow = [*history, {"role": "user", "content": "And then?"}]
+    reply = served.openai().chat.completions.create(
+        model="a", messages=follow, max_tokens=4, temperature=0, logprobs=True
+    )
+    assert _loaded(served) == ["a:latest"]
+    assert reply.usage.prompt_tokens_details.cached_tokens >= first.prompt_eval_count - 1
+    want = list(_alone(loaded_tiny, "a").stream(follow, max_tokens=4, logprobs=0))
+    got = [token.logprob for token in reply.choices[0].logprobs.content]
+    expected = [c.logprob.logprob for c in want if c.logprob]
+    np.testing.assert_allclose(got, expected[: len(got)], atol=1e-4)
+
+
+def test_ollamas_unload_request_unloads(served):
+    client = ollama.Client(host=served.url)
+    client.generate(model="b", prompt="Hi", options=OPTIONS)
+    assert _loaded(served) == ["b:latest"]
+    reply = client.chat(model="a", messages=[], keep_alive=0)  # a model not loaded
+    assert reply.done_reason == "unload"
+    assert served.app.state.mlxkv.models.resident["a"].num_loads == 0  # not loaded for it
+    reply = client.generate(model="b", keep_alive=0)  # no prompt: Ollama's unload
+    assert reply.done_reason == "unload"
+    assert served.closed["b"].wait(60)
+    wait_until(lambda: _loaded(served) == [], what="model b unloading")
+
+
+def test_show_and_pull_resolve_aliases(served):
+    client = ollama.Client(host=served.url)
+    assert client.show("claude-sonnet-4-5").details.family == "qwen3"
+    assert client.pull("claude-sonnet-4-5").status == "success"
+    with pytest.raises(ollama.ResponseError, match="serves: a, b"):
+        client.show("gpt-4o")
