@@ -27,7 +27,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlxkv.testing.architectures import BASE_CONFIG, SWEEP_CONFIGS
+from mlxkv.testing.architectures import SWEEP_CONFIGS
+from mlxkv.testing.tiny_attention import BASE_CONFIG
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

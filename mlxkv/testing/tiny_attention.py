@@ -1,0 +1,283 @@
+"""Tiny configs of mlx-lm's attention architectures for the conformance sweep: global, sliding
+window and chunked attention, shared K/V, experts (MoE) and DeepSeek's latent attention (MLA).
+
+Owns `BASE_CONFIG` (the shared 2-layer, hidden-64 settings), `WINDOW_TOKENS` and
+`ATTENTION_CONFIGS` (mlx-lm module name -> config). Each config keeps its distinctive layers
+and makes them small: windows and chunks of `WINDOW_TOKENS`, 4 experts of 32, latents of 16.
+`mlxkv.testing.architectures` gathers these with the recurrent ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Shared by most configs: 2 layers, hidden 64, 4 query heads of 16 over 2 KV heads.
+BASE_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+}
+WINDOW_TOKENS = 8  # sliding windows and attention chunks: far shorter than the sweep's prompts
+
+# Modules whose model builds from `BASE_CONFIG` alone (their other settings have defaults).
+_PLAIN = [
+    "cohere",
+    "falcon_h1",
+    "gemma",
+    "gemma2",
+    "glm",
+    "hunyuan_v1_dense",
+    "internlm2",
+    "internlm3",
+    "mimo",
+    "mixtral",
+    "nanbeige",
+    "nanochat",
+    "olmo2",
+    "phi",
+    "phi3",
+    "phimoe",
+    "plamo2",
+    "qwen2",
+    "seed_oss",
+    "smollm3",
+    "starcoder2",
+    "telechat3",
+]
+
+QWEN_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
+_DEEPSEEK_MOE = {  # routed experts behind a grouped top-k router, one shared expert
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 1,  # layer 0 dense, layer 1 experts
+}
+_MISTRAL_ROPE = {  # Mistral 3/4's position-dependent attention scale (Llama 4's)
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "llama_4_scaling_beta": 0.1,
+    "original_max_position_embeddings": 16,
+}
+_MINISTRAL3 = {
+    **BASE_CONFIG,
+    "model_type": "ministral3",
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": WINDOW_TOKENS,
+    "rope_parameters": _MISTRAL_ROPE,
+}
+_MISTRAL4 = {
+    **BASE_CONFIG,
+    **_DEEPSEEK_MOE,
+    "model_type": "mistral4",
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "rope_parameters": _MISTRAL_ROPE,
+}
+
+_MLA = {  # DeepSeek's multi-head latent attention, small
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+}
+_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+ATTENTION_CONFIGS: dict[str, dict[str, Any]] = {
+    **{name: {**BASE_CONFIG, "model_type": name} for name in _PLAIN},
+    "gemma3n": {
+        "model_type": "gemma3n",
+        "text_config": {
+            **BASE_CONFIG,
+            "model_type": "gemma3n_text",
+            "num_hidden_layers": 4,
+            "num_kv_shared_layers": 2,  # layers 2-3 read the K/V of layers 0-1
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "sliding_window": WINDOW_TOKENS,
+            "vocab_size_per_layer_input": 64,
+            "hidden_size_per_layer_input": 8,
+            "rope_local_base_freq": 10000.0,
+            "final_logit_softcapping": 30.0,
+            "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+            "altup_num_inputs": 2,
+            "altup_coef_clip": 120.0,
+            "altup_correct_scale": True,
+            "altup_active_idx": 0,
+            "laurel_rank": 8,
+        },
+    },
+    "afm7": {
+        "model_type": "afm7",
+        "hidden_dim": 64,
+        "num_layers": 2,
+        "num_kv_reuse_layers": 1,  # the last layer reads the K/V of the last cached one
+        "num_heads": 4,
+        "num_kv_heads": 2,
+    },
+    "llama4": {
+        "model_type": "llama4",
+        "text_config": {
+            **BASE_CONFIG,
+            "model_type": "llama4_text",
+            "num_hidden_layers": 4,  # layers 0-2 chunked, layer 3 global
+            "attention_bias": False,
+            "attention_chunk_size": WINDOW_TOKENS,
+            "interleave_moe_layer_step": 2,
+            "intermediate_size_mlp": 128,
+            "num_experts_per_tok": 1,
+            "num_local_experts": 2,
+            "rope_scaling": None,
+            "use_qk_norm": True,
+        },
+    },
+    "olmo3": {
+        **BASE_CONFIG,
+        "model_type": "olmo3",
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": WINDOW_TOKENS,
+    },
+    "exaone4": {
+        **BASE_CONFIG,
+        "model_type": "exaone4",
+        "sliding_window": WINDOW_TOKENS,
+        "sliding_window_pattern": "LG",
+        "layer_types": ["sliding_attention", "full_attention"],  # for transformers
+        "rope_scaling": None,
+    },
+    "cohere2": {
+        **BASE_CONFIG,
+        "model_type": "cohere2",
+        "sliding_window": WINDOW_TOKENS,
+        "sliding_window_pattern": 2,  # layer 0 sliding, layer 1 global
+    },
+    "gpt_oss": {
+        **BASE_CONFIG,
+        "model_type": "gpt_oss",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": WINDOW_TOKENS,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "glm4_moe": {
+        **BASE_CONFIG,
+        **_DEEPSEEK_MOE,
+        "model_type": "glm4_moe",
+        "use_qk_norm": True,
+        "attention_bias": False,
+        "partial_rotary_factor": 0.5,
+        "rope_scaling": None,
+    },
+    "qwen3_moe": {**BASE_CONFIG, **QWEN_MOE, "model_type": "qwen3_moe"},
+    "minimax": {
+        **BASE_CONFIG,
+        "model_type": "minimax",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 32,
+        "rotary_dim": 8,
+    },
+    "ministral3": _MINISTRAL3,
+    "mistral3": {"model_type": "mistral3", "text_config": _MINISTRAL3},
+    "mistral4": _MISTRAL4,
+    "lfm2_moe": {
+        **BASE_CONFIG,
+        "model_type": "lfm2_moe",
+        "num_hidden_layers": 3,
+        "layer_types": ["conv", "full_attention", "conv"],
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "use_expert_bias": True,
+        "num_dense_layers": 1,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+    },
+    "hunyuan": {
+        **BASE_CONFIG,
+        "model_type": "hunyuan",
+        "attention_bias": False,
+        "moe_topk": 2,
+        "num_experts": 4,
+        "num_shared_expert": 1,
+        "moe_intermediate_size": 32,
+        "use_mixed_mlp_moe": True,
+        "use_qk_norm": True,
+        "use_cla": True,  # layer 1 attends with layer 0's keys and values
+        "cla_share_factor": 2,
+        "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"},
+    },
+    "deepseek": {
+        **BASE_CONFIG,
+        **_DEEPSEEK_MOE,
+        "model_type": "deepseek",
+    },
+    "deepseek_v3": {**BASE_CONFIG, **_DEEPSEEK_MOE, **_MLA, "model_type": "deepseek_v3"},
+    "deepseek_v32": {
+        **BASE_CONFIG,
+        **_DEEPSEEK_MOE,
+        **_MLA,
+        "model_type": "deepseek_v32",
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "index_topk": 16,  # the sparse indexer picks 16 of the earlier tokens
+    },
+    "glm4_moe_lite": {
+        **BASE_CONFIG,
+        **_DEEPSEEK_MOE,
+        **_MLA,
+        "model_type": "glm4_moe_lite",
+    },
+    "youtu_llm": {**BASE_CONFIG, **_MLA, "model_type": "youtu_llm"},
+    "bailing_moe_v3": {
+        **BASE_CONFIG,
+        **_EXPERTS,
+        **_MLA,
+        "model_type": "bailing_moe_v3",
+        "layer_group_size": 2,  # layer 0 Kimi Delta Attention, layer 1 MLA
+        "moe_shared_expert_intermediate_size": 32,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "laguna": {
+        **BASE_CONFIG,
+        **_EXPERTS,
+        "model_type": "laguna",
+        "shared_expert_intermediate_size": 32,
+    },
+    "iquestloopcoder": {
+        **BASE_CONFIG,
+        "model_type": "iquestloopcoder",
+        "loop_window_size": WINDOW_TOKENS,
+    },
+    "muse_glimmer": {
+        **BASE_CONFIG,
+        "model_type": "muse_glimmer",
+        "sliding_window": WINDOW_TOKENS,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+}
