@@ -1,0 +1,107 @@
+"""Tiny configs of mlx-lm's mixture-of-experts architectures for the conformance sweep (those
+not in `tiny_attention`): 4 experts of 32, 2 per token, beside the architecture's attention.
+
+Owns `MOE_CONFIGS` (mlx-lm module name -> config); `mlxkv.testing.architectures` gathers them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxkv.testing.tiny_attention import BASE_CONFIG, EXPERTS, QWEN_MOE, WINDOW_TOKENS
+
+_GRANITE = {  # Granite's muP multipliers
+    "embedding_multiplier": 12.0,
+    "attention_multiplier": 0.0625,
+    "logits_scaling": 1.0,
+    "residual_multiplier": 0.5,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+_SLIDING_THEN_FULL = {
+    "sliding_window": WINDOW_TOKENS,
+    "layer_types": ["sliding_attention", "full_attention"],
+}
+
+MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "Klear": {
+        **BASE_CONFIG,
+        **QWEN_MOE,
+        "model_type": "Klear",
+        "attention_bias": False,
+        "n_shared_experts": 1,
+    },
+    "bailing_moe": {
+        **BASE_CONFIG,
+        **EXPERTS,
+        "model_type": "bailing_moe",
+        "num_shared_experts": 1,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": 1,
+    },
+    "dots1": {
+        **BASE_CONFIG,
+        "model_type": "dots1",
+        "first_k_dense_replace": 1,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 1.0,
+    },
+    "ernie4_5_moe": {
+        **BASE_CONFIG,
+        "model_type": "ernie4_5_moe",
+        "use_bias": False,
+        "moe_num_experts": 4,
+        "moe_k": 2,
+        "moe_intermediate_size": 32,
+        "moe_capacity": [4, 4, 4],
+        "moe_num_shared_experts": 1,
+        "moe_layer_start_index": 1,
+    },
+    "granitemoe": {
+        **BASE_CONFIG,
+        **_GRANITE,
+        "model_type": "granitemoe",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+    "olmoe": {**BASE_CONFIG, **EXPERTS, "model_type": "olmoe"},
+    "qwen2_moe": {**BASE_CONFIG, **QWEN_MOE, "model_type": "qwen2_moe"},
+    "mellum": {
+        **BASE_CONFIG,
+        **EXPERTS,
+        **_SLIDING_THEN_FULL,
+        "model_type": "mellum",
+        "norm_topk_prob": True,
+        "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": 10000.0}
+            for kind in ("sliding_attention", "full_attention")
+        },
+    },
+    "exaone_moe": {
+        **BASE_CONFIG,
+        **EXPERTS,
+        **_SLIDING_THEN_FULL,
+        "model_type": "exaone_moe",
+        "num_shared_experts": 1,
+        "is_moe_layer": [False, True],
+    },
+    "afmoe": {
+        **BASE_CONFIG,
+        **EXPERTS,
+        **_SLIDING_THEN_FULL,
+        "model_type": "afmoe",
+        "num_dense_layers": 1,
+    },
+    "dbrx": {
+        "model_type": "dbrx",
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    },
+}
