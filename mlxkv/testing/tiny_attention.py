@@ -421,4 +421,31 @@ ATTENTION_CONFIGS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 1,
         "num_local_experts": 2,
     },
+    "pixtral": {
+        "model_type": "pixtral",
+        "text_config": {**BASE_CONFIG, "model_type": "llama"},
+    },
+    "kimi_vl": {
+        "model_type": "kimi_vl",
+        "text_config": {**BASE_CONFIG, **_DEEPSEEK_MOE, **_MLA, "model_type": "deepseek_v3"},
+    },
+    "kimi_k25": {
+        "model_type": "kimi_k25",
+        "text_config": {**BASE_CONFIG, **_DEEPSEEK_MOE, **_MLA, "model_type": "deepseek_v3"},
+    },
+    "deepseek_v2": {
+        **BASE_CONFIG,
+        **_DEEPSEEK_MOE,
+        **_MLA,
+        "model_type": "deepseek_v2",
+        "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096},
+    },
+    "plamo": {**BASE_CONFIG, "model_type": "plamo", "n_shared_head": 2},
+    "qwen": {
+        **BASE_CONFIG,
+        "model_type": "qwen",
+        "kv_channels": 16,
+        "layer_norm_epsilon": 1e-5,
+        "no_bias": True,
+    },
 }

@@ -104,4 +104,19 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
         "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
         "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
     },
+    "qwen3_vl_moe": {
+        "model_type": "qwen3_vl_moe",
+        "text_config": {**BASE_CONFIG, **QWEN_MOE, "model_type": "qwen3_moe"},
+    },
+    "step3p5": {
+        **BASE_CONFIG,
+        **_SLIDING_THEN_FULL,
+        "model_type": "step3p5",
+        "num_attention_groups": 2,
+        "moe_num_experts": 4,
+        "moe_top_k": 2,
+        "moe_intermediate_size": 32,
+        "share_expert_dim": 32,
+        "moe_layers_enum": "1",
+    },
 }
