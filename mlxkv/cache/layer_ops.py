@@ -76,8 +76,15 @@ def leaves(layers: Sequence[Any]) -> list[Any]:
     return out
 
 
+def is_unwritten(layer: Any) -> bool:
+    """True for a K/V layer that holds no token: the model has not run yet, or never writes
+    this layer's cache (Nemotron-NAS gives its linear replacements of attention one they
+    ignore). It trims any count to nothing and joins no offset check."""
+    return always_trimmable(layer) and layer.offset == 0
+
+
 def layer_can_trim(layer: Any, num_tokens: int) -> bool:
-    if num_tokens == 0:
+    if num_tokens == 0 or is_unwritten(layer):
         return True
     if isinstance(layer, mlx_cache.CacheList):
         return all(layer_can_trim(c, num_tokens) for c in layer.caches)

@@ -49,6 +49,7 @@ EXPECTED_LAYERS: dict[str, set[str]] = {
     "bailing_moe_v3": {"KVCache", "ArraysCache"},
     **dict.fromkeys(["exaone_moe", "afmoe", "gemma3", "mellum"], {"KVCache", "SlidingWindowCache"}),
     "lfm2-vl": {"KVCache", "ArraysCache"},
+    **dict.fromkeys(["gemma4", "gemma4_text"], {"KVCache", "SlidingWindowCache"}),
     **dict.fromkeys(
         ["bailing_moe_linear", "bailing_hybrid", "olmo_hybrid"], {"KVCache", "ArraysCache"}
     ),
@@ -69,23 +70,18 @@ REACH_TOKENS: dict[str, int] = {"spark2_5": 12}
 NOT_COVERED: dict[str, str] = {
     "bitnet": "its kernels are Metal-only (`No Metal back-end` on CPU)",
     "deepseek_v41": "no tiny config written yet",
-    "gemma4": "its default config is too large for the sweep (killed for memory)",
-    "gemma4_text": "no tiny config written yet",
     "glm_moe_dsa": "no tiny config written yet",
-    "gptj": "no forward within 20 s on CPU at the shared tiny config",
     "kimi_k3": "no tiny config written yet",
     "longcat_flash": "no tiny config written yet",
     "longcat_flash_ngram": "no tiny config written yet",
     "mimo_v2_flash": "no tiny config written yet",
     "minimax_m3_vl": "no tiny config written yet",
     "muse_spark": "no tiny config written yet",
-    "nemotron-nas": "no tiny config written yet",
     "olmo": "importing it needs the ai2-olmo package",
     "phi3small": (
         "its forward crashes the process (segmentation fault in MLX on CPU) in the block-sparse "
         "attention layer 0 always has, at block sizes 32 and 64"
     ),
-    "phixtral": "no forward within 20 s on CPU at the shared tiny config",
     "plamo3": (
         "mlx-lm's model is inconsistent once a prompt passes its window: it masks "
         "`window_size + 1` positions but caches `window_size` (RotatingKVCache), so the same "

@@ -32,7 +32,6 @@ _PLAIN = [
     "qwen3_vl",
     "talkie",
     "cohere",
-    "falcon_h1",
     "gemma",
     "gemma2",
     "glm",
@@ -47,7 +46,6 @@ _PLAIN = [
     "phi",
     "phi3",
     "phimoe",
-    "plamo2",
     "qwen2",
     "seed_oss",
     "smollm3",
@@ -74,6 +72,18 @@ _DEEPSEEK_MOE = {  # routed experts behind a grouped top-k router, one shared ex
     "routed_scaling_factor": 1.0,
     "norm_topk_prob": True,
     "first_k_dense_replace": 1,  # layer 0 dense, layer 1 experts
+}
+_GEMMA4_TEXT = {
+    **BASE_CONFIG,
+    "model_type": "gemma4_text",
+    "num_hidden_layers": 4,
+    "num_kv_shared_layers": 2,  # layers 2-3 read the K/V of layers 0-1
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": WINDOW_TOKENS,
+    "global_head_dim": 16,
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": 512,
+    "use_double_wide_mlp": False,
 }
 _MISTRAL_ROPE = {  # Mistral 3/4's position-dependent attention scale (Llama 4's)
     "rope_type": "default",
@@ -448,4 +458,34 @@ ATTENTION_CONFIGS: dict[str, dict[str, Any]] = {
         "layer_norm_epsilon": 1e-5,
         "no_bias": True,
     },
+    "gptj": {
+        "model_type": "gptj",
+        "n_embd": 64,
+        "n_head": 4,
+        "n_layer": 2,
+        "rotary_dim": 8,
+        "n_positions": 1024,
+    },
+    "phixtral": {
+        "model_type": "phixtral",
+        "num_vocab": 512,  # its own name for the vocabulary size (the factory's 512)
+        "model_dim": 64,
+        "num_heads": 4,
+        "num_layers": 2,
+        "rotary_dim": 8,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+    "nemotron-nas": {
+        **BASE_CONFIG,
+        "model_type": "nemotron-nas",
+        "num_hidden_layers": 3,
+        "block_configs": [  # attention, none (no cache), a linear layer in its place
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
+            {"attention": {"no_op": True}, "ffn": {"ffn_mult": 2.0}},
+            {"attention": {"replace_with_linear": True}, "ffn": {"ffn_mult": 2.0}},
+        ],
+    },
+    "gemma4_text": _GEMMA4_TEXT,
+    "gemma4": {"model_type": "gemma4", "text_config": _GEMMA4_TEXT},
 }

@@ -212,4 +212,20 @@ RECURRENT_CONFIGS: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"],
         "sliding_window": WINDOW_TOKENS,
     },
+    "falcon_h1": {
+        **BASE_CONFIG,
+        "model_type": "falcon_h1",
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_d_ssm": 128,
+        "mamba_d_state": 8,
+    },
+    "plamo2": {
+        **BASE_CONFIG,
+        "model_type": "plamo2",
+        "hidden_size_per_head": 16,
+        "mamba_num_heads": 8,
+        "mamba_d_state": 8,
+        "mamba_step": 2,  # layer 0 Mamba, layer 1 attention
+    },
 }
