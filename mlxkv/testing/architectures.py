@@ -54,6 +54,8 @@ EXPECTED_LAYERS: dict[str, set[str]] = {
         ["bailing_moe_linear", "bailing_hybrid", "olmo_hybrid"], {"KVCache", "ArraysCache"}
     ),
     "step3p5": {"KVCache", "SlidingWindowCache"},
+    "mimo_v2_flash": {"KVCache", "SlidingWindowCache"},
+    "longcat_flash_ngram": {"KVCache", "ArraysCache"},
     "gear": {"KVCache", "SlidingWindowCache"},
     "baichuan_m1": {"ArraysCache", "KVCache", "SlidingWindowCache"},
     "rwkv7": {"ArraysCache"},
@@ -70,11 +72,7 @@ REACH_TOKENS: dict[str, int] = {"spark2_5": 12}
 NOT_COVERED: dict[str, str] = {
     "bitnet": "its kernels are Metal-only (`No Metal back-end` on CPU)",
     "deepseek_v41": "no tiny config written yet",
-    "glm_moe_dsa": "no tiny config written yet",
     "kimi_k3": "no tiny config written yet",
-    "longcat_flash": "no tiny config written yet",
-    "longcat_flash_ngram": "no tiny config written yet",
-    "mimo_v2_flash": "no tiny config written yet",
     "minimax_m3_vl": "no tiny config written yet",
     "muse_spark": "no tiny config written yet",
     "olmo": "importing it needs the ai2-olmo package",

@@ -110,7 +110,7 @@ _MISTRAL4 = {
     "rope_parameters": _MISTRAL_ROPE,
 }
 
-_MLA = {  # DeepSeek's multi-head latent attention, small
+MLA = {  # DeepSeek's multi-head latent attention, small
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
     "qk_rope_head_dim": 8,
@@ -249,11 +249,11 @@ ATTENTION_CONFIGS: dict[str, dict[str, Any]] = {
         **_DEEPSEEK_MOE,
         "model_type": "deepseek",
     },
-    "deepseek_v3": {**BASE_CONFIG, **_DEEPSEEK_MOE, **_MLA, "model_type": "deepseek_v3"},
+    "deepseek_v3": {**BASE_CONFIG, **_DEEPSEEK_MOE, **MLA, "model_type": "deepseek_v3"},
     "deepseek_v32": {
         **BASE_CONFIG,
         **_DEEPSEEK_MOE,
-        **_MLA,
+        **MLA,
         "model_type": "deepseek_v32",
         "index_head_dim": 16,
         "index_n_heads": 2,
@@ -262,14 +262,14 @@ ATTENTION_CONFIGS: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": {
         **BASE_CONFIG,
         **_DEEPSEEK_MOE,
-        **_MLA,
+        **MLA,
         "model_type": "glm4_moe_lite",
     },
-    "youtu_llm": {**BASE_CONFIG, **_MLA, "model_type": "youtu_llm"},
+    "youtu_llm": {**BASE_CONFIG, **MLA, "model_type": "youtu_llm"},
     "bailing_moe_v3": {
         **BASE_CONFIG,
         **EXPERTS,
-        **_MLA,
+        **MLA,
         "model_type": "bailing_moe_v3",
         "layer_group_size": 2,  # layer 0 Kimi Delta Attention, layer 1 MLA
         "moe_shared_expert_intermediate_size": 32,
@@ -334,7 +334,7 @@ ATTENTION_CONFIGS: dict[str, dict[str, Any]] = {
     },
     "minicpm3": {
         **BASE_CONFIG,
-        **_MLA,
+        **MLA,
         "model_type": "minicpm3",
         "rope_scaling": {"original_max_position_embeddings": 4096},  # LongRoPE, factors 1
         "dim_model_base": 64,
@@ -437,16 +437,16 @@ ATTENTION_CONFIGS: dict[str, dict[str, Any]] = {
     },
     "kimi_vl": {
         "model_type": "kimi_vl",
-        "text_config": {**BASE_CONFIG, **_DEEPSEEK_MOE, **_MLA, "model_type": "deepseek_v3"},
+        "text_config": {**BASE_CONFIG, **_DEEPSEEK_MOE, **MLA, "model_type": "deepseek_v3"},
     },
     "kimi_k25": {
         "model_type": "kimi_k25",
-        "text_config": {**BASE_CONFIG, **_DEEPSEEK_MOE, **_MLA, "model_type": "deepseek_v3"},
+        "text_config": {**BASE_CONFIG, **_DEEPSEEK_MOE, **MLA, "model_type": "deepseek_v3"},
     },
     "deepseek_v2": {
         **BASE_CONFIG,
         **_DEEPSEEK_MOE,
-        **_MLA,
+        **MLA,
         "model_type": "deepseek_v2",
         "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096},
     },

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxkv.testing.tiny_attention import BASE_CONFIG, EXPERTS, QWEN_MOE, WINDOW_TOKENS
+from mlxkv.testing.tiny_attention import BASE_CONFIG, EXPERTS, MLA, QWEN_MOE, WINDOW_TOKENS
 
 _GRANITE = {  # Granite's muP multipliers
     "embedding_multiplier": 12.0,
@@ -21,6 +21,28 @@ _GRANITE = {  # Granite's muP multipliers
 _SLIDING_THEN_FULL = {
     "sliding_window": WINDOW_TOKENS,
     "layer_types": ["sliding_attention", "full_attention"],
+}
+
+_LONGCAT = {  # MLA, and experts beside "zero experts" that pass the input through
+    **MLA,
+    "model_type": "longcat_flash",
+    "attention_method": "MLA",
+    "zero_expert_type": "identity",
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "moe_topk": 2,
+    "expert_ffn_hidden_size": 32,
+    "n_routed_experts": 4,
+    "zero_expert_num": 2,
+    "num_layers": 2,
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 4,
+    "routed_scaling_factor": 1.0,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "mla_scale_q_lora": True,
+    "mla_scale_kv_lora": True,
+    "attention_bias": False,
 }
 
 MOE_CONFIGS: dict[str, dict[str, Any]] = {
@@ -118,5 +140,60 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 32,
         "share_expert_dim": 32,
         "moe_layers_enum": "1",
+    },
+    "glm_moe_dsa": {
+        **BASE_CONFIG,
+        **MLA,
+        "model_type": "glm_moe_dsa",
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "index_topk": 16,  # the sparse indexer picks 16 of the earlier tokens
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "attention_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "mimo_v2_flash": {
+        **BASE_CONFIG,
+        "model_type": "mimo_v2_flash",
+        "hybrid_layer_pattern": [1, 0],  # layer 0 sliding with sinks, layer 1 global
+        "moe_layer_freq": [0, 1],
+        "add_swa_attention_sink_bias": True,
+        "add_full_attention_sink_bias": False,
+        "sliding_window_size": WINDOW_TOKENS,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "layernorm_epsilon": 1e-5,
+        "swa_rope_theta": 10000.0,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 2,
+        "v_head_dim": 16,
+        "swa_head_dim": 16,
+        "swa_v_head_dim": 16,
+        "partial_rotary_factor": 0.5,
+    },
+    "longcat_flash": _LONGCAT,
+    "longcat_flash_ngram": {  # plus n-gram embeddings over the last tokens (kept as state)
+        **_LONGCAT,
+        "model_type": "longcat_flash_ngram",
+        "ngram_vocab_size_ratio": 2,
     },
 }
