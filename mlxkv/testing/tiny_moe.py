@@ -196,4 +196,22 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
         "model_type": "longcat_flash_ngram",
         "ngram_vocab_size_ratio": 2,
     },
+    "minimax_m3_vl": {
+        "model_type": "minimax_m3_vl",
+        "text_config": {
+            **BASE_CONFIG,
+            "model_type": "minimax_m3",
+            "intermediate_size": 32,
+            "dense_intermediate_size": 128,
+            "shared_intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_layer_freq": [0, 1],
+            "sparse_attention_freq": [1, 0],  # layer 0 block-sparse with an indexer
+            "index_n_heads": 2,
+            "index_head_dim": 16,
+            "index_block_size": 4,
+            "index_topk_blocks": 2,
+        },
+    },
 }

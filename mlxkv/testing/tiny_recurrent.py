@@ -228,4 +228,26 @@ RECURRENT_CONFIGS: dict[str, dict[str, Any]] = {
         "mamba_d_state": 8,
         "mamba_step": 2,  # layer 0 Mamba, layer 1 attention
     },
+    "kimi_k3": {
+        "model_type": "kimi_k3",
+        "text_config": {
+            **BASE_CONFIG,
+            "model_type": "kimi_linear",
+            "linear_attn_config": {
+                "kda_layers": [1],  # layer 0 Kimi Delta Attention, layer 1 MLA
+                "num_heads": 4,
+                "head_dim": 16,
+                "short_conv_kernel_size": 4,
+            },
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_token": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+        },
+    },
 }
