@@ -17,8 +17,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlx_cache
 
+from mlxkv.cache.layers.chunked import ChunkedKVCache
 from mlxkv.cache.layers.kv import KVCache
 from mlxkv.cache.layers.quantized import QuantizedKVCache
+from mlxkv.cache.layers.window import SlidingWindowCache
 
 
 def copy_layer(layer: Any, drop: int = 0) -> Any:
@@ -81,6 +83,32 @@ def is_unwritten(layer: Any) -> bool:
     this layer's cache (Nemotron-NAS gives its linear replacements of attention one they
     ignore). It trims any count to nothing and joins no offset check."""
     return always_trimmable(layer) and layer.offset == 0
+
+
+def layer_kind(layer: Any) -> str:
+    """What a layer's cache keeps, in words (`mlxkv info`): "full attention", "sliding window
+    4096", "chunked 8192", "recurrent state", or a container's parts joined by " + "."""
+    if isinstance(layer, mlx_cache.CacheList):
+        return " + ".join(layer_kind(c) for c in layer.caches)
+    if isinstance(layer, mlx_cache.ArraysCache):
+        return "recurrent state"
+    if isinstance(layer, SlidingWindowCache):
+        return f"sliding window {layer.window}"
+    if isinstance(layer, ChunkedKVCache):
+        return f"chunked {layer.chunk_size}"
+    return "full attention (quantized)" if isinstance(layer, QuantizedKVCache) else "full attention"
+
+
+def trim_reach(layer: Any) -> str:
+    """How far a layer goes back by trimming, as `layer_can_trim` decides it: "any" (K/V),
+    "window" (only to positions whose history it still holds) or "none" (recurrent state;
+    checkpoints instead). A container reaches as far as its shortest part."""
+    if isinstance(layer, mlx_cache.CacheList):
+        reaches = {trim_reach(c) for c in layer.caches}
+        return next(r for r in ("none", "window", "any") if r in reaches)
+    if always_trimmable(layer):
+        return "any"
+    return "window" if hasattr(layer, "can_trim") else "none"
 
 
 def layer_can_trim(layer: Any, num_tokens: int) -> bool:
