@@ -1,7 +1,8 @@
 """Tiny configs of mlx-lm's attention architectures for the conformance sweep: global, sliding
 window and chunked attention, shared K/V, experts (MoE) and DeepSeek's latent attention (MLA).
 
-Owns `BASE_CONFIG` (the shared 2-layer, hidden-64 settings), `WINDOW_TOKENS` and
+Owns `BASE_CONFIG` (the shared 2-layer, hidden-64 settings), `WINDOW_TOKENS`, the shared
+expert and latent settings (`EXPERTS`, `QWEN_MOE`, `DEEPSEEK_MOE`, `MLA`) and
 `ATTENTION_CONFIGS` (mlx-lm module name -> config). Each config keeps its distinctive layers
 and makes them small: windows and chunks of `WINDOW_TOKENS`, 4 experts of 32, latents of 16.
 `mlxkv.testing.architectures` gathers these with the recurrent ones.
@@ -62,7 +63,7 @@ QWEN_MOE = {
     "shared_expert_intermediate_size": 32,
     "norm_topk_prob": True,
 }
-_DEEPSEEK_MOE = {  # routed experts behind a grouped top-k router, one shared expert
+DEEPSEEK_MOE = {  # routed experts behind a grouped top-k router, one shared expert
     "moe_intermediate_size": 32,
     "n_routed_experts": 4,
     "n_shared_experts": 1,
@@ -100,7 +101,7 @@ _MINISTRAL3 = {
 }
 _MISTRAL4 = {
     **BASE_CONFIG,
-    **_DEEPSEEK_MOE,
+    **DEEPSEEK_MOE,
     "model_type": "mistral4",
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
@@ -194,94 +195,10 @@ ATTENTION_CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": WINDOW_TOKENS,
         "layer_types": ["sliding_attention", "full_attention"],
     },
-    "glm4_moe": {
-        **BASE_CONFIG,
-        **_DEEPSEEK_MOE,
-        "model_type": "glm4_moe",
-        "use_qk_norm": True,
-        "attention_bias": False,
-        "partial_rotary_factor": 0.5,
-        "rope_scaling": None,
-    },
-    "qwen3_moe": {**BASE_CONFIG, **QWEN_MOE, "model_type": "qwen3_moe"},
-    "minimax": {
-        **BASE_CONFIG,
-        "model_type": "minimax",
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "shared_intermediate_size": 32,
-        "rotary_dim": 8,
-    },
     "ministral3": _MINISTRAL3,
     "mistral3": {"model_type": "mistral3", "text_config": _MINISTRAL3},
     "mistral4": _MISTRAL4,
-    "lfm2_moe": {
-        **BASE_CONFIG,
-        "model_type": "lfm2_moe",
-        "num_hidden_layers": 3,
-        "layer_types": ["conv", "full_attention", "conv"],
-        "moe_intermediate_size": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "use_expert_bias": True,
-        "num_dense_layers": 1,
-        "norm_eps": 1e-5,
-        "conv_bias": False,
-        "conv_L_cache": 3,
-    },
-    "hunyuan": {
-        **BASE_CONFIG,
-        "model_type": "hunyuan",
-        "attention_bias": False,
-        "moe_topk": 2,
-        "num_experts": 4,
-        "num_shared_expert": 1,
-        "moe_intermediate_size": 32,
-        "use_mixed_mlp_moe": True,
-        "use_qk_norm": True,
-        "use_cla": True,  # layer 1 attends with layer 0's keys and values
-        "cla_share_factor": 2,
-        "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"},
-    },
-    "deepseek": {
-        **BASE_CONFIG,
-        **_DEEPSEEK_MOE,
-        "model_type": "deepseek",
-    },
-    "deepseek_v3": {**BASE_CONFIG, **_DEEPSEEK_MOE, **MLA, "model_type": "deepseek_v3"},
-    "deepseek_v32": {
-        **BASE_CONFIG,
-        **_DEEPSEEK_MOE,
-        **MLA,
-        "model_type": "deepseek_v32",
-        "index_head_dim": 16,
-        "index_n_heads": 2,
-        "index_topk": 16,  # the sparse indexer picks 16 of the earlier tokens
-    },
-    "glm4_moe_lite": {
-        **BASE_CONFIG,
-        **_DEEPSEEK_MOE,
-        **MLA,
-        "model_type": "glm4_moe_lite",
-    },
     "youtu_llm": {**BASE_CONFIG, **MLA, "model_type": "youtu_llm"},
-    "bailing_moe_v3": {
-        **BASE_CONFIG,
-        **EXPERTS,
-        **MLA,
-        "model_type": "bailing_moe_v3",
-        "layer_group_size": 2,  # layer 0 Kimi Delta Attention, layer 1 MLA
-        "moe_shared_expert_intermediate_size": 32,
-        "n_group": 1,
-        "topk_group": 1,
-    },
-    "laguna": {
-        **BASE_CONFIG,
-        **EXPERTS,
-        "model_type": "laguna",
-        "shared_expert_intermediate_size": 32,
-    },
     "iquestloopcoder": {
         **BASE_CONFIG,
         "model_type": "iquestloopcoder",
@@ -434,21 +351,6 @@ ATTENTION_CONFIGS: dict[str, dict[str, Any]] = {
     "pixtral": {
         "model_type": "pixtral",
         "text_config": {**BASE_CONFIG, "model_type": "llama"},
-    },
-    "kimi_vl": {
-        "model_type": "kimi_vl",
-        "text_config": {**BASE_CONFIG, **_DEEPSEEK_MOE, **MLA, "model_type": "deepseek_v3"},
-    },
-    "kimi_k25": {
-        "model_type": "kimi_k25",
-        "text_config": {**BASE_CONFIG, **_DEEPSEEK_MOE, **MLA, "model_type": "deepseek_v3"},
-    },
-    "deepseek_v2": {
-        **BASE_CONFIG,
-        **_DEEPSEEK_MOE,
-        **MLA,
-        "model_type": "deepseek_v2",
-        "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096},
     },
     "plamo": {**BASE_CONFIG, "model_type": "plamo", "n_shared_head": 2},
     "qwen": {

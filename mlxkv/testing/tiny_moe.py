@@ -1,5 +1,6 @@
-"""Tiny configs of mlx-lm's mixture-of-experts architectures for the conformance sweep (those
-not in `tiny_attention`): 4 experts of 32, 2 per token, beside the architecture's attention.
+"""Tiny configs of mlx-lm's mixture-of-experts architectures for the conformance sweep: 4
+experts of 32, 2 per token, beside the architecture's attention (DeepSeek's latent attention,
+MLA, in the DeepSeek family and its kin).
 
 Owns `MOE_CONFIGS` (mlx-lm module name -> config); `mlxkv.testing.architectures` gathers them.
 """
@@ -8,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxkv.testing.tiny_attention import BASE_CONFIG, EXPERTS, MLA, QWEN_MOE, WINDOW_TOKENS
+from mlxkv.testing.tiny_attention import (
+    BASE_CONFIG,
+    DEEPSEEK_MOE,
+    EXPERTS,
+    MLA,
+    QWEN_MOE,
+    WINDOW_TOKENS,
+)
 
 _GRANITE = {  # Granite's muP multipliers
     "embedding_multiplier": 12.0,
@@ -213,5 +221,79 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
             "index_block_size": 4,
             "index_topk_blocks": 2,
         },
+    },
+    "deepseek": {
+        **BASE_CONFIG,
+        **DEEPSEEK_MOE,
+        "model_type": "deepseek",
+    },
+    "deepseek_v2": {
+        **BASE_CONFIG,
+        **DEEPSEEK_MOE,
+        **MLA,
+        "model_type": "deepseek_v2",
+        "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096},
+    },
+    "deepseek_v3": {**BASE_CONFIG, **DEEPSEEK_MOE, **MLA, "model_type": "deepseek_v3"},
+    "deepseek_v32": {
+        **BASE_CONFIG,
+        **DEEPSEEK_MOE,
+        **MLA,
+        "model_type": "deepseek_v32",
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "index_topk": 16,  # the sparse indexer picks 16 of the earlier tokens
+    },
+    "glm4_moe_lite": {
+        **BASE_CONFIG,
+        **DEEPSEEK_MOE,
+        **MLA,
+        "model_type": "glm4_moe_lite",
+    },
+    "glm4_moe": {
+        **BASE_CONFIG,
+        **DEEPSEEK_MOE,
+        "model_type": "glm4_moe",
+        "use_qk_norm": True,
+        "attention_bias": False,
+        "partial_rotary_factor": 0.5,
+        "rope_scaling": None,
+    },
+    "qwen3_moe": {**BASE_CONFIG, **QWEN_MOE, "model_type": "qwen3_moe"},
+    "minimax": {
+        **BASE_CONFIG,
+        "model_type": "minimax",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 32,
+        "rotary_dim": 8,
+    },
+    "laguna": {
+        **BASE_CONFIG,
+        **EXPERTS,
+        "model_type": "laguna",
+        "shared_expert_intermediate_size": 32,
+    },
+    "hunyuan": {
+        **BASE_CONFIG,
+        "model_type": "hunyuan",
+        "attention_bias": False,
+        "moe_topk": 2,
+        "num_experts": 4,
+        "num_shared_expert": 1,
+        "moe_intermediate_size": 32,
+        "use_mixed_mlp_moe": True,
+        "use_qk_norm": True,
+        "use_cla": True,  # layer 1 attends with layer 0's keys and values
+        "cla_share_factor": 2,
+        "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"},
+    },
+    "kimi_vl": {
+        "model_type": "kimi_vl",
+        "text_config": {**BASE_CONFIG, **DEEPSEEK_MOE, **MLA, "model_type": "deepseek_v3"},
+    },
+    "kimi_k25": {
+        "model_type": "kimi_k25",
+        "text_config": {**BASE_CONFIG, **DEEPSEEK_MOE, **MLA, "model_type": "deepseek_v3"},
     },
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxkv.testing.tiny_attention import BASE_CONFIG, QWEN_MOE, WINDOW_TOKENS
+from mlxkv.testing.tiny_attention import BASE_CONFIG, EXPERTS, MLA, QWEN_MOE, WINDOW_TOKENS
 
 _GATED_DELTA = {  # Qwen3-Next / Qwen3.5: GatedDeltaNet layers, every 2nd layer full attention
     "linear_num_value_heads": 4,
@@ -249,5 +249,30 @@ RECURRENT_CONFIGS: dict[str, dict[str, Any]] = {
             "moe_intermediate_size": 32,
             "first_k_dense_replace": 1,
         },
+    },
+    "lfm2_moe": {
+        **BASE_CONFIG,
+        "model_type": "lfm2_moe",
+        "num_hidden_layers": 3,
+        "layer_types": ["conv", "full_attention", "conv"],
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "use_expert_bias": True,
+        "num_dense_layers": 1,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+    },
+    "bailing_moe_v3": {
+        **BASE_CONFIG,
+        **EXPERTS,
+        **MLA,
+        "model_type": "bailing_moe_v3",
+        "layer_group_size": 2,  # layer 0 Kimi Delta Attention, layer 1 MLA
+        "moe_shared_expert_intermediate_size": 32,
+        "n_group": 1,
+        "topk_group": 1,
     },
 }
