@@ -68,7 +68,8 @@ def test_unknown_rope_is_not_claimed(load_tiny):
     assert not make_cache(model).can_shift(rope_rotations(model))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2", "mamba"])
+# afm7 and gemma3n: KV-shared layers read another layer's cache; they refill to shift.
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2", "mamba", "afm7", "gemma3n"])
 def test_generation_past_the_window_shifts_and_keeps_going(make_runner, arch, caplog):
     runner = make_runner(arch, max_context=40)
     prompt = [(5 * i + 11) % 500 for i in range(30)]
