@@ -296,4 +296,28 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
         "model_type": "kimi_k25",
         "text_config": {**BASE_CONFIG, **DEEPSEEK_MOE, **MLA, "model_type": "deepseek_v3"},
     },
+    "deepseek_v41": {  # its own LayerCache: a window, compressed groups, index keys
+        "model_type": "deepseek_v41",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": WINDOW_TOKENS,
+        "compress_ratios": [1, 4],  # layer 1 pools every 4 tokens into one latent
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 16,  # of the compressed groups: 64 tokens, fewer than a chat holds
+        "candidate_topk_blocks": 8,
+        "candidate_block_size": 4,
+        "hc_mult": 2,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+    },
 }
