@@ -78,7 +78,7 @@ def _abilities(model: nn.Module, cache: ModelCache) -> str:
     if reaches == {"any"}:
         trim = "trim any number of tokens"
     elif "none" in reaches:
-        trim = "no trim (recurrent state)"
+        trim = "no trim (recurrent or other state that cannot go back)"
     else:
         trim = "trim only within the window or chunk"
     restore = "; restore checkpoints further back" if cache.needs_checkpoints else ""

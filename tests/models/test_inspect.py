@@ -15,7 +15,8 @@ CASES = {
     ),
     "lfm2": (
         "recurrent state: 2 (0, 2); full attention: 1 (1)",
-        "no trim (recurrent state); restore checkpoints further back; no shift",
+        "no trim (recurrent or other state that cannot go back); restore checkpoints further "
+        "back; no shift",
     ),
 }
 
