@@ -10,6 +10,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
+from mlxkv.cache.layer_ops import is_model_state
 from mlxkv.cache.layers.chunked import ChunkedKVCache
 from mlxkv.cache.layers.kv import KVCache
 from mlxkv.cache.layers.quantized import QuantizedKVCache, check_quantization
@@ -18,7 +19,8 @@ from mlxkv.cache.model_cache import ModelCache
 from mlxkv.errors import NotSupportedError
 
 # What mlxkv does with each of mlx-lm's cache classes (`mlx_lm.models.cache`): converted to
-# its own, kept as mlx-lm's (recurrent state, containers), or refused by `make_cache`. A new
+# its own, kept as mlx-lm's (recurrent state, containers), or refused by `make_cache`. A class
+# a model module defines for itself is kept too when it cannot trim (`is_model_state`). A new
 # mlx-lm class fails tests/cache/test_mlx_lm_contract.py until it is listed here.
 MLX_LM_CACHE_CLASSES = {
     "KVCache": "converted",
@@ -67,8 +69,8 @@ def make_cache(
             return ChunkedKVCache(layer.chunk_size)
         if type(layer) is mlx_cache.CacheList:
             return mlx_cache.CacheList(*(convert(c) for c in layer.caches))
-        if isinstance(layer, mlx_cache.ArraysCache):  # recurrent state: kept as mlx-lm's
-            return layer
+        if isinstance(layer, mlx_cache.ArraysCache) or is_model_state(layer):
+            return layer  # recurrent state, or a model's own: kept, restored by checkpoints
         raise NotSupportedError(
             f"{type(model).__module__.rsplit('.', 1)[-1]}: this model's cache uses "
             f"{type(layer).__name__}, which mlxkv does not handle yet; use a model of another "

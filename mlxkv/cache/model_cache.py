@@ -7,7 +7,8 @@ or nothing), free, bytes. Building one for a model is `building.make_cache`.
 Invariants:
   - the token list always has exactly as many entries as the tokens the layers have seen; a
     forward pass that raises (KeyboardInterrupt included) leaves both as they were;
-  - all attention layers share one offset (== num_tokens);
+  - all attention layers share one offset (== num_tokens), but for K/V layers the model
+    never writes, which stay empty (`layer_ops.is_unwritten`);
   - `trim_to(n)` changes nothing unless every layer can go back to n (`can_trim_to`).
 
 Layers whose own cache mlx-lm defines for recurrent state (`ArraysCache`, inside a `CacheList`
@@ -31,6 +32,7 @@ from mlxkv.cache.layer_ops import (
     always_trimmable,
     arrays_of,
     copy_layer,
+    is_unwritten,
     layer_can_trim,
     leaves,
     mark_layer,
@@ -250,7 +252,11 @@ class ModelCache:
         Raises:
             ValueError: a layer's offset is not len(tokens), or a checkpoint lies past it.
         """
-        offsets = {layer.offset for layer in leaves(layers) if hasattr(layer, "offset")}
+        offsets = {
+            layer.offset
+            for layer in leaves(layers)
+            if hasattr(layer, "offset") and not is_unwritten(layer)
+        }
         if offsets - {len(tokens)} or any(n > len(tokens) for n in checkpoints):
             raise ValueError(
                 f"layers at offsets {sorted(offsets)} with checkpoints at {sorted(checkpoints)} "

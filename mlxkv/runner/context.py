@@ -22,11 +22,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.rope_utils import Llama3RoPE
 
 from mlxkv.cache.layers.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
@@ -35,29 +30,6 @@ from mlxkv.errors import ContextLengthError
 logger = logging.getLogger(__name__)
 
 DEFAULT_KEEP_TOKENS = 4  # without a system prompt; as llama.cpp's attention sinks
-
-
-def rope_rotations(model: nn.Module) -> list[Rotation | None]:
-    """Per layer, a function re-rotating cached keys by a position delta, or None where the
-    layer has no RoPE that mlxkv can shift exactly."""
-    return [_rotation(_rope_of(layer)) for layer in model.layers]
-
-
-def _rope_of(layer: Any) -> Any:
-    attention = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-    return getattr(attention, "rope", None)
-
-
-def _rotation(rope: Any) -> Rotation | None:
-    # Only RoPEs that rotate and nothing else: YaRN's, for one, also scales what it turns.
-    if type(rope) not in (nn.RoPE, Llama3RoPE):
-        return None
-
-    def rotate(keys: mx.array, delta: int) -> mx.array:
-        # One position per token: the sequence axis becomes a batch axis of length-1 sequences.
-        return rope(keys[..., None, :], offset=delta).squeeze(-2)  # (B, H, L, 1, D) turned
-
-    return rotate
 
 
 def check_keep(keep: int, budget: int) -> None:

@@ -29,9 +29,9 @@ from mlxkv.decoding.prefill.chunks import PrefillPlan, ProgressCallback
 from mlxkv.errors import NotSupportedError, RunnerBusyError
 from mlxkv.models.embedding import Embedder, EmbeddingInput, Embeddings
 from mlxkv.models.loading import LoadedModel, load_model
+from mlxkv.models.rope import rope_rotations
 from mlxkv.models.sharding import world
 from mlxkv.runner.assembly import choose_max_batch, make_layers, make_pool, size_window, warm_up
-from mlxkv.runner.context import rope_rotations
 from mlxkv.runner.dispatch import Dispatcher
 from mlxkv.runner.engine import EngineThread
 from mlxkv.runner.lockstep import Lockstep, Solo

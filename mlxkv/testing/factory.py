@@ -27,7 +27,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlxkv.testing.architectures import BASE_CONFIG, SWEEP_CONFIGS
+from mlxkv.testing.architectures import SWEEP_CONFIGS
+from mlxkv.testing.tiny_attention import BASE_CONFIG
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -223,14 +224,31 @@ def _write_weights(out: Path, config: dict[str, Any], seed: int) -> None:
 # back still move the logits, so a corrupted recurrent state is seen.
 _SLOW_DECAY_A = 0.05
 _SMALL_TIME_STEP_BIAS = -3.0  # softplus(-3) = 0.049
+# RecurrentGemma's RG-LRU decays by exp(-8 gate softplus(p)) per step: p = -5.5 keeps about
+# 0.98 per token (Griffin's trained range), where mlx-lm's p = 0 keeps 0.06.
+_RG_LRU_PARAM = -5.5
+# RWKV-7 decays by exp(-0.61 sigmoid(w)) per step: w = -5 keeps 0.996 per token (trained
+# RWKV-7 models start w near -6), where a random w keeps about 0.74.
+_RWKV_DECAY_BIAS = -5.0
 
 
 def _trained_like(name: str, value: mx.array) -> mx.array:
-    """`value`, or a trained-like replacement for a recurrent layer's decay parameters."""
+    """`value`, or a trained-like replacement: slow decays for recurrent layers, and random
+    values for matrices mlx-lm initializes to zeros because a checkpoint always overwrites
+    them (routers, RWKV-7's per-head mixing and output norm, RecurrentGemma's convolution and
+    gates, Talkie's output head). Left at zero, those switch their layer off: every expert
+    ties, or a recurrent layer passes nothing on, and the model is blind to its context."""
     if name.endswith("A_log"):
         return mx.full(value.shape, math.log(_SLOW_DECAY_A), dtype=value.dtype)
     if name.endswith(("dt_bias", "dt_proj.bias")):
         return mx.full(value.shape, _SMALL_TIME_STEP_BIAS, dtype=value.dtype)
+    if name.endswith("recurrent_param"):
+        return mx.full(value.shape, _RG_LRU_PARAM, dtype=value.dtype)
+    if name.endswith("w_lora.lora.2.bias"):
+        return mx.full(value.shape, _RWKV_DECAY_BIAS, dtype=value.dtype)
+    if value.ndim >= 2 and not mx.any(value).item():
+        scale = 1 / math.sqrt(value.shape[-1])
+        return (mx.random.normal(value.shape) * scale).astype(value.dtype)
     return value
 
 

@@ -74,17 +74,23 @@ def loaded(tmp_path_factory):
     return load
 
 
+def _leaves(cache) -> list:
+    return [c for layer in cache for c in (getattr(layer, "caches", None) or [layer])]
+
+
 def _kinds(cache) -> set[str]:
-    kinds = set()
-    for layer in cache:
-        inner = getattr(layer, "caches", None)
-        kinds |= {type(c).__name__ for c in inner} if inner else {type(layer).__name__}
-    return kinds
+    return {type(layer).__name__ for layer in _leaves(cache)}
 
 
-def _last_logprobs(model, ids: list[int]) -> mx.array:
-    logits = make_cache(model).forward(model, ids)[0, -1]
-    return logits - mx.logsumexp(logits)
+def _assert_windows_shorter(arch: str, cache, prompt_tokens: int) -> None:
+    """Every sliding window and attention chunk is shorter than the first turn's prompt, so
+    each request runs past them (a window longer than the chat would test a plain cache)."""
+    windows = [getattr(c, "window", None) or getattr(c, "chunk_size", 0) for c in _leaves(cache)]
+    longest = max(windows, default=0)
+    assert longest < prompt_tokens, (
+        f"{arch}: a window of {longest} tokens is not shorter than the first prompt "
+        f"({prompt_tokens} tokens); give its tiny config a shorter one"
+    )
 
 
 def _answer(runner: Runner, messages: list[dict]) -> tuple[list[int], list[float], float]:
@@ -126,9 +132,12 @@ def _chat_requests(runner: Runner) -> list[list[dict]]:
 @pytest.mark.parametrize("arch", SWEPT)
 def test_architecture_reuses_its_cache_exactly(loaded, arch):
     model = loaded(arch)
-    assert _kinds(make_cache(model.model)) == EXPECTED_LAYERS.get(arch, {"KVCache"})
+    layers = make_cache(model.model)
+    assert _kinds(layers) == EXPECTED_LAYERS.get(arch, {"KVCache"})
     warm = Runner(model, max_context=1024, warmup=False)
     cold = Runner(model, max_context=1024, warmup=False)
+    first_prompt = warm.encode([{"role": "user", "content": _TURNS[0]}])
+    _assert_windows_shorter(arch, layers, len(first_prompt))
     _assert_context_matters(
         arch, model.model, warm.encode([{"role": "user", "content": _TURNS[0] * 2}])
     )

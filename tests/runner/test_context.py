@@ -10,7 +10,7 @@ from mlx_lm import load
 from mlxkv import ContextLengthError, Runner
 from mlxkv.cache import make_cache
 from mlxkv.models.loading import load_model
-from mlxkv.runner.context import rope_rotations
+from mlxkv.models.rope import rope_rotations
 from mlxkv.testing.factory import build_model
 from tests.tolerances import assert_logits_close
 
@@ -52,12 +52,24 @@ def test_shift_equals_fresh_prefill_of_kept_tokens_on_one_layer(model_root, vari
     assert_logits_close(got, want)
 
 
+def test_latent_attention_is_not_shifted(model_root):
+    """MLA caches the latent as keys and the rotated key part as values: re-rotating the keys
+    corrupted a shift (logits 9.2 off a fresh prefill of the kept tokens, one layer)."""
+    overrides = {"num_hidden_layers": 1, "first_k_dense_replace": 1}
+    path = build_model("deepseek_v3", f"{model_root}/one-layer-mla", config_overrides=overrides)
+    model, _ = load(str(path))
+    cache = make_cache(model)
+    cache.forward(model, list(range(3, 33)))
+    assert not cache.can_shift(rope_rotations(model))
+
+
 def test_unknown_rope_is_not_claimed(load_tiny):
     model, _ = load_tiny("lfm2")  # convolution layers have no RoPE
     assert not make_cache(model).can_shift(rope_rotations(model))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2", "mamba"])
+# afm7 and gemma3n: KV-shared layers read another layer's cache; they refill to shift.
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2", "mamba", "afm7", "gemma3n"])
 def test_generation_past_the_window_shifts_and_keeps_going(make_runner, arch, caplog):
     runner = make_runner(arch, max_context=40)
     prompt = [(5 * i + 11) % 500 for i in range(30)]
