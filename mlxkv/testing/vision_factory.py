@@ -20,8 +20,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlxkv.testing.architectures import BASE_CONFIG
 from mlxkv.testing.factory import CHAT_TEMPLATE, _write_tokenizer
+from mlxkv.testing.tiny_attention import BASE_CONFIG
 
 # Qwen2-VL's own markers: an image is <|vision_start|> <|image_pad|> x N <|vision_end|>.
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
