@@ -85,6 +85,10 @@ _GEMMA4_TEXT = {
     "hidden_size_per_layer_input": 8,
     "vocab_size_per_layer_input": 512,
     "use_double_wide_mlp": False,
+    "enable_moe_block": True,  # Gemma 4 26B-A4B's experts beside the dense MLP
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
 }
 _MISTRAL_ROPE = {  # Mistral 3/4's position-dependent attention scale (Llama 4's)
     "rope_type": "default",

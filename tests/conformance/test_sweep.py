@@ -4,19 +4,23 @@ that answer exactly as a cold Runner does (by log-probabilities) while reusing t
 
 Each model must be able to see what is checked (changing one token early in the prompt moves
 the last logits, else the architecture is reported blind, not passed) and must really have
-its distinctive layers (windows shorter than the prompt, recurrent state, chunks, shared K/V).
+its distinctive layers (windows shorter than the prompt, recurrent state, chunks, shared K/V,
+and the experts, latent attention and attention sinks its model file can build).
 A model module mlx-lm adds fails `test_every_mlx_lm_architecture_is_swept` by name until it
 gets a tiny config or a reason in `NOT_COVERED`.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm.models
 import pytest
+from mlx.utils import tree_flatten
 
 from mlxkv import Runner
 from mlxkv.cache import make_cache
@@ -93,6 +97,35 @@ def _assert_windows_shorter(arch: str, cache, prompt_tokens: int) -> None:
     )
 
 
+# What a model file can build, by the words its source uses for it.
+_PARTS = {
+    "experts": ("SwitchGLU", "SwitchMLP"),
+    "latent attention": ("kv_lora_rank",),
+    "attention sinks": ("sinks", "sink_bias"),
+}
+
+
+def _built_parts(model) -> set[str]:
+    modules = [module for _, module in model.named_modules()]
+    built = set()
+    if any(type(module).__name__ in _PARTS["experts"] for module in modules):
+        built.add("experts")
+    if any(getattr(module, "kv_lora_rank", 0) for module in modules):
+        built.add("latent attention")
+    if any("sink" in name for name, _ in tree_flatten(model.parameters())):
+        built.add("attention sinks")
+    return built
+
+
+def _assert_parts_present(arch: str, model) -> None:
+    """The experts, latent attention (MLA) and sinks the architecture's mlx-lm module can
+    build are in the tiny model (a config that leaves them off would test a plainer model)."""
+    source = inspect.getsource(importlib.import_module(f"mlx_lm.models.{arch}"))
+    wanted = {part for part, words in _PARTS.items() if any(w in source for w in words)}
+    missing = wanted - _built_parts(model)
+    assert not missing, f"{arch}: its tiny config builds no {', '.join(sorted(missing))}"
+
+
 def _answer(runner: Runner, messages: list[dict]) -> tuple[list[int], list[float], float]:
     """Greedy reply: tokens, their log-probabilities, and the share of the prompt reused."""
     chunks = list(runner.stream(messages, max_tokens=_REPLY_TOKENS, temperature=0, logprobs=0))
@@ -134,6 +167,7 @@ def test_architecture_reuses_its_cache_exactly(loaded, arch):
     model = loaded(arch)
     layers = make_cache(model.model)
     assert _kinds(layers) == EXPECTED_LAYERS.get(arch, {"KVCache"})
+    _assert_parts_present(arch, model.model)
     warm = Runner(model, max_context=1024, warmup=False)
     cold = Runner(model, max_context=1024, warmup=False)
     first_prompt = warm.encode([{"role": "user", "content": _TURNS[0]}])
