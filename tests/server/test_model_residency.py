@@ -11,6 +11,7 @@ import gc
 import threading
 import weakref
 
+import mlx.core as mx
 import pytest
 
 from mlxkv import Runner
@@ -97,7 +98,11 @@ def test_keep_alive_zero_unloads_when_the_last_request_ends(loads):
     async def scenario():
         residency = _residency({"a": loads.loader("llama")}, keep_alive_s=-1.0)
         (model,) = residency.models
+        gc.collect()
+        before_bytes = mx.get_active_memory()
         await residency.acquire(model)
+        loaded_bytes = mx.get_active_memory() - before_bytes
+        assert loaded_bytes >= model.facts.weights_bytes  # measured: the weights are in memory
         await residency.acquire(model)
         residency.release(model, 0.0)  # another request still holds it
         await _unloads_done(residency)
@@ -106,6 +111,9 @@ def test_keep_alive_zero_unloads_when_the_last_request_ends(loads):
         await _unloads_done(residency)
         assert model.worker is None and loads.close_started.is_set()
         assert loads.alive("llama") == 0  # the weights went with the Runner
+        gc.collect()
+        kept_bytes = mx.get_active_memory() - before_bytes
+        assert kept_bytes < loaded_bytes / 10, (kept_bytes, loaded_bytes)  # the memory came back
         await residency.acquire(model)  # loads again
         assert model.num_loads == 2 and loads.alive("llama") == 1
         residency.release(model, None)  # negative default: stays
