@@ -219,6 +219,18 @@ class ImagePrompt:
     def layers(self) -> list[nn.Module]:
         return self.model.layers
 
+    @property
+    def prompt(self) -> list[int]:
+        """The token record of the prompt it is bound to."""
+        return list(self._prompt)
+
+    def rebind(self, prompt: Sequence[int], spans: Sequence[ImageSpan]) -> None:
+        """Binds it to another prompt (a reply's prompt cut at message boundaries, fed again
+        from an empty cache): its images and positions from then on."""
+        self.spans = list(spans)
+        self._prompt = list(prompt)
+        self._positions = None
+
     def make_cache(self) -> list[Any]:
         return self.model.make_cache()
 
