@@ -273,7 +273,10 @@ class ImagePrompt:
 
     def _prompt_positions(self) -> tuple[mx.array, int]:
         """The prompt's M-RoPE positions (the family's, from mlx-vlm's own `get_rope_index`)
-        and the shift of the tokens after it (their position minus their index)."""
+        and the shift of the tokens after it (their position minus their index). A prompt
+        left with no image (a reply's cut past the last one) has a text prompt's positions."""
+        if not self.spans:
+            return _text_positions(0, len(self._prompt)), 0
         ids = np.array(self._prompt, dtype=np.int64)
         ids[ids >= PLACEHOLDER_BASE] = self.support.image_token_id
         inputs = [span.processed.inputs for span in self.spans]

@@ -209,3 +209,30 @@ def test_a_reply_with_no_message_to_drop_stops_at_the_window(loaded, caplog):
     assert got.finish_reason == "length"
     assert len(got.tokens) == ROOM
     assert any("no whole message to drop" in r.getMessage() for r in caplog.records)
+
+
+def _short_conversation(runner: Runner) -> list[dict]:
+    """`_conversation` with its first user message just long enough that the reply's first
+    cut (at image B) leaves room for a second one within a short reply."""
+    kept = len(runner.encode(_conversation()[:1] + _conversation()[3:]))
+    for words in range(1, 400, 4):  # bounded: the first user message grows 4 words a step
+        messages = _conversation()
+        messages[1]["content"][1] = _text(" ".join(["fox"] * words))
+        if len(runner.encode(messages)) >= 2 * kept + 2:
+            return messages
+    raise AssertionError("no first message long enough")
+
+
+def test_a_long_reply_cuts_again_later_and_stops_where_no_message_is_left(loaded, caplog):
+    messages = _short_conversation(Runner(loaded))
+    full = len(Runner(loaded).encode(messages))
+    runner = Runner(loaded, max_context=full + ROOM)
+    with caplog.at_level(logging.INFO):
+        chunks = list(runner.stream(messages, max_tokens=2 * runner.max_context, temperature=0.0))
+    got = chunks[-1].completion
+    lines = [r.getMessage() for r in caplog.records]
+    cuts = [int(re.search(r"cut at message (\d+)", x).group(1)) for x in lines if "reached" in x]
+    assert cuts == [3, 5], "each cut goes past the one before"
+    assert any("stopped at the window" in line for line in lines)
+    assert got.finish_reason == "length"
+    assert runner.max_context - full < len(got.tokens) < runner.max_context
