@@ -321,7 +321,7 @@ class RequestBuilder:
             ContextLengthError: the last user message with the system prompt does not fit.
         """
         budget = self._max_context - max(1, min(params.max_tokens, self._max_context // 4))
-        first, kept = chat.cut(encoded.tokens, budget, cached_prefix=cached_prefix)
+        first, kept = chat.cut(encoded.tokens, budget, cached_prefix)
         logger.info(
             "context: a prompt with images cut at message %d of %d: %d of %d tokens kept "
             "(whole messages only; images are never split)",

@@ -18,7 +18,6 @@ reply so far gives.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,10 +52,11 @@ class ImageChat:
         cut_starts: Sequence[Message] = (),
     ):
         self.messages = list(messages)
-        self.start = len(leading_system_messages(self.messages))  # the first message kept now
+        system = leading_system_messages(self.messages)
+        self._system_messages = len(system)
+        self.start = len(system)  # the first message kept now (moved by a reply's cut)
         self._render = render
         self._renders: dict[int, ImageTokens] = {}
-        system = self.messages[: self.start]
         self._chat = chat_cut(self.messages, system, self._tokens_of, cut_starts)
 
     @property
@@ -65,7 +65,7 @@ class ImageChat:
         return bool(self._chat.cut_points)
 
     def _tokens_of(self, kept: list[Message]) -> list[int]:
-        first = len(self.messages) - len(kept) + self.start
+        first = len(self.messages) - len(kept) + self._system_messages
         self._renders[first] = self._render(kept)
         return self._renders[first].tokens
 
@@ -73,21 +73,17 @@ class ImageChat:
         self,
         tokens: list[int],
         budget: int,
-        *,
-        after: int = -1,
         cached_prefix: Callable[[Sequence[int]], int] = lambda tokens: 0,
     ) -> tuple[int, ImageTokens]:
         """The first message kept and the render of the chat `tokens` (longer than `budget`)
-        cut to at most `budget` tokens, as `fit_prompt` cuts a chat; only at cut points past
-        message `after` (a reply's second cut goes past its first).
+        cut to at most `budget` tokens, as `fit_prompt` cuts a chat. Renders shrink as the cut
+        moves later, so a reply's second cut, its prompt longer than the budget, falls past
+        its first.
 
         Raises:
-            ContextLengthError: no such cut fits.
+            ContextLengthError: no cut fits.
         """
-        points = [i for i in self._chat.cut_points if i > after]
-        preferred = self._chat.preferred if self._chat.preferred in points else None
-        chat = dataclasses.replace(self._chat, cut_points=points, preferred=preferred)
-        fitted = fit_prompt(tokens, budget, 1, cached_prefix=cached_prefix, chat=chat)
+        fitted = fit_prompt(tokens, budget, 1, cached_prefix=cached_prefix, chat=self._chat)
         first = fitted.first_message
         assert first is not None, "a chat longer than the budget is always cut"
         return first, self._renders[first]
@@ -124,7 +120,7 @@ class ImageWindow:
         reply = cache.tokens[len(prompt) :]
         budget = self.max_context - len(reply) - num_new
         try:
-            first, kept = self.chat.cut(prompt, budget, after=self.chat.start)
+            first, kept = self.chat.cut(prompt, budget)
         except ContextLengthError:
             logger.info(
                 "context: a reply with images stopped at the window of %d tokens after %d "
