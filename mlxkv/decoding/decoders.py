@@ -47,7 +47,7 @@ def decode_reply(
     pick: TokenPicker,
     max_tokens: int,
     *,
-    make_room: Callable[[ModelCache, int], None] | None,
+    make_room: Callable[[ModelCache, int], bool] | None,
     speculation: Speculation | None,
     batch: DecodeBatch | None,
     crowded: Callable[[], bool] | None,
@@ -58,7 +58,9 @@ def decode_reply(
     speculatively while alone and in the batch while others decode.
 
     Args:
-        make_room: called when the window is full (a context shift), or None: stop there.
+        make_room: called when the window is full (a context shift), or None: stop there;
+            where it returns False (no room made) a plainly decoded reply ends (the windows of
+            speculative requests always make room).
         speculation: how to draft, or None for no speculation.
         batch: the decode batch the request may join, or None: alone.
         crowded: True while another request that can batch is decoding (with `batch`).

@@ -31,7 +31,7 @@ def decode_tokens(
     logits: mx.array,
     pick: TokenPicker,
     max_tokens: int,
-    make_room: Callable[[ModelCache, int], None] | None = None,
+    make_room: Callable[[ModelCache, int], bool] | None = None,
     stop_early: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
     """Yields up to `max_tokens` sampled token ids, starting from the prompt's last logits.
@@ -42,7 +42,8 @@ def decode_tokens(
     closing the generator.
 
     Args:
-        make_room: called as make_room(cache, 1) before each token is fed (context shift).
+        make_room: called as make_room(cache, 1) before each token is fed (context shift);
+            False when no room can be made: that token is the last, yielded and not fed.
         stop_early: asked after each yielded token; True ends the loop as soon as the
             pipeline allows without waste: after the token whose step is already queued (one
             more), or at once after the first. The last token yielded is then not fed.
@@ -59,9 +60,9 @@ def decode_tokens(
             yield token.item()
             if stop_early and stop_early():
                 max_tokens = 1
+        if n + 1 < max_tokens and make_room and not make_room(cache, 1):
+            max_tokens = n + 1
         if n + 1 < max_tokens:
-            if make_room:
-                make_room(cache, 1)
             next_token = pick(cache.forward(model, token)[:, -1, :])
             mx.async_eval(next_token)
         if n > 0:

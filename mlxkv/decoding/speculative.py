@@ -121,7 +121,7 @@ def speculative_tokens(
     length: DraftLength,
     distribution: Distribution | None,
     counts: DraftCounts,
-    make_room: Callable[[ModelCache, int], None] | None = None,
+    make_room: Callable[[ModelCache, int], bool] | None = None,
     hand_over: Callable[[], bool] | None = None,
     after: int | None = None,
 ) -> Iterator[int]:
@@ -177,7 +177,7 @@ def _plain_stretch(
     room: int,
     length: DraftLength,
     drafter: Drafter,
-    make_room: Callable[[ModelCache, int], None] | None,
+    make_room: Callable[[ModelCache, int], bool] | None,
     hand_over: Callable[[], bool] | None,
 ) -> Iterator[int]:
     """Plain decoding after `token` (fed first): at most `room` tokens (and no more than the
@@ -199,7 +199,7 @@ def _verify(
     draft: Draft,
     pick: TokenPicker,
     rule: AcceptanceRule,
-    make_room: Callable[[ModelCache, int], None] | None,
+    make_room: Callable[[ModelCache, int], bool] | None,
 ) -> list[int]:
     """Feeds `token` and the drafts in one pass; returns the accepted drafts and the token
     drawn after them. The cache keeps `token` and the accepted drafts."""

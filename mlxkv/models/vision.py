@@ -219,6 +219,18 @@ class ImagePrompt:
     def layers(self) -> list[nn.Module]:
         return self.model.layers
 
+    @property
+    def prompt(self) -> list[int]:
+        """The token record of the prompt it is bound to."""
+        return list(self._prompt)
+
+    def rebind(self, prompt: Sequence[int], spans: Sequence[ImageSpan]) -> None:
+        """Binds it to another prompt (a reply's prompt cut at message boundaries, fed again
+        from an empty cache): its images and positions from then on."""
+        self.spans = list(spans)
+        self._prompt = list(prompt)
+        self._positions = None
+
     def make_cache(self) -> list[Any]:
         return self.model.make_cache()
 
@@ -261,7 +273,10 @@ class ImagePrompt:
 
     def _prompt_positions(self) -> tuple[mx.array, int]:
         """The prompt's M-RoPE positions (the family's, from mlx-vlm's own `get_rope_index`)
-        and the shift of the tokens after it (their position minus their index)."""
+        and the shift of the tokens after it (their position minus their index). A prompt
+        left with no image (a reply's cut past the last one) has a text prompt's positions."""
+        if not self.spans:
+            return _text_positions(0, len(self._prompt)), 0
         ids = np.array(self._prompt, dtype=np.int64)
         ids[ids >= PLACEHOLDER_BASE] = self.support.image_token_id
         inputs = [span.processed.inputs for span in self.spans]

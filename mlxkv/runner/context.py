@@ -2,8 +2,8 @@
 
 Owns:
   - `fit_prompt`: a prompt longer than the window is cut from the front, keeping the first
-    `keep` tokens (for chat messages: whole messages are dropped, oldest first, after the system
-    prompt, so no template marker is split);
+    `keep` tokens (for chat messages, cut where `chat_cut` says: whole messages are dropped,
+    oldest first, after the system prompt, so no template marker is split);
   - `ContextWindow.make_room`: when generation reaches the window, keep the first `keep`
     tokens, drop half of the rest and go on. Where every layer is a float KVCache with a RoPE
     whose angle is linear in the position (plain RoPE, traditional or not, linear scaling, and
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from mlxkv.cache.layers.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.errors import ContextLengthError
+from mlxkv.runner.text.prompt import Message
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,26 @@ class ChatCut:
     render_from: Callable[[int], list[int]]
     cut_points: Sequence[int]
     preferred: int | None = None
+
+
+def chat_cut(
+    prompt: Sequence[Message],
+    system: list[Message],
+    render: Callable[[list[Message]], list[int]],
+    cut_starts: Sequence[Message],
+) -> ChatCut:
+    """How a chat may be cut: at user messages after the first, keeping the system prompt
+    (`system`, rendered with the kept messages by `render`); a cut an entry holds is preferred
+    (found by its first message; the latest such point, for the newest entry first)."""
+    points = [i for i in range(len(system) + 1, len(prompt)) if prompt[i].get("role") == "user"]
+    preferred = next(
+        (i for start in cut_starts for i in reversed(points) if prompt[i] == start), None
+    )
+    return ChatCut(
+        render_from=lambda first: render(system + list(prompt[first:])),
+        cut_points=points,
+        preferred=preferred,
+    )
 
 
 @dataclass(frozen=True)
@@ -180,11 +201,12 @@ class ContextWindow:
     refill: Callable[[ModelCache, list[int]], None]
     shifts: int = 0
 
-    def make_room(self, cache: ModelCache, num_new: int) -> None:
-        """Shifts the cache if feeding `num_new` more tokens would overflow the window."""
+    def make_room(self, cache: ModelCache, num_new: int) -> bool:
+        """Shifts the cache if feeding `num_new` more tokens would overflow the window; always
+        makes room (True)."""
         held = cache.num_tokens
         if held + num_new <= self.max_context:
-            return
+            return True
         drop = max((held - self.keep) // 2, held + num_new - self.max_context)
         self.shifts += 1
         if cache.can_shift(self.rotations):
@@ -195,7 +217,7 @@ class ContextWindow:
                 held - self.keep - drop,
                 drop,
             )
-            return
+            return True
         kept = cache.tokens
         del kept[self.keep : self.keep + drop]
         cache.free()
@@ -206,3 +228,4 @@ class ContextWindow:
             len(kept),
             drop,
         )
+        return True

@@ -26,18 +26,18 @@ from mlxkv.decoding.prefill.chunks import ProgressCallback
 from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import ContextLengthError, check_int
 from mlxkv.models.vision import ImageSpan
-from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, ChatCut, fit_prompt
+from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, chat_cut, fit_prompt
 from mlxkv.runner.text.prompt import (
     Landmarks,
     Message,
     Prompt,
     PromptEncoder,
-    Render,
     Tools,
     leading_system_messages,
 )
 from mlxkv.runner.text.replies import replies_for
 from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images
+from mlxkv.runner.text.vision_cuts import ImageChat
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ class Request:
             kept on the request's cache entry, so this conversation's next turn cuts there
             again and reuses the entry.
         images: the images in `tokens`, in order (empty: a text prompt).
+        reply_cuts: for a prompt with images whose reply may pass the window ("shift"), the
+            prompt's messages, cut at message boundaries when the reply reaches the window
+            (`text.vision_cuts.ImageWindow`); None: nothing to cut, the reply stops there.
     """
 
     tokens: list[int]
@@ -86,6 +89,7 @@ class Request:
     grammar: str | None = None
     cache_salt: str | None = None
     images: tuple[ImageSpan, ...] = ()
+    reply_cuts: ImageChat | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,7 +210,7 @@ class RequestBuilder:
             budget -= max(1, min(params.max_tokens, self._max_context // 4))
         chat = None
         if marks.chat and len(tokens) > budget:  # `fit_prompt` cuts only such a prompt
-            chat = self._chat_cut(prompt, marks.system, render, cut_starts(salt))
+            chat = chat_cut(prompt, marks.system, render, cut_starts(salt))
         held = functools.partial(cached_prefix, salt=salt)
         fitted = fit_prompt(tokens, budget, keep, cached_prefix=held, chat=chat)
         cut_start = None if fitted.first_message is None else prompt[fitted.first_message]
@@ -238,30 +242,27 @@ class RequestBuilder:
         """The request for chat messages with images. A prompt over the window is cut at
         message boundaries only (whole oldest messages after the system prompt, as a text
         chat is: never inside an image, and the kept messages' positions are those of a fresh
-        prompt); it never shifts, so a reply stops at the window (max_tokens limited)."""
+        prompt); so is the prompt of a reply that reaches the window ("shift"), mid-reply
+        (`text.vision_cuts`). A reply with no message to drop stops at the window."""
         template = {"parse_control_tokens": options.parse_control_tokens}
         template |= {"tools": options.tools, "switches": options.switches}
-        encoded = self._vision.encode(prompt, **template)
+        render = functools.partial(self._vision.encode, **template)
+        encoded = render(prompt)
         keep = self._keep if self._keep is not None else DEFAULT_KEEP_TOKENS
         cut_start = None
         if len(encoded.tokens) >= self._max_context:
             if not options.truncate:
                 self._refuse_too_long(len(encoded.tokens))
             held = functools.partial(cached_prefix, salt=salt)
-            cut = (prompt, encoded, params, template, held, cut_starts(salt))
-            encoded, first = self._image_cut(*cut)
+            chat = ImageChat(prompt, render, cut_starts(salt))
+            encoded, first = self._image_cut(chat, encoded, params, held)
             cut_start = prompt[first]
             prompt = leading_system_messages(prompt) + list(prompt[first:])
         tokens = encoded.tokens
         keep = min(keep, len(tokens))
-        fitted = self._fit_max_tokens(params, len(tokens), _no_shift(options.overflow))
-        if fitted.max_tokens < params.max_tokens:
-            logger.info(
-                "reply with images limited to the window: max_tokens=%d (asked %d); images "
-                "are never shifted out mid-reply (a cut inside an image cannot be exact)",
-                fitted.max_tokens,
-                params.max_tokens,
-            )
+        fitted, reply_cuts = self._reply_window(
+            ImageChat(prompt, render), params, len(tokens), options
+        )
         bare = self._vision.encode(prompt, **template, add_generation_prompt=False).tokens
         header = max(1, len(tokens) - common_prefix_lengths(tokens, [bare])[0])
         if options.grammar is not None:
@@ -281,16 +282,37 @@ class RequestBuilder:
             grammar=options.grammar,
             cache_salt=salt,
             images=encoded.spans,
+            reply_cuts=reply_cuts,
         )
+
+    def _reply_window(
+        self, chat: ImageChat, params: SamplingParams, prompt_tokens: int, options: RequestOptions
+    ) -> tuple[SamplingParams, ImageChat | None]:
+        """The sampling settings and reply cuts of a prompt with images: a reply that may pass
+        the window ("shift") cuts `chat` at message boundaries when it gets there; with no
+        message to drop, or "stop", max_tokens is lowered to the room left (logged)."""
+        room = self._max_context - prompt_tokens
+        if options.overflow == "shift" and params.max_tokens > room and chat.can_cut:
+            return params, chat
+        fitted = self._fit_max_tokens(params, prompt_tokens, _no_shift(options.overflow))
+        if fitted.max_tokens < params.max_tokens:
+            logger.info(
+                "reply with images limited to the window: max_tokens=%d (asked %d): %s",
+                fitted.max_tokens,
+                params.max_tokens,
+                "overflow=stop"
+                if options.overflow == "stop"
+                else "no whole message to drop mid-reply (one user message after the system "
+                "prompt; images are never shifted out)",
+            )
+        return fitted, None
 
     def _image_cut(
         self,
-        prompt: Sequence[Message],
+        chat: ImageChat,
         encoded: ImageTokens,
         params: SamplingParams,
-        template: dict[str, Any],
         cached_prefix: Callable[[Sequence[int]], int],
-        cut_starts: Sequence[Message],
     ) -> tuple[ImageTokens, int]:
         """A prompt with images cut to the window: whole messages dropped as `fit_prompt`
         drops a text chat's (with room left to answer), re-rendered through the processor.
@@ -298,27 +320,17 @@ class RequestBuilder:
         Raises:
             ContextLengthError: the last user message with the system prompt does not fit.
         """
-        system = leading_system_messages(prompt)
-        renders: dict[int, ImageTokens] = {}
-
-        def render(messages: Sequence[Message]) -> list[int]:
-            first = len(prompt) - len(messages) + len(system)
-            renders[first] = self._vision.encode(messages, **template)
-            return renders[first].tokens
-
         budget = self._max_context - max(1, min(params.max_tokens, self._max_context // 4))
-        chat = self._chat_cut(prompt, system, render, cut_starts)
-        fitted = fit_prompt(encoded.tokens, budget, 1, cached_prefix=cached_prefix, chat=chat)
-        first = fitted.first_message
+        first, kept = chat.cut(encoded.tokens, budget, cached_prefix)
         logger.info(
             "context: a prompt with images cut at message %d of %d: %d of %d tokens kept "
             "(whole messages only; images are never split)",
             first,
-            len(prompt),
-            len(fitted.tokens),
+            len(chat.messages),
+            len(kept.tokens),
             len(encoded.tokens),
         )
-        return renders[first], first
+        return kept, first
 
     def encode(
         self,
@@ -385,26 +397,6 @@ class RequestBuilder:
         if not marks.system:
             return min(DEFAULT_KEEP_TOKENS, len(tokens))
         return marks.system_tokens
-
-    @staticmethod
-    def _chat_cut(
-        prompt: Sequence[Message],
-        system: list[Message],
-        render: Render,
-        cut_starts: Sequence[Message],
-    ) -> ChatCut:
-        """How a chat may be cut: at user messages after the first, keeping the system prompt
-        (`system`); a cut an entry holds is preferred (found by its first message; the latest
-        such point, for the newest entry first)."""
-        points = [i for i in range(len(system) + 1, len(prompt)) if prompt[i].get("role") == "user"]
-        preferred = next(
-            (i for start in cut_starts for i in reversed(points) if prompt[i] == start), None
-        )
-        return ChatCut(
-            render_from=lambda first: render(system + list(prompt[first:])),
-            cut_points=points,
-            preferred=preferred,
-        )
 
 
 def _no_shift(overflow: str) -> str:

@@ -38,6 +38,7 @@ from mlxkv.runner.request import Request
 from mlxkv.runner.results import CompletionStats, GenerationChunk
 from mlxkv.runner.run_context import RunContext
 from mlxkv.runner.text.chunks import emit_chunks
+from mlxkv.runner.text.vision_cuts import ImageWindow
 
 
 @dataclass
@@ -115,11 +116,12 @@ def run_request(
     finally:  # on the engine thread, the generation closed first (even on error)
         holdings = pool.release(hit.entry)
         context.ended(holdings)
+        prompt, images = _held_prompt(request, run)
         end = RequestEnd(
             entry=hit.entry,
-            prompt=list(tokens),
+            prompt=prompt,
             generated=list(stats.tokens),
-            images=request.images,
+            images=images,
             context=context,
         )
         notify(end)
@@ -148,12 +150,7 @@ def _generate(
         return
     if len(hit.remaining) >= plan.step_tokens:  # long enough to measure; weighs disk loads
         pool.prefill_tokens_per_s = len(hit.remaining) / (time.perf_counter() - start)
-    window = ContextWindow(
-        max_context,
-        request.keep,
-        context.rotations,
-        refill=lambda c, ids: fill(model, c, ids, plan),
-    )
+    window = _window(request, context, hit.entry)
     draft_cache = _draft_cache_for(hit.entry, request, context.draft, max_context)
     batching = batching if _can_batch(request, hit.entry.cache, max_context, batching) else None
     with batching.counted() if batching is not None else contextlib.nullcontext():
@@ -186,6 +183,31 @@ def _with_images(
         return context, None
     bound = ImagePrompt(loaded.model, context.pool.encoder, request.tokens, request.images)
     return dataclasses.replace(context, loaded=dataclasses.replace(loaded, model=bound)), None
+
+
+def _window(
+    request: Request, context: RunContext, entry: CacheEntry
+) -> ContextWindow | ImageWindow:
+    """The window the reply generates in: a reply with images that may pass it cuts its
+    prompt at message boundaries (`ImageWindow`), any other shifts (`ContextWindow`)."""
+    model, plan = context.loaded.model, context.plan
+
+    def refill(cache: ModelCache, ids: list[int]) -> None:
+        fill(model, cache, ids, plan)
+
+    max_context = context.config.max_context
+    if request.reply_cuts is not None:
+        return ImageWindow(max_context, request.reply_cuts, model, entry, refill)
+    return ContextWindow(max_context, request.keep, context.rotations, refill=refill)
+
+
+def _held_prompt(request: Request, context: RunContext) -> tuple[list[int], tuple]:
+    """The prompt the request's entry holds and its images: the request's, or the cut its
+    reply made (`ImageWindow` rebinds the model to it)."""
+    model = context.loaded.model
+    if isinstance(model, ImagePrompt):
+        return model.prompt, tuple(model.spans)
+    return list(request.tokens), request.images
 
 
 def _prefilled_with(request: Request, batching: Batching | None) -> PrefillGroup | None:
@@ -239,7 +261,7 @@ def _decode(
     cache: ModelCache,
     logits: mx.array,
     stats: CompletionStats,
-    make_room: Callable[[ModelCache, int], None] | None = None,
+    make_room: Callable[[ModelCache, int], bool] | None = None,
     batching: Batching | None = None,
 ) -> tuple[Iterator[int | Pause], TokenPicker]:
     """The generated token ids of one request, from the prompt's last logits, and the picker
