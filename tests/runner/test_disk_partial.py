@@ -133,3 +133,22 @@ def test_a_block_truncated_mid_read_keeps_the_blocks_before_it(make_runner, tmp_
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len([w for w in warnings if bad.name in w]) == 1
     assert not bad.exists()  # ours and corrupt: removed
+
+
+def test_the_rates_alone_make_a_restart_load_part_of_a_chain(make_runner, tmp_path):
+    """No stand-in for the rule: a prompt that leaves the stored chain 2 tokens into its third
+    block, a block read in 1 s and 4 tokens prefilled a second, loads the first two blocks."""
+    stored = [int(t) for t in np.random.default_rng(3).integers(10, 500, 60)]
+    before = make_runner("llama", cache_dir=tmp_path)
+    before.generate(stored, max_tokens=1)
+    before.close()
+    prompt = stored[:34] + [int(t) for t in np.random.default_rng(4).integers(10, 500, 12)]
+    restarted = make_runner("llama", cache_dir=tmp_path)
+    store = restarted._pool.store
+    store.read_bytes_per_s = float(max(r.nbytes for r in store._records.values()))
+    restarted._pool.prefill_tokens_per_s = 4.0
+    got = _answer(restarted, prompt)
+    want = _answer(make_runner("llama"), prompt)
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    assert got[2] == 2 * BLOCK_TOKENS
