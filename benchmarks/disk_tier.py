@@ -1,9 +1,12 @@
-"""The disk tier, side by side in one run: a restart after `kill -9` against a cold prefill, the
-load alone at 1k/8k/32k tokens, decode speed with each turn written behind against no disk tier,
+"""The disk tier, side by side in one run: a restart after `kill -9` against a cold prefill, a
+restart from blocks on disk against a cold prefill to 32k tokens (a model of SmolLM2's shape
+with a 40k window; cold past `--cold-tokens` extrapolated, labelled), the load alone at
+1k/8k/32k tokens, decode speed with each turn written behind against no disk tier,
 bytes on disk for conversations sharing a long system prompt, bytes written per token, and
 K/V quantized on disk (`cache_dir_kv_bits=8`) against K/V as computed.
 
-    python -m benchmarks.disk_tier [--sizes 1024 8192] [--model PATH] [--quick]
+    python -m benchmarks.disk_tier [--sizes 1024 8192] [--long-sizes 8192 32768] [--model PATH]
+        [--sections restart long load rest] [--quick]
 
 Targets (issue 40): restart <= 0.1x cold at 8k tokens; decode with write-behind >= 0.97x.
 Prints Markdown; every timing is the median of `--reps` runs with [min-max].
@@ -35,8 +38,11 @@ from mlxkv.cache.serialize import layout_signature
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel, load_model
 from mlxkv.runner.disk.store import DiskStore
+from mlxkv.testing.factory import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
+# --sections: the kill-restart table, the long restarts, the loads alone, everything else
+SECTIONS = ("restart", "long", "load", "rest")
 
 # A process that fills the disk tier, waits until its turn is durable, and kills itself.
 _KILLED_CHILD = """
@@ -158,43 +164,91 @@ def decode_with_write_behind(
             "per_held": lines.written_bytes / held, "kv_per_token": kv_per_token}  # fmt: skip
 
 
-def load_seconds(loaded: LoadedModel, num_tokens: int, reps: int) -> dict[str, Stat | int]:
-    """Seconds to load `num_tokens` of K/V from the disk tier's blocks into an empty cache,
-    from the page cache (the restore alone, without a Runner): random K/V in the model's
-    layout, so lengths past the model's context (SmolLM2: 8k) are measured too."""
+def _random_kv_store(loaded: LoadedModel, tokens: np.ndarray, cache_dir: str) -> DiskStore:
+    """A disk tier under `cache_dir` holding random K/V in the model's layout for `tokens`,
+    as blocks a Runner of this model finds (its fingerprint and layout): lengths past what a
+    prefill here could reach in minutes, or past the model's context, cost only the write."""
     model = loaded.model
     probe = make_cache(model)
     probe.forward(model, [0])
     cache = make_cache(model)
     for layer, shaped in zip(cache.layers, probe.layers, strict=True):
         keys, values = shaped.state
-        for start in range(0, num_tokens, 4096):
-            size = min(4096, num_tokens - start)
+        for start in range(0, tokens.size, 4096):
+            size = min(4096, tokens.size - start)
             layer.update_and_fetch(
                 *(mx.random.normal((*a.shape[:2], size, a.shape[3]), dtype=a.dtype)
                   for a in (keys, values))
             )  # fmt: skip
         mx.eval(layer.state)
-    tokens = np.random.default_rng(0).integers(0, 1000, num_tokens).astype(np.uint32)
     cache.adopt(cache.layers, tokens.tolist(), {})
+    store = DiskStore(
+        Path(cache_dir), fingerprint=model_fingerprint(loaded),
+        signature=layout_signature(cache), max_bytes=2**40, trimmable=True,
+    )  # fmt: skip
+    store.write(cache, wait=True)
+    return store
+
+
+def load_seconds(loaded: LoadedModel, num_tokens: int, reps: int) -> dict[str, Stat | int]:
+    """Seconds to load `num_tokens` of K/V from the disk tier's blocks into an empty cache,
+    from the page cache (the restore alone, without a Runner): random K/V in the model's
+    layout, so lengths past the model's context (SmolLM2: 8k) are measured too."""
+    tokens = np.random.default_rng(0).integers(0, 1000, num_tokens).astype(np.uint32)
     with tempfile.TemporaryDirectory() as cache_dir:
-        store = DiskStore(
-            Path(cache_dir), fingerprint=model_fingerprint(loaded),
-            signature=layout_signature(cache), max_bytes=2**40, trimmable=True,
-        )  # fmt: skip
-        store.write(cache, wait=True)
-        del cache
+        store = _random_kv_store(loaded, tokens, cache_dir)
         chain, _ = store.best(tokens, num_tokens)
         seconds = []
         for _ in range(reps):
             start = time.perf_counter()
-            restored = store.load(chain, make_cache(model))
+            restored = store.load(chain, make_cache(loaded.model))
             seconds.append(time.perf_counter() - start)
             assert restored is not None and restored.num_tokens == num_tokens
             del restored
         nbytes = chain.nbytes
         store.close()
     return {"load_s": Stat.of(seconds), "nbytes": nbytes}
+
+
+def long_model(work_dir: Path, window_tokens: int) -> LoadedModel:
+    """A random-weight llama of SmolLM2-135M's shape (30 layers, hidden 576, 3 K/V heads of
+    64: the same K/V bytes per token and about the same compute per token, a 512-token
+    vocabulary) with a `window_tokens` context: SmolLM2's own is 8k."""
+    path = work_dir / f"smollm2-shape-{window_tokens}"
+    if not (path / "config.json").exists():
+        shape = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
+                 "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                 "rope_theta": 100000.0, "tie_word_embeddings": True,
+                 "max_position_embeddings": window_tokens}  # fmt: skip
+        build_model("llama", path, config_overrides=shape)
+    return load_model(path)
+
+
+def restart_from_blocks(
+    loaded: LoadedModel, num_tokens: int, cold_tokens_per_s: float | None
+) -> dict[str, float | int | bool]:
+    """Seconds to the first token of a `num_tokens` prompt (plus 16) in a new Runner whose
+    directory holds the prompt's blocks (random K/V written by the store, as a killed process
+    leaves them; from the page cache), against a cold Runner's: measured when
+    `cold_tokens_per_s` is None, else the prompt at that rate (an extrapolation)."""
+    prompt = token_prompt(loaded, num_tokens)
+    follow_up = prompt + token_prompt(loaded, 16, seed=7)
+    max_context = num_tokens + 64
+    with tempfile.TemporaryDirectory() as cache_dir:
+        _random_kv_store(loaded, np.asarray(prompt, dtype=np.uint32), cache_dir).close()
+        start = time.perf_counter()
+        runner = Runner(loaded, cache_dir=cache_dir, max_context=max_context)
+        cached = _first_token(runner, follow_up)
+        warm_s = time.perf_counter() - start
+        runner.close()
+    if cold_tokens_per_s is None:
+        start = time.perf_counter()
+        _first_token(Runner(loaded, max_context=max_context), follow_up)
+        cold_s = time.perf_counter() - start
+    else:
+        cold_s = len(follow_up) / cold_tokens_per_s
+    return {"warm_s": warm_s, "cold_s": cold_s, "cached_tokens": cached,
+            "extrapolated": cold_tokens_per_s is not None}  # fmt: skip
 
 
 def quantized_on_disk(
@@ -268,24 +322,68 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--load-sizes", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--long-sizes",
+        type=int,
+        nargs="+",
+        default=[8192, 32768],
+        help="restart from blocks on a model of SmolLM2's shape, 40k window",
+    )
+    parser.add_argument(
+        "--cold-tokens",
+        type=int,
+        default=8192,
+        help="cold prefill measured up to this size, extrapolated past it",
+    )
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--quick", action="store_true", help="1k tokens, 1 rep, 4 turns")
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.reps = [1024], 1
+        args.sizes, args.long_sizes, args.reps = [1024], [1024], 1
     loaded = load_model(args.model) if args.model else load_models(["smollm2"], ROOT)["smollm2"]
     model_arg = args.model or ""
     print(f"model: {loaded.path.name}\n")
-    print("| prompt tokens | restart after kill -9 s | cold prefill s | ratio | cached |")
-    print("|---|---|---|---|---|")
-    for size in args.sizes:
-        got = restart_after_kill(loaded, model_arg, size, args.reps)
-        ratio = got["warm_s"].median / got["cold_s"].median
-        print(f"| {size} | {got['warm_s']} | {got['cold_s']} | {ratio:.3f} | "
-              f"{got['cached_tokens']} |", flush=True)  # fmt: skip
-    print("\n| tokens loaded (random K/V) | bytes | load s (page cache) |\n|---|---|---|")
-    for size in args.load_sizes:
-        got = load_seconds(loaded, size, args.reps)
-        print(f"| {size} | {format_bytes(got['nbytes'])} | {got['load_s']} |", flush=True)
+    if "restart" in args.sections:
+        print("| prompt tokens | restart after kill -9 s | cold prefill s | ratio | cached |")
+        print("|---|---|---|---|---|")
+        for size in args.sizes:
+            got = restart_after_kill(loaded, model_arg, size, args.reps)
+            ratio = got["warm_s"].median / got["cold_s"].median
+            print(f"| {size} | {got['warm_s']} | {got['cold_s']} | {ratio:.3f} | "
+                  f"{got['cached_tokens']} |", flush=True)  # fmt: skip
+    if "long" in args.sections:
+        _print_long(args.long_sizes, args.cold_tokens)
+    if "load" in args.sections:
+        print("\n| tokens loaded (random K/V) | bytes | load s (page cache) |\n|---|---|---|")
+        for size in args.load_sizes:
+            got = load_seconds(loaded, size, args.reps)
+            print(f"| {size} | {format_bytes(got['nbytes'])} | {got['load_s']} |", flush=True)
+    if "rest" in args.sections:
+        _print_rest(loaded, args)
+    return 0
+
+
+def _print_long(sizes: list[int], cold_tokens: int) -> None:
+    """The restart from blocks against a cold prefill on `long_model`, one repetition each;
+    past `cold_tokens`, the cold prefill at the rate measured at the largest size before."""
+    with tempfile.TemporaryDirectory() as work_dir:
+        model = long_model(Path(work_dir), 40960)
+        print("\nrandom-weight llama of SmolLM2-135M's shape, 40,960-token window, 1 repetition")
+        print("| prompt tokens | restart from blocks s | cold prefill s | ratio | cached |")
+        print("|---|---|---|---|---|")
+        rate = None
+        for size in sorted(sizes):
+            got = restart_from_blocks(model, size, None if size <= cold_tokens else rate)
+            if not got["extrapolated"]:
+                rate = (size + 16) / got["cold_s"]
+            cold = f"{got['cold_s']:.1f}" + (" (extrapolated)" if got["extrapolated"] else "")
+            print(f"| {size} | {got['warm_s']:.2f} | {cold} | "
+                  f"{got['warm_s'] / got['cold_s']:.4f} | {got['cached_tokens']} |",
+                  flush=True)  # fmt: skip
+
+
+def _print_rest(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    """Decode with write-behind on and off, shared prefixes, K/V quantized on disk."""
     turns = 4 if args.quick else 8
     decode = decode_with_write_behind(loaded, 1024, turns, 64, args.reps)
     print("\n| decode tok/s, write-behind on | off | on/off (median of reps) | "
@@ -308,7 +406,6 @@ def main(argv: list[str] | None = None) -> int:
     diffs = ", ".join(f"{d:.3g}" for d in kv["diffs"])
     print(f"| 8 bits | {format_bytes(kv['nbytes'][8])} | {kv['load_s'][8]} | "
           f"{kv['max_diff']:.3g} ({diffs}) | {kv['same']:.0%} |")  # fmt: skip
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 before it, so a prefix that conversations share is stored once.
 
 Owns `StoredChain` (the blocks that rebuild one prefix), `longest_chain` (which chain serves the
-longest prefix of a prompt), `superseded_by` (which blocks a new one makes redundant) and
-`block_ranges` (where a cache is cut). Does not own files, names or the index (`files`,
-`store`), nor a block's arrays (`blocks`).
+longest prefix of a prompt), `partial_restores` and `cheapest_restore` (which of a chain's first
+blocks a load reads: all, the prefix that pays, or none), `superseded_by` (which blocks a new
+one makes redundant) and `block_ranges` (where a cache is cut). Does not own files, names or
+the index (`files`, `store`), nor a block's arrays (`blocks`).
 
 Terms:
   block   one file: the K/V of the tokens from its `start` to its end, for every layer, and
@@ -94,6 +95,42 @@ def longest_chain(
     # conversation's next turn); else the state layers exist only at `best_tokens`
     end = chain[-1].start + chain[-1].num_tokens if trimmable else best_tokens
     return StoredChain(chain, end), best_tokens
+
+
+def partial_restores(chain: StoredChain, *, trimmable: bool) -> list[StoredChain]:
+    """The chains of `chain`'s first blocks a load may stop at, shortest first, then `chain`
+    itself: each ends at its last block's end (every layer trims) or at the last length its
+    last block holds every layer's state at (a block holding none is no place to stop)."""
+    restores = []
+    for count, block in enumerate(chain.blocks[:-1], start=1):
+        end = block.start + block.num_tokens if trimmable else max(block.checkpoints, default=0)
+        if end:
+            restores.append(StoredChain(chain.blocks[:count], end))
+    return [*restores, chain]
+
+
+def cheapest_restore(
+    restores: list[StoredChain],
+    reuse: int,
+    target: int,
+    read_bytes_per_s: float,
+    prefill_tokens_per_s: float | None,
+) -> StoredChain | None:
+    """Which of `restores` (`partial_restores`) to load for a prompt whose first `target`
+    tokens the longest serves, when memory already serves `reuse` of them: the one whose read
+    plus the prefill of the tokens it leaves is quickest, None when prefilling from `reuse`
+    is (a tie prefills: nothing read). Reading one costs its bytes at `read_bytes_per_s`;
+    prefill `prefill_tokens_per_s` (None, not measured yet: the longest is loaded)."""
+    if prefill_tokens_per_s is None:
+        return restores[-1]
+
+    def seconds(restore: StoredChain | None) -> float:
+        if restore is None:
+            return (target - reuse) / prefill_tokens_per_s
+        restored = max(reuse, min(restore.num_tokens, target))
+        return restore.nbytes / read_bytes_per_s + (target - restored) / prefill_tokens_per_s
+
+    return min([None, *restores], key=seconds)
 
 
 def _usable(block: StoredEntry, shared: int, trimmable: bool) -> int:

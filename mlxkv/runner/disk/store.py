@@ -51,6 +51,7 @@ from mlxkv.runner.disk.chains import (
     StoredChain,
     block_ranges,
     longest_chain,
+    partial_restores,
     superseded_by,
 )
 from mlxkv.runner.disk.files import (
@@ -201,43 +202,72 @@ class DiskStore:
 
     def load(self, chain: StoredChain, empty: ModelCache) -> ModelCache | None:
         """Fills `empty` with the first `chain.num_tokens` tokens from `chain`'s files (only
-        those: a chain ends at the block that holds its last token); None (the bad block
-        removed, one warning) when one is missing, truncated, corrupt or for another model."""
+        those: a chain ends at the block that holds its last token). A block that is missing,
+        truncated, corrupt or for another model (removed, one warning) ends the read there:
+        the cache holds the longest prefix the blocks before it restore (`partial_restores`;
+        the request prefills the rest), None when they restore none."""
         started = time.perf_counter()
-        block, blocks = chain.blocks[0], []
-        try:
-            for block in chain.blocks:
-                metadata, data_start = read_header(block.path)
-                check_crc(block.path, data_start, metadata)
-                blocks.append((mx.load(str(block.path)), json.loads(metadata["layout"])))
-            arrays, layout = join_blocks(blocks, chain.num_tokens)
-            cache = arrays_to_cache(arrays, layout, chain.tokens.tolist(), empty)
-            mx.eval(cache.arrays())
-        except FileNotFoundError:
-            self._forget(block.path.name)
+        blocks: list[tuple[dict[str, mx.array], dict]] = []
+        for block in chain.blocks:
+            if (read := self._read_block(block)) is None:
+                break
+            blocks.append(read)
+        restores = partial_restores(chain, trimmable=self.trimmable)
+        restores = [r for r in restores if len(r.blocks) <= len(blocks)]
+        if not restores:
             return None
-        except (BadFile, CacheStateError, ValueError, KeyError, TypeError, ArithmeticError) as why:
-            self._discard(block.path, why)
+        restore = restores[-1]
+        try:
+            arrays, layout = join_blocks(blocks[: len(restore.blocks)], restore.num_tokens)
+            cache = arrays_to_cache(arrays, layout, restore.tokens.tolist(), empty)
+            mx.eval(cache.arrays())
+        except (CacheStateError, ValueError, KeyError, TypeError, ArithmeticError) as why:
+            self._discard(restore.blocks[-1].path, why)
             return None
         except (OSError, RuntimeError, MemoryError) as error:  # says nothing about the file
-            logger.warning(
-                "disk cache: could not read %s now (%s); prefilling instead, the file is kept",
-                block.path.name,
-                error,
-            )
+            self._unreadable_now(restore.blocks[-1], error)
             return None
         seconds = max(time.perf_counter() - started, 1e-6)
-        self.read_bytes_per_s = chain.nbytes / seconds
-        for block in chain.blocks:
+        self.read_bytes_per_s = restore.nbytes / seconds
+        for block in restore.blocks:
             touch(block.path)
+        if restore is not chain:
+            logger.info(
+                "disk cache: restored %d of %d tokens (the blocks before the unreadable one)",
+                restore.num_tokens,
+                chain.num_tokens,
+            )
         logger.debug(
             "disk cache load tokens=%d blocks=%d bytes=%d seconds=%.3f",
-            chain.num_tokens,
-            len(chain.blocks),
-            chain.nbytes,
+            restore.num_tokens,
+            len(restore.blocks),
+            restore.nbytes,
             seconds,
         )
         return cache
+
+    def _read_block(self, block: StoredEntry) -> tuple[dict[str, mx.array], dict] | None:
+        """A block's arrays and layout, its header and CRC checked; None when it must not be
+        loaded (removed if corrupt, with one warning) or cannot be read now (kept)."""
+        try:
+            metadata, data_start = read_header(block.path)
+            check_crc(block.path, data_start, metadata)
+            return mx.load(str(block.path)), json.loads(metadata["layout"])
+        except FileNotFoundError:
+            self._forget(block.path.name)
+        except (BadFile, ValueError, KeyError, TypeError) as why:
+            self._discard(block.path, why)
+        except (OSError, RuntimeError, MemoryError) as error:
+            self._unreadable_now(block, error)
+        return None
+
+    @staticmethod
+    def _unreadable_now(block: StoredEntry, error: Exception) -> None:
+        logger.warning(
+            "disk cache: could not read %s now (%s); prefilling instead, the file is kept",
+            block.path.name,
+            error,
+        )
 
     # -- write ----------------------------------------------------------------------------
 

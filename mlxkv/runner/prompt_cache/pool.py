@@ -53,6 +53,7 @@ import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths
+from mlxkv.runner.disk.chains import cheapest_restore, partial_restores
 from mlxkv.runner.disk.store import DiskStore
 from mlxkv.runner.prompt_cache.entry import CacheEntry
 from mlxkv.runner.prompt_cache.fit import fit_to_budget
@@ -250,22 +251,28 @@ class CachePool:
     def _maybe_load(
         self, query: np.ndarray, limit: int, entry: CacheEntry | None, reuse: int, salt: str | None
     ) -> tuple[CacheEntry | None, int]:
+        """The entry and reuse after loading what pays of the chain on disk that serves the
+        longest prefix of `query`: all of it, its first blocks (the rest prefilled) or none
+        (`cheapest_restore`, by the measured read and prefill rates)."""
         chain, disk_reuse = self.store.best(query, limit, salt)
         if chain is None or disk_reuse <= reuse:
             return entry, reuse
-        load_s = chain.nbytes / self.store.read_bytes_per_s
-        tps = self.prefill_tokens_per_s
-        if tps is not None and load_s >= (disk_reuse - reuse) / tps:
+        restores = partial_restores(chain, trimmable=self.store.trimmable)
+        rates = self.store.read_bytes_per_s, self.prefill_tokens_per_s
+        if (restore := cheapest_restore(restores, reuse, disk_reuse, *rates)) is None:
             logger.debug("disk cache: prefilling %d tokens beats loading", disk_reuse - reuse)
             return entry, reuse
-        cache = self.store.load(chain, self._make_entry())
-        if cache is None:
+        cache = self.store.load(restore, self._make_entry())
+        if (
+            cache is None
+            or (restored := cache.nearest_restorable(min(disk_reuse, cache.num_tokens))) <= reuse
+        ):
             return entry, reuse
         logger.info("disk cache: loaded an entry of %d tokens", cache.num_tokens)
         loaded = self._add(cache)
         loaded.record()  # idle until a request takes it (it may only be copied from)
         loaded.reply_start = cache.num_tokens  # a reply rendered back is the same conversation
-        return loaded, cache.nearest_restorable(disk_reuse)
+        return loaded, restored
 
     def _add(self, cache: ModelCache, keep: CacheEntry | None = None) -> CacheEntry:
         """Adds an entry for `cache`, first evicting one if the pool is full (never `keep`,
