@@ -173,7 +173,7 @@ def test_architecture_reuses_its_cache_exactly(loaded, arch):
     first_prompt = warm.encode([{"role": "user", "content": _TURNS[0]}])
     _assert_windows_shorter(arch, layers, len(first_prompt))
     _assert_context_matters(
-        arch, model.model, warm.encode([{"role": "user", "content": _TURNS[0] * 2}])
+        arch, model.model, warm.encode([{"role": "user", "content": _TURNS[0] * 3}])
     )
     requests = _chat_requests(warm)
     warm.reset()
