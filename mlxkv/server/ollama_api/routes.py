@@ -25,6 +25,7 @@ from fastapi.responses import StreamingResponse
 from mlxkv.runner.results import Completion
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models.served import unload_named
+from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.ollama_api.protocol import ChatRequest, GenerateRequest, ModelRequest
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import ReasoningDelta, TextDelta, Turn, collect, start_turn
@@ -156,10 +157,11 @@ async def generate(body: GenerateRequest, request: Request):
 
 
 async def _answer(turn: Turn, request: Request, ctx: ServerContext, body: Any, field: str):
-    started = time.perf_counter_ns()
+    load_ns = ctx.load_duration_ns
+    started = time.perf_counter_ns() - load_ns  # Ollama's total includes the load
     model = body.model or _name(ctx)
     if body.stream:
-        lines = _lines(turn, model, field, started)
+        lines = _lines(turn, model, field, started, load_ns)
         return event_stream(
             lines, turn, _error_line, keepalive=None, media_type="application/x-ndjson"
         )
@@ -170,11 +172,13 @@ async def _answer(turn: Turn, request: Request, ctx: ServerContext, body: Any, f
     return {
         **_head(model),
         **_payload(field, text, calls, thinking),
-        **_final(completion, calls, started),
+        **_final(completion, calls, started, load_ns),
     }
 
 
-async def _lines(turn: Turn, model: str, field: str, started: int) -> AsyncIterator[str]:
+async def _lines(
+    turn: Turn, model: str, field: str, started: int, load_ns: int
+) -> AsyncIterator[str]:
     calls: list[ToolCall] = []
     async for event in turn.events():
         if isinstance(event, TextDelta) and event.text:
@@ -188,7 +192,7 @@ async def _lines(turn: Turn, model: str, field: str, started: int) -> AsyncItera
             final = {
                 **_head(model),
                 **_payload(field, "", []),
-                **_final(event, calls, started),
+                **_final(event, calls, started, load_ns),
             }
             yield _line(final)
 
@@ -210,8 +214,11 @@ def _payload(field: str, text: str, calls: list[ToolCall], thinking: str = "") -
     return {"message": message}
 
 
-def _final(completion: Completion, calls: list[ToolCall], started: int) -> dict[str, Any]:
-    """The last object's fields: why it ended and Ollama's counts and durations (ns)."""
+def _final(
+    completion: Completion, calls: list[ToolCall], started: int, load_ns: int
+) -> dict[str, Any]:
+    """The last object's fields: why it ended and Ollama's counts and durations (ns);
+    `load_ns`: what the request waited for its model to load."""
     computed = completion.prompt_tokens - completion.cached_tokens
     prompt_ns = int(computed / completion.prompt_tps * 1e9) if completion.prompt_tps else 0
     eval_ns = (
@@ -223,7 +230,7 @@ def _final(completion: Completion, calls: list[ToolCall], started: int) -> dict[
         "done": True,
         "done_reason": "length" if completion.finish_reason == "length" else "stop",
         "total_duration": time.perf_counter_ns() - started,
-        "load_duration": 0,
+        "load_duration": load_ns,
         "prompt_eval_count": completion.prompt_tokens,
         "prompt_eval_duration": prompt_ns,
         "eval_count": completion.generation_tokens,
@@ -300,3 +307,13 @@ def _details(ctx: ServerContext) -> dict[str, Any]:
 
 def _timestamp(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
+
+
+# What a stream sends while its model loads (`models.streams`): NDJSON has no keep-alive;
+# the headers go out at once.
+STREAMS = {
+    path: StreamShape(
+        _error_line, keepalive=None, media_type="application/x-ndjson", streams_by_default=True
+    )
+    for path in ("/api/chat", "/api/generate")
+}
