@@ -28,7 +28,7 @@ from mlxkv.server.worker import GenerationWorker
 
 logger = logging.getLogger(__name__)
 
-# What a model not loaded yet is said to do (its template is read when it loads).
+# What a model not loaded yet is said to do when its tokenizer files cannot be read first.
 _UNKNOWN = Capabilities(tools=False, tool_call_format=None, thinking=False, forced_tool_calls=False)
 # Tell proxies (nginx) not to buffer the events.
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -93,9 +93,13 @@ class ServerContext:
     @property
     def capabilities(self) -> Capabilities:
         """What this model can do with tools and thinking (`/api/show`, `/v1/models`), read
-        from its template when it loaded (a model not loaded yet: none known)."""
+        from its template when it loaded; a model not loaded yet: from its tokenizer files
+        (none known for one that is not a local directory)."""
         facts = self.resident.facts
-        return _UNKNOWN if facts is None else facts.capabilities
+        if facts is not None:
+            return facts.capabilities
+        before = self.resident.template_facts
+        return _UNKNOWN if before is None else before.capabilities
 
     def each_model(self) -> list[ServerContext]:
         """One context per served model, the default first (for the listings)."""

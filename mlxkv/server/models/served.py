@@ -121,6 +121,18 @@ async def request_context(request: Request) -> Any:
     return context
 
 
+def named_context(request: Request, name: str | None) -> Any:
+    """The app's `ServerContext` for the served model `name` as it is now (its worker None
+    while not loaded): nothing loads for it (Ollama's `/api/show`).
+
+    Raises:
+        ApiError: 404 listing the names served, for a name none matches.
+    """
+    base = request.app.state.mlxkv
+    served = base.models.resolve(name)
+    return dataclasses.replace(base, worker=base.models.resident[served].worker, model_name=served)
+
+
 def unload_named(request: Request, name: str | None) -> str:
     """Ollama's unload request for the model `name` means: unloaded now if loaded and idle,
     else as its last request ends; never loaded for it. Returns the served model's name.

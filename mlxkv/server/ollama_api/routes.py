@@ -24,7 +24,7 @@ from fastapi.responses import StreamingResponse
 
 from mlxkv.runner.results import Completion
 from mlxkv.server.errors import ApiError
-from mlxkv.server.models.served import unload_named
+from mlxkv.server.models.served import named_context, unload_named
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.ollama_api.protocol import ChatRequest, GenerateRequest, ModelRequest
 from mlxkv.server.reply.tool_calls import ToolCall
@@ -70,20 +70,23 @@ def _expiry(expires_at: float | None) -> str:
 
 
 @router.post("/show")
-async def show(body: ModelRequest, ctx: Context) -> dict[str, Any]:
+async def show(body: ModelRequest, request: Request) -> dict[str, Any]:
+    ctx = named_context(request, body.model_name)  # as it is now: showing loads nothing
     _check_served(body.model_name, ctx)
-    runner = ctx.worker.runner
-    config = runner.loaded.config
-    arch = config.get("model_type", "unknown")
+    arch = _model_type(ctx)
+    info: dict[str, Any] = {"general.architecture": arch}
+    before = ctx.resident.template_facts
+    template = "" if before is None else before.chat_template
+    if ctx.worker is not None:  # what it runs with
+        runner = ctx.worker.runner
+        template = getattr(runner.tokenizer, "chat_template", "") or ""
+        info[f"{arch}.context_length"] = runner.max_context
     return {
         "modelfile": "",
         "parameters": "",
-        "template": getattr(runner.tokenizer, "chat_template", "") or "",
+        "template": template,
         "details": _details(ctx),
-        "model_info": {
-            "general.architecture": arch,
-            f"{arch}.context_length": runner.max_context,
-        },
+        "model_info": info,
         "capabilities": ctx.capabilities.names(ollama=True),
         "modified_at": _timestamp(ctx.created),
     }
@@ -293,8 +296,7 @@ def _model_entry(ctx: ServerContext) -> dict[str, Any]:
 
 
 def _details(ctx: ServerContext) -> dict[str, Any]:
-    facts = ctx.resident.facts
-    family = "unknown" if facts is None else facts.config.get("model_type", "unknown")
+    family = _model_type(ctx)
     return {
         "parent_model": "",
         "format": "safetensors",
@@ -303,6 +305,14 @@ def _details(ctx: ServerContext) -> dict[str, Any]:
         "parameter_size": "",
         "quantization_level": "",
     }
+
+
+def _model_type(ctx: ServerContext) -> str:
+    """Its config's `model_type`, as last loaded or read before its first load."""
+    facts, before = ctx.resident.facts, ctx.resident.template_facts
+    if facts is not None:
+        return facts.config.get("model_type") or "unknown"
+    return (before.model_type if before is not None else "") or "unknown"
 
 
 def _timestamp(seconds: float) -> str:
