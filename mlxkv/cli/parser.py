@@ -234,11 +234,35 @@ class _HelpWithDefaults(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+# Options whose value may start with "-" (Ollama's negative keep-alive, "-5m"): argparse reads
+# such a value as an option of its own ("expected one argument") unless it is joined with "=".
+_SIGNED_VALUE_OPTIONS = ("--keep-alive",)
+
+
 class _DefaultsParser(argparse.ArgumentParser):
-    """Every command's --help shows each option's default."""
+    """Every command's --help shows each option's default; `--keep-alive -5m` reads as
+    `--keep-alive=-5m`."""
 
     def __init__(self, **kwargs):
         super().__init__(formatter_class=_HelpWithDefaults, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        if args is not None:
+            args = _joined_signed_values(list(args))
+        return super().parse_known_args(args, namespace)
+
+
+def _joined_signed_values(args: list[str]) -> list[str]:
+    """`args` with each option of `_SIGNED_VALUE_OPTIONS` joined to the value after it."""
+    joined: list[str] = []
+    given = iter(args)
+    for arg in given:
+        if arg in _SIGNED_VALUE_OPTIONS:
+            value = next(given, None)
+            joined.append(arg if value is None else f"{arg}={value}")
+        else:
+            joined.append(arg)
+    return joined
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:

@@ -128,6 +128,7 @@ def _model_sources(args: argparse.Namespace) -> dict[str, Runner | ModelLoader] 
         name: ModelLoader(
             functools.partial(load_runner, _for_model(args, model)),
             estimated_bytes=_weights_bytes(model) + cache_bytes,
+            path=Path(model).expanduser() if model else None,  # a local one's tokenizer files
         )
         for name, model in models.items()
     }

@@ -4,16 +4,21 @@ prompt is the same 42 tokens with or without them), so it does not "have" tools,
 request may send.
 
 Owns `Capabilities` and `model_capabilities`, which `/api/show`, `/v1/models` and `mlxkv info`
-report alike.
+report alike, and `TemplateFacts` (`read_template_facts`: the same read from a local model's
+tokenizer files and config before its weights are loaded).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
+
+from mlxkv.models.encoder import is_encoder_model
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,44 @@ def model_capabilities(tokenizer: Any, generates: bool = True) -> Capabilities:
         tool_call_format=format_name,
         thinking=bool(tokenizer.has_thinking),
     )
+
+
+@dataclass(frozen=True)
+class TemplateFacts:
+    """What a model's tokenizer files and config say, read without its weights.
+
+    Attributes:
+        capabilities: as `model_capabilities` finds them once the model is loaded.
+        chat_template: its chat template ("" for none).
+        model_type: its config's `model_type`.
+    """
+
+    capabilities: Capabilities
+    chat_template: str
+    model_type: str
+
+
+def read_template_facts(path: str | Path | None) -> TemplateFacts | None:
+    """A local model directory's `TemplateFacts`, from its tokenizer files and config.json
+    alone (a served model's listings before its first load); None for anything else (a GGUF
+    file, a repo id, an Ollama name) or files that cannot be read (the load says why)."""
+    from mlx_lm.utils import load_tokenizer
+
+    folder = Path(path).expanduser() if path else None
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        if is_encoder_model(config):
+            return TemplateFacts(
+                model_capabilities(None, generates=False), "", config["model_type"]
+            )
+        tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        logger.debug("tokenizer of %s not read before loading: %s", folder, error)
+        return None
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return TemplateFacts(model_capabilities(tokenizer), template, config.get("model_type", ""))
 
 
 def _template_shows_tools(tokenizer: Any) -> bool:

@@ -28,6 +28,7 @@ from mlxkv.server.errors import ApiError, error_response
 from mlxkv.server.middleware import AccessLog, ApiKeyCheck, BodyLimit, ServerErrors
 from mlxkv.server.models.resident import SHUTDOWN_SAVE_S, ModelLoader
 from mlxkv.server.models.served import ReleaseModels, ServedModels
+from mlxkv.server.models.streams import StartStreams
 from mlxkv.server.ollama_api import embed as ollama_embed
 from mlxkv.server.ollama_api import routes as ollama
 from mlxkv.server.openai_api import embeddings as openai_embeddings
@@ -82,6 +83,9 @@ def create_app(
     keep_responses(app)
     keep_prompt_records(app)
     _add_routes(app)
+    # innermost: a stream starts while its model loads, after the checks of the body
+    streams = {**openai.STREAMS, **anthropic.STREAMS, **responses.STREAMS, **ollama.STREAMS}
+    app.add_middleware(StartStreams, models=models, shapes=streams)
     _add_middleware(app, config, memory_line=_memory_line)
     app.add_middleware(ReleaseModels, models=models)  # outermost: after the access line
     return app

@@ -240,7 +240,7 @@ class BodyLimit:
         if problem is not None:
             await error_response(scope["path"], 400, problem)(scope, receive, send)
             return
-        await self.app(_as_json(scope, body), _replay(body, receive), send)
+        await self.app(_as_json(scope, body), replay(body, receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, too_large: bool) -> None:
         if too_large:
@@ -265,7 +265,7 @@ def _as_json(scope: Scope, body: bytes) -> Scope:
     return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay(body: bytes, receive: Receive) -> Receive:
     """A receive that gives the buffered body once, then waits for the client's disconnect."""
     delivered = False
 

@@ -28,10 +28,10 @@ from mlxkv.server.worker import GenerationWorker
 
 logger = logging.getLogger(__name__)
 
-# What a model not loaded yet is said to do (its template is read when it loads).
+# What a model not loaded yet is said to do when its tokenizer files cannot be read first.
 _UNKNOWN = Capabilities(tools=False, tool_call_format=None, thinking=False, forced_tool_calls=False)
 # Tell proxies (nginx) not to buffer the events.
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Seconds without an event (a long prefill, a wait in the queue) before a keep-alive is sent:
 # clients give up on a stream that stays silent (Claude Code after 300 s), proxies sooner.
 KEEPALIVE_INTERVAL_S = 5.0
@@ -48,6 +48,8 @@ class ServerContext:
     created: when the server started (Unix seconds), for `/v1/models`.
     max_tokens_limit: most tokens one request may ask for (None: the window decides).
     fetch_images: fetch http(s) image URLs (else refuse them).
+    load_duration_ns: how long this request waited for its model to load (0: it was loaded;
+        Ollama's `load_duration`).
 
     What one API alone keeps (stored responses, diagnosed prompts) is that API's, kept on the
     app's state by the API folder that defines it.
@@ -60,6 +62,7 @@ class ServerContext:
     created: int = 0
     max_tokens_limit: int | None = None
     fetch_images: bool = False
+    load_duration_ns: int = 0
 
     @classmethod
     def make(
@@ -90,9 +93,13 @@ class ServerContext:
     @property
     def capabilities(self) -> Capabilities:
         """What this model can do with tools and thinking (`/api/show`, `/v1/models`), read
-        from its template when it loaded (a model not loaded yet: none known)."""
+        from its template when it loaded; a model not loaded yet: from its tokenizer files
+        (none known for one that is not a local directory)."""
         facts = self.resident.facts
-        return _UNKNOWN if facts is None else facts.capabilities
+        if facts is not None:
+            return facts.capabilities
+        before = self.resident.template_facts
+        return _UNKNOWN if before is None else before.capabilities
 
     def each_model(self) -> list[ServerContext]:
         """One context per served model, the default first (for the listings)."""
@@ -145,7 +152,7 @@ def event_stream(
         finally:  # harmless after the end: the turn's cancel flag is its own
             turn.cancel()
 
-    return StreamingResponse(guarded(), media_type=media_type, headers=_SSE_HEADERS)
+    return StreamingResponse(guarded(), media_type=media_type, headers=SSE_HEADERS)
 
 
 async def _with_keepalive(events: AsyncIterator[str], keepalive: str) -> AsyncIterator[str]:

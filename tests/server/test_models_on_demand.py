@@ -35,13 +35,14 @@ def served(model_root, tmp_path):
     closed = {name: threading.Event() for name in ARCHS}
 
     def loader(name: str) -> ModelLoader:
+        path = tiny_model_dir(ARCHS[name], model_root)
+
         def load() -> Runner:
-            path = str(tiny_model_dir(ARCHS[name], model_root))
-            runner = _Closed.load(path, max_context=512, cache_dir=tmp_path / "kv")
+            runner = _Closed.load(str(path), max_context=512, cache_dir=tmp_path / "kv")
             runner.closed = closed[name]
             return runner
 
-        return ModelLoader(load)
+        return ModelLoader(load, path=path)  # its family is known before it loads
 
     sources = {name: loader(name) for name in ARCHS}
     with serve(sources, model_aliases=("claude-*=b",)) as served:
@@ -102,7 +103,8 @@ def test_ollamas_unload_request_unloads(served):
 
 def test_show_and_pull_resolve_aliases(served):
     client = ollama.Client(host=served.url)
-    assert client.show("claude-sonnet-4-5").details.family == "qwen3"
+    assert client.show("claude-sonnet-4-5").details.family == "qwen3"  # not loaded for it
+    assert served.app.state.mlxkv.models.resident["b"].num_loads == 0
     assert client.pull("claude-sonnet-4-5").status == "success"
     with pytest.raises(ollama.ResponseError, match="serves: a, b"):
         client.show("gpt-4o")

@@ -121,10 +121,12 @@ def test_an_address_in_use_still_saves_the_loaded_models_cache(model_root, tmp_p
 @pytest.mark.parametrize(
     ("given", "seconds"), [("10m", 600.0), ("90", 90.0), ("0", 0.0), ("-1", -1.0), ("-5m", -1.0)]
 )
-def test_keep_alive_is_read_as_ollama_reads_it(given, seconds):
+@pytest.mark.parametrize("joined", [True, False], ids=["equals", "apart"])
+def test_keep_alive_is_read_as_ollama_reads_it(given, seconds, joined):
     from mlxkv.cli.parser import build_parser
 
-    args = build_parser().parse_args(["serve", f"--keep-alive={given}", "--max-memory", "2GiB"])
+    option = [f"--keep-alive={given}"] if joined else ["--keep-alive", given]  # "-5m" too
+    args = build_parser().parse_args(["serve", *option, "--max-memory", "2GiB"])
     assert args.keep_alive == seconds and args.max_memory == "2GiB"
 
 

@@ -34,6 +34,7 @@ from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
 from mlxkv.server.anthropic_api.tool_ids import client_id
 from mlxkv.server.errors import ApiError
 from mlxkv.server.images import fetched_images
+from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
 from mlxkv.server.state import Context, ServerContext, event_stream, sse
@@ -263,3 +264,7 @@ def _block_start(index: int, block: dict[str, Any]) -> str:
 
 def _block_stop(index: int) -> str:
     return sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+
+
+# What a stream sends while its model loads (`models.streams`): pings, as during a prefill.
+STREAMS = {"/v1/messages": StreamShape(_error_event, keepalive=_PING)}

@@ -20,18 +20,25 @@ the bookkeeping needs no thread lock. Does not own which name a request means (`
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from starlette.concurrency import run_in_threadpool
 
 from mlxkv.config import format_bytes
-from mlxkv.models.capabilities import Capabilities, model_capabilities
+from mlxkv.models.capabilities import (
+    Capabilities,
+    TemplateFacts,
+    model_capabilities,
+    read_template_facts,
+)
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.runner.runner import Runner
 from mlxkv.server.errors import ApiError
@@ -53,10 +60,13 @@ class ModelLoader:
         load: makes the Runner (called on a worker thread; may take minutes).
         estimated_bytes: what it is expected to take (weights and cache budget) before its
             first load measures it; 0: unknown.
+        path: its local directory, whose tokenizer files tell the listings what it can do
+            before it loads (None: nothing known until then).
     """
 
     load: Callable[[], Runner]
     estimated_bytes: int = 0
+    path: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,12 @@ class ResidentModel:
     @property
     def pinned(self) -> bool:
         return self.loader is None
+
+    @functools.cached_property
+    def template_facts(self) -> TemplateFacts | None:
+        """What its tokenizer files say before its first load (read once, when a listing
+        first asks: a tokenizer takes a fraction of a second, weights are never read)."""
+        return read_template_facts(self.loader.path if self.loader else None)
 
     def _attach(self, runner: Runner, worker: GenerationWorker) -> None:
         weights = sum(w.nbytes for _, w in tree_flatten(runner.loaded.model.parameters()))

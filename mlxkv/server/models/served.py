@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -105,15 +106,31 @@ async def request_context(request: Request) -> Any:
     context = dataclasses.replace(base, worker=models.resident[base.model_name].worker)
     if request.method == "POST":
         fixed = len(models.resident) == 1 and models.resident[base.model_name].pinned
-        body = {} if fixed else _body_object(await request.body())  # one name, no keep-alive
-        name = models.resolve(_named_model(body))
+        body = {} if fixed else body_object(await request.body())  # one name, no keep-alive
+        name = models.resolve(named_model(body))
         model = models.resident[name]
+        loading, started_ns = model.worker is None, time.perf_counter_ns()
         worker = await models.residency.acquire(model)
         # held from here: released however the request ends
         request.state.mlxkv_release = (model, _keep_alive_s(body))
-        context = dataclasses.replace(base, worker=worker, model_name=name)
+        load_ns = time.perf_counter_ns() - started_ns if loading else 0
+        context = dataclasses.replace(
+            base, worker=worker, model_name=name, load_duration_ns=load_ns
+        )
     request.state.mlxkv = context
     return context
+
+
+def named_context(request: Request, name: str | None) -> Any:
+    """The app's `ServerContext` for the served model `name` as it is now (its worker None
+    while not loaded): nothing loads for it (Ollama's `/api/show`).
+
+    Raises:
+        ApiError: 404 listing the names served, for a name none matches.
+    """
+    base = request.app.state.mlxkv
+    served = base.models.resolve(name)
+    return dataclasses.replace(base, worker=base.models.resident[served].worker, model_name=served)
 
 
 def unload_named(request: Request, name: str | None) -> str:
@@ -152,7 +169,7 @@ class ReleaseModels:
                     self.models.residency.release(*held)
 
 
-def _body_object(body: bytes) -> dict[str, Any]:
+def body_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object; empty for one that is not (its route answers with a 400)."""
     try:
         parsed = json.loads(body or b"null")
@@ -161,7 +178,7 @@ def _body_object(body: bytes) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def _named_model(body: dict[str, Any]) -> str | None:
+def named_model(body: dict[str, Any]) -> str | None:
     """The body's `model` (Ollama's older `name`)."""
     name = body.get("model") or body.get("name")
     return name if isinstance(name, str) else None

@@ -24,7 +24,8 @@ from fastapi.responses import StreamingResponse
 
 from mlxkv.runner.results import Completion
 from mlxkv.server.errors import ApiError
-from mlxkv.server.models.served import unload_named
+from mlxkv.server.models.served import named_context, unload_named
+from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.ollama_api.protocol import ChatRequest, GenerateRequest, ModelRequest
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import ReasoningDelta, TextDelta, Turn, collect, start_turn
@@ -69,20 +70,23 @@ def _expiry(expires_at: float | None) -> str:
 
 
 @router.post("/show")
-async def show(body: ModelRequest, ctx: Context) -> dict[str, Any]:
+async def show(body: ModelRequest, request: Request) -> dict[str, Any]:
+    ctx = named_context(request, body.model_name)  # as it is now: showing loads nothing
     _check_served(body.model_name, ctx)
-    runner = ctx.worker.runner
-    config = runner.loaded.config
-    arch = config.get("model_type", "unknown")
+    arch = _model_type(ctx)
+    info: dict[str, Any] = {"general.architecture": arch}
+    before = ctx.resident.template_facts
+    template = "" if before is None else before.chat_template
+    if ctx.worker is not None:  # what it runs with
+        runner = ctx.worker.runner
+        template = getattr(runner.tokenizer, "chat_template", "") or ""
+        info[f"{arch}.context_length"] = runner.max_context
     return {
         "modelfile": "",
         "parameters": "",
-        "template": getattr(runner.tokenizer, "chat_template", "") or "",
+        "template": template,
         "details": _details(ctx),
-        "model_info": {
-            "general.architecture": arch,
-            f"{arch}.context_length": runner.max_context,
-        },
+        "model_info": info,
         "capabilities": ctx.capabilities.names(ollama=True),
         "modified_at": _timestamp(ctx.created),
     }
@@ -156,10 +160,11 @@ async def generate(body: GenerateRequest, request: Request):
 
 
 async def _answer(turn: Turn, request: Request, ctx: ServerContext, body: Any, field: str):
-    started = time.perf_counter_ns()
+    load_ns = ctx.load_duration_ns
+    started = time.perf_counter_ns() - load_ns  # Ollama's total includes the load
     model = body.model or _name(ctx)
     if body.stream:
-        lines = _lines(turn, model, field, started)
+        lines = _lines(turn, model, field, started, load_ns)
         return event_stream(
             lines, turn, _error_line, keepalive=None, media_type="application/x-ndjson"
         )
@@ -170,11 +175,13 @@ async def _answer(turn: Turn, request: Request, ctx: ServerContext, body: Any, f
     return {
         **_head(model),
         **_payload(field, text, calls, thinking),
-        **_final(completion, calls, started),
+        **_final(completion, calls, started, load_ns),
     }
 
 
-async def _lines(turn: Turn, model: str, field: str, started: int) -> AsyncIterator[str]:
+async def _lines(
+    turn: Turn, model: str, field: str, started: int, load_ns: int
+) -> AsyncIterator[str]:
     calls: list[ToolCall] = []
     async for event in turn.events():
         if isinstance(event, TextDelta) and event.text:
@@ -188,7 +195,7 @@ async def _lines(turn: Turn, model: str, field: str, started: int) -> AsyncItera
             final = {
                 **_head(model),
                 **_payload(field, "", []),
-                **_final(event, calls, started),
+                **_final(event, calls, started, load_ns),
             }
             yield _line(final)
 
@@ -210,8 +217,11 @@ def _payload(field: str, text: str, calls: list[ToolCall], thinking: str = "") -
     return {"message": message}
 
 
-def _final(completion: Completion, calls: list[ToolCall], started: int) -> dict[str, Any]:
-    """The last object's fields: why it ended and Ollama's counts and durations (ns)."""
+def _final(
+    completion: Completion, calls: list[ToolCall], started: int, load_ns: int
+) -> dict[str, Any]:
+    """The last object's fields: why it ended and Ollama's counts and durations (ns);
+    `load_ns`: what the request waited for its model to load."""
     computed = completion.prompt_tokens - completion.cached_tokens
     prompt_ns = int(computed / completion.prompt_tps * 1e9) if completion.prompt_tps else 0
     eval_ns = (
@@ -223,7 +233,7 @@ def _final(completion: Completion, calls: list[ToolCall], started: int) -> dict[
         "done": True,
         "done_reason": "length" if completion.finish_reason == "length" else "stop",
         "total_duration": time.perf_counter_ns() - started,
-        "load_duration": 0,
+        "load_duration": load_ns,
         "prompt_eval_count": completion.prompt_tokens,
         "prompt_eval_duration": prompt_ns,
         "eval_count": completion.generation_tokens,
@@ -286,8 +296,7 @@ def _model_entry(ctx: ServerContext) -> dict[str, Any]:
 
 
 def _details(ctx: ServerContext) -> dict[str, Any]:
-    facts = ctx.resident.facts
-    family = "unknown" if facts is None else facts.config.get("model_type", "unknown")
+    family = _model_type(ctx)
     return {
         "parent_model": "",
         "format": "safetensors",
@@ -298,5 +307,23 @@ def _details(ctx: ServerContext) -> dict[str, Any]:
     }
 
 
+def _model_type(ctx: ServerContext) -> str:
+    """Its config's `model_type`, as last loaded or read before its first load."""
+    facts, before = ctx.resident.facts, ctx.resident.template_facts
+    if facts is not None:
+        return facts.config.get("model_type") or "unknown"
+    return (before.model_type if before is not None else "") or "unknown"
+
+
 def _timestamp(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
+
+
+# What a stream sends while its model loads (`models.streams`): NDJSON has no keep-alive;
+# the headers go out at once.
+STREAMS = {
+    path: StreamShape(
+        _error_line, keepalive=None, media_type="application/x-ndjson", streams_by_default=True
+    )
+    for path in ("/api/chat", "/api/generate")
+}

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from mlxkv.runner.results import Completion
+from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
@@ -226,3 +227,7 @@ def _legacy_logprobs(events: list[Event]) -> dict[str, Any]:
         "top_logprobs": [dict(t.top) for t in tokens],
         "text_offset": offsets,
     }
+
+
+# What a stream sends while its model loads (`models.streams`).
+STREAMS = {path: StreamShape(_error_event) for path in ("/v1/chat/completions", "/v1/completions")}

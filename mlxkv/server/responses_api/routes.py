@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request
 
 from mlxkv.runner.results import Completion
 from mlxkv.server.errors import ApiError
+from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
 from mlxkv.server.responses_api.history import stored_responses
@@ -310,3 +311,13 @@ def _usage(completion: Completion, reasoning_tokens: int = 0) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": completion.prompt_tokens + completion.generation_tokens,
     }
+
+
+def _early_error_event(message: str) -> str:
+    """OpenAI's stream `error` event, for a stream that fails before its response exists."""
+    error = {"type": "error", "code": "server_error", "message": message, "param": None}
+    return sse({**error, "sequence_number": 0}, "error")
+
+
+# What a stream sends while its model loads (`models.streams`).
+STREAMS = {"/v1/responses": StreamShape(_early_error_event)}

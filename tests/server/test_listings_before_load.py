@@ -1,0 +1,71 @@
+"""The listings tell what a served model can do before its first load, read from its tokenizer
+files alone: `/v1/models`, `/api/tags` and `/api/show` say the same before and after the load,
+and none of them loads it (`/api/show` included)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import ollama
+import pytest
+
+from mlxkv import Runner
+from mlxkv.server.models.resident import ModelLoader
+from tests.factories import tiny_model_dir
+from tests.server.conftest import serve
+
+QUESTION = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture
+def served(model_root, scripted_dir):
+    """A model whose template shows tools (and writes calls mlx-lm parses) and one whose
+    template does not, each counting its loads."""
+    paths = {"tools": scripted_dir, "plain": tiny_model_dir("llama", model_root)}
+    loads = {name: 0 for name in paths}
+    lock = threading.Lock()
+
+    def loader(name: str) -> ModelLoader:
+        def load() -> Runner:
+            with lock:
+                loads[name] += 1
+            return Runner.load(str(paths[name]), max_context=512)
+
+        return ModelLoader(load, path=paths[name])
+
+    with serve({name: loader(name) for name in paths}) as served:
+        served.loads = loads
+        yield served
+
+
+def _listings(served) -> dict:
+    client = ollama.Client(host=served.url)
+    shown = {}
+    for name in served.loads:
+        show = httpx.post(f"{served.url}/api/show", json={"model": name}).json()
+        shown[name] = {key: show[key] for key in ("capabilities", "template", "details")} | {
+            "architecture": show["model_info"]["general.architecture"]
+        }
+    return {
+        "openai": {
+            m.id: (m.capabilities, m.tool_call_format) for m in served.openai().models.list()
+        },
+        "tags": {m.model: m.details.family for m in client.list().models},
+        "show": shown,
+    }
+
+
+def test_listings_before_the_first_load_equal_those_after(served):
+    before = _listings(served)
+    assert served.loads == {"tools": 0, "plain": 0}
+    assert ollama.Client(host=served.url).ps().models == []
+    assert "tools" in before["show"]["tools"]["capabilities"]
+    assert "tools" not in before["show"]["plain"]["capabilities"]
+    assert before["openai"]["tools"][1] is not None
+    assert before["show"]["tools"]["template"]
+    assert before["tags"]["plain:latest"] == "llama"
+    for name in served.loads:
+        served.openai().chat.completions.create(model=name, messages=QUESTION, max_tokens=2)
+    assert served.loads == {"tools": 1, "plain": 1}
+    assert _listings(served) == before

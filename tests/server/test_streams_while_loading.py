@@ -1,0 +1,177 @@
+"""A streaming request for a model not loaded yet starts its response at once (headers, and the
+API's keep-alive where it has one) while the model loads, then streams the same reply as a
+request that does not stream; a load that fails ends the stream with the API's error event.
+The load is held by an event, so "before the load ends" is certain, not timed. Also Ollama's
+`load_duration`: the time a request waited for its model to load."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import ollama
+import pytest
+
+from mlxkv import Runner
+from mlxkv.server.models.resident import ModelLoader
+from tests.factories import tiny_model_dir
+from tests.server.conftest import serve
+
+QUESTION = [{"role": "user", "content": "Once upon a time there was"}]
+_TIMEOUT_S = 30.0  # a stream whose first bytes wait for the load fails on this, not hangs
+
+
+@dataclass(frozen=True)
+class _Api:
+    path: str
+    body: dict[str, Any]
+    first_bytes: bytes  # what the stream starts with before the load ends (b"": headers only)
+    streamed_text: Any  # the text of a stream's lines
+    reply_text: Any  # the text of a reply that did not stream
+
+
+def _data(lines: list[str]) -> list[dict]:
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+APIS = {
+    "openai": _Api(
+        "/v1/chat/completions",
+        {"messages": QUESTION, "max_tokens": 6, "temperature": 0, "stream": True},
+        b": keep-alive",
+        lambda lines: "".join(
+            d["choices"][0]["delta"].get("content") or "" for d in _data(lines) if d["choices"]
+        ),
+        lambda body: body["choices"][0]["message"]["content"],
+    ),
+    "anthropic": _Api(
+        "/v1/messages",
+        {"messages": QUESTION, "max_tokens": 6, "temperature": 0, "stream": True},
+        b"event: ping",
+        lambda lines: "".join(
+            d["delta"].get("text", "") for d in _data(lines) if d["type"] == "content_block_delta"
+        ),
+        lambda body: "".join(b["text"] for b in body["content"] if b["type"] == "text"),
+    ),
+    "responses": _Api(
+        "/v1/responses",
+        {"input": QUESTION, "max_output_tokens": 6, "temperature": 0, "stream": True},
+        b": keep-alive",
+        lambda lines: "".join(
+            d["delta"] for d in _data(lines) if d["type"] == "response.output_text.delta"
+        ),
+        lambda body: "".join(
+            part["text"]
+            for item in body["output"]
+            if item["type"] == "message"
+            for part in item["content"]
+        ),
+    ),
+    "ollama": _Api(
+        "/api/chat",  # streams when `stream` is left out
+        {"messages": QUESTION, "options": {"temperature": 0, "num_predict": 6}},
+        b"",
+        lambda lines: "".join(json.loads(line)["message"]["content"] for line in lines if line),
+        lambda body: body["message"]["content"],
+    ),
+}
+
+
+@dataclass
+class _Gate:
+    """A model whose load waits for `open` (and then fails, with `fails`)."""
+
+    open: threading.Event
+    entered: threading.Event
+    fails: bool = False
+
+
+@pytest.fixture
+def gated(model_root):
+    """A server of one model loaded on its first request, its load held by a `_Gate`."""
+    gate = _Gate(threading.Event(), threading.Event())
+    path = str(tiny_model_dir("llama", model_root))
+
+    def load() -> Runner:
+        gate.entered.set()
+        assert gate.open.wait(60)
+        if gate.fails:
+            raise OSError("its weights are unreadable")
+        return Runner.load(path, max_context=512)
+
+    with serve({"tiny": ModelLoader(load)}) as served:
+        served.gate = gate
+        yield served
+    gate.open.set()  # a load still waiting ends
+
+
+@pytest.mark.parametrize("api", list(APIS), ids=list(APIS))
+def test_a_stream_starts_while_its_model_loads(gated, api):
+    spec = APIS[api]
+    with httpx.Client(base_url=gated.url, timeout=_TIMEOUT_S) as client:
+        body = {"model": "tiny", **spec.body}
+        with client.stream("POST", spec.path, json=body) as response:
+            assert response.status_code == 200
+            assert not gated.gate.open.is_set()  # the headers came before the load ended
+            chunks = response.iter_bytes()
+            if spec.first_bytes:
+                assert next(chunks).startswith(spec.first_bytes)
+                assert not gated.gate.open.is_set()
+            gated.gate.open.set()
+            lines = b"".join(chunks).decode().splitlines()
+        assert gated.app.state.mlxkv.models.resident["tiny"].num_loads == 1
+        reply = client.post(spec.path, json={**body, "stream": False})
+    text = spec.streamed_text(lines)
+    assert text and text == spec.reply_text(reply.json())
+
+
+@pytest.mark.parametrize("api", list(APIS), ids=list(APIS))
+def test_a_load_that_fails_ends_the_stream_with_the_apis_error(gated, api):
+    spec = APIS[api]
+    gated.gate.fails = True
+    with httpx.Client(base_url=gated.url, timeout=_TIMEOUT_S) as client:
+        body = {"model": "tiny", **spec.body}
+        with client.stream("POST", spec.path, json=body) as response:
+            assert response.status_code == 200
+            gated.gate.open.set()
+            lines = response.read().decode().splitlines()
+    errors = [line for line in lines if "its weights are unreadable" in line]
+    assert len(errors) == 1, lines
+    last = json.loads(errors[0].removeprefix("data: "))
+    assert "error" in last or last["type"] == "error"
+    if spec.first_bytes:
+        assert lines[0].startswith(spec.first_bytes.decode())
+
+
+def test_the_real_clients_get_their_stream_before_the_load_ends(gated):
+    openai_stream = gated.openai(max_retries=0, timeout=_TIMEOUT_S).chat.completions.create(
+        model="tiny", messages=QUESTION, max_tokens=6, temperature=0, stream=True
+    )
+    anthropic_stream = gated.anthropic(max_retries=0, timeout=_TIMEOUT_S).messages.create(
+        model="tiny", messages=QUESTION, max_tokens=6, stream=True, extra_body={"temperature": 0}
+    )
+    assert not gated.gate.open.is_set()
+    gated.gate.open.set()
+    streamed = "".join(c.choices[0].delta.content or "" for c in openai_stream if c.choices)
+    events = list(anthropic_stream)
+    assert events[0].type == "message_start"
+    said = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    reply = ollama.Client(host=gated.url).chat(
+        model="tiny", messages=QUESTION, options={"temperature": 0, "num_predict": 6}
+    )
+    assert streamed and streamed == said == reply.message.content
+
+
+def test_ollama_load_duration_is_the_wait_for_the_load(gated):
+    client = ollama.Client(host=gated.url)
+    options = {"temperature": 0, "num_predict": 4}
+    threading.Thread(target=lambda: gated.gate.entered.wait(60) and gated.gate.open.set()).start()
+    first = client.chat(model="tiny", messages=QUESTION, options=options, stream=False)
+    assert 0 < first.load_duration < first.total_duration
+    streamed = list(client.generate(model="tiny", prompt="Once", options=options, stream=True))
+    again = client.chat(model="tiny", messages=QUESTION, options=options, stream=False)
+    assert streamed[-1].load_duration == 0 and again.load_duration == 0
+    assert again.total_duration > 0
