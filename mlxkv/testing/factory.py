@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 
 from mlxkv.testing.architectures import SWEEP_CONFIGS
 from mlxkv.testing.tiny_attention import BASE_CONFIG
+from mlxkv.testing.tiny_recurrent import LFM2_CONFIG
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -103,21 +104,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
             "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
     },
-    "lfm2": {
-        **BASE_CONFIG,
-        "model_type": "lfm2",
-        "num_hidden_layers": 3,
-        "norm_eps": 1e-5,
-        "conv_bias": False,
-        "conv_L_cache": 3,
-        "block_dim": 64,
-        "block_ff_dim": 128,
-        "block_multiple_of": 16,
-        "block_ffn_dim_multiplier": 1.0,
-        "block_auto_adjust_ff_dim": False,
-        "full_attn_idxs": [1],
-        "layer_types": ["conv", "full_attention", "conv"],
-    },
+    "lfm2": LFM2_CONFIG,
     "mamba": {
         "model_type": "mamba",
         "hidden_size": 64,

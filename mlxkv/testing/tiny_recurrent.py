@@ -13,6 +13,23 @@ from typing import Any
 
 from mlxkv.testing.tiny_attention import BASE_CONFIG, EXPERTS, MLA, QWEN_MOE, WINDOW_TOKENS
 
+# LFM2's short convolutions beside attention (the factory's lfm2; LFM2-VL's language model).
+LFM2_CONFIG = {
+    **BASE_CONFIG,
+    "model_type": "lfm2",
+    "num_hidden_layers": 3,
+    "norm_eps": 1e-5,
+    "conv_bias": False,
+    "conv_L_cache": 3,
+    "block_dim": 64,
+    "block_ff_dim": 128,
+    "block_multiple_of": 16,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_auto_adjust_ff_dim": False,
+    "full_attn_idxs": [1],
+    "layer_types": ["conv", "full_attention", "conv"],
+}
+
 _GATED_DELTA = {  # Qwen3-Next / Qwen3.5: GatedDeltaNet layers, every 2nd layer full attention
     "linear_num_value_heads": 4,
     "linear_num_key_heads": 2,
@@ -149,18 +166,8 @@ RECURRENT_CONFIGS: dict[str, dict[str, Any]] = {
     "lfm2-vl": {
         "model_type": "lfm2-vl",
         "text_config": {
-            **BASE_CONFIG,
-            "model_type": "lfm2",
+            **LFM2_CONFIG,
             "num_hidden_layers": 2,
-            "norm_eps": 1e-5,
-            "conv_bias": False,
-            "conv_L_cache": 3,
-            "block_dim": 64,
-            "block_ff_dim": 128,
-            "block_multiple_of": 16,
-            "block_ffn_dim_multiplier": 1.0,
-            "block_auto_adjust_ff_dim": False,
-            "full_attn_idxs": [1],
             "layer_types": ["conv", "full_attention"],
         },
     },

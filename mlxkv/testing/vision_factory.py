@@ -137,6 +137,18 @@ FAMILIES = (*_QWEN, "qwen3_vl", "gemma3", *_TILED)
 WEIGHT_SCALE = 2.0
 
 
+# A SigLIP-style tower (Gemma 3's, SmolVLM's, Idefics3's): one layer, a 56-pixel image of
+# 14-pixel patches (16 patches).
+_TINY_VISION_TOWER = {
+    "num_hidden_layers": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "patch_size": 14,
+    "image_size": 56,
+}
+
+
 def build_vision_model(
     out_dir: str | Path,
     *,
@@ -255,15 +267,7 @@ def _write_gemma3(out: Path, family: str, size: str, vocab_size: int) -> dict[st
         "sliding_window_pattern": 2,
         "mm_tokens_per_image": 4,
     }
-    vision = {
-        "model_type": "siglip_vision_model",
-        "num_hidden_layers": 1,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_attention_heads": 2,
-        "patch_size": 14,
-        "image_size": 56,
-    }
+    vision = {**_TINY_VISION_TOWER, "model_type": "siglip_vision_model"}
     preprocessor = {
         "image_processor_type": "Gemma3ImageProcessor",
         "processor_class": "Gemma3Processor",
@@ -300,15 +304,7 @@ def _write_tiled(out: Path, family: str, size: str, vocab_size: int) -> dict[str
     vocab = max(token_ids.values()) + 1
     text = {**BASE_CONFIG, "model_type": "llama", "vocab_size": vocab}
     name, vision_type = _TILED[family]
-    vision = {
-        "model_type": vision_type,
-        "num_hidden_layers": 1,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_attention_heads": 2,
-        "patch_size": 14,
-        "image_size": 56,
-    }
+    vision = {**_TINY_VISION_TOWER, "model_type": vision_type}
     preprocessor = {
         "image_processor_type": f"{name}ImageProcessor",
         "processor_class": f"{name}Processor",
