@@ -54,10 +54,6 @@ def _loaded(served) -> list[str]:
     return [m.model for m in ollama.Client(host=served.url).ps().models]
 
 
-def _alone(loaded_tiny, name: str):
-    return Runner(loaded_tiny(ARCHS[name]), max_context=512)
-
-
 def test_nothing_loads_before_its_first_request(served):
     client = ollama.Client(host=served.url)
     assert _loaded(served) == []
@@ -70,7 +66,7 @@ def test_nothing_loads_before_its_first_request(served):
     assert shown.expires_at > datetime.now(UTC)  # the default keep-alive: 5 minutes
 
 
-def test_keep_alive_zero_unloads_and_the_next_request_loads_it_warm(served, loaded_tiny):
+def test_keep_alive_zero_unloads_and_the_next_request_loads_it_warm(served, model_root):
     client = ollama.Client(host=served.url)
     first = client.chat(model="a", messages=QUESTION, options=OPTIONS, keep_alive=0)
     assert served.closed["a"].wait(60)  # its entries written to its disk tier
@@ -82,7 +78,10 @@ def test_keep_alive_zero_unloads_and_the_next_request_loads_it_warm(served, load
     )
     assert _loaded(served) == ["a:latest"]
     assert reply.usage.prompt_tokens_details.cached_tokens >= first.prompt_eval_count - 1
-    want = list(_alone(loaded_tiny, "a").stream(follow, max_tokens=4, logprobs=0))
+    # a model loaded afresh, as the reloaded one is: it knows no reply's generated ids (a
+    # loaded model another test used may have generated this reply, and would render it so)
+    fresh = Runner.load(str(tiny_model_dir(ARCHS["a"], model_root)), max_context=512)
+    want = list(fresh.stream(follow, max_tokens=4, temperature=0, logprobs=0))
     got = [token.logprob for token in reply.choices[0].logprobs.content]
     expected = [c.logprob.logprob for c in want if c.logprob]
     np.testing.assert_allclose(got, expected[: len(got)], atol=1e-4)
