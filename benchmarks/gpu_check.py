@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.gpu_check_report import machine, summarize, tests_outcome
+from benchmarks.gpu_check_report import machine, summarize, tests_outcome, unmet_requirements
 
 PARTS = ("models", "tests", "throughput", "batching", "agent")
 SHARES = {"models": 0.15, "tests": 0.22, "throughput": 0.28, "batching": 0.15, "agent": 0.20}
@@ -51,9 +51,13 @@ _RUNNING: set[int] = set()  # process groups of the parts running now
 
 PLANS = {
     # device, quick -> what is measured
+    # shares from the H200 run of 2026-11-27: models took 26 s, throughput ~150 s cold, batching
+    # ~70 s, agent ~46 s; the tests need a call of their own (530 tests, ~300 s)
     ("gpu", False): {"model": "1b", "prefill_sizes": [2048, 8192, 32768], "decode_tokens": 128,
-                     "reps": 2, "stream_tokens": 128, "rounds": 2, "agents": ["claude", "codex"],
-                     "agent_turns": 99, "agent_model": "100m", "examples": 5},
+                     "reps": 3, "stream_tokens": 128, "rounds": 2, "agents": ["claude", "codex"],
+                     "agent_turns": 99, "agent_model": "100m", "examples": 5,
+                     "shares": {"models": 0.08, "tests": 0.5, "throughput": 0.45,
+                                "batching": 0.22, "agent": 0.25}},
     ("gpu", True): {"model": "1b", "prefill_sizes": [2048, 8192], "decode_tokens": 64,
                     "reps": 1, "stream_tokens": 64, "rounds": 1, "agents": ["codex"],
                     "agent_turns": 99, "agent_model": "100m", "examples": 3},
@@ -156,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = {**PLANS[(args.device, args.quick)], "device": args.device, "work": str(args.work)}
     plan.update(dtypes=["bf16", "q4"], quick=args.quick)
     report = {"machine": machine(), "plan": plan, "parts": {}, "results": {}}
+    report["unmet_requirements"] = unmet_requirements(Path("pyproject.toml"))
     parts_log = args.out / "parts.log"
     parts_log.write_text("")
     shutil.rmtree(args.work / "logs", ignore_errors=True)  # the servers' logs of this run only

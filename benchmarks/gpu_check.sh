@@ -16,5 +16,5 @@ for arg in "$@"; do
 done
 timeout -k 10 $((total_s + 60)) "$python" -m benchmarks.gpu_check "$@"
 status=$?
-ls -la "$OUT"
+ls -la "$OUT" 2>/dev/null
 exit $status

@@ -105,11 +105,9 @@ def models(plan: dict, work: Path, result: Result) -> None:
 
 
 def throughput(plan: dict, work: Path, result: Result) -> None:
-    """benchmarks/throughput.py's `measure` on the bf16 model, then the 4-bit one. mlx-lm
-    runs once first (a prompt of the smallest size): on a GPU its first run compiles kernels,
-    which the Runner's warm-up does at load, outside the measurements."""
+    """benchmarks/throughput.py's `measure` on the bf16 model, then the 4-bit one (it runs
+    each shape once on each side untimed: on a GPU a first run compiles kernels)."""
     import mlx.core as mx
-    from mlx_lm import generate
 
     from benchmarks import common
     from benchmarks import throughput as bench
@@ -117,8 +115,6 @@ def throughput(plan: dict, work: Path, result: Result) -> None:
     manifest = _manifest(work)
     for dtype in plan["dtypes"]:
         loaded = common.load_model(manifest[dtype])
-        warm = common.token_prompt(loaded, plan["prefill_sizes"][0], seed=1)
-        generate(loaded.model, loaded.tokenizer, warm, max_tokens=4)
         found = bench.measure(loaded, plan["prefill_sizes"], plan["decode_tokens"], plan["reps"])
         result.set(dtype, found)
         print(f"throughput {dtype}: {json.dumps(found, default=_plain)}", flush=True)

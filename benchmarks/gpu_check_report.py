@@ -7,6 +7,7 @@ A goal's row says PASS or FAIL; a figure with no goal says "-"; a figure that wa
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import statistics
@@ -14,6 +15,9 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
+
+import tomllib
+from packaging.requirements import Requirement
 
 PREFILL_GOAL, DECODE_GOAL, STREAMS_GOAL, TTFT_GOAL = 1.2, 1.1, 1.0, 0.6
 
@@ -50,6 +54,27 @@ def machine() -> dict:
     except (OSError, subprocess.SubprocessError):
         found["gpu"] = None
     return found
+
+
+def unmet_requirements(pyproject: Path) -> list[str]:
+    """mlxkv's own dependencies (pyproject.toml) that the installed packages do not satisfy.
+
+    The GPU machine installs carried wheels without resolving them, so a wheel of the wrong
+    version fails tests for reasons of its own (2026-11-27: llguidance 1.6.1 against >=1.9
+    failed every grammar test); this names it in the table instead."""
+    unmet = []
+    for line in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        try:
+            found = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            unmet.append(f"{requirement.name} missing (needs {requirement.specifier})")
+            continue
+        if not requirement.specifier.contains(found, prereleases=True):
+            unmet.append(f"{requirement.name} {found} (needs {requirement.specifier})")
+    return unmet
 
 
 def tests_outcome(out: Path) -> dict:
@@ -228,6 +253,11 @@ def summarize(report: dict, out: Path, elapsed_s: float) -> str:
         ]
         for name, part in parts.items()
     ]
+    unmet = report.get("unmet_requirements", [])
+    rows.append(
+        ["environment", "mlxkv's dependencies", "; ".join(unmet) or "all met", "-", "-", "met"]
+        + ["FAIL" if unmet else "PASS"]
+    )
     if "tests" in parts:
         rows.append(_tests_row(tests))
     if "throughput" in parts:

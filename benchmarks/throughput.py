@@ -1,9 +1,12 @@
 """Prefill and decode throughput: mlxkv's Runner vs `mlx_lm.stream_generate`, same model.
 
-Both run with their default settings (mlxkv prefills in 512-token steps, mlx-lm in 2048), on a
-fresh cache each repetition, and are timed the same way from outside: the time to the first
-token for prefill, the spacing of the later tokens for decode. Runs alternate in ABBA order so
-that machine drift and warm-up affect both alike; decode, the noisiest, gets at least 5 runs.
+Both run with their default settings (mlxkv prefills in 512-token steps on a CPU and 2,048 on a
+GPU, mlx-lm in 2,048), on a fresh cache each repetition, and are timed the same way from
+outside: the time to the first token for prefill, the spacing of the later tokens for decode.
+Each size first runs once on each side untimed: on MLX's CUDA backend the first call at a new
+shape compiles kernels (on an H200, 0.17-1.0 s at 2k-32k tokens), which made one of two timed
+runs 3-7x slower and the median a coin toss of which side went first. Then runs alternate in
+ABBA order so that machine drift affects both alike; decode, the noisiest, gets at least 5 runs.
 """
 
 from __future__ import annotations
@@ -50,13 +53,21 @@ def measure(loaded: LoadedModel, prefill_sizes: list[int], decode_tokens: int, r
     theirs = lambda ids, n: _token_times_mlx_lm(loaded, ids, n)  # noqa: E731
     for n in prefill_sizes:
         ids = token_prompt(loaded, n, seed=n)
+        _warm(ours, theirs, ids, 1)
         results["prefill"][n] = _abba(
             ours, theirs, lambda run, ids=ids: prefill_tps(run, ids), reps
         )
     ids = token_prompt(loaded, 64, seed=7)
+    _warm(ours, theirs, ids, decode_tokens)
     results["decode"] = _abba(ours, theirs, lambda run: decode_tps(run, ids), max(reps, 5))
     results["decode"]["tokens"] = decode_tokens
     return results
+
+
+def _warm(ours, theirs, ids: list[int], max_tokens: int) -> None:
+    """One untimed run of each at this shape (its kernels compiled before any timed run)."""
+    for run in (ours, theirs):
+        run(ids, max_tokens)
 
 
 def _abba(ours, theirs, measure_one, reps: int) -> dict:

@@ -7,7 +7,9 @@ O(5)), from measurements:
   - CPU, float32: at most 2.5e-5 x max |logit| over this suite (max |diff| 1.3e-4 at logits of
     about 6), so 1e-4;
   - GPU (MLX CUDA), float32: about 4e-4 absolute at logits of O(1) on an H100 (issue 26's run,
-    other kernels for chunked and unchunked feeds), so 2e-3;
+    other kernels for chunked and unchunked feeds), so 2e-3. That holds with TF32 off, which
+    tests/conftest.py asks for (MLX_ENABLE_TF32=0); with MLX's default TF32 an H200 measured
+    2.5e-3 relative (2026-11-27), so a run that keeps TF32 gets 1e-2;
   - half precision: bounded by its 2^-10 relative rounding per operation, so 2e-2;
   - K/V quantized to b bits, compared between two chunkings of the same tokens: each
     chunking quantizes other values in other passes, so the bound is the quantization step,
@@ -18,6 +20,8 @@ further apart than the bound allows to move them.
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 
@@ -33,12 +37,17 @@ _RTOL = {
 }
 
 
+_TF32_RTOL = 1e-2
+
+
 def logits_tolerance(want: mx.array, kv_bits: int | None = None) -> float:
     """The largest absolute difference allowed from the reference logits `want` (`kv_bits`:
     both sides ran on K/V quantized to that many bits)."""
     device = "gpu" if on_gpu() else "cpu"
     scale = max(1.0, mx.abs(want).max().item())
     rtol = _RTOL[(device, want.dtype)]
+    if device == "gpu" and want.dtype == mx.float32 and os.environ.get("MLX_ENABLE_TF32") != "0":
+        rtol = _TF32_RTOL
     if kv_bits is not None:
         rtol = max(rtol, 2.0**-kv_bits)
     return rtol * scale
