@@ -7,16 +7,22 @@ Each size first runs once on each side untimed: on MLX's CUDA backend the first 
 shape compiles kernels (on an H200, 0.17-1.0 s at 2k-32k tokens), which made one of two timed
 runs 3-7x slower and the median a coin toss of which side went first. Then runs alternate in
 ABBA order so that machine drift affects both alike; decode, the noisiest, gets at least 5 runs.
+Prefill is also timed through mlxkv's cache alone (`make_cache` and `prefill`, no Runner:
+`cache_only_tps`), so a gap to mlx-lm shows whether it lies in the model calls or in the
+request around them.
 """
 
 from __future__ import annotations
 
 import time
 
+import mlx.core as mx
 from mlx_lm import stream_generate
 
 from benchmarks.common import Stat, token_prompt
 from mlxkv import Runner
+from mlxkv.cache.building import make_cache
+from mlxkv.decoding.prefill.chunks import prefill
 from mlxkv.models.loading import LoadedModel
 
 
@@ -34,6 +40,14 @@ def _token_times_mlx_lm(loaded: LoadedModel, ids: list[int], max_tokens: int):
         for _ in stream_generate(loaded.model, loaded.tokenizer, ids, max_tokens=max_tokens)
     ]
     return start, times
+
+
+def _cache_only_tps(runner: Runner, ids: list[int]) -> float:
+    """Prefill tok/s through mlxkv's cache and chunking alone, on a fresh cache."""
+    model = runner.loaded.model
+    start = time.perf_counter()
+    mx.eval(prefill(model, make_cache(model), ids, runner.prefill_plan))
+    return len(ids) / (time.perf_counter() - start)
 
 
 def measure(loaded: LoadedModel, prefill_sizes: list[int], decode_tokens: int, reps: int) -> dict:
@@ -56,6 +70,9 @@ def measure(loaded: LoadedModel, prefill_sizes: list[int], decode_tokens: int, r
         _warm(ours, theirs, ids, 1)
         results["prefill"][n] = _abba(
             ours, theirs, lambda run, ids=ids: prefill_tps(run, ids), reps
+        )
+        results["prefill"][n]["cache_only_tps"] = Stat.of(
+            [_cache_only_tps(runner, ids) for _ in range(reps)]
         )
     ids = token_prompt(loaded, 64, seed=7)
     _warm(ours, theirs, ids, decode_tokens)
