@@ -68,8 +68,23 @@ def checked_runners(request):
 
 
 @pytest.fixture(autouse=True)
-def _quiet_transformers():
+def _logging_as_found():
+    """Each test starts with mlxkv's loggers as the suite found them: the CLI, run in-process
+    by some tests, sets levels and adds handlers for its own process (`serve` quiets the
+    memory line, which a later test's caplog then never sees)."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    loggers = logging.root.manager.loggerDict
+    levels = {
+        name: logger.level
+        for name, logger in loggers.items()
+        if name.split(".")[0] == "mlxkv" and isinstance(logger, logging.Logger)
+    }
+    handlers = list(logging.getLogger("mlxkv").handlers)
+    yield
+    for name, logger in list(loggers.items()):
+        if name.split(".")[0] == "mlxkv" and isinstance(logger, logging.Logger):
+            logger.setLevel(levels.get(name, logging.NOTSET))
+    logging.getLogger("mlxkv").handlers[:] = handlers
 
 
 @pytest.fixture(scope="session")
