@@ -1,0 +1,153 @@
+"""The reply memory survives a restart: a reply whose text encodes to other ids than the model
+wrote (`test_reply_tokens`), sent back to a new process (or a model loaded again) with the same
+disk tier, renders as the ids the disk tier restores, so the next turn reuses the whole earlier
+turn, as a process that never restarted does, and answers as a fresh Runner given those ids."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlxkv import Runner
+from mlxkv.models.loading import load_model
+from mlxkv.runner.disk import replies as stored_replies  # noqa
+from mlxkv.runner.disk.files import SUFFIX
+from mlxkv.testing.factory import build_scripted_model
+from tests.runner.test_reply_tokens import ASK, SCRIPT, _next_turn
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def scripted_path(tmp_path_factory) -> Path:
+    return build_scripted_model(tmp_path_factory.mktemp("smol") / "model", SCRIPT)
+
+
+def _runner(path: Path, cache_dir: Path | None) -> Runner:
+    """A Runner of a model loaded afresh: its tokenizer (and so its reply memory) is new, as
+    in a restarted process."""
+    return Runner(load_model(path), max_context=512, cache_entries=2, cache_dir=cache_dir)
+
+
+def _turn_one(runner: Runner) -> tuple[str, list[int], list[int]]:
+    """Turn 1's reply text, the ids the cache holds after it, and turn 2's prompt as the
+    process that generated the reply renders it (its ids in place of its text)."""
+    first = runner.generate(ASK, max_tokens=20, temperature=0)
+    tokenizer = runner.tokenizer
+    assert first.text == "SmolLAMSmolLAM"
+    encoded = tokenizer.encode(first.text, add_special_tokens=False)
+    assert encoded != first.tokens and len(encoded) < len(first.tokens)  # the case at hand
+    return first.text, runner.cache_tokens, runner.encode(_next_turn(first.text))
+
+
+def _wait_for_records(runner: Runner) -> None:
+    runner._pool.store.flush()  # a killed process keeps what its writer finished
+
+
+def _check_turn_two(scripted_path: Path, cache_dir: Path, text, held, want_ids) -> None:
+    restarted = _runner(scripted_path, cache_dir)
+    got, got_logprobs = _answer(restarted, _next_turn(text))
+    assert got.prompt_tokens == len(want_ids)
+    assert got.cached_tokens == len(held)  # the prompt, the reply and its end, from disk
+    reference = _runner(scripted_path, None)  # no cache: the model alone, on those ids
+    want, want_logprobs = _answer(reference, want_ids)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4)
+
+
+def _answer(runner: Runner, prompt) -> tuple:
+    chunks = list(runner.stream(prompt, max_tokens=4, temperature=0, logprobs=0))
+    return chunks[-1].completion, [c.logprob.logprob for c in chunks if c.logprob]
+
+
+def test_a_reply_sent_back_after_close_is_reused_in_full(scripted_path, tmp_path):
+    before = _runner(scripted_path, tmp_path)
+    text, held, want_ids = _turn_one(before)
+    before.close()
+    _check_turn_two(scripted_path, tmp_path, text, held, want_ids)
+
+
+def test_a_reply_sent_back_after_os_exit_is_reused_in_full(scripted_path, tmp_path):
+    """The record is written behind with the turn's blocks: a process that ends without
+    close() keeps it."""
+    script = textwrap.dedent(
+        f"""
+        import json, os
+        from pathlib import Path
+        from tests.runner.test_reply_restart import _runner, _turn_one, _wait_for_records
+
+        runner = _runner(Path({str(scripted_path)!r}), Path({str(tmp_path)!r}))
+        text, held, want_ids = _turn_one(runner)
+        _wait_for_records(runner)  # no close(): the writer's own pace
+        print(json.dumps({{"text": text, "held": held, "want_ids": want_ids}}), flush=True)
+        os._exit(0)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    _check_turn_two(scripted_path, tmp_path, result["text"], result["held"], result["want_ids"])
+
+
+def test_a_reply_of_another_salt_is_not_taken_after_a_restart(scripted_path, tmp_path):
+    before = _runner(scripted_path, tmp_path)
+    first = before.generate(ASK, max_tokens=20, temperature=0, cache_salt="alice")
+    before.close()
+    restarted = _runner(scripted_path, tmp_path)
+    messages = _next_turn(first.text)
+    plain = restarted.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert len(restarted.encode(messages, cache_salt="bob")) == len(plain)
+    assert len(restarted.encode(messages)) == len(plain)  # the shared domain is another too
+    alice = restarted.encode(messages, cache_salt="alice")
+    assert len(alice) == len(plain) + len(first.tokens) - 2
+
+
+def _records(root: Path) -> list[Path]:
+    return sorted(root.glob(f"*/*{stored_replies.REPLY_SUFFIX}"))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "torn"])
+def test_a_damaged_record_is_a_warning_and_renders_as_text(scripted_path, tmp_path, caplog, damage):
+    """A byte flipped in its reply's text fails the CRC (its header proves it this tier's:
+    removed); a torn one has no header to prove anything (left in place). Either renders the
+    reply as text, as before records were kept."""
+    before = _runner(scripted_path, tmp_path)
+    text, _, _ = _turn_one(before)
+    before.close()
+    (record,) = _records(tmp_path)
+    data = bytearray(record.read_bytes())
+    if damage == "flipped":
+        data[data.index(b"SmolLAM")] ^= 0x01
+    else:
+        del data[len(data) // 2 :]
+    record.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        restarted = _runner(scripted_path, tmp_path)
+    assert any(record.name in r.getMessage() for r in caplog.records)
+    messages = _next_turn(text)
+    plain = restarted.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert len(restarted.encode(messages)) == len(plain)
+    assert record.exists() == (damage == "torn")
+
+
+def test_a_record_goes_with_its_chain(scripted_path, tmp_path):
+    """Records whose conversation's blocks were evicted are removed as the disk tier starts."""
+    before = _runner(scripted_path, tmp_path)
+    _turn_one(before)
+    before.close()
+    assert len(_records(tmp_path)) == 1
+    for block in tmp_path.glob(f"*/*{SUFFIX}"):
+        block.unlink()  # as the budget removes them
+    _runner(scripted_path, tmp_path)
+    assert _records(tmp_path) == []
