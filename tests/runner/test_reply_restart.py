@@ -117,18 +117,21 @@ def _records(root: Path) -> list[Path]:
     return sorted(root.glob(f"*/*{stored_replies.REPLY_SUFFIX}"))
 
 
-@pytest.mark.parametrize("damage", ["flipped", "torn"])
+@pytest.mark.parametrize("damage", ["flipped", "torn", "foreign"])
 def test_a_damaged_record_is_a_warning_and_renders_as_text(scripted_path, tmp_path, caplog, damage):
-    """A byte flipped in its reply's text fails the CRC (its header proves it this tier's:
-    removed); a torn one has no header to prove anything (left in place). Either renders the
-    reply as text, as before records were kept."""
+    """A bit flipped in its reply's ids fails the CRC, another model's fingerprint fails its
+    check (either header proves the file this tier's: removed); a torn one has no header to
+    prove anything (left in place). Each renders the reply as text, as before records."""
     before = _runner(scripted_path, tmp_path)
     text, _, _ = _turn_one(before)
     before.close()
     (record,) = _records(tmp_path)
     data = bytearray(record.read_bytes())
     if damage == "flipped":
-        data[data.index(b"SmolLAM")] ^= 0x01
+        data[data.index(b'"ids":"') + 8] ^= 0x01  # still base64: other ids, one bit off
+    elif damage == "foreign":  # another model's record (its fingerprint), put here
+        at = data.index(b'"fingerprint":"') + len(b'"fingerprint":"')
+        data[at : at + 8] = b"ffffffff" if data[at : at + 8] != b"ffffffff" else b"00000000"
     else:
         del data[len(data) // 2 :]
     record.write_bytes(bytes(data))

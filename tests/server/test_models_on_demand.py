@@ -77,11 +77,16 @@ def test_keep_alive_zero_unloads_and_the_next_request_loads_it_warm(served, mode
         model="a", messages=follow, max_tokens=4, temperature=0, logprobs=True
     )
     assert _loaded(served) == ["a:latest"]
-    assert reply.usage.prompt_tokens_details.cached_tokens >= first.prompt_eval_count - 1
-    # a model loaded afresh, as the reloaded one is: it knows no reply's generated ids (a
-    # loaded model another test used may have generated this reply, and would render it so)
+    # the reply's ids come back from the disk tier with its blocks: the whole turn is reused
+    # (less the reply's last token, which a reply cut by max_tokens never fed)
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.prompt_eval_count + first.eval_count - 1
+    # the reloaded model renders the reply as the ids it generated (`disk.replies`): a model
+    # loaded afresh, without a cache, answers those ids as it does
+    rendered = served.app.state.mlxkv.models.resident["a"].worker.runner.encode(follow)
+    assert reply.usage.prompt_tokens == len(rendered)
     fresh = Runner.load(str(tiny_model_dir(ARCHS["a"], model_root)), max_context=512)
-    want = list(fresh.stream(follow, max_tokens=4, temperature=0, logprobs=0))
+    want = list(fresh.stream(rendered, max_tokens=4, temperature=0, logprobs=0))
     got = [token.logprob for token in reply.choices[0].logprobs.content]
     expected = [c.logprob.logprob for c in want if c.logprob]
     np.testing.assert_allclose(got, expected[: len(got)], atol=1e-4)
