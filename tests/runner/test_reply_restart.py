@@ -18,8 +18,10 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
-from mlxkv.runner.disk import replies as stored_replies  # noqa
+from mlxkv.runner import assembly
+from mlxkv.runner.disk import replies as stored_replies
 from mlxkv.runner.disk.files import SUFFIX
+from mlxkv.runner.request import salt_digest
 from mlxkv.testing.factory import build_scripted_model
 from tests.runner.test_reply_tokens import ASK, SCRIPT, _next_turn
 
@@ -154,3 +156,21 @@ def test_a_record_goes_with_its_chain(scripted_path, tmp_path):
         block.unlink()  # as the budget removes them
     _runner(scripted_path, tmp_path)
     assert _records(tmp_path) == []
+
+
+def test_only_the_newest_records_are_kept(scripted_path, tmp_path, monkeypatch):
+    """As many as the memory keeps (`MAX_REPLIES`), the newest; the older are removed."""
+    before = _runner(scripted_path, tmp_path)
+    for salt in ("old", "new"):
+        before.generate(ASK, max_tokens=20, temperature=0, cache_salt=salt)
+        before._pool.store.flush()  # one after the other: their files' times tell which
+    before.close()
+    old, new = (stored_replies.reply_name(salt_digest(s), "SmolLAMSmolLAM") for s in ("old", "new"))
+    assert {p.name for p in _records(tmp_path)} == {old, new}
+    monkeypatch.setattr(assembly, "MAX_REPLIES", 1)
+    restarted = _runner(scripted_path, tmp_path)
+    assert [p.name for p in _records(tmp_path)] == [new]
+    messages = _next_turn("SmolLAMSmolLAM")
+    assert len(restarted.encode(messages, cache_salt="new")) > len(
+        restarted.encode(messages, cache_salt="old")
+    )

@@ -202,14 +202,23 @@ class ReplyRecords:
             self._known[path.name] = reply
 
     def load(self, records: list[StoredEntry], limit: int) -> list[StoredReply]:
-        """The newest `limit` records whose replies `records` (the blocks indexed) hold, oldest
-        first. A record that must not be read is one warning (removed when its header proves
-        it this tier's); one whose blocks are gone, or past the newest `limit`, is removed."""
-        found: list[tuple[int, StoredReply]] = []
-        for entry in _record_files(self.directory):
+        """The newest `limit` records (by their files' times) whose replies `records` (the
+        blocks indexed) hold, oldest first; only those are read in full. A record that must
+        not be read is one warning (removed when its header proves it this tier's); one whose
+        blocks are gone, or older than those kept, is removed."""
+        blocks = IndexedBlocks.of(records)
+        kept: list[StoredReply] = []
+        for entry in sorted(_record_files(self.directory), key=_mtime_ns, reverse=True):
             path = Path(entry.path)
             try:
-                found.append((entry.stat().st_mtime_ns, read_reply(path, *self._model)))
+                if len(kept) >= limit:  # older than those kept: proven this tier's, removed
+                    read_header(path)
+                    remove_own_file(path)
+                elif is_held(reply := read_reply(path, *self._model), blocks):
+                    kept.append(reply)
+                else:
+                    remove_own_file(path)
+                    logger.debug("disk cache: reply record %s went with its chain", path.name)
             except BadFile as why:
                 removed = why.ours and remove_own_file(path)
                 logger.warning(
@@ -220,15 +229,9 @@ class ReplyRecords:
                 )
             except OSError as error:
                 logger.warning("disk cache: could not read %s now (%s)", path.name, error)
-        found.sort(key=lambda pair: pair[0])
-        kept = [reply for _, reply in found][-limit:] if limit > 0 else []
-        for _, reply in found[: len(found) - len(kept)]:
-            remove_own_file(reply.path)
         with self._lock:
             self._known.update({reply.path.name: reply for reply in kept})
-        self.sweep(records)
-        with self._lock:
-            return [reply for reply in kept if reply.path.name in self._known]
+        return kept[::-1]
 
     def sweep(self, records: list[StoredEntry]) -> None:
         """Removes the records whose replies the blocks `records` no longer hold."""
@@ -245,6 +248,13 @@ class ReplyRecords:
     @property
     def _model(self) -> tuple[str, str]:
         return self.fingerprint, self.signature
+
+
+def _mtime_ns(entry: os.DirEntry) -> int:
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _record_files(directory: Path) -> list[os.DirEntry]:
