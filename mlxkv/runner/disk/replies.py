@@ -129,17 +129,20 @@ def read_reply(path: Path, fingerprint: str, signature: str) -> StoredReply:
 @dataclass
 class IndexedBlocks:
     """The blocks indexed, as a record's check asks about them: every key, and the blocks by
-    their parent's key (None: the first of a chain)."""
+    their parent's key (None: the first of a chain) and first token, so a check looks at the
+    few that may begin with its tail, not at every block."""
 
     keys: set[str]
-    children: dict[str | None, list[StoredEntry]]
+    children: dict[tuple[str | None, int], list[StoredEntry]]
 
     @classmethod
     def of(cls, records: Iterable[StoredEntry]) -> IndexedBlocks:
         indexed = cls(set(), {})
         for record in records:
             indexed.keys.add(record.key)
-            indexed.children.setdefault(record.parent, []).append(record)
+            if record.num_tokens:
+                at = (record.parent, int(record.tokens[0]))
+                indexed.children.setdefault(at, []).append(record)
         return indexed
 
 
@@ -153,7 +156,7 @@ def is_held(reply: StoredReply, blocks: IndexedBlocks) -> bool:
         block.start == reply.tail_start
         and block.salt == reply.salt
         and common_prefix_length(block.tokens, reply.tail) == reply.tail.size
-        for block in blocks.children.get(reply.anchor, [])
+        for block in blocks.children.get((reply.anchor, int(reply.tail[0])), [])
     )
 
 
