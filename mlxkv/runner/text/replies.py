@@ -13,6 +13,9 @@ messages to the same ids (a fresh Runner compared with a used one sees the same 
 reply is remembered only when its text is exactly what its ids decode to: not one cut by a stop
 string (its ids go past the text), nor a cancelled one. Keyed by the request's cache salt
 digest, so one tenant's prompt never takes another's reply ids (its token count would tell).
+With a disk tier, the replies are also kept on disk (`mlxkv.runner.disk.replies`, written
+behind with their turns' blocks) and read back when a Runner starts (`ReplyTokens.restore`): a
+restarted process, or a model loaded again, renders them as their ids too.
 """
 
 from __future__ import annotations
