@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -77,12 +78,15 @@ def test_a_reply_sent_back_after_close_is_reused_in_full(scripted_path, tmp_path
     _check_turn_two(scripted_path, tmp_path, text, held, want_ids)
 
 
-def test_a_reply_sent_back_after_os_exit_is_reused_in_full(scripted_path, tmp_path):
+@pytest.mark.parametrize("end", ["os_exit", "sigkill"])
+def test_a_reply_sent_back_after_the_process_ends_unclosed_is_reused_in_full(
+    scripted_path, tmp_path, end
+):
     """The record is written behind with the turn's blocks: a process that ends without
-    close() keeps it."""
+    close() (`os._exit`, or killed with SIGKILL while it waits) keeps it."""
     script = textwrap.dedent(
         f"""
-        import json, os
+        import json, os, sys
         from pathlib import Path
         from tests.runner.test_reply_restart import _runner, _turn_one, _wait_for_records
 
@@ -90,15 +94,26 @@ def test_a_reply_sent_back_after_os_exit_is_reused_in_full(scripted_path, tmp_pa
         text, held, want_ids = _turn_one(runner)
         _wait_for_records(runner)  # no close(): the writer's own pace
         print(json.dumps({{"text": text, "held": held, "want_ids": want_ids}}), flush=True)
-        os._exit(0)
+        if {end!r} == "os_exit":
+            os._exit(0)
+        sys.stdin.read()  # until killed
         """
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-        timeout=120, check=True,
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], env=env, cwd=ROOT, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        line = child.stdout.readline()  # its turn done and written
+        if end == "sigkill":
+            child.send_signal(signal.SIGKILL)
+        child.wait(timeout=120)
+    finally:
+        child.kill()
+        child.communicate(timeout=30)
+    assert line, "the child printed nothing"
+    result = json.loads(line)
     _check_turn_two(scripted_path, tmp_path, result["text"], result["held"], result["want_ids"])
 
 
@@ -144,6 +159,30 @@ def test_a_damaged_record_is_a_warning_and_renders_as_text(scripted_path, tmp_pa
     plain = restarted.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert len(restarted.encode(messages)) == len(plain)
     assert record.exists() == (damage == "torn")
+
+
+def test_a_record_goes_with_its_chain_when_the_budget_evicts_it(scripted_path, tmp_path):
+    """Two conversations (two salts) in a directory that holds one: the first's blocks are
+    evicted as the second's are written, and its reply's record with them."""
+    probe = tmp_path / "probe"
+    sizing = _runner(scripted_path, probe)
+    sizing.generate(ASK, max_tokens=20, temperature=0)
+    sizing.close()
+    one = sum(p.stat().st_size for p in probe.glob(f"*/*{SUFFIX}"))
+    runner = Runner(
+        load_model(scripted_path), max_context=512, cache_entries=1,
+        cache_dir=tmp_path / "kv", cache_dir_bytes=int(one * 1.5),
+    )  # fmt: skip
+    names = []
+    for salt in ("first", "second"):
+        runner.generate(ASK, max_tokens=20, temperature=0, cache_salt=salt)
+        runner._pool.store.flush()
+        names.append(stored_replies.reply_name(salt_digest(salt), "SmolLAMSmolLAM"))
+    assert [p.name for p in _records(tmp_path / "kv")] == [names[1]]
+    first = _next_turn("SmolLAMSmolLAM")
+    plain = runner.tokenizer.apply_chat_template(first, add_generation_prompt=True)
+    restarted = _runner(scripted_path, tmp_path / "kv")
+    assert len(restarted.encode(first, cache_salt="first")) == len(plain)
 
 
 def test_a_record_goes_with_its_chain(scripted_path, tmp_path):
