@@ -92,6 +92,31 @@ def test_keep_alive_zero_unloads_and_the_next_request_loads_it_warm(served, mode
     np.testing.assert_allclose(got, expected[: len(got)], atol=1e-4)
 
 
+def test_a_model_loaded_again_without_a_disk_tier_knows_its_replies(model_root):
+    """Unloaded by `keep_alive: 0` and loaded again (a new tokenizer, so a new reply memory),
+    with no disk tier to read records from: the reply sent back still renders as the ids the
+    first load generated, as a model never unloaded renders it."""
+    path = tiny_model_dir(ARCHS["a"], model_root)
+    loads: list[Runner] = []
+
+    def load() -> Runner:
+        loads.append(Runner.load(str(path), max_context=512))
+        return loads[-1]
+
+    with serve({"a": ModelLoader(load, path=path)}) as s:
+        client = ollama.Client(host=s.url)
+        first = client.chat(model="a", messages=QUESTION, options=OPTIONS, keep_alive=0)
+        wait_until(lambda: _loaded(s) == [], what="model a unloading")
+        history = [*QUESTION, {"role": "assistant", "content": first.message.content}]
+        follow = [*history, {"role": "user", "content": "And then?"}]
+        second = client.chat(model="a", messages=follow, options=OPTIONS)
+    assert len(loads) == 2
+    as_generated = loads[0].encode(follow)  # the first load knows the reply it generated
+    fresh = Runner.load(str(path), max_context=512)  # knows none: the reply as text
+    assert len(fresh.encode(follow)) != len(as_generated)  # the case at hand
+    assert second.prompt_eval_count == len(as_generated)
+
+
 def test_ollamas_unload_request_unloads(served):
     client = ollama.Client(host=served.url)
     client.generate(model="b", prompt="Hi", options=OPTIONS)

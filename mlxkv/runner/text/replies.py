@@ -85,15 +85,20 @@ class ReplyTokens:
                 self._trim()
 
     def restore(self, stored: Iterable[tuple[str | None, str, Sequence[int]]]) -> None:
-        """Takes the (salt, text, ids) of replies kept on disk (`DiskStore.stored_replies`,
-        oldest first) as older than every reply remembered here; a reply known here keeps its
-        place."""
+        """Takes the (salt, text, ids) of replies kept on disk (`DiskStore.stored_replies`) or
+        by the model's previous load (`items`), oldest first, as older than every reply
+        remembered here; a reply known here keeps its place."""
         with self._lock:
             for salt, text, ids in reversed(list(stored)):
                 if (salt, text) not in self._ids and 0 < len(ids) <= MAX_REPLY_TOKENS:
                     self._keep(salt, text, ids)
                     self._ids.move_to_end((salt, text), last=False)
             self._trim()
+
+    def items(self) -> list[tuple[str | None, str, list[int]]]:
+        """Every remembered reply as (salt, text, ids), oldest first (`restore` takes them)."""
+        with self._lock:
+            return [(salt, text, ids.tolist()) for (salt, text), ids in self._ids.items()]
 
     def _keep(self, salt: str | None, text: str, tokens: Sequence[int]) -> None:
         key = (salt, text)
