@@ -21,6 +21,7 @@ import base64
 import hashlib
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 REPLY_FORMAT = f"{FORMAT_FAMILY}reply-1"
 REPLY_SUFFIX = ".reply"
+_NAME = re.compile(r"[0-9a-f]{32}\.reply")
 
 
 @dataclass(frozen=True)
@@ -266,14 +268,7 @@ def _record_files(directory: Path) -> list[os.DirEntry]:
         entries = list(os.scandir(directory))
     except OSError:
         return []
-    return [
-        e
-        for e in entries
-        if len(e.name) == 32 + len(REPLY_SUFFIX)
-        and e.name.endswith(REPLY_SUFFIX)
-        and all(c in "0123456789abcdef" for c in e.name[:32])
-        and e.is_file(follow_symlinks=False)
-    ]
+    return [e for e in entries if _NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
 
 
 def _pack(ids: np.ndarray) -> str:
