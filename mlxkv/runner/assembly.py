@@ -38,6 +38,7 @@ from mlxkv.runner.disk.store import DiskStore
 from mlxkv.runner.engine import EngineThread
 from mlxkv.runner.lockstep import Lockstep, Solo
 from mlxkv.runner.prompt_cache.pool import CachePool
+from mlxkv.runner.text.replies import MAX_REPLIES, replies_for
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,9 @@ _WARMUP_DRAFT_TOKENS = 4
 def make_pool(
     loaded: LoadedModel, make_entry: Callable[[], ModelCache], config: RunnerConfig
 ) -> CachePool:
-    """The pool for these settings, its disk tier indexed (a restart finds its files); a
-    cache directory that cannot be written leaves the tier off, with a warning."""
+    """The pool for these settings, its disk tier indexed (a restart finds its files) and
+    the replies it keeps known to the model's reply memory (`text.replies`); a cache
+    directory that cannot be written leaves the tier off, with a warning."""
     store = None
     if config.cache_dir is not None:
         empty: ModelCache = make_entry()
@@ -63,6 +65,9 @@ def make_pool(
                 kv_bits=config.cache_dir_kv_bits,
                 trimmable=not empty.needs_checkpoints,
             )
+            # the replies its blocks hold, so a reply sent back renders as their ids again
+            stored = store.stored_replies(MAX_REPLIES)
+            replies_for(loaded.tokenizer).restore((r.salt, r.text, r.ids) for r in stored)
         except DiskStoreUnavailable as error:
             logger.warning("disk tier off: %s; entries live in memory only", error)
     pool = CachePool(

@@ -38,6 +38,7 @@ from mlxkv.runner.request import Request
 from mlxkv.runner.results import CompletionStats, GenerationChunk
 from mlxkv.runner.run_context import RunContext
 from mlxkv.runner.text.chunks import emit_chunks
+from mlxkv.runner.text.replies import is_rememberable
 from mlxkv.runner.text.vision_cuts import ImageWindow
 
 
@@ -115,6 +116,10 @@ def run_request(
                 yield chunk
     finally:  # on the engine thread, the generation closed first (even on error)
         holdings = pool.release(hit.entry)
+        if final is not None and pool.store is not None and is_rememberable(final.completion):
+            # behind the turn's blocks: a restart renders the reply sent back as its ids
+            done = final.completion
+            pool.store.write_reply(list(tokens), done.tokens, done.text, request.cache_salt)
         context.ended(holdings)
         prompt, images = _held_prompt(request, run)
         end = RequestEnd(

@@ -77,14 +77,44 @@ def test_keep_alive_zero_unloads_and_the_next_request_loads_it_warm(served, mode
         model="a", messages=follow, max_tokens=4, temperature=0, logprobs=True
     )
     assert _loaded(served) == ["a:latest"]
-    assert reply.usage.prompt_tokens_details.cached_tokens >= first.prompt_eval_count - 1
-    # a model loaded afresh, as the reloaded one is: it knows no reply's generated ids (a
-    # loaded model another test used may have generated this reply, and would render it so)
+    # the reply's ids come back from the disk tier with its blocks: the whole turn is reused
+    # (less the reply's last token, which a reply cut by max_tokens never fed)
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.prompt_eval_count + first.eval_count - 1
+    # the reloaded model renders the reply as the ids it generated (`disk.replies`): a model
+    # loaded afresh, without a cache, answers those ids as it does
+    rendered = served.app.state.mlxkv.models.resident["a"].worker.runner.encode(follow)
+    assert reply.usage.prompt_tokens == len(rendered)
     fresh = Runner.load(str(tiny_model_dir(ARCHS["a"], model_root)), max_context=512)
-    want = list(fresh.stream(follow, max_tokens=4, temperature=0, logprobs=0))
+    want = list(fresh.stream(rendered, max_tokens=4, temperature=0, logprobs=0))
     got = [token.logprob for token in reply.choices[0].logprobs.content]
     expected = [c.logprob.logprob for c in want if c.logprob]
     np.testing.assert_allclose(got, expected[: len(got)], atol=1e-4)
+
+
+def test_a_model_loaded_again_without_a_disk_tier_knows_its_replies(model_root):
+    """Unloaded by `keep_alive: 0` and loaded again (a new tokenizer, so a new reply memory),
+    with no disk tier to read records from: the reply sent back still renders as the ids the
+    first load generated, as a model never unloaded renders it."""
+    path = tiny_model_dir(ARCHS["a"], model_root)
+    loads: list[Runner] = []
+
+    def load() -> Runner:
+        loads.append(Runner.load(str(path), max_context=512))
+        return loads[-1]
+
+    with serve({"a": ModelLoader(load, path=path)}) as s:
+        client = ollama.Client(host=s.url)
+        first = client.chat(model="a", messages=QUESTION, options=OPTIONS, keep_alive=0)
+        wait_until(lambda: _loaded(s) == [], what="model a unloading")
+        history = [*QUESTION, {"role": "assistant", "content": first.message.content}]
+        follow = [*history, {"role": "user", "content": "And then?"}]
+        second = client.chat(model="a", messages=follow, options=OPTIONS)
+    assert len(loads) == 2
+    as_generated = loads[0].encode(follow)  # the first load knows the reply it generated
+    fresh = Runner.load(str(path), max_context=512)  # knows none: the reply as text
+    assert len(fresh.encode(follow)) != len(as_generated)  # the case at hand
+    assert second.prompt_eval_count == len(as_generated)
 
 
 def test_ollamas_unload_request_unloads(served):

@@ -3,6 +3,7 @@ clients: the next turn reuses the previous prompt and the whole reply."""
 
 from __future__ import annotations
 
+import ollama
 import pytest
 
 from mlxkv import Runner
@@ -77,3 +78,33 @@ def test_anthropic_diagnostics_see_the_reply_as_generated_in_its_salt(served):
 
     second = ask(None)
     assert ask(second.id).diagnostics is None  # the same prompt again: nothing missed
+
+
+def test_after_a_restart_every_api_renders_the_reply_as_generated(tmp_path_factory, tmp_path):
+    """A server restarted on the same disk tier (a model loaded afresh: its reply memory is
+    what the disk kept) counts, caches and answers the reply sent back as the ids it
+    generated, through every API's prompt encode: OpenAI's cached tokens, Anthropic's
+    count_tokens and cache reads, Ollama's prompt count."""
+    path = build_scripted_model(tmp_path_factory.mktemp("smol") / "model", SCRIPT)
+    before = Runner(load_model(path), max_context=512, cache_dir=tmp_path)
+    with serve(before) as s:
+        first = s.openai().chat.completions.create(model="m", messages=ASK, max_tokens=20)
+        held = len(before.cache_tokens)
+    before.close()
+    reply = first.choices[0].message.content
+    messages = [*ASK, {"role": "assistant", "content": reply}, {"role": "user", "content": "Go"}]
+    want = before.encode(messages)  # as the process that generated the reply renders it
+    restarted = Runner(load_model(path), max_context=512, cache_dir=tmp_path, cache_entries=4)
+    with serve(restarted) as s:
+        assert s.anthropic().messages.count_tokens(model="m", messages=messages).input_tokens == (
+            len(want)
+        )
+        second = s.openai().chat.completions.create(model="m", messages=messages, max_tokens=2)
+        assert second.usage.prompt_tokens == len(want)
+        assert second.usage.prompt_tokens_details.cached_tokens == held  # loaded from disk
+        third = s.anthropic().messages.create(model="m", messages=messages, max_tokens=2)
+        assert third.usage.cache_read_input_tokens == len(want) - 1  # all but the last
+        ollama_reply = ollama.Client(host=s.url).chat(
+            model="m", messages=messages, options={"num_predict": 2}
+        )
+        assert ollama_reply.prompt_eval_count == len(want)

@@ -1,10 +1,10 @@
 """`mlxkv serve` killed with SIGKILL (the OOM killer, a crash, `kill -9`) at seeded random
 moments, mid-reply and mid-write, and restarted on the same disk tier, round after round: each
 server starts, logs no traceback, loads no torn file, answers every conversation exactly as a
-server without a disk tier that never saw their replies either, and conversations that
-finished (their writes given a few seconds) restart warm: at least their first prompt comes
-from the disk tier (a reply that re-tokenizes otherwise than generated is fed again after a
-restart, as its generated ids are remembered only by the process that generated it)."""
+server without a disk tier that generated the same replies and never restarted, and
+conversations that finished (their writes given a few seconds) restart warm: their whole first
+turn, the reply included, comes from the disk tier (a reply that re-tokenizes otherwise than
+generated renders as its generated ids after a restart too: `mlxkv.runner.disk.replies`)."""
 
 from __future__ import annotations
 
@@ -128,23 +128,24 @@ def test_kill_9_at_random_moments_then_restart_answers_exactly_and_warm(model_ro
     rng = random.Random(_SEED)
     cache_dir = tmp_path / "kv"
     reference = _Server(model, None)
-    # conversations whose turn ended and was written, with their first prompt's tokens
+    # conversations whose turn ended and was written, with their first turn's tokens (the
+    # prompt and the reply)
     finished: list[tuple[list[dict], int]] = []
     try:
         for round_ in range(_ROUNDS + 1):
             server = _Server(model, cache_dir)
-            # A reply sent back takes the ids the model generated only in the process that
-            # generated it (`mlxkv.runner.text.replies`): the follow-ups' reference is a server
-            # that never saw them either, as the restarted one.
-            follow_reference = _Server(model, None) if finished else None
             try:
-                for index, (messages, prompt_tokens) in enumerate(finished):
+                for index, (messages, turn_tokens) in enumerate(finished):
                     follow_up = messages + [{"role": "user", "content": "And then?"}]
-                    got, want = server.ask(follow_up), follow_reference.ask(follow_up)
+                    # the reference generated the same replies and never restarted: a reply
+                    # sent back renders as its generated ids there, and here from the disk
+                    # tier's records (`mlxkv.runner.disk.replies`)
+                    got, want = server.ask(follow_up), reference.ask(follow_up)
                     _assert_same_answer(got, want)
-                    # warm: at least the conversation's first prompt comes from the disk tier
+                    # warm: the whole first turn comes from the disk tier (less the reply's
+                    # last token, which a reply cut by max_tokens never fed)
                     cached = got.usage.prompt_tokens_details.cached_tokens
-                    assert cached >= prompt_tokens - 1, (round_, index, cached, prompt_tokens)
+                    assert cached >= turn_tokens - 1, (round_, index, cached, turn_tokens)
                 if round_ < _ROUNDS:  # the last round only checks
                     messages = [
                         {"role": "system", "content": f"You are assistant {round_}. Be brief."},
@@ -155,11 +156,10 @@ def test_kill_9_at_random_moments_then_restart_answers_exactly_and_warm(model_ro
                     _assert_same_answer(got, reference.ask(messages))
                     assert _wait_for_writes(cache_dir, since_ns)
                     reply = {"role": "assistant", "content": got.choices[0].message.content}
-                    finished.append((messages + [reply], got.usage.prompt_tokens))
+                    turn_tokens = got.usage.prompt_tokens + got.usage.completion_tokens
+                    finished.append((messages + [reply], turn_tokens))
                     (_kill_mid_reply if rng.random() < 0.5 else _kill_mid_write)(server, rng)
             finally:
-                if follow_reference is not None:
-                    follow_reference.stop(kill=True)
                 killed = server.process.poll() is not None
                 stderr = server.process.communicate()[1] if killed else server.stop(kill=False)
             _assert_clean(stderr)

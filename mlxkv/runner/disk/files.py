@@ -30,16 +30,20 @@ import re
 import shutil
 import stat
 import struct
+import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import mlx.core as mx
 import numpy as np
 
 from mlxkv.runner.disk.blocks import stops
+from mlxkv.runner.disk.writer import WriteJob
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ TEMPORARY_NAME = re.compile(r"\.tmp-(\d+)-[0-9a-f]{32}\.safetensors")
 _CRC_FIELD = b'"crc32":"'
 CRC_PLACEHOLDER = "00000000"
 _CHUNK_BYTES = 16 * 2**20
+T = TypeVar("T")
 # Seconds without a write after which a temporary file whose process is gone is removed.
 ORPHAN_AGE_S = 3600.0
 
@@ -286,6 +291,35 @@ def patch_crc(path: Path) -> None:
         file.write(f"{crc:08x}".encode())
         file.flush()
         os.fsync(file.fileno())
+
+
+def write_file(
+    directory: Path, job: WriteJob, lock: threading.RLock, index: Callable[[Path], T]
+) -> T:
+    """Writes `job` to `directory` so that its final name only ever holds it complete: under a
+    temporary name, its CRC patched in and fsynced, renamed into place (with `index(path)`,
+    under `lock`: a scan of the directory never sees one without the other), the directory
+    fsynced. Returns what `index` returned.
+
+    Raises:
+        OSError: it could not be written (a full disk said so); no temporary file is left.
+    """
+    path = directory / job.name
+    temporary = directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
+    try:
+        mx.save_safetensors(str(temporary), job.arrays, job.metadata)
+        patch_crc(temporary)
+        with lock:
+            os.replace(temporary, path)
+            indexed = index(path)
+        fsync_directory(directory)  # the rename itself survives a power cut
+    except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
+        needed_bytes = sum(a.nbytes for a in job.arrays.values()) + len(json.dumps(job.metadata))
+        raise OSError(why_unwritten(directory, needed_bytes, error)) from error
+    finally:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+    return indexed
 
 
 def fsync_directory(directory: Path) -> None:

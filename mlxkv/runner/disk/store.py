@@ -28,14 +28,11 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import mlx.core as mx
@@ -61,17 +58,16 @@ from mlxkv.runner.disk.files import (
     check_crc,
     check_writable,
     entry_metadata,
-    fsync_directory,
     own_files,
-    patch_crc,
     read_header,
     read_record,
     remove_orphaned_temporaries,
     remove_own_file,
     token_key,
     touch,
-    why_unwritten,
+    write_file,
 )
+from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply
 from mlxkv.runner.disk.writer import BackgroundWriter, WriteJob
 
 logger = logging.getLogger(__name__)
@@ -125,6 +121,7 @@ class DiskStore:
         # other models' files proven this tier's, by (path, size, mtime): read once
         self._theirs: dict[tuple[str, int, int], bool] = {}
         self._strangers: set[str] = set()  # files here it did not write, warned about once
+        self.replies = ReplyRecords(self.directory, fingerprint, signature)
         self.refresh()
         self.enforce_budget()  # a smaller budget than the last run's holds from the start
 
@@ -320,6 +317,20 @@ class DiskStore:
             job = WriteJob(block, metadata, key + SUFFIX, nbytes)
             self._run_logged(job) if wait else self._writer.put(job)
 
+    def write_reply(self, prompt: list[int], ids: list[int], text: str, salt: str | None) -> None:
+        """Saves, behind the blocks queued before it, the record of reply `ids` (`text`) to
+        `prompt` in `salt`'s domain (`replies`): a restart renders the reply sent back as
+        those ids, which its blocks hold."""
+        through = np.asarray([*prompt, *ids[:-1]], dtype=np.uint32)
+        self._writer.put(self.replies.job(through, ids, text, salt, self.block_tokens))
+
+    def stored_replies(self, limit: int) -> list[StoredReply]:
+        """The newest `limit` reply records whose blocks are on disk (`ReplyRecords.load`)."""
+        self.refresh()
+        with self._lock:
+            records = list(self._records.values())
+        return self.replies.load(records, limit)
+
     @property
     def pending_bytes(self) -> int:  # memory held by entries handed to the writer, not written
         return self._writer.pending_bytes
@@ -342,25 +353,11 @@ class DiskStore:
             logger.exception("disk cache: writing %s failed", job.name)
 
     def _run(self, job: WriteJob) -> None:
-        path = self.directory / job.name
-        temporary = self.directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
         start = time.perf_counter()
-        try:
-            mx.save_safetensors(str(temporary), job.arrays, job.metadata)
-            patch_crc(temporary)
-            with self._directory_lock:
-                os.replace(temporary, path)
-                # the index entry, as a restart would read it
-                record = read_record(path, self.fingerprint, self.signature)
-                with self._lock:
-                    self._records[job.name] = record
-            fsync_directory(self.directory)  # the rename itself survives a power cut
-        except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
-            needed_bytes = sum(a.nbytes for a in job.arrays.values())
-            raise OSError(why_unwritten(self.directory, needed_bytes, error)) from error
-        finally:
-            with contextlib.suppress(OSError):
-                temporary.unlink(missing_ok=True)
+        if job.name.endswith(REPLY_SUFFIX):  # a reply record: not a block of the index
+            write_file(self.directory, job, self._directory_lock, self.replies.written)
+            return
+        record = write_file(self.directory, job, self._directory_lock, self._indexed)
         self._remove_superseded(record)
         logger.debug(
             "disk cache write tokens=%d bytes=%d seconds=%.3f",
@@ -368,7 +365,13 @@ class DiskStore:
             record.nbytes,
             time.perf_counter() - start,
         )
-        self.enforce_budget(keep=path)
+        self.enforce_budget(keep=record.path)
+
+    def _indexed(self, path: Path) -> StoredEntry:  # a block just renamed in, as read at start
+        record = read_record(path, self.fingerprint, self.signature)
+        with self._lock:
+            self._records[path.name] = record
+        return record
 
     def _remove_superseded(self, record: StoredEntry) -> None:
         """Removes the blocks `record` supersedes (`chains.superseded_by`): a conversation
@@ -399,6 +402,9 @@ class DiskStore:
                     total -= size
                     logger.debug("disk cache evict file=%s bytes=%d", path.name, size)
                 self._forget(path.name)
+        with self._lock:
+            kept = list(self._records.values())
+        self.replies.sweep(kept)  # the records of the chains removed go with them
 
     # -- reports --------------------------------------------------------------------------
 

@@ -13,6 +13,9 @@ messages to the same ids (a fresh Runner compared with a used one sees the same 
 reply is remembered only when its text is exactly what its ids decode to: not one cut by a stop
 string (its ids go past the text), nor a cancelled one. Keyed by the request's cache salt
 digest, so one tenant's prompt never takes another's reply ids (its token count would tell).
+With a disk tier, the replies are also kept on disk (`mlxkv.runner.disk.replies`, written
+behind with their turns' blocks) and read back when a Runner starts (`ReplyTokens.restore`): a
+restarted process, or a model loaded again, renders them as their ids too.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +47,17 @@ def remember_reply(tokenizer: Any, completion: Completion, salt: str | None) -> 
     replies_for(tokenizer).remember(completion, salt)
 
 
+def is_rememberable(completion: Completion) -> bool:
+    """True when a reply's text is exactly what its ids decode to, so that ids may stand for
+    it: not one cut by a stop string (its ids go past the text), nor a cancelled one."""
+    return (
+        bool(completion.text)
+        and completion.stop_string is None
+        and completion.finish_reason in ("stop", "length")
+        and 0 < len(completion.tokens) <= MAX_REPLY_TOKENS
+    )
+
+
 def replies_for(tokenizer: Any) -> ReplyTokens:
     """The reply memory of `tokenizer` (mlx-lm's wrapper of a loaded model), made on first use;
     it lives as long as the tokenizer."""
@@ -65,22 +79,37 @@ class ReplyTokens:
 
     def remember(self, completion: Completion, salt: str | None) -> None:
         """Keeps the ids of a finished reply, if its text is exactly theirs."""
-        tokens = completion.tokens
-        if (
-            not completion.text
-            or completion.stop_string is not None
-            or completion.finish_reason not in ("stop", "length")
-            or not 0 < len(tokens) <= MAX_REPLY_TOKENS
-        ):
-            return
-        key = (salt, completion.text)
+        if is_rememberable(completion):
+            with self._lock:
+                self._keep(salt, completion.text, completion.tokens)
+                self._trim()
+
+    def restore(self, stored: Iterable[tuple[str | None, str, Sequence[int]]]) -> None:
+        """Takes the (salt, text, ids) of replies kept on disk (`DiskStore.stored_replies`) or
+        by the model's previous load (`items`), oldest first, as older than every reply
+        remembered here; a reply known here keeps its place."""
         with self._lock:
-            old = self._ids.pop(key, None)
-            self._num_tokens -= 0 if old is None else old.size
-            self._ids[key] = np.asarray(tokens, dtype=np.uint32)
-            self._num_tokens += len(tokens)
-            while len(self._ids) > MAX_REPLIES or self._num_tokens > MAX_REPLY_TOKENS:
-                self._num_tokens -= self._ids.popitem(last=False)[1].size
+            for salt, text, ids in reversed(list(stored)):
+                if (salt, text) not in self._ids and 0 < len(ids) <= MAX_REPLY_TOKENS:
+                    self._keep(salt, text, ids)
+                    self._ids.move_to_end((salt, text), last=False)
+            self._trim()
+
+    def items(self) -> list[tuple[str | None, str, list[int]]]:
+        """Every remembered reply as (salt, text, ids), oldest first (`restore` takes them)."""
+        with self._lock:
+            return [(salt, text, ids.tolist()) for (salt, text), ids in self._ids.items()]
+
+    def _keep(self, salt: str | None, text: str, tokens: Sequence[int]) -> None:
+        key = (salt, text)
+        old = self._ids.pop(key, None)
+        self._num_tokens -= 0 if old is None else old.size
+        self._ids[key] = np.asarray(tokens, dtype=np.uint32)
+        self._num_tokens += len(tokens)
+
+    def _trim(self) -> None:  # the oldest go first
+        while len(self._ids) > MAX_REPLIES or self._num_tokens > MAX_REPLY_TOKENS:
+            self._num_tokens -= self._ids.popitem(last=False)[1].size
 
     def known_in(self, prompt: Any, salt: str | None) -> dict[str, list[int]]:
         """The ids of the replies of `salt`'s domain that `prompt`'s assistant messages send

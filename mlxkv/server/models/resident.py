@@ -11,6 +11,8 @@ Invariants:
   - a model loads once however many requests wait for it (the others wait for that load);
   - unloading writes the model's cache to its disk tier (`Runner.close`) before a request can
     load it again, so a model loaded again starts warm;
+  - a model loaded again (its fingerprint unchanged) knows the replies its last load
+    generated (`text.replies`): one sent back renders as their ids, with or without a disk tier;
   - a model given loaded (a Runner, not a `ModelLoader`) is never unloaded: nothing could load
     it again.
 Every decision runs on the event loop (the slow parts, loading and closing, on a thread), so
@@ -41,6 +43,7 @@ from mlxkv.models.capabilities import (
 )
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.runner.runner import Runner
+from mlxkv.runner.text.replies import ReplyTokens, replies_for
 from mlxkv.server.errors import ApiError
 from mlxkv.server.worker import GenerationWorker
 
@@ -99,6 +102,7 @@ class ResidentModel:
         self._expiry = 0  # bumped at each request's end: an older timer does nothing
         self._unload_at_end = False  # an unload asked for while requests were in flight
         self._timer: asyncio.TimerHandle | None = None
+        self._replies: ReplyTokens | None = None  # its last load's reply memory
 
     @property
     def pinned(self) -> bool:
@@ -112,11 +116,18 @@ class ResidentModel:
 
     def _attach(self, runner: Runner, worker: GenerationWorker) -> None:
         weights = sum(w.nbytes for _, w in tree_flatten(runner.loaded.model.parameters()))
+        digest = model_fingerprint(runner.loaded)
+        replies = replies_for(runner.tokenizer)
+        if self._replies is not None and self.facts is not None and self.facts.digest == digest:
+            # loaded again (keep_alive, the memory budget): the replies its last load
+            # generated render as their ids still (with a disk tier, its records say so too)
+            replies.restore(self._replies.items())
+        self._replies = replies
         self.facts = ModelFacts(
             capabilities=model_capabilities(
                 runner.tokenizer, generates=not runner.loaded.is_encoder
             ),
-            digest=model_fingerprint(runner.loaded),
+            digest=digest,
             config=dict(runner.loaded.config),
             weights_bytes=weights,
         )

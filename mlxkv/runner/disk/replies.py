@@ -1,0 +1,279 @@
+"""The reply memory on disk: a record of each reply the model generated, so that a restarted
+process (or a model loaded again) renders a reply sent back as the ids its blocks hold.
+
+Owns the record's file (`<model directory>/<32 hex>.reply`: the disk tier's safetensors format
+with no arrays, its header holding the salt, the reply's text and ids, where in a chain it ends,
+and a CRC-32 like every block's), reading and checking one (`read_reply`), whether the blocks
+on disk still hold its reply (`is_held`, over `IndexedBlocks`), and the records of one model
+(`ReplyRecords`: made into write jobs, read back, removed with their chains). Does not own the
+in-memory reply memory (`mlxkv.runner.text.replies`) or the writer (`store`, `writer`).
+
+Terms: a record's `anchor` is the key of the last whole block of the tokens through its
+reply's end (the prompt, then the reply less its last id, which a reply cut by `max_tokens`
+never fed), None when they fill no whole block; its `tail` is the tokens after that block. Its
+reply is held while the anchor is indexed and a block after it begins with the tail: records of
+chains the budget evicts (or that a later turn replaced with other ids) are removed with them.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mlxkv.cache.prefix import common_prefix_length
+from mlxkv.runner.disk.files import (
+    CRC_PLACEHOLDER,
+    FORMAT_FAMILY,
+    BadFile,
+    StoredEntry,
+    check_crc,
+    read_header,
+    remove_own_file,
+    token_key,
+)
+from mlxkv.runner.disk.writer import WriteJob
+
+logger = logging.getLogger(__name__)
+
+REPLY_FORMAT = f"{FORMAT_FAMILY}reply-1"
+REPLY_SUFFIX = ".reply"
+_NAME = re.compile(r"[0-9a-f]{32}\.reply")
+
+
+@dataclass(frozen=True)
+class StoredReply:
+    """One record: the ids the model generated for `text` in `salt`'s domain."""
+
+    path: Path
+    salt: str | None
+    text: str
+    ids: list[int]
+    anchor: str | None
+    tail: np.ndarray
+    tail_start: int  # where `tail` begins in its chain, in tokens
+
+
+def reply_name(salt: str | None, text: str) -> str:
+    """The record's file name: one per (domain, text), as the memory keys them."""
+    digest = hashlib.sha256(f"{salt or ''}\n{text}".encode()).hexdigest()[:32]
+    return digest + REPLY_SUFFIX
+
+
+def reply_metadata(
+    fingerprint: str,
+    signature: str,
+    *,
+    salt: str | None,
+    text: str,
+    ids: np.ndarray,
+    anchor: str | None,
+    tail: np.ndarray,
+    tail_start: int,
+) -> dict[str, str]:
+    """The header metadata of a record's file, its CRC-32 still the placeholder."""
+    return {
+        "format": REPLY_FORMAT,
+        "fingerprint": fingerprint,
+        "signature": signature,
+        "text": text,
+        "ids": _pack(ids),
+        "tail": _pack(tail),
+        "tail_start": str(tail_start),
+        "crc32": CRC_PLACEHOLDER,
+        **({"anchor": anchor} if anchor else {}),
+        **({"salt": salt} if salt else {}),
+    }
+
+
+def read_reply(path: Path, fingerprint: str, signature: str) -> StoredReply:
+    """The record at `path`, its header, size and CRC checked.
+
+    Raises:
+        BadFile: torn, corrupt, of another version, model or cache layout, or named otherwise
+            than its domain and text.
+        OSError: it cannot be read now.
+    """
+    metadata, data_start = read_header(path)
+    if metadata.get("format") != REPLY_FORMAT:
+        raise BadFile(f"written by another version of mlxkv ({metadata.get('format')})")
+    if metadata.get("fingerprint") != fingerprint:
+        raise BadFile("written for another model (fingerprint differs)")
+    if metadata.get("signature") != signature:
+        raise BadFile("written for another cache layout")
+    check_crc(path, data_start, metadata)
+    try:
+        text, salt = metadata["text"], metadata.get("salt") or None
+        reply = StoredReply(
+            path,
+            salt,
+            text,
+            _unpack(metadata["ids"]).tolist(),
+            metadata.get("anchor") or None,
+            _unpack(metadata["tail"]),
+            int(metadata["tail_start"]),
+        )
+    except (KeyError, ValueError, TypeError) as error:
+        raise BadFile(f"unreadable metadata ({error})") from error
+    if path.name != reply_name(salt, text) or not reply.ids:
+        raise BadFile("its name does not match its reply")
+    return reply
+
+
+@dataclass
+class IndexedBlocks:
+    """The blocks indexed, as a record's check asks about them: every key, and the blocks by
+    their parent's key (None: the first of a chain) and first token, so a check looks at the
+    few that may begin with its tail, not at every block."""
+
+    keys: set[str]
+    children: dict[tuple[str | None, int], list[StoredEntry]]
+
+    @classmethod
+    def of(cls, records: Iterable[StoredEntry]) -> IndexedBlocks:
+        indexed = cls(set(), {})
+        for record in records:
+            indexed.keys.add(record.key)
+            if record.num_tokens:
+                at = (record.parent, int(record.tokens[0]))
+                indexed.children.setdefault(at, []).append(record)
+        return indexed
+
+
+def is_held(reply: StoredReply, blocks: IndexedBlocks) -> bool:
+    """True while `blocks` hold the tokens through `reply`'s end in its domain: its anchor
+    block (whose key names its tokens, salt and every block before it), and one after it
+    that begins with its tail."""
+    if reply.anchor is not None and reply.anchor not in blocks.keys:
+        return False
+    return reply.tail.size == 0 or any(
+        block.start == reply.tail_start
+        and block.salt == reply.salt
+        and common_prefix_length(block.tokens, reply.tail) == reply.tail.size
+        for block in blocks.children.get((reply.anchor, int(reply.tail[0])), [])
+    )
+
+
+class ReplyRecords:
+    """The records of one model directory: made into write jobs, read back at start (checked,
+    those whose blocks are gone removed) and removed when their chains go.
+
+    Args:
+        directory: the model's directory of the disk tier.
+        fingerprint, signature: the model's and cache layout's, as its blocks carry them.
+    """
+
+    def __init__(self, directory: Path, fingerprint: str, signature: str):
+        self.directory = directory
+        self.fingerprint = fingerprint
+        self.signature = signature
+        self._lock = threading.Lock()  # guards _known
+        self._known: dict[str, StoredReply] = {}  # by file name: written or read here
+
+    def job(
+        self, through: np.ndarray, ids: list[int], text: str, salt: str | None, block_tokens: int
+    ) -> WriteJob:
+        """The write of the record of reply `ids` (`text`), whose chain holds `through` (its
+        prompt and the reply less its last id) in `salt`'s domain, in blocks of
+        `block_tokens`."""
+        whole = through.size // block_tokens * block_tokens
+        anchor = None
+        for start in range(0, whole, block_tokens):
+            anchor = token_key(through[start : start + block_tokens], salt, anchor)
+        metadata = reply_metadata(
+            self.fingerprint,
+            self.signature,
+            salt=salt,
+            text=text,
+            ids=np.asarray(ids),
+            anchor=anchor,
+            tail=through[whole:],
+            tail_start=whole,
+        )
+        return WriteJob({}, metadata, reply_name(salt, text), 0)
+
+    def written(self, path: Path) -> None:
+        """Indexes the record just renamed into place (`files.write_file`)."""
+        reply = read_reply(path, self.fingerprint, self.signature)
+        with self._lock:
+            self._known[path.name] = reply
+
+    def load(self, records: list[StoredEntry], limit: int) -> list[StoredReply]:
+        """The newest `limit` records (by their files' times) whose replies `records` (the
+        blocks indexed) hold, oldest first; only those are read in full. A record that must
+        not be read is one warning (removed when its header proves it this tier's); one whose
+        blocks are gone, or older than those kept, is removed."""
+        blocks = IndexedBlocks.of(records)
+        kept: list[StoredReply] = []
+        for entry in sorted(_record_files(self.directory), key=_mtime_ns, reverse=True):
+            path = Path(entry.path)
+            try:
+                if len(kept) >= limit:  # older than those kept: proven this tier's, removed
+                    read_header(path)
+                    remove_own_file(path)
+                elif is_held(reply := read_reply(path, *self._model), blocks):
+                    kept.append(reply)
+                else:
+                    remove_own_file(path)
+                    logger.debug("disk cache: reply record %s went with its chain", path.name)
+            except BadFile as why:
+                removed = why.ours and remove_own_file(path)
+                logger.warning(
+                    "disk cache: ignoring reply record %s%s: %s",
+                    path.name,
+                    " (removed)" if removed else "",
+                    why,
+                )
+            except OSError as error:
+                logger.warning("disk cache: could not read %s now (%s)", path.name, error)
+        with self._lock:
+            self._known.update({reply.path.name: reply for reply in kept})
+        return kept[::-1]
+
+    def sweep(self, records: list[StoredEntry]) -> None:
+        """Removes the records whose replies the blocks `records` no longer hold."""
+        blocks = IndexedBlocks.of(records)
+        with self._lock:
+            known = list(self._known.values())
+        for reply in known:
+            if not is_held(reply, blocks):
+                remove_own_file(reply.path)
+                logger.debug("disk cache: reply record %s went with its chain", reply.path.name)
+                with self._lock:
+                    self._known.pop(reply.path.name, None)
+
+    @property
+    def _model(self) -> tuple[str, str]:
+        return self.fingerprint, self.signature
+
+
+def _mtime_ns(entry: os.DirEntry) -> int:
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _record_files(directory: Path) -> list[os.DirEntry]:
+    """Regular files named as records are (never a link or a pipe)."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    return [e for e in entries if _NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
+
+
+def _pack(ids: np.ndarray) -> str:
+    return base64.b64encode(np.asarray(ids, dtype="<u4").tobytes()).decode()
+
+
+def _unpack(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype="<u4").astype(np.uint32)
