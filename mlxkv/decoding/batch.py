@@ -49,17 +49,34 @@ logger = logging.getLogger(__name__)
 _CLEAR_CACHE_EVERY_STEPS = 256
 
 
+class _Picked:
+    """The tokens one step picked, one per row in the step's row order (or the token a row
+    joined with), read back to the host at most once: the first row to read its token reads
+    every row's (one sync per step; a read per row would stop the thread at each)."""
+
+    __slots__ = ("tokens", "_ids")
+
+    def __init__(self, tokens: mx.array):
+        self.tokens = tokens  # (rows,), lazy
+        self._ids: list[int] | None = None
+
+    def id(self, row: int) -> int:
+        if self._ids is None:
+            self._ids = self.tokens.tolist()
+        return self._ids[row]
+
+
 @dataclass(eq=False)
 class _Row:
-    """One request's sequence in the batch."""
+    """One request's sequence in the batch. Its tokens are (step's `_Picked`, index) pairs."""
 
     cache: ModelCache  # the entry: as it was at the join until the row leaves
     pick: TokenPicker
     left: int  # tokens still to produce
     step_tokens: int  # the entry's K/V growth step, kept when its K/V come back
-    next_input: mx.array  # the last token picked, fed by the next step
-    fed: list[mx.array] = field(default_factory=list)  # fed since the join, lazily
-    out: deque[mx.array] = field(default_factory=deque)  # picked, not yet read
+    next_input: tuple[_Picked, int]  # the last token picked, fed by the next step
+    fed: list[tuple[_Picked, int]] = field(default_factory=list)  # fed since the join
+    out: deque[tuple[_Picked, int]] = field(default_factory=deque)  # picked, not yet read
     failure: BaseException | None = None
     fresh: bool = True  # joined, in no step yet, never paused for one
 
@@ -100,7 +117,7 @@ class DecodeBatch:
     def join(self, cache: ModelCache, first: mx.array, pick: TokenPicker, left: int) -> _Row:
         """Adds a row for `cache`, whose next input is `first` (picked, not fed), to produce
         `left` more tokens with `pick`."""
-        row = _Row(cache, pick, left, cache.layers[0].step, first)
+        row = _Row(cache, pick, left, cache.layers[0].step, (_Picked(first.reshape(1)), 0))
         self._kv.join(cache)
         self._rows.append(row)
         return row
@@ -113,18 +130,19 @@ class DecodeBatch:
         row.fresh = False
         return self._others_waiting()
 
-    def next_token(self, row: _Row) -> mx.array | None:
-        """The row's next token (lazy, its step already queued), or None when it has all."""
+    def next_token(self, row: _Row) -> int | None:
+        """The row's next token id (the step after it queued first, so that it runs while this
+        one is read back), or None when it has all."""
         if row.failure is not None:
             raise row.failure
         if not row.out:
             if row not in self._rows:
                 return None
             self._step()
-        token = row.out.popleft()
+        picked, index = row.out.popleft()
         if not row.out and row in self._rows:
-            self._step()  # queued before the caller reads this token back
-        return token
+            self._step()  # queued before this token is read back
+        return picked.id(index)
 
     def leave(self, row: _Row) -> None:
         """Takes the row out of the batch (if still in), handing its K/V to its entry, less
@@ -145,25 +163,24 @@ class DecodeBatch:
             raise row.failure
         if row in self._rows:
             self._part(row)
-        tokens = [int(token.item()) for token in row.out]
+        tokens = [picked.id(index) for picked, index in row.out]
         row.out.clear()
         return tokens
 
     def _step(self) -> None:
         rows = self._rows
-        inputs = mx.concatenate([row.next_input for row in rows]).reshape(len(rows), 1)
         try:
-            logits = self._model(inputs, cache=self._kv.layers)[:, -1, :]
-            picked = _pick(rows, logits)
-            mx.async_eval(picked)
+            logits = self._model(_inputs(rows), cache=self._kv.layers)[:, -1, :]
+            picked = _Picked(_pick(rows, logits))
+            mx.async_eval(picked.tokens)
         except BaseException as error:  # the model, or one row's processors (a grammar)
             self._fail(error)
             raise
-        for row, token in zip(rows, picked, strict=True):
+        for i, row in enumerate(rows):
             row.fresh = False
             row.fed.append(row.next_input)
-            row.next_input = token
-            row.out.append(token)
+            row.next_input = (picked, i)
+            row.out.append((picked, i))
             row.left -= 1
         for row in [row for row in rows if row.left <= 0]:
             self._part(row)
@@ -175,7 +192,7 @@ class DecodeBatch:
         """Hands the row's K/V back to its entry, with the tokens fed since the join."""
         layers = self._kv.part(self._rows.index(row), row.step_tokens)
         self._rows.remove(row)
-        fed = mx.concatenate(row.fed).tolist() if row.fed else []
+        fed = [picked.id(index) for picked, index in row.fed]
         row.fed.clear()
         row.cache.adopt(layers, row.cache.tokens + fed, row.cache.checkpoints)
 
@@ -190,15 +207,31 @@ class DecodeBatch:
         self._kv = BatchedKV()
 
 
-def _pick(rows: list[_Row], logits: mx.array) -> list[mx.array]:
-    """Each row's next token, shape (1,), from its logits (one row of `logits` each): the
+def _inputs(rows: list[_Row]) -> mx.array:
+    """The step's input (rows, 1): each row's last picked token. Rows that all come from the
+    last step, in its order (a batch no row joined or left since), feed its tokens as they
+    are, without a slice per row."""
+    last = rows[0].next_input[0]
+    if last.tokens.size == len(rows) and all(
+        row.next_input == (last, i) for i, row in enumerate(rows)
+    ):
+        return last.tokens.reshape(len(rows), 1)
+    inputs = [picked.tokens[index : index + 1] for picked, index in (r.next_input for r in rows)]
+    return mx.concatenate(inputs).reshape(len(rows), 1)
+
+
+def _pick(rows: list[_Row], logits: mx.array) -> mx.array:
+    """The rows' next tokens, shape (rows,), from their logits (one row of `logits` each): the
     `bare_argmax` rows' in one op for all of them (the same tokens as row by row)."""
     bare = [i for i, row in enumerate(rows) if row.pick.bare_argmax]
+    if len(bare) == len(rows):
+        return mx.argmax(logits, axis=-1)
     picked: dict[int, mx.array] = {}
     if bare:
-        tokens = mx.argmax(logits if len(bare) == len(rows) else logits[mx.array(bare)], axis=-1)
+        tokens = mx.argmax(logits[mx.array(bare)], axis=-1)
         picked = {i: tokens[j : j + 1] for j, i in enumerate(bare)}
-    return [picked[i] if i in picked else row.pick(logits[i : i + 1]) for i, row in enumerate(rows)]
+    own = [picked[i] if i in picked else row.pick(logits[i : i + 1]) for i, row in enumerate(rows)]
+    return mx.concatenate(own)
 
 
 def batched_tokens(
@@ -244,7 +277,7 @@ def joined_tokens(
                 continue
             if (token := batch.next_token(row)) is None:
                 break
-            yield token.item()
+            yield token
             if leave_when is not None and leave_when():
                 return batch.detach(row)
     finally:

@@ -28,7 +28,10 @@ from mlxkv.config import (
     encoder_cache_bytes,
     format_bytes,
 )
+from mlxkv.decoding.batch import DecodeBatch
 from mlxkv.decoding.drafts import DraftModel
+from mlxkv.decoding.picker import TokenPicker
+from mlxkv.decoding.prefill.batched import prefill_together
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel
 from mlxkv.models.vision import EncoderCache
@@ -45,6 +48,8 @@ logger = logging.getLogger(__name__)
 # The warm-up's prefill chunk and draft verification widths (tokens).
 _WARMUP_CHUNK_TOKENS = 32
 _WARMUP_DRAFT_TOKENS = 4
+# The warm-up's batched prompts: two rows of different lengths, so that padding is masked.
+_WARMUP_BATCH_PROMPTS = ([0, 0, 0], [0, 0])
 
 
 def make_pool(
@@ -165,11 +170,14 @@ def make_layers(model: nn.Module, config: RunnerConfig) -> ModelCache:
     return make_cache(model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
 
 
-def warm_up(loaded: LoadedModel, draft: DraftModel | None, config: RunnerConfig) -> None:
+def warm_up(
+    loaded: LoadedModel, draft: DraftModel | None, config: RunnerConfig, max_batch: int
+) -> None:
     """One forward pass per shape class a request meets (a prefill chunk, a draft's
-    verification, a decode step) on a scratch cache, for the model and the draft model: MLX
-    compiles kernels for new shapes (9.8 s for the first request on an H100), here instead of
-    in the first user's request. Touches no entry."""
+    verification, a decode step; with `max_batch` over 1 and K/V that batch, prompts prefilled
+    together and batched decode steps) on scratch caches, for the model and the draft model:
+    MLX compiles kernels for new shapes (9.8 s for the first request on an H100), here instead
+    of in the first user's request. Touches no entry."""
     if loaded.is_encoder:  # nothing generates: the first embedding compiles its own shapes
         return
     start = time.perf_counter()
@@ -181,4 +189,23 @@ def warm_up(loaded: LoadedModel, draft: DraftModel | None, config: RunnerConfig)
         for width in (chunk, _WARMUP_DRAFT_TOKENS, 1):
             if width > 0:
                 mx.eval(mx.argmax(cache.forward(model, [0] * width)[:, -1, :], axis=-1))
+    if max_batch > 1 and can_batch(models[0][1]):
+        _warm_up_batch(loaded.model, config)
     logger.info("warm-up: %.2f s", time.perf_counter() - start)
+
+
+def _warm_up_batch(model: nn.Module, config: RunnerConfig) -> None:
+    """Two prompts prefilled together, then a batched decode step, as concurrent requests
+    run (the drafts of speculation never batch): the batched path's own kernels (padding
+    masks, the rows' K/V joined and parted, (B, 1) steps) compile here rather than in the
+    first requests that decode together."""
+    caches = [make_layers(model, config) for _ in _WARMUP_BATCH_PROMPTS]
+    last_logits = prefill_together(model, caches, _WARMUP_BATCH_PROMPTS)
+    batch = DecodeBatch(model, max_rows=len(caches))
+    greedy = TokenPicker(lambda logits: mx.argmax(logits, axis=-1), [], [], greedy=True)
+    rows = [
+        batch.join(cache, mx.argmax(logits, axis=-1), greedy, 1)
+        for cache, logits in zip(caches, last_logits, strict=True)
+    ]
+    for row in rows:
+        batch.next_token(row)  # one step for both; each row then has its token and leaves

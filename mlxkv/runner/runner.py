@@ -94,9 +94,9 @@ class Runner:
         self._pool = make_pool(loaded, self._make_entry, config)
         if self._pool.store is not None:  # a Runner dropped without close() stops its writer
             weakref.finalize(self, self._pool.store.close)
-        if config.warmup:
-            self._engine.call(warm_up, loaded, self._draft, config)
         self.max_batch = choose_max_batch(config, per_token_bytes, self._make_entry())
+        if config.warmup:
+            self._engine.call(warm_up, loaded, self._draft, config, self.max_batch)
         self._dispatch = Dispatcher(
             loaded,
             self._pool,

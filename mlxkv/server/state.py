@@ -157,20 +157,53 @@ def event_stream(
 
 async def _with_keepalive(events: AsyncIterator[str], keepalive: str) -> AsyncIterator[str]:
     """`events`, with `keepalive` between them whenever the next one takes longer than
-    `KEEPALIVE_INTERVAL_S`. The pending read is waited on, never cancelled: cancelling it
-    would close the generation."""
-    iterator = aiter(events)
-    pending: asyncio.Future[str] | None = None
+    `KEEPALIVE_INTERVAL_S`. A reading task takes the events at most one ahead of the
+    response (a client that stops reading still stalls its generation) and a timer armed once
+    per interval, not per event, adds the keep-alives: a task and a timed wait per event cost
+    the event loop, which serves every stream, about 40 us an event on this CPU, this 15.
+    The pending read is never cancelled before the end: cancelling it closes the generation."""
+    loop = asyncio.get_running_loop()
+    interval_s = KEEPALIVE_INTERVAL_S
+    handoff: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
+    last_s = loop.time()  # when the last event (or keep-alive) was handed over
+
+    async def read() -> None:
+        nonlocal last_s
+        try:
+            async for event in events:
+                await handoff.put(event)
+                last_s = loop.time()
+        except Exception as error:  # raised where the response reads it
+            await handoff.put(_Raised(error))
+            return
+        await handoff.put(_END_OF_EVENTS)
+
+    def tick() -> None:
+        nonlocal last_s, timer
+        idle_s = loop.time() - last_s
+        if idle_s >= interval_s and handoff.empty():
+            handoff.put_nowait(keepalive)
+            last_s, idle_s = loop.time(), 0.0
+        timer = loop.call_later(max(interval_s - idle_s, 0.0), tick)
+
+    reader = asyncio.ensure_future(read())
+    timer = loop.call_later(interval_s, tick)
     try:
-        while True:
-            pending = asyncio.ensure_future(anext(iterator))
-            while not (await asyncio.wait({pending}, timeout=KEEPALIVE_INTERVAL_S))[0]:
-                yield keepalive
-            try:
-                event = pending.result()
-            except StopAsyncIteration:
-                return
+        while (event := await handoff.get()) is not _END_OF_EVENTS:
+            if isinstance(event, _Raised):
+                raise event.error
             yield event
     finally:  # the response was closed early (a client that left): end the read too
-        if pending is not None and not pending.done():
-            pending.cancel()
+        timer.cancel()
+        if not reader.done():
+            reader.cancel()
+
+
+_END_OF_EVENTS = object()  # handed over after the last event
+
+
+@dataclass(frozen=True)
+class _Raised:
+    """What reading the events raised, handed over in their place."""
+
+    error: Exception

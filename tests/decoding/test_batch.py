@@ -207,3 +207,38 @@ def test_rows_joining_while_other_work_waits_pause_once_and_share_their_first_st
         assert PAUSE not in streamed and streamed == alone[i][0]
         _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, alone[i][0])
     assert steps[0] == 2
+
+
+def test_a_step_is_read_back_once_for_all_its_rows(llama, monkeypatch):
+    """Greedy rows that keep no log-probabilities (picked by one argmax for all): their tokens
+    are the ones each decodes alone, and each step's tokens come back to the host in one read,
+    not one per row (each read waits for the device)."""
+    import mlxkv.decoding.batch as batch_module
+
+    model, alone = llama
+    reads = []
+
+    class Counted(batch_module._Picked):
+        def id(self, row):
+            if self._ids is None:
+                reads.append(self)
+            return super().id(row)
+
+    monkeypatch.setattr(batch_module, "_Picked", Counted)
+    batch = DecodeBatch(model, max_rows=3)
+    sequences = []
+    for prompt in PROMPTS[:3]:
+        cache, logits, _ = _start(model, prompt)
+        pick = TokenPicker(
+            SamplingParams(temperature=0.0).make_sampler(512), [], prompt, greedy=True
+        )
+        assert pick.bare_argmax
+        sequences.append(batched_tokens(batch, cache, logits, pick, 5))
+    streamed = [[next(tokens)] for tokens in sequences]  # the first tokens, before any step
+    for _ in range(4):
+        for tokens, out in zip(sequences, streamed, strict=True):
+            out.append(next(tokens))
+    assert streamed == [tokens[:5] for tokens, _ in alone[:3]]
+    # One read per step, whatever its rows, and the token each row joined with, read as it
+    # leaves (its entry's record).
+    assert len(reads) == batch._steps + len(sequences)
