@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -58,13 +57,11 @@ from mlxkv.runner.disk.files import (
     SUFFIX,
     BadFile,
     StoredEntry,
-    check_crc,
     check_writable,
     entry_metadata,
     fsync_directory,
     own_files,
     patch_crc,
-    read_header,
     read_record,
     remove_orphaned_temporaries,
     remove_own_file,
@@ -72,6 +69,7 @@ from mlxkv.runner.disk.files import (
     touch,
     why_unwritten,
 )
+from mlxkv.runner.disk.reading import read_blocks
 from mlxkv.runner.disk.writer import BackgroundWriter, WriteJob
 
 logger = logging.getLogger(__name__)
@@ -207,11 +205,7 @@ class DiskStore:
         the cache holds the longest prefix the blocks before it restore (`partial_restores`;
         the request prefills the rest), None when they restore none."""
         started = time.perf_counter()
-        blocks: list[tuple[dict[str, mx.array], dict]] = []
-        for block in chain.blocks:
-            if (read := self._read_block(block)) is None:
-                break
-            blocks.append(read)
+        blocks = read_blocks(chain.blocks, self._reject)
         restores = partial_restores(chain, trimmable=self.trimmable)
         restores = [r for r in restores if len(r.blocks) <= len(blocks)]
         if not restores:
@@ -246,20 +240,16 @@ class DiskStore:
         )
         return cache
 
-    def _read_block(self, block: StoredEntry) -> tuple[dict[str, mx.array], dict] | None:
-        """A block's arrays and layout, its header and CRC checked; None when it must not be
-        loaded (removed if corrupt, with one warning) or cannot be read now (kept)."""
-        try:
-            metadata, data_start = read_header(block.path)
-            check_crc(block.path, data_start, metadata)
-            return mx.load(str(block.path)), json.loads(metadata["layout"])
-        except FileNotFoundError:
+    def _reject(self, block: StoredEntry, error: Exception) -> None:
+        """What a block that failed to read (`reading.read_blocks`) leaves: gone, forgotten;
+        corrupt or foreign, discarded; unreadable now for a reason that proves nothing about
+        the file, kept."""
+        if isinstance(error, FileNotFoundError):
             self._forget(block.path.name)
-        except (BadFile, ValueError, KeyError, TypeError) as why:
-            self._discard(block.path, why)
-        except (OSError, RuntimeError, MemoryError) as error:
+        elif isinstance(error, (BadFile, ValueError, KeyError, TypeError)):
+            self._discard(block.path, error)
+        else:
             self._unreadable_now(block, error)
-        return None
 
     @staticmethod
     def _unreadable_now(block: StoredEntry, error: Exception) -> None:
