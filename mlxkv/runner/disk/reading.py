@@ -22,7 +22,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.runner.disk.files import BadFile, StoredEntry, check_crc, read_header
+from mlxkv.runner.disk.files import (
+    BadFile,
+    StoredEntry,
+    check_header,
+    check_sections,
+    read_header,
+)
 
 # Files checked at once: one per core, at most 4 (beyond that the disk, not the CRC, limits).
 CHECK_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -33,15 +39,17 @@ ReadBlock = tuple[dict[str, mx.array], dict[str, Any]]  # a block's arrays and l
 
 
 def checked_layout(block: StoredEntry) -> dict[str, Any]:
-    """A block file's layout after its header, size and CRC are checked (any thread).
+    """A block file's layout after its header, size and every layer's CRC are checked (any
+    thread).
 
     Raises:
-        BadFile: it must not be loaded (`files.read_header`, `files.check_crc`).
+        BadFile: it must not be loaded (`files.read_header`, `check_header`, `check_sections`).
         OSError: it cannot be read now (or is gone).
     """
-    metadata, data_start = read_header(block.path)
-    check_crc(block.path, data_start, metadata)
-    return json.loads(metadata["layout"])
+    header = read_header(block.path)
+    check_header(header)
+    check_sections(block.path, header, range(len(header.sections)))
+    return json.loads(header.metadata["layout"])
 
 
 def read_blocks(
