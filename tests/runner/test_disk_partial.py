@@ -106,13 +106,13 @@ def test_a_partial_restore_by_the_rule_answers_as_a_fresh_runner(
 
     monkeypatch.setattr(pool_module, "cheapest_restore", dear_tail)
     read = []
-    real_check = reading.checked_layout  # runs on worker threads: the order is not kept
+    real_check = reading.checked_header  # runs on worker threads: the order is not kept
 
-    def recorded(block):
+    def recorded(block, **options):
         read.append(block.path.name)
-        return real_check(block)
+        return real_check(block, **options)
 
-    monkeypatch.setattr(reading, "checked_layout", recorded)
+    monkeypatch.setattr(reading, "checked_header", recorded)
     got = _answer(restarted, follow_up)
     want = _answer(make_runner(arch), follow_up)
     assert got[0] == want[0]
