@@ -10,6 +10,8 @@ Invariants:
   - all attention layers share one offset (== num_tokens), but for K/V layers the model
     never writes, which stay empty (`layer_ops.is_unwritten`);
   - `trim_to(n)` changes nothing unless every layer can go back to n (`can_trim_to`).
+  - a layer restored while its check still runs (`gate`) reaches the model, or any
+    evaluation, only once it passed (`mlxkv.cache.gate`).
 
 Layers whose own cache mlx-lm defines for recurrent state (`ArraysCache`, inside a `CacheList`
 for hybrid models) are kept as they are: they are not trimmable, so `can_trim_to` is False for

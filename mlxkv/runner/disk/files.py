@@ -181,12 +181,11 @@ def token_key(tokens: np.ndarray, salt: str | None = None, parent: str | None = 
 
 @dataclass(frozen=True)
 class Header:
-    """A block file's header: its metadata, where its data starts, and where each layer's
-    section lies (`sections[i]`: the (start, end) byte ranges in the file of layer i's arrays,
-    in file order)."""
+    """A block file's header: its metadata and where each layer's section lies
+    (`sections[i]`: the (start, end) byte ranges in the file of layer i's arrays, in file
+    order)."""
 
     metadata: dict[str, str]
-    data_start: int
     sections: list[list[tuple[int, int]]]
     raw: bytes  # the length prefix and the header, as read
 
@@ -224,7 +223,7 @@ def read_header(path: Path) -> Header:
             raise BadFile(f"array {name} lies in no layer's section")
         if 0 <= layer < num_sections:
             sections[layer].append((data_start + start, data_start + stop))
-    return Header(metadata, data_start, sections, raw)
+    return Header(metadata, sections, raw)
 
 
 def entry_metadata(
