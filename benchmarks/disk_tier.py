@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,6 +38,7 @@ from mlxkv.cache import make_cache
 from mlxkv.cache.serialize import layout_signature
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel, load_model
+from mlxkv.runner.disk import reading
 from mlxkv.runner.disk.store import DiskStore
 from mlxkv.testing.factory import build_model
 
@@ -193,21 +195,44 @@ def _random_kv_store(loaded: LoadedModel, tokens: np.ndarray, cache_dir: str) ->
 def load_seconds(loaded: LoadedModel, num_tokens: int, reps: int) -> dict[str, Stat | int]:
     """Seconds to load `num_tokens` of K/V from the disk tier's blocks into an empty cache,
     from the page cache (the restore alone, without a Runner): random K/V in the model's
-    layout, so lengths past the model's context (SmolLM2: 8k) are measured too."""
+    layout, so lengths past the model's context (SmolLM2: 8k) are measured too. Each
+    repetition loads the files checked whole, one at a time (`reading.CHECK_THREADS` 1) and
+    as shipped, and streamed (`LayerStream`; here nothing overlaps it: the time until every
+    layer is checked and evaluated), alternating the order; and times the checks alone one
+    at a time and as shipped (a phase)."""
     tokens = np.random.default_rng(0).integers(0, 1000, num_tokens).astype(np.uint32)
+    threads = {"serial": 1, "parallel": reading.CHECK_THREADS, "streamed": reading.CHECK_THREADS}
+    seconds: dict[str, list[float]] = {f"{k}_{w}": [] for k in threads for w in ("load", "check")}
     with tempfile.TemporaryDirectory() as cache_dir:
         store = _random_kv_store(loaded, tokens, cache_dir)
         chain, _ = store.best(tokens, num_tokens)
-        seconds = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            restored = store.load(chain, make_cache(loaded.model))
-            seconds.append(time.perf_counter() - start)
-            assert restored is not None and restored.num_tokens == num_tokens
-            del restored
+        for rep in range(reps):
+            for kind in sorted(threads, reverse=bool(rep % 2)):
+                start = time.perf_counter()
+                with ThreadPoolExecutor(threads[kind]) as pool:
+                    list(pool.map(reading.checked_header, chain.blocks))
+                seconds[f"{kind}_check"].append(time.perf_counter() - start)
+                with _check_threads(threads[kind]):
+                    start = time.perf_counter()
+                    restored = store.load(
+                        chain, make_cache(loaded.model), streamed=kind == "streamed"
+                    )
+                    assert restored is not None and restored.num_tokens == num_tokens
+                    mx.eval(restored.arrays())  # streamed: waits for every layer's check
+                    seconds[f"{kind}_load"].append(time.perf_counter() - start)
+                del restored
         nbytes = chain.nbytes
         store.close()
-    return {"load_s": Stat.of(seconds), "nbytes": nbytes}
+    return {**{key: Stat.of(values) for key, values in seconds.items()}, "nbytes": nbytes}
+
+
+@contextlib.contextmanager
+def _check_threads(count: int) -> Iterator[None]:
+    shipped, reading.CHECK_THREADS = reading.CHECK_THREADS, count
+    try:
+        yield
+    finally:
+        reading.CHECK_THREADS = shipped
 
 
 def long_model(work_dir: Path, window_tokens: int) -> LoadedModel:
@@ -354,10 +379,15 @@ def main(argv: list[str] | None = None) -> int:
     if "long" in args.sections:
         _print_long(args.long_sizes, args.cold_tokens)
     if "load" in args.sections:
-        print("\n| tokens loaded (random K/V) | bytes | load s (page cache) |\n|---|---|---|")
+        print(f"\n| tokens loaded (random K/V) | bytes | load s, checked whole 1 at a time | "
+              f"load s, checked whole {reading.CHECK_THREADS} at a time | load s, streamed | "
+              f"checks alone, 1 | checks alone, {reading.CHECK_THREADS} |\n"
+              f"|---|---|---|---|---|---|---|")  # fmt: skip
         for size in args.load_sizes:
             got = load_seconds(loaded, size, args.reps)
-            print(f"| {size} | {format_bytes(got['nbytes'])} | {got['load_s']} |", flush=True)
+            print(f"| {size} | {format_bytes(got['nbytes'])} | {got['serial_load']} | "
+                  f"{got['parallel_load']} | {got['streamed_load']} | {got['serial_check']} | "
+                  f"{got['parallel_check']} |", flush=True)  # fmt: skip
     if "rest" in args.sections:
         _print_rest(loaded, args)
     return 0

@@ -33,6 +33,11 @@ class CacheStateError(MlxkvError):
     """A saved or restored cache state does not fit the cache it is loaded into."""
 
 
+class RestoreBroken(CacheStateError):
+    """A layer of a cache restored from disk while it was used (streamed) failed its check:
+    nothing computed from it may be kept (`mlxkv.cache.gate`)."""
+
+
 class ModelLoadError(MlxkvError):
     """A model could not be found or loaded."""
 

@@ -29,8 +29,13 @@ from mlxkv.cache.model_cache import ModelCache
 
 
 def can_batch(cache: ModelCache) -> bool:
-    """True when every layer of `cache` is a float `KVCache` (the only kind that joins)."""
-    return len(cache.layers) > 0 and all(type(layer) is KVCache for layer in cache.layers)
+    """True when every layer of `cache` is a float `KVCache` (the only kind that joins) and
+    all are checked (no `gate`: a batch's pass evaluates every row's layers)."""
+    return (
+        cache.gate is None
+        and len(cache.layers) > 0
+        and all(type(layer) is KVCache for layer in cache.layers)
+    )
 
 
 class BatchedKV:

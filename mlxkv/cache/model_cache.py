@@ -10,6 +10,8 @@ Invariants:
   - all attention layers share one offset (== num_tokens), but for K/V layers the model
     never writes, which stay empty (`layer_ops.is_unwritten`);
   - `trim_to(n)` changes nothing unless every layer can go back to n (`can_trim_to`).
+  - a layer restored while its check still runs (`gate`) reaches the model, or any
+    evaluation, only once it passed (`mlxkv.cache.gate`).
 
 Layers whose own cache mlx-lm defines for recurrent state (`ArraysCache`, inside a `CacheList`
 for hybrid models) are kept as they are: they are not trimmable, so `can_trim_to` is False for
@@ -28,6 +30,7 @@ import mlx.nn as nn
 
 from mlxkv.cache.checkpoints import add_checkpoint, drop_checkpoints_after
 from mlxkv.cache.footprint import Footprint, measure
+from mlxkv.cache.gate import GatedLayers, LayerGate
 from mlxkv.cache.layer_ops import (
     always_trimmable,
     arrays_of,
@@ -39,7 +42,7 @@ from mlxkv.cache.layer_ops import (
     restore_layer,
 )
 from mlxkv.cache.layers.kv import KVCache, Rotation
-from mlxkv.errors import CacheFullError, NotSupportedError
+from mlxkv.errors import CacheFullError, NotSupportedError, RestoreBroken
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,10 @@ class ModelCache:
         self._num_pending = 0  # their count, kept so num_tokens is O(1) in the decode loop
         # num_tokens -> per-layer snapshot (None for layers that can simply trim back)
         self._checkpoints: dict[int, list[Any]] = {}
+        # Layers restored while their checks still run (`mlxkv.cache.gate`): None once all
+        # passed. A forward hands each layer to the model once it is ready; `arrays`,
+        # `copy_prefix` and `shift` wait for all first.
+        self.gate: LayerGate | None = None
         # Whether `shift` ever ran: deeper layers then keep K/V computed with the dropped
         # tokens, so the cache approximates, and no longer equals, a prefill of its tokens.
         self.shifted = False
@@ -141,8 +148,12 @@ class ModelCache:
                 self.capacity_tokens,
             )
         marks = [mark_layer(layer) for layer in self.layers]
+        layers = self.layers if self.gate is None else GatedLayers(self.layers, self.gate)
         try:
-            logits = model(ids.reshape(1, -1), cache=self.layers)
+            logits = model(ids.reshape(1, -1), cache=layers)
+            if self.gate is not None:  # the layers the model did not ask for, too
+                self.gate.wait_all()
+                self.gate = None
         except BaseException:
             for layer, mark in zip(self.layers, marks, strict=True):
                 restore_layer(layer, mark)
@@ -263,6 +274,7 @@ class ModelCache:
                 f"do not hold {len(tokens)} tokens"
             )
         self.layers = layers
+        self.gate = None
         self._pending.clear()
         self._num_pending = 0
         self._tokens = list(tokens)
@@ -332,6 +344,7 @@ class ModelCache:
                 "this cache cannot shift: it needs float KVCache layers and a known RoPE per "
                 "layer; free() it and prefill the kept tokens instead"
             )
+        self.pass_gate()
         if keep < 0 or drop < 0 or keep + drop > self.num_tokens:
             raise ValueError(
                 f"cannot drop tokens {keep}..{keep + drop - 1}; the cache holds {self.num_tokens}"
@@ -357,6 +370,7 @@ class ModelCache:
             NotSupportedError: neither trimming nor a checkpoint reaches `num_tokens`
                 (`nearest_restorable(num_tokens) != num_tokens`).
         """
+        self.pass_gate()
         if self.nearest_restorable(num_tokens) != num_tokens:
             raise NotSupportedError(
                 f"cannot copy the first {num_tokens} of {self.num_tokens} tokens: some layers "
@@ -377,6 +391,17 @@ class ModelCache:
         clone.adopt(layers, self._tokens[:num_tokens], kept)
         return clone
 
+    def pass_gate(self) -> None:
+        """Waits until every layer of a restore still being checked passed (`gate`); one that
+        fails leaves the cache empty (nothing of the restore is kept)."""
+        if self.gate is None:
+            return
+        try:
+            self.gate.wait_all()
+        except RestoreBroken:
+            self.free()
+        self.gate = None
+
     def free(self) -> None:
         """Drops every token and the memory that held them."""
         self.adopt(self._make_layers(), [], {})
@@ -388,6 +413,7 @@ class ModelCache:
 
     def arrays(self) -> list[mx.array]:
         """Every array the layers hold: what `mx.eval` runs to leave nothing of them lazy."""
+        self.pass_gate()
         return [a for layer in self.layers for a in arrays_of(layer)]
 
     def footprint(self) -> Footprint:

@@ -13,6 +13,7 @@ Terms:
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import mlx.core as mx
@@ -29,6 +30,9 @@ from mlxkv.errors import CacheStateError, NotSupportedError
 _STATEFUL = {
     cls.__name__: cls for cls in (KVCache, QuantizedKVCache, SlidingWindowCache, ChunkedKVCache)
 }
+
+
+_LAYER_NAME = re.compile(r"(?:l|c\d+)\.(\d+)(?:[./]|$)")
 
 
 def cache_to_arrays(cache: ModelCache) -> tuple[dict[str, mx.array], dict[str, Any]]:
@@ -52,6 +56,14 @@ def cache_to_arrays(cache: ModelCache) -> tuple[dict[str, mx.array], dict[str, A
         ],
     }
     return arrays, layout
+
+
+def layer_of(name: str) -> int:
+    """The model layer an array named by `cache_to_arrays` belongs to (a layer's state
+    `l.<i>...`, its snapshot at a checkpoint `c<at>.<i>...`, with whatever follows), -1 for a
+    name of neither form: which layer's section of a disk block it is checked with."""
+    match = _LAYER_NAME.match(name)
+    return int(match.group(1)) if match else -1
 
 
 def arrays_to_cache(

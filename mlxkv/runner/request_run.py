@@ -27,6 +27,7 @@ from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.prefill.chunks import fill
 from mlxkv.decoding.speculative import DraftLength
+from mlxkv.errors import RestoreBroken
 from mlxkv.models.vision import ImagePrompt
 from mlxkv.runner.context import ContextWindow
 from mlxkv.runner.hooks import RequestEnd, notify
@@ -34,6 +35,7 @@ from mlxkv.runner.prefill.fill import PrefillCancelled, fill_prompt
 from mlxkv.runner.prefill.group import PrefillGroup
 from mlxkv.runner.prompt_cache.entry import CacheEntry
 from mlxkv.runner.prompt_cache.pool import CachePool, PrefixHit
+from mlxkv.runner.prompt_cache.restore_again import restore_again
 from mlxkv.runner.request import Request
 from mlxkv.runner.results import CompletionStats, GenerationChunk
 from mlxkv.runner.run_context import RunContext
@@ -149,7 +151,16 @@ def _generate(
     start = time.perf_counter()
     try:
         together = _prefilled_with(request, batching)
-        logits = yield from fill_prompt(model, request, hit, stats, plan=plan, together=together)
+        try:
+            logits = yield from fill_prompt(
+                model, request, hit, stats, plan=plan, together=together
+            )
+        except RestoreBroken:  # before any chunk was fed: the first forward uses every layer
+            hit = restore_again(pool.store, hit, request.tokens)
+            stats.cached = hit.num_cached
+            logits = yield from fill_prompt(
+                model, request, hit, stats, plan=plan, together=together
+            )
     except PrefillCancelled:
         yield stats.final_chunk("", "cancelled")
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mlxkv.runner.disk import reading
 from mlxkv.runner.disk import store as store_module
 from tests.factories import recorded
 from tests.runner.test_disk_tier import _chat, _files
@@ -142,7 +143,7 @@ def test_a_load_reads_only_the_blocks_it_restores(make_runner, tmp_path, monkeyp
     before.close()
     # the second turn edited: the prompt leaves the stored chain in its middle
     edited = messages[:3] + [{"role": "user", "content": "Question 1: a river in Asia?"}]
-    read = recorded(monkeypatch, store_module, "read_header", lambda path: path.name)
+    read = recorded(monkeypatch, reading, "read_header", lambda path: path.name)
     restarted = make_runner(kind, cache_dir=tmp_path)
     starts = {r.path.name: r.start for r in restarted._pool.store._records.values()}
     got = _answer(restarted, edited)

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+from mlxkv.runner.disk import reading as reading_module
 from mlxkv.runner.disk import store as store_module
 from tests.runner.test_disk_tier import SYSTEM, _chat, _files
 
@@ -65,7 +66,7 @@ def test_a_transient_read_error_keeps_the_file(make_runner, tmp_path, monkeypatc
     def out_of_descriptors(*_args):
         raise OSError(errno.EMFILE, "Too many open files")
 
-    monkeypatch.setattr(store_module, "check_crc", out_of_descriptors)
+    monkeypatch.setattr(reading_module, "check_sections", out_of_descriptors)
     restarted = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
     with caplog.at_level(logging.WARNING, logger="mlxkv"):
         out = restarted.generate(follow_up, max_tokens=3)

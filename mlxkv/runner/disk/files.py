@@ -1,10 +1,11 @@
 """The disk tier's files: their names, format and checks, and which files are its own.
 
-Owns the file format (`FORMAT`: MLX's safetensors with mlxkv's metadata and a CRC-32 of the
-whole file, header included), names (`token_key`), a file's metadata (`entry_metadata`),
-reading and checking a header (`read_header`, and `read_record` for the index's
-`StoredEntry`), and the rules for what this tier may remove: regular files with its naming
-whose header says so, never a symlink, a pipe or anything named otherwise. Does not own the
+Owns the file format (`FORMAT`: MLX's safetensors with mlxkv's metadata, a CRC-32 of its
+header and one of each layer's section), names (`token_key`), a file's metadata
+(`entry_metadata`), reading and checking a header (`read_header`, and `read_record` for the
+index's `StoredEntry`) and sections (`check_sections`), and the rules for what this tier may
+remove: regular files with its naming whose header says so, never a symlink, a pipe or
+anything named otherwise. Does not own the
 index (`store`) or the budget (`store`, `budget`).
 
 File: `<directory>/<model key>/<block key>.safetensors` (16 and 32 hex digits), written by
@@ -12,8 +13,12 @@ MLX's safetensors writer; one block of a chain (`chains`): the K/V of its tokens
 layers' snapshots it holds (`blocks`). The block key is the sha256 of its token ids, its salt
 and its parent's key, so it names every token before it too. Its header metadata holds the
 format, the model's fingerprint, the cache's layout signature and the block's layout, its
-token ids, its parent and start, where its conversation's reply began, and a CRC-32 of the
-whole file (header included, its own value read as the placeholder). The model key combines
+token ids, its parent and start, where its conversation's reply began, a CRC-32 of each
+layer's section (`sections`: the bytes of the arrays of model layer i, its K/V slice, state and
+snapshots (`mlxkv.cache.serialize.layer_of`), in file order; 8 hex digits each) and a CRC-32 of
+the header (`crc32`: the length prefix and the header, the sections filled in, its own value
+read as the placeholder). Header and sections together cover every byte a load uses, and a
+layer can be checked, and used, before the layers after it are read. The model key combines
 fingerprint and signature, so models (or kv_bits settings) sharing a directory keep apart; the
 fingerprint is checked again in every file.
 """
@@ -34,7 +39,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,20 +47,23 @@ from typing import Any, TypeVar
 import mlx.core as mx
 import numpy as np
 
+from mlxkv.cache.serialize import layer_of
 from mlxkv.runner.disk.blocks import stops
 from mlxkv.runner.disk.writer import WriteJob
 
 logger = logging.getLogger(__name__)
 
-# 4: blocks for every layer kind (3: blocks for plain K/V models only, one file per entry for
-# the others; 2: one file per entry, no chains; 1: the CRC covered the data alone)
-FORMAT = "mlxkv-kv-4"
+# 5: a CRC per layer's section (4: one CRC of the whole file; 3: blocks for plain K/V models
+# only, one file per entry for the others; 2: one file per entry, no chains; 1: the CRC
+# covered the data alone)
+FORMAT = "mlxkv-kv-5"
 FORMAT_FAMILY = "mlxkv-kv-"  # files of any version are this tier's (older ones are removed)
 SUFFIX = ".safetensors"
 _FILE_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
 _MODEL_DIRECTORY = re.compile(r"[0-9a-f]{16}")
 TEMPORARY_NAME = re.compile(r"\.tmp-(\d+)-[0-9a-f]{32}\.safetensors")
 _CRC_FIELD = b'"crc32":"'
+_SECTIONS_FIELD = b'"sections":"'
 CRC_PLACEHOLDER = "00000000"
 _CHUNK_BYTES = 16 * 2**20
 T = TypeVar("T")
@@ -175,10 +183,21 @@ def token_key(tokens: np.ndarray, salt: str | None = None, parent: str | None = 
     return digest.hexdigest()[:32]
 
 
-def read_header(path: Path) -> tuple[dict[str, str], int]:
-    """A safetensors file's metadata and where its data starts, after checking that the file
-    is exactly as long as its header says (a truncated file fails here). A header that does
-    not parse, or does not name this tier's format, raises BadFile with `ours` False."""
+@dataclass(frozen=True)
+class Header:
+    """A block file's header: its metadata and where each layer's section lies
+    (`sections[i]`: the (start, end) byte ranges in the file of layer i's arrays, in file
+    order)."""
+
+    metadata: dict[str, str]
+    sections: list[list[tuple[int, int]]]
+    raw: bytes  # the length prefix and the header, as read
+
+
+def read_header(path: Path) -> Header:
+    """A safetensors file's header, after checking that the file is exactly as long as its
+    header says (a truncated file fails here). A header that does not parse, or does not name
+    this tier's format, raises BadFile with `ours` False."""
     with open(path, "rb") as file:
         head = file.read(8)
         if len(head) < 8:
@@ -187,17 +206,28 @@ def read_header(path: Path) -> tuple[dict[str, str], int]:
         size = os.fstat(file.fileno()).st_size
         if header_bytes > min(size, 100 * 2**20):
             raise BadFile("header length out of range", ours=False)
+        raw = head + file.read(header_bytes)
         try:
-            header = json.loads(file.read(header_bytes))
+            header = json.loads(raw[8:])
             metadata = header.pop("__metadata__")
             if not str(metadata.get("format", "")).startswith(FORMAT_FAMILY):
                 raise BadFile("not an mlxkv cache file", ours=False)
-            end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+            spans = {name: tuple(int(o) for o in t["data_offsets"]) for name, t in header.items()}
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise BadFile(f"unreadable header ({error})", ours=False) from error
+    end = max((stop for _, stop in spans.values()), default=0)
     if 8 + header_bytes + end != size:
         raise BadFile(f"{size} bytes; its header describes {8 + header_bytes + end}")
-    return metadata, 8 + header_bytes
+    data_start = 8 + header_bytes
+    num_sections = len(metadata.get("sections", "")) // len(CRC_PLACEHOLDER)
+    sections: list[list[tuple[int, int]]] = [[] for _ in range(num_sections)]
+    for name, (start, stop) in sorted(spans.items(), key=lambda item: item[1]):
+        layer = layer_of(name)
+        if metadata.get("format") == FORMAT and not 0 <= layer < num_sections:
+            raise BadFile(f"array {name} lies in no layer's section")
+        if 0 <= layer < num_sections:
+            sections[layer].append((data_start + start, data_start + stop))
+    return Header(metadata, sections, raw)
 
 
 def entry_metadata(
@@ -210,8 +240,8 @@ def entry_metadata(
     parent: str | None = None,
     start: int = 0,
 ) -> dict[str, str]:
-    """The header metadata of a block's file, its CRC-32 still the placeholder (`patch_crc`
-    fills it in once the file is written)."""
+    """The header metadata of a block's file, its CRC-32s still placeholders (`patch_crc`
+    fills them in once the file is written): one per layer of `layout`."""
     return {
         "reply_start": str(reply_start),
         **({"parent": parent, "start": str(start)} if parent else {}),
@@ -222,6 +252,7 @@ def entry_metadata(
         "num_tokens": str(tokens.size),
         "tokens": base64.b64encode(tokens.astype("<u4").tobytes()).decode(),
         "crc32": CRC_PLACEHOLDER,
+        "sections": CRC_PLACEHOLDER * len(layout["layers"]),
         **({"salt": salt} if salt else {}),
     }
 
@@ -234,7 +265,7 @@ def read_record(path: Path, fingerprint: str, signature: str) -> StoredEntry:
             or does not match the file's name.
         OSError: the file cannot be read now.
     """
-    metadata, _ = read_header(path)
+    metadata = read_header(path).metadata
     if metadata.get("format") != FORMAT:
         raise BadFile(f"written by another version of mlxkv ({metadata.get('format')})")
     if metadata.get("fingerprint") != fingerprint:
@@ -264,31 +295,40 @@ def read_record(path: Path, fingerprint: str, signature: str) -> StoredEntry:
     )
 
 
-def _file_crc(file: Any, data_start: int) -> int:
-    """CRC-32 of the whole file, header included, with the header's own CRC value read as
-    the placeholder (so one header byte changed is caught like one data byte)."""
-    file.seek(0)
-    head = file.read(data_start)
-    at = head.find(_CRC_FIELD)
+def _header_crc(raw: bytes) -> int:
+    """CRC-32 of a header (`Header.raw`) with its own CRC value read as the placeholder (so
+    one header byte changed is caught like one data byte)."""
+    at = raw.find(_CRC_FIELD)
     if at < 0:
         raise BadFile("no checksum in its header")
     at += len(_CRC_FIELD)
-    crc = zlib.crc32(head[:at] + CRC_PLACEHOLDER.encode() + head[at + len(CRC_PLACEHOLDER) :])
-    while chunk := file.read(_CHUNK_BYTES):
-        crc = zlib.crc32(chunk, crc)
+    return zlib.crc32(raw[:at] + CRC_PLACEHOLDER.encode() + raw[at + len(CRC_PLACEHOLDER) :])
+
+
+def _section_crc(file: Any, spans: list[tuple[int, int]]) -> int:
+    """CRC-32 of the bytes of `spans` ((start, end) in the file), one after another."""
+    crc = 0
+    for start, end in spans:
+        file.seek(start)
+        while start < end and (chunk := file.read(min(_CHUNK_BYTES, end - start))):
+            crc = zlib.crc32(chunk, crc)
+            start += len(chunk)
     return crc
 
 
 def patch_crc(path: Path) -> None:
-    """Writes the file's CRC-32 into the header's placeholder (same length, so no offset
-    moves) and flushes the file to disk."""
+    """Writes the CRC-32 of each layer's section, then of the header, into their
+    placeholders (same length, so no offset moves), and flushes the file to disk."""
+    header = read_header(path)
+    raw = header.raw
     with open(path, "r+b") as file:
-        (header_bytes,) = struct.unpack("<Q", file.read(8))
-        header = file.read(header_bytes)
-        at = header.index(_CRC_FIELD + CRC_PLACEHOLDER.encode()) + len(_CRC_FIELD)
-        crc = _file_crc(file, 8 + header_bytes)
-        file.seek(8 + at)
-        file.write(f"{crc:08x}".encode())
+        crcs = "".join(f"{_section_crc(file, spans):08x}" for spans in header.sections)
+        at = raw.index(_SECTIONS_FIELD) + len(_SECTIONS_FIELD)
+        raw = raw[:at] + crcs.encode() + raw[at + len(crcs) :]
+        at = raw.index(_CRC_FIELD + CRC_PLACEHOLDER.encode()) + len(_CRC_FIELD)
+        raw = raw[:at] + f"{_header_crc(raw):08x}".encode() + raw[at + len(CRC_PLACEHOLDER) :]
+        file.seek(0)
+        file.write(raw)
         file.flush()
         os.fsync(file.fileno())
 
@@ -338,11 +378,25 @@ def fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
-def check_crc(path: Path, data_start: int, metadata: dict[str, str]) -> None:
+def check_header(header: Header) -> None:
+    """Raises BadFile unless the header's CRC matches (its sections' CRCs are then the ones
+    written)."""
+    if f"{_header_crc(header.raw):08x}" != header.metadata.get("crc32"):
+        raise BadFile("its header does not match its checksum (corrupt)")
+
+
+def check_sections(path: Path, header: Header, layers: Iterable[int]) -> None:
+    """Raises BadFile unless the sections of `layers` match their CRCs (`header` checked
+    first: `check_header`). Any thread: reads and CRCs release the GIL on large buffers."""
+    crcs = header.metadata["sections"]
     with open(path, "rb") as file:
-        crc = _file_crc(file, data_start)
-    if f"{crc:08x}" != metadata.get("crc32"):
-        raise BadFile("its contents do not match its checksum (corrupt)")
+        for layer in layers:
+            width = len(CRC_PLACEHOLDER)
+            if (
+                f"{_section_crc(file, header.sections[layer]):08x}"
+                != crcs[layer * width : (layer + 1) * width]
+            ):
+                raise BadFile(f"layer {layer} does not match its checksum (corrupt)")
 
 
 def touch(path: Path) -> None:

@@ -35,7 +35,7 @@ from mlxkv.runner.disk.files import (
     FORMAT_FAMILY,
     BadFile,
     StoredEntry,
-    check_crc,
+    check_header,
     read_header,
     remove_own_file,
     token_key,
@@ -89,6 +89,7 @@ def reply_metadata(
         "tail": _pack(tail),
         "tail_start": str(tail_start),
         "crc32": CRC_PLACEHOLDER,
+        "sections": "",  # no arrays: the header's CRC covers the whole record
         **({"anchor": anchor} if anchor else {}),
         **({"salt": salt} if salt else {}),
     }
@@ -102,14 +103,15 @@ def read_reply(path: Path, fingerprint: str, signature: str) -> StoredReply:
             than its domain and text.
         OSError: it cannot be read now.
     """
-    metadata, data_start = read_header(path)
+    header = read_header(path)
+    metadata = header.metadata
     if metadata.get("format") != REPLY_FORMAT:
         raise BadFile(f"written by another version of mlxkv ({metadata.get('format')})")
     if metadata.get("fingerprint") != fingerprint:
         raise BadFile("written for another model (fingerprint differs)")
     if metadata.get("signature") != signature:
         raise BadFile("written for another cache layout")
-    check_crc(path, data_start, metadata)
+    check_header(header)
     try:
         text, salt = metadata["text"], metadata.get("salt") or None
         reply = StoredReply(

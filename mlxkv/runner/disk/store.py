@@ -28,8 +28,8 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -55,11 +55,9 @@ from mlxkv.runner.disk.files import (
     SUFFIX,
     BadFile,
     StoredEntry,
-    check_crc,
     check_writable,
     entry_metadata,
     own_files,
-    read_header,
     read_record,
     remove_orphaned_temporaries,
     remove_own_file,
@@ -67,6 +65,7 @@ from mlxkv.runner.disk.files import (
     touch,
     write_file,
 )
+from mlxkv.runner.disk.reading import LayerStream, read_blocks, warn_unreadable
 from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply
 from mlxkv.runner.disk.writer import BackgroundWriter, WriteJob
 
@@ -111,6 +110,7 @@ class DiskStore:
         self.kv_bits = kv_bits
         self.block_tokens = BLOCK_TOKENS  # read here, so a test may set smaller blocks
         self.read_bytes_per_s = float(DEFAULT_READ_BYTES_PER_S)
+        self.streamed = True  # a load's layers used as checked (False: files checked whole)
         self._records: dict[str, StoredEntry] = {}
         self._lock = threading.Lock()  # guards _records
         # held while a scan compares the directory with the index, and while this process
@@ -197,35 +197,44 @@ class DiskStore:
 
     # -- load -----------------------------------------------------------------------------
 
-    def load(self, chain: StoredChain, empty: ModelCache) -> ModelCache | None:
+    def load(
+        self, chain: StoredChain, empty: ModelCache, *, streamed: bool | None = None
+    ) -> ModelCache | None:
         """Fills `empty` with the first `chain.num_tokens` tokens from `chain`'s files (only
         those: a chain ends at the block that holds its last token). A block that is missing,
         truncated, corrupt or for another model (removed, one warning) ends the read there:
         the cache holds the longest prefix the blocks before it restore (`partial_restores`;
-        the request prefills the rest), None when they restore none."""
+        the request prefills the rest), None when they restore none. `streamed` (None: the
+        store's): headers alone checked here; the cache's `gate` (`reading.LayerStream`)
+        hands each layer to the model once its sections passed, and one that fails breaks the
+        restore (`RestoreBroken`; `prompt_cache.restore_again`)."""
         started = time.perf_counter()
-        blocks: list[tuple[dict[str, mx.array], dict]] = []
-        for block in chain.blocks:
-            if (read := self._read_block(block)) is None:
-                break
-            blocks.append(read)
+        streamed = self.streamed if streamed is None else streamed
+        read = read_blocks(chain.blocks, self._reject, streamed=streamed)
         restores = partial_restores(chain, trimmable=self.trimmable)
-        restores = [r for r in restores if len(r.blocks) <= len(blocks)]
+        restores = [r for r in restores if len(r.blocks) <= len(read)]
         if not restores:
             return None
         restore = restores[-1]
+        used = read[: len(restore.blocks)]
         try:
-            arrays, layout = join_blocks(blocks[: len(restore.blocks)], restore.num_tokens)
+            arrays, layout = join_blocks([block for _, block in used], restore.num_tokens)
             cache = arrays_to_cache(arrays, layout, restore.tokens.tolist(), empty)
-            mx.eval(cache.arrays())
+            if streamed:
+                headers = list(zip(restore.blocks, [header for header, _ in used], strict=True))
+                measured = functools.partial(self._measured, restore.nbytes)
+                cache.gate = LayerStream(headers, len(cache), self._reject, measured)
+            else:
+                mx.eval(cache.arrays())
         except (CacheStateError, ValueError, KeyError, TypeError, ArithmeticError) as why:
             self._discard(restore.blocks[-1].path, why)
             return None
         except (OSError, RuntimeError, MemoryError) as error:  # says nothing about the file
-            self._unreadable_now(restore.blocks[-1], error)
+            warn_unreadable(restore.blocks[-1], error)
             return None
         seconds = max(time.perf_counter() - started, 1e-6)
-        self.read_bytes_per_s = restore.nbytes / seconds
+        if not streamed:
+            self._measured(restore.nbytes, seconds)
         for block in restore.blocks:
             touch(block.path)
         if restore is not chain:
@@ -235,36 +244,30 @@ class DiskStore:
                 chain.num_tokens,
             )
         logger.debug(
-            "disk cache load tokens=%d blocks=%d bytes=%d seconds=%.3f",
+            "disk cache load tokens=%d blocks=%d bytes=%d seconds=%.3f streamed=%s",
             restore.num_tokens,
             len(restore.blocks),
             restore.nbytes,
             seconds,
+            streamed,
         )
         return cache
 
-    def _read_block(self, block: StoredEntry) -> tuple[dict[str, mx.array], dict] | None:
-        """A block's arrays and layout, its header and CRC checked; None when it must not be
-        loaded (removed if corrupt, with one warning) or cannot be read now (kept)."""
-        try:
-            metadata, data_start = read_header(block.path)
-            check_crc(block.path, data_start, metadata)
-            return mx.load(str(block.path)), json.loads(metadata["layout"])
-        except FileNotFoundError:
-            self._forget(block.path.name)
-        except (BadFile, ValueError, KeyError, TypeError) as why:
-            self._discard(block.path, why)
-        except (OSError, RuntimeError, MemoryError) as error:
-            self._unreadable_now(block, error)
-        return None
+    def _measured(self, nbytes: int, seconds: float) -> None:
+        """A load of `nbytes` took `seconds` (streamed: its checks): the rate the next choice
+        weighs (`chains.cheapest_restore`)."""
+        self.read_bytes_per_s = nbytes / max(seconds, 1e-6)
 
-    @staticmethod
-    def _unreadable_now(block: StoredEntry, error: Exception) -> None:
-        logger.warning(
-            "disk cache: could not read %s now (%s); prefilling instead, the file is kept",
-            block.path.name,
-            error,
-        )
+    def _reject(self, block: StoredEntry, error: Exception) -> None:
+        """What a block that failed to read (`reading.read_blocks`) leaves: gone, forgotten;
+        corrupt or foreign, discarded; unreadable now for a reason that proves nothing about
+        the file, kept."""
+        if isinstance(error, FileNotFoundError):
+            self._forget(block.path.name)
+        elif isinstance(error, (BadFile, ValueError, KeyError, TypeError)):
+            self._discard(block.path, error)
+        else:
+            warn_unreadable(block, error)
 
     # -- write ----------------------------------------------------------------------------
 
@@ -319,8 +322,7 @@ class DiskStore:
 
     def write_reply(self, prompt: list[int], ids: list[int], text: str, salt: str | None) -> None:
         """Saves, behind the blocks queued before it, the record of reply `ids` (`text`) to
-        `prompt` in `salt`'s domain (`replies`): a restart renders the reply sent back as
-        those ids, which its blocks hold."""
+        `prompt` in `salt`'s domain (`replies`), so a restart renders the reply as those ids."""
         through = np.asarray([*prompt, *ids[:-1]], dtype=np.uint32)
         self._writer.put(self.replies.job(through, ids, text, salt, self.block_tokens))
 
@@ -359,12 +361,8 @@ class DiskStore:
             return
         record = write_file(self.directory, job, self._directory_lock, self._indexed)
         self._remove_superseded(record)
-        logger.debug(
-            "disk cache write tokens=%d bytes=%d seconds=%.3f",
-            record.num_tokens,
-            record.nbytes,
-            time.perf_counter() - start,
-        )
+        took_s, size = time.perf_counter() - start, (record.num_tokens, record.nbytes)
+        logger.debug("disk cache write tokens=%d bytes=%d seconds=%.3f", *size, took_s)
         self.enforce_budget(keep=record.path)
 
     def _indexed(self, path: Path) -> StoredEntry:  # a block just renamed in, as read at start

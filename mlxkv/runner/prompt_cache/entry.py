@@ -56,8 +56,8 @@ class CacheEntry:
         it, or after the pool changed it: the disk tier and other threads read them after);
         returns how many. A cache whose lazy arrays fail to evaluate is dropped, draft cache
         included: an entry never keeps a broken state."""
-        try:
-            held = self.cache.materialize()
+        try:  # a restore still being checked is evaluated by its first forward, not here
+            held = self.cache.materialize() if self.cache.gate is None else self.cache.tokens
             footprint = self.cache.footprint()
             draft = None
             if self.draft_cache is not None:

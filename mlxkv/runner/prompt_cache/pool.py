@@ -269,6 +269,8 @@ class CachePool:
         ):
             return entry, reuse
         logger.info("disk cache: loaded an entry of %d tokens", cache.num_tokens)
+        if cache.gate is not None:  # still being checked: used in place (a copy would wait)
+            cache.rewind_to(restored)
         loaded = self._add(cache)
         loaded.record()  # idle until a request takes it (it may only be copied from)
         loaded.reply_start = cache.num_tokens  # a reply rendered back is the same conversation

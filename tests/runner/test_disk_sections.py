@@ -1,0 +1,98 @@
+"""Format 5's per-layer checksums: one layer's section of one block damaged after the directory
+was indexed stops the restore at the blocks before it, with one warning, and the request
+answers as a fresh Runner does (log-probabilities compared)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from mlxkv.cache import gate
+from mlxkv.runner.disk import reading
+from mlxkv.runner.disk import store as store_module
+from mlxkv.runner.disk.chains import partial_restores
+from mlxkv.runner.disk.files import read_header
+from tests.runner.test_disk_partial import (
+    BLOCK_TOKENS,
+    _answer,
+    _full_chain,
+    _stored_conversation,
+)
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(store_module, "BLOCK_TOKENS", BLOCK_TOKENS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_a_flipped_byte_in_one_layer_of_one_block_keeps_the_blocks_before_it(
+    make_runner, tmp_path, caplog, arch
+):
+    follow_up = _stored_conversation(make_runner, arch, tmp_path)
+    restarted = make_runner(arch, cache_dir=tmp_path)  # the directory indexed whole
+    chain = _full_chain(restarted, follow_up)
+    restores = partial_restores(chain, trimmable=restarted._pool.store.trimmable)
+    assert len(chain.blocks) >= 3
+    j = len(chain.blocks) - 2  # a block in the middle of the chain, blocks on both sides
+    before = [r for r in restores if len(r.blocks) <= j][-1]
+    bad = chain.blocks[j].path
+    sections = read_header(bad).sections
+    k = max(i for i, spans in enumerate(sections) if spans)  # its last layer holding arrays
+    assert k > 0  # the layers before it pass their checks
+    start, end = sections[k][0]
+    data = bytearray(bad.read_bytes())
+    data[(start + end) // 2] ^= 0x40
+    bad.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="mlxkv"):
+        got = _answer(restarted, follow_up)
+    want = _answer(make_runner(arch), follow_up)
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    assert got[2] == before.num_tokens  # what the blocks before it restore; the rest prefilled
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [w for w in warnings if bad.name in w and f"layer {k} " in w] == warnings
+    assert len(warnings) == 1
+    restarted._pool.store.flush()  # removed, then written again by this turn, checked whole
+    assert not bad.exists() or bytearray(bad.read_bytes()) != data
+    if bad.exists():
+        reading.checked_header(SimpleNamespace(path=bad))  # raises BadFile if corrupt
+
+
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_the_prefill_uses_the_first_layers_before_the_last_is_checked(
+    make_runner, tmp_path, monkeypatch, arch
+):
+    """The last layer's check is held until the model asks for layer 1 of the restored cache
+    (layer 0 computed meanwhile): a restore that checked every layer before the prefill would
+    never get there (bounded: the hold gives up after 20 s), and the answer is a fresh
+    Runner's."""
+    follow_up = _stored_conversation(make_runner, arch, tmp_path)
+    restarted = make_runner(arch, cache_dir=tmp_path)
+    last = len(restarted._pool._make_entry()) - 1
+    assert last >= 1
+    layer_1_asked = threading.Event()
+    held_until_asked = []
+    real_check, real_item = reading.check_sections, gate.GatedLayers.__getitem__
+
+    def held_check(path, header, layers):
+        if list(layers) == [last] and not held_until_asked:
+            held_until_asked.append(layer_1_asked.wait(20))
+        return real_check(path, header, layers)
+
+    def asked(self, index):
+        if index == 1:
+            layer_1_asked.set()
+        return real_item(self, index)
+
+    monkeypatch.setattr(reading, "check_sections", held_check)
+    monkeypatch.setattr(gate.GatedLayers, "__getitem__", asked)
+    got = _answer(restarted, follow_up)
+    want = _answer(make_runner(arch), follow_up)
+    assert held_until_asked == [True]
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    assert got[2] > 0
