@@ -237,7 +237,7 @@ def replay(args: argparse.Namespace) -> None:
     """Each round starts both servers afresh (so every round's first request is cold, as a
     new agent session's is) and replays every session on each."""
     work = Path(tempfile.mkdtemp(prefix="mlxkv-replay-"))
-    model = long_window_model(work, "100m")
+    model = long_window_model(work, args.size)
     env = blas_env()
     servers = {
         "mlxkv serve": [sys.executable, "-m", "mlxkv.cli", "serve", "-m", str(model),
@@ -307,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     rep = commands.add_parser("replay", help="replay the recorded sessions on both servers")
     rep.add_argument("--agents", nargs="+", choices=sorted(SESSIONS), default=sorted(SESSIONS))
     rep.add_argument("--reps", type=int, default=1)
+    rep.add_argument("--size", choices=("100m", "tiny"), default="100m",
+                     help="the factory llama's size; tiny: compute costs next to nothing, "
+                          "what is left is each server's host (Python) work")  # fmt: skip
     rep.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     if args.command == "record":
