@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from mlxkv.runner.text.prompt import PromptEncoder
-from mlxkv.runner.text.segments import SegmentEncoder
+from mlxkv.runner.text.segments import KeptIds, SegmentEncoder
 from mlxkv.server.anthropic_api.protocol import MessagesRequest
 from mlxkv.server.responses_api.protocol import ResponsesRequest, chat_messages
 from mlxkv.testing.factory import build_model
@@ -45,7 +45,7 @@ def _whole(tokenizer, text: str) -> list[int]:
 
 
 class _WholeText:
-    """The reference: each text tokenized at once, as before segments."""
+    """The reference: each text tokenized at once, nothing kept."""
 
     def __init__(self, tokenizer):
         self.encode = lambda text: _whole(tokenizer, text)
@@ -55,6 +55,7 @@ class _WholeText:
 def test_each_recorded_turn_renders_to_the_ids_of_its_whole_text(tokenizer, session):
     encoder, reference = PromptEncoder(tokenizer, 512), PromptEncoder(tokenizer, 512)
     reference._segments = _WholeText(tokenizer)
+    reference._plain_ids = lambda text: reference._plain.encode(text).ids  # content as text
     for messages, tools in _turns(session):  # in order: later turns reuse earlier segments
         for gen in (True, False):
             expected = reference.render(messages, tools=tools, add_generation_prompt=gen)
@@ -124,3 +125,15 @@ def test_a_tokenizer_that_reaches_across_cuts_is_tokenized_whole(tokenizer, chan
     text = "a  <|im_start|>user\n  hi  <|im_end|>\n<|im_start|>assistant\n"
     for _ in range(2):
         assert segments.encode(text) == _whole(edited, text)
+
+
+def test_kept_ids_are_those_encoded_and_the_oldest_go_first():
+    calls = []
+
+    def encode(text):
+        calls.append(text)
+        return [len(text)]
+
+    kept = KeptIds(encode, max_kept=2)
+    assert [kept("a"), kept("bb"), kept("a"), kept("ccc"), kept("bb")] == [[1], [2], [1], [3], [2]]
+    assert calls == ["a", "bb", "ccc", "bb"]  # "bb" was the least recently used when "ccc" came

@@ -1,9 +1,10 @@
 """Rendered chat text to token ids, one segment at a time, each segment's ids kept for the
 next turn.
 
-Owns `SegmentEncoder`. An agent's turn re-renders its whole conversation (tens of thousands
-of tokens, most of them the same system prompt and tool results as last turn) and tokenizing
-it was most of a cached turn's host time; rendering the text costs about a millisecond.
+Owns `SegmentEncoder` and `KeptIds` (text to ids, the latest texts' ids kept). An agent's
+turn re-renders its whole conversation (tens of thousands of tokens, most of them the same
+system prompt and tool results as last turn) and tokenizing it was most of a cached turn's
+host time; rendering the text costs about a millisecond.
 
 Terms:
   segment: a stretch of rendered text that begins at an added token (`<|im_start|>`, ...) and
@@ -25,6 +26,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 # Segments whose ids are kept, least recently used dropped first: a few agent conversations'
@@ -36,7 +38,7 @@ class SegmentEncoder:
     """Text to ids without special tokens added (`tokenizer.encode(text,
     add_special_tokens=False)`), by segments, each kept once encoded.
 
-    Thread-safe: the kept segments are shared under a lock; encoding runs outside it.
+    Thread-safe (`KeptIds`).
 
     Args:
         tokenizer: mlx-lm's TokenizerWrapper or a Hugging Face tokenizer.
@@ -44,13 +46,15 @@ class SegmentEncoder:
 
     def __init__(self, tokenizer: Any, max_kept: int = MAX_KEPT_SEGMENTS):
         self._tokenizer = tokenizer
-        self._max_kept = max_kept
         self._backend, added = _cutting_backend(tokenizer)
         # Longest first: at one position the longest added token wins, as in the backend.
         pattern = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
         self._starts = re.compile(pattern) if pattern else None
-        self._kept: OrderedDict[str, list[int]] = OrderedDict()
-        self._lock = threading.Lock()
+        if self._backend is not None:
+            backend = self._backend
+            self._segment_ids = KeptIds(
+                lambda segment: backend.encode(segment, add_special_tokens=False).ids, max_kept
+            )
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, equal to encoding it whole (a new list, the caller's)."""
@@ -67,15 +71,32 @@ class SegmentEncoder:
         cuts = [m.start() for m in self._starts.finditer(text) if m.start() > 0]
         return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
-    def _segment_ids(self, segment: str) -> list[int]:
+
+class KeptIds:
+    """`encode(text)` for texts seen again and again: the ids of the `max_kept` latest texts
+    are kept, least recently used dropped first. Thread-safe: the kept ids are shared under a
+    lock; encoding runs outside it.
+
+    Args:
+        encode: text -> ids, the same ids each time for the same text.
+    """
+
+    def __init__(self, encode: Callable[[str], list[int]], max_kept: int = MAX_KEPT_SEGMENTS):
+        self._encode = encode
+        self._max_kept = max_kept
+        self._kept: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> list[int]:
+        """The ids of `text` (kept ones: not to be changed by the caller)."""
         with self._lock:
-            ids = self._kept.get(segment)
+            ids = self._kept.get(text)
             if ids is not None:
-                self._kept.move_to_end(segment)
+                self._kept.move_to_end(text)
                 return ids
-        ids = self._backend.encode(segment, add_special_tokens=False).ids
+        ids = self._encode(text)
         with self._lock:
-            self._kept[segment] = ids
+            self._kept[text] = ids
             while len(self._kept) > self._max_kept:
                 self._kept.popitem(last=False)
         return ids
