@@ -19,7 +19,7 @@ TTFT <= 0.6x mlx_lm.server's.
     python -m benchmarks.agent_replay replay [--reps 1]   (a round takes ~9 min on 2 cores)
         [--size tiny]   (a 2-layer llama of width 64: compute costs next to nothing, what is
                          left is each server's host work; ~1 min a round)
-        [--resend]      (each session sent a second time, all cached)
+        [--resend]      (each request sent twice in a row, the second all cached)
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ def replay(args: argparse.Namespace) -> None:
                         send(url, api_path, _as_mlxkv(agent, body))
                         if name == "mlxkv serve"
                         else send(url, "/v1/chat/completions", as_chat(agent, body))
-                        for body in load_session(agent) * (2 if args.resend else 1)
+                        for body in load_session(agent)
+                        for _ in range(2 if args.resend else 1)
                     ]
                     results[agent][name].append(turns)
                     total = sum(t[0] for t in turns)
@@ -295,8 +296,7 @@ def report(results: dict, args: argparse.Namespace) -> None:
                 counts = f"{cached}/{prompt}" if prompt is not None else "-"
                 cells.append(f"{median:.3f} ({counts})")
             ratio = medians[0] / medians[1] if medians[1] else float("nan")
-            session = len(load_session(agent))
-            label = f"{t + 1}" if t < session else f"{t + 1 - session} again"
+            label = f"{t // 2 + 1}{' again' if t % 2 else ''}" if args.resend else f"{t + 1}"
             print(f"| {label} | " + " | ".join(cells) + f" | {ratio:.2f} |")
         summary[agent] = {name: [list(map(list, rep)) for rep in reps]
                           for name, reps in by_server.items()}  # fmt: skip
@@ -313,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--agents", nargs="+", choices=sorted(SESSIONS), default=sorted(SESSIONS))
     rep.add_argument("--reps", type=int, default=1)
     rep.add_argument("--resend", action="store_true",
-                     help="then send the session's requests again (all cached: each server's "
-                          "host time per request, with one token to feed)")  # fmt: skip
+                     help="send each request twice in a row (the second all cached: each "
+                          "server's host time per turn, with one token to feed)")  # fmt: skip
     rep.add_argument("--size", choices=("100m", "tiny"), default="100m",
                      help="the factory llama's size; tiny: compute costs next to nothing, "
                           "what is left is each server's host (Python) work")  # fmt: skip
