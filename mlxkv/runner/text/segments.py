@@ -14,10 +14,12 @@ Terms:
     segments, joined, and a segment seen before takes the ids it had then.
 
 Exact only where the backend does cut that way; `SegmentEncoder` checks the tokenizer's own
-description for everything that reaches across a cut (an added token that strips the
-whitespace beside it or is matched after normalizing, a prefix added only to the first
-stretch) and for any of them, or a tokenizer without a `tokenizers` backend, encodes the
-text whole, as before.
+description for what reaches across a cut (an added token that strips the whitespace beside
+it or is matched after normalizing) and for any of it, or a tokenizer without a `tokenizers`
+backend, encodes the text whole, as before. So it does, to be safe, for one that adds a
+prefix (Metaspace, Prepend: sentencepiece-style, whose first stretch may be treated apart);
+a segment begins with its added token, so no later stretch is first either way, but these
+tokenizers' Python-side options were not all checked.
 """
 
 from __future__ import annotations
