@@ -91,7 +91,7 @@ def test_a_kept_segment_is_not_changed_by_the_caller(tokenizer):
 
 
 def test_a_full_cache_keeps_the_latest_segments_and_stays_exact(tokenizer):
-    segments = SegmentEncoder(tokenizer, max_kept=2)
+    segments = SegmentEncoder(tokenizer, max_kept_chars=60)
     texts = [f"<|im_start|>user\nturn {i}<|im_end|>\n" for i in range(5)]
     for _ in range(2):
         assert segments.encode("".join(texts)) == _whole(tokenizer, "".join(texts))
@@ -134,6 +134,11 @@ def test_kept_ids_are_those_encoded_and_the_oldest_go_first():
         calls.append(text)
         return [len(text)]
 
-    kept = KeptIds(encode, max_kept=2)
+    kept = KeptIds(encode, max_kept_chars=5)
     assert [kept("a"), kept("bb"), kept("a"), kept("ccc"), kept("bb")] == [[1], [2], [1], [3], [2]]
-    assert calls == ["a", "bb", "ccc", "bb"]  # "bb" was the least recently used when "ccc" came
+    # 6 characters over 5 when "ccc" came: "bb", the least recently used, was dropped
+    assert calls == ["a", "bb", "ccc", "bb"]
+    assert kept("ccc") == [3]  # kept: "ccc" and "bb" (5 characters)
+    assert calls == ["a", "bb", "ccc", "bb"]
+    kept("a")  # dropped when "bb" came back
+    assert calls[-1] == "a"

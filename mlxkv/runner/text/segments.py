@@ -31,9 +31,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-# Segments whose ids are kept, least recently used dropped first: a few agent conversations'
-# messages, and far fewer bytes than their K/V.
-MAX_KEPT_SEGMENTS = 4096
+# Characters of text whose ids are kept, least recently used dropped first: ten or more agent
+# conversations (100-400k characters each); about 10 bytes a character with the ids.
+MAX_KEPT_CHARS = 4 * 1024 * 1024
 
 
 class SegmentEncoder:
@@ -46,7 +46,7 @@ class SegmentEncoder:
         tokenizer: mlx-lm's TokenizerWrapper or a Hugging Face tokenizer.
     """
 
-    def __init__(self, tokenizer: Any, max_kept: int = MAX_KEPT_SEGMENTS):
+    def __init__(self, tokenizer: Any, max_kept_chars: int = MAX_KEPT_CHARS):
         self._tokenizer = tokenizer
         self._backend, added = _cutting_backend(tokenizer)
         # Longest first: at one position the longest added token wins, as in the backend.
@@ -55,7 +55,8 @@ class SegmentEncoder:
         if self._backend is not None:
             backend = self._backend
             self._segment_ids = KeptIds(
-                lambda segment: backend.encode(segment, add_special_tokens=False).ids, max_kept
+                lambda segment: backend.encode(segment, add_special_tokens=False).ids,
+                max_kept_chars,
             )
 
     def encode(self, text: str) -> list[int]:
@@ -75,17 +76,18 @@ class SegmentEncoder:
 
 
 class KeptIds:
-    """`encode(text)` for texts seen again and again: the ids of the `max_kept` latest texts
-    are kept, least recently used dropped first. Thread-safe: the kept ids are shared under a
-    lock; encoding runs outside it.
+    """`encode(text)` for texts seen again and again: the ids of the latest texts, up to
+    `max_kept_chars` characters of them, are kept, least recently used dropped first.
+    Thread-safe: the kept ids are shared under a lock; encoding runs outside it.
 
     Args:
         encode: text -> ids, the same ids each time for the same text.
     """
 
-    def __init__(self, encode: Callable[[str], list[int]], max_kept: int = MAX_KEPT_SEGMENTS):
+    def __init__(self, encode: Callable[[str], list[int]], max_kept_chars: int = MAX_KEPT_CHARS):
         self._encode = encode
-        self._max_kept = max_kept
+        self._max_kept_chars = max_kept_chars
+        self._kept_chars = 0
         self._kept: OrderedDict[str, list[int]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -98,9 +100,12 @@ class KeptIds:
                 return ids
         ids = self._encode(text)
         with self._lock:
-            self._kept[text] = ids
-            while len(self._kept) > self._max_kept:
-                self._kept.popitem(last=False)
+            if text not in self._kept:  # another thread may have kept it meanwhile
+                self._kept[text] = ids
+                self._kept_chars += len(text)
+            while self._kept_chars > self._max_kept_chars:
+                dropped, _ = self._kept.popitem(last=False)
+                self._kept_chars -= len(dropped)
         return ids
 
 
