@@ -17,6 +17,9 @@ TTFT <= 0.6x mlx_lm.server's.
 
     python -m benchmarks.agent_replay record [--agent claude|codex]
     python -m benchmarks.agent_replay replay [--reps 1]   (a round takes ~9 min on 2 cores)
+        [--size tiny]   (a 2-layer llama of width 64: compute costs next to nothing, what is
+                         left is each server's host work; ~1 min a round)
+        [--resend]      (each request sent twice in a row, the second all cached)
 """
 
 from __future__ import annotations
@@ -237,7 +240,7 @@ def replay(args: argparse.Namespace) -> None:
     """Each round starts both servers afresh (so every round's first request is cold, as a
     new agent session's is) and replays every session on each."""
     work = Path(tempfile.mkdtemp(prefix="mlxkv-replay-"))
-    model = long_window_model(work, "100m")
+    model = long_window_model(work, args.size)
     env = blas_env()
     servers = {
         "mlxkv serve": [sys.executable, "-m", "mlxkv.cli", "serve", "-m", str(model),
@@ -262,6 +265,7 @@ def replay(args: argparse.Namespace) -> None:
                         if name == "mlxkv serve"
                         else send(url, "/v1/chat/completions", as_chat(agent, body))
                         for body in load_session(agent)
+                        for _ in range(2 if args.resend else 1)
                     ]
                     results[agent][name].append(turns)
                     total = sum(t[0] for t in turns)
@@ -292,7 +296,8 @@ def report(results: dict, args: argparse.Namespace) -> None:
                 counts = f"{cached}/{prompt}" if prompt is not None else "-"
                 cells.append(f"{median:.3f} ({counts})")
             ratio = medians[0] / medians[1] if medians[1] else float("nan")
-            print(f"| {t + 1} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+            label = f"{t // 2 + 1}{' again' if t % 2 else ''}" if args.resend else f"{t + 1}"
+            print(f"| {label} | " + " | ".join(cells) + f" | {ratio:.2f} |")
         summary[agent] = {name: [list(map(list, rep)) for rep in reps]
                           for name, reps in by_server.items()}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
@@ -307,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     rep = commands.add_parser("replay", help="replay the recorded sessions on both servers")
     rep.add_argument("--agents", nargs="+", choices=sorted(SESSIONS), default=sorted(SESSIONS))
     rep.add_argument("--reps", type=int, default=1)
+    rep.add_argument("--resend", action="store_true",
+                     help="send each request twice in a row (the second all cached: each "
+                          "server's host time per turn, with one token to feed)")  # fmt: skip
+    rep.add_argument("--size", choices=("100m", "tiny"), default="100m",
+                     help="the factory llama's size; tiny: compute costs next to nothing, "
+                          "what is left is each server's host (Python) work")  # fmt: skip
     rep.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     if args.command == "record":

@@ -60,6 +60,12 @@ _OVER_BUDGET = {
         "the K/V object itself: built, fed, then materialized and measured as its entry "
         "records it (two calls with two jobs, not one merged only for this count)",
     ),
+    "mlxkv.runner.text.segments": (
+        (3, 0),
+        "the chat prompt is rendered three times (the prompt; without the generation prompt "
+        "and its system messages alone, for the landmarks), each render's text tokenized "
+        "here once: one call per render",
+    ),
     "mlxkv.runner.lockstep": (
         (4, 0),
         "unsharded, a `Solo` stands where the ranks' `Lockstep` does (no branch for the "

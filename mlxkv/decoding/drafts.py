@@ -57,24 +57,22 @@ class DraftCounts:
 class NgramDrafter:
     """Drafts by prompt lookup: finds the most recent earlier occurrence of the text's last n
     tokens (n from 4 down to 2) and proposes the tokens that followed it. Costs a dictionary
-    lookup per draft: the n-grams are indexed as the text grows.
+    lookup per draft: the n-grams are indexed as the text grows, each time a draft is asked
+    for, so an agent's prompt of tens of thousands of tokens is indexed after its reply's
+    first token is out, not before (and never while the request decodes in a batch).
 
     Args:
         tokens: the text so far (prompt and the first generated token).
     """
 
     def __init__(self, tokens: Sequence[int]):
-        self._tokens: list[int] = []
+        self._tokens: list[int] = list(map(int, tokens))
         self._follows: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after it
-        self.extend(tokens)
+        self._indexed = 0  # the positions below have their n-grams in `_follows`
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Appends tokens to the text."""
-        for token in tokens:
-            end = len(self._tokens)
-            for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
-                self._follows[tuple(self._tokens[end - n : end])] = end
-            self._tokens.append(int(token))
+        self._tokens.extend(map(int, tokens))
 
     def can_propose(self) -> bool:
         """Whether `propose` would find a draft now."""
@@ -82,12 +80,25 @@ class NgramDrafter:
 
     def propose(self, limit: int) -> Draft:
         """Up to `limit` tokens that followed the longest matching n-gram (none: no match)."""
+        self._index()
         size = len(self._tokens)
         for n in range(min(MAX_NGRAM, size), MIN_NGRAM - 1, -1):
             after = self._follows.get(tuple(self._tokens[size - n :]))
             if after is not None:
                 return Draft(self._tokens[after : after + limit])
         return Draft([])
+
+    def _index(self) -> None:
+        """Indexes the n-grams ending before each position not indexed yet (a later occurrence
+        replaces an earlier one), from slices rather than token by token."""
+        text, start, end = self._tokens, self._indexed, len(self._tokens)
+        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+            first = max(start, n)  # the first such position with n tokens before it
+            if first >= end:
+                continue
+            grams = zip(*(text[first - n + i : end - n + i] for i in range(n)), strict=True)
+            self._follows.update(zip(grams, range(first, end), strict=True))
+        self._indexed = end
 
 
 class ModelDrafter:

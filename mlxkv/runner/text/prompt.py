@@ -27,6 +27,7 @@ from jinja2 import TemplateError
 
 from mlxkv.cache.prefix import common_prefix_lengths
 from mlxkv.runner.text.replies import ReplyIds
+from mlxkv.runner.text.segments import KeptIds, SegmentEncoder
 from mlxkv.runner.text.tokenizer_facts import (
     control_tokens,
     plain_text_tokenizer,
@@ -67,8 +68,9 @@ class Landmarks:
 class PromptEncoder:
     """Prompts to token ids for one tokenizer (mlx-lm's TokenizerWrapper).
 
-    Thread-safe: it keeps no per-call state, and the plain-text tokenizer is a separate copy
-    of the model's, never switched back and forth.
+    Thread-safe: it keeps no per-call state (the segments' ids it keeps for later turns are
+    shared under a lock), and the plain-text tokenizer is a separate copy of the model's,
+    never switched back and forth.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int):
@@ -78,6 +80,12 @@ class PromptEncoder:
         controls = sorted(control_tokens(tokenizer), key=len, reverse=True)
         self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
         self._plain = plain_text_tokenizer(tokenizer) if controls else None
+        # Rendered text to ids, segments seen in an earlier turn taking their ids from then;
+        # so does content tokenized as plain text (an agent's replies sent back each turn).
+        self._segments = SegmentEncoder(tokenizer)
+        self._plain_ids = KeptIds(
+            lambda text: self._plain.encode(text, add_special_tokens=False).ids
+        )
         # Variables the chat template reads: only those are passed as switches.
         self.template_variables = template_variables(getattr(tokenizer, "chat_template", None))
 
@@ -167,14 +175,14 @@ class PromptEncoder:
 
     def _checked(self, tokens: Sequence[int]) -> list[int]:
         """`tokens` as a list, once each is in the vocabulary and there is at least one."""
-        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
-        if bad:
+        if not tokens:
+            raise ValueError("prompt encodes to no tokens")
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:  # C speed; the scan only then
+            bad = [t for t in tokens if not 0 <= t < self.vocab_size]
             raise ValueError(
                 f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1}); "
                 "encode the prompt with this model's tokenizer"
             )
-        if not tokens:
-            raise ValueError("prompt encodes to no tokens")
         return list(tokens)
 
     def landmarks(
@@ -265,7 +273,8 @@ class PromptEncoder:
             except _ReplyRewritten:  # the template changed it: the reply renders as text
                 pass
         if not tainted:
-            return list(self.tokenizer.apply_chat_template(messages, **template_args))
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
+            return self._segments.encode(text)
         return self._render_in_pieces(messages, tainted, {}, template_args)
 
     def _render_in_pieces(
@@ -304,13 +313,13 @@ class PromptEncoder:
                     "model's chat template or tokenizer cannot keep as plain text; remove it "
                     "from the message"
                 )
-            ids += self.tokenizer.encode(text[cursor:start], add_special_tokens=False)
+            ids += self._segments.encode(text[cursor:start])
             if i in known:
                 ids += known[i]
             else:
-                ids += self._plain.encode(messages[i]["content"], add_special_tokens=False).ids
+                ids += self._plain_ids(messages[i]["content"])
             cursor = start + len(slot)
-        ids += self.tokenizer.encode(text[cursor:], add_special_tokens=False)
+        ids += self._segments.encode(text[cursor:])
         return ids
 
 
