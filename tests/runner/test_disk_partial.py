@@ -75,6 +75,18 @@ def _answer(runner, messages: list[dict]) -> tuple[list[int], list[float], int]:
     return done.tokens, [c.logprob.logprob for c in chunks if c.logprob], done.cached_tokens
 
 
+def _answers_as_fresh(restarted, make_runner, arch: str, messages, restored_tokens, caplog):
+    """Answers `messages` on `restarted`: the same tokens and log-probabilities as a fresh
+    Runner, reusing exactly `restored_tokens` (the rest prefilled). Returns the warnings."""
+    with caplog.at_level(logging.WARNING, logger="mlxkv"):
+        got = _answer(restarted, messages)
+    want = _answer(make_runner(arch), messages)
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    assert got[2] == restored_tokens
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
 def _stored_conversation(make_runner, arch: str, cache_dir: Path) -> list[dict]:
     """A three-turn conversation written by a closed Runner; its follow-up request."""
     before = make_runner(arch, cache_dir=cache_dir)
@@ -130,13 +142,7 @@ def test_a_block_truncated_mid_read_keeps_the_blocks_before_it(make_runner, tmp_
     assert 0 < before.num_tokens < chain.num_tokens
     bad = chain.blocks[-1].path
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # torn after indexing
-    with caplog.at_level(logging.WARNING, logger="mlxkv"):
-        got = _answer(restarted, follow_up)
-    want = _answer(make_runner(arch), follow_up)
-    assert got[0] == want[0]
-    assert got[1] == pytest.approx(want[1], abs=1e-4)
-    assert got[2] == before.num_tokens  # what the blocks before it restore; the rest prefilled
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = _answers_as_fresh(restarted, make_runner, arch, follow_up, before.num_tokens, caplog)
     assert len([w for w in warnings if bad.name in w]) == 1
     assert not bad.exists()  # ours and corrupt: removed
 

@@ -4,7 +4,6 @@ answers as a fresh Runner does (log-probabilities compared)."""
 
 from __future__ import annotations
 
-import logging
 import threading
 from types import SimpleNamespace
 
@@ -18,6 +17,7 @@ from mlxkv.runner.disk.files import read_header
 from tests.runner.test_disk_partial import (
     BLOCK_TOKENS,
     _answer,
+    _answers_as_fresh,
     _full_chain,
     _stored_conversation,
 )
@@ -47,13 +47,7 @@ def test_a_flipped_byte_in_one_layer_of_one_block_keeps_the_blocks_before_it(
     data = bytearray(bad.read_bytes())
     data[(start + end) // 2] ^= 0x40
     bad.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="mlxkv"):
-        got = _answer(restarted, follow_up)
-    want = _answer(make_runner(arch), follow_up)
-    assert got[0] == want[0]
-    assert got[1] == pytest.approx(want[1], abs=1e-4)
-    assert got[2] == before.num_tokens  # what the blocks before it restore; the rest prefilled
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = _answers_as_fresh(restarted, make_runner, arch, follow_up, before.num_tokens, caplog)
     assert [w for w in warnings if bad.name in w and f"layer {k} " in w] == warnings
     assert len(warnings) == 1
     restarted._pool.store.flush()  # removed, then written again by this turn, checked whole

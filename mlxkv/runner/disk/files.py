@@ -266,12 +266,7 @@ def read_record(path: Path, fingerprint: str, signature: str) -> StoredEntry:
         OSError: the file cannot be read now.
     """
     metadata = read_header(path).metadata
-    if metadata.get("format") != FORMAT:
-        raise BadFile(f"written by another version of mlxkv ({metadata.get('format')})")
-    if metadata.get("fingerprint") != fingerprint:
-        raise BadFile("written for another model (fingerprint differs)")
-    if metadata.get("signature") != signature:
-        raise BadFile("written for another cache layout")
+    check_origin(metadata, FORMAT, fingerprint, signature)
     try:
         tokens = np.frombuffer(base64.b64decode(metadata["tokens"]), dtype="<u4")
         layout = json.loads(metadata["layout"])
@@ -293,6 +288,16 @@ def read_record(path: Path, fingerprint: str, signature: str) -> StoredEntry:
         parent=parent,
         start=start,
     )
+
+
+def check_origin(metadata: dict[str, str], fmt: str, fingerprint: str, signature: str) -> None:
+    """Raises BadFile unless a file's header names this format, model and cache layout."""
+    if metadata.get("format") != fmt:
+        raise BadFile(f"written by another version of mlxkv ({metadata.get('format')})")
+    if metadata.get("fingerprint") != fingerprint:
+        raise BadFile("written for another model (fingerprint differs)")
+    if metadata.get("signature") != signature:
+        raise BadFile("written for another cache layout")
 
 
 def _header_crc(raw: bytes) -> int:

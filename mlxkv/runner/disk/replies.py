@@ -36,6 +36,7 @@ from mlxkv.runner.disk.files import (
     BadFile,
     StoredEntry,
     check_header,
+    check_origin,
     read_header,
     remove_own_file,
     token_key,
@@ -105,12 +106,7 @@ def read_reply(path: Path, fingerprint: str, signature: str) -> StoredReply:
     """
     header = read_header(path)
     metadata = header.metadata
-    if metadata.get("format") != REPLY_FORMAT:
-        raise BadFile(f"written by another version of mlxkv ({metadata.get('format')})")
-    if metadata.get("fingerprint") != fingerprint:
-        raise BadFile("written for another model (fingerprint differs)")
-    if metadata.get("signature") != signature:
-        raise BadFile("written for another cache layout")
+    check_origin(metadata, REPLY_FORMAT, fingerprint, signature)
     check_header(header)
     try:
         text, salt = metadata["text"], metadata.get("salt") or None
