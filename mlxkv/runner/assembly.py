@@ -189,7 +189,8 @@ def warm_up(
         for width in (chunk, _WARMUP_DRAFT_TOKENS, 1):
             if width > 0:
                 mx.eval(mx.argmax(cache.forward(model, [0] * width)[:, -1, :], axis=-1))
-    if max_batch > 1 and can_batch(models[0][1]):
+    # a vision model's requests never batch (`request_run`: its calls carry their images)
+    if max_batch > 1 and loaded.vision is None and can_batch(models[0][1]):
         _warm_up_batch(loaded.model, config)
     logger.info("warm-up: %.2f s", time.perf_counter() - start)
 
