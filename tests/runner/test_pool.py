@@ -209,16 +209,18 @@ def test_an_entry_in_use_is_measured_as_it_is_fed_an_idle_one_as_recorded():
     _check_entries(pool)
 
 
-def test_an_entry_loaded_from_disk_and_only_copied_from_is_recorded(tmp_path):
-    """A request sharing part of a file loads it whole and copies that part: the loaded
-    entry stays idle, its bytes recorded like any other's."""
+def test_an_entry_restored_from_disk_for_part_of_it_is_used_in_place_and_recorded(tmp_path):
+    """A request sharing part of a file: the restore (streamed, its layers checked while the
+    request runs) is rewound to the shared part and used in place, never copied (a copy
+    would wait for every check); its bytes recorded like any other entry's."""
     store = DiskStore(tmp_path, fingerprint="f", signature="s", max_bytes=2**30, trimmable=True)
     pool = CachePool(_make_entry, max_entries=3, store=store)
     _request(pool, list(range(1, 11)), [11, 12])
     pool.persist()
     pool.clear()
-    _request(pool, [1, 2, 3, 4, 5, 6, 99, 98])
-    assert len(pool.entries) == 2
+    hit = _request(pool, [1, 2, 3, 4, 5, 6, 99, 98])
+    assert len(hit.remaining) == 2  # the six shared tokens came from disk
+    assert [e.tokens.tolist() for e in pool.entries] == [[1, 2, 3, 4, 5, 6, 99, 98]]
     _check_entries(pool)
     store.close()  # each request's entry was written behind: stop the writer thread
 
