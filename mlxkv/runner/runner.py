@@ -96,7 +96,9 @@ class Runner:
             weakref.finalize(self, self._pool.store.close)
         self.max_batch = choose_max_batch(config, per_token_bytes, self._make_entry())
         if config.warmup:
-            self._engine.call(warm_up, loaded, self._draft, config, self.max_batch)
+            # sharded, requests never batch (`dispatch`), and ranks may size batches apart
+            batch_rows = 1 if self._lockstep.sharded else self.max_batch
+            self._engine.call(warm_up, loaded, self._draft, config, batch_rows)
         self._dispatch = Dispatcher(
             loaded,
             self._pool,

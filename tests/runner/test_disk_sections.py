@@ -4,6 +4,7 @@ answers as a fresh Runner does (log-probabilities compared)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from types import SimpleNamespace
 
@@ -90,3 +91,35 @@ def test_the_prefill_uses_the_first_layers_before_the_last_is_checked(
     assert got[0] == want[0]
     assert got[1] == pytest.approx(want[1], abs=1e-4)
     assert got[2] > 0
+
+
+def test_a_restore_written_back_before_its_checks_pass_writes_no_unchecked_layer(
+    make_runner, tmp_path, caplog
+):
+    """An entry restored streamed and written back before any forward (a request that failed
+    first, an eviction): its last block cut at a new length is a new file, so its layers must
+    have passed their checks first; a corrupt one leaves the entry empty and writes nothing."""
+    follow_up = _stored_conversation(make_runner, "llama", tmp_path)
+    restarted = make_runner("llama", cache_dir=tmp_path)
+    store = restarted._pool.store
+    chain = _full_chain(restarted, follow_up)
+    bad = chain.blocks[-1].path
+    start, end = read_header(bad).sections[-1][0]  # the last layer of the last block
+    data = bytearray(bad.read_bytes())
+    data[(start + end) // 2] ^= 0x40
+    bad.write_bytes(bytes(data))
+    files_before = sorted(p.name for p in tmp_path.rglob("*.safetensors"))
+
+    def restore_and_write_back():
+        cache = store.load(chain, restarted._make_entry(), streamed=True)
+        cache.rewind_to(cache.num_tokens - 1)  # its last block now ends elsewhere: a new key
+        store.write(cache, wait=True)
+        return cache.num_tokens
+
+    with caplog.at_level(logging.WARNING, logger="mlxkv"):
+        assert restarted._engine.call(restore_and_write_back) == 0
+    assert sorted(p.name for p in tmp_path.rglob("*.safetensors")) == [
+        name
+        for name in files_before
+        if name != bad.name  # the corrupt block is removed
+    ]

@@ -118,7 +118,15 @@ def _prefix_first(described):
     }
 
 
-@pytest.mark.parametrize("change", [_strip_left, _prefix_first], ids=["lstrip", "metaspace"])
+def _truncating(described):  # the Python tokenizer turns it off around its own encode
+    described["truncation"] = {
+        "direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change", [_strip_left, _prefix_first, _truncating], ids=["lstrip", "metaspace", "truncation"]
+)
 def test_a_tokenizer_that_reaches_across_cuts_is_tokenized_whole(tokenizer, change):
     edited = _edited(tokenizer, change)
     segments = SegmentEncoder(edited)

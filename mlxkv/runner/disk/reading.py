@@ -148,6 +148,10 @@ class LayerStream:
                 except READ_ERRORS as error:
                     self._fail(block, error)
                     return
+                except Exception as error:  # never a waiter left waiting for this thread
+                    logger.exception("disk cache: checking %s failed", block.path.name)
+                    self._fail(block, error)
+                    return
             self._ready[layer].set()
             with self._lock:
                 self._left -= 1

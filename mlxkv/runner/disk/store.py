@@ -285,6 +285,7 @@ class DiskStore:
         type that cannot be saved is skipped. `salt`: the isolation domain the entry belongs
         to. `reply_start`: where its last request's reply began (None: its end); a later
         file of its conversation that holds the tokens before it supersedes it."""
+        cache.pass_gate()  # a streamed restore's layers are written only once checked
         tokens = np.asarray(cache.tokens, dtype=np.uint32)
         if tokens.size == 0:
             return

@@ -114,7 +114,9 @@ def _cutting_backend(tokenizer: Any) -> tuple[Any, list[str]]:
     added tokens and treats each stretch alike wherever it stands, else (None, [])
     (see the module docstring)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.encode_special_tokens:
+    # truncation or padding set in the tokenizer's file would apply to each segment (the
+    # Python tokenizer switches them off around its own encode calls)
+    if backend is None or backend.encode_special_tokens or backend.truncation or backend.padding:
         return None, []
     described = json.loads(backend.to_str())
     added = described.get("added_tokens", [])
