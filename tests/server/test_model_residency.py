@@ -102,7 +102,9 @@ def test_keep_alive_zero_unloads_when_the_last_request_ends(loads):
         before_bytes = mx.get_active_memory()
         await residency.acquire(model)
         loaded_bytes = mx.get_active_memory() - before_bytes
-        assert loaded_bytes >= model.facts.weights_bytes  # measured: the weights are in memory
+        # measured: the weights are in memory (less a little: MLX's count is the process's,
+        # and an earlier test's arrays may be freed meanwhile: 32 bytes short once in CI)
+        assert loaded_bytes >= 0.9 * model.facts.weights_bytes
         await residency.acquire(model)
         residency.release(model, 0.0)  # another request still holds it
         await _unloads_done(residency)
