@@ -63,6 +63,14 @@ QWEN_MOE = {
     "shared_expert_intermediate_size": 32,
     "norm_topk_prob": True,
 }
+GRANITE_MUP = {  # Granite's muP multipliers (its dense and MoE models alike)
+    "embedding_multiplier": 12.0,
+    "attention_multiplier": 0.0625,
+    "logits_scaling": 1.0,
+    "residual_multiplier": 0.5,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
 DEEPSEEK_MOE = {  # routed experts behind a grouped top-k router, one shared expert
     "moe_intermediate_size": 32,
     "n_routed_experts": 4,
@@ -235,16 +243,7 @@ ATTENTION_CONFIGS: dict[str, dict[str, Any]] = {
         "attention_bias": False,
         "partial_rotary_factor": 0.5,
     },
-    "granite": {
-        **BASE_CONFIG,
-        "model_type": "granite",
-        "embedding_multiplier": 12.0,
-        "attention_multiplier": 0.0625,
-        "logits_scaling": 1.0,
-        "residual_multiplier": 0.5,
-        "attention_bias": False,
-        "mlp_bias": False,
-    },
+    "granite": {**BASE_CONFIG, "model_type": "granite", **GRANITE_MUP},
     "helium": {**BASE_CONFIG, "model_type": "helium", "attention_bias": False, "mlp_bias": False},
     "minicpm": {
         **BASE_CONFIG,

@@ -41,6 +41,12 @@ _GATED_DELTA = {  # Qwen3-Next / Qwen3.5: GatedDeltaNet layers, every 2nd layer 
 }
 _MAMBA2 = {"conv_kernel": 4, "n_groups": 1, "use_bias": False, "use_conv_bias": True}
 
+_KDA_THEN_MLA = {  # Kimi Linear's layers: 0 Kimi Delta Attention, 1 latent attention (MLA)
+    "kda_layers": [1],
+    "num_heads": 4,
+    "head_dim": 16,
+    "short_conv_kernel_size": 4,
+}
 RECURRENT_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_next": {**BASE_CONFIG, **_GATED_DELTA, **QWEN_MOE, "model_type": "qwen3_next"},
     "qwen3_5": {
@@ -102,12 +108,7 @@ RECURRENT_CONFIGS: dict[str, dict[str, Any]] = {
     "kimi_linear": {
         **BASE_CONFIG,
         "model_type": "kimi_linear",
-        "linear_attn_config": {
-            "kda_layers": [1],  # layer 0 Kimi Delta Attention, layer 1 MLA
-            "num_heads": 4,
-            "head_dim": 16,
-            "short_conv_kernel_size": 4,
-        },
+        "linear_attn_config": _KDA_THEN_MLA,
         "model_max_length": 4096,
         "num_experts": 4,
         "num_experts_per_token": 2,
@@ -240,12 +241,7 @@ RECURRENT_CONFIGS: dict[str, dict[str, Any]] = {
         "text_config": {
             **BASE_CONFIG,
             "model_type": "kimi_linear",
-            "linear_attn_config": {
-                "kda_layers": [1],  # layer 0 Kimi Delta Attention, layer 1 MLA
-                "num_heads": 4,
-                "head_dim": 16,
-                "short_conv_kernel_size": 4,
-            },
+            "linear_attn_config": _KDA_THEN_MLA,
             "q_lora_rank": 32,
             "kv_lora_rank": 16,
             "qk_nope_head_dim": 16,
