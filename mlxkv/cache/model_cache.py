@@ -16,7 +16,8 @@ Invariants:
 Layers whose own cache mlx-lm defines for recurrent state (`ArraysCache`, inside a `CacheList`
 for hybrid models) are kept as they are: they are not trimmable, so `can_trim_to` is False for
 any n below num_tokens. Checkpoints make up for it: `checkpoint()` snapshots those layers (and
-sliding windows) at the current length, and `rewind_to(n)` restores one, trimming the rest.
+sliding windows) at the current length, and `rewind_to(n)` restores one, trimming the rest;
+`snapshot_for_disk()` takes one for the disk tier's blocks alone.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.cache.checkpoints import add_checkpoint, drop_checkpoints_after
+from mlxkv.cache.checkpoints import add_checkpoint, drop_checkpoints_after, snapshot_layers
 from mlxkv.cache.footprint import Footprint, measure
 from mlxkv.cache.gate import GatedLayers, LayerGate
 from mlxkv.cache.layer_ops import (
@@ -75,6 +76,8 @@ class ModelCache:
         self._num_pending = 0  # their count, kept so num_tokens is O(1) in the decode loop
         # num_tokens -> per-layer snapshot (None for layers that can simply trim back)
         self._checkpoints: dict[int, list[Any]] = {}
+        # Snapshots like the checkpoints', for the disk tier alone (`snapshot_for_disk`).
+        self._disk_snapshots: dict[int, list[Any]] = {}
         # Layers restored while their checks still run (`mlxkv.cache.gate`): None once all
         # passed. A forward hands each layer to the model once it is ready; `arrays`,
         # `copy_prefix` and `shift` wait for all first.
@@ -111,12 +114,9 @@ class ModelCache:
 
     def materialize(self) -> list[int]:
         """Evaluates every lazy array and reads back pending token ids; returns the token ids
-        held, as `tokens` does.
-
-        MLX streams belong to the thread that made them: a lazy array built on one thread
-        cannot be evaluated on another. Materializing at the end of each request lets the next
-        one run on any thread.
-        """
+        held, as `tokens` does. MLX streams belong to the thread that made them (a lazy array
+        built on one thread cannot be evaluated on another): materializing at the end of each
+        request lets the next one run on any thread."""
         mx.eval(self.arrays() + [p for p in self._pending if isinstance(p, mx.array)])
         return self.tokens
 
@@ -179,10 +179,8 @@ class ModelCache:
         (speculative decoding's rollback of rejected drafts). Where every layer can go back,
         keep trims, which is O(1); otherwise (recurrent state, a window that lost what it
         needs) the layers are put back as they were before this pass and the n tokens are
-        fed again, so the state is always exactly what feeding n tokens gives.
-
-        `keep` must be called before anything else changes the cache.
-        """
+        fed again, so the state is always exactly what feeding n tokens gives. `keep` must be
+        called before anything else changes the cache."""
         start = self.num_tokens
         marks = [mark_layer(layer) for layer in self.layers]
         logits = self.forward(model, token_ids)
@@ -195,7 +193,7 @@ class ModelCache:
                 restore_layer(layer, saved)
             self._settle()
             del self._tokens[start:]
-            drop_checkpoints_after(self._checkpoints, start)
+            drop_checkpoints_after(start, self._checkpoints, self._disk_snapshots)
             if num_kept:
                 self.forward(model, token_ids[:num_kept])
 
@@ -235,7 +233,7 @@ class ModelCache:
                 layer.trim(drop)
             self._settle()
             del self._tokens[num_tokens:]
-            drop_checkpoints_after(self._checkpoints, num_tokens)
+            drop_checkpoints_after(num_tokens, self._checkpoints, self._disk_snapshots)
         return drop
 
     @property
@@ -250,6 +248,18 @@ class ModelCache:
         if not self.needs_checkpoints or self.num_tokens in self._checkpoints:
             return
         add_checkpoint(self._checkpoints, self.num_tokens, self.layers)
+
+    def snapshot_for_disk(self) -> None:
+        """`checkpoint()` for the disk tier's blocks, apart from the checkpoints and their limit
+        until its writer takes them (`take_disk_snapshots`); counted in `footprint()`."""
+        if self.needs_checkpoints and self.num_tokens not in self._disk_snapshots:
+            at = self._checkpoints.get(self.num_tokens)
+            self._disk_snapshots[self.num_tokens] = at or snapshot_layers(self.layers)
+
+    def take_disk_snapshots(self) -> dict[int, list[Any]]:
+        """`snapshot_for_disk`'s snapshots by length in tokens, forgotten here (for the writer)."""
+        taken, self._disk_snapshots = self._disk_snapshots, {}
+        return taken
 
     @property
     def checkpoints(self) -> dict[int, list[Any]]:
@@ -279,6 +289,7 @@ class ModelCache:
         self._num_pending = 0
         self._tokens = list(tokens)
         self._checkpoints = dict(checkpoints)
+        self._disk_snapshots = {}
 
     def nearest_restorable(self, num_tokens: int) -> int:
         """The largest length <= num_tokens this cache can go back to, by trimming or from a
@@ -319,7 +330,7 @@ class ModelCache:
                 self.layers[i] = copy_layer(saved)  # the checkpoint stays reusable
         self._settle()
         del self._tokens[num_tokens:]
-        drop_checkpoints_after(self._checkpoints, num_tokens)
+        drop_checkpoints_after(num_tokens, self._checkpoints, self._disk_snapshots)
         return dropped
 
     def can_shift(self, rotations: Sequence[Rotation | None] | None) -> bool:
@@ -354,6 +365,7 @@ class ModelCache:
             layer.shift(keep, drop, rotate)
         del self._tokens[keep : keep + drop]
         self._checkpoints.clear()  # positions moved
+        self._disk_snapshots.clear()
         self.shifted = True
 
     def copy(self) -> ModelCache:
@@ -363,8 +375,8 @@ class ModelCache:
     def copy_prefix(self, num_tokens: int) -> ModelCache:
         """An independent cache holding the first `num_tokens` tokens, for a request that
         shares only that prefix: K/V copied up to there (not the rest, not the slack), layers
-        that cannot trim taken from the checkpoint there. Checkpoints at or before it are
-        shared, not copied (they are never changed in place). This cache is unchanged.
+        that cannot trim taken from the checkpoint there. Checkpoints (and disk snapshots) at
+        or before it are shared, not copied (never changed in place). This cache is unchanged.
 
         Raises:
             NotSupportedError: neither trimming nor a checkpoint reaches `num_tokens`
@@ -389,6 +401,8 @@ class ModelCache:
         kept = {n: snap for n, snap in self._checkpoints.items() if n <= num_tokens}
         clone = ModelCache([], self._make_layers, self.capacity_tokens)
         clone.adopt(layers, self._tokens[:num_tokens], kept)
+        # the copy may write the blocks they fall in before this cache does
+        clone._disk_snapshots = {n: s for n, s in self._disk_snapshots.items() if n <= num_tokens}
         return clone
 
     def pass_gate(self) -> None:
@@ -418,7 +432,8 @@ class ModelCache:
 
     def footprint(self) -> Footprint:
         """Tokens held and their bytes, checkpoints included, read in one walk."""
-        return measure(self.layers, self._checkpoints, self.num_tokens)
+        snapshots = [*self._checkpoints.values(), *self._disk_snapshots.values()]
+        return measure(self.layers, snapshots, self.num_tokens)
 
     @property
     def nbytes(self) -> int:

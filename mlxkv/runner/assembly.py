@@ -2,8 +2,9 @@
 prompt cache it uses (its entries' pool and, when asked for, the disk tier in the model's own
 subdirectory), and the warm-up.
 
-Owns `fit_window`, `choose_max_batch`, `make_layers` (and the measures behind them), `make_pool` and
-`warm_up`. Does not own the pool's policy (`mlxkv.runner.prompt_cache.pool`), the file format
+Owns `fit_window`, `choose_max_batch`, `make_layers` (and the measures behind them), `make_pool`
+(with the disk tier's snapshot interval, `state_snapshot_cost`) and `warm_up`. Does not own
+the pool's policy (`mlxkv.runner.prompt_cache.pool`), the file format
 (`mlxkv.runner.disk.store`) or the settings (`mlxkv.config.RunnerConfig`).
 """
 
@@ -18,6 +19,7 @@ import mlx.nn as nn
 
 from mlxkv.cache.batched import can_batch
 from mlxkv.cache.building import make_cache
+from mlxkv.cache.footprint import SnapshotCost, snapshot_cost
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.serialize import layout_signature
 from mlxkv.config import (
@@ -37,6 +39,7 @@ from mlxkv.models.loading import LoadedModel
 from mlxkv.models.vision import EncoderCache
 from mlxkv.platform.machine import memory_bytes
 from mlxkv.runner.disk.files import DiskStoreUnavailable
+from mlxkv.runner.disk.snapshots import snapshot_every_blocks
 from mlxkv.runner.disk.store import DiskStore
 from mlxkv.runner.engine import EngineThread
 from mlxkv.runner.lockstep import Lockstep, Solo
@@ -53,11 +56,16 @@ _WARMUP_BATCH_PROMPTS = ([0, 0, 0], [0, 0])
 
 
 def make_pool(
-    loaded: LoadedModel, make_entry: Callable[[], ModelCache], config: RunnerConfig
+    loaded: LoadedModel,
+    make_entry: Callable[[], ModelCache],
+    config: RunnerConfig,
+    engine: EngineThread,
 ) -> CachePool:
-    """The pool for these settings, its disk tier indexed (a restart finds its files) and
-    the replies it keeps known to the model's reply memory (`text.replies`); a cache
-    directory that cannot be written leaves the tier off, with a warning."""
+    """The pool for these settings, its disk tier indexed (a restart finds its files), told
+    every how many tokens a model with state layers snapshots them for it
+    (`disk.snapshots`; measured by a forward on the `engine` thread), and the replies it
+    keeps known to the model's reply memory (`text.replies`); a cache directory that cannot
+    be written leaves the tier off, with a warning."""
     store = None
     if config.cache_dir is not None:
         empty: ModelCache = make_entry()
@@ -70,6 +78,10 @@ def make_pool(
                 kv_bits=config.cache_dir_kv_bits,
                 trimmable=not empty.needs_checkpoints,
             )
+            if not store.trimmable:
+                cost = engine.call(state_snapshot_cost, loaded.model, empty)
+                every = snapshot_every_blocks(cost, store.block_tokens)
+                store.snapshot_every_tokens = every * store.block_tokens
             # the replies its blocks hold, so a reply sent back renders as their ids again
             stored = store.stored_replies(MAX_REPLIES)
             replies_for(loaded.tokenizer).restore((r.salt, r.text, r.ids) for r in stored)
@@ -129,10 +141,21 @@ def kv_bytes_per_token(model: nn.Module, cache: ModelCache) -> int:
     The forward is evaluated: a model may reassign its weights lazily in its forward (Gemma
     3n's AltUp clips two on every call), and arrays left unevaluated could not be evaluated
     on another thread (another Runner's engine, or the caller's)."""
+    return max(_fed_one_token(model, cache).used_bytes, 1)
+
+
+def state_snapshot_cost(model: nn.Module, cache: ModelCache) -> SnapshotCost:
+    """What a snapshot of this cache layout's state layers costs beside its K/V
+    (`footprint.snapshot_cost`), measured as `kv_bytes_per_token` is."""
+    return snapshot_cost(_fed_one_token(model, cache).layers)
+
+
+def _fed_one_token(model: nn.Module, cache: ModelCache) -> ModelCache:
+    """A scratch copy of `cache` fed one token, evaluated (see `kv_bytes_per_token`)."""
     scratch = cache.copy()
     logits = scratch.forward(model, [0])
     mx.eval(logits, model.parameters())
-    return max(scratch.used_bytes, 1)
+    return scratch
 
 
 def default_max_context(

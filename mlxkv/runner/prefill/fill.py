@@ -2,7 +2,8 @@
 
 Owns `fill_prompt`: prefill in chunks (a pause between chunks, where requests interleaved with
 this one run), progress and cancel between chunks, and checkpoints of the layers that cannot
-trim (recurrent, sliding window) where the pool asks for them (`PrefixHit.checkpoints`). Does
+trim (recurrent, sliding window) where the pool asks for them (`PrefixHit.checkpoints`), and
+their snapshots for the disk tier (`PrefixHit.disk_snapshots`: a chunk ends there). Does
 not own where those go (the pool, which goes back to them) or the chunked model calls
 (`mlxkv.decoding.prefill.chunks`).
 """
@@ -69,10 +70,13 @@ def fill_prompt(
     # No pause after the prompt's last chunk: its last token's logits (the first generated
     # token) come in the same turn, or a short prompt would wait a round for them.
     last_pause = total - 1
-    for split in hit.checkpoints:
+    for split in sorted({*hit.checkpoints, *hit.disk_snapshots}):
         steps = fill_steps(model, cache, remaining[: split - offset], plan)
         yield from _paced(steps, fed, offset, last_pause)
-        cache.checkpoint()
+        if split in hit.checkpoints:
+            cache.checkpoint()
+        if split in hit.disk_snapshots:  # after checkpoint(): one there is shared
+            cache.snapshot_for_disk()
         offset, remaining = split, remaining[split - offset :]
     steps = prefill_steps(model, cache, remaining, plan)
     logits = yield from _paced(steps, fed, offset, last_pause)
