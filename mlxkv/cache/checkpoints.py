@@ -22,11 +22,10 @@ from mlxkv.cache.layer_ops import always_trimmable, arrays_of, copy_layer
 MAX_CHECKPOINTS = 3
 
 
-def add_checkpoint(checkpoints: dict[int, list[Any]], num_tokens: int, layers: list[Any]) -> None:
-    """Adds to `checkpoints` (in place) a snapshot of `layers` at `num_tokens`: per layer a
-    copy, evaluated, or None for a layer that can simply trim back. Keeps the earliest and the
-    newest, at most `MAX_CHECKPOINTS`."""
-    checkpoints[num_tokens] = snapshot_layers(layers)
+def add_checkpoint(checkpoints: dict[int, list[Any]], num_tokens: int, snapshot: list[Any]) -> None:
+    """Adds to `checkpoints` (in place) `snapshot` (`snapshot_layers`) at `num_tokens`. Keeps the
+    earliest and the newest, at most `MAX_CHECKPOINTS`."""
+    checkpoints[num_tokens] = snapshot
     while len(checkpoints) > MAX_CHECKPOINTS:
         earliest = min(checkpoints)
         del checkpoints[next(n for n in checkpoints if n != earliest)]

@@ -76,8 +76,9 @@ class ModelCache:
         self._num_pending = 0  # their count, kept so num_tokens is O(1) in the decode loop
         # num_tokens -> per-layer snapshot (None for layers that can simply trim back)
         self._checkpoints: dict[int, list[Any]] = {}
-        # Snapshots like the checkpoints', for the disk tier alone (`snapshot_for_disk`).
+        # the disk tier's (`snapshot_for_disk`), by `forward` at multiples of this (None: none)
         self._disk_snapshots: dict[int, list[Any]] = {}
+        self.snapshot_every_tokens: int | None = None
         # Layers restored while their checks still run (`mlxkv.cache.gate`): None once all
         # passed. A forward hands each layer to the model once it is ready; `arrays`,
         # `copy_prefix` and `shift` wait for all first.
@@ -163,6 +164,8 @@ class ModelCache:
             self._num_pending += ids.size
         else:
             self._tokens.extend(int(t) for t in token_ids)
+        if self.snapshot_every_tokens and self.num_tokens % self.snapshot_every_tokens == 0:
+            self.snapshot_for_disk()  # evaluates this pass: once a block, in decoding too
         return logits
 
     def feed(self, model: nn.Module, token_ids: Sequence[int]) -> None:
@@ -247,17 +250,17 @@ class ModelCache:
         `MAX_CHECKPOINTS`; their bytes are in `footprint()`."""
         if not self.needs_checkpoints or self.num_tokens in self._checkpoints:
             return
-        add_checkpoint(self._checkpoints, self.num_tokens, self.layers)
+        at = self._disk_snapshots.get(self.num_tokens)  # shared, not copied again
+        add_checkpoint(self._checkpoints, self.num_tokens, at or snapshot_layers(self.layers))
 
     def snapshot_for_disk(self) -> None:
         """`checkpoint()` for the disk tier's blocks, apart from the checkpoints and their limit
-        until its writer takes them (`take_disk_snapshots`); counted in `footprint()`."""
+        until its writer takes them (`take_disk_snapshots`), counted in `footprint()`."""
         if self.needs_checkpoints and self.num_tokens not in self._disk_snapshots:
             at = self._checkpoints.get(self.num_tokens)
             self._disk_snapshots[self.num_tokens] = at or snapshot_layers(self.layers)
 
-    def take_disk_snapshots(self) -> dict[int, list[Any]]:
-        """`snapshot_for_disk`'s snapshots by length in tokens, forgotten here (for the writer)."""
+    def take_disk_snapshots(self) -> dict[int, list[Any]]:  # by length; forgotten here
         taken, self._disk_snapshots = self._disk_snapshots, {}
         return taken
 
@@ -401,6 +404,7 @@ class ModelCache:
         kept = {n: snap for n, snap in self._checkpoints.items() if n <= num_tokens}
         clone = ModelCache([], self._make_layers, self.capacity_tokens)
         clone.adopt(layers, self._tokens[:num_tokens], kept)
+        clone.snapshot_every_tokens = self.snapshot_every_tokens
         # the copy may write the blocks they fall in before this cache does
         clone._disk_snapshots = {n: s for n, s in self._disk_snapshots.items() if n <= num_tokens}
         return clone

@@ -76,6 +76,18 @@ def test_a_prompt_diverging_mid_chain_restores_to_the_boundary_before(runner_of,
     assert got[2] == 2 * BLOCK_TOKENS
 
 
+@pytest.mark.parametrize("arch", ["lfm2", "gemma3_text"])
+def test_a_reply_that_crosses_a_boundary_is_snapshotted_there(runner_of, tmp_path, arch):
+    stored = _tokens(9, 2 * BLOCK_TOKENS - 12)
+    before = runner_of(arch, cache_dir=tmp_path, speculative=None)
+    reply = before.generate(stored, max_tokens=30, temperature=0).tokens
+    before.close()
+    prompt = stored + reply[:20] + _tokens(10, 30)  # diverges 8 tokens past the boundary
+    got = _answer(runner_of(arch, cache_dir=tmp_path), prompt)
+    _assert_same(got, _answer(runner_of(arch), prompt))
+    assert got[2] == 2 * BLOCK_TOKENS
+
+
 @pytest.mark.parametrize("arch", ["lfm2", "large_state"])
 def test_the_prefill_split_at_boundaries_computes_what_an_unsplit_one_does(
     runner_of, tmp_path, monkeypatch, arch

@@ -3,7 +3,8 @@
 Owns `fill_prompt`: prefill in chunks (a pause between chunks, where requests interleaved with
 this one run), progress and cancel between chunks, and checkpoints of the layers that cannot
 trim (recurrent, sliding window) where the pool asks for them (`PrefixHit.checkpoints`), and
-their snapshots for the disk tier (`PrefixHit.disk_snapshots`: a chunk ends there). Does
+a chunk's end at each of their snapshots for the disk tier (`PrefixHit.disk_snapshots`, which
+the cache takes as it reaches them, `ModelCache.snapshot_every_tokens`). Does
 not own where those go (the pool, which goes back to them) or the chunked model calls
 (`mlxkv.decoding.prefill.chunks`).
 """
@@ -73,10 +74,8 @@ def fill_prompt(
     for split in sorted({*hit.checkpoints, *hit.disk_snapshots}):
         steps = fill_steps(model, cache, remaining[: split - offset], plan)
         yield from _paced(steps, fed, offset, last_pause)
-        if split in hit.checkpoints:
+        if split in hit.checkpoints:  # a disk snapshot the cache took here is shared
             cache.checkpoint()
-        if split in hit.disk_snapshots:  # after checkpoint(): one there is shared
-            cache.snapshot_for_disk()
         offset, remaining = split, remaining[split - offset :]
     steps = prefill_steps(model, cache, remaining, plan)
     logits = yield from _paced(steps, fed, offset, last_pause)

@@ -75,8 +75,8 @@ class PrefixHit:
         remaining: the request's tokens after those (never empty).
         checkpoints: where feeding `remaining` checkpoints the layers that cannot trim back
             (`ModelCache.checkpoint`), in tokens into it, ascending; empty when all can.
-        disk_snapshots: where it snapshots them for the disk tier alone (block boundaries,
-            `disk.snapshots`; `ModelCache.snapshot_for_disk`), the same way.
+        disk_snapshots: where a chunk of it ends so that the cache snapshots them for the disk
+            tier alone (block boundaries, `disk.snapshots`), the same way.
     """
 
     entry: CacheEntry
@@ -286,6 +286,7 @@ class CachePool:
         """Adds an entry for `cache`, first evicting one if the pool is full (never `keep`,
         the entry the new one is copied from)."""
         self._evict(self.max_entries - 1, None, keep=keep)
+        cache.snapshot_every_tokens = self.store and self.store.snapshot_every_tokens
         entry = CacheEntry(cache)
         self._entries.append(entry)
         return entry
