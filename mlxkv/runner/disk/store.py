@@ -386,12 +386,13 @@ class DiskStore:
     # -- budget ---------------------------------------------------------------------------
 
     def enforce_budget(self, keep: Path | None = None) -> None:
-        """Removes this tier's files (of any model under `root`) until they fit in
-        `max_bytes`: files another file supersedes first, then the least recently used."""
+        """Removes this tier's files (of any model under `root`) until they and this model's
+        reply records fit in `max_bytes`: files another file supersedes first, then the least
+        recently used (the records of the chains removed go with them)."""
         with self._lock:
             records = dict(self._records)
         files = tier_files(self.root, self.directory, set(records), self._theirs)
-        if (total := sum(size for _, size, _ in files)) <= self.max_bytes:
+        if (total := sum(size for _, size, _ in files) + self.replies.nbytes) <= self.max_bytes:
             return  # the order below costs more than this sum
         for path, size, _ in removal_order(files, records, trimmable=self.trimmable, keep=keep):
             if total <= self.max_bytes:
