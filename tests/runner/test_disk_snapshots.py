@@ -20,16 +20,8 @@ from mlxkv.models.loading import load_model
 from mlxkv.runner.disk.chains import BLOCK_TOKENS
 from mlxkv.runner.disk.snapshots import MIN_BLOCK_KV_BYTES, boundaries, snapshot_every_blocks
 from mlxkv.testing.factory import build_model
+from mlxkv.testing.tiny_recurrent import QWEN3_NEXT_LARGE_STATE
 
-# Qwen3-Next's layers (GatedDeltaNet beside full attention) with delta-rule heads big enough
-# that one snapshot of their state costs more than a block of the attention layers' K/V, as
-# in the real model (~72 MB against ~6 MB): the rule snapshots every k-th boundary.
-LARGE_STATE = {
-    "linear_num_value_heads": 16,
-    "linear_num_key_heads": 8,
-    "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32,
-}
 STORED_TOKENS = 1000
 SHARED_TOKENS = 700  # the new prompt's tokens in common with the stored one
 
@@ -37,7 +29,7 @@ SHARED_TOKENS = 700  # the new prompt's tokens in common with the stored one
 @pytest.fixture(scope="module")
 def large_state(tmp_path_factory):
     out = tmp_path_factory.mktemp("models") / "qwen3_next"
-    return load_model(build_model("qwen3_next", out, config_overrides=LARGE_STATE))
+    return load_model(build_model("qwen3_next", out, config_overrides=QWEN3_NEXT_LARGE_STATE))
 
 
 @pytest.fixture
