@@ -31,11 +31,13 @@ def add_checkpoint(checkpoints: dict[int, list[Any]], num_tokens: int, snapshot:
         del checkpoints[next(n for n in checkpoints if n != earliest)]
 
 
-def snapshot_layers(layers: list[Any]) -> list[Any]:
-    """A snapshot of `layers`: per layer a copy, evaluated, or None for a layer that can simply
-    trim back."""
+def snapshot_layers(layers: list[Any], *, evaluate: bool = True) -> list[Any]:
+    """A snapshot of `layers`: per layer a copy (evaluated unless not `evaluate`: MLX's arrays
+    are values, so a lazy copy still holds the state it was taken at), or None for a layer
+    that can simply trim back."""
     snapshot = [None if always_trimmable(layer) else copy_layer(layer) for layer in layers]
-    mx.eval([a for saved in snapshot if saved for a in arrays_of(saved)])
+    if evaluate:
+        mx.eval([a for saved in snapshot if saved for a in arrays_of(saved)])
     return snapshot
 
 

@@ -255,10 +255,12 @@ class ModelCache:
 
     def snapshot_for_disk(self) -> None:
         """`checkpoint()` for the disk tier's blocks, apart from the checkpoints and their limit
-        until its writer takes them (`take_disk_snapshots`), counted in `footprint()`."""
+        until its writer takes them (`take_disk_snapshots`), counted in `footprint()`; lazy,
+        evaluated with the layers (`arrays()`), so no prefill lane or decode step waits."""
         if self.needs_checkpoints and self.num_tokens not in self._disk_snapshots:
             at = self._checkpoints.get(self.num_tokens)
-            self._disk_snapshots[self.num_tokens] = at or snapshot_layers(self.layers)
+            snapshot = at or snapshot_layers(self.layers, evaluate=False)
+            self._disk_snapshots[self.num_tokens] = snapshot
 
     def take_disk_snapshots(self) -> dict[int, list[Any]]:  # by length; forgotten here
         taken, self._disk_snapshots = self._disk_snapshots, {}
@@ -371,8 +373,7 @@ class ModelCache:
         self._disk_snapshots.clear()
         self.shifted = True
 
-    def copy(self) -> ModelCache:
-        """An independent cache holding the same tokens (copies the used K/V, not the slack)."""
+    def copy(self) -> ModelCache:  # an independent cache of the same tokens (K/V, not slack)
         return self.copy_prefix(self.num_tokens)
 
     def copy_prefix(self, num_tokens: int) -> ModelCache:
@@ -420,8 +421,7 @@ class ModelCache:
             self.free()
         self.gate = None
 
-    def free(self) -> None:
-        """Drops every token and the memory that held them."""
+    def free(self) -> None:  # drops every token and the memory that held them
         self.adopt(self._make_layers(), [], {})
 
     def shrink(self) -> int:
@@ -430,9 +430,11 @@ class ModelCache:
         return sum(layer.shrink() for layer in leaves(self.layers) if hasattr(layer, "shrink"))
 
     def arrays(self) -> list[mx.array]:
-        """Every array the layers hold: what `mx.eval` runs to leave nothing of them lazy."""
+        """Every array the layers and the disk snapshots hold: what `mx.eval` runs to leave
+        nothing of them lazy."""
         self.pass_gate()
-        return [a for layer in self.layers for a in arrays_of(layer)]
+        snapshots = [s for snap in self._disk_snapshots.values() for s in snap if s]
+        return [a for layer in [*self.layers, *snapshots] for a in arrays_of(layer)]
 
     def footprint(self) -> Footprint:
         """Tokens held and their bytes, checkpoints included, read in one walk."""
@@ -440,11 +442,9 @@ class ModelCache:
         return measure(self.layers, snapshots, self.num_tokens)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes allocated by all layers (including unused slots)."""
+    def nbytes(self) -> int:  # bytes allocated by all layers (including unused slots)
         return self.footprint().allocated_bytes
 
     @property
-    def used_bytes(self) -> int:
-        """Bytes holding the tokens' K/V and recurrent state."""
+    def used_bytes(self) -> int:  # bytes holding the tokens' K/V and recurrent state
         return self.footprint().used_bytes
