@@ -1,18 +1,21 @@
 """What a ModelCache holds, in tokens and bytes, read in one walk of its layers and checkpoints.
 
-Owns `Footprint` and `measure`. The pool's budget and the memory report need these numbers
-together, for every entry after every request: one walk gives them all, where a property per
-number walked the layers once each. Does not own the totals over several entries
+Owns `Footprint` and `measure`, and `SnapshotCost` (what a snapshot of a model's state
+layers costs beside its K/V, `snapshot_cost`). The pool's budget and the memory report need
+these numbers together, for every entry after every request: one walk gives them all, where a
+property per number walked the layers once each. Does not own the totals over several entries
 (`usage.holdings`: checkpoints shared between entries are counted once there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxkv.cache.layer_ops import layer_bytes
+from mlxkv.cache.layer_ops import always_trimmable, layer_bytes, leaves
+from mlxkv.cache.layers.chunked import ChunkedKVCache
+from mlxkv.cache.layers.window import SlidingWindowCache
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,14 @@ class Footprint:
 
 
 def measure(
-    layers: Sequence[Any], checkpoints: Mapping[int, Sequence[Any]], num_tokens: int
+    layers: Sequence[Any], checkpoints: Iterable[Sequence[Any]], num_tokens: int
 ) -> Footprint:
-    """The footprint of `layers` holding `num_tokens` tokens, with `checkpoints` (per length,
-    a snapshot per layer or None)."""
+    """The footprint of `layers` holding `num_tokens` tokens, with the snapshots of
+    `checkpoints` (each a snapshot per layer or None; one shared by two counted once)."""
     sizes = [layer_bytes(layer) for layer in layers]
-    # list(): a consistent view even while a generation on another thread adds a checkpoint
-    snapshots = tuple(saved for snap in list(checkpoints.values()) for saved in snap if saved)
+    # the caller's list: a consistent view even while a generation on another thread adds one
+    unique = {id(saved): saved for snap in checkpoints for saved in snap if saved}
+    snapshots = tuple(unique.values())
     return Footprint(
         num_tokens,
         used_bytes=sum(used for _, used in sizes),
@@ -50,3 +54,34 @@ def measure(
         checkpoint_bytes=sum(saved.nbytes for saved in snapshots),
         snapshots=snapshots,
     )
+
+
+@dataclass(frozen=True)
+class SnapshotCost:
+    """What a snapshot of the layers that cannot trim back costs, beside the K/V of those
+    that can.
+
+    Attributes:
+        snapshot_bytes: one snapshot of the state layers, each full (a recurrent layer's
+            state; a sliding window's or an attention chunk's snapshot holding its window).
+        kv_bytes_per_token: K/V bytes one token adds in the layers that trim back.
+    """
+
+    snapshot_bytes: int
+    kv_bytes_per_token: int
+
+
+def snapshot_cost(layers: Sequence[Any]) -> SnapshotCost:
+    """`SnapshotCost` read from `layers` (a model's cache) holding exactly one token."""
+    snapshot_bytes = kv_bytes = 0
+    for layer in leaves(layers):
+        _, used = layer_bytes(layer)
+        if always_trimmable(layer):
+            kv_bytes += used
+        elif isinstance(layer, SlidingWindowCache):
+            snapshot_bytes += used * layer.window
+        elif isinstance(layer, ChunkedKVCache):
+            snapshot_bytes += used * layer.chunk_size
+        else:  # recurrent state, the same size at any length
+            snapshot_bytes += used
+    return SnapshotCost(snapshot_bytes, kv_bytes)

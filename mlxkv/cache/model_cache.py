@@ -16,7 +16,8 @@ Invariants:
 Layers whose own cache mlx-lm defines for recurrent state (`ArraysCache`, inside a `CacheList`
 for hybrid models) are kept as they are: they are not trimmable, so `can_trim_to` is False for
 any n below num_tokens. Checkpoints make up for it: `checkpoint()` snapshots those layers (and
-sliding windows) at the current length, and `rewind_to(n)` restores one, trimming the rest.
+sliding windows) at the current length, and `rewind_to(n)` restores one, trimming the rest;
+`snapshot_for_disk()` takes one for the disk tier's blocks alone.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.cache.checkpoints import add_checkpoint, drop_checkpoints_after
+from mlxkv.cache.checkpoints import add_checkpoint, drop_checkpoints_after, snapshot_layers
 from mlxkv.cache.footprint import Footprint, measure
 from mlxkv.cache.gate import GatedLayers, LayerGate
 from mlxkv.cache.layer_ops import (
@@ -75,6 +76,9 @@ class ModelCache:
         self._num_pending = 0  # their count, kept so num_tokens is O(1) in the decode loop
         # num_tokens -> per-layer snapshot (None for layers that can simply trim back)
         self._checkpoints: dict[int, list[Any]] = {}
+        # the disk tier's (`snapshot_for_disk`), by `forward` at multiples of this (None: none)
+        self._disk_snapshots: dict[int, list[Any]] = {}
+        self.snapshot_every_tokens: int | None = None
         # Layers restored while their checks still run (`mlxkv.cache.gate`): None once all
         # passed. A forward hands each layer to the model once it is ready; `arrays`,
         # `copy_prefix` and `shift` wait for all first.
@@ -111,12 +115,9 @@ class ModelCache:
 
     def materialize(self) -> list[int]:
         """Evaluates every lazy array and reads back pending token ids; returns the token ids
-        held, as `tokens` does.
-
-        MLX streams belong to the thread that made them: a lazy array built on one thread
-        cannot be evaluated on another. Materializing at the end of each request lets the next
-        one run on any thread.
-        """
+        held, as `tokens` does. MLX streams belong to the thread that made them (a lazy array
+        built on one thread cannot be evaluated on another): materializing at the end of each
+        request lets the next one run on any thread."""
         mx.eval(self.arrays() + [p for p in self._pending if isinstance(p, mx.array)])
         return self.tokens
 
@@ -163,6 +164,8 @@ class ModelCache:
             self._num_pending += ids.size
         else:
             self._tokens.extend(int(t) for t in token_ids)
+        if self.snapshot_every_tokens and self.num_tokens % self.snapshot_every_tokens == 0:
+            self.snapshot_for_disk()  # evaluates this pass: once a block, in decoding too
         return logits
 
     def feed(self, model: nn.Module, token_ids: Sequence[int]) -> None:
@@ -179,10 +182,8 @@ class ModelCache:
         (speculative decoding's rollback of rejected drafts). Where every layer can go back,
         keep trims, which is O(1); otherwise (recurrent state, a window that lost what it
         needs) the layers are put back as they were before this pass and the n tokens are
-        fed again, so the state is always exactly what feeding n tokens gives.
-
-        `keep` must be called before anything else changes the cache.
-        """
+        fed again, so the state is always exactly what feeding n tokens gives. `keep` must be
+        called before anything else changes the cache."""
         start = self.num_tokens
         marks = [mark_layer(layer) for layer in self.layers]
         logits = self.forward(model, token_ids)
@@ -195,7 +196,7 @@ class ModelCache:
                 restore_layer(layer, saved)
             self._settle()
             del self._tokens[start:]
-            drop_checkpoints_after(self._checkpoints, start)
+            drop_checkpoints_after(start, self._checkpoints, self._disk_snapshots)
             if num_kept:
                 self.forward(model, token_ids[:num_kept])
 
@@ -235,7 +236,7 @@ class ModelCache:
                 layer.trim(drop)
             self._settle()
             del self._tokens[num_tokens:]
-            drop_checkpoints_after(self._checkpoints, num_tokens)
+            drop_checkpoints_after(num_tokens, self._checkpoints, self._disk_snapshots)
         return drop
 
     @property
@@ -249,7 +250,21 @@ class ModelCache:
         `MAX_CHECKPOINTS`; their bytes are in `footprint()`."""
         if not self.needs_checkpoints or self.num_tokens in self._checkpoints:
             return
-        add_checkpoint(self._checkpoints, self.num_tokens, self.layers)
+        at = self._disk_snapshots.get(self.num_tokens)  # shared, not copied again
+        add_checkpoint(self._checkpoints, self.num_tokens, at or snapshot_layers(self.layers))
+
+    def snapshot_for_disk(self) -> None:
+        """`checkpoint()` for the disk tier's blocks, apart from the checkpoints and their limit
+        until its writer takes them (`take_disk_snapshots`), counted in `footprint()`; lazy,
+        evaluated with the layers (`arrays()`), so no prefill lane or decode step waits."""
+        if self.needs_checkpoints and self.num_tokens not in self._disk_snapshots:
+            at = self._checkpoints.get(self.num_tokens)
+            snapshot = at or snapshot_layers(self.layers, evaluate=False)
+            self._disk_snapshots[self.num_tokens] = snapshot
+
+    def take_disk_snapshots(self) -> dict[int, list[Any]]:  # by length; forgotten here
+        taken, self._disk_snapshots = self._disk_snapshots, {}
+        return taken
 
     @property
     def checkpoints(self) -> dict[int, list[Any]]:
@@ -279,6 +294,7 @@ class ModelCache:
         self._num_pending = 0
         self._tokens = list(tokens)
         self._checkpoints = dict(checkpoints)
+        self._disk_snapshots = {}
 
     def nearest_restorable(self, num_tokens: int) -> int:
         """The largest length <= num_tokens this cache can go back to, by trimming or from a
@@ -319,7 +335,7 @@ class ModelCache:
                 self.layers[i] = copy_layer(saved)  # the checkpoint stays reusable
         self._settle()
         del self._tokens[num_tokens:]
-        drop_checkpoints_after(self._checkpoints, num_tokens)
+        drop_checkpoints_after(num_tokens, self._checkpoints, self._disk_snapshots)
         return dropped
 
     def can_shift(self, rotations: Sequence[Rotation | None] | None) -> bool:
@@ -354,17 +370,17 @@ class ModelCache:
             layer.shift(keep, drop, rotate)
         del self._tokens[keep : keep + drop]
         self._checkpoints.clear()  # positions moved
+        self._disk_snapshots.clear()
         self.shifted = True
 
-    def copy(self) -> ModelCache:
-        """An independent cache holding the same tokens (copies the used K/V, not the slack)."""
+    def copy(self) -> ModelCache:  # an independent cache of the same tokens (K/V, not slack)
         return self.copy_prefix(self.num_tokens)
 
     def copy_prefix(self, num_tokens: int) -> ModelCache:
         """An independent cache holding the first `num_tokens` tokens, for a request that
         shares only that prefix: K/V copied up to there (not the rest, not the slack), layers
-        that cannot trim taken from the checkpoint there. Checkpoints at or before it are
-        shared, not copied (they are never changed in place). This cache is unchanged.
+        that cannot trim taken from the checkpoint there. Checkpoints (and disk snapshots) at
+        or before it are shared, not copied (never changed in place). This cache is unchanged.
 
         Raises:
             NotSupportedError: neither trimming nor a checkpoint reaches `num_tokens`
@@ -389,6 +405,9 @@ class ModelCache:
         kept = {n: snap for n, snap in self._checkpoints.items() if n <= num_tokens}
         clone = ModelCache([], self._make_layers, self.capacity_tokens)
         clone.adopt(layers, self._tokens[:num_tokens], kept)
+        clone.snapshot_every_tokens = self.snapshot_every_tokens
+        # the copy may write the blocks they fall in before this cache does
+        clone._disk_snapshots = {n: s for n, s in self._disk_snapshots.items() if n <= num_tokens}
         return clone
 
     def pass_gate(self) -> None:
@@ -402,8 +421,7 @@ class ModelCache:
             self.free()
         self.gate = None
 
-    def free(self) -> None:
-        """Drops every token and the memory that held them."""
+    def free(self) -> None:  # drops every token and the memory that held them
         self.adopt(self._make_layers(), [], {})
 
     def shrink(self) -> int:
@@ -412,20 +430,21 @@ class ModelCache:
         return sum(layer.shrink() for layer in leaves(self.layers) if hasattr(layer, "shrink"))
 
     def arrays(self) -> list[mx.array]:
-        """Every array the layers hold: what `mx.eval` runs to leave nothing of them lazy."""
+        """Every array the layers and the disk snapshots hold: what `mx.eval` runs to leave
+        nothing of them lazy."""
         self.pass_gate()
-        return [a for layer in self.layers for a in arrays_of(layer)]
+        snapshots = [s for snap in self._disk_snapshots.values() for s in snap if s]
+        return [a for layer in [*self.layers, *snapshots] for a in arrays_of(layer)]
 
     def footprint(self) -> Footprint:
         """Tokens held and their bytes, checkpoints included, read in one walk."""
-        return measure(self.layers, self._checkpoints, self.num_tokens)
+        snapshots = [*self._checkpoints.values(), *self._disk_snapshots.values()]
+        return measure(self.layers, snapshots, self.num_tokens)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes allocated by all layers (including unused slots)."""
+    def nbytes(self) -> int:  # bytes allocated by all layers (including unused slots)
         return self.footprint().allocated_bytes
 
     @property
-    def used_bytes(self) -> int:
-        """Bytes holding the tokens' K/V and recurrent state."""
+    def used_bytes(self) -> int:  # bytes holding the tokens' K/V and recurrent state
         return self.footprint().used_bytes

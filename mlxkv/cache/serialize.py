@@ -35,8 +35,11 @@ _STATEFUL = {
 _LAYER_NAME = re.compile(r"(?:l|c\d+)\.(\d+)(?:[./]|$)")
 
 
-def cache_to_arrays(cache: ModelCache) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """The arrays (lazy slices of the cache's buffers) and the layout that rebuild `cache`.
+def cache_to_arrays(
+    cache: ModelCache, disk_snapshots: dict[int, list[Any]] | None = None
+) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """The arrays (lazy slices of the cache's buffers) and the layout that rebuild `cache`,
+    with `disk_snapshots` (`ModelCache.take_disk_snapshots`) among its checkpoints.
 
     Raises:
         NotSupportedError: a layer of a class this module cannot save.
@@ -52,7 +55,7 @@ def cache_to_arrays(cache: ModelCache) -> tuple[dict[str, mx.array], dict[str, A
                     for i, saved in enumerate(snapshot)
                 ],
             }
-            for at, snapshot in sorted(cache.checkpoints.items())
+            for at, snapshot in sorted({**(disk_snapshots or {}), **cache.checkpoints}.items())
         ],
     }
     return arrays, layout

@@ -2,8 +2,9 @@
 prompt cache it uses (its entries' pool and, when asked for, the disk tier in the model's own
 subdirectory), and the warm-up.
 
-Owns `fit_window`, `choose_max_batch`, `make_layers` (and the measures behind them), `make_pool` and
-`warm_up`. Does not own the pool's policy (`mlxkv.runner.prompt_cache.pool`), the file format
+Owns `fit_window`, `choose_max_batch`, `make_layers` (and the measures behind them), `make_pool`
+(with the disk tier's snapshot interval) and `warm_up`. Does not own
+the pool's policy (`mlxkv.runner.prompt_cache.pool`), the file format
 (`mlxkv.runner.disk.store`) or the settings (`mlxkv.config.RunnerConfig`).
 """
 
@@ -18,6 +19,7 @@ import mlx.nn as nn
 
 from mlxkv.cache.batched import can_batch
 from mlxkv.cache.building import make_cache
+from mlxkv.cache.footprint import SnapshotCost, snapshot_cost
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.serialize import layout_signature
 from mlxkv.config import (
@@ -37,6 +39,7 @@ from mlxkv.models.loading import LoadedModel
 from mlxkv.models.vision import EncoderCache
 from mlxkv.platform.machine import memory_bytes
 from mlxkv.runner.disk.files import DiskStoreUnavailable
+from mlxkv.runner.disk.snapshots import snapshot_every_blocks
 from mlxkv.runner.disk.store import DiskStore
 from mlxkv.runner.engine import EngineThread
 from mlxkv.runner.lockstep import Lockstep, Solo
@@ -53,11 +56,16 @@ _WARMUP_BATCH_PROMPTS = ([0, 0, 0], [0, 0])
 
 
 def make_pool(
-    loaded: LoadedModel, make_entry: Callable[[], ModelCache], config: RunnerConfig
+    loaded: LoadedModel,
+    make_entry: Callable[[], ModelCache],
+    config: RunnerConfig,
+    snapshot_cost: SnapshotCost,
 ) -> CachePool:
-    """The pool for these settings, its disk tier indexed (a restart finds its files) and
-    the replies it keeps known to the model's reply memory (`text.replies`); a cache
-    directory that cannot be written leaves the tier off, with a warning."""
+    """The pool for these settings, its disk tier indexed (a restart finds its files), told
+    every how many tokens a model with state layers snapshots them for it (`disk.snapshots`,
+    from the `snapshot_cost` `size_window` measured), and the replies it keeps known to the
+    model's reply memory (`text.replies`); a cache directory that cannot be written leaves
+    the tier off, with a warning."""
     store = None
     if config.cache_dir is not None:
         empty: ModelCache = make_entry()
@@ -70,6 +78,9 @@ def make_pool(
                 kv_bits=config.cache_dir_kv_bits,
                 trimmable=not empty.needs_checkpoints,
             )
+            if not store.trimmable:
+                every = snapshot_every_blocks(snapshot_cost, store.block_tokens)
+                store.snapshot_every_tokens = every * store.block_tokens
             # the replies its blocks hold, so a reply sent back renders as their ids again
             stored = store.stored_replies(MAX_REPLIES)
             replies_for(loaded.tokenizer).restore((r.salt, r.text, r.ids) for r in stored)
@@ -85,18 +96,21 @@ def make_pool(
 
 def size_window(
     loaded: LoadedModel, config: RunnerConfig, engine: EngineThread, lockstep: Lockstep | Solo
-) -> tuple[RunnerConfig, int]:
-    """`config` with its context window fitted to memory (every rank taking rank 0's), and
-    the K/V bytes per token it was fitted from. The forward that measures them runs on the
-    engine thread: a model that updates weights lazily in its forward (Gemma 3n's AltUp) leaves
-    arrays only that thread can evaluate later."""
+) -> tuple[RunnerConfig, int, SnapshotCost]:
+    """`config` with its context window fitted to memory (every rank taking rank 0's), the
+    K/V bytes per token it was fitted from and what the state layers' snapshots cost
+    (`kv_bytes_per_token`; the disk tier's snapshot rule reads it). The forward that measures
+    them runs on the engine thread: a model that updates weights lazily in its forward (Gemma
+    3n's AltUp) leaves arrays only that thread can evaluate later."""
     layers = make_layers(loaded.model, config)
     # an encoder keeps no K/V (and runs no decoder forward to measure them)
-    per_token_bytes = (
-        1 if loaded.is_encoder else engine.call(kv_bytes_per_token, loaded.model, layers)
+    per_token_bytes, cost = (
+        (1, SnapshotCost(0, 0))
+        if loaded.is_encoder
+        else engine.call(kv_bytes_per_token, loaded.model, layers)
     )
     config = fit_window(config, loaded.max_position_embeddings, per_token_bytes)
-    return lockstep.leaders_settings(config), per_token_bytes
+    return lockstep.leaders_settings(config), per_token_bytes, cost
 
 
 def fit_window(
@@ -122,8 +136,9 @@ def fit_window(
     return config.replace(max_context=window)
 
 
-def kv_bytes_per_token(model: nn.Module, cache: ModelCache) -> int:
-    """Bytes one token's K/V (and state) take in this cache layout, measured by feeding one
+def kv_bytes_per_token(model: nn.Module, cache: ModelCache) -> tuple[int, SnapshotCost]:
+    """Bytes one token's K/V (and state) take in this cache layout, and what a snapshot of its
+    state layers costs beside its K/V (`footprint.snapshot_cost`), measured by feeding one
     token through a scratch copy.
 
     The forward is evaluated: a model may reassign its weights lazily in its forward (Gemma
@@ -132,7 +147,7 @@ def kv_bytes_per_token(model: nn.Module, cache: ModelCache) -> int:
     scratch = cache.copy()
     logits = scratch.forward(model, [0])
     mx.eval(logits, model.parameters())
-    return max(scratch.used_bytes, 1)
+    return max(scratch.used_bytes, 1), snapshot_cost(scratch.layers)
 
 
 def default_max_context(

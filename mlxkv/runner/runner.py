@@ -84,14 +84,14 @@ class Runner:
         # Every model call runs on this thread (see `engine`); it ends with the Runner.
         self._engine = EngineThread(f"mlxkv-engine-{id(self):x}")
         weakref.finalize(self, self._engine.stop, False)
-        config, per_token_bytes = size_window(loaded, config, self._engine, self._lockstep)
+        config, per_token_bytes, snaps = size_window(loaded, config, self._engine, self._lockstep)
         self.config = config
         self.max_context = config.max_context
         self.prefill_plan = PrefillPlan.make(
             config.prefill_step_size, config.prefill_lanes, window_tokens=self.max_context
         )
         self._draft = DraftModel.check(draft, loaded)
-        self._pool = make_pool(loaded, self._make_entry, config)
+        self._pool = make_pool(loaded, self._make_entry, config, snaps)
         if self._pool.store is not None:  # a Runner dropped without close() stops its writer
             weakref.finalize(self, self._pool.store.close)
         self.max_batch = choose_max_batch(config, per_token_bytes, self._make_entry())

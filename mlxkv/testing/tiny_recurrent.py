@@ -39,6 +39,16 @@ _GATED_DELTA = {  # Qwen3-Next / Qwen3.5: GatedDeltaNet layers, every 2nd layer 
     "full_attention_interval": 2,
     "partial_rotary_factor": 0.25,
 }
+# `build_model("qwen3_next", ..., config_overrides=QWEN3_NEXT_LARGE_STATE)`: delta-rule heads
+# big enough that one snapshot of their state costs more than a disk block of the attention
+# layers' K/V, as in the real model (~72 MB against ~6 MB; the disk tier's snapshot rule,
+# `mlxkv.runner.disk.snapshots`, then takes every k-th boundary).
+QWEN3_NEXT_LARGE_STATE = {
+    "linear_num_value_heads": 16,
+    "linear_num_key_heads": 8,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+}
 _MAMBA2 = {"conv_kernel": 4, "n_groups": 1, "use_bias": False, "use_conv_bias": True}
 
 _KDA_THEN_MLA = {  # Kimi Linear's layers: 0 Kimi Delta Attention, 1 latent attention (MLA)

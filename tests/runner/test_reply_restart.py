@@ -213,3 +213,20 @@ def test_only_the_newest_records_are_kept(scripted_path, tmp_path, monkeypatch):
     assert len(restarted.encode(messages, cache_salt="new")) > len(
         restarted.encode(messages, cache_salt="old")
     )
+
+
+def test_records_count_in_the_directory_budget(scripted_path, tmp_path):
+    """A budget that holds a turn's blocks but not its reply's record too: the budget removes
+    files until blocks and records together fit (before, records were not counted)."""
+    runner = _runner(scripted_path, tmp_path)
+    runner.generate(ASK, max_tokens=20, temperature=0)
+    store = runner._pool.store
+    store.flush()
+    blocks = sum(p.stat().st_size for p in tmp_path.glob(f"*/*{SUFFIX}"))
+    records = sum(p.stat().st_size for p in _records(tmp_path))
+    assert records > 0
+    store.max_bytes = blocks + records - 1
+    store.enforce_budget()
+    on_disk = [*tmp_path.glob(f"*/*{SUFFIX}"), *_records(tmp_path)]
+    assert sum(p.stat().st_size for p in on_disk) <= store.max_bytes
+    runner.close()

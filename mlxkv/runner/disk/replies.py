@@ -249,6 +249,14 @@ class ReplyRecords:
                     self._known.pop(reply.path.name, None)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the records known here (written or read at start) still on disk: they
+        count in the directory's budget, and go with their chains (`sweep`)."""
+        with self._lock:
+            paths = [reply.path for reply in self._known.values()]
+        return sum(_size(path) for path in paths)
+
+    @property
     def _model(self) -> tuple[str, str]:
         return self.fingerprint, self.signature
 
@@ -257,6 +265,13 @@ def _mtime_ns(entry: os.DirEntry) -> int:
     try:
         return entry.stat(follow_symlinks=False).st_mtime_ns
     except OSError:
+        return 0
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # removed meanwhile (by another process's sweep)
         return 0
 
 

@@ -7,17 +7,14 @@ into a ModelCache, and the directory's budget. Does not own the file format (`fi
 (`budget`), or which entry goes to disk or when a load pays (see `pool`).
 
 Invariants:
-  - only files this tier wrote are ever removed: regular files (never a symlink, a pipe or a
-    folder) named as it names them, whose header says they are an mlxkv file; anything else in
-    the directory is left alone and not counted in the budget;
+  - only files this tier wrote are ever removed: regular files named as it names them, whose
+    header says they are an mlxkv file; anything else is left alone, not counted in the budget;
   - a file is never loaded unless its header parses, its fingerprint and signature match, its
-    size is what the header says and its CRC matches; otherwise it is removed, with one
-    warning. An error that proves nothing about the file (out of file descriptors, out of
-    memory) keeps it: the request prefills instead, with a warning;
-  - a file appears under its final name only complete: written under a temporary name, its CRC
-    patched in, fsynced, then renamed (atomic) and its directory fsynced, so an interrupted
-    write leaves at most a temporary file, which indexing ignores and removes once its
-    process is gone;
+    size is what the header says and its CRCs match; else it is removed, with one warning (an
+    error that proves nothing about the file, such as out of memory, keeps it: a prefill);
+  - a file appears under its final name only complete (temporary name, CRCs patched in,
+    fsync, atomic rename, directory fsync): an interrupted write leaves at most a temporary
+    file, which indexing ignores and removes once its process is gone;
   - a block is removed once a newer one beside it holds its tokens and serves them (a
     conversation written behind turn after turn keeps one chain), with the blocks after it;
   - two processes sharing the directory write identical content under identical names, and
@@ -111,6 +108,8 @@ class DiskStore:
         self.block_tokens = BLOCK_TOKENS  # read here, so a test may set smaller blocks
         self.read_bytes_per_s = float(DEFAULT_READ_BYTES_PER_S)
         self.streamed = True  # a load's layers used as checked (False: files checked whole)
+        # tokens between the state layers' disk snapshots (`snapshots`); None: none taken
+        self.snapshot_every_tokens: int | None = None
         self._records: dict[str, StoredEntry] = {}
         self._lock = threading.Lock()  # guards _records
         # held while a scan compares the directory with the index, and while this process
@@ -254,8 +253,7 @@ class DiskStore:
         return cache
 
     def _measured(self, nbytes: int, seconds: float) -> None:
-        """A load of `nbytes` took `seconds` (streamed: its checks): the rate the next choice
-        weighs (`chains.cheapest_restore`)."""
+        """A load of `nbytes` took `seconds` (streamed: its checks): `cheapest_restore`'s rate."""
         self.read_bytes_per_s = nbytes / max(seconds, 1e-6)
 
     def _reject(self, block: StoredEntry, error: Exception) -> None:
@@ -284,8 +282,10 @@ class DiskStore:
         now with `wait`. An entry already on disk, empty, larger than the budget or of a layer
         type that cannot be saved is skipped. `salt`: the isolation domain the entry belongs
         to. `reply_start`: where its last request's reply began (None: its end); a later
-        file of its conversation that holds the tokens before it supersedes it."""
+        file of its conversation that holds the tokens before it supersedes it. The cache's
+        disk snapshots (`snapshot_for_disk`) go with the blocks they fall in; it forgets them."""
         cache.pass_gate()  # a streamed restore's layers are written only once checked
+        snapshots = cache.take_disk_snapshots()  # held by the jobs of the blocks they fall in
         tokens = np.asarray(cache.tokens, dtype=np.uint32)
         if tokens.size == 0:
             return
@@ -294,7 +294,7 @@ class DiskStore:
         if self._written_or_queued(last):
             return  # its last block is written or queued: so are the blocks before it
         try:
-            arrays, layout = cache_to_arrays(cache)
+            arrays, layout = cache_to_arrays(cache, snapshots)
         except NotSupportedError as why:
             logger.warning("disk cache: entry not saved: %s", why)
             return
@@ -370,7 +370,7 @@ class DiskStore:
         record = read_record(path, self.fingerprint, self.signature)
         with self._lock:
             self._records[path.name] = record
-        return record
+            return record
 
     def _remove_superseded(self, record: StoredEntry) -> None:
         """Removes the blocks `record` supersedes (`chains.superseded_by`): a conversation
@@ -386,12 +386,13 @@ class DiskStore:
     # -- budget ---------------------------------------------------------------------------
 
     def enforce_budget(self, keep: Path | None = None) -> None:
-        """Removes this tier's files (of any model under `root`) until they fit in
-        `max_bytes`: files another file supersedes first, then the least recently used."""
+        """Removes this tier's files (of any model under `root`) until they and this model's
+        reply records fit in `max_bytes`: files another file supersedes first, then the least
+        recently used (the records of the chains removed go with them)."""
         with self._lock:
             records = dict(self._records)
         files = tier_files(self.root, self.directory, set(records), self._theirs)
-        if (total := sum(size for _, size, _ in files)) <= self.max_bytes:
+        if (total := sum(size for _, size, _ in files) + self.replies.nbytes) <= self.max_bytes:
             return  # the order below costs more than this sum
         for path, size, _ in removal_order(files, records, trimmable=self.trimmable, keep=keep):
             if total <= self.max_bytes:
@@ -408,15 +409,13 @@ class DiskStore:
     # -- reports --------------------------------------------------------------------------
 
     @property
-    def num_entries(self) -> int:
-        """This model's files on disk now (another process may have added or removed some)."""
+    def num_entries(self) -> int:  # this model's files on disk now (other processes' too)
         self.refresh()
         with self._lock:
             return len(self._records)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of this model's files on disk now."""
+    def nbytes(self) -> int:  # bytes of this model's files on disk now
         self.refresh()
         with self._lock:
             return sum(record.nbytes for record in self._records.values())

@@ -2,7 +2,9 @@
 
 Owns `fill_prompt`: prefill in chunks (a pause between chunks, where requests interleaved with
 this one run), progress and cancel between chunks, and checkpoints of the layers that cannot
-trim (recurrent, sliding window) where the pool asks for them (`PrefixHit.checkpoints`). Does
+trim (recurrent, sliding window) where the pool asks for them (`PrefixHit.checkpoints`), and
+a chunk's end at each of their snapshots for the disk tier (`PrefixHit.disk_snapshots`, which
+the cache takes as it reaches them, `ModelCache.snapshot_every_tokens`). Does
 not own where those go (the pool, which goes back to them) or the chunked model calls
 (`mlxkv.decoding.prefill.chunks`).
 """
@@ -69,10 +71,11 @@ def fill_prompt(
     # No pause after the prompt's last chunk: its last token's logits (the first generated
     # token) come in the same turn, or a short prompt would wait a round for them.
     last_pause = total - 1
-    for split in hit.checkpoints:
+    for split in sorted({*hit.checkpoints, *hit.disk_snapshots}):
         steps = fill_steps(model, cache, remaining[: split - offset], plan)
         yield from _paced(steps, fed, offset, last_pause)
-        cache.checkpoint()
+        if split in hit.checkpoints:  # a disk snapshot the cache took here is shared
+            cache.checkpoint()
         offset, remaining = split, remaining[split - offset :]
     steps = prefill_steps(model, cache, remaining, plan)
     logits = yield from _paced(steps, fed, offset, last_pause)

@@ -54,6 +54,7 @@ import numpy as np
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths
 from mlxkv.runner.disk.chains import cheapest_restore, partial_restores
+from mlxkv.runner.disk.snapshots import boundaries
 from mlxkv.runner.disk.store import DiskStore
 from mlxkv.runner.prompt_cache.entry import CacheEntry
 from mlxkv.runner.prompt_cache.fit import fit_to_budget
@@ -74,12 +75,15 @@ class PrefixHit:
         remaining: the request's tokens after those (never empty).
         checkpoints: where feeding `remaining` checkpoints the layers that cannot trim back
             (`ModelCache.checkpoint`), in tokens into it, ascending; empty when all can.
+        disk_snapshots: where a chunk of it ends so that the cache snapshots them for the disk
+            tier alone (block boundaries, `disk.snapshots`), the same way.
     """
 
     entry: CacheEntry
     num_cached: int
     remaining: list[int]
     checkpoints: tuple[int, ...] = ()
+    disk_snapshots: tuple[int, ...] = ()
 
 
 class CachePool:
@@ -180,7 +184,9 @@ class CachePool:
         self.latest = entry
         self._in_use[entry] = query
         points = self._checkpoints(len(tokens), reuse, reply_start, keep)
-        return PrefixHit(entry, reuse, list(tokens[reuse:]), points)
+        every = None if self.store is None else self.store.snapshot_every_tokens
+        snaps = tuple(p - reuse for p in boundaries(reuse, len(tokens), every))
+        return PrefixHit(entry, reuse, list(tokens[reuse:]), points, snaps)
 
     def _checkpoints(self, total: int, reuse: int, reply: int, keep: int) -> tuple[int, ...]:
         """Where a request feeding tokens `reuse`..`total` checkpoints layers that cannot trim
@@ -280,6 +286,7 @@ class CachePool:
         """Adds an entry for `cache`, first evicting one if the pool is full (never `keep`,
         the entry the new one is copied from)."""
         self._evict(self.max_entries - 1, None, keep=keep)
+        cache.snapshot_every_tokens = self.store and self.store.snapshot_every_tokens
         entry = CacheEntry(cache)
         self._entries.append(entry)
         return entry
@@ -299,7 +306,7 @@ class CachePool:
         # started after it (a decode batch releases out of order)
         self._evict(self.max_entries, self.max_bytes, fit=entry)
         if self.store is not None and entry in self._entries:
-            self.store.write(entry.cache, salt=entry.salt, reply_start=entry.reply_start)
+            self._write(entry)
         return self.usage()
 
     def evict(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> int:
@@ -349,6 +356,14 @@ class CachePool:
         logger.debug("prefix cache evict tokens=%d bytes=%d", entry.num_tokens, held)
         if write and self.store is not None:
             self.store.write(entry.cache, salt=entry.salt, reply_start=entry.reply_start)
+
+    def _write(self, entry: CacheEntry, *, wait: bool = False) -> None:
+        """Writes `entry` to the disk tier; its disk snapshots go with the write (an idle
+        entry's bytes recorded again without them: the writer's pending bytes count them)."""
+        snapshots = entry.cache.footprint().snapshots
+        self.store.write(entry.cache, wait=wait, salt=entry.salt, reply_start=entry.reply_start)
+        if entry.recorded is not None and entry.cache.footprint().snapshots != snapshots:
+            entry.record()
 
     def _in_use_bytes(self) -> int:
         """Bytes only the requests running now can give back (their entries, the batch)."""
@@ -412,7 +427,7 @@ class CachePool:
                     timeout_s,
                 )
                 break
-            self.store.write(entry.cache, wait=True, salt=entry.salt, reply_start=entry.reply_start)
+            self._write(entry, wait=True)
         self.store.flush()
 
     def clear(self) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mlxkv.runner.disk.snapshots import boundaries
 from mlxkv.runner.disk.store import DiskStore
 from mlxkv.runner.prompt_cache.pool import PrefixHit
 
@@ -25,8 +26,8 @@ logger = logging.getLogger(__name__)
 def restore_again(store: DiskStore, hit: PrefixHit, tokens: Sequence[int]) -> PrefixHit:
     """`hit` (on the request's prompt `tokens`) after its entry's streamed restore broke: its
     entry emptied, then holding what the disk restores now, checked whole first; the same
-    entry, claimed still, with the rest of `tokens` to feed and the same checkpoints (in
-    tokens from the prompt's start)."""
+    entry, claimed still, with the rest of `tokens` to feed and the same checkpoints and disk
+    snapshots (in tokens from the prompt's start)."""
     entry = hit.entry
     entry.cache.free()
     query = np.asarray(tokens, dtype=np.uint32)
@@ -47,4 +48,5 @@ def restore_again(store: DiskStore, hit: PrefixHit, tokens: Sequence[int]) -> Pr
     entry.tokens = query[:reuse].copy()
     at = {hit.num_cached + point for point in hit.checkpoints}
     points = tuple(sorted(p - reuse for p in at if reuse < p < len(tokens)))
-    return PrefixHit(entry, reuse, list(tokens[reuse:]), points)
+    snaps = boundaries(reuse, len(tokens), store.snapshot_every_tokens)
+    return PrefixHit(entry, reuse, list(tokens[reuse:]), points, tuple(p - reuse for p in snaps))
