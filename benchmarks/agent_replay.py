@@ -20,6 +20,9 @@ TTFT <= 0.6x mlx_lm.server's.
         [--size tiny]   (a 2-layer llama of width 64: compute costs next to nothing, what is
                          left is each server's host work; ~1 min a round)
         [--resend]      (each request sent twice in a row, the second all cached)
+        [--before DIR]  (another checkout's mlxkv serve beside this tree's, e.g. main's)
+        [--app]         (each tree's app also under plain uvicorn, without the CLI)
+    Each request goes to every server in turn, `--gap-s` (0.2) apart.
 """
 
 from __future__ import annotations
@@ -259,6 +262,7 @@ def replay(args: argparse.Namespace) -> None:
                 for body in load_session(agent):
                     for _ in range(2 if args.resend else 1):
                         for name, url in urls.items():
+                            time.sleep(args.gap_s)  # the last server's request ends first
                             turns[name].append(
                                 send(url, "/v1/chat/completions", as_chat(agent, body))
                                 if name == PEER
@@ -357,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--app", action="store_true",
                      help="also the app under plain uvicorn in its own process (no CLI, no "
                           "logging), for each tree")  # fmt: skip
+    rep.add_argument("--gap-s", type=float, default=0.2,
+                     help="pause before each request, so that the work a server does after "
+                          "a reply is not counted in the next server's turn")  # fmt: skip
     rep.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     app = commands.add_parser("app", help="(used by replay --app) serve the app on a port")
     app.add_argument("model")
