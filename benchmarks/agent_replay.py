@@ -20,6 +20,9 @@ TTFT <= 0.6x mlx_lm.server's.
         [--size tiny]   (a 2-layer llama of width 64: compute costs next to nothing, what is
                          left is each server's host work; ~1 min a round)
         [--resend]      (each request sent twice in a row, the second all cached)
+        [--before DIR]  (another checkout's mlxkv serve beside this tree's, e.g. main's)
+        [--app]         (each tree's app also under plain uvicorn, without the CLI)
+    Each request goes to every server in turn, `--gap-s` (0.2) apart.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ SESSIONS = {
 TURNS = ("List the files in this folder.", "And which one is the largest?", "Thanks.")
 REPLY_TOKENS = 32
 WINDOW_TOKENS = 65536
+PEER = "mlx_lm.server"
 _AGENT_TIMEOUT_S = 600
 
 
@@ -237,45 +241,75 @@ def _usage(event: dict) -> dict:
 
 
 def replay(args: argparse.Namespace) -> None:
-    """Each round starts both servers afresh (so every round's first request is cold, as a
-    new agent session's is) and replays every session on each."""
+    """Each round starts every server afresh (so every round's first request is cold, as a
+    new agent session's is) and sends each request of each session to every server in turn,
+    so that a change in the machine's load hits them alike."""
     work = Path(tempfile.mkdtemp(prefix="mlxkv-replay-"))
     model = long_window_model(work, args.size)
-    env = blas_env()
-    servers = {
-        "mlxkv serve": [sys.executable, "-m", "mlxkv.cli", "serve", "-m", str(model),
-                        "--no-cache-dir", "--max-context", str(WINDOW_TOKENS), "--port"],
-        "mlx_lm.server": [sys.executable, "-m", "mlx_lm", "server", "--model", str(model),
-                          "--log-level", "WARNING", "--port"],
-    }  # fmt: skip
+    servers = _servers(model, args)
     results = {agent: {name: [] for name in servers} for agent in args.agents}
     for rep in range(args.reps):
         processes, urls = [], {}
         try:
-            for name, command in servers.items():
+            for name, (command, env) in servers.items():
                 port = free_port()
                 log = work / f"{port}.log"
                 processes.append(start_server([*command, str(port)], port, env, log))
                 urls[name] = f"http://127.0.0.1:{port}"
             for agent in args.agents:
                 _, api_path = SESSIONS[agent]
-                for name, url in urls.items():
-                    turns = [
-                        send(url, api_path, _as_mlxkv(agent, body))
-                        if name == "mlxkv serve"
-                        else send(url, "/v1/chat/completions", as_chat(agent, body))
-                        for body in load_session(agent)
-                        for _ in range(2 if args.resend else 1)
-                    ]
-                    results[agent][name].append(turns)
-                    total = sum(t[0] for t in turns)
-                    print(f"  round {rep + 1}, {agent}, {name}: {total:.2f} s", flush=True)
+                turns = {name: [] for name in servers}
+                for body in load_session(agent):
+                    for _ in range(2 if args.resend else 1):
+                        for name, url in urls.items():
+                            time.sleep(args.gap_s)  # the last server's request ends first
+                            turns[name].append(
+                                send(url, "/v1/chat/completions", as_chat(agent, body))
+                                if name == PEER
+                                else send(url, api_path, _as_mlxkv(agent, body))
+                            )
+                for name, sent in turns.items():
+                    results[agent][name].append(sent)
+                    print(f"  round {rep + 1}, {agent}, {name}: {sum(t[0] for t in sent):.2f} s",
+                          flush=True)  # fmt: skip
         finally:
             for process in processes:
                 process.terminate()
                 process.wait(timeout=60)
     report(results, args)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _servers(model: Path, args: argparse.Namespace) -> dict[str, tuple[list[str], dict]]:
+    """Each server's command (its port appended) and environment: `mlxkv serve` of this
+    tree, of `--before` (another checkout, e.g. main's), each also as the app under plain
+    uvicorn without the CLI (`--app`), and mlx_lm.server (last: the ratios' reference)."""
+    env = blas_env()
+    serve = [sys.executable, "-m", "mlxkv.cli", "serve", "-m", str(model), "--no-cache-dir",
+             "--max-context", str(WINDOW_TOKENS), "--port"]  # fmt: skip
+    # run as a file: a `--before` checkout first on the path may hold an older copy of this one
+    app = [sys.executable, str(Path(__file__).resolve()), "app", str(model), "--port"]
+    trees = {"": os.getcwd()} | ({" (before)": str(args.before)} if args.before else {})
+    servers = {}
+    for suffix, tree in trees.items():
+        tree_env = {**env, "PYTHONPATH": os.pathsep.join([tree, os.getcwd()])}
+        servers[f"mlxkv serve{suffix}"] = (serve, tree_env)
+        if args.app:
+            servers[f"app{suffix}"] = (app, tree_env)
+    servers[PEER] = ([sys.executable, "-m", "mlx_lm", "server", "--model", str(model),
+                      "--log-level", "WARNING", "--port"], env)  # fmt: skip
+    return servers
+
+
+def serve_app(model: str, port: int) -> None:
+    """The app in a process of its own under plain uvicorn: no CLI, no logging set up."""
+    import uvicorn
+
+    from mlxkv import Runner
+    from mlxkv.server import create_app
+
+    runner = Runner.load(model, max_context=WINDOW_TOKENS)
+    uvicorn.run(create_app(runner), host="127.0.0.1", port=port, log_level="warning")
 
 
 def report(results: dict, args: argparse.Namespace) -> None:
@@ -285,8 +319,10 @@ def report(results: dict, args: argparse.Namespace) -> None:
         turns = len(by_server[names[0]][0])
         print(f"\n## {agent}: time to first token, s (median of {args.reps} rounds); "
               "cached/prompt tokens (first round)\n")  # fmt: skip
-        print("| request | " + " | ".join(names) + " | ratio |")
-        print("|---" * (len(names) + 2) + "|")
+        others = [name for name in names if name != PEER]
+        print("| request | " + " | ".join(names) + " | "
+              + " | ".join(f"{name} / {PEER}" for name in others) + " |")  # fmt: skip
+        print("|---" * (len(names) + len(others) + 1) + "|")
         for t in range(turns):
             cells, medians = [], []
             for name in names:
@@ -295,9 +331,10 @@ def report(results: dict, args: argparse.Namespace) -> None:
                 medians.append(median)
                 counts = f"{cached}/{prompt}" if prompt is not None else "-"
                 cells.append(f"{median:.3f} ({counts})")
-            ratio = medians[0] / medians[1] if medians[1] else float("nan")
+            peer = medians[names.index(PEER)]
+            ratios = [f"{m / peer:.2f}" for m, n in zip(medians, names, strict=True) if n != PEER]
             label = f"{t // 2 + 1}{' again' if t % 2 else ''}" if args.resend else f"{t + 1}"
-            print(f"| {label} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+            print(f"| {label} | " + " | ".join(cells + ratios) + " |")
         summary[agent] = {name: [list(map(list, rep)) for rep in reps]
                           for name, reps in by_server.items()}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
@@ -318,11 +355,25 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--size", choices=("100m", "tiny"), default="100m",
                      help="the factory llama's size; tiny: compute costs next to nothing, "
                           "what is left is each server's host (Python) work")  # fmt: skip
+    rep.add_argument("--before", type=Path,
+                     help="another checkout (e.g. main's) whose mlxkv serve runs beside this "
+                          "tree's, as 'mlxkv serve (before)'")  # fmt: skip
+    rep.add_argument("--app", action="store_true",
+                     help="also the app under plain uvicorn in its own process (no CLI, no "
+                          "logging), for each tree")  # fmt: skip
+    rep.add_argument("--gap-s", type=float, default=0.2,
+                     help="pause before each request, so that the work a server does after "
+                          "a reply is not counted in the next server's turn")  # fmt: skip
     rep.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    app = commands.add_parser("app", help="(used by replay --app) serve the app on a port")
+    app.add_argument("model")
+    app.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
     if args.command == "record":
         for agent in args.agent or sorted(SESSIONS):
             record(agent)
+    elif args.command == "app":
+        serve_app(args.model, args.port)
     else:
         replay(args)
     return 0
