@@ -144,9 +144,35 @@ def _throughput_rows(results: dict, plan: dict) -> list[list[str]]:
             rows.append(
                 _ratio_row(f"prefill {dtype}", f"{n} tokens, tok/s", *_pair(r), PREFILL_GOAL)
             )
+            rows += _breakdown_rows(f"prefill {dtype}", n, r)
         r = found.get("decode") or None
         measure = f"{r['tokens'] if r else plan['decode_tokens']} tokens, tok/s"
         rows.append(_ratio_row(f"decode {dtype}", measure, *_pair(r), DECODE_GOAL))
+        if r and "decode_loop_tps" in r:
+            loop = r["decode_loop_tps"]["median"]
+            theirs = r["mlx_lm_tps"]["median"]
+            rows.append(_ratio_row(f"decode {dtype}", "loop alone (no Runner), tok/s",
+                                   f"{loop:,.1f}", f"{theirs:,.1f}", loop / theirs))  # fmt: skip
+    return rows
+
+
+def _breakdown_rows(part: str, n: int, r: dict | None) -> list[list[str]]:
+    """Where a prefill gap lies (benchmarks/throughput.py `breakdown`): mlxkv's cache alone,
+    then alone with each of mlx-lm's ways (clearing after every chunk, a stream of its own),
+    against mlx-lm's median and mlx-lm on the default stream."""
+    if not r or "cache_only_tps" not in r:
+        return []
+    theirs = r["mlx_lm_tps"]["median"]
+    alone = r["cache_only_tps"]["median"]
+    rows = [_ratio_row(part, f"{n}: cache alone (no Runner)", f"{alone:,.0f}", f"{theirs:,.0f}",
+                       alone / theirs)]  # fmt: skip
+    variants = r.get("breakdown") or {}
+    if variants:
+        clear, own = variants["cache_only_clear_tps"], variants["cache_only_stream_tps"]
+        default = variants["mlx_lm_default_stream_tps"]
+        rows.append(_ratio_row(part, f"{n}: alone, clear per chunk / own stream (best)",
+                               f"{clear:,.0f} / {own:,.0f}", f"{default:,.0f} default stream",
+                               max(clear, own) / default))  # fmt: skip
     return rows
 
 

@@ -10,6 +10,15 @@ ABBA order so that machine drift affects both alike; decode, the noisiest, gets 
 Prefill is also timed through mlxkv's cache alone (`make_cache` and `prefill`, no Runner:
 `cache_only_tps`), so a gap to mlx-lm shows whether it lies in the model calls or in the
 request around them.
+
+`benchmarks/graph_compare.py` found the graphs MLX evaluates the same on both sides (per chunk
+and per decode step: the same ops, K/V concatenations and slice updates, peak memory within
+3%); what differs is where and how they run. `breakdown` times each difference alone, best of
+`reps`, so a GPU run names the one that costs: mlxkv's cache alone with mlx-lm's clearing of
+MLX's buffer cache after every chunk (`cache_only_clear_tps`), on a stream of its own as
+mlx-lm's `generation_stream` (`cache_only_stream_tps`), mlx-lm's `generate_step` on the
+default stream as mlxkv runs (`mlx_lm_default_stream_tps`); for decode, mlxkv's loop
+without the Runner's engine thread (`decode_loop_tps`).
 """
 
 from __future__ import annotations
@@ -18,11 +27,15 @@ import time
 
 import mlx.core as mx
 from mlx_lm import stream_generate
+from mlx_lm.generate import generate_step
 
 from benchmarks.common import Stat, token_prompt
 from mlxkv import Runner
 from mlxkv.cache.building import make_cache
-from mlxkv.decoding.prefill.chunks import prefill
+from mlxkv.decoding import plain
+from mlxkv.decoding.picker import TokenPicker
+from mlxkv.decoding.prefill.chunks import PrefillPlan, prefill
+from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.models.loading import LoadedModel
 
 
@@ -42,12 +55,60 @@ def _token_times_mlx_lm(loaded: LoadedModel, ids: list[int], max_tokens: int):
     return start, times
 
 
-def _cache_only_tps(runner: Runner, ids: list[int]) -> float:
-    """Prefill tok/s through mlxkv's cache and chunking alone, on a fresh cache."""
+def _cache_only_tps(runner: Runner, ids: list[int], plan: PrefillPlan | None = None) -> float:
+    """Prefill tok/s through mlxkv's cache and chunking alone, on a fresh cache (with the
+    Runner's plan, or `plan`)."""
     model = runner.loaded.model
     start = time.perf_counter()
-    mx.eval(prefill(model, make_cache(model), ids, runner.prefill_plan))
+    mx.eval(prefill(model, make_cache(model), ids, plan or runner.prefill_plan))
     return len(ids) / (time.perf_counter() - start)
+
+
+def _mlx_lm_step_tps(loaded: LoadedModel, ids: list[int], stream: mx.Stream) -> float:
+    """Prefill tok/s of mlx-lm's `generate_step` on `stream` (to its first token)."""
+    start = time.perf_counter()
+    for _ in generate_step(mx.array(ids), loaded.model, stream, max_tokens=1):
+        break
+    return len(ids) / (time.perf_counter() - start)
+
+
+def breakdown(runner: Runner, loaded: LoadedModel, ids: list[int], reps: int) -> dict:
+    """Prefill tok/s, best of `reps`, of each way mlxkv's run differs from mlx-lm's alone
+    (see the module's docstring). No untimed run: the timed runs before compiled these
+    shapes' kernels (a stream or a clear changes no kernel)."""
+    plan = runner.prefill_plan
+    own_stream = mx.new_stream(mx.default_device())
+
+    def on_own_stream() -> float:
+        with mx.stream(own_stream):
+            return _cache_only_tps(runner, ids)
+
+    variants = {
+        "cache_only_clear_tps": lambda: _cache_only_tps(
+            runner, ids, PrefillPlan(plan.step_tokens, plan.lanes, kept_buffers_bytes=0)
+        ),
+        "cache_only_stream_tps": on_own_stream,
+        "mlx_lm_default_stream_tps": lambda: _mlx_lm_step_tps(
+            loaded, ids, mx.default_stream(mx.default_device())
+        ),
+    }
+    found = {}
+    for name, run in variants.items():
+        found[name] = max(run() for _ in range(reps))
+    return found
+
+
+def _decode_loop_tps(runner: Runner, ids: list[int], max_tokens: int) -> float:
+    """Decode tok/s of mlxkv's loop (`decode_tokens`, greedy as the Runner picks) on a fresh
+    cache, on the calling thread: the Runner without its engine thread and request path."""
+    model = runner.loaded.model
+    cache = make_cache(model)
+    logits = prefill(model, cache, ids, runner.prefill_plan)
+    sampling = SamplingParams(temperature=0.0).make_sampling(runner.loaded.vocab_size)
+    pick = TokenPicker(sampling.sampler, [], ids, greedy=True)
+    tokens = plain.decode_tokens(model, cache, logits, pick, max_tokens)
+    times = [time.perf_counter() for _ in tokens]
+    return (len(times) - 1) / (times[-1] - times[0])
 
 
 def measure(loaded: LoadedModel, prefill_sizes: list[int], decode_tokens: int, reps: int) -> dict:
@@ -74,10 +135,15 @@ def measure(loaded: LoadedModel, prefill_sizes: list[int], decode_tokens: int, r
         results["prefill"][n]["cache_only_tps"] = Stat.of(
             [_cache_only_tps(runner, ids) for _ in range(reps)]
         )
+        # best of 2: about 5 s per dtype on an H200 at 2k-32k, inside the throughput share
+        results["prefill"][n]["breakdown"] = breakdown(runner, loaded, ids, min(reps, 2))
     ids = token_prompt(loaded, 64, seed=7)
     _warm(ours, theirs, ids, decode_tokens)
     results["decode"] = _abba(ours, theirs, lambda run: decode_tps(run, ids), max(reps, 5))
     results["decode"]["tokens"] = decode_tokens
+    results["decode"]["decode_loop_tps"] = Stat.of(
+        [_decode_loop_tps(runner, ids, decode_tokens) for _ in range(max(reps, 3))]
+    )
     return results
 
 

@@ -85,6 +85,7 @@ def test_a_sampler_failing_inside_mlx_compile_leaves_no_global_state(make_runner
         (None, "got NoneType"),
         (5, "got int"),
         ([1, "a"], "got a list of int, str"),
+        ([1, True, 2], "got a list of bool, int"),  # a bool is an int to Python, not an id
         ([{"role": "user", "content": ["parts"]}], "needs a string 'content', got list"),
     ],
 )
