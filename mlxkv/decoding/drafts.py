@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlxkv.cache.building import make_cache
 from mlxkv.cache.model_cache import ModelCache
@@ -56,10 +57,18 @@ class DraftCounts:
 
 class NgramDrafter:
     """Drafts by prompt lookup: finds the most recent earlier occurrence of the text's last n
-    tokens (n from 4 down to 2) and proposes the tokens that followed it. Costs a dictionary
-    lookup per draft: the n-grams are indexed as the text grows, each time a draft is asked
+    tokens (n from 4 down to 2) and proposes the tokens that followed it. Costs a lookup per
+    draft: the n-grams are indexed as the text grows, each time a draft is asked
     for, so an agent's prompt of tens of thousands of tokens is indexed after its reply's
     first token is out, not before (and never while the request decodes in a batch).
+
+    The n-grams are keyed by a 64-bit hash, computed with numpy over the whole text at once
+    and sorted (the text when the first draft is asked for: the prompt), plus a dictionary
+    for the tokens generated after it: indexing a 32k-token prompt as a dictionary of tuples
+    took 30-100 ms of Python on the engine thread, holding up the reply's second token; the
+    sorted hashes take a few. A hash found is checked against the text's tokens, so a
+    collision (never seen: 64 bits) only drafts nothing at that n; a draft is verified by the
+    model anyway.
 
     Args:
         tokens: the text so far (prompt and the first generated token).
@@ -67,8 +76,12 @@ class NgramDrafter:
 
     def __init__(self, tokens: Sequence[int]):
         self._tokens: list[int] = list(map(int, tokens))
-        self._follows: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after it
-        self._indexed = 0  # the positions below have their n-grams in `_follows`
+        # per n, the text's first `_indexed` positions when first indexed: the hashes of the
+        # n-grams before them, sorted, and the position after each (stable: latest last)
+        self._sorted: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # per n, for positions indexed later: hash -> position after its latest occurrence
+        self._recent: dict[int, dict[int, int]] = {n: {} for n in _NGRAM_SIZES}
+        self._indexed = 0  # the positions below have their n-grams indexed
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Appends tokens to the text."""
@@ -81,24 +94,62 @@ class NgramDrafter:
     def propose(self, limit: int) -> Draft:
         """Up to `limit` tokens that followed the longest matching n-gram (none: no match)."""
         self._index()
-        size = len(self._tokens)
+        text, size = self._tokens, len(self._tokens)
         for n in range(min(MAX_NGRAM, size), MIN_NGRAM - 1, -1):
-            after = self._follows.get(tuple(self._tokens[size - n :]))
-            if after is not None:
-                return Draft(self._tokens[after : after + limit])
+            suffix = text[size - n :]
+            after = self._latest(n, _hash(suffix))
+            if after is not None and text[after - n : after] == suffix:
+                return Draft(text[after : after + limit])
         return Draft([])
 
+    def _latest(self, n: int, key: int) -> int | None:
+        """The position after the latest n-gram indexed under hash `key` (None: none)."""
+        if (after := self._recent[n].get(key)) is not None:
+            return after
+        if n not in self._sorted:
+            return None
+        hashes, positions = self._sorted[n]
+        i = int(np.searchsorted(hashes, np.uint64(key), side="right")) - 1
+        return int(positions[i]) if i >= 0 and hashes[i] == key else None
+
     def _index(self) -> None:
-        """Indexes the n-grams ending before each position not indexed yet (a later occurrence
-        replaces an earlier one), from slices rather than token by token."""
-        text, start, end = self._tokens, self._indexed, len(self._tokens)
-        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+        """Indexes the n-grams ending before each position not indexed yet: all at once,
+        sorted, the first time; into `_recent` after (a later occurrence replaces an earlier
+        one)."""
+        start, end = self._indexed, len(self._tokens)
+        if start >= end:
+            return
+        # the new positions' n-grams reach back at most MAX_NGRAM tokens before `start`
+        base = max(0, start - MAX_NGRAM)
+        text = np.asarray(self._tokens[base:end], dtype=np.uint64)
+        for n in _NGRAM_SIZES:
             first = max(start, n)  # the first such position with n tokens before it
             if first >= end:
                 continue
-            grams = zip(*(text[first - n + i : end - n + i] for i in range(n)), strict=True)
-            self._follows.update(zip(grams, range(first, end), strict=True))
+            count, offset = end - first, first - n - base  # offset: the first n-gram's start
+            hashes = np.zeros(count, dtype=np.uint64)
+            for i in range(n):
+                hashes = hashes * _HASH_MULTIPLIER + text[offset + i : offset + i + count]
+            if start == 0:
+                order = np.argsort(hashes, kind="stable")
+                self._sorted[n] = hashes[order], order + first
+            else:
+                self._recent[n].update(zip(hashes.tolist(), range(first, end), strict=True))
         self._indexed = end
+
+
+_NGRAM_SIZES = range(MIN_NGRAM, MAX_NGRAM + 1)
+# An odd 64-bit constant (the golden ratio's): n-gram hashes are polynomials in it, mod 2**64.
+_HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+_HASH_MASK = 2**64 - 1
+
+
+def _hash(tokens: Sequence[int]) -> int:
+    """The hash `NgramDrafter._index` gives these tokens, computed in Python ints."""
+    value = 0
+    for token in tokens:
+        value = (value * int(_HASH_MULTIPLIER) + token) & _HASH_MASK
+    return value
 
 
 class ModelDrafter:

@@ -1,5 +1,6 @@
-"""The n-gram drafter's index, built in slices when a draft is asked for, proposes what a
-brute-force search of the text proposes."""
+"""The n-gram drafter's index (the prompt's n-grams hashed and sorted when a draft is first asked
+for, those of the tokens after it in a dictionary) proposes what a brute-force search of the
+text proposes."""
 
 import random
 
@@ -33,3 +34,19 @@ def test_proposals_equal_a_search_of_the_text(seed):
             limit = rng.randrange(1, 6)
             assert drafter.propose(limit).tokens == _searched(text, limit)
             assert drafter.can_propose() == bool(_searched(text, 1))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_long_prompt_with_a_large_vocabulary_proposes_as_a_search(seed):
+    """Ids past 16 bits and a prompt where short n-grams recur many times: the sorted
+    hashes must give the latest occurrence, and the tokens generated after it must win."""
+    rng = random.Random(seed)
+    phrases = [[rng.randrange(2**20) for _ in range(rng.randrange(2, 7))] for _ in range(40)]
+    text = [t for _ in range(300) for t in rng.choice(phrases)]
+    drafter = NgramDrafter(text)
+    for _ in range(30):
+        limit = rng.randrange(1, 8)
+        assert drafter.propose(limit).tokens == _searched(text, limit)
+        new = rng.choice(phrases)[: rng.randrange(1, 4)]
+        drafter.extend(new)
+        text += new
