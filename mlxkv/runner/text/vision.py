@@ -41,8 +41,12 @@ class ImageTokens:
 
 
 def has_images(prompt: Any) -> bool:
-    """Whether `prompt` is chat messages with at least one image part."""
+    """Whether `prompt` is chat messages with at least one image part. A list of token ids
+    (its first item an int; the ids are checked elsewhere) is answered without a walk of its
+    tens of thousands of items."""
     if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
+        return False
+    if prompt and isinstance(prompt[0], int):
         return False
     return any(
         isinstance(m, dict) and any(_is_image(part) for part in _parts(m.get("content")))
