@@ -15,6 +15,7 @@ from typing import Any
 
 from mlxkv.cache.layer_ops import always_trimmable, layer_bytes, leaves
 from mlxkv.cache.layers.chunked import ChunkedKVCache
+from mlxkv.cache.layers.kv import KVCache
 from mlxkv.cache.layers.window import SlidingWindowCache
 
 
@@ -65,23 +66,31 @@ class SnapshotCost:
         snapshot_bytes: one snapshot of the state layers, each full (a recurrent layer's
             state; a sliding window's or an attention chunk's snapshot holding its window).
         kv_bytes_per_token: K/V bytes one token adds in the layers that trim back.
+        float_kv_bytes_per_token: the part of those in float K/V layers (`KVCache`: what the
+            disk tier's `cache_dir_kv_bits` quantizes), and `float_kv_item_bytes` the bytes of
+            one of their elements (0: none).
     """
 
     snapshot_bytes: int
     kv_bytes_per_token: int
+    float_kv_bytes_per_token: int = 0
+    float_kv_item_bytes: int = 0
 
 
 def snapshot_cost(layers: Sequence[Any]) -> SnapshotCost:
     """`SnapshotCost` read from `layers` (a model's cache) holding exactly one token."""
-    snapshot_bytes = kv_bytes = 0
+    snapshot_bytes = kv_bytes = float_kv_bytes = item_bytes = 0
     for layer in leaves(layers):
         _, used = layer_bytes(layer)
         if always_trimmable(layer):
             kv_bytes += used
+            if isinstance(layer, KVCache) and layer.keys is not None:
+                float_kv_bytes += used
+                item_bytes = layer.keys.dtype.size
         elif isinstance(layer, SlidingWindowCache):
             snapshot_bytes += used * layer.window
         elif isinstance(layer, ChunkedKVCache):
             snapshot_bytes += used * layer.chunk_size
         else:  # recurrent state, the same size at any length
             snapshot_bytes += used
-    return SnapshotCost(snapshot_bytes, kv_bytes)
+    return SnapshotCost(snapshot_bytes, kv_bytes, float_kv_bytes, item_bytes)

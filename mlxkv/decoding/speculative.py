@@ -149,7 +149,7 @@ def speculative_tokens(
         if hand_over and hand_over():
             return
         room = max_tokens - produced
-        wanted = min(length.next(), room - 1, most)
+        wanted = min(length.next(), room - 1, most, _to_snapshot(cache))
         draft = drafter.propose(wanted) if wanted > 0 else Draft([])
         if draft.tokens:
             new = _verify(model, cache, token, draft, pick, rule, make_room)
@@ -167,6 +167,17 @@ def speculative_tokens(
             yield token
         if not draft.tokens:  # counted once a stretch: `length` is read before the next
             length.generated(produced - before)
+
+
+def _to_snapshot(cache: ModelCache) -> int:
+    """The most drafts a pass may verify so that it ends at or before the cache's next disk
+    snapshot (`ModelCache.snapshot_every_tokens`): a snapshot is taken where a forward ends,
+    so a pass across that boundary would leave the disk none there (a prompt diverging past
+    it then restores from further back). No limit without such snapshots."""
+    every = cache.snapshot_every_tokens
+    if not every:
+        return 2**31
+    return every - cache.num_tokens % every - 1  # the pass feeds the token and the drafts
 
 
 def _plain_stretch(

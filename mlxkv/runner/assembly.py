@@ -38,8 +38,9 @@ from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel
 from mlxkv.models.vision import EncoderCache
 from mlxkv.platform.machine import memory_bytes
+from mlxkv.runner.disk.chains import BLOCK_TOKENS
 from mlxkv.runner.disk.files import DiskStoreUnavailable
-from mlxkv.runner.disk.snapshots import snapshot_every_blocks
+from mlxkv.runner.disk.snapshots import snapshot_bytes_per_token, snapshot_every_blocks
 from mlxkv.runner.disk.store import DiskStore
 from mlxkv.runner.engine import EngineThread
 from mlxkv.runner.lockstep import Lockstep, Solo
@@ -79,7 +80,8 @@ def make_pool(
                 trimmable=not empty.needs_checkpoints,
             )
             if not store.trimmable:
-                every = snapshot_every_blocks(snapshot_cost, store.block_tokens)
+                kv_bits = config.cache_dir_kv_bits
+                every = snapshot_every_blocks(snapshot_cost, store.block_tokens, kv_bits)
                 store.snapshot_every_tokens = every * store.block_tokens
             # the replies its blocks hold, so a reply sent back renders as their ids again
             stored = store.stored_replies(MAX_REPLIES)
@@ -109,7 +111,11 @@ def size_window(
         if loaded.is_encoder
         else engine.call(kv_bytes_per_token, loaded.model, layers)
     )
-    config = fit_window(config, loaded.max_position_embeddings, per_token_bytes)
+    # a disk tier holds its snapshots of state layers until the turn is written
+    held = 0
+    if config.cache_dir is not None:
+        held = snapshot_bytes_per_token(cost, BLOCK_TOKENS, config.cache_dir_kv_bits)
+    config = fit_window(config, loaded.max_position_embeddings, per_token_bytes + held)
     return lockstep.leaders_settings(config), per_token_bytes, cost
 
 
