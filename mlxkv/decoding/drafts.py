@@ -127,9 +127,9 @@ class NgramDrafter:
             if first >= end:
                 continue
             count, offset = end - first, first - n - base  # offset: the first n-gram's start
-            hashes = np.zeros(count, dtype=np.uint64)
+            hashes, multiplier = np.zeros(count, dtype=np.uint64), np.uint64(_HASH_MULTIPLIER)
             for i in range(n):
-                hashes = hashes * _HASH_MULTIPLIER + text[offset + i : offset + i + count]
+                hashes = hashes * multiplier + text[offset + i : offset + i + count]
             if start == 0:
                 order = np.argsort(hashes, kind="stable")
                 self._sorted[n] = hashes[order], order + first
@@ -140,7 +140,7 @@ class NgramDrafter:
 
 _NGRAM_SIZES = range(MIN_NGRAM, MAX_NGRAM + 1)
 # An odd 64-bit constant (the golden ratio's): n-gram hashes are polynomials in it, mod 2**64.
-_HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+_HASH_MULTIPLIER = 0x9E3779B97F4A7C15
 _HASH_MASK = 2**64 - 1
 
 
@@ -148,7 +148,7 @@ def _hash(tokens: Sequence[int]) -> int:
     """The hash `NgramDrafter._index` gives these tokens, computed in Python ints."""
     value = 0
     for token in tokens:
-        value = (value * int(_HASH_MULTIPLIER) + token) & _HASH_MASK
+        value = (value * _HASH_MULTIPLIER + token) & _HASH_MASK
     return value
 
 

@@ -27,6 +27,7 @@ ids and K/V agree, and the next request reuses them.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
@@ -176,7 +177,7 @@ def _to_snapshot(cache: ModelCache) -> int:
     it then restores from further back). No limit without such snapshots."""
     every = cache.snapshot_every_tokens
     if not every:
-        return 2**31
+        return sys.maxsize
     return every - cache.num_tokens % every - 1  # the pass feeds the token and the drafts
 
 

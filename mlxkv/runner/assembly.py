@@ -101,7 +101,7 @@ def size_window(
 ) -> tuple[RunnerConfig, int, SnapshotCost]:
     """`config` with its context window fitted to memory (every rank taking rank 0's), the
     K/V bytes per token it was fitted from and what the state layers' snapshots cost
-    (`kv_bytes_per_token`; the disk tier's snapshot rule reads it). The forward that measures
+    (`measure_one_token`; the disk tier's snapshot rule reads it). The forward that measures
     them runs on the engine thread: a model that updates weights lazily in its forward (Gemma
     3n's AltUp) leaves arrays only that thread can evaluate later."""
     layers = make_layers(loaded.model, config)
@@ -109,7 +109,7 @@ def size_window(
     per_token_bytes, cost = (
         (1, SnapshotCost(0, 0))
         if loaded.is_encoder
-        else engine.call(kv_bytes_per_token, loaded.model, layers)
+        else engine.call(measure_one_token, loaded.model, layers)
     )
     # a disk tier holds its snapshots of state layers until the turn is written
     held = 0
@@ -142,7 +142,7 @@ def fit_window(
     return config.replace(max_context=window)
 
 
-def kv_bytes_per_token(model: nn.Module, cache: ModelCache) -> tuple[int, SnapshotCost]:
+def measure_one_token(model: nn.Module, cache: ModelCache) -> tuple[int, SnapshotCost]:
     """Bytes one token's K/V (and state) take in this cache layout, and what a snapshot of its
     state layers costs beside its K/V (`footprint.snapshot_cost`), measured by feeding one
     token through a scratch copy.
