@@ -17,6 +17,8 @@ pytest.importorskip("mlx_vlm")
 from PIL import Image  # noqa: E402
 
 from mlxkv import Runner  # noqa: E402
+from mlxkv.cache.batched import can_batch  # noqa: E402
+from mlxkv.cache.building import make_cache  # noqa: E402
 from mlxkv.decoding import batch as batch_module  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.runner import assembly  # noqa: E402
@@ -25,8 +27,6 @@ from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E
 from tests.factories import recorded, wait_until  # noqa: E402
 from tests.runner.test_batching import _queued_then_run, _tokens_and_logprobs  # noqa: E402
 
-# Families whose cache layers are all float K/V (Gemma 3's sliding-window layers are not).
-BATCHING = tuple(family for family in FAMILIES if family != "gemma3")
 # M-RoPE families: a prompt with images shifts the positions of the tokens after it.
 SHIFTING = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 GREEDY = {"temperature": 0.0, "logprobs": 0}
@@ -73,6 +73,12 @@ def steps(monkeypatch):
     return seen
 
 
+def _batches(loaded) -> bool:
+    """Whether the model's cache layers batch (Gemma 3's sliding-window layers do not yet:
+    its streams take turns until they do, then these tests hold it to the same answers)."""
+    return can_batch(make_cache(loaded.model))
+
+
 def _user(*parts) -> dict:
     content = [
         {"type": "image", "image": p} if isinstance(p, Image.Image) else {"type": "text", "text": p}
@@ -116,8 +122,8 @@ def test_streams_with_and_without_images_decode_together_as_alone(loaded, images
     _queued_then_run(runner, [lambda i=i: run(i) for i in range(len(conversations))])
     _assert_same(got, want)
     assert len({tuple(tokens) for tokens, _ in want}) == 3, "the model must tell them apart"
-    if family not in BATCHING:
-        assert not steps, "a sliding-window model's streams take turns"
+    if not _batches(loaded):
+        assert not steps, "streams on layers that do not batch take turns"
         return
     assert max(rows for rows, _ in steps) == 3, "the streams never decoded together"
     assert any(shifted for _, shifted in steps) == (family in SHIFTING)
@@ -126,9 +132,8 @@ def test_streams_with_and_without_images_decode_together_as_alone(loaded, images
 def test_rows_joining_and_leaving_at_other_steps_stay_exact(loaded, images, steps):
     """Two image streams decode; each reader stops after 3 tokens until a third (text only)
     stream has its first token, which then joins them; each leaves at its own length."""
-    family = loaded.vision.vlm.config.model_type
-    if family not in BATCHING:
-        pytest.skip(f"{family}'s cache layers do not batch")
+    if not _batches(loaded):
+        pytest.skip("the model's cache layers do not batch")
     conversations = _conversations(images)
     lengths = [24, 32, 8]
     want = [_alone(loaded, m, n) for m, n in zip(conversations, lengths, strict=True)]
@@ -163,9 +168,8 @@ def test_rows_joining_and_leaving_at_other_steps_stay_exact(loaded, images, step
 
 
 def test_next_turn_of_an_image_conversation_reuses_its_entry_in_the_batch(loaded, images, steps):
-    family = loaded.vision.vlm.config.model_type
-    if family not in BATCHING:
-        pytest.skip(f"{family}'s cache layers do not batch")
+    if not _batches(loaded):
+        pytest.skip("the model's cache layers do not batch")
     first, other, _ = _conversations(images)
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
     got: list = [None, None]
@@ -196,10 +200,9 @@ def test_next_turn_of_an_image_conversation_reuses_its_entry_in_the_batch(loaded
 def test_warm_up_runs_a_batched_step_where_the_vision_model_batches(loaded, monkeypatch):
     """Its two scratch prompts prefilled one at a time (a vision model's prompts never are
     together), then one batched step of both, where the cache layers batch."""
-    family = loaded.vision.vlm.config.model_type
     together = recorded(monkeypatch, assembly, "prefill_together", lambda *args: args)
     steps = recorded(monkeypatch, batch_module.DecodeBatch, "_step", lambda b: b.num_rows)
     runner = Runner(loaded, max_context=256, max_batch=4)
     assert together == []
-    assert steps == ([2] if family in BATCHING else [])
+    assert steps == ([2] if _batches(loaded) else [])
     assert runner.cache_info().num_tokens == 0
