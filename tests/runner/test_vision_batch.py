@@ -2,8 +2,9 @@
 prefilled its own prompt: the same greedy tokens and log-probabilities as each request run
 alone on a fresh Runner, per family (Qwen2-VL's M-RoPE rows each shifted by their own images;
 Gemma 3's sliding-window layers do not batch yet, so its streams take turns), with rows that
-join and leave at different steps, and an image conversation's next turn reusing its entry.
-Every entry is checked after every request by `tests/invariants.py`."""
+join and leave at different steps, an image conversation's next turn reusing its entry, and
+two streams sent at once about one image feeding it once. Every entry is checked after every
+request by `tests/invariants.py`."""
 
 from __future__ import annotations
 
@@ -206,3 +207,27 @@ def test_warm_up_runs_a_batched_step_where_the_vision_model_batches(loaded, monk
     assert together == []
     assert steps == ([2] if _batches(loaded) else [])
     assert runner.cache_info().num_tokens == 0
+
+
+def test_streams_sent_at_once_about_one_image_feed_it_once(loaded, images, steps):
+    """The second waits for the first to feed the image and the shared text, copies them,
+    and both decode together, as each would alone."""
+    shared = "Look closely at this picture and think about it for a while. " * 4
+    conversations = [[_user(images[0], shared + ending)] for ending in ("Colors?", "Shapes?")]
+    want = [_alone(loaded, messages, 12) for messages in conversations]
+    # prefilled in several chunks, the second's turns come while the first's prompt is fed
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4, prefill_step_size=8)
+    got: list = [None, None]
+
+    def run(i):
+        got[i] = list(runner.stream(conversations[i], batched=True, max_tokens=12, **GREEDY))
+
+    runs = loaded.vision.encoder_runs
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    _assert_same([_tokens_and_logprobs(chunks) for chunks in got], want)
+    cached = sorted(chunks[-1].completion.cached_tokens for chunks in got)
+    image_end = max(i for i, t in enumerate(runner.encode(conversations[0])) if t >= 1 << 31)
+    assert cached[0] == 0 and cached[1] > image_end, "the second copied the image's K/V"
+    assert loaded.vision.encoder_runs == runs + 1
+    if _batches(loaded):
+        assert max(rows for rows, _ in steps) == 2
