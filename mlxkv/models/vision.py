@@ -19,6 +19,9 @@ Terms:
     function of its tokens and image grids up to each token, so a cached prefix keeps the
     positions a fresh run gives it; positions are always passed explicitly (mlx-vlm's
     language models otherwise keep position state between calls).
+  - position shift: how far the positions of the tokens after a prompt run ahead of their
+    index (its images' M-RoPE delta; 0 without images or M-RoPE). A reply decoding in a
+    batch is at its row's cache offset plus its shift.
 
 mlx-vlm is imported only here, and only when a vision model loads (the `vision` extra).
 """
@@ -280,21 +283,24 @@ class ImagePrompt:
         this prompt's row offset (`VisionLanguageModel`'s `position_shifts`)."""
         if not self.support.family.uses_positions:
             return 0
-        if self._positions is None:
-            self._positions, self._delta = self._prompt_positions()
-        return self._delta
+        return self._kept_positions()[1]
 
     def _positions_at(self, offset: int, length: int) -> mx.array:
-        if self._positions is None:
-            self._positions, self._delta = self._prompt_positions()
+        prompt_positions, delta = self._kept_positions()
         total = len(self._prompt)
         parts = []
         if offset < total:
-            parts.append(self._positions[:, :, offset : min(total, offset + length)])
+            parts.append(prompt_positions[:, :, offset : min(total, offset + length)])
         if offset + length > total:
             first = max(offset, total)
-            parts.append(_text_positions(first + self._delta, offset + length - first))
+            parts.append(_text_positions(first + delta, offset + length - first))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+    def _kept_positions(self) -> tuple[mx.array, int]:
+        """`_prompt_positions`, computed on first use and kept until `rebind`."""
+        if self._positions is None:
+            self._positions, self._delta = self._prompt_positions()
+        return self._positions, self._delta
 
     def _prompt_positions(self) -> tuple[mx.array, int]:
         """The prompt's M-RoPE positions (the family's, from mlx-vlm's own `get_rope_index`)

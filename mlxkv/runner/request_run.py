@@ -92,7 +92,7 @@ def run_request(
     """
     tokens, pool = request.tokens, context.pool
     stats_start = time.perf_counter()
-    run, batching = _with_images(context, request, batching)
+    run = _with_images(context, request)
     if batching is not None:  # interleaved: other requests run between this one's turns
         with batching.prefills.arriving():
             yield from _await_shared_prefix(request, pool)
@@ -186,18 +186,16 @@ def _generate(
             decoded.close()
 
 
-def _with_images(
-    context: RunContext, request: Request, batching: Batching | None
-) -> tuple[RunContext, Batching | None]:
+def _with_images(context: RunContext, request: Request) -> RunContext:
     """For a prompt with images: the context with its model bound to them (the encoder's
     output over their placeholders, M-RoPE positions), which its prefill runs on; its reply
     decodes in the batch like any (`_decode`: its row's positions shifted as its images
-    make them). Any other request's come back as they are."""
+    make them). Any other request's comes back as it is."""
     loaded = context.loaded
     if loaded.vision is None or not request.images:
-        return context, batching
+        return context
     bound = ImagePrompt(loaded.model, context.pool.encoder, request.tokens, request.images)
-    return dataclasses.replace(context, loaded=dataclasses.replace(loaded, model=bound)), batching
+    return dataclasses.replace(context, loaded=dataclasses.replace(loaded, model=bound))
 
 
 def _window(
