@@ -75,6 +75,7 @@ class _Row:
     left: int  # tokens still to produce
     step_tokens: int  # the entry's K/V growth step, kept when its K/V come back
     next_input: tuple[_Picked, int]  # the last token picked, fed by the next step
+    position_shift: int = 0  # its positions' lead on its cache offset (`DecodeBatch.join`)
     fed: list[tuple[_Picked, int]] = field(default_factory=list)  # fed since the join
     out: deque[tuple[_Picked, int]] = field(default_factory=deque)  # picked, not yet read
     failure: BaseException | None = None
@@ -99,6 +100,7 @@ class DecodeBatch:
         self._others_waiting = others_waiting
         self._kv = BatchedKV()
         self._rows: list[_Row] = []
+        self._shifts: mx.array | None = None  # the rows' position shifts; None: all 0
         self._steps = 0
 
     @property
@@ -114,12 +116,29 @@ class DecodeBatch:
         """True when a sequence on `cache` can join now (room, and a cache kind that batches)."""
         return len(self._rows) < self.max_rows and can_batch(cache)
 
-    def join(self, cache: ModelCache, first: mx.array, pick: TokenPicker, left: int) -> _Row:
+    def join(
+        self,
+        cache: ModelCache,
+        first: mx.array,
+        pick: TokenPicker,
+        left: int,
+        position_shift: int = 0,
+    ) -> _Row:
         """Adds a row for `cache`, whose next input is `first` (picked, not fed), to produce
-        `left` more tokens with `pick`."""
-        row = _Row(cache, pick, left, cache.layers[0].step, (_Picked(first.reshape(1)), 0))
+        `left` more tokens with `pick`.
+
+        Args:
+            position_shift: how far the row's positions run ahead of its cache offset (a
+                vision model's prompt with images: M-RoPE positions are not token indices).
+                While some row's is not 0, each step passes them all to the model as
+                `position_shifts` (B,), which only a vision model takes
+                (`mlxkv.models.vision.VisionLanguageModel`); a text model's rows never have one.
+        """
+        first_input = (_Picked(first.reshape(1)), 0)
+        row = _Row(cache, pick, left, cache.layers[0].step, first_input, position_shift)
         self._kv.join(cache)
         self._rows.append(row)
+        self._shifts_changed()
         return row
 
     def waits(self, row: _Row) -> bool:
@@ -170,7 +189,8 @@ class DecodeBatch:
     def _step(self) -> None:
         rows = self._rows
         try:
-            logits = self._model(_inputs(rows), cache=self._kv.layers)[:, -1, :]
+            shifted = {} if self._shifts is None else {"position_shifts": self._shifts}
+            logits = self._model(_inputs(rows), cache=self._kv.layers, **shifted)[:, -1, :]
             picked = _Picked(_pick(rows, logits))
             mx.async_eval(picked.tokens)
         except BaseException as error:  # the model, or one row's processors (a grammar)
@@ -192,6 +212,7 @@ class DecodeBatch:
         """Hands the row's K/V back to its entry, with the tokens fed since the join."""
         layers = self._kv.part(self._rows.index(row), row.step_tokens)
         self._rows.remove(row)
+        self._shifts_changed()
         fed = [picked.id(index) for picked, index in row.fed]
         row.fed.clear()
         row.cache.adopt(layers, row.cache.tokens + fed, row.cache.checkpoints)
@@ -205,6 +226,13 @@ class DecodeBatch:
             row.failure = error
         self._rows.clear()
         self._kv = BatchedKV()
+        self._shifts = None
+
+    def _shifts_changed(self) -> None:
+        """The rows' position shifts, in row order, after a join or a leave; None while all
+        are 0 (every text model's batch: its steps call the model as mlx-lm's models take)."""
+        shifts = [row.position_shift for row in self._rows]
+        self._shifts = mx.array(shifts) if any(shifts) else None
 
 
 def _inputs(rows: list[_Row]) -> mx.array:
@@ -240,18 +268,21 @@ def batched_tokens(
     logits: mx.array,
     pick: TokenPicker,
     max_tokens: int,
+    position_shift: int = 0,
 ) -> Iterator[int | Pause]:
     """Yields up to `max_tokens` sampled token ids from the prompt's last logits, decoding in
     `batch` with the other requests there (see the module docstring), and `PAUSE`
     (other work runs first). The first token comes out before the row joins, as soon as it
     exists. Closing the iterator leaves the batch; `cache` then holds exactly the tokens fed,
-    in order."""
+    in order. `position_shift`: the row's (`DecodeBatch.join`)."""
     if max_tokens <= 0:
         return
     token = pick(logits)
     mx.async_eval(token)
     yield token.item()
-    yield from joined_tokens(batch, cache, token, pick, max_tokens - 1)
+    yield from joined_tokens(
+        batch, cache, token, pick, max_tokens - 1, position_shift=position_shift
+    )
 
 
 def joined_tokens(
@@ -261,15 +292,16 @@ def joined_tokens(
     pick: TokenPicker,
     left: int,
     leave_when: Callable[[], bool] | None = None,
+    position_shift: int = 0,
 ) -> Generator[int | Pause, None, list[int]]:
     """Yields the `left` tokens after `last` (picked by `pick`, not yet in `cache`), decoding
     in `batch`, and `PAUSE` where it waits (`DecodeBatch.waits`): how a request decoding alone so
     far goes on with others. `leave_when` is asked after each token; True takes the row out
     at once and returns the tokens picked for it and not yet yielded (the newest not fed),
-    from which it goes on alone."""
+    from which it goes on alone. `position_shift`: the row's (`DecodeBatch.join`)."""
     if left <= 0:
         return []
-    row = batch.join(cache, last, pick, left)
+    row = batch.join(cache, last, pick, left, position_shift)
     try:
         while True:
             if batch.waits(row):

@@ -51,6 +51,7 @@ def decode_reply(
     speculation: Speculation | None,
     batch: DecodeBatch | None,
     crowded: Callable[[], bool] | None,
+    position_shift: int = 0,
 ) -> Iterator[int | Pause]:
     """Up to `max_tokens` token ids after the prompt's last `logits`, from the one decoder the
     request's settings choose: in `batch` from the start when it does not speculate or others
@@ -64,9 +65,11 @@ def decode_reply(
         speculation: how to draft, or None for no speculation.
         batch: the decode batch the request may join, or None: alone.
         crowded: True while another request that can batch is decoding (with `batch`).
+        position_shift: the request's row's lead of positions on its cache offset in `batch`
+            (`DecodeBatch.join`: a vision model's prompt with images).
     """
     if batch is not None and (speculation is None or crowded()):
-        return batched_tokens(batch, cache, logits, pick, max_tokens)
+        return batched_tokens(batch, cache, logits, pick, max_tokens, position_shift)
     if speculation is None:
         return decode_tokens(model, cache, logits, pick, max_tokens, make_room)
 
@@ -89,7 +92,7 @@ def decode_reply(
     if batch is None:
         return speculate(None, max_tokens)
     return _alone_or_batched(
-        speculate, speculation.drafter, batch, crowded, cache, pick, max_tokens
+        speculate, speculation.drafter, batch, crowded, cache, pick, max_tokens, position_shift
     )
 
 
@@ -101,6 +104,7 @@ def _alone_or_batched(
     cache: ModelCache,
     pick: TokenPicker,
     total: int,
+    position_shift: int,
 ) -> Iterator[int | Pause]:
     """`total` tokens: speculatively while the request decodes alone (ended early when others
     come), in the batch while others decode (left when they are gone), and so on. Each part
@@ -123,6 +127,7 @@ def _alone_or_batched(
             pick,
             total - produced,
             leave_when=lambda: not crowded(),
+            position_shift=position_shift,
         )
         try:
             while True:

@@ -19,6 +19,9 @@ Terms:
     function of its tokens and image grids up to each token, so a cached prefix keeps the
     positions a fresh run gives it; positions are always passed explicitly (mlx-vlm's
     language models otherwise keep position state between calls).
+  - position shift: how far the positions of the tokens after a prompt run ahead of their
+    index (its images' M-RoPE delta; 0 without images or M-RoPE). A reply decoding in a
+    batch is at its row's cache offset plus its shift.
 
 mlx-vlm is imported only here, and only when a vision model loads (the `vision` extra).
 """
@@ -171,10 +174,24 @@ class VisionLanguageModel(nn.Module):
                 raise NotSupportedError(f"a vision model's {kind} layers are not handled yet")
         return layers
 
-    def __call__(self, inputs: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: Sequence[Any] | None = None,
+        position_shifts: mx.array | None = None,
+    ) -> mx.array:
+        """Logits for text ids `inputs` (B, L) after what `cache` holds.
+
+        Args:
+            cache: the layers; a decode batch's (`BatchKVCache`) hold one offset per row.
+            position_shifts: (B,) per row, how far its M-RoPE positions run ahead of its
+                cache offset (a prompt with images: its last position + 1 minus its length;
+                `ImagePrompt.position_shift`); None: none does. Ignored by families with
+                plain positions (their language model reads each row's offset itself).
+        """
         positions = None
         if self._family.uses_positions:
-            positions = _text_positions(_offset(cache), inputs.shape[1])
+            positions = _call_positions(cache, inputs.shape[1], position_shifts)
         return self.run(self.embed(inputs), inputs, cache, positions)
 
     def embed(self, ids: mx.array) -> mx.array:
@@ -259,17 +276,31 @@ class ImagePrompt:
             positions = self._positions_at(offset, length)
         return self.model.run(embeds, inputs, cache, positions, _deepstack(deep, fed, length))
 
+    @property
+    def position_shift(self) -> int:
+        """How far the positions of the tokens after the prompt run ahead of their index (the
+        M-RoPE shift its images make; 0 for plain positions): what a decode batch adds to
+        this prompt's row offset (`VisionLanguageModel`'s `position_shifts`)."""
+        if not self.support.family.uses_positions:
+            return 0
+        return self._kept_positions()[1]
+
     def _positions_at(self, offset: int, length: int) -> mx.array:
-        if self._positions is None:
-            self._positions, self._delta = self._prompt_positions()
+        prompt_positions, delta = self._kept_positions()
         total = len(self._prompt)
         parts = []
         if offset < total:
-            parts.append(self._positions[:, :, offset : min(total, offset + length)])
+            parts.append(prompt_positions[:, :, offset : min(total, offset + length)])
         if offset + length > total:
             first = max(offset, total)
-            parts.append(_text_positions(first + self._delta, offset + length - first))
+            parts.append(_text_positions(first + delta, offset + length - first))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+    def _kept_positions(self) -> tuple[mx.array, int]:
+        """`_prompt_positions`, computed on first use and kept until `rebind`."""
+        if self._positions is None:
+            self._positions, self._delta = self._prompt_positions()
+        return self._positions, self._delta
 
     def _prompt_positions(self) -> tuple[mx.array, int]:
         """The prompt's M-RoPE positions (the family's, from mlx-vlm's own `get_rope_index`)
@@ -296,6 +327,18 @@ def _deepstack(deep: list[mx.array], fed: list[int], length: int) -> Deepstack |
 
 def _offset(cache: Sequence[Any] | None) -> int:
     return 0 if not cache else int(cache[0].offset)
+
+
+def _call_positions(cache: Sequence[Any] | None, length: int, shifts: mx.array | None) -> mx.array:
+    """The (3, B, L) M-RoPE positions of a call of text tokens: from the cache's offset, or,
+    for a decode batch's layers (an offset per row, left padding not counted), from each
+    row's own offset plus its shift."""
+    offset = cache[0].offset if cache else 0
+    if not isinstance(offset, mx.array):
+        return _text_positions(int(offset), length)
+    first = offset if shifts is None else offset + shifts  # (B,)
+    positions = first[:, None] + mx.arange(length)[None]  # (B, L)
+    return mx.broadcast_to(positions[None], (3, *positions.shape))
 
 
 def _text_positions(first: int, length: int) -> mx.array:

@@ -210,19 +210,23 @@ def warm_up(
         for width in (chunk, _WARMUP_DRAFT_TOKENS, 1):
             if width > 0:
                 mx.eval(mx.argmax(cache.forward(model, [0] * width)[:, -1, :], axis=-1))
-    # a vision model's requests never batch (`request_run`: its calls carry their images)
-    if max_batch > 1 and loaded.vision is None and can_batch(models[0][1]):
-        _warm_up_batch(loaded.model, config)
+    if max_batch > 1 and can_batch(models[0][1]):
+        # a vision model's prompts are prefilled one at a time (`request_run`)
+        _warm_up_batch(loaded.model, config, together=loaded.vision is None)
     logger.info("warm-up: %.2f s", time.perf_counter() - start)
 
 
-def _warm_up_batch(model: nn.Module, config: RunnerConfig) -> None:
-    """Two prompts prefilled together, then a batched decode step, as concurrent requests
-    run (the drafts of speculation never batch): the batched path's own kernels (padding
-    masks, the rows' K/V joined and parted, (B, 1) steps) compile here rather than in the
-    first requests that decode together."""
+def _warm_up_batch(model: nn.Module, config: RunnerConfig, *, together: bool) -> None:
+    """Two prompts prefilled (`together`, else one after the other), then a batched decode
+    step, as concurrent requests run (the drafts of speculation never batch): the batched
+    path's own kernels (padding masks, the rows' K/V joined and parted, (B, 1) steps)
+    compile here rather than in the first requests that decode together."""
     caches = [make_layers(model, config) for _ in _WARMUP_BATCH_PROMPTS]
-    last_logits = prefill_together(model, caches, _WARMUP_BATCH_PROMPTS)
+    if together:
+        last_logits = prefill_together(model, caches, _WARMUP_BATCH_PROMPTS)
+    else:
+        pairs = zip(caches, _WARMUP_BATCH_PROMPTS, strict=True)
+        last_logits = [cache.forward(model, prompt)[:, -1, :] for cache, prompt in pairs]
     batch = DecodeBatch(model, max_rows=len(caches))
     greedy = TokenPicker(lambda logits: mx.argmax(logits, axis=-1), [], [], greedy=True)
     rows = [

@@ -92,7 +92,7 @@ def run_request(
     """
     tokens, pool = request.tokens, context.pool
     stats_start = time.perf_counter()
-    run, batching = _with_images(context, request, batching)
+    run = _with_images(context, request)
     if batching is not None:  # interleaved: other requests run between this one's turns
         with batching.prefills.arriving():
             yield from _await_shared_prefix(request, pool)
@@ -150,7 +150,7 @@ def _generate(
     model = loaded.model
     start = time.perf_counter()
     try:
-        together = _prefilled_with(request, batching)
+        together = _prefilled_with(request, context, batching)
         try:
             logits = yield from fill_prompt(
                 model, request, hit, stats, plan=plan, together=together
@@ -186,19 +186,16 @@ def _generate(
             decoded.close()
 
 
-def _with_images(
-    context: RunContext, request: Request, batching: Batching | None
-) -> tuple[RunContext, Batching | None]:
-    """For a vision model: the context with its model bound to the request's images (the
-    encoder's output over their placeholders, M-RoPE positions), and no batching (each call
-    carries one prompt's positions). A text model's come back as they are."""
+def _with_images(context: RunContext, request: Request) -> RunContext:
+    """For a prompt with images: the context with its model bound to them (the encoder's
+    output over their placeholders, M-RoPE positions), which its prefill runs on; its reply
+    decodes in the batch like any (`_decode`: its row's positions shifted as its images
+    make them). Any other request's comes back as it is."""
     loaded = context.loaded
-    if loaded.vision is None:
-        return context, batching
-    if not request.images:
-        return context, None
+    if loaded.vision is None or not request.images:
+        return context
     bound = ImagePrompt(loaded.model, context.pool.encoder, request.tokens, request.images)
-    return dataclasses.replace(context, loaded=dataclasses.replace(loaded, model=bound)), None
+    return dataclasses.replace(context, loaded=dataclasses.replace(loaded, model=bound))
 
 
 def _window(
@@ -226,11 +223,14 @@ def _held_prompt(request: Request, context: RunContext) -> tuple[list[int], tupl
     return list(request.tokens), request.images
 
 
-def _prefilled_with(request: Request, batching: Batching | None) -> PrefillGroup | None:
+def _prefilled_with(
+    request: Request, context: RunContext, batching: Batching | None
+) -> PrefillGroup | None:
     """The group the request's prompt may be prefilled with: none when not interleaved, nor
     for a seeded request, whose draws must be those it makes alone (from its prompt's logits
-    fed alone, not a batched pass's, which round otherwise)."""
-    if batching is None or request.params.seed is not None:
+    fed alone, not a batched pass's, which round otherwise), nor on a vision model (each
+    call carries one prompt's images, encoder rows and positions)."""
+    if batching is None or request.params.seed is not None or context.loaded.vision is not None:
         return None
     return batching.prefills
 
@@ -323,5 +323,6 @@ def _decode(
         speculation=speculation,
         batch=None if batching is None else batching.batch,
         crowded=None if batching is None else batching.crowded,
+        position_shift=loaded.model.position_shift if isinstance(loaded.model, ImagePrompt) else 0,
     )
     return tokens, pick
