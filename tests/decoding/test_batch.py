@@ -152,16 +152,27 @@ def _two_started(model):
     return batch, caches, streams
 
 
-def test_a_failed_step_leaves_every_entry_as_it_joined(llama):
-    model, _ = llama
+@pytest.fixture(params=["llama", "gemma3_text", "lfm2"])
+def model_of_a_kind(loaded_tiny, request):
+    """Float K/V; sliding windows beside global layers; recurrent state beside attention."""
+    return loaded_tiny(request.param).model
+
+
+def _assert_as_joined(model, caches):
+    for cache, prompt in zip(caches, (PROMPTS[0], PROMPTS[2]), strict=True):
+        assert cache.tokens == prompt
+        _assert_holds_what_it_fed(model, cache, prompt, [], [])  # its layers untouched too
+
+
+def test_a_failed_step_leaves_every_entry_as_it_joined(model_of_a_kind):
+    model = model_of_a_kind
     batch, caches, streams = _two_started(model)
     batch._model = _raising
     with pytest.raises(RuntimeError, match="broken step"):
         next(streams[0])
     with pytest.raises(RuntimeError, match="broken step"):
         next(streams[1])
-    for cache, prompt in zip(caches, (PROMPTS[0], PROMPTS[2]), strict=True):
-        assert cache.tokens == prompt
+    _assert_as_joined(model, caches)
     assert batch.num_rows == 0
 
 
@@ -169,10 +180,12 @@ def _raising(*args, **kwargs):
     raise RuntimeError("broken step")
 
 
-def test_a_row_whose_processors_fail_fails_the_step_and_leaves_entries_as_joined(llama):
+def test_a_row_whose_processors_fail_fails_the_step_and_leaves_entries_as_joined(
+    model_of_a_kind,
+):
     """A grammar that refuses a token raises inside one row's pick, after the forward pass
-    updated every row's K/V in the batch: no entry may keep that half step."""
-    model, _ = llama
+    updated every row's layers in the batch: no entry may keep that half step."""
+    model = model_of_a_kind
     batch, caches, streams = _two_started(model)
     next(streams[0]), next(streams[1])  # both rows joined, one step taken
     batch._rows[1].pick = TokenPicker(_raising, [_raising], [])  # a processor that fails
@@ -181,8 +194,7 @@ def test_a_row_whose_processors_fail_fails_the_step_and_leaves_entries_as_joined
             next(streams[0])
     for stream in streams:
         stream.close()
-    for cache, prompt in zip(caches, (PROMPTS[0], PROMPTS[2]), strict=True):
-        assert cache.tokens == prompt
+    _assert_as_joined(model, caches)
 
 
 def test_windows_with_sinks_cannot_batch(loaded_tiny):

@@ -12,11 +12,9 @@ import threading
 import pytest
 
 from mlxkv import Runner
-from mlxkv.decoding import batch as batch_module
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.errors import RunnerBusyError
 from mlxkv.runner import request_run
-from mlxkv.runner import runner as runner_module
 from mlxkv.runner.prefill import group as prefill_group
 from mlxkv.testing.factory import ARCHITECTURES
 from tests.factories import recorded, wait_until
@@ -63,31 +61,6 @@ def _queued_then_run(runner, targets) -> None:
     gate.set()
     for thread in threads:
         thread.join(60)
-
-
-@pytest.fixture
-def rows(monkeypatch):
-    """The number of rows of every batched step requests took (not the load's warm-up's)."""
-    seen: list[int] = []
-    warming: list[bool] = []
-    step = batch_module.DecodeBatch._step
-    warm_up = runner_module.warm_up
-
-    def counting(self):
-        if not warming:
-            seen.append(self.num_rows)
-        return step(self)
-
-    def flagged(*args):
-        warming.append(True)
-        try:
-            return warm_up(*args)
-        finally:
-            warming.pop()
-
-    monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
-    monkeypatch.setattr(runner_module, "warm_up", flagged)
-    return seen
 
 
 def _assert_same_answers(got, want):
