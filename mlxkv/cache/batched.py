@@ -64,9 +64,14 @@ def can_batch(cache: ModelCache) -> bool:
 
 def can_prefill_together(cache: ModelCache) -> bool:
     """True when `cache` may take part in a batched prefill (`prefill_together`): every layer
-    a float `KVCache`. That pass right-pads the prompts and rolls the padding left after it
-    (`BatchKVCache.finalize`): K/V slots move, but a recurrent state or a window fed padding
-    tokens would hold them, so those caches prefill alone (then decode in the batch)."""
+    a float `KVCache`. That pass right-pads the prompts and rolls the padding out afterwards
+    (`finalize`). Sliding windows come out of it exact (mlx-lm's `BatchRotatingKVCache` rolls
+    too), but their prompts take checkpoints where the reply starts, which one pass for all
+    rows does not. Recurrent state is exact only where the model itself reads
+    `ArraysCache.lengths` to stop before the padding: mlx-lm's LFM2, Qwen3-Next and Kimi
+    Linear do, its Mamba, Jamba, Nemotron-H, RecurrentGemma and RWKV-7 do not (their states
+    take the padding in, logits off by about 10; measured on the sweep's tiny models), and no
+    cache can tell which. Those caches prefill alone, then decode in the batch."""
     return can_batch(cache) and all(type(layer) is KVCache for layer in cache.layers)
 
 
