@@ -166,10 +166,11 @@ def test_a_second_stream_on_a_thread_still_reading_one_is_refused_not_hung(loade
     assert runner._dispatch._slots.taken == 0
 
 
-def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, rows):
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, arch, rows):
     """Alone, a stream decodes speculatively; when a second stream takes a place it goes on
     in the batch with it (one forward for both), with the tokens it would have had alone."""
-    loaded = loaded_tiny("llama")
+    loaded = loaded_tiny(arch)
     options = {"max_tokens": 40, "temperature": 0.0, "logprobs": 0}
     alone = Runner(loaded, max_context=512, speculative=None)
     want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:2]]
@@ -300,8 +301,9 @@ def test_a_speculative_stream_stays_alone_beside_one_that_cannot_batch(loaded_ti
     assert not rows, "it went into a batch that nobody else could join"
 
 
-def test_a_speculative_stream_goes_back_alone_when_the_others_are_done(loaded_tiny, rows):
-    loaded = loaded_tiny("llama")
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_a_speculative_stream_goes_back_alone_when_the_others_are_done(loaded_tiny, arch, rows):
+    loaded = loaded_tiny(arch)
     options = {"max_tokens": 60, "temperature": 0.0, "logprobs": 0}
     short = {"max_tokens": 4, "temperature": 0.0, "logprobs": 0}
     alone = Runner(loaded, max_context=512, speculative=None)
