@@ -202,8 +202,10 @@ def _marks(batch: Any) -> Any:
 
 
 def _arrays_row(arrays: Sequence[mx.array | None], row: int) -> ArraysCache:
+    """Row `row` of recurrent arrays, copied: a slice would keep every row's arrays alive for
+    as long as the entry holds it (measured: a view of one row of 8 held all 8)."""
     layer = ArraysCache(len(arrays))
-    layer.cache = [None if a is None else a[row : row + 1] for a in arrays]
+    layer.cache = [None if a is None else mx.contiguous(a[row : row + 1]) for a in arrays]
     return layer
 
 
