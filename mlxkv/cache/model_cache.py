@@ -13,11 +13,9 @@ Invariants:
   - a layer restored while its check still runs (`gate`) reaches the model, or any
     evaluation, only once it passed (`mlxkv.cache.gate`).
 
-Layers whose own cache mlx-lm defines for recurrent state (`ArraysCache`, inside a `CacheList`
-for hybrid models) are kept as they are: they are not trimmable, so `can_trim_to` is False for
-any n below num_tokens. Checkpoints make up for it: `checkpoint()` snapshots those layers (and
-sliding windows) at the current length, and `rewind_to(n)` restores one, trimming the rest;
-`snapshot_for_disk()` takes one for the disk tier's blocks alone.
+Recurrent state (mlx-lm's `ArraysCache`, maybe in a `CacheList`) is kept as it is and cannot
+trim: `checkpoint()` snapshots it (and sliding windows) at the current length, `rewind_to(n)`
+restores one, trimming the rest; `snapshot_for_disk()` takes one for the disk tier alone.
 """
 
 from __future__ import annotations
@@ -169,9 +167,8 @@ class ModelCache:
         return logits
 
     def feed(self, model: nn.Module, token_ids: Sequence[int]) -> None:
-        """`forward` for tokens whose logits nobody reads (a prompt's, all but its last):
-        evaluates what the layers hold, not the logits, so MLX never runs the vocabulary
-        projection for them (as in mlx-lm)."""
+        """`forward` for tokens whose logits nobody reads (a prompt's, all but its last): evaluates
+        the layers, not the logits, so MLX never runs the vocabulary projection (as mlx-lm)."""
         self.forward(model, token_ids)
         mx.eval(self.arrays())
 
@@ -204,10 +201,8 @@ class ModelCache:
 
     def can_trim_to(self, num_tokens: int) -> bool:
         """True when every layer can go back to holding exactly `num_tokens` tokens."""
-        if not 0 <= num_tokens <= self.num_tokens:
-            return False
         drop = self.num_tokens - num_tokens
-        return all(layer_can_trim(layer, drop) for layer in self.layers)
+        return 0 <= drop <= self.num_tokens and all(layer_can_trim(x, drop) for x in self.layers)
 
     def trim_to(self, num_tokens: int) -> int:
         """Keeps the first `num_tokens` tokens and drops the rest, in every layer or none.
@@ -272,8 +267,15 @@ class ModelCache:
         back instead. Read-only: snapshots are never changed in place, so they may be shared."""
         return dict(self._checkpoints)
 
-    def adopt(self, layers: list[Any], tokens: list[int], checkpoints: dict[int, list[Any]]):
-        """Replaces everything held with `layers` holding `tokens` (a loaded or copied state).
+    def adopt(
+        self,
+        layers: list[Any],
+        tokens: list[int],
+        checkpoints: dict[int, list[Any]],
+        disk: dict[int, list[Any]] | None = None,
+    ):
+        """Replaces everything held with `layers` holding `tokens` (a loaded or copied state),
+        with `checkpoints` and the disk tier's snapshots `disk` (by length, as they are taken).
 
         Raises:
             ValueError: a layer's offset is not len(tokens), or a checkpoint lies past it.
@@ -294,11 +296,10 @@ class ModelCache:
         self._num_pending = 0
         self._tokens = list(tokens)
         self._checkpoints = dict(checkpoints)
-        self._disk_snapshots = {}
+        self._disk_snapshots = dict(disk or {})
 
     def nearest_restorable(self, num_tokens: int) -> int:
-        """The largest length <= num_tokens this cache can go back to, by trimming or from a
-        checkpoint (0 means starting over)."""
+        """The largest length <= num_tokens it can go back to, trimming or from a checkpoint."""
         if self.can_trim_to(num_tokens):
             return num_tokens
         return max((n for n in self._checkpoints if n <= num_tokens), default=0)
@@ -404,10 +405,10 @@ class ModelCache:
         ]
         kept = {n: snap for n, snap in self._checkpoints.items() if n <= num_tokens}
         clone = ModelCache([], self._make_layers, self.capacity_tokens)
-        clone.adopt(layers, self._tokens[:num_tokens], kept)
+        # the copy may write the blocks its disk snapshots fall in before this cache does
+        disk = {n: s for n, s in self._disk_snapshots.items() if n <= num_tokens}
+        clone.adopt(layers, self._tokens[:num_tokens], kept, disk)
         clone.snapshot_every_tokens = self.snapshot_every_tokens
-        # the copy may write the blocks they fall in before this cache does
-        clone._disk_snapshots = {n: s for n, s in self._disk_snapshots.items() if n <= num_tokens}
         return clone
 
     def pass_gate(self) -> None:
@@ -425,13 +426,11 @@ class ModelCache:
         self.adopt(self._make_layers(), [], {})
 
     def shrink(self) -> int:
-        """Gives back buffer slots beyond the next growth step above the held tokens; returns
-        the bytes freed."""
+        """Gives back buffer slots past the next growth step above the tokens; bytes freed."""
         return sum(layer.shrink() for layer in leaves(self.layers) if hasattr(layer, "shrink"))
 
     def arrays(self) -> list[mx.array]:
-        """Every array the layers and the disk snapshots hold: what `mx.eval` runs to leave
-        nothing of them lazy."""
+        """Every array the layers and disk snapshots hold (`mx.eval` of it leaves none lazy)."""
         self.pass_gate()
         snapshots = [s for snap in self._disk_snapshots.values() for s in snap if s]
         return [a for layer in [*self.layers, *snapshots] for a in arrays_of(layer)]

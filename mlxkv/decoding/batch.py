@@ -5,8 +5,8 @@ leaves between steps), `batched_tokens`, a request's token iterator on it, shape
 `plain.decode_tokens` so that everything after it (text, stop strings, cancel) is the same,
 and `joined_tokens`, the same from a token picked before the join (a request that decoded
 alone until others came).
-Does not own the rows' K/V layout (`mlxkv.cache.batched`) or sampling (each row keeps its own
-`TokenPicker`: processors, sampler, grammar and logprobs per request).
+Does not own the rows' layout or which layer kinds batch (`mlxkv.cache.batched`), or sampling
+(each row keeps its own `TokenPicker`: processors, sampler, grammar and logprobs per request).
 
 Why it pays: a decode step reads every weight once whatever the number of rows, so on a
 device bound by memory bandwidth N rows cost little more than one.
@@ -20,9 +20,11 @@ prefilled together) would otherwise each run a step of their own with part of th
 end as many steps apart (measured: 15 of 128 steps short of 8 rows, about 5% of the time).
 Rows of slower readers simply queue more (at most their `max_tokens`). A row that has all its
 tokens leaves at once; a request that stops early (EOS, a stop string, cancel) leaves when its
-iterator is closed. Leaving hands the row's K/V back to its entry with exactly the tokens fed,
-less those decoded ahead of a reader that never took them: the same record a plain decode
-leaves.
+iterator is closed. Leaving hands the row's layers back to its entry with exactly the tokens
+fed, less those decoded ahead of a reader that never took them: the same record a plain decode
+leaves (recurrent state, which cannot trim, goes back to the step its reader last read:
+`_go_back`). A row crossing a block boundary of the disk tier in a step gets its snapshot of
+the layers that cannot trim there, as a plain pass does (`ModelCache.forward`).
 
 Batched kernels round differently from a single row's (matmul shapes, the padded softmax):
 logits agree with a request decoded alone to within float rounding, not bit for bit.
@@ -38,7 +40,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.cache.batched import BatchedKV, can_batch
+from mlxkv.cache.batched import BatchedKV, can_batch, rewound_row
+from mlxkv.cache.layer_ops import arrays_of
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
@@ -68,16 +71,19 @@ class _Picked:
 
 @dataclass(eq=False)
 class _Row:
-    """One request's sequence in the batch. Its tokens are (step's `_Picked`, index) pairs."""
+    """One request's sequence in the batch. Its tokens are (step's `_Picked`, index) pairs;
+    those not read yet carry the batch's recurrent state after their step (`state_marks`,
+    None without recurrent layers): where the row goes back to if its reader stops there."""
 
     cache: ModelCache  # the entry: as it was at the join until the row leaves
     pick: TokenPicker
     left: int  # tokens still to produce
-    step_tokens: int  # the entry's K/V growth step, kept when its K/V come back
     next_input: tuple[_Picked, int]  # the last token picked, fed by the next step
+    snapshot_every_tokens: int | None  # the entry's disk-snapshot interval, if it needs them
     position_shift: int = 0  # its positions' lead on its cache offset (`DecodeBatch.join`)
     fed: list[tuple[_Picked, int]] = field(default_factory=list)  # fed since the join
-    out: deque[tuple[_Picked, int]] = field(default_factory=deque)  # picked, not yet read
+    out: deque[tuple[_Picked, int, list | None]] = field(default_factory=deque)  # not yet read
+    snapshots: dict[int, list] = field(default_factory=dict)  # the disk tier's, since the join
     failure: BaseException | None = None
     fresh: bool = True  # joined, in no step yet, never paused for one
 
@@ -135,7 +141,8 @@ class DecodeBatch:
                 (`mlxkv.models.vision.VisionLanguageModel`); a text model's rows never have one.
         """
         first_input = (_Picked(first.reshape(1)), 0)
-        row = _Row(cache, pick, left, cache.layers[0].step, first_input, position_shift)
+        every = cache.snapshot_every_tokens if cache.needs_checkpoints else None
+        row = _Row(cache, pick, left, first_input, every, position_shift)
         self._kv.join(cache)
         self._rows.append(row)
         self._shifts_changed()
@@ -158,20 +165,20 @@ class DecodeBatch:
             if row not in self._rows:
                 return None
             self._step()
-        picked, index = row.out.popleft()
+        picked, index, _ = row.out.popleft()
         if not row.out and row in self._rows:
             self._step()  # queued before this token is read back
         return picked.id(index)
 
     def leave(self, row: _Row) -> None:
-        """Takes the row out of the batch (if still in), handing its K/V to its entry, less
+        """Takes the row out of the batch (if still in), handing its layers to its entry, less
         the tokens decoded ahead that its reader never took: the entry ends where a plain
         decode stopped by the same reader would (the last token read, fed or not)."""
         if row in self._rows:
             self._part(row)
         unread_fed = len(row.out) - 1  # the newest was picked, never fed
         if unread_fed > 0 and row.failure is None:
-            row.cache.trim_to(row.cache.num_tokens - unread_fed)
+            _go_back(row, unread_fed)
         row.out.clear()
 
     def detach(self, row: _Row) -> list[int]:
@@ -182,7 +189,7 @@ class DecodeBatch:
             raise row.failure
         if row in self._rows:
             self._part(row)
-        tokens = [picked.id(index) for picked, index in row.out]
+        tokens = [picked.id(index) for picked, index, _ in row.out]
         row.out.clear()
         return tokens
 
@@ -192,15 +199,17 @@ class DecodeBatch:
             shifted = {} if self._shifts is None else {"position_shifts": self._shifts}
             logits = self._model(_inputs(rows), cache=self._kv.layers, **shifted)[:, -1, :]
             picked = _Picked(_pick(rows, logits))
-            mx.async_eval(picked.tokens)
+            snapshots = self._snapshots(rows)
+            mx.async_eval(picked.tokens, [arrays_of(s) for snap in snapshots for s in snap if s])
         except BaseException as error:  # the model, or one row's processors (a grammar)
             self._fail(error)
             raise
+        marks = self._kv.state_marks() if self._kv.has_state else None
         for i, row in enumerate(rows):
             row.fresh = False
             row.fed.append(row.next_input)
             row.next_input = (picked, i)
-            row.out.append((picked, i))
+            row.out.append((picked, i, marks))
             row.left -= 1
         for row in [row for row in rows if row.left <= 0]:
             self._part(row)
@@ -208,14 +217,29 @@ class DecodeBatch:
         if self._steps % _CLEAR_CACHE_EVERY_STEPS == 0:
             mx.clear_cache()
 
+    def _snapshots(self, rows: list[_Row]) -> list[list]:
+        """The disk tier's snapshots of the rows whose step (about to be recorded) ends on a
+        block boundary, as `ModelCache.forward` takes a plain pass's; kept by each row until
+        its entry adopts its layers (`_part`), dropped with them if the batch fails."""
+        taken = []
+        for i, row in enumerate(rows):
+            every, length = row.snapshot_every_tokens, row.cache.num_tokens + len(row.fed) + 1
+            if every and length % every == 0:
+                row.snapshots[length] = self._kv.snapshot(i, row.cache.layers)
+                taken.append(row.snapshots[length])
+        return taken
+
     def _part(self, row: _Row) -> None:
-        """Hands the row's K/V back to its entry, with the tokens fed since the join."""
-        layers = self._kv.part(self._rows.index(row), row.step_tokens)
+        """Hands the row's layers back to its entry, with the tokens fed since the join and
+        the disk snapshots taken meanwhile (besides the entry's own, not yet written)."""
+        layers = self._kv.part(self._rows.index(row), row.cache.layers)
         self._rows.remove(row)
         self._shifts_changed()
         fed = [picked.id(index) for picked, index in row.fed]
         row.fed.clear()
-        row.cache.adopt(layers, row.cache.tokens + fed, row.cache.checkpoints)
+        disk = {**row.cache.take_disk_snapshots(), **row.snapshots}
+        row.cache.adopt(layers, row.cache.tokens + fed, row.cache.checkpoints, disk)
+        row.snapshots = {}
 
     def _fail(self, error: BaseException) -> None:
         """A step failed (the model, or one row's processors: a grammar that refused a token):
@@ -233,6 +257,28 @@ class DecodeBatch:
         are 0 (every text model's batch: its steps call the model as mlx-lm's models take)."""
         shifts = [row.position_shift for row in self._rows]
         self._shifts = mx.array(shifts) if any(shifts) else None
+
+
+def _go_back(row: _Row, unread_fed: int) -> None:
+    """The row's entry without the `unread_fed` tokens fed ahead of its reader: K/V layers
+    trim; recurrent state cannot, so it takes the batch's state after the step that picked
+    the oldest unread token (kept with it in `out`: each step's arrays stay alive only while
+    some row has not read that step's token, in practice a step or two). A window that has
+    already overwritten what the shorter length needs (lag over one token once full) cannot
+    go back: the entry then keeps those tokens too, exact (tokens == what the layers hold),
+    and the next turn goes back from a checkpoint. Restoring the window as well would mean
+    copying every lagging row's window each step, where this loses a reply's tail only."""
+    cache, target = row.cache, row.cache.num_tokens - unread_fed
+    if cache.can_trim_to(target):
+        cache.trim_to(target)
+        return
+    _, index, marks = row.out[0]
+    layers = None if marks is None else rewound_row(cache.layers, marks, index, unread_fed)
+    if layers is None:
+        logger.debug("a row left %d tokens ahead of its reader; its entry keeps them", unread_fed)
+        return
+    disk = {n: s for n, s in cache.take_disk_snapshots().items() if n <= target}
+    cache.adopt(layers, cache.tokens[:target], cache.checkpoints, disk)
 
 
 def _inputs(rows: list[_Row]) -> mx.array:

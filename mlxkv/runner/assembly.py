@@ -17,7 +17,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.cache.batched import can_batch
+from mlxkv.cache.batched import can_batch, can_prefill_together, layer_batches
 from mlxkv.cache.building import make_cache
 from mlxkv.cache.footprint import SnapshotCost, snapshot_cost
 from mlxkv.cache.model_cache import ModelCache
@@ -173,7 +173,8 @@ def default_max_batch(window_tokens: int, per_token_bytes: int, memory_bytes: in
 
 def choose_max_batch(config: RunnerConfig, per_token_bytes: int, empty: ModelCache) -> int:
     """`config.max_batch`, else the rows whose K/V fit (`default_max_batch`); logs when the
-    model's cache layers (those of `empty`, an unused entry) do not batch."""
+    model's cache layers (those of `empty`, an unused entry) do not batch (naming those that
+    do not), or decode in the batch but prefill alone (`can_prefill_together`)."""
     max_batch = config.max_batch or default_max_batch(
         config.max_context, per_token_bytes, memory_bytes()
     )
@@ -181,6 +182,11 @@ def choose_max_batch(config: RunnerConfig, per_token_bytes: int, empty: ModelCac
         logger.info(
             "this model's cache layers (%s) do not batch: batched streams take turns, "
             "decoding one at a time",
+            ", ".join(sorted({type(x).__name__ for x in empty if not layer_batches(x)})),
+        )
+    elif max_batch > 1 and not can_prefill_together(empty):
+        logger.info(
+            "this model's cache layers (%s) decode in the batch; prompts are prefilled alone",
             ", ".join(sorted({type(layer).__name__ for layer in empty})),
         )
     return max_batch
@@ -217,16 +223,17 @@ def warm_up(
 
 
 def _warm_up_batch(model: nn.Module, config: RunnerConfig, *, together: bool) -> None:
-    """Two prompts prefilled (`together`, else one after the other), then a batched decode
-    step, as concurrent requests run (the drafts of speculation never batch): the batched
-    path's own kernels (padding masks, the rows' K/V joined and parted, (B, 1) steps)
-    compile here rather than in the first requests that decode together."""
+    """Two prompts prefilled together (where `together` and the cache's layers allow: else
+    each alone), then a batched decode step, as concurrent requests run (the drafts of
+    speculation never batch): the batched path's own kernels (padding masks, the rows' layers
+    joined and parted, (B, 1) steps) compile here rather than in the first requests that
+    decode together."""
     caches = [make_layers(model, config) for _ in _WARMUP_BATCH_PROMPTS]
-    if together:
+    if together and can_prefill_together(caches[0]):
         last_logits = prefill_together(model, caches, _WARMUP_BATCH_PROMPTS)
     else:
-        pairs = zip(caches, _WARMUP_BATCH_PROMPTS, strict=True)
-        last_logits = [cache.forward(model, prompt)[:, -1, :] for cache, prompt in pairs]
+        prompts = zip(caches, _WARMUP_BATCH_PROMPTS, strict=True)
+        last_logits = [cache.forward(model, prompt)[:, -1, :] for cache, prompt in prompts]
     batch = DecodeBatch(model, max_rows=len(caches))
     greedy = TokenPicker(lambda logits: mx.argmax(logits, axis=-1), [], [], greedy=True)
     rows = [

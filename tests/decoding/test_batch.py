@@ -5,13 +5,15 @@ prefill of them gives."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxkv.cache.batched import BatchedKV, can_batch
 from mlxkv.cache.building import make_cache
-from mlxkv.decoding.batch import DecodeBatch, batched_tokens
+from mlxkv.cache.layers.window import SlidingWindowCache
+from mlxkv.decoding.batch import DecodeBatch, batched_tokens, joined_tokens
 from mlxkv.decoding.pause import PAUSE
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
@@ -39,26 +41,42 @@ def _alone(model, prompt, max_tokens):
     return tokens, [pick.pop_logprob().logprob for _ in tokens]
 
 
+def _model_and_alone(loaded_tiny, arch):
+    model = loaded_tiny(arch).model
+    return model, [_alone(model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+
+
 @pytest.fixture(scope="module")
 def llama(loaded_tiny):
-    model = loaded_tiny("llama").model
-    return model, [_alone(model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    return _model_and_alone(loaded_tiny, "llama")
+
+
+# every kind of layer that batches: float K/V; sliding windows of 8 tokens beside global layers
+# (gemma3_text) or alone (spark2_5), wrapping in these sequences; recurrent state beside
+# attention (lfm2) or alone (mamba)
+@pytest.fixture(scope="module", params=["llama", "gemma3_text", "spark2_5", "lfm2", "mamba"])
+def any_kind(loaded_tiny, request):
+    return _model_and_alone(loaded_tiny, request.param)
 
 
 def _assert_holds_what_it_fed(model, cache, prompt, streamed, continuation):
     """The entry holds the prompt, then the tokens streamed (all but maybe the last; what the
-    row decoded ahead of a slow reader is given back), the row's own greedy continuation;
-    and its K/V are a fresh prefill's."""
+    row decoded ahead of a slow reader is given back, unless a window has already lost what
+    the shorter length needs), the row's own greedy continuation; and its layers are a fresh
+    prefill's (the next token's logits on both agree)."""
     held = cache.tokens
     assert held[: len(prompt)] == prompt
     fed = held[len(prompt) :]
     assert fed == continuation[: len(fed)]
-    assert len(streamed) - 1 <= len(fed) <= len(streamed)  # nothing decoded ahead is kept
+    assert len(streamed) - 1 <= len(fed)
+    if len(fed) > len(streamed):  # decoded ahead and kept: only a window that cannot go back
+        assert not cache.can_trim_to(len(prompt) + len(streamed))
+        assert any(type(layer).__name__ == "SlidingWindowCache" for layer in cache.layers)
     fresh = make_cache(model)
-    prefill(model, fresh, held[:-1], PLAN)
-    want = fresh.forward(model, held[-1:])
-    got = cache.copy_prefix(len(held) - 1).forward(model, held[-1:])
-    assert_logits_close(got, want, "a batched row's K/V against a fresh prefill")
+    prefill(model, fresh, held, PLAN)
+    want = fresh.forward(model, [1])
+    got = cache.copy().forward(model, [1])
+    assert_logits_close(got, want, "a batched row's layers against a fresh prefill")
 
 
 @settings(
@@ -68,10 +86,10 @@ def _assert_holds_what_it_fed(model, cache, prompt, streamed, continuation):
     schedule=st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=4, max_size=60),
     leave_after=st.lists(st.one_of(st.none(), st.integers(1, 6)), min_size=4, max_size=4),
 )
-def test_any_schedule_decodes_as_alone(llama, schedule, leave_after):
+def test_any_schedule_decodes_as_alone(any_kind, schedule, leave_after):
     """`schedule`: (sequence, stop it now) steps; a sequence starts at its first step, reads
     one token per step, and stops early when asked (or after `leave_after` tokens)."""
-    model, alone = llama
+    model, alone = any_kind
     batch = DecodeBatch(model, max_rows=4)
     running, done = {}, {}
     for i, stop in schedule + [(i, False) for i in range(4) for _ in range(13)]:
@@ -134,16 +152,27 @@ def _two_started(model):
     return batch, caches, streams
 
 
-def test_a_failed_step_leaves_every_entry_as_it_joined(llama):
-    model, _ = llama
+@pytest.fixture(params=["llama", "gemma3_text", "lfm2"])
+def model_of_a_kind(loaded_tiny, request):
+    """Float K/V; sliding windows beside global layers; recurrent state beside attention."""
+    return loaded_tiny(request.param).model
+
+
+def _assert_as_joined(model, caches):
+    for cache, prompt in zip(caches, (PROMPTS[0], PROMPTS[2]), strict=True):
+        assert cache.tokens == prompt
+        _assert_holds_what_it_fed(model, cache, prompt, [], [])  # its layers untouched too
+
+
+def test_a_failed_step_leaves_every_entry_as_it_joined(model_of_a_kind):
+    model = model_of_a_kind
     batch, caches, streams = _two_started(model)
     batch._model = _raising
     with pytest.raises(RuntimeError, match="broken step"):
         next(streams[0])
     with pytest.raises(RuntimeError, match="broken step"):
         next(streams[1])
-    for cache, prompt in zip(caches, (PROMPTS[0], PROMPTS[2]), strict=True):
-        assert cache.tokens == prompt
+    _assert_as_joined(model, caches)
     assert batch.num_rows == 0
 
 
@@ -151,10 +180,12 @@ def _raising(*args, **kwargs):
     raise RuntimeError("broken step")
 
 
-def test_a_row_whose_processors_fail_fails_the_step_and_leaves_entries_as_joined(llama):
+def test_a_row_whose_processors_fail_fails_the_step_and_leaves_entries_as_joined(
+    model_of_a_kind,
+):
     """A grammar that refuses a token raises inside one row's pick, after the forward pass
-    updated every row's K/V in the batch: no entry may keep that half step."""
-    model, _ = llama
+    updated every row's layers in the batch: no entry may keep that half step."""
+    model = model_of_a_kind
     batch, caches, streams = _two_started(model)
     next(streams[0]), next(streams[1])  # both rows joined, one step taken
     batch._rows[1].pick = TokenPicker(_raising, [_raising], [])  # a processor that fails
@@ -163,16 +194,18 @@ def test_a_row_whose_processors_fail_fails_the_step_and_leaves_entries_as_joined
             next(streams[0])
     for stream in streams:
         stream.close()
-    for cache, prompt in zip(caches, (PROMPTS[0], PROMPTS[2]), strict=True):
-        assert cache.tokens == prompt
+    _assert_as_joined(model, caches)
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
-def test_caches_that_cannot_batch_are_refused(loaded_tiny, arch):
-    cache = make_cache(loaded_tiny(arch).model)
+def test_windows_with_sinks_cannot_batch(loaded_tiny):
+    """mlx-lm's `BatchRotatingKVCache` keeps no sink tokens (`keep`)."""
+    model = loaded_tiny("gemma3_text").model
+    cache = make_cache(model)
+    assert can_batch(cache) and DecodeBatch(model, 4).accepts(cache)
+    cache.layers[0] = SlidingWindowCache(8, keep=2)
     assert not can_batch(cache)
-    assert not DecodeBatch(loaded_tiny(arch).model, 4).accepts(cache)
-    with pytest.raises(ValueError, match="float KVCache"):
+    assert not DecodeBatch(model, 4).accepts(cache)
+    with pytest.raises(ValueError, match="whose layers batch"):
         BatchedKV().join(cache)
 
 
@@ -242,3 +275,29 @@ def test_a_step_is_read_back_once_for_all_its_rows(llama, monkeypatch):
     # One read per step, whatever its rows, and the token each row joined with, read as it
     # leaves (its entry's record).
     assert len(reads) == batch._steps + len(sequences)
+
+
+def test_a_window_gone_back_one_token_joins_and_decodes_as_alone(loaded_tiny):
+    """A full window trimmed back one token holds one slot fewer than mlx-lm's batched window
+    takes from it: that slot must be padding (masked, never parted), not a zero key."""
+    model = loaded_tiny("gemma3_text").model
+    prompt = PROMPTS[2]  # 31 tokens, past the window of 8
+    want_tokens, want_logprobs = _alone(model, prompt, 12)
+    cache, logits, pick = _start(model, prompt)
+    list(decode_tokens(model, cache, logits, pick, 4))  # the window wraps: 8 slots held
+    held = cache.tokens
+    cache.trim_to(len(held) - 1)
+    window = cache.layers[0]
+    assert isinstance(window, SlidingWindowCache) and window.size() == window.window - 1
+    batch = DecodeBatch(model, max_rows=2)
+    other, other_logits, other_pick = _start(model, PROMPTS[0])
+    first_stream = batched_tokens(batch, other, other_logits, other_pick, 6)
+    next(first_stream)  # a row of another length joined first
+    batch.leave(batch.join(cache, mx.array([held[-1]]), pick, 5))  # in and out, no step
+    assert window is not cache.layers[0] and cache.layers[0].size() == window.window - 1
+    done = len(held) - 1 - len(prompt)
+    got = list(joined_tokens(batch, cache, mx.array([held[-1]]), pick, 5))
+    assert got == want_tokens[done + 1 : done + 6]
+    got_logprobs = [pick.pop_logprob().logprob for _ in range(4 + len(got))][4:]
+    assert got_logprobs == pytest.approx(want_logprobs[done + 1 : done + 6], abs=1e-4)
+    first_stream.close()

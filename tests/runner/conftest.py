@@ -6,6 +6,8 @@ import threading
 
 import pytest
 
+from mlxkv.decoding import batch as batch_module
+from mlxkv.runner import runner as runner_module
 from mlxkv.runner.disk import store as store_module
 
 
@@ -28,3 +30,28 @@ def held_writes(monkeypatch):
     monkeypatch.setattr(store_module.DiskStore, "_run", held)
     yield release, started
     release.set()
+
+
+@pytest.fixture
+def rows(monkeypatch):
+    """The number of rows of every batched step requests took (not the load's warm-up's)."""
+    seen: list[int] = []
+    warming: list[bool] = []
+    step = batch_module.DecodeBatch._step
+    warm_up = runner_module.warm_up
+
+    def counting(self):
+        if not warming:
+            seen.append(self.num_rows)
+        return step(self)
+
+    def flagged(*args):
+        warming.append(True)
+        try:
+            return warm_up(*args)
+        finally:
+            warming.pop()
+
+    monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
+    monkeypatch.setattr(runner_module, "warm_up", flagged)
+    return seen

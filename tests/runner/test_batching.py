@@ -12,11 +12,9 @@ import threading
 import pytest
 
 from mlxkv import Runner
-from mlxkv.decoding import batch as batch_module
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.errors import RunnerBusyError
 from mlxkv.runner import request_run
-from mlxkv.runner import runner as runner_module
 from mlxkv.runner.prefill import group as prefill_group
 from mlxkv.testing.factory import ARCHITECTURES
 from tests.factories import recorded, wait_until
@@ -27,7 +25,10 @@ PROMPTS = [
     "Third.",
     "The fourth request of this test asks about batches and their rows.",
 ]
-BATCHING = ("llama", "qwen3")  # factory models whose caches are all float K/V layers
+# factory models whose cache layers all batch: float K/V, sliding windows (gemma3_text, spark2_5:
+# windows of 8 tokens, wrapping in these replies), recurrent state (lfm2, mamba)
+BATCHING = ARCHITECTURES
+PREFILLED_TOGETHER = ("llama", "qwen3")  # all float K/V layers (`can_prefill_together`)
 
 
 def _tokens_and_logprobs(chunks):
@@ -62,31 +63,6 @@ def _queued_then_run(runner, targets) -> None:
         thread.join(60)
 
 
-@pytest.fixture
-def rows(monkeypatch):
-    """The number of rows of every batched step requests took (not the load's warm-up's)."""
-    seen: list[int] = []
-    warming: list[bool] = []
-    step = batch_module.DecodeBatch._step
-    warm_up = runner_module.warm_up
-
-    def counting(self):
-        if not warming:
-            seen.append(self.num_rows)
-        return step(self)
-
-    def flagged(*args):
-        warming.append(True)
-        try:
-            return warm_up(*args)
-        finally:
-            warming.pop()
-
-    monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
-    monkeypatch.setattr(runner_module, "warm_up", flagged)
-    return seen
-
-
 def _assert_same_answers(got, want):
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
         assert tokens == want_tokens
@@ -103,11 +79,9 @@ def test_batched_streams_answer_as_one_at_a_time(loaded_tiny, arch, rows, caplog
         runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
     got = _together(runner, PROMPTS, **options)
     _assert_same_answers(got, want)
-    if arch in BATCHING:
-        assert max(rows) >= 2, "the streams never decoded together"
-    else:
-        assert not rows
-        assert "do not batch" in caplog.text
+    assert max(rows) >= 2, "the streams never decoded together"
+    prefilled_alone = "decode in the batch; prompts are prefilled alone" in caplog.text
+    assert prefilled_alone == (arch not in PREFILLED_TOGETHER)
 
 
 def test_a_stream_that_leaves_mid_batch_leaves_the_others_exact(loaded_tiny, rows):
@@ -192,10 +166,11 @@ def test_a_second_stream_on_a_thread_still_reading_one_is_refused_not_hung(loade
     assert runner._dispatch._slots.taken == 0
 
 
-def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, rows):
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, arch, rows):
     """Alone, a stream decodes speculatively; when a second stream takes a place it goes on
     in the batch with it (one forward for both), with the tokens it would have had alone."""
-    loaded = loaded_tiny("llama")
+    loaded = loaded_tiny(arch)
     options = {"max_tokens": 40, "temperature": 0.0, "logprobs": 0}
     alone = Runner(loaded, max_context=512, speculative=None)
     want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:2]]
@@ -326,8 +301,9 @@ def test_a_speculative_stream_stays_alone_beside_one_that_cannot_batch(loaded_ti
     assert not rows, "it went into a batch that nobody else could join"
 
 
-def test_a_speculative_stream_goes_back_alone_when_the_others_are_done(loaded_tiny, rows):
-    loaded = loaded_tiny("llama")
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_a_speculative_stream_goes_back_alone_when_the_others_are_done(loaded_tiny, arch, rows):
+    loaded = loaded_tiny(arch)
     options = {"max_tokens": 60, "temperature": 0.0, "logprobs": 0}
     short = {"max_tokens": 4, "temperature": 0.0, "logprobs": 0}
     alone = Runner(loaded, max_context=512, speculative=None)
@@ -357,7 +333,7 @@ def test_a_request_failing_as_its_decoding_starts_is_not_counted_as_decoding(
     assert runner._dispatch._batching.streams == 0
 
 
-@pytest.mark.parametrize("arch", BATCHING)
+@pytest.mark.parametrize("arch", PREFILLED_TOGETHER)
 def test_streams_arriving_together_are_prefilled_together_and_answer_as_alone(
     loaded_tiny, arch, monkeypatch
 ):

@@ -15,6 +15,7 @@ from mlxkv.models.loading import load_model
 from mlxkv.runner.disk.chains import BLOCK_TOKENS
 from mlxkv.testing.factory import build_model
 from mlxkv.testing.tiny_recurrent import QWEN3_NEXT_LARGE_STATE
+from tests.runner.test_batching import _queued_then_run
 from tests.runner.test_disk_snapshots import _answer, _assert_same, _tokens
 
 
@@ -66,22 +67,18 @@ def test_a_prefill_cancelled_past_a_boundary_keeps_no_snapshot_past_its_tokens(r
     assert got[2] == 2 * BLOCK_TOKENS
 
 
-def test_batched_replies_across_a_boundary_restore_after_a_restart(runner_of, tmp_path):
-    """Concurrent requests with max_batch=4. LFM2 never joins a decode batch (`cache.batched
-    .can_batch`: float KVCache layers only), so they decode one after another: this checks
-    concurrency, not a batch; no model with state layers batches."""
+def test_batched_replies_across_a_boundary_restore_after_a_restart(runner_of, tmp_path, rows):
+    """Concurrent batched requests with max_batch=4: LFM2's rows decode in one batch, each
+    crossing its boundary (10 to 12 tokens into its reply) at a step of its own."""
     runner = runner_of("lfm2", cache_dir=tmp_path, max_batch=4, speculative=None)
     prompts = [_tokens(30 + i, 2 * BLOCK_TOKENS - 10 - i) for i in range(3)]
     replies: list[list[int]] = [[] for _ in prompts]
 
     def serve(i: int) -> None:
-        replies[i] = runner.generate(prompts[i], max_tokens=24, temperature=0).tokens
+        replies[i] = runner.generate(prompts[i], max_tokens=24, temperature=0, batched=True).tokens
 
-    workers = [threading.Thread(target=serve, args=(i,)) for i in range(len(prompts))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(300)
+    _queued_then_run(runner, [lambda i=i: serve(i) for i in range(len(prompts))])
+    assert max(rows) == 3
     runner.close()
     for i, stored in enumerate(prompts):
         prompt = stored + replies[i][:20] + _tokens(40 + i, 20)

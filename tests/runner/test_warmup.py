@@ -42,24 +42,33 @@ def test_warm_up_covers_the_draft_model(make_runner, loaded_tiny, widths_fed):
     assert widths == [32, 4, 1] * 2
 
 
+TOGETHER = [[0, 0, 0], [0, 0]]
+
+
 @pytest.mark.parametrize(
-    ("arch", "settings", "batched"),
-    [("llama", {}, True), ("llama", {"max_batch": 1}, False), ("gemma3_text", {}, False)],
-    ids=["batching", "max-batch-1", "sliding-window"],
+    ("arch", "settings", "expected"),
+    [
+        ("llama", {}, ([TOGETHER], [2])),
+        ("llama", {"max_batch": 1}, ([], [])),
+        ("gemma3_text", {}, ([], [2])),  # decodes in the batch, prompts prefilled alone
+        ("lfm2", {}, ([], [2])),
+    ],
+    ids=["batching", "max-batch-1", "sliding-window", "recurrent"],
 )
 def test_warm_up_runs_the_batched_path_where_requests_batch(
-    make_runner, monkeypatch, arch, settings, batched
+    make_runner, monkeypatch, arch, settings, expected
 ):
-    """Prompts prefilled together (of different lengths) and a batched decode step of them, on
-    scratch caches: kernels only concurrent requests use compile at load too (on a GPU, the
-    first round of batched streams ran at a quarter of the next one's rate)."""
+    """Prompts prefilled together (of different lengths; where the cache's layers may be) and
+    a batched decode step of them, on scratch caches: kernels only concurrent requests use
+    compile at load too (on a GPU, the first round of batched streams ran at a quarter of the
+    next one's rate)."""
     from mlxkv.decoding.batch import DecodeBatch
     from mlxkv.runner import assembly
 
     prompts = recorded(monkeypatch, assembly, "prefill_together", lambda _m, _c, p: list(p))
     steps = recorded(monkeypatch, DecodeBatch, "_step", lambda batch: batch.num_rows)
     runner = make_runner(arch, max_context=256, **settings)
-    assert (prompts, steps) == (([[[0, 0, 0], [0, 0]]], [2]) if batched else ([], []))
+    assert (prompts, steps) == expected
     assert runner.cache_info().num_tokens == 0
     out = runner.generate("one two three four", max_tokens=2, temperature=0)
     assert out.cached_tokens == 0

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.cache.batched import BatchedKV
+from mlxkv.cache.batched import BatchedKV, can_prefill_together
 from mlxkv.cache.model_cache import ModelCache
 
 
@@ -37,10 +37,13 @@ def prefill_together(
         Each prompt's last-token logits, shape (1, vocab), evaluated.
 
     Raises:
-        ValueError: a prompt is empty, or a cache cannot batch (`cache.batched.can_batch`).
+        ValueError: a prompt is empty, or a cache cannot take part
+            (`cache.batched.can_prefill_together`: float K/V layers only).
     """
     if len(caches) != len(prompts) or not all(prompts):
         raise ValueError("prefill_together takes one non-empty prompt per cache")
+    if not all(can_prefill_together(cache) for cache in caches):
+        raise ValueError("prefill_together takes caches of float KVCache layers only")
     batched = BatchedKV.merged(caches)
     lengths = [len(prompt) - 1 for prompt in prompts]  # fed before the last token
     width = max(lengths)
@@ -57,7 +60,7 @@ def prefill_together(
             layer.finalize()
     last = mx.array([[prompt[-1]] for prompt in prompts], dtype=mx.uint32)  # (B, 1)
     logits = model(last, cache=batched.layers)[:, -1, :]
-    rows = batched.split([cache.layers[0].step for cache in caches])
+    rows = batched.split([cache.layers for cache in caches])
     mx.eval(logits, [layer.state for layers in rows for layer in layers])
     for cache, layers, prompt in zip(caches, rows, prompts, strict=True):
         cache.adopt(layers, cache.tokens + list(prompt), cache.checkpoints)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.cache.batched import can_batch
+from mlxkv.cache.batched import can_prefill_together
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.prefill.batched import prefill_together
@@ -89,8 +89,9 @@ class PrefillGroup:
             self._arriving -= 1
 
     def admits(self, cache: ModelCache, prompt: Sequence[int]) -> bool:
-        """True when `prompt`, fed after what `cache` holds, may be fed with others."""
-        return 0 < len(prompt) < self._max_prompt_tokens and can_batch(cache)
+        """True when `prompt`, fed after what `cache` holds, may be fed with others (float K/V
+        layers only: `can_prefill_together` says why)."""
+        return 0 < len(prompt) < self._max_prompt_tokens and can_prefill_together(cache)
 
     def prefill(
         self, cache: ModelCache, prompt: Sequence[int]
