@@ -201,7 +201,9 @@ class RequestBuilder:
         params = self._fit_max_tokens(params, len(tokens), options.overflow)
         if options.grammar is not None:
             check_grammar(options.grammar, self._prompts.tokenizer)
-        marks = self._prompts.landmarks(prompt, tokens, render, system_tokens=self._keep is None)
+        marks = self._prompts.landmarks(
+            prompt, tokens, system_tokens=self._keep is None, **template
+        )
         keep = self._keep_for(tokens, marks)
         # A prompt that must be cut leaves room to answer, so the answer does not begin with a
         # shift.

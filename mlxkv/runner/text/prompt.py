@@ -17,15 +17,27 @@ Terms:
 from __future__ import annotations
 
 import numbers
+import pickle
 import re
 import secrets
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
 
 from mlxkv.cache.prefix import common_prefix_lengths
+from mlxkv.runner.text.messages import (
+    Message,
+    Tools,
+    checked_messages,
+    checked_tools,
+    fold_system_reminders,
+    is_messages,
+    leading_system_messages,
+    valid_text,
+)
 from mlxkv.runner.text.replies import ReplyIds
 from mlxkv.runner.text.segments import KeptIds, SegmentEncoder
 from mlxkv.runner.text.tokenizer_facts import (
@@ -34,17 +46,14 @@ from mlxkv.runner.text.tokenizer_facts import (
     template_variables,
 )
 
-Message = dict[str, Any]
 Prompt = str | Sequence[int] | Sequence[Message]
-Tools = Sequence[dict[str, Any]]
-# PromptEncoder.render with a request's control-token, tool and switch settings bound.
-Render = Callable[..., list[int]]
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 _ACCEPTED = (
     "a str, a list of token ids (int) or a list of chat messages (dicts with 'role' and 'content')"
 )
-_SURROGATES = re.compile("[\ud800-\udfff]")
+# Bytes of the system-alone renders' keys kept (`PromptEncoder.landmarks`): an agent's system
+# prompt and tools are 20-90 KB a key, so a few dozen agents' (with their ids, a few MiB).
+MAX_SYSTEM_RENDER_BYTES = 2 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,19 @@ class PromptEncoder:
         )
         # Variables the chat template reads: only those are passed as switches.
         self.template_variables = template_variables(getattr(tokenizer, "chat_template", None))
+        # Every id the tokenizer can give is in the model's vocabulary: its output needs no
+        # check (a min and a max over a 15k-token prompt: 0.7 ms of a cached turn here).
+        self._ids_fit = _largest_id(tokenizer) < vocab_size
+        # The system messages rendered alone, by their exact input, for a template that
+        # renders the same text for the same input (not one that reads the clock, nor mlx-lm's
+        # custom Python renderers): agents send the same system prompt and tools every turn.
+        self._system_renders = (
+            KeptIds(None, MAX_SYSTEM_RENDER_BYTES)
+            if self.template_variables
+            and "strftime_now" not in self.template_variables
+            and getattr(tokenizer, "_chat_template", None) is None
+            else None
+        )
 
     def template_switches(self, switches: dict[str, Any] | None) -> dict[str, Any]:
         """The entries of `switches` (`enable_thinking`, `reasoning_effort`, ... as vLLM's
@@ -137,7 +159,7 @@ class PromptEncoder:
                 "tools need a prompt of chat messages; a text or token prompt is already rendered"
             )
         if isinstance(prompt, str):
-            tokens = self._encode_text(prompt)
+            return self._checked(self._encode_text(prompt), rendered=True)
         elif isinstance(prompt, bytes | bytearray | memoryview):
             raise ValueError("prompt is bytes; decode it to a str first (prompt.decode('utf-8'))")
         elif not isinstance(prompt, Sequence):
@@ -157,6 +179,7 @@ class PromptEncoder:
                 switches=switches,
                 replies=replies,
             )
+            return self._checked(tokens, rendered=True)
         elif _all_token_ids(prompt):
             tokens = [int(t) for t in prompt]
         else:
@@ -168,15 +191,19 @@ class PromptEncoder:
         """A rendered prompt's ids, with a BOS token unless the text begins with one."""
         if not prompt:
             raise ValueError(f"prompt is empty; pass {_ACCEPTED}")
-        text = _valid_text(prompt)
+        text = valid_text(prompt)
         bos = self.tokenizer.bos_token
         add_bos = bos is None or not text.startswith(bos)
         return self.tokenizer.encode(text, add_special_tokens=add_bos)
 
-    def _checked(self, tokens: Sequence[int]) -> list[int]:
-        """`tokens` as a list, once each is in the vocabulary and there is at least one."""
+    def _checked(self, tokens: Sequence[int], rendered: bool = False) -> list[int]:
+        """`tokens` as a list, once each is in the vocabulary and there is at least one.
+        `rendered`: a fresh list of the tokenizer's ids (and replies' that fit), checked only
+        if the tokenizer has ids the model lacks."""
         if not tokens:
             raise ValueError("prompt encodes to no tokens")
+        if rendered and self._ids_fit:
+            return tokens
         if min(tokens) < 0 or max(tokens) >= self.vocab_size:  # C speed; the scan only then
             bad = [t for t in tokens if not 0 <= t < self.vocab_size]
             raise ValueError(
@@ -186,19 +213,38 @@ class PromptEncoder:
         return list(tokens)
 
     def landmarks(
-        self, prompt: Prompt, tokens: list[int], render: Render, *, system_tokens: bool
+        self, prompt: Prompt, tokens: list[int], *, system_tokens: bool, **template: Any
     ) -> Landmarks:
-        """Where the parts of `prompt` (encoded as `tokens`, rendered by `render`) end: the
-        system messages (rendered alone only if `system_tokens`) and the generation prompt,
-        where the next turn re-renders from (so where a checkpoint is most useful)."""
+        """Where the parts of `prompt` (encoded as `tokens` by `encode(prompt, **template)`)
+        end: the system messages (rendered alone only if `system_tokens`) and the generation
+        prompt, where the next turn re-renders from (so where a checkpoint is most useful)."""
         if not is_messages(prompt):
             return Landmarks(False, [], 0, 1)
         system = leading_system_messages(prompt)
-        parts = [prompt, system] if system and system_tokens else [prompt]
-        rendered = [render(part, add_generation_prompt=False) for part in parts]
+        rendered = [self.render(prompt, add_generation_prompt=False, **template)]
+        if system and system_tokens:
+            rendered.append(self._system_alone(system, template))
         ends = common_prefix_lengths(tokens, rendered)
         system_end = ends[1] if len(ends) > 1 else 0
         return Landmarks(True, system, system_end, max(1, len(tokens) - ends[0]))
+
+    def _system_alone(self, system: list[Message], template: dict[str, Any]) -> list[int]:
+        """The ids of the system messages rendered alone (kept ones: not to be changed)."""
+
+        def render() -> list[int]:
+            return self.render(system, add_generation_prompt=False, **template)
+
+        if self._system_renders is None:
+            return render()
+        # Everything the render reads but the replies' ids (no system message takes them);
+        # pickled, order and types as given. Anything pickle refuses is rendered each time.
+        switches = self.template_switches(template.get("switches"))
+        what = (system, template.get("tools"), switches, template.get("parse_control_tokens"))
+        try:
+            key = pickle.dumps(what, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError, RecursionError):
+            return render()
+        return self._system_renders.kept(key, render)
 
     def render(
         self,
@@ -222,13 +268,13 @@ class PromptEncoder:
                 the messages, or content holding control-token text that the template
                 rewrites (so it cannot be located and kept as text).
         """
-        messages = _checked_messages(messages)
+        messages = checked_messages(messages)
         template_args: dict[str, Any] = {
             **self.template_switches(switches),
             "add_generation_prompt": add_generation_prompt,
         }
         if tools:
-            template_args["tools"] = _checked_tools(tools)
+            template_args["tools"] = checked_tools(tools)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain string")
         refused = "the model's chat template refused the messages: {}"
@@ -257,6 +303,7 @@ class PromptEncoder:
             and m["role"] == "assistant"
             and m["content"]
             and (ids := replies(m["content"])) is not None
+            and self._fits(ids)  # generated by a model of another vocabulary: as text
         }
         tainted = (
             []
@@ -276,6 +323,9 @@ class PromptEncoder:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
             return self._segments.encode(text)
         return self._render_in_pieces(messages, tainted, {}, template_args)
+
+    def _fits(self, ids: Sequence[int]) -> bool:
+        return not ids or (min(ids) >= 0 and max(ids) < self.vocab_size)
 
     def _render_in_pieces(
         self,
@@ -327,58 +377,18 @@ class _ReplyRewritten(Exception):
     """A known reply's content was not rendered as given: it cannot take its ids."""
 
 
-def fold_system_reminders(messages: list[Message]) -> list[Message]:
-    """`messages` with each system message after the first turn moved into the next user
-    message (the previous one when none follows) as a `<system-reminder>` block, the form
-    Claude Code itself uses, for templates that refuse a system message anywhere but first."""
-    lead = len(leading_system_messages(messages))
-    out = messages[:lead]
-    held: list[str] = []
-    for message in messages[lead:]:
-        if message["role"] == "system":
-            held.append(f"<system-reminder>\n{message['content']}\n</system-reminder>")
-            continue
-        if held and message["role"] == "user":
-            message = {**message, "content": "\n\n".join([*held, message["content"]])}
-            held = []
-        out.append(message)
-    if held:
-        last_user = max((i for i, m in enumerate(out) if m["role"] == "user"), default=None)
-        if last_user is None:
-            out.append({"role": "user", "content": "\n\n".join(held)})
-        else:
-            content = "\n\n".join([out[last_user]["content"], *held])
-            out[last_user] = {**out[last_user], "content": content}
-    return out
-
-
-def is_messages(prompt: Prompt) -> bool:
-    return (
-        isinstance(prompt, Sequence)
-        and not isinstance(prompt, str)
-        and bool(prompt)
-        and isinstance(prompt[0], dict)
-    )
-
-
-def leading_system_messages(prompt: Prompt) -> list[Message]:
-    """The system messages a chat starts with (none for text or token prompts)."""
-    if not is_messages(prompt):
-        return []
-    system = []
-    for message in prompt:
-        if message.get("role") != "system":
-            break
-        system.append(message)
-    return system
-
-
 # What `render` passes itself; a switch of the same name is dropped.
 _RENDER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize"})
 
 
-def _valid_text(text: str) -> str:
-    return _SURROGATES.sub("\ufffd", text)
+def _largest_id(tokenizer: Any) -> int:
+    """The largest id the tokenizer gives (added tokens included); unbounded if it cannot
+    say."""
+    vocabulary = getattr(tokenizer, "get_vocab", None)
+    try:
+        return max(vocabulary().values()) if vocabulary is not None else sys.maxsize
+    except (TypeError, ValueError, AttributeError):
+        return sys.maxsize
 
 
 def _all_token_ids(prompt: Sequence[Any]) -> bool:
@@ -388,27 +398,3 @@ def _all_token_ids(prompt: Sequence[Any]) -> bool:
     return all(type(t) is int for t in prompt) or all(
         isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt
     )
-
-
-def _checked_messages(messages: Sequence[Message]) -> list[Message]:
-    checked = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise ValueError(f"message {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}")
-        content = message.get("content")
-        if not isinstance(content, str):
-            raise ValueError(f"message {i} needs a string 'content', got {type(content).__name__}")
-        checked.append({**message, "content": _valid_text(content)})
-    return checked
-
-
-def _checked_tools(tools: Tools) -> list[dict[str, Any]]:
-    if isinstance(tools, str | bytes) or not isinstance(tools, Sequence):
-        raise ValueError(f"tools must be a list of dicts, got {type(tools).__name__}")
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise ValueError(f"tool {i} must be a dict, got {type(tool).__name__}")
-    return list(tools)
