@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
+from mlxkv.cache.prefix import token_array
 from mlxkv.config import RunnerConfig, check_speculative
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.prefill.chunks import PrefillPlan, ProgressCallback
@@ -376,7 +376,7 @@ class Runner:
         """How many leading tokens of `tokens` a disk-tier file of `cache_salt` holds (0 with
         no disk tier): what a request would load back rather than prefill, unless prefilling
         them is faster. Never waits, and never rescans the directory."""
-        store, query = self._pool.store, np.asarray(tokens, dtype=np.uint32)
+        store, query = self._pool.store, token_array(tokens)
         salt = salt_digest(cache_salt)
         return 0 if store is None else store.best(query, len(tokens), salt, rescan=False)[1]
 
