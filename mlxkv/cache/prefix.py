@@ -1,14 +1,12 @@
 """The longest-common-prefix measure prompt-cache lookups are made of.
 
-Owns `common_prefix_length`, `common_prefix_lengths` for one sequence against several, and
-`token_array` (ids as the uint32 array lookups compare). The
+Owns `common_prefix_length`, and `common_prefix_lengths` for one sequence against several. The
 lookup itself (which entry, trim, copy or load) and what it returns (`PrefixHit`) are
 `pool.CachePool.fetch_nearest`'s.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,22 +24,9 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return first if differs[first] else n
 
 
-def token_array(tokens: Sequence[int]) -> np.ndarray:
-    """`tokens` as a uint32 array (a new one for a list; raises OverflowError for ids outside
-    0..2**32-1). A list goes through the C `array` type: 0.4 ms for 15k ids against 1 ms for
-    `np.asarray`, on the engine thread before a request's first token."""
-    if isinstance(tokens, list) and _UINT32 is not None:
-        return np.frombuffer(array(_UINT32, tokens), dtype=np.uint32)
-    return np.asarray(tokens, dtype=np.uint32)
-
-
 def common_prefix_lengths(query: Sequence[int], candidates: Sequence[Sequence[int]]) -> list[int]:
     """`common_prefix_length` of `query` with each of `candidates` (a lookup over entries)."""
     return [common_prefix_length(query, candidate) for candidate in candidates]
-
-
-# The `array` typecode of a 4-byte unsigned int on this platform (None: none is, numpy then).
-_UINT32 = next((code for code in "IL" if array(code).itemsize == 4), None)
 
 
 def _lists_common_prefix(a: list[int], b: list[int], n: int) -> int:

@@ -22,7 +22,6 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.prefix import token_array
 from mlxkv.config import RunnerConfig, check_speculative
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.prefill.chunks import PrefillPlan, ProgressCallback
@@ -35,6 +34,7 @@ from mlxkv.runner.assembly import choose_max_batch, make_layers, make_pool, size
 from mlxkv.runner.dispatch import Dispatcher
 from mlxkv.runner.engine import EngineThread
 from mlxkv.runner.lockstep import Lockstep, Solo
+from mlxkv.runner.prompt_cache.entry import token_array
 from mlxkv.runner.prompt_cache.report import MemoryReport
 from mlxkv.runner.request import RequestBuilder, RequestOptions, salt_digest
 from mlxkv.runner.results import Completion, GenerationChunk

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlxkv.cache.prefix import common_prefix_length, token_array
+from mlxkv.cache.prefix import common_prefix_length
+from mlxkv.runner.prompt_cache.entry import token_array
 
 _IDS = st.lists(st.integers(0, 3), max_size=40)
 

@@ -52,11 +52,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths, token_array
+from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths
 from mlxkv.runner.disk.chains import cheapest_restore, partial_restores
 from mlxkv.runner.disk.snapshots import boundaries
 from mlxkv.runner.disk.store import DiskStore
-from mlxkv.runner.prompt_cache.entry import CacheEntry
+from mlxkv.runner.prompt_cache.entry import CacheEntry, token_array
 from mlxkv.runner.prompt_cache.fit import fit_to_budget
 from mlxkv.runner.prompt_cache.holdings import Holdings, Sized, holdings
 from mlxkv.runner.text.prompt import Message

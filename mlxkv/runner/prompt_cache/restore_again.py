@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from mlxkv.cache.prefix import token_array
 from mlxkv.runner.disk.snapshots import boundaries
 from mlxkv.runner.disk.store import DiskStore
+from mlxkv.runner.prompt_cache.entry import token_array
 from mlxkv.runner.prompt_cache.pool import PrefixHit
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,7 @@ from typing import Any
 from mlxkv.models.images import decode_image
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
 from mlxkv.models.vision_families import ProcessedImage
-from mlxkv.runner.text.messages import Message, Tools, checked_tools, valid_text
-from mlxkv.runner.text.prompt import PromptEncoder
+from mlxkv.runner.text.prompt import Message, PromptEncoder, Tools, _checked_tools, _valid_text
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,7 @@ class VisionPrompts:
             "add_generation_prompt": add_generation_prompt,
         }
         if tools:
-            args["tools"] = checked_tools(tools)
+            args["tools"] = _checked_tools(tools)
         text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
         recent, process = self._recent, self._support.family.process
         processed = [recent.get(i.digest) or process(i.image) for i in decoded]
@@ -125,7 +124,7 @@ class VisionPrompts:
         def text(value: Any, where: str) -> str:
             if not isinstance(value, str):
                 raise ValueError(f"{where} needs a string text, got {type(value).__name__}")
-            value = valid_text(value)
+            value = _valid_text(value)
             if parse_control_tokens or controls is None or not controls.search(value):
                 return value
             slot = f"mlxkv{nonce}slot{len(tainted)}"
