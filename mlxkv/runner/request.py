@@ -27,14 +27,8 @@ from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import ContextLengthError, check_int
 from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, chat_cut, fit_prompt
-from mlxkv.runner.text.prompt import (
-    Landmarks,
-    Message,
-    Prompt,
-    PromptEncoder,
-    Tools,
-    leading_system_messages,
-)
+from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
+from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
 from mlxkv.runner.text.replies import replies_for
 from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images
 from mlxkv.runner.text.vision_cuts import ImageChat

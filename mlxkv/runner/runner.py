@@ -38,7 +38,8 @@ from mlxkv.runner.prompt_cache.entry import token_array
 from mlxkv.runner.prompt_cache.report import MemoryReport
 from mlxkv.runner.request import RequestBuilder, RequestOptions, salt_digest
 from mlxkv.runner.results import Completion, GenerationChunk
-from mlxkv.runner.text.prompt import Prompt, PromptEncoder, Tools
+from mlxkv.runner.text.messages import Tools
+from mlxkv.runner.text.prompt import Prompt, PromptEncoder
 from mlxkv.runner.text.vision import VisionPrompts
 
 logger = logging.getLogger(__name__)

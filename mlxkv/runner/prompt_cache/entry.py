@@ -18,7 +18,7 @@ import numpy as np
 
 from mlxkv.cache.footprint import Footprint
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.runner.text.prompt import Message
+from mlxkv.runner.text.messages import Message
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ from mlxkv.runner.disk.store import DiskStore
 from mlxkv.runner.prompt_cache.entry import CacheEntry, token_array
 from mlxkv.runner.prompt_cache.fit import fit_to_budget
 from mlxkv.runner.prompt_cache.holdings import Holdings, Sized, holdings
-from mlxkv.runner.text.prompt import Message
+from mlxkv.runner.text.messages import Message
 
 logger = logging.getLogger(__name__)
 
