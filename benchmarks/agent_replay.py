@@ -22,6 +22,9 @@ TTFT <= 0.6x mlx_lm.server's.
         [--resend]      (each request sent twice in a row, the second all cached)
         [--before DIR]  (another checkout's mlxkv serve beside this tree's, e.g. main's)
         [--app]         (each tree's app also under plain uvicorn, without the CLI)
+        [--again N]     (then the session's last request N more times, all cached but one
+                         token: each server's median [min] over the N, a cached turn's
+                         host time with more samples than the rounds give)
     Each request goes to every server in turn, `--gap-s` (0.2) apart.
 """
 
@@ -248,6 +251,7 @@ def replay(args: argparse.Namespace) -> None:
     model = long_window_model(work, args.size)
     servers = _servers(model, args)
     results = {agent: {name: [] for name in servers} for agent in args.agents}
+    again = {agent: {name: [] for name in servers} for agent in args.agents}
     for rep in range(args.reps):
         processes, urls = [], {}
         try:
@@ -268,6 +272,13 @@ def replay(args: argparse.Namespace) -> None:
                                 if name == PEER
                                 else send(url, api_path, _as_mlxkv(agent, body))
                             )
+                for _ in range(args.again):
+                    for name, url in urls.items():
+                        time.sleep(args.gap_s)
+                        chat = name == PEER
+                        last = as_chat(agent, body) if chat else _as_mlxkv(agent, body)
+                        sent = send(url, "/v1/chat/completions" if chat else api_path, last)
+                        again[agent][name].append(sent[0])
                 for name, sent in turns.items():
                     results[agent][name].append(sent)
                     print(f"  round {rep + 1}, {agent}, {name}: {sum(t[0] for t in sent):.2f} s",
@@ -277,7 +288,22 @@ def replay(args: argparse.Namespace) -> None:
                 process.terminate()
                 process.wait(timeout=60)
     report(results, args)
+    if args.again:
+        _report_again(again, args.again * args.reps)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _report_again(again: dict, count: int) -> None:
+    print(
+        f"\n## the last request sent again {count} times: time to first token, ms, median [min]\n"
+    )
+    names = list(next(iter(again.values())))
+    print("| agent | " + " | ".join(names) + " |\n" + "|---" * (len(names) + 1) + "|")
+    for agent, by_server in again.items():
+        cells = [
+            f"{1e3 * statistics.median(t):.1f} [{1e3 * min(t):.1f}]" for t in by_server.values()
+        ]
+        print(f"| {agent} | " + " | ".join(cells) + " |")
 
 
 def _servers(model: Path, args: argparse.Namespace) -> dict[str, tuple[list[str], dict]]:
@@ -364,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--gap-s", type=float, default=0.2,
                      help="pause before each request, so that the work a server does after "
                           "a reply is not counted in the next server's turn")  # fmt: skip
+    rep.add_argument(
+        "--again",
+        type=int,
+        default=0,
+        help="then send each session's last request this many more times",
+    )
     rep.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     app = commands.add_parser("app", help="(used by replay --app) serve the app on a port")
     app.add_argument("model")

@@ -61,10 +61,22 @@ _OVER_BUDGET = {
         "records it (two calls with two jobs, not one merged only for this count)",
     ),
     "mlxkv.runner.text.segments": (
-        (3, 0),
+        (4, 0),
         "the chat prompt is rendered three times (the prompt; without the generation prompt "
         "and its system messages alone, for the landmarks), each render's text tokenized "
-        "here once: one call per render",
+        "here once: one call per render, and one for the system messages' render kept by "
+        "its input (rendered only when not kept yet: a new Runner's walk)",
+    ),
+    "mlxkv.runner.prompt_cache.entry": (
+        (3, 0),
+        "the entry a request claims, the request's ids converted to the array entries hold "
+        "(`token_array`, for the pool's lookup), and the entry recorded when it ends",
+    ),
+    "mlxkv.runner.text.prompt": (
+        (3, 0),
+        "the prompt encoded, its landmarks found, and the system messages' render made when "
+        "it is not kept yet (a new Runner's walk): the keeping (`segments.KeptIds`) calls "
+        "back for it",
     ),
     "mlxkv.runner.lockstep": (
         (4, 0),

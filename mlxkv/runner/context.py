@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from mlxkv.cache.layers.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.errors import ContextLengthError
-from mlxkv.runner.text.prompt import Message
+from mlxkv.runner.text.messages import Message
 
 logger = logging.getLogger(__name__)
 

@@ -27,14 +27,8 @@ from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import ContextLengthError, check_int
 from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, chat_cut, fit_prompt
-from mlxkv.runner.text.prompt import (
-    Landmarks,
-    Message,
-    Prompt,
-    PromptEncoder,
-    Tools,
-    leading_system_messages,
-)
+from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
+from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
 from mlxkv.runner.text.replies import replies_for
 from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images
 from mlxkv.runner.text.vision_cuts import ImageChat
@@ -201,7 +195,9 @@ class RequestBuilder:
         params = self._fit_max_tokens(params, len(tokens), options.overflow)
         if options.grammar is not None:
             check_grammar(options.grammar, self._prompts.tokenizer)
-        marks = self._prompts.landmarks(prompt, tokens, render, system_tokens=self._keep is None)
+        marks = self._prompts.landmarks(
+            prompt, tokens, system_tokens=self._keep is None, **template
+        )
         keep = self._keep_for(tokens, marks)
         # A prompt that must be cut leaves room to answer, so the answer does not begin with a
         # shift.

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.config import RunnerConfig, check_speculative
@@ -35,10 +34,12 @@ from mlxkv.runner.assembly import choose_max_batch, make_layers, make_pool, size
 from mlxkv.runner.dispatch import Dispatcher
 from mlxkv.runner.engine import EngineThread
 from mlxkv.runner.lockstep import Lockstep, Solo
+from mlxkv.runner.prompt_cache.entry import token_array
 from mlxkv.runner.prompt_cache.report import MemoryReport
 from mlxkv.runner.request import RequestBuilder, RequestOptions, salt_digest
 from mlxkv.runner.results import Completion, GenerationChunk
-from mlxkv.runner.text.prompt import Prompt, PromptEncoder, Tools
+from mlxkv.runner.text.messages import Tools
+from mlxkv.runner.text.prompt import Prompt, PromptEncoder
 from mlxkv.runner.text.vision import VisionPrompts
 
 logger = logging.getLogger(__name__)
@@ -376,7 +377,7 @@ class Runner:
         """How many leading tokens of `tokens` a disk-tier file of `cache_salt` holds (0 with
         no disk tier): what a request would load back rather than prefill, unless prefilling
         them is faster. Never waits, and never rescans the directory."""
-        store, query = self._pool.store, np.asarray(tokens, dtype=np.uint32)
+        store, query = self._pool.store, token_array(tokens)
         salt = salt_digest(cache_salt)
         return 0 if store is None else store.best(query, len(tokens), salt, rescan=False)[1]
 

@@ -55,7 +55,7 @@ class GenerationStream:
 
     def __init__(
         self,
-        chunks: Iterator[GenerationChunk],
+        chunks: Iterator[GenerationChunk] | None,
         cancel: threading.Event,
         queue_timeout_s: float | None = None,
         closing: threading.Event | None = None,
@@ -76,6 +76,11 @@ class GenerationStream:
         self._started = self._abandoned = False
         # Set once the loop has taken the first chunk, or nobody will (cancelled, left).
         self._first_taken = threading.Event()
+
+    def attach(self, chunks: Iterator[GenerationChunk]) -> None:
+        """Gives a stream made before its generation (None then) the generation's chunks,
+        before `pump` runs."""
+        self._chunks = chunks
 
     def cancel(self) -> None:
         """Ends the generation (from any thread). One that has not started is finished at
@@ -234,21 +239,26 @@ class GenerationWorker:
                 headers={"Retry-After": "5"},
             )
         self._pending += 1
+        cancel = threading.Event()
+        stream = GenerationStream(None, cancel, self.queue_timeout_s, self._closing)
+
+        def build_and_start() -> None:
+            """Encoding and fitting may take a while for a long prompt: off the event loop.
+            The generation starts from this thread, not after the loop has taken its turn
+            back (about 1 ms of a cached turn on 2 loaded cores)."""
+            stream.attach(self.runner.stream(prompt, cancel=cancel, batched=True, **options))
+            self._executor.submit(stream.pump)
+
         try:
-            cancel = threading.Event()
-            # Encoding and fitting may take a while for a long prompt: off the event loop.
-            chunks = await run_in_threadpool(
-                self.runner.stream, prompt, cancel=cancel, batched=True, **options
-            )
-            stream = GenerationStream(chunks, cancel, self.queue_timeout_s, self._closing)
-        except BaseException:
+            await run_in_threadpool(build_and_start)
+        except BaseException:  # bad input, or the request went away meanwhile
+            stream.cancel()
             self._pending -= 1
             raise
         stream.finished.add_done_callback(self._finished)
         if self.queue_timeout_s is not None:
             timer = asyncio.get_running_loop().call_later(self.queue_timeout_s, stream.expire)
             stream.finished.add_done_callback(lambda _: timer.cancel())
-        self._executor.submit(stream.pump)
         return stream
 
     def _finished(self, _: asyncio.Future) -> None:

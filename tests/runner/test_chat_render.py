@@ -4,7 +4,8 @@ template allows, folded into a user turn where it refuses them."""
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from mlxkv.runner.text.prompt import PromptEncoder, fold_system_reminders
+from mlxkv.runner.text.messages import fold_system_reminders
+from mlxkv.runner.text.prompt import PromptEncoder
 from mlxkv.testing.factory import CHAT_TEMPLATE, build_model
 
 # Gemma's and Mistral's templates raise like this for a system message that is not first.

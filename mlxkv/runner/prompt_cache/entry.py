@@ -1,6 +1,7 @@
 """CacheEntry: one conversation's state in the prompt cache.
 
-Owns `CacheEntry`. Does not own which entry a request uses or when one is evicted (`pool`),
+Owns `CacheEntry`, and `token_array` (ids as the uint32 array entries hold and are compared
+as). Does not own which entry a request uses or when one is evicted (`pool`),
 the bytes entries hold (`holdings`), nor how a request's `cache_salt` becomes the isolation
 domain an entry belongs to (the request builder's).
 """
@@ -9,15 +10,29 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from mlxkv.cache.footprint import Footprint
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.runner.text.prompt import Message
+from mlxkv.runner.text.messages import Message
 
 logger = logging.getLogger(__name__)
+
+# The `array` typecode of a 4-byte unsigned int on this platform (None: none is, numpy then).
+_UINT32 = next((code for code in "IL" if array(code).itemsize == 4), None)
+
+
+def token_array(tokens: Sequence[int]) -> np.ndarray:
+    """`tokens` as a uint32 array (a new one for a list; raises OverflowError for ids outside
+    0..2**32-1). A list goes through the C `array` type: 0.4 ms for 15k ids against 1 ms for
+    `np.asarray`, on the engine thread before a request's first token."""
+    if isinstance(tokens, list) and _UINT32 is not None:
+        return np.frombuffer(array(_UINT32, tokens), dtype=np.uint32)
+    return np.asarray(tokens, dtype=np.uint32)
 
 
 @dataclass(eq=False)
@@ -68,6 +83,6 @@ class CacheEntry:
             self.cache.free()
             self.draft_cache = draft = None
             held, footprint = [], self.cache.footprint()
-        self.tokens = np.asarray(held, dtype=np.uint32)
+        self.tokens = token_array(held)
         self.recorded = (footprint, draft)
         return self.num_tokens

@@ -56,10 +56,10 @@ from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths
 from mlxkv.runner.disk.chains import cheapest_restore, partial_restores
 from mlxkv.runner.disk.snapshots import boundaries
 from mlxkv.runner.disk.store import DiskStore
-from mlxkv.runner.prompt_cache.entry import CacheEntry
+from mlxkv.runner.prompt_cache.entry import CacheEntry, token_array
 from mlxkv.runner.prompt_cache.fit import fit_to_budget
 from mlxkv.runner.prompt_cache.holdings import Holdings, Sized, holdings
-from mlxkv.runner.text.prompt import Message
+from mlxkv.runner.text.messages import Message
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class CachePool:
         """
         if not tokens:
             raise ValueError("cannot match an empty token sequence")
-        query = np.asarray(tokens, dtype=np.uint32)
+        query = token_array(tokens)
         limit = len(tokens) - 1
         entry, reuse, common = self._nearest_in_memory(query, limit, salt)
         if entry is not None and reuse < common:
@@ -203,7 +203,9 @@ class CachePool:
         shares more of `tokens` than any entry holds yet: a request that waits until it is
         fed copies those tokens instead of feeding them a second time (agents that send
         several requests at once with one long system prompt)."""
-        query = np.asarray(tokens, dtype=np.uint32)
+        if not self._in_use:  # nothing is being fed (the ids not even converted)
+            return False
+        query = token_array(tokens)
         limit = len(tokens) - 1
         coming = 0  # the most of `tokens` a prompt still being fed will hold
         for entry, prompt in self._in_use.items():
@@ -389,7 +391,7 @@ class CachePool:
     def longest_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """The most tokens of `tokens` some entry of `salt` held at the end of its last
         request (safe from any thread; used to choose among ways to cut a long prompt)."""
-        query = np.asarray(tokens, dtype=np.uint32)
+        query = token_array(tokens)
         entries = [e.tokens for e in list(self._entries) if e.salt == salt]
         return max(common_prefix_lengths(query, entries), default=0)
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
-
 from mlxkv.runner.disk.snapshots import boundaries
 from mlxkv.runner.disk.store import DiskStore
+from mlxkv.runner.prompt_cache.entry import token_array
 from mlxkv.runner.prompt_cache.pool import PrefixHit
 
 logger = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ def restore_again(store: DiskStore, hit: PrefixHit, tokens: Sequence[int]) -> Pr
     snapshots (in tokens from the prompt's start)."""
     entry = hit.entry
     entry.cache.free()
-    query = np.asarray(tokens, dtype=np.uint32)
+    query = token_array(tokens)
     chain, reuse = store.best(query, len(tokens) - 1, entry.salt)
     cache = None if chain is None else store.load(chain, entry.cache, streamed=False)
     if cache is None:

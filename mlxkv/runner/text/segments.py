@@ -81,28 +81,39 @@ class KeptIds:
     Thread-safe: the kept ids are shared under a lock; encoding runs outside it.
 
     Args:
-        encode: text -> ids, the same ids each time for the same text.
+        encode: text -> ids, the same ids each time for the same text (None: every caller
+            passes its own to `kept`).
+        max_kept_chars: the bound on the keys kept: characters of str keys, bytes of bytes.
     """
 
-    def __init__(self, encode: Callable[[str], list[int]], max_kept_chars: int = MAX_KEPT_CHARS):
+    def __init__(
+        self,
+        encode: Callable[[str], list[int]] | None,
+        max_kept_chars: int = MAX_KEPT_CHARS,
+    ):
         self._encode = encode
         self._max_kept_chars = max_kept_chars
         self._kept_chars = 0
-        self._kept: OrderedDict[str, list[int]] = OrderedDict()
+        self._kept: OrderedDict[str | bytes, list[int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __call__(self, text: str) -> list[int]:
         """The ids of `text` (kept ones: not to be changed by the caller)."""
+        return self.kept(text, lambda: self._encode(text))
+
+    def kept(self, key: str | bytes, encode: Callable[[], list[int]]) -> list[int]:
+        """The ids kept for `key`, else `encode()`'s, kept (not to be changed by the caller).
+        `key` must say everything `encode()` depends on."""
         with self._lock:
-            ids = self._kept.get(text)
+            ids = self._kept.get(key)
             if ids is not None:
-                self._kept.move_to_end(text)
+                self._kept.move_to_end(key)
                 return ids
-        ids = self._encode(text)
+        ids = encode()
         with self._lock:
-            if text not in self._kept:  # another thread may have kept it meanwhile
-                self._kept[text] = ids
-                self._kept_chars += len(text)
+            if key not in self._kept:  # another thread may have kept it meanwhile
+                self._kept[key] = ids
+                self._kept_chars += len(key)
             while self._kept_chars > self._max_kept_chars:
                 dropped, _ = self._kept.popitem(last=False)
                 self._kept_chars -= len(dropped)

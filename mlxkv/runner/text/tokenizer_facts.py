@@ -1,12 +1,14 @@
 """What a tokenizer and its chat template are made of, read once per model: the control
-tokens, a copy of the tokenizer that reads their text as text, and the variables the template
-reads.
+tokens, a copy of the tokenizer that reads their text as text, the variables the template
+reads, and the largest id the tokenizer gives.
 
-Owns `control_tokens`, `plain_text_tokenizer` and `template_variables` (`prompt` uses them).
+Owns `control_tokens`, `plain_text_tokenizer`, `template_variables` and `largest_id` (`prompt`
+uses them).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jinja2
@@ -40,3 +42,13 @@ def plain_text_tokenizer(hf_tokenizer: Any) -> Any:
     plain = Tokenizer.from_str(backend.to_str())
     plain.encode_special_tokens = True
     return plain
+
+
+def largest_id(tokenizer: Any) -> int:
+    """The largest id the tokenizer gives (added tokens included); unbounded if it cannot
+    say."""
+    vocabulary = getattr(tokenizer, "get_vocab", None)
+    try:
+        return max(vocabulary().values()) if vocabulary is not None else sys.maxsize
+    except (TypeError, ValueError, AttributeError):
+        return sys.maxsize

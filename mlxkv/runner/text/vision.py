@@ -24,7 +24,8 @@ from typing import Any
 from mlxkv.models.images import decode_image
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
 from mlxkv.models.vision_families import ProcessedImage
-from mlxkv.runner.text.prompt import Message, PromptEncoder, Tools, _checked_tools, _valid_text
+from mlxkv.runner.text.messages import Message, Tools
+from mlxkv.runner.text.prompt import PromptEncoder, _checked_tools, _valid_text
 
 
 @dataclass(frozen=True)

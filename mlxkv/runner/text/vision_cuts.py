@@ -27,7 +27,7 @@ from mlxkv.errors import ContextLengthError
 from mlxkv.models.vision import ImagePrompt
 from mlxkv.runner.context import chat_cut, fit_prompt
 from mlxkv.runner.prompt_cache.entry import CacheEntry
-from mlxkv.runner.text.prompt import Message, leading_system_messages
+from mlxkv.runner.text.messages import Message, leading_system_messages
 from mlxkv.runner.text.vision import ImageTokens
 
 logger = logging.getLogger(__name__)

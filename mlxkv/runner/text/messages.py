@@ -1,0 +1,60 @@
+"""Chat messages and tools as a chat template takes them.
+
+Owns what a prompt of chat messages is (`is_messages`), the system messages it starts with, and
+system messages after the first turn folded into user turns for templates that refuse them
+(`fold_system_reminders`). Their checks, and rendering them, are `prompt`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Message = dict[str, Any]
+Tools = Sequence[dict[str, Any]]
+
+
+def fold_system_reminders(messages: list[Message]) -> list[Message]:
+    """`messages` with each system message after the first turn moved into the next user
+    message (the previous one when none follows) as a `<system-reminder>` block, the form
+    Claude Code itself uses, for templates that refuse a system message anywhere but first."""
+    lead = len(leading_system_messages(messages))
+    out = messages[:lead]
+    held: list[str] = []
+    for message in messages[lead:]:
+        if message["role"] == "system":
+            held.append(f"<system-reminder>\n{message['content']}\n</system-reminder>")
+            continue
+        if held and message["role"] == "user":
+            message = {**message, "content": "\n\n".join([*held, message["content"]])}
+            held = []
+        out.append(message)
+    if held:
+        last_user = max((i for i, m in enumerate(out) if m["role"] == "user"), default=None)
+        if last_user is None:
+            out.append({"role": "user", "content": "\n\n".join(held)})
+        else:
+            content = "\n\n".join([out[last_user]["content"], *held])
+            out[last_user] = {**out[last_user], "content": content}
+    return out
+
+
+def is_messages(prompt: Any) -> bool:
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, str)
+        and bool(prompt)
+        and isinstance(prompt[0], dict)
+    )
+
+
+def leading_system_messages(prompt: Any) -> list[Message]:
+    """The system messages a chat starts with (none for text or token prompts)."""
+    if not is_messages(prompt):
+        return []
+    system = []
+    for message in prompt:
+        if message.get("role") != "system":
+            break
+        system.append(message)
+    return system
