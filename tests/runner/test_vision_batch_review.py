@@ -125,6 +125,8 @@ def test_a_text_request_speculating_alone_then_joined_by_image_rows_stays_exact(
     want = [_alone(loaded, m, max_tokens=12, **GREEDY) for m in others]
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
     speculated = recorded(monkeypatch, decoders, "speculative_tokens", lambda *a, **k: k["after"])
+    # a row joined from speculation (`_alone_or_batched`): its position shift
+    rejoined = recorded(monkeypatch, decoders, "joined_tokens", lambda *a, **k: k["position_shift"])
     got: list = [None] * 3
     joined = threading.Event()
     started = threading.Barrier(3)  # the text reader waits for the image streams' first token
@@ -159,8 +161,10 @@ def test_a_text_request_speculating_alone_then_joined_by_image_rows_stays_exact(
     if not _batches(loaded):
         assert not steps
         return
-    assert any(rows >= 2 for rows, _ in steps), "the text request never joined image rows"
-    assert speculated[0] is None and len(speculated) >= 2, "alone, batched, alone again"
+    assert any(rows >= 2 for rows, _ in steps), "no two rows decoded together"
+    # alone first, then in the batch with no shift (whether it goes back to speculating
+    # depends on when the image streams' readers take their last chunks)
+    assert speculated[0] is None and rejoined[:1] == [0], (speculated, rejoined)
     if loaded.vision.family.uses_positions:  # M-RoPE: the text row unshifted beside them
         assert any(shifts and 0 in shifts and any(shifts) for _, shifts in steps), steps
 
@@ -498,3 +502,120 @@ def test_a_request_about_an_image_a_decoding_row_holds_copies_it_and_joins(loade
     if _batches(loaded):
         assert cached[1] > image_end, cached
         assert max(rows for rows, _ in steps) == 2
+
+
+def test_more_streams_than_rows_with_staggered_starts_each_as_alone(loaded, images, steps):
+    """Six streams (four about images of three sizes, two text only) on a batch of three
+    rows, started at other moments, with other lengths: some wait for a place, rows join and
+    leave at many steps; each answers as alone."""
+    asks = [
+        ([_user(images[1], "What is this?")], 20),
+        ([{"role": "user", "content": "Tell me about caches."}], 9),
+        ([_user(images[3], "Describe it.")], 14),
+        ([_user(images[2], "And this, please?", images[1], "Compare.")], 25),
+        ([{"role": "user", "content": "Hi there, how are you?"}], 17),
+        ([_user(images[3], "Once more: what is it?")], 6),
+    ]
+    want = [_alone(loaded, m, max_tokens=n, logprobs=2, **GREEDY) for m, n in asks]
+    runner = Runner(loaded, max_context=1024, cache_entries=16, max_batch=3)
+    got: list = [None] * len(asks)
+    progressed = [threading.Event() for _ in asks]
+
+    def run(i):
+        if i > 0:
+            assert progressed[i - 1].wait(60)
+        messages, n = asks[i]
+        chunks = []
+        for chunk in runner.stream(messages, batched=True, max_tokens=n, logprobs=2, **GREEDY):
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                progressed[i].set()
+        progressed[i].set()
+        got[i] = _result(chunks)
+
+    threads = [threading.Thread(target=lambda i=i: run(i)) for i in range(len(asks))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert max((rows for rows, _ in steps), default=0) == (3 if _batches(loaded) else 0)
+
+
+def _window_conversation(images) -> list[dict]:
+    long = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 8
+    return [
+        {"role": "system", "content": "Be brief."},
+        _user(images[1], long),
+        {"role": "assistant", "content": "A fox."},
+        _user(images[3], "And this?"),
+        {"role": "assistant", "content": "A dog."},
+        {"role": "user", "content": "Which was first?"},
+    ]
+
+
+def test_the_next_turn_after_a_reply_cut_decodes_in_the_batch_at_the_cut_shift(
+    loaded, images, steps
+):
+    """A reply passes the window and cuts its conversation (alone); the next turn, cut at the
+    same message and reusing the entry, decodes in the batch beside another image row."""
+    messages = _window_conversation(images)
+    full = len(Runner(loaded).encode(messages))
+    window, room = full + 8, 40
+    runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4)
+    reply = runner.generate(messages, max_tokens=room, **GREEDY)
+    turn2 = messages + [
+        {"role": "assistant", "content": reply.text},
+        {"role": "user", "content": "Sure?"},
+    ]
+    other = [_user(images[2], "What is this?")]
+    reference = Runner(loaded, max_context=window, speculative=None)
+    reference.generate(messages, max_tokens=room, **GREEDY)
+    want = [_result(reference.stream(turn2, max_tokens=12, logprobs=0, **GREEDY))]
+    want.append(_alone(loaded, other, max_context=window, max_tokens=12, **GREEDY))
+    got: list = [None, None]
+    conversations = [turn2, other]
+
+    def run(i):
+        stream = runner.stream(conversations[i], batched=True, max_tokens=12, logprobs=0, **GREEDY)
+        got[i] = _result(stream)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert max((rows for rows, _ in steps), default=0) == (2 if _batches(loaded) else 0)
+
+
+def test_a_cut_that_drops_every_image_decodes_unshifted_in_the_batch(loaded, images, steps):
+    """The prompt cut to the window keeps no image (the image message dropped): its row has
+    no shift, beside an image row that has one."""
+    long = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 12
+    cut = [
+        {"role": "system", "content": "Be brief."},
+        _user(images[1], long),
+        {"role": "assistant", "content": "A fox."},
+        {"role": "user", "content": "Tell me about caches instead."},
+    ]
+    kept = cut[:1] + cut[3:]
+    probe = Runner(loaded, max_context=4096)
+    window = 2 * len(probe.encode(kept)) + 16 + 2
+    assert len(probe.encode(cut)) > window
+    other = [_user(images[3], "What is this?")]
+    want = [
+        _alone(loaded, cut, max_context=window, max_tokens=16, **GREEDY),
+        _alone(loaded, other, max_context=window, max_tokens=16, **GREEDY),
+    ]
+    assert want[0][0] == _alone(loaded, kept, max_context=window, max_tokens=16, **GREEDY)[0]
+    runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4)
+    got: list = [None, None]
+    conversations = [cut, other]
+
+    def run(i):
+        stream = runner.stream(conversations[i], batched=True, max_tokens=16, logprobs=0, **GREEDY)
+        got[i] = _result(stream)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert max((rows for rows, _ in steps), default=0) == (2 if _batches(loaded) else 0)
