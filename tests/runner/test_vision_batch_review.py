@@ -619,3 +619,39 @@ def test_a_cut_that_drops_every_image_decodes_unshifted_in_the_batch(loaded, ima
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert max((rows for rows, _ in steps), default=0) == (2 if _batches(loaded) else 0)
+
+
+def test_batched_image_turns_written_to_the_disk_tier_serve_a_restart_as_fresh(
+    loaded, images, steps, tmp_path
+):
+    """Two image conversations decode together on a Runner with a disk tier; a new Runner on
+    the same directory answers their next turns as a fresh Runner does."""
+    conversations = [[_user(images[1], "What is this?")], [_user(images[3], "And this?")]]
+    runner = Runner(loaded, max_context=1024, max_batch=4, cache_dir=str(tmp_path))
+    replies: list = [None, None]
+
+    def run(i):
+        chunks = list(runner.stream(conversations[i], batched=True, max_tokens=10, **GREEDY))
+        replies[i] = chunks[-1].completion.text
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    runner.close()
+    later = [
+        m + [{"role": "assistant", "content": r}, {"role": "user", "content": "Sure?"}]
+        for m, r in zip(conversations, replies, strict=True)
+    ]
+    want = [_alone(loaded, m, max_tokens=10, **GREEDY) for m in later]
+    restarted = Runner(loaded, max_context=1024, max_batch=4, cache_dir=str(tmp_path))
+    got: list = [None, None]
+    cached: list = [None, None]
+
+    def again(i):
+        chunks = list(restarted.stream(later[i], batched=True, max_tokens=10, logprobs=0, **GREEDY))
+        got[i] = _result(chunks)
+        cached[i] = chunks[-1].completion.cached_tokens
+
+    _queued_then_run(restarted, [lambda i=i: again(i) for i in range(2)])
+    restarted.close()
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert all(c > 0 for c in cached), cached
