@@ -24,13 +24,15 @@ from mlxkv.cache.building import make_cache  # noqa: E402
 from mlxkv.decoding import batch as batch_module  # noqa: E402
 from mlxkv.decoding import decoders  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
+from mlxkv.platform.machine import on_gpu  # noqa: E402
 from mlxkv.runner import runner as runner_module  # noqa: E402
 from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
 from tests.factories import recorded, wait_until  # noqa: E402
 from tests.runner.test_batching import _queued_then_run  # noqa: E402
 
 GREEDY = {"temperature": 0.0}
-LOGPROB_ABS = 1e-4
+# batched kernels round otherwise; float32 on a GPU rounds ~20x more (tests/tolerances.py)
+LOGPROB_ABS = 2e-3 if on_gpu() else 1e-4
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -431,7 +433,8 @@ def test_long_and_short_rows_far_apart_in_length_decode_together_as_alone(loaded
     _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
-    assert max((rows for rows, _ in steps), default=0) == (3 if _batches(loaded) else 0)
+    # the short rows may end before the long prompt's prefill does: at least two together
+    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
 
 
 def test_the_same_image_prompt_again_in_the_batch_reuses_all_of_it(loaded, images, steps):
