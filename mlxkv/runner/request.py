@@ -30,7 +30,7 @@ from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, chat_cut, fit_prompt
 from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
 from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
 from mlxkv.runner.text.replies import replies_for
-from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images
+from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images, with_text_content
 from mlxkv.runner.text.vision_cuts import ImageChat
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,7 @@ class RequestBuilder:
         salt = salt_digest(options.cache_salt)
         if has_images(prompt):  # rendered by the model's processor: no reply ids taken
             return self._image_request(prompt, params, options, salt, cached_prefix, cut_starts)
+        prompt = with_text_content(prompt)
         template = self._template_args(prompt, options, salt)
         tokens = self._prompts.encode(prompt, **template)
         render = functools.partial(self._prompts.render, **template)
@@ -344,6 +345,7 @@ class RequestBuilder:
         template["switches"] = switches
         if has_images(prompt):
             return self._vision.encode(prompt, **template).tokens
+        prompt = with_text_content(prompt)
         replies = self._replies.known_in(prompt, salt).get
         return self._prompts.encode(prompt, **template, replies=replies)
 

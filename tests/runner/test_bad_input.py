@@ -86,7 +86,7 @@ def test_a_sampler_failing_inside_mlx_compile_leaves_no_global_state(make_runner
         (5, "got int"),
         ([1, "a"], "got a list of int, str"),
         ([1, True, 2], "got a list of bool, int"),  # a bool is an int to Python, not an id
-        ([{"role": "user", "content": ["parts"]}], "needs a string 'content', got list"),
+        ([{"role": "user", "content": ["parts"]}], "needs a string 'content' or a list of text"),
     ],
 )
 def test_prompt_of_another_type_names_the_accepted_types(make_runner, prompt, message):

@@ -67,15 +67,21 @@ def test_another_salts_reply_is_not_taken(scripted):
     assert alice.prompt_tokens == bob.prompt_tokens + len(first.tokens) - 2
 
 
-def test_a_reply_sent_back_as_parts_is_a_clear_error_on_a_text_model(scripted):
-    """Content parts are not a generated reply's text: the prompt check says what is wrong
-    (the reply lookup must not fail first on an unhashable list)."""
+def test_a_reply_sent_back_as_text_parts_is_reused_as_its_string(scripted):
+    """OpenAI-style text parts are joined, as the server joins them: the reply sent back as
+    parts takes the ids the model generated, and the prompt is the string form's."""
     runner = Runner(scripted, max_context=512)
     first = runner.generate(ASK, max_tokens=20, temperature=0)
+    held = runner.cache_tokens
     messages = _next_turn(first.text)
-    messages[1] = {"role": "assistant", "content": [{"type": "text", "text": first.text}]}
-    with pytest.raises(ValueError, match="message 1 needs a string 'content'"):
-        runner.encode(messages)
+    half = len(first.text) // 2
+    messages[1] = {
+        "role": "assistant",
+        "content": [{"type": "text", "text": t} for t in (first.text[:half], first.text[half:])],
+    }
+    assert runner.encode(messages) == runner.encode(_next_turn(first.text))
+    second = runner.generate(messages, max_tokens=4, temperature=0)
+    assert second.cached_tokens == len(held)
 
 
 def test_the_next_reply_is_what_a_runner_without_cache_computes(loaded_tiny):

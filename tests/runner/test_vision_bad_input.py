@@ -141,3 +141,14 @@ def test_a_text_model_never_imports_mlx_vlm(model_root):
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_text_parts_without_an_image_are_the_string_prompt_on_a_vision_model(runner):
+    """OpenAI-style text parts with no image take the text path, joined as the server joins
+    them: the same ids and the same answer as the string (they were refused: no image)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": t} for t in ("Say ", "hi")]}]
+    text = [{"role": "user", "content": "Say hi"}]
+    assert runner.encode(parts) == runner.encode(text)
+    got = runner.generate(parts, max_tokens=4, temperature=0, logprobs=0)
+    want = runner.generate(text, max_tokens=4, temperature=0, logprobs=0)
+    assert got.tokens == want.tokens

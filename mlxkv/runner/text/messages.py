@@ -1,8 +1,9 @@
 """Chat messages and tools as a chat template takes them.
 
-Owns what a prompt of chat messages is (`is_messages`), the system messages it starts with, and
+Owns what a prompt of chat messages is (`is_messages`), the system messages it starts with,
 system messages after the first turn folded into user turns for templates that refuse them
-(`fold_system_reminders`). Their checks, and rendering them, are `prompt`'s.
+(`fold_system_reminders`). Their checks, and rendering them, are
+`prompt`'s.
 """
 
 from __future__ import annotations

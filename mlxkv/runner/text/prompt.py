@@ -399,7 +399,11 @@ def _checked_messages(messages: Sequence[Message]) -> list[Message]:
             raise ValueError(f"message {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}")
         content = message.get("content")
         if not isinstance(content, str):
-            raise ValueError(f"message {i} needs a string 'content', got {type(content).__name__}")
+            raise ValueError(
+                f"message {i} needs a string 'content' or a list of text parts "
+                "({'type': 'text', 'text': ...}; images need a vision model), got "
+                f"{type(content).__name__}"
+            )
         checked.append({**message, "content": _valid_text(content)})
     return checked
 

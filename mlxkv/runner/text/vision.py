@@ -1,6 +1,7 @@
 """Chat messages with images into a token record and the images' places.
 
-Owns: recognizing image parts in messages (`has_images`), refusing them for a model without
+Owns: recognizing image parts in messages (`has_images`), joining the text parts of a
+prompt without images into strings (`with_text_content`), refusing images for a model without
 vision, and `VisionPrompts`, which renders messages through the model's own chat template and
 expands each image marker the template writes into the image's tokens, carrying its
 placeholder id (`mlxkv.models.vision.placeholder_id`). Does not own decoding the images
@@ -42,17 +43,45 @@ class ImageTokens:
 
 
 def has_images(prompt: Any) -> bool:
-    """Whether `prompt` is chat messages with at least one image part. A list of token ids
-    (its first item an int; the ids are checked elsewhere) is answered without a walk of its
-    tens of thousands of items."""
-    if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
-        return False
-    if prompt and isinstance(prompt[0], int):
-        return False
-    return any(
+    """Whether `prompt` is chat messages with at least one image part."""
+    return _chat(prompt) and any(
         isinstance(m, dict) and any(_is_image(part) for part in _parts(m.get("content")))
         for m in prompt
     )
+
+
+def with_text_content(prompt: Any) -> Any:
+    """`prompt` with each message's OpenAI-style text parts (`{"type": "text", "text": ...}`)
+    joined into its content string, as the server joins them, so that a prompt, and the reply
+    ids it sends back (`text.replies`), are the same whichever form a client sends; anything
+    else as it is (the checks that follow say what is wrong). Messages without parts: the
+    same object, no copy (nor a walk of a token-id prompt's items)."""
+    if not _chat(prompt) or not any(_text_parts(m) for m in prompt):
+        return prompt
+    return [{**m, "content": _joined(m["content"])} if _text_parts(m) else m for m in prompt]
+
+
+def _chat(prompt: Any) -> bool:
+    """Whether `prompt` may be chat messages: a list whose first item is a dict. A list of
+    token ids is answered from its first item, without a walk of its tens of thousands."""
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, str | bytes)
+        and bool(prompt)
+        and isinstance(prompt[0], dict)
+    )
+
+
+def _text_parts(message: Any) -> bool:
+    content = message.get("content") if isinstance(message, dict) else None
+    return isinstance(content, list | tuple) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    )
+
+
+def _joined(parts: Sequence[dict[str, Any]]) -> str:
+    return "".join(part["text"] for part in parts)
 
 
 class VisionPrompts:

@@ -1,0 +1,661 @@
+"""Review probes of a vision model's batched decoding (merge e9dca60): each request against
+itself run alone on a fresh Runner (greedy tokens, log-probabilities within the batched
+kernels' rounding), with mixed rows the batch tests do not cover: a text-only request that
+speculates alone and then joins image rows, grammars / stop strings / top logprobs / other
+max_tokens in one batch, a prompt cut to the window, prefix hits ending after and inside an
+image, seeded requests and `max_batch=1`. Every entry is checked after every request by
+`tests/invariants.py`."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+from PIL import Image  # noqa: E402
+
+from mlxkv import Runner, json_schema_grammar  # noqa: E402
+from mlxkv.cache.batched import can_batch  # noqa: E402
+from mlxkv.cache.building import make_cache  # noqa: E402
+from mlxkv.decoding import batch as batch_module  # noqa: E402
+from mlxkv.decoding import decoders  # noqa: E402
+from mlxkv.models.loading import load_model  # noqa: E402
+from mlxkv.runner import runner as runner_module  # noqa: E402
+from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
+from tests.factories import recorded, wait_until  # noqa: E402
+from tests.runner.test_batching import _queued_then_run  # noqa: E402
+from tests.tolerances import LOGPROB_ABS
+
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def loaded(tmp_path_factory, request):
+    out = tmp_path_factory.mktemp("vlm") / request.param
+    return load_model(build_vision_model(out, family=request.param))
+
+
+@pytest.fixture(scope="module")
+def images():
+    rng = np.random.default_rng(7)
+    shapes = [(56, 56, 3), (84, 112, 3), (112, 56, 3), (112, 112, 3)]
+    return [Image.fromarray(rng.integers(0, 255, s, dtype=np.uint8)) for s in shapes]
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """(rows, shifts) of every batched step requests took (not the warm-up's)."""
+    seen: list[tuple[int, list[int] | None]] = []
+    warming: list[bool] = []
+    step = batch_module.DecodeBatch._step
+    warm_up = runner_module.warm_up
+
+    def counting(self):
+        if not warming:
+            shifts = None if self._shifts is None else self._shifts.tolist()
+            seen.append((self.num_rows, shifts))
+        return step(self)
+
+    def flagged(*args):
+        warming.append(True)
+        try:
+            return warm_up(*args)
+        finally:
+            warming.pop()
+
+    monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
+    monkeypatch.setattr(runner_module, "warm_up", flagged)
+    return seen
+
+
+def _batches(loaded) -> bool:
+    """Whether the model's cache layers batch (`can_batch`)."""
+    return can_batch(make_cache(loaded.model))
+
+
+def _user(*parts) -> dict:
+    content = [
+        {"type": "image", "image": p} if isinstance(p, Image.Image) else {"type": "text", "text": p}
+        for p in parts
+    ]
+    return {"role": "user", "content": content}
+
+
+def _result(chunks):
+    """(tokens, logprobs, top alternatives' ids, text, finish_reason) of a stream's chunks."""
+    chunks = list(chunks)
+    tokens = [c.token for c in chunks if c.token is not None]
+    logprobs = [c.logprob.logprob for c in chunks if c.logprob is not None]
+    tops = [[lp for _, lp in c.logprob.top] for c in chunks if c.logprob is not None]
+    done = chunks[-1].completion
+    return tokens, logprobs, tops, done.text, done.finish_reason
+
+
+def _alone(loaded, messages, max_context: int = 1024, **options):
+    runner = Runner(loaded, max_context=max_context, speculative=None)
+    return _result(runner.stream(messages, logprobs=options.pop("logprobs", 0), **options))
+
+
+def _assert_same(got, want) -> None:
+    assert got is not None, "the stream did not finish"
+    tokens, logprobs, tops, text, finish = got
+    w_tokens, w_logprobs, w_tops, w_text, w_finish = want
+    assert tokens == w_tokens
+    assert text == w_text
+    assert finish == w_finish
+    assert logprobs == pytest.approx(w_logprobs, abs=LOGPROB_ABS)
+    assert len(tops) == len(w_tops)
+    for top, w_top in zip(tops, w_tops, strict=True):
+        assert top == pytest.approx(w_top, abs=LOGPROB_ABS)
+
+
+def test_a_text_request_speculating_alone_then_joined_by_image_rows_stays_exact(
+    loaded, images, steps, monkeypatch
+):
+    """A text-only request on a vision model speculates (n-gram) while alone; two image
+    requests come, it joins their batch (shift 0 beside their shifts), and goes on alone
+    when they are done."""
+    text = [{"role": "user", "content": "Repeat: one two three one two three one two three"}]
+    others = [[_user(images[3], "What is this?")], [_user(images[1], "And this one?")]]
+    want_text = _alone(loaded, text, max_tokens=64, **GREEDY)
+    want = [_alone(loaded, m, max_tokens=12, **GREEDY) for m in others]
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
+    speculated = recorded(monkeypatch, decoders, "speculative_tokens", lambda *a, **k: k["after"])
+    # a row joined from speculation (`_alone_or_batched`): its position shift
+    rejoined = recorded(monkeypatch, decoders, "joined_tokens", lambda *a, **k: k["position_shift"])
+    got: list = [None] * 3
+    joined = threading.Event()
+    started = threading.Barrier(3)  # the text reader waits for the image streams' first token
+
+    def first():
+        stream = runner.stream(
+            text, batched=True, max_tokens=64, logprobs=0, speculative="ngram", **GREEDY
+        )
+        chunks = []
+        for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 6:
+                joined.set()
+                started.wait(60)
+        got[0] = _result(chunks)
+
+    def later(i):
+        assert joined.wait(60)
+        stream = runner.stream(others[i], batched=True, max_tokens=12, logprobs=0, **GREEDY)
+        chunks = [next(stream)]
+        started.wait(60)
+        got[1 + i] = _result(chunks + list(stream))
+
+    threads = [threading.Thread(target=t) for t in (first, lambda: later(0), lambda: later(1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    _assert_same(got[0], want_text)
+    for g, w in zip(got[1:3], want, strict=True):
+        _assert_same(g, w)
+    if not _batches(loaded):
+        assert not steps
+        return
+    assert any(rows >= 2 for rows, _ in steps), "no two rows decoded together"
+    # alone first, then in the batch with no shift (whether it goes back to speculating
+    # depends on when the image streams' readers take their last chunks)
+    assert speculated[0] is None and rejoined[:1] == [0], (speculated, rejoined)
+    if loaded.vision.family.uses_positions:  # M-RoPE: the text row unshifted beside them
+        assert any(shifts and 0 in shifts and any(shifts) for _, shifts in steps), steps
+
+
+def test_grammar_stop_and_top_logprobs_rows_beside_image_rows(loaded, images, steps):
+    """One batch: an image row held to a JSON schema, a text row with a stop string and 3
+    alternatives per token, an image row with other max_tokens."""
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string"}, "count": {"type": "integer"}},
+        "required": ["color", "count"],
+    }
+    grammar = json_schema_grammar(schema)
+    requests = [
+        ([_user(images[0], "Describe it as JSON.")], {"grammar": grammar, "max_tokens": 24}),
+        (
+            [{"role": "user", "content": "Count up: 1 2 3 4 5 6 7 8 9"}],
+            {"logprobs": 3, "max_tokens": 20},
+        ),
+        ([_user(images[1], "What is this?", images[2], "and this?")], {"max_tokens": 7}),
+    ]
+    want = [_alone(loaded, m, **GREEDY, **dict(o)) for m, o in requests]
+    # a stop string the text row's free answer reaches
+    stop_text = want[1][3][3:8]
+    if stop_text:
+        requests[1][1]["stop"] = [stop_text]
+        want[1] = _alone(loaded, requests[1][0], **GREEDY, **dict(requests[1][1]))
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
+    got: list = [None] * len(requests)
+
+    def run(i):
+        messages, options = requests[i]
+        options = dict(options)
+        logprobs = options.pop("logprobs", 0)
+        stream = runner.stream(messages, batched=True, logprobs=logprobs, **GREEDY, **options)
+        got[i] = _result(stream)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(len(requests))])
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    json.loads(got[0][3]) if got[0][4] == "stop" else None
+    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+
+
+def test_a_prompt_cut_to_the_window_decodes_in_the_batch_at_its_kept_shift(loaded, images, steps):
+    """The oldest image message is dropped to fit the window; the kept prompt (one image)
+    decodes beside another image request, as it does alone on a Runner of that window."""
+    long = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 12
+    cut = [
+        {"role": "system", "content": "Be brief."},
+        _user(images[1], long),
+        {"role": "assistant", "content": "A fox."},
+        _user(images[0], "And this?"),
+    ]
+    kept = cut[:1] + cut[3:]
+    probe = Runner(loaded, max_context=4096)
+    window = 2 * len(probe.encode(kept)) + 16 + 2
+    assert len(probe.encode(cut)) > window
+    other = [_user(images[2], "What is this?")]
+    want = [
+        _alone(loaded, cut, max_context=window, max_tokens=16, **GREEDY),
+        _alone(loaded, other, max_context=window, max_tokens=16, **GREEDY),
+    ]
+    reference = _alone(loaded, kept, max_context=window, max_tokens=16, **GREEDY)
+    assert want[0][0] == reference[0]
+    runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4)
+    got: list = [None, None]
+    conversations = [cut, other]
+
+    def run(i):
+        stream = runner.stream(conversations[i], batched=True, max_tokens=16, logprobs=0, **GREEDY)
+        got[i] = _result(stream)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+
+
+def test_prefix_hits_ending_after_and_inside_an_image_decode_in_the_batch(loaded, images, steps):
+    """The cache holds the image and a question (a prompt fed in full) and half an image (a
+    prefill cancelled mid-image); requests reusing each decode together as each alone."""
+    first = [_user(images[1], "What colors are in this picture? Tell me.")]
+    second = [_user(images[1], "What shapes are in this picture? Tell me.")]
+    partial = [_user(images[3], "Tell me about this one, in detail, please.")]
+    want = [_alone(loaded, m, max_tokens=12, **GREEDY) for m in (second, partial)]
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4, prefill_step_size=8)
+    runner.generate(first, max_tokens=4, **GREEDY)
+    cancel = threading.Event()
+    fed = []
+    image_tokens = [i for i, t in enumerate(runner.encode(partial)) if t >= 1 << 31]
+
+    def progress(done, total):
+        fed.append(done)
+        if done > image_tokens[0]:
+            cancel.set()
+
+    done = list(runner.stream(partial, max_tokens=4, cancel=cancel, progress=progress))
+    assert done[-1].completion.finish_reason == "cancelled"
+    assert image_tokens[0] < max(fed) < image_tokens[-1], "the cancel must cut the image"
+    got: list = [None, None]
+    cached: list = [None, None]
+    conversations = [second, partial]
+
+    def run(i):
+        chunks = list(
+            runner.stream(conversations[i], batched=True, max_tokens=12, logprobs=0, **GREEDY)
+        )
+        got[i] = _result(chunks)
+        cached[i] = chunks[-1].completion.cached_tokens
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    if not _batches(loaded):
+        assert not steps
+        return
+    assert max(rows for rows, _ in steps) >= 2
+    if make_cache(loaded.model).needs_checkpoints:  # sliding windows: reused at checkpoints only
+        return
+    assert cached[0] > max(i for i, t in enumerate(runner.encode(second)) if t >= 1 << 31)
+    assert image_tokens[0] < cached[1] < image_tokens[-1], cached
+
+
+def test_a_seeded_image_request_beside_batched_rows_draws_as_alone(loaded, images, steps):
+    sampled = {"temperature": 0.9, "seed": 11}
+    seeded = [_user(images[3], "What is this?")]
+    others = [[_user(images[1], "And this?")], [{"role": "user", "content": "Say something."}]]
+    want_seeded = _alone(loaded, seeded, max_tokens=12, **sampled)
+    want = [_alone(loaded, m, max_tokens=12, **GREEDY) for m in others]
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
+    got: list = [None] * 3
+
+    def run(i):
+        if i == 0:
+            options = sampled
+            messages = seeded
+        else:
+            options, messages = GREEDY, others[i - 1]
+        stream = runner.stream(messages, batched=True, max_tokens=12, logprobs=0, **options)
+        got[i] = _result(stream)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    assert got[0][0] == want_seeded[0]
+    for g, w in zip(got[1:], want, strict=True):
+        _assert_same(g, w)
+    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+
+
+def test_max_batch_one_takes_turns_as_alone(loaded, images, steps):
+    conversations = [
+        [_user(images[0], "What is this?")],
+        [_user(images[1], "And this?")],
+        [{"role": "user", "content": "Say something."}],
+    ]
+    want = [_alone(loaded, m, max_tokens=10, **GREEDY) for m in conversations]
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=1)
+    got: list = [None] * 3
+
+    def run(i):
+        stream = runner.stream(conversations[i], batched=True, max_tokens=10, logprobs=0, **GREEDY)
+        got[i] = _result(stream)
+
+    threads = [threading.Thread(target=lambda i=i: run(i)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert all(rows == 1 for rows, _ in steps)
+
+
+def test_a_row_cancelled_mid_batch_leaves_its_entry_as_fed(loaded, images, steps):
+    """An image row cancelled mid-reply leaves the batch; the others go on as alone and the
+    cancelled conversation's next request equals a fresh Runner's."""
+    conversations = [
+        [_user(images[1], "What is this?")],
+        [_user(images[3], "And this?")],
+        [{"role": "user", "content": "Say something long."}],
+    ]
+    want = [_alone(loaded, m, max_tokens=24, **GREEDY) for m in conversations]
+    assert want[0][4] == "length"
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
+    cancel = threading.Event()
+    got: list = [None] * 3
+
+    def run(i):
+        stream = runner.stream(
+            conversations[i],
+            batched=True,
+            max_tokens=24,
+            logprobs=0,
+            cancel=cancel if i == 0 else None,
+            **GREEDY,
+        )
+        chunks = []
+        for chunk in stream:
+            chunks.append(chunk)
+            if i == 0 and len(chunks) == 5:
+                cancel.set()
+        got[i] = _result(chunks)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    assert got[0][4] == "cancelled"
+    assert got[0][0] == want[0][0][: len(got[0][0])]
+    for g, w in zip(got[1:], want[1:], strict=True):
+        _assert_same(g, w)
+    again = _result(
+        runner.stream(conversations[0], max_tokens=24, logprobs=0, batched=True, **GREEDY)
+    )
+    _assert_same(again, want[0])
+    wait_until(lambda: runner._dispatch._batching.batch.num_rows == 0, what="an empty batch")
+
+
+def test_a_reply_cut_mid_reply_decodes_alone_beside_batched_image_rows(loaded, images, steps):
+    """A reply that passes the window cuts its prompt at a message boundary (it decodes
+    alone); two image requests decode in the batch meanwhile; each as alone."""
+    long = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 8
+    cut = [
+        {"role": "system", "content": "Be brief."},
+        _user(images[1], long),
+        {"role": "assistant", "content": "A fox."},
+        _user(images[3], "And this?"),
+        {"role": "assistant", "content": "A dog."},
+        {"role": "user", "content": "Which was first?"},
+    ]
+    full = len(Runner(loaded).encode(cut))
+    window, room = full + 8, 40
+    others = [[_user(images[2], "What is this?")], [_user(images[1], "And this one?")]]
+    want = [_alone(loaded, cut, max_context=window, max_tokens=room, **GREEDY)]
+    want += [_alone(loaded, m, max_context=window, max_tokens=16, **GREEDY) for m in others]
+    runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4)
+    got: list = [None] * 3
+    conversations = [cut, *others]
+
+    def run(i):
+        n = room if i == 0 else 16
+        stream = runner.stream(conversations[i], batched=True, max_tokens=n, logprobs=0, **GREEDY)
+        got[i] = _result(stream)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert len(got[0][0]) == room
+    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+
+
+def test_long_and_short_rows_far_apart_in_length_decode_together_as_alone(loaded, images, steps):
+    """One image prompt of several hundred tokens, a short image prompt and a short text
+    prompt: rows whose left padding differs by hundreds of tokens."""
+    long = "The quick brown fox jumps over the lazy dog near the river bank. " * 30
+    conversations = [
+        [_user(images[1], long + "What is this?")],
+        [_user(images[3], "Hm?")],
+        [{"role": "user", "content": "Hi"}],
+    ]
+    want = [_alone(loaded, m, max_tokens=16, **GREEDY) for m in conversations]
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
+    got: list = [None] * 3
+
+    def run(i):
+        stream = runner.stream(conversations[i], batched=True, max_tokens=16, logprobs=0, **GREEDY)
+        got[i] = _result(stream)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    # the short rows may end before the long prompt's prefill does: at least two together
+    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+
+
+def test_the_same_image_prompt_again_in_the_batch_reuses_all_of_it(loaded, images, steps):
+    """A prompt the cache holds whole (sent before, serially) decodes in the batch beside
+    another, as alone."""
+    again = [_user(images[1], "What is this?")]
+    other = [_user(images[3], "And this?")]
+    want = [_alone(loaded, m, max_tokens=16, **GREEDY) for m in (again, other)]
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
+    runner.generate(again, max_tokens=0 + 1, **GREEDY)
+    got: list = [None, None]
+    cached: list = [None, None]
+    conversations = [again, other]
+
+    def run(i):
+        chunks = list(
+            runner.stream(conversations[i], batched=True, max_tokens=16, logprobs=0, **GREEDY)
+        )
+        got[i] = _result(chunks)
+        cached[i] = chunks[-1].completion.cached_tokens
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert cached[0] >= len(runner.encode(again)) - 1
+    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+
+
+def test_a_request_about_an_image_a_decoding_row_holds_copies_it_and_joins(loaded, images, steps):
+    """The first request about an image decodes in the batch; a second about the same image
+    comes meanwhile, copies the image's K/V from the first's entry (in use) and joins it."""
+    shared = "Look closely at this picture and think about it for a while. " * 3
+    first = [_user(images[1], shared + "Colors?")]
+    second = [_user(images[1], shared + "Shapes?")]
+    want = [_alone(loaded, m, max_tokens=24, **GREEDY) for m in (first, second)]
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
+    got: list = [None, None]
+    cached: list = [None, None]
+    going, started = threading.Event(), threading.Event()
+
+    def run(i):
+        stream = runner.stream(
+            (first, second)[i], batched=True, max_tokens=24, logprobs=0, **GREEDY
+        )
+        chunks = []
+        for chunk in stream:
+            chunks.append(chunk)
+            if i == 0 and len(chunks) == 3:
+                going.set()
+                assert started.wait(60)
+            if i == 1 and len(chunks) == 1:
+                started.set()
+        got[i] = _result(chunks)
+        cached[i] = chunks[-1].completion.cached_tokens
+
+    def late():
+        assert going.wait(60)
+        run(1)
+
+    threads = [threading.Thread(target=lambda: run(0)), threading.Thread(target=late)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    image_end = max(i for i, t in enumerate(runner.encode(second)) if t >= 1 << 31)
+    if _batches(loaded):
+        assert max(rows for rows, _ in steps) >= 2
+    if _batches(loaded) and not make_cache(loaded.model).needs_checkpoints:
+        assert cached[1] > image_end, cached  # sliding windows copy from checkpoints only
+
+
+def test_more_streams_than_rows_with_staggered_starts_each_as_alone(loaded, images, steps):
+    """Six streams (four about images of three sizes, two text only) on a batch of three
+    rows, started at other moments, with other lengths: some wait for a place, rows join and
+    leave at many steps; each answers as alone."""
+    asks = [
+        ([_user(images[1], "What is this?")], 20),
+        ([{"role": "user", "content": "Tell me about caches."}], 9),
+        ([_user(images[3], "Describe it.")], 14),
+        ([_user(images[2], "And this, please?", images[1], "Compare.")], 25),
+        ([{"role": "user", "content": "Hi there, how are you?"}], 17),
+        ([_user(images[3], "Once more: what is it?")], 6),
+    ]
+    want = [_alone(loaded, m, max_tokens=n, logprobs=2, **GREEDY) for m, n in asks]
+    runner = Runner(loaded, max_context=1024, cache_entries=16, max_batch=3)
+    got: list = [None] * len(asks)
+    progressed = [threading.Event() for _ in asks]
+
+    def run(i):
+        if i > 0:
+            assert progressed[i - 1].wait(60)
+        messages, n = asks[i]
+        chunks = []
+        for chunk in runner.stream(messages, batched=True, max_tokens=n, logprobs=2, **GREEDY):
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                progressed[i].set()
+        progressed[i].set()
+        got[i] = _result(chunks)
+
+    threads = [threading.Thread(target=lambda i=i: run(i)) for i in range(len(asks))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+
+
+def _window_conversation(images) -> list[dict]:
+    long = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 8
+    return [
+        {"role": "system", "content": "Be brief."},
+        _user(images[1], long),
+        {"role": "assistant", "content": "A fox."},
+        _user(images[3], "And this?"),
+        {"role": "assistant", "content": "A dog."},
+        {"role": "user", "content": "Which was first?"},
+    ]
+
+
+def test_the_next_turn_after_a_reply_cut_decodes_in_the_batch_at_the_cut_shift(
+    loaded, images, steps
+):
+    """A reply passes the window and cuts its conversation (alone); the next turn, cut at the
+    same message and reusing the entry, decodes in the batch beside another image row."""
+    messages = _window_conversation(images)
+    full = len(Runner(loaded).encode(messages))
+    window, room = full + 8, 40
+    runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4)
+    reply = runner.generate(messages, max_tokens=room, **GREEDY)
+    turn2 = messages + [
+        {"role": "assistant", "content": reply.text},
+        {"role": "user", "content": "Sure?"},
+    ]
+    other = [_user(images[2], "What is this?")]
+    reference = Runner(loaded, max_context=window, speculative=None)
+    reference.generate(messages, max_tokens=room, **GREEDY)
+    want = [_result(reference.stream(turn2, max_tokens=12, logprobs=0, **GREEDY))]
+    want.append(_alone(loaded, other, max_context=window, max_tokens=12, **GREEDY))
+    got: list = [None, None]
+    conversations = [turn2, other]
+
+    def run(i):
+        stream = runner.stream(conversations[i], batched=True, max_tokens=12, logprobs=0, **GREEDY)
+        got[i] = _result(stream)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+
+
+def test_a_cut_that_drops_every_image_decodes_unshifted_in_the_batch(loaded, images, steps):
+    """The prompt cut to the window keeps no image (the image message dropped): its row has
+    no shift, beside an image row that has one."""
+    long = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 12
+    cut = [
+        {"role": "system", "content": "Be brief."},
+        _user(images[1], long),
+        {"role": "assistant", "content": "A fox."},
+        {"role": "user", "content": "Tell me about caches instead."},
+    ]
+    kept = cut[:1] + cut[3:]
+    probe = Runner(loaded, max_context=4096)
+    window = 2 * len(probe.encode(kept)) + 16 + 2
+    assert len(probe.encode(cut)) > window
+    other = [_user(images[3], "What is this?")]
+    want = [
+        _alone(loaded, cut, max_context=window, max_tokens=16, **GREEDY),
+        _alone(loaded, other, max_context=window, max_tokens=16, **GREEDY),
+    ]
+    assert want[0][0] == _alone(loaded, kept, max_context=window, max_tokens=16, **GREEDY)[0]
+    runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4)
+    got: list = [None, None]
+    conversations = [cut, other]
+
+    def run(i):
+        stream = runner.stream(conversations[i], batched=True, max_tokens=16, logprobs=0, **GREEDY)
+        got[i] = _result(stream)
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+
+
+def test_batched_image_turns_written_to_the_disk_tier_serve_a_restart_as_fresh(
+    loaded, images, steps, tmp_path
+):
+    """Two image conversations decode together on a Runner with a disk tier; a new Runner on
+    the same directory answers their next turns as a fresh Runner does."""
+    conversations = [[_user(images[1], "What is this?")], [_user(images[3], "And this?")]]
+    runner = Runner(loaded, max_context=1024, max_batch=4, cache_dir=str(tmp_path))
+    replies: list = [None, None]
+
+    def run(i):
+        chunks = list(runner.stream(conversations[i], batched=True, max_tokens=10, **GREEDY))
+        replies[i] = chunks[-1].completion.text
+
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    runner.close()
+    later = [
+        m + [{"role": "assistant", "content": r}, {"role": "user", "content": "Sure?"}]
+        for m, r in zip(conversations, replies, strict=True)
+    ]
+    want = [_alone(loaded, m, max_tokens=10, **GREEDY) for m in later]
+    restarted = Runner(loaded, max_context=1024, max_batch=4, cache_dir=str(tmp_path))
+    got: list = [None, None]
+    cached: list = [None, None]
+
+    def again(i):
+        chunks = list(restarted.stream(later[i], batched=True, max_tokens=10, logprobs=0, **GREEDY))
+        got[i] = _result(chunks)
+        cached[i] = chunks[-1].completion.cached_tokens
+
+    _queued_then_run(restarted, [lambda i=i: again(i) for i in range(2)])
+    restarted.close()
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert all(c > 0 for c in cached), cached
