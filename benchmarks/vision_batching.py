@@ -1,5 +1,6 @@
 """Concurrent streams on a vision model, each about an image of its own, in process:
-`Runner.stream(..., batched=True)` from N threads at once, this tree against another (main).
+`Runner.stream(..., batched=True)` from N threads at once, this tree against another checkout
+(`git worktree add /tmp/before <rev>`).
 
 A random-weight Qwen2-VL of the factory (`mlxkv.testing.vision_factory`), "tiny" (2 text
 layers of width 64) or "small" (8 layers of width 512); each stream asks about its own random
@@ -11,7 +12,7 @@ are reused after the first, unmeasured round). Each tree runs in a child process
 PYTHONPATH set to it; the trees take turns, per round.
 
     python -m benchmarks.vision_batching [--size tiny] [--tokens 64] [--rounds 3]
-        [--baseline /work/main]
+        --baseline /tmp/before
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", choices=sorted(IMAGE_SIDES_PIXELS))
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--baseline", default="/work/main", help="the other tree (its root)")
+    parser.add_argument("--baseline", help="root of the checkout to compare with (required)")
     parser.add_argument("--child", nargs=3, metavar=("MODEL_DIR", "ROUND", "OUT"))
     args = parser.parse_args()
     if args.child:
@@ -89,6 +90,8 @@ def main() -> None:
         result = child(model_dir, args.size, args.tokens, int(round_index))
         Path(out).write_text(json.dumps(result))
         return
+    if args.baseline is None:
+        parser.error("--baseline is required: the root of another checkout to compare with")
     from mlxkv.testing.vision_factory import build_vision_model
 
     here = str(Path(__file__).resolve().parent.parent)

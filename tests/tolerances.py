@@ -68,3 +68,9 @@ def assert_logits_close(
         want.reshape(top2.shape[0], -1), axis=-1
     )
     assert mx.all(agree | ~clear).item(), f"{label}the most likely token differs"
+
+
+# How far two computations' log-probabilities of the same token may be apart (batched vs alone,
+# cached vs fresh: other matmul shapes), for the factory's float32 models: log-softmax moves
+# with the logits, so the float32 bounds above (logits of O(1)).
+LOGPROB_ABS = _RTOL[("gpu" if on_gpu() else "cpu", mx.float32)]

@@ -19,7 +19,7 @@ from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
 from mlxkv.decoding.prefill.chunks import PrefillPlan, prefill
 from mlxkv.decoding.sampling import SamplingParams
-from tests.tolerances import assert_logits_close
+from tests.tolerances import LOGPROB_ABS, assert_logits_close
 
 PROMPTS = [[3, 17, 5, 99, 42], [7] * 3, list(range(40, 71)), [11, 12]]
 MAX_TOKENS = [9, 5, 12, 1]
@@ -112,7 +112,7 @@ def test_any_schedule_decodes_as_alone(any_kind, schedule, leave_after):
         want_tokens, want_logprobs = alone[i]
         assert streamed == want_tokens[: len(streamed)]
         got_logprobs = [pick.pop_logprob().logprob for _ in streamed]
-        assert got_logprobs == pytest.approx(want_logprobs[: len(streamed)], abs=1e-4)
+        assert got_logprobs == pytest.approx(want_logprobs[: len(streamed)], abs=LOGPROB_ABS)
         _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, want_tokens)
 
 
@@ -299,5 +299,5 @@ def test_a_window_gone_back_one_token_joins_and_decodes_as_alone(loaded_tiny):
     got = list(joined_tokens(batch, cache, mx.array([held[-1]]), pick, 5))
     assert got == want_tokens[done + 1 : done + 6]
     got_logprobs = [pick.pop_logprob().logprob for _ in range(4 + len(got))][4:]
-    assert got_logprobs == pytest.approx(want_logprobs[done + 1 : done + 6], abs=1e-4)
+    assert got_logprobs == pytest.approx(want_logprobs[done + 1 : done + 6], abs=LOGPROB_ABS)
     first_stream.close()

@@ -18,6 +18,7 @@ from mlxkv.runner import request_run
 from mlxkv.runner.prefill import group as prefill_group
 from mlxkv.testing.factory import ARCHITECTURES
 from tests.factories import recorded, wait_until
+from tests.tolerances import LOGPROB_ABS
 
 PROMPTS = [
     "The first request, about caches.",
@@ -66,7 +67,7 @@ def _queued_then_run(runner, targets) -> None:
 def _assert_same_answers(got, want):
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
         assert tokens == want_tokens
-        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+        assert logprobs == pytest.approx(want_logprobs, abs=LOGPROB_ABS)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

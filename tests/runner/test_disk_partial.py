@@ -17,6 +17,7 @@ from mlxkv.runner.disk.chains import StoredChain, cheapest_restore, partial_rest
 from mlxkv.runner.disk.files import StoredEntry
 from mlxkv.runner.prompt_cache import pool as pool_module
 from tests.runner.test_disk_tier import _chat
+from tests.tolerances import LOGPROB_ABS
 
 BLOCK_TOKENS = 16
 
@@ -82,7 +83,7 @@ def _answers_as_fresh(restarted, make_runner, arch: str, messages, restored_toke
         got = _answer(restarted, messages)
     want = _answer(make_runner(arch), messages)
     assert got[0] == want[0]
-    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    assert got[1] == pytest.approx(want[1], abs=LOGPROB_ABS)
     assert got[2] == restored_tokens
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
@@ -128,7 +129,7 @@ def test_a_partial_restore_by_the_rule_answers_as_a_fresh_runner(
     got = _answer(restarted, follow_up)
     want = _answer(make_runner(arch), follow_up)
     assert got[0] == want[0]
-    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    assert got[1] == pytest.approx(want[1], abs=LOGPROB_ABS)
     assert got[2] == part.num_tokens  # the first blocks loaded, the rest prefilled
     assert sorted(read) == sorted(b.path.name for b in part.blocks)
 
@@ -162,5 +163,5 @@ def test_the_rates_alone_make_a_restart_load_part_of_a_chain(make_runner, tmp_pa
     got = _answer(restarted, prompt)
     want = _answer(make_runner("llama"), prompt)
     assert got[0] == want[0]
-    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    assert got[1] == pytest.approx(want[1], abs=LOGPROB_ABS)
     assert got[2] == 2 * BLOCK_TOKENS

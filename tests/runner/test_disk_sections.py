@@ -22,6 +22,7 @@ from tests.runner.test_disk_partial import (
     _full_chain,
     _stored_conversation,
 )
+from tests.tolerances import LOGPROB_ABS
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +90,7 @@ def test_the_prefill_uses_the_first_layers_before_the_last_is_checked(
     want = _answer(make_runner(arch), follow_up)
     assert held_until_asked == [True]
     assert got[0] == want[0]
-    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    assert got[1] == pytest.approx(want[1], abs=LOGPROB_ABS)
     assert got[2] > 0
 
 

@@ -21,6 +21,7 @@ from mlxkv.runner.disk.chains import BLOCK_TOKENS
 from mlxkv.runner.disk.snapshots import MIN_BLOCK_KV_BYTES, boundaries, snapshot_every_blocks
 from mlxkv.testing.factory import build_model
 from mlxkv.testing.tiny_recurrent import QWEN3_NEXT_LARGE_STATE
+from tests.tolerances import LOGPROB_ABS
 
 STORED_TOKENS = 1000
 SHARED_TOKENS = 700  # the new prompt's tokens in common with the stored one
@@ -52,7 +53,7 @@ def _answer(runner: Runner, prompt: list[int]) -> tuple[list[int], list[float], 
 
 def _assert_same(got, want) -> None:
     assert got[0] == want[0]
-    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    assert got[1] == pytest.approx(want[1], abs=LOGPROB_ABS)
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "gemma3_text", "large_state"])

@@ -19,6 +19,7 @@ from mlxkv.config import ENCODER_CACHE_FRACTION  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
 from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
+from tests.tolerances import LOGPROB_ABS
 
 MAX_TOKENS = 6
 
@@ -117,7 +118,7 @@ def test_next_turn_reuses_the_image_without_encoding_or_prefilling_it(loaded, im
     assert second.cached_tokens >= 0.9 * second.prompt_tokens
     fresh = _greedy(Runner(loaded), turn2)
     assert second.tokens == fresh.tokens
-    assert second.first_logprob == pytest.approx(fresh.first_logprob, abs=1e-4)
+    assert second.first_logprob == pytest.approx(fresh.first_logprob, abs=LOGPROB_ABS)
     want_tokens, want_logprob = _reference(loaded, turn2, images[0])
     assert second.tokens == want_tokens
     assert second.first_logprob == pytest.approx(want_logprob, abs=1e-3)

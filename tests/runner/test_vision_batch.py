@@ -1,7 +1,7 @@
 """A vision model's batched streams (with images or text only) decode in the batch after each
 prefilled its own prompt: the same greedy tokens and log-probabilities as each request run
 alone on a fresh Runner, per family (Qwen2-VL's M-RoPE rows each shifted by their own images;
-Gemma 3's sliding-window layers do not batch yet, so its streams take turns), with rows that
+Gemma 3's sliding-window layers in mlx-lm's rotating batch), with rows that
 join and leave at different steps, an image conversation's next turn reusing its entry, and
 two streams sent at once about one image feeding it once. Every entry is checked after every
 request by `tests/invariants.py`."""
@@ -27,11 +27,11 @@ from mlxkv.runner import runner as runner_module  # noqa: E402
 from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
 from tests.factories import recorded, wait_until  # noqa: E402
 from tests.runner.test_batching import _queued_then_run, _tokens_and_logprobs  # noqa: E402
+from tests.tolerances import LOGPROB_ABS
 
 # M-RoPE families: a prompt with images shifts the positions of the tokens after it.
 SHIFTING = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 GREEDY = {"temperature": 0.0, "logprobs": 0}
-LOGPROB_ABS = 1e-4  # batched kernels round otherwise (`mlxkv.decoding.batch`)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

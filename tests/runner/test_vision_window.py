@@ -20,6 +20,7 @@ from mlxkv.errors import ContextLengthError  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.runner.hooks import request_ends  # noqa: E402
 from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
+from tests.tolerances import LOGPROB_ABS
 
 MAX_TOKENS = 6
 _LONG = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 16
@@ -75,7 +76,7 @@ def test_a_conversation_over_the_window_drops_whole_oldest_messages(loaded, capl
     want = _greedy(fresh, from_image_b)
     assert got.prompt_tokens == kept
     assert got.tokens == want.tokens
-    assert got.first_logprob == pytest.approx(want.first_logprob, abs=1e-4)
+    assert got.first_logprob == pytest.approx(want.first_logprob, abs=LOGPROB_ABS)
 
 
 def test_the_next_turn_of_a_cut_conversation_reuses_it(loaded):
@@ -190,7 +191,7 @@ def test_the_next_turn_after_a_reply_cut_reuses_it(loaded):
     assert second.cached_tokens >= kept  # the cut conversation and the reply's start, reused
     want = _greedy(Runner(loaded), turn2[:1] + turn2[3:])
     assert second.tokens == want.tokens
-    assert second.first_logprob == pytest.approx(want.first_logprob, abs=1e-4)
+    assert second.first_logprob == pytest.approx(want.first_logprob, abs=LOGPROB_ABS)
 
 
 def test_overflow_stop_still_stops_a_reply_with_images_at_the_window(loaded):

@@ -11,6 +11,7 @@ from mlxkv import Runner
 from mlxkv.decoding import batch as batch_module
 from tests.factories import wait_until
 from tests.server.conftest import held_worker, serve
+from tests.tolerances import LOGPROB_ABS
 
 CLIENTS = 8
 
@@ -47,7 +48,7 @@ def test_eight_concurrent_clients_get_their_sequential_answers(loaded_tiny, monk
             together = [f.result(120) for f in futures]
     for (text, logprobs), (want_text, want_logprobs) in zip(together, alone, strict=True):
         assert text == want_text
-        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+        assert logprobs == pytest.approx(want_logprobs, abs=LOGPROB_ABS)
     assert max(rows) >= 4, f"the requests hardly decoded together: rows {sorted(set(rows))}"
 
 
@@ -84,5 +85,5 @@ def test_a_client_leaving_mid_batch_leaves_the_others_their_answers(
     assert int(left.group(1)) < 200
     for (text, logprobs), (want_text, want_logprobs) in zip(together, alone, strict=True):
         assert text == want_text
-        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+        assert logprobs == pytest.approx(want_logprobs, abs=LOGPROB_ABS)
     assert runner._dispatch._batching.batch.num_rows == 0

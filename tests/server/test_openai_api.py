@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 
 from tests.server.conftest import TOOL_CALL, serve
+from tests.tolerances import LOGPROB_ABS
 
 QUESTION = [{"role": "user", "content": "Once upon a time there was"}]
 TOOLS = [
@@ -115,9 +116,9 @@ def test_logprobs_are_the_models_own(tiny_server, fresh_runner):
         model="m", messages=QUESTION, max_tokens=3, logprobs=True, top_logprobs=3
     )
     first = out.choices[0].logprobs.content[0]
-    assert first.logprob == pytest.approx(reference[best[0]], abs=1e-4)
+    assert first.logprob == pytest.approx(reference[best[0]], abs=LOGPROB_ABS)
     assert [t.logprob for t in first.top_logprobs] == pytest.approx(
-        [reference[i] for i in best], abs=1e-4
+        [reference[i] for i in best], abs=LOGPROB_ABS
     )
     decode = runner.tokenizer.decode
     assert [t.token for t in first.top_logprobs] == [decode([i]) for i in best]
