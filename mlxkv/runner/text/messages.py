@@ -1,9 +1,8 @@
 """Chat messages and tools as a chat template takes them.
 
-Owns what a prompt of chat messages is (`is_messages`), the system messages it starts with,
+Owns what a prompt of chat messages is (`is_messages`), the system messages it starts with, and
 system messages after the first turn folded into user turns for templates that refuse them
-(`fold_system_reminders`). Their checks, and rendering them, are
-`prompt`'s.
+(`fold_system_reminders`). Their checks, and rendering them, are `prompt`'s.
 """
 
 from __future__ import annotations
