@@ -4,6 +4,7 @@ at once through the real `openai` and `anthropic` clients, with nothing left in 
 
 from __future__ import annotations
 
+import gc
 import http.client
 import json
 import socket
@@ -30,6 +31,10 @@ def served(loaded_tiny):
 
 
 def _idle(served) -> bool:
+    """Nothing pending, claimed or registered for cancelling. A generation abandoned before
+    it started (closed unstarted: its `finally` never runs) leaves its cancel event in the
+    dispatcher's WeakSet until a cycle collection frees it: collected first."""
+    gc.collect()
     worker = served.app.state.mlxkv.worker
     pool = served.runner._pool
     return worker._pending == 0 and not pool._in_use and not served.runner._dispatch._requests
