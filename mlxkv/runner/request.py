@@ -200,8 +200,7 @@ class RequestBuilder:
             prompt, tokens, system_tokens=self._keep is None, **template
         )
         keep = self._keep_for(tokens, marks)
-        # A prompt that must be cut leaves room to answer, so the answer does not begin with a
-        # shift.
+        # a prompt that must be cut leaves room to answer: the answer begins with no shift
         budget = self._max_context
         if len(tokens) > budget:
             budget -= max(1, min(params.max_tokens, self._max_context // 4))

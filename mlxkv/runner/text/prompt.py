@@ -231,7 +231,13 @@ class PromptEncoder:
         """The ids of the system messages rendered alone (kept ones: not to be changed)."""
 
         def render() -> list[int]:
-            return self.render(system, add_generation_prompt=False, **template)
+            try:
+                return self.render(system, add_generation_prompt=False, **template)
+            except ValueError:  # a template that wants a user message (Qwen3.5's)
+                # then with a placeholder one: the prompt's ids share the system turn with
+                # it and the next turn's header, a few tokens more kept at a shift
+                user = {"role": "user", "content": f"mlxkv{secrets.token_hex(8)}"}
+                return self.render([*system, user], add_generation_prompt=False, **template)
 
         if self._system_renders is None:
             return render()

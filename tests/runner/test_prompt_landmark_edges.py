@@ -140,8 +140,16 @@ def test_a_template_that_needs_a_user_message_still_answers_a_chat_with_a_system
 ):
     """The landmarks render the system messages alone; a template that refuses a chat with no
     user message refuses that render, not the request (which has one)."""
-    runner = Runner.load(build_model("llama", tmp_path / "m", chat_template=NEEDS_USER))
+    path = build_model("llama", tmp_path / "m", chat_template=NEEDS_USER)
+    runner = Runner.load(path)
     assert runner.generate(CHAT, max_tokens=2).finish_reason in ("stop", "length")
+    # the system turn is measured with a placeholder user message: all of it, and at most
+    # the next turn's header besides (none of the user's text)
+    encoder = PromptEncoder(load_tokenizer(path), 512)
+    tokens = encoder.encode(CHAT)
+    marks = encoder.landmarks(CHAT, tokens, system_tokens=True)
+    kept = encoder.tokenizer.decode(tokens[: marks.system_tokens])
+    assert SYSTEM["content"] in kept and "list" not in kept
 
 
 def test_largest_id_of_a_tokenizer_without_a_vocabulary_keeps_the_check():
