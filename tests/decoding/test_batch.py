@@ -138,26 +138,42 @@ def test_any_schedule_decodes_as_alone(any_kind, schedule, leave_after):
         _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, want_tokens, kv_bits)
 
 
-def test_rows_that_join_and_leave_keep_the_others_exact(llama):
+@pytest.fixture(scope="module", params=["llama", "gemma3_text-q8"])
+def float_or_mixed(llama, model_root, request):
+    """The float llama; Gemma 3 (head size 32) with its global layers' K/V quantized to 8
+    bits beside its float sliding windows, both batched classes in one step."""
+    if request.param == "llama":
+        return (*llama, None)
+    from mlx_lm import load
+
+    from mlxkv.testing.factory import build_model
+
+    path = build_model(
+        "gemma3_text", f"{model_root}/gemma3-hd32", config_overrides={"head_dim": 32}
+    )
+    return _model_and_alone(load(str(path))[0], 8)
+
+
+def test_rows_that_join_and_leave_keep_the_others_exact(float_or_mixed):
     """Two rows in step, a third joining late and one leaving early: every row's tokens are
     its own alone (the padding a late row brings never leaks into another's attention)."""
-    model, alone = llama
+    model, alone, kv_bits = float_or_mixed
     batch = DecodeBatch(model, max_rows=4)
     streams = {}
     for i in (0, 2):
-        cache, logits, pick = _start(model, PROMPTS[i])
+        cache, logits, pick = _start(model, PROMPTS[i], kv_bits)
         streams[i] = (cache, batched_tokens(batch, cache, logits, pick, MAX_TOKENS[i]), [])
     for _ in range(3):
         for i in (0, 2):
             streams[i][2].append(next(streams[i][1]))
-    cache, logits, pick = _start(model, PROMPTS[1])
+    cache, logits, pick = _start(model, PROMPTS[1], kv_bits)
     streams[1] = (cache, batched_tokens(batch, cache, logits, pick, MAX_TOKENS[1]), [])
     streams[0][1].close()  # leaves early
     for i in (1, 2):
         streams[i][2].extend(streams[i][1])
     for i, (cache, _, streamed) in streams.items():
         assert streamed == alone[i][0][: len(streamed)]
-        _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, alone[i][0])
+        _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, alone[i][0], kv_bits)
     assert len(streams[2][2]) == MAX_TOKENS[2] and len(streams[1][2]) == MAX_TOKENS[1]
 
 
