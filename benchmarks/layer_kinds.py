@@ -1,8 +1,9 @@
-"""Batched streams on models whose caches hold sliding windows or recurrent state, this tree
-against another (the commit before they batched), side by side in one run.
+"""Batched streams on models whose caches hold sliding windows, recurrent state or quantized
+K/V, this tree against another (the commit before they batched), side by side in one run.
 
 Per tree and model (the factory's LFM2 and Gemma 3 at `--size`, Gemma 3's window set to
-`WINDOW_TOKENS` so that it wraps within a stream), in process: N threads each reading
+`WINDOW_TOKENS` so that it wraps within a stream; its llama with K/V quantized to 8 bits,
+`llama-q8`), in process: N threads each reading
 `Runner.stream(..., batched=True)` (the server's path, less HTTP), greedy, no speculation,
 `--tokens` tokens a stream, distinct prompts; the aggregate generated tokens/s from the
 streams' start to their end (prefills included), for N = 1 and 4. Each (tree, model) runs in a
@@ -10,6 +11,7 @@ process of its own with that tree first on `PYTHONPATH`, `--rounds` times, the t
 medians over rounds are printed.
 
     python -m benchmarks.layer_kinds --before DIR [--tokens 64] [--rounds 3] [--size 100m]
+        [--models lfm2,gemma3_text,llama-q8]
 
 `DIR` holds the other tree's `mlxkv/` (e.g. `git archive HEAD~3 mlxkv | tar -x -C DIR`).
 """
@@ -33,20 +35,26 @@ WINDOW_TOKENS = 64
 # LFM2 as the real ones are laid out: mostly short convolutions, every 3rd layer attention
 # (a 12-layer "100m"; its config names each layer's kind)
 _LFM2_LAYERS = ["conv", "conv", "full_attention"] * 4
+# name -> (factory architecture, its config changes, the Runner's settings)
 MODELS = {
-    "lfm2": {
-        "layer_types": _LFM2_LAYERS,
-        "full_attn_idxs": [i for i, kind in enumerate(_LFM2_LAYERS) if kind != "conv"],
-    },
-    "gemma3_text": {"sliding_window": WINDOW_TOKENS},
+    "lfm2": (
+        "lfm2",
+        {
+            "layer_types": _LFM2_LAYERS,
+            "full_attn_idxs": [i for i, kind in enumerate(_LFM2_LAYERS) if kind != "conv"],
+        },
+        {},
+    ),
+    "gemma3_text": ("gemma3_text", {"sliding_window": WINDOW_TOKENS}, {}),
+    "llama-q8": ("llama", {}, {"kv_bits": 8}),
 }
 
 
-def _measure(model_dir: str, tokens: int) -> dict[int, float]:
+def _measure(model_dir: str, tokens: int, settings: dict) -> dict[int, float]:
     """Aggregate tokens/s of N batched streams per N (run in the tree under test)."""
     from mlxkv import Runner
 
-    runner = Runner.load(model_dir, max_context=1024, cache_entries=8, max_batch=4)
+    runner = Runner.load(model_dir, max_context=1024, cache_entries=8, max_batch=4, **settings)
     rates = {}
     for offset, rows in enumerate(LOADS):
         prompts = [
@@ -74,10 +82,11 @@ def _measure(model_dir: str, tokens: int) -> dict[int, float]:
     return rates
 
 
-def _run(tree: Path, model_dir: Path, tokens: int) -> dict[int, float]:
+def _run(tree: Path, model_dir: Path, tokens: int, settings: dict) -> dict[int, float]:
     env_path = f"{tree}:{Path(__file__).resolve().parent.parent}"
+    measure = ["--measure", str(model_dir), "--settings", json.dumps(settings)]
     out = subprocess.run(
-        [sys.executable, __file__, "--measure", str(model_dir), "--tokens", str(tokens)],
+        [sys.executable, __file__, *measure, "--tokens", str(tokens)],
         env={**os.environ, "PYTHONPATH": env_path},
         capture_output=True,
         text=True,
@@ -92,33 +101,37 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--size", default="100m")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(_measure(args.measure, args.tokens)))
+        print(json.dumps(_measure(args.measure, args.tokens, json.loads(args.settings))))
         return
+    models = {name: MODELS[name] for name in args.models.split(",")}
     from mlxkv.testing.factory import build_model
 
     after = Path(__file__).resolve().parent.parent
     trees = {"before": args.before.resolve(), "after": after}
     with tempfile.TemporaryDirectory() as work:
         dirs = {
-            arch: build_model(arch, Path(work) / arch, size=args.size, config_overrides=extra)
-            for arch, extra in MODELS.items()
+            name: build_model(arch, Path(work) / name, size=args.size, config_overrides=extra)
+            for name, (arch, extra, _) in models.items()
         }
-        rates: dict = {(t, a): [] for t in trees for a in MODELS}
+        rates: dict = {(t, m): [] for t in trees for m in models}
         for _ in range(args.rounds):
-            for arch, model_dir in dirs.items():
+            for model, model_dir in dirs.items():
+                settings = models[model][2]
                 for name, tree in trees.items():
-                    rates[name, arch].append(_run(tree, model_dir, args.tokens))
+                    rates[name, model].append(_run(tree, model_dir, args.tokens, settings))
     print(f"tokens/s, {args.rounds} rounds (medians), {args.tokens} tokens a stream")
     print("| model | streams | before | after | after / before |")
     print("|---|---|---|---|---|")
-    for arch in MODELS:
+    for model in models:
         for rows in LOADS:
-            before = statistics.median(r[rows] for r in rates["before", arch])
-            now = statistics.median(r[rows] for r in rates["after", arch])
-            print(f"| {arch} | {rows} | {before:.1f} | {now:.1f} | {now / before:.2f}x |")
+            before = statistics.median(r[rows] for r in rates["before", model])
+            now = statistics.median(r[rows] for r in rates["after", model])
+            print(f"| {model} | {rows} | {before:.1f} | {now:.1f} | {now / before:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,17 @@ def loaded_tiny(model_root):
     return _get
 
 
+@pytest.fixture(scope="session")
+def loaded_quantizable(model_root):
+    """The tiny llama with a head dimension of 32 (its own is 16, under every K/V group size),
+    so that `kv_bits` with `kv_group_size=32` quantizes its K/V; loaded once per session."""
+    from mlxkv.models.loading import load_model
+    from mlxkv.testing.factory import build_model
+
+    path = build_model("llama", f"{model_root}/llama-hd32-q", config_overrides={"head_dim": 32})
+    return load_model(path)
+
+
 @pytest.fixture
 def make_runner(loaded_tiny):
     """A Runner on a tiny factory model (loaded once per session), with these settings."""

@@ -74,4 +74,6 @@ def _assert_same_as_fresh_prefill(runner, cache, tokens: list[int], images: tupl
     copy.capacity_tokens = None  # an entry that filled the window still takes the probe
     got = copy.forward(model, probe)
     mx.eval(want, got)
-    assert_logits_close(got, want, "the entry's K/V against a fresh prefill of its token ids")
+    # quantized K/V fed in other chunks quantize other roundings (tests/tolerances.py)
+    what = "the entry's K/V against a fresh prefill of its token ids"
+    assert_logits_close(got, want, what, kv_bits=config.kv_bits)

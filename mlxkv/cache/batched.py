@@ -14,6 +14,8 @@ Each kind of ours converts to mlx-lm's batched class and back, rather than batch
   float `KVCache`            <-> `BatchKVCache`;
   `SlidingWindowCache` (no sinks: `keep` 0)  <-> `BatchRotatingKVCache`: the held slots in time
       order, the newest `window` of them, as mlx-lm's `RotatingKVCache` lays them out;
+  `QuantizedKVCache` (`kv_bits`) <-> our `BatchQuantizedKVCache` (mlx-lm has no batched
+      quantized class): `BatchKVCache`'s layout holding the quantized triples;
   mlx-lm's `ArraysCache` (recurrent state) <-> its own `merge` / row slices;
   `CacheList` of these      <-> a `CacheList` of their batched classes.
 
@@ -38,22 +40,24 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from mlxkv.cache.batched_quantized import BatchQuantizedKVCache
 from mlxkv.cache.layer_ops import always_trimmable, layer_can_trim, leaves
 from mlxkv.cache.layers.kv import KVCache
+from mlxkv.cache.layers.quantized import QuantizedKVCache
 from mlxkv.cache.layers.window import SlidingWindowCache
 from mlxkv.cache.model_cache import ModelCache
 
 
 def layer_batches(layer: Any) -> bool:
-    """Whether one layer's cache joins a decode batch: float `KVCache`, a `SlidingWindowCache`
-    without sinks, mlx-lm's `ArraysCache`, or a `CacheList` of these. Out: quantized K/V and
-    chunked attention (mlx-lm has no batched class for them), a window with `keep` sinks
-    (`BatchRotatingKVCache` keeps none), a model's own state class."""
+    """Whether one layer's cache joins a decode batch: float or quantized K/V (`KVCache`,
+    `QuantizedKVCache`), a `SlidingWindowCache` without sinks, mlx-lm's `ArraysCache`, or a
+    `CacheList` of these. Out: chunked attention (no batched class for it), a window with
+    `keep` sinks (`BatchRotatingKVCache` keeps none), a model's own state class."""
     if type(layer) is CacheList:
         return all(layer_batches(part) for part in layer.caches)
     if type(layer) is SlidingWindowCache:
         return layer.keep == 0
-    return type(layer) in (KVCache, ArraysCache)
+    return type(layer) in (KVCache, QuantizedKVCache, ArraysCache)
 
 
 def can_batch(cache: ModelCache) -> bool:
@@ -71,7 +75,8 @@ def can_prefill_together(cache: ModelCache) -> bool:
     `ArraysCache.lengths` to stop before the padding: mlx-lm's LFM2, Qwen3-Next and Kimi
     Linear do, its Mamba, Jamba, Nemotron-H, RecurrentGemma and RWKV-7 do not (their states
     take the padding in, logits off by about 10; measured on the sweep's tiny models), and no
-    cache can tell which. Those caches prefill alone, then decode in the batch."""
+    cache can tell which. Quantized K/V: `BatchQuantizedKVCache` has no right padding to
+    roll out (`prepare`, `finalize`). Those caches prefill alone, then decode in the batch."""
     return can_batch(cache) and all(type(layer) is KVCache for layer in cache.layers)
 
 
@@ -219,6 +224,8 @@ def _merged(layers: list[Any]) -> Any:
         return ArraysCache.merge(layers)
     if type(first) is SlidingWindowCache:
         return _merged_windows(layers)
+    if type(first) is QuantizedKVCache:
+        return BatchQuantizedKVCache.merge(layers)
     return BatchKVCache.merge(layers)
 
 
@@ -255,6 +262,10 @@ def _row_layer(batch: Any, row: int, like: Any) -> Any:
         return CacheList(*(_row_layer(b, row, own) for b, own in parts))
     if type(batch) is ArraysCache:
         return _arrays_row(batch.cache, row)
+    if type(batch) is BatchQuantizedKVCache:
+        layer = batch.extract(row)  # copied out, padding sliced off
+        layer.step = like.step
+        return layer
     extracted = batch.extract(row)  # keys and values in time order, padding sliced off
     if type(batch) is BatchRotatingKVCache:
         layer = SlidingWindowCache(like.window, like.keep, like.step)

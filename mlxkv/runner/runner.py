@@ -266,8 +266,8 @@ class Runner:
                 streams; more wait for a slot). Not batched: one request at a time, in turn.
                 A batched stream decodes alone (taking turns) while no other request runs
                 (speculatively, as set), when seeded (on its own random key), and where the
-                model's cache layers do not batch (sliding windows, recurrent state,
-                quantized K/V). Greedy output equals the serial one's up to the batched
+                model's cache layers do not batch (chunked attention, a window with sink
+                tokens: docs/batching.md). Greedy output equals the serial one's up to the batched
                 kernels' rounding.
             speculative: "auto" drafts tokens (from the draft model if one is loaded, else by
                 looking the text's last tokens up in the prompt and output) only while the

@@ -1,7 +1,9 @@
 """A decode batch against each sequence decoded alone, under any schedule of joins, reads and
 early leaves: the same greedy tokens and log-probabilities (within the batched kernels'
 rounding), and every entry afterwards holds exactly the tokens it fed, with the K/V a fresh
-prefill of them gives."""
+prefill of them gives. Quantized K/V (`kv_bits` 8 and 4) against each row alone on the same
+`kv_bits`: both sides quantize the same values, so the float bounds hold (measured: equal
+log-probabilities on this CPU)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxkv.cache.batched import BatchedKV, can_batch
+from mlxkv.cache.batched_quantized import BatchQuantizedKVCache
 from mlxkv.cache.building import make_cache
+from mlxkv.cache.layers.quantized import QuantizedKVCache
 from mlxkv.cache.layers.window import SlidingWindowCache
 from mlxkv.decoding.batch import DecodeBatch, batched_tokens, joined_tokens
 from mlxkv.decoding.pause import PAUSE
@@ -19,47 +23,61 @@ from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
 from mlxkv.decoding.prefill.chunks import PrefillPlan, prefill
 from mlxkv.decoding.sampling import SamplingParams
-from tests.tolerances import LOGPROB_ABS, assert_logits_close
+from tests.tolerances import LOGPROB_ABS, assert_logits_close, logprob_rel
 
 PROMPTS = [[3, 17, 5, 99, 42], [7] * 3, list(range(40, 71)), [11, 12]]
 MAX_TOKENS = [9, 5, 12, 1]
 PLAN = PrefillPlan(512)
 
 
-def _start(model, prompt):
-    """A cache holding `prompt`, the last logits, and a greedy picker keeping logprobs."""
-    cache = make_cache(model)
+QUANTIZED = {"kv_group_size": 32}  # the quantizable llama's head dimension is 32
+
+
+def _make_cache(model, kv_bits=None):
+    return make_cache(model, kv_bits=kv_bits, **QUANTIZED) if kv_bits else make_cache(model)
+
+
+def _start(model, prompt, kv_bits=None):
+    """A cache holding `prompt` (K/V quantized to `kv_bits`), the last logits, and a greedy
+    picker keeping logprobs."""
+    cache = _make_cache(model, kv_bits)
     logits = prefill(model, cache, prompt, PLAN)
     params = SamplingParams(temperature=0.0)
     pick = TokenPicker(params.make_sampler(512), [], prompt, top_logprobs=0)
     return cache, logits, pick
 
 
-def _alone(model, prompt, max_tokens):
-    cache, logits, pick = _start(model, prompt)
+def _alone(model, prompt, max_tokens, kv_bits=None):
+    cache, logits, pick = _start(model, prompt, kv_bits)
     tokens = list(decode_tokens(model, cache, logits, pick, max_tokens))
     return tokens, [pick.pop_logprob().logprob for _ in tokens]
 
 
-def _model_and_alone(loaded_tiny, arch):
-    model = loaded_tiny(arch).model
-    return model, [_alone(model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+def _model_and_alone(model, kv_bits=None):
+    """(model, each prompt decoded alone, kv_bits)."""
+    zipped = zip(PROMPTS, MAX_TOKENS, strict=True)
+    return model, [_alone(model, p, n, kv_bits) for p, n in zipped], kv_bits
 
 
 @pytest.fixture(scope="module")
 def llama(loaded_tiny):
-    return _model_and_alone(loaded_tiny, "llama")
+    return _model_and_alone(loaded_tiny("llama").model)[:2]
 
 
 # every kind of layer that batches: float K/V; sliding windows of 8 tokens beside global layers
 # (gemma3_text) or alone (spark2_5), wrapping in these sequences; recurrent state beside
-# attention (lfm2) or alone (mamba)
-@pytest.fixture(scope="module", params=["llama", "gemma3_text", "spark2_5", "lfm2", "mamba"])
-def any_kind(loaded_tiny, request):
-    return _model_and_alone(loaded_tiny, request.param)
+# attention (lfm2) or alone (mamba); K/V quantized to 8 and 4 bits (llama-q8, llama-q4)
+@pytest.fixture(
+    scope="module",
+    params=["llama", "gemma3_text", "spark2_5", "lfm2", "mamba", "llama-q8", "llama-q4"],
+)
+def any_kind(loaded_tiny, loaded_quantizable, request):
+    if request.param.startswith("llama-q"):
+        return _model_and_alone(loaded_quantizable.model, int(request.param[len("llama-q") :]))
+    return _model_and_alone(loaded_tiny(request.param).model)
 
 
-def _assert_holds_what_it_fed(model, cache, prompt, streamed, continuation):
+def _assert_holds_what_it_fed(model, cache, prompt, streamed, continuation, kv_bits=None):
     """The entry holds the prompt, then the tokens streamed (all but maybe the last; what the
     row decoded ahead of a slow reader is given back, unless a window has already lost what
     the shorter length needs), the row's own greedy continuation; and its layers are a fresh
@@ -72,11 +90,12 @@ def _assert_holds_what_it_fed(model, cache, prompt, streamed, continuation):
     if len(fed) > len(streamed):  # decoded ahead and kept: only a window that cannot go back
         assert not cache.can_trim_to(len(prompt) + len(streamed))
         assert any(type(layer).__name__ == "SlidingWindowCache" for layer in cache.layers)
-    fresh = make_cache(model)
+    fresh = _make_cache(model, kv_bits)
     prefill(model, fresh, held, PLAN)
     want = fresh.forward(model, [1])
     got = cache.copy().forward(model, [1])
-    assert_logits_close(got, want, "a batched row's layers against a fresh prefill")
+    what = "a batched row's layers against a fresh prefill"
+    assert_logits_close(got, want, what, kv_bits=kv_bits)
 
 
 @settings(
@@ -89,14 +108,14 @@ def _assert_holds_what_it_fed(model, cache, prompt, streamed, continuation):
 def test_any_schedule_decodes_as_alone(any_kind, schedule, leave_after):
     """`schedule`: (sequence, stop it now) steps; a sequence starts at its first step, reads
     one token per step, and stops early when asked (or after `leave_after` tokens)."""
-    model, alone = any_kind
+    model, alone, kv_bits = any_kind
     batch = DecodeBatch(model, max_rows=4)
     running, done = {}, {}
     for i, stop in schedule + [(i, False) for i in range(4) for _ in range(13)]:
         if i in done:
             continue
         if i not in running:
-            cache, logits, pick = _start(model, PROMPTS[i])
+            cache, logits, pick = _start(model, PROMPTS[i], kv_bits)
             tokens = batched_tokens(batch, cache, logits, pick, MAX_TOKENS[i])
             running[i] = (cache, pick, tokens, [])
         cache, pick, tokens, streamed = running[i]
@@ -112,30 +131,49 @@ def test_any_schedule_decodes_as_alone(any_kind, schedule, leave_after):
         want_tokens, want_logprobs = alone[i]
         assert streamed == want_tokens[: len(streamed)]
         got_logprobs = [pick.pop_logprob().logprob for _ in streamed]
-        assert got_logprobs == pytest.approx(want_logprobs[: len(streamed)], abs=LOGPROB_ABS)
-        _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, want_tokens)
+        want = pytest.approx(
+            want_logprobs[: len(streamed)], abs=LOGPROB_ABS, rel=logprob_rel(kv_bits)
+        )
+        assert got_logprobs == want
+        _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, want_tokens, kv_bits)
 
 
-def test_rows_that_join_and_leave_keep_the_others_exact(llama):
+@pytest.fixture(scope="module", params=["llama", "gemma3_text-q8"])
+def float_or_mixed(llama, model_root, request):
+    """The float llama; Gemma 3 (head size 32) with its global layers' K/V quantized to 8
+    bits beside its float sliding windows, both batched classes in one step."""
+    if request.param == "llama":
+        return (*llama, None)
+    from mlx_lm import load
+
+    from mlxkv.testing.factory import build_model
+
+    path = build_model(
+        "gemma3_text", f"{model_root}/gemma3-hd32", config_overrides={"head_dim": 32}
+    )
+    return _model_and_alone(load(str(path))[0], 8)
+
+
+def test_rows_that_join_and_leave_keep_the_others_exact(float_or_mixed):
     """Two rows in step, a third joining late and one leaving early: every row's tokens are
     its own alone (the padding a late row brings never leaks into another's attention)."""
-    model, alone = llama
+    model, alone, kv_bits = float_or_mixed
     batch = DecodeBatch(model, max_rows=4)
     streams = {}
     for i in (0, 2):
-        cache, logits, pick = _start(model, PROMPTS[i])
+        cache, logits, pick = _start(model, PROMPTS[i], kv_bits)
         streams[i] = (cache, batched_tokens(batch, cache, logits, pick, MAX_TOKENS[i]), [])
     for _ in range(3):
         for i in (0, 2):
             streams[i][2].append(next(streams[i][1]))
-    cache, logits, pick = _start(model, PROMPTS[1])
+    cache, logits, pick = _start(model, PROMPTS[1], kv_bits)
     streams[1] = (cache, batched_tokens(batch, cache, logits, pick, MAX_TOKENS[1]), [])
     streams[0][1].close()  # leaves early
     for i in (1, 2):
         streams[i][2].extend(streams[i][1])
     for i, (cache, _, streamed) in streams.items():
         assert streamed == alone[i][0][: len(streamed)]
-        _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, alone[i][0])
+        _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, alone[i][0], kv_bits)
     assert len(streams[2][2]) == MAX_TOKENS[2] and len(streams[1][2]) == MAX_TOKENS[1]
 
 
@@ -209,10 +247,26 @@ def test_windows_with_sinks_cannot_batch(loaded_tiny):
         BatchedKV().join(cache)
 
 
-def test_quantized_kv_cannot_batch(loaded_tiny):
-    model = loaded_tiny("llama").model
-    assert not can_batch(make_cache(model, kv_bits=8))
-    assert can_batch(make_cache(model))
+def test_quantized_rows_join_as_quantized_kv_and_part_back_unchanged(loaded_quantizable):
+    """A `kv_bits` entry's layers join as `BatchQuantizedKVCache` (its `bits` sends mlx-lm's
+    attention down the quantized path), the shorter row left-padded, and part back as the
+    entry's `QuantizedKVCache`: the same quantized arrays, bits and growth step."""
+    model = loaded_quantizable.model
+    caches = [_start(model, prompt, 4)[0] for prompt in PROMPTS[:2]]  # 5 and 3 tokens
+    batched = BatchedKV()
+    for cache in caches:
+        assert can_batch(cache)
+        batched.join(cache)
+    layer = batched.layers[0]
+    assert type(layer) is BatchQuantizedKVCache and (layer.bits, layer.group_size) == (4, 32)
+    assert layer.left_padding.tolist() == [0, 2] and layer.offset.tolist() == [5, 3]
+    own = caches[1].layers[0]
+    parted = batched.part(1, caches[1].layers)[0]
+    assert type(parted) is QuantizedKVCache
+    assert (parted.bits, parted.group_size, parted.step) == (own.bits, own.group_size, own.step)
+    for got, want in zip(parted.state, own.state, strict=True):
+        assert all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
+    assert batched.layers[0].left_padding.tolist() == [0]
 
 
 def test_rows_joining_while_other_work_waits_pause_once_and_share_their_first_step(

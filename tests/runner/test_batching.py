@@ -18,7 +18,7 @@ from mlxkv.runner import request_run
 from mlxkv.runner.prefill import group as prefill_group
 from mlxkv.testing.factory import ARCHITECTURES
 from tests.factories import recorded, wait_until
-from tests.tolerances import LOGPROB_ABS
+from tests.tolerances import LOGPROB_ABS, logprob_rel
 
 PROMPTS = [
     "The first request, about caches.",
@@ -64,10 +64,12 @@ def _queued_then_run(runner, targets) -> None:
         thread.join(60)
 
 
-def _assert_same_answers(got, want):
+def _assert_same_answers(got, want, kv_bits=None):
+    """`kv_bits`: both sides' K/V quantized to it (a looser bound: `logprob_rel`)."""
+    rel = logprob_rel(kv_bits)
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
         assert tokens == want_tokens
-        assert logprobs == pytest.approx(want_logprobs, abs=LOGPROB_ABS)
+        assert logprobs == pytest.approx(want_logprobs, abs=LOGPROB_ABS, rel=rel)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

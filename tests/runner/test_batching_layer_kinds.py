@@ -1,7 +1,9 @@
 """Batched streams on models whose cache layers cannot all trim back: sliding windows (Gemma 3
 with global layers beside, every layer a window in spark2_5; windows of 8 tokens, so they wrap
-in these replies) and recurrent state (LFM2 beside attention, Mamba alone). Against each
-request alone on a fresh Runner, by tokens and log-probabilities: rows of different prompt
+in these replies) and recurrent state (LFM2 beside attention, Mamba alone); and on K/V
+quantized to 8 and 4 bits (`kv_bits`, mlxkv's own batched class: llama-q8, llama-q4, against a
+fresh Runner with the same `kv_bits`). Against each request alone on a fresh Runner, by tokens
+and log-probabilities: rows of different prompt
 lengths joining and leaving at different steps, one reader stopping with tokens decoded ahead
 that it never read; the next turn of that conversation reusing what its entry kept; a batched
 reply crossing a disk-tier block boundary restoring from the snapshot there. Every entry is
@@ -34,19 +36,30 @@ def _answer(chunks) -> tuple[list[int], list[float]]:
     return tokens, [c.logprob.logprob for c in chunks if c.logprob is not None]
 
 
-def _alone(loaded, prompt, **options):
-    fresh = Runner(loaded, max_context=512, speculative=None)
-    return _answer(fresh.stream(prompt, **{**OPTIONS, **options}))
+def _alone(loaded, prompt, settings=None):
+    fresh = Runner(loaded, max_context=512, speculative=None, **(settings or {}))
+    return _answer(fresh.stream(prompt, **OPTIONS))
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "spark2_5", "lfm2", "mamba"])
+def _model(loaded_tiny, loaded_quantizable, case: str):
+    """(LoadedModel, Runner settings) of a case: an architecture, or llama-q<bits> (K/V
+    quantized in groups of 32, the quantizable llama's head dimension)."""
+    if case.startswith("llama-q"):
+        return loaded_quantizable, {"kv_bits": int(case[len("llama-q") :]), "kv_group_size": 32}
+    return loaded_tiny(case), {}
+
+
+@pytest.mark.parametrize(
+    "arch", ["gemma3_text", "spark2_5", "lfm2", "mamba", "llama-q8", "llama-q4"]
+)
 def test_rows_of_every_layer_kind_decode_as_alone_and_a_slow_reader_leaves_exact(
-    loaded_tiny, arch, rows
+    loaded_tiny, loaded_quantizable, arch, rows
 ):
-    loaded = loaded_tiny(arch)
+    loaded, settings = _model(loaded_tiny, loaded_quantizable, arch)
+    bits = settings.get("kv_bits")
     prompts = [_tokens(seed, n) for seed, n in enumerate(LENGTHS)]
-    want = [_alone(loaded, prompt) for prompt in prompts]
-    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    want = [_alone(loaded, prompt, settings) for prompt in prompts]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4, **settings)
     results: list = [None] * len(prompts)
     ahead = threading.Event()
 
@@ -68,17 +81,18 @@ def test_rows_of_every_layer_kind_decode_as_alone_and_a_slow_reader_leaves_exact
 
     _queued_then_run(runner, [slow, *(lambda i=i: reader(i) for i in (1, 2, 3))])
     assert max(rows) >= 3, "the streams never decoded together"
-    _assert_same_answers(results[1:], want[1:])
+    _assert_same_answers(results[1:], want[1:], bits)
     slow_tokens, slow_logprobs = results[0]
     assert len(slow_tokens) == READ_FIRST + 1
-    _assert_same_answers([(slow_tokens, slow_logprobs)], [_prefix(want[0], READ_FIRST + 1)])
+    _assert_same_answers([(slow_tokens, slow_logprobs)], [_prefix(want[0], READ_FIRST + 1)], bits)
     # the slow reader's next turn: what it read of its reply, then a new message
     turn = prompts[0] + slow_tokens + _tokens(9, 10)
     again = runner.stream(turn, batched=True, **OPTIONS)
     got = _answer(again_chunks := list(again))
-    _assert_same_answers([got], [_alone(loaded, turn)])
+    _assert_same_answers([got], [_alone(loaded, turn, settings)], bits)
     cached = again_chunks[-1].completion.cached_tokens
-    if arch in ("lfm2", "mamba"):  # recurrent state went back to what the reader read
+    if arch not in ("gemma3_text", "spark2_5"):  # K/V trimmed (recurrent state went back) to
+        # what the reader read
         assert cached >= len(prompts[0]) + len(slow_tokens) - 1
     else:  # full windows cannot go back over one token: the entry kept the tokens decoded
         # ahead, and the next turn goes back to the checkpoint where the reply starts
