@@ -104,12 +104,13 @@ def loaded_tiny(model_root):
 
 @pytest.fixture(scope="session")
 def loaded_quantizable(model_root):
-    """The tiny llama with a head dimension of 32 (its own is 16, under every K/V group size),
-    so that `kv_bits` with `kv_group_size=32` quantizes its K/V; loaded once per session."""
+    """The tiny llama with a head dimension of 64 (its own is 16, under every K/V group size),
+    so that `kv_bits` with `kv_group_size=64` quantizes its K/V, a shape MLX's CUDA build has
+    kernels for too (none for 8 bits in groups of 32 at head size 32); loaded once a session."""
     from mlxkv.models.loading import load_model
     from mlxkv.testing.factory import build_model
 
-    path = build_model("llama", f"{model_root}/llama-hd32-q", config_overrides={"head_dim": 32})
+    path = build_model("llama", f"{model_root}/llama-hd64-q", config_overrides={"head_dim": 64})
     return load_model(path)
 
 

@@ -30,7 +30,7 @@ MAX_TOKENS = [9, 5, 12, 1]
 PLAN = PrefillPlan(512)
 
 
-QUANTIZED = {"kv_group_size": 32}  # the quantizable llama's head dimension is 32
+QUANTIZED = {"kv_group_size": 64}  # the quantizable llama's head dimension is 64
 
 
 def _make_cache(model, kv_bits=None):
@@ -140,7 +140,7 @@ def test_any_schedule_decodes_as_alone(any_kind, schedule, leave_after):
 
 @pytest.fixture(scope="module", params=["llama", "gemma3_text-q8"])
 def float_or_mixed(llama, model_root, request):
-    """The float llama; Gemma 3 (head size 32) with its global layers' K/V quantized to 8
+    """The float llama; Gemma 3 (head size 64) with its global layers' K/V quantized to 8
     bits beside its float sliding windows, both batched classes in one step."""
     if request.param == "llama":
         return (*llama, None)
@@ -149,7 +149,7 @@ def float_or_mixed(llama, model_root, request):
     from mlxkv.testing.factory import build_model
 
     path = build_model(
-        "gemma3_text", f"{model_root}/gemma3-hd32", config_overrides={"head_dim": 32}
+        "gemma3_text", f"{model_root}/gemma3-hd64", config_overrides={"head_dim": 64}
     )
     return _model_and_alone(load(str(path))[0], 8)
 
@@ -258,7 +258,7 @@ def test_quantized_rows_join_as_quantized_kv_and_part_back_unchanged(loaded_quan
         assert can_batch(cache)
         batched.join(cache)
     layer = batched.layers[0]
-    assert type(layer) is BatchQuantizedKVCache and (layer.bits, layer.group_size) == (4, 32)
+    assert type(layer) is BatchQuantizedKVCache and (layer.bits, layer.group_size) == (4, 64)
     assert layer.left_padding.tolist() == [0, 2] and layer.offset.tolist() == [5, 3]
     own = caches[1].layers[0]
     parted = batched.part(1, caches[1].layers)[0]

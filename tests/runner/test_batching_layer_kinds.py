@@ -43,9 +43,9 @@ def _alone(loaded, prompt, settings=None):
 
 def _model(loaded_tiny, loaded_quantizable, case: str):
     """(LoadedModel, Runner settings) of a case: an architecture, or llama-q<bits> (K/V
-    quantized in groups of 32, the quantizable llama's head dimension)."""
+    quantized in groups of 64, the quantizable llama's head dimension)."""
     if case.startswith("llama-q"):
-        return loaded_quantizable, {"kv_bits": int(case[len("llama-q") :]), "kv_group_size": 32}
+        return loaded_quantizable, {"kv_bits": int(case[len("llama-q") :]), "kv_group_size": 64}
     return loaded_tiny(case), {}
 
 
