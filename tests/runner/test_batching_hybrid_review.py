@@ -195,3 +195,45 @@ def test_close_mid_batch_on_a_hybrid_then_a_restart_answers_as_alone(loaded_tiny
     for prompt in (prompts[0] + want[0][0][:12] + _tokens(62, 9), prompts[1][:300]):
         after = _answer(Runner(loaded, **config).stream(prompt, **short))
         _assert_same_answers([after], [_alone(loaded, prompt, **short)])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_a_speculative_stream_left_behind_in_the_batch_then_closed(loaded_tiny, arch, rows):
+    """A speculative stream joins the batch when another comes, falls behind while the other
+    reads to its end, reads one more token (it leaves the batch with the tokens queued for
+    it: `_alone_or_batched`) and closes: its entry may hold at most 17 tokens past what it
+    streamed (tests/invariants.py), and the next turn answers as alone."""
+    loaded = loaded_tiny(arch)
+    options = {"max_tokens": 60, "temperature": 0.0, "logprobs": 0}
+    prompts = [_tokens(70, 20), _tokens(71, 15)]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    first = runner.stream(prompts[0], batched=True, **options)
+    read = [next(first).token for _ in range(3)]  # alone, speculating
+    assert runner._dispatch._batching.batch.num_rows == 0
+    b_started, a_joined, b_done = threading.Event(), threading.Event(), threading.Event()
+
+    def second():
+        stream = runner.stream(prompts[1], batched=True, max_tokens=30, temperature=0.0)
+        next(stream), next(stream)
+        b_started.set()
+        assert a_joined.wait(30)
+        list(stream)
+        b_done.set()
+
+    other = threading.Thread(target=second)
+    other.start()
+    assert b_started.wait(30)
+    read.append(next(first).token)  # its last alone (the hand-over asked after it)
+    read.append(next(first).token)  # in the batch with the other now
+    in_batch = runner._dispatch._batching.batch.num_rows
+    a_joined.set()
+    assert b_done.wait(60)
+    other.join(60)
+    read.append(next(first).token)  # the other is done: out of the batch, tokens queued
+    first.close()
+    assert in_batch == 2 and max(rows) == 2, (in_batch, rows)
+    want = _alone(loaded, prompts[0], **options)[0]
+    assert read == want[: len(read)]
+    turn = prompts[0] + read + _tokens(72, 6)
+    got = _answer(runner.stream(turn, batched=True, **OPTIONS))
+    _assert_same_answers([got], [_alone(loaded, turn)])
