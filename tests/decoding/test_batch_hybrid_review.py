@@ -93,3 +93,25 @@ def _leaves(marks):
             yield from _leaves(mark)
         elif mark is not None:
             yield mark
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba", "gemma3_text"])
+def test_a_row_done_in_the_batch_before_its_reader_stops_goes_back_exact(loaded_tiny, arch):
+    """The slow row produces all its tokens (it leaves the batch at its last step) while its
+    reader has read 2; the reader then stops: recurrent state goes back to the step of its
+    last read token from the marks of a row that is no longer in the batch."""
+    model = loaded_tiny(arch).model
+    prompts = [_prompt(7, 18), _prompt(8, 9)]
+    alone = _alone(model, prompts[0], 10)
+    batch = DecodeBatch(model, max_rows=2)
+    started = [_start(model, p) for p in prompts]
+    pairs = zip(started, (10, 30), strict=True)
+    streams = [batched_tokens(batch, c, lg, pk, n) for (c, lg, pk), n in pairs]
+    slow = [next(streams[0]), next(streams[0])]
+    for _ in range(20):
+        next(streams[1])
+    assert batch.num_rows == 1  # the slow row is done, its tokens queued
+    streams[0].close()
+    streams[1].close()
+    assert slow == alone[0][:2]
+    _assert_holds_what_it_fed(model, started[0][0], prompts[0], slow, alone[0])
