@@ -58,13 +58,21 @@ def checked_runners(request):
     from mlxkv.runner.hooks import request_ends
     from tests.invariants import assert_entry_holds_what_it_fed, assert_recorded_bytes_current
 
+    failures: list[BaseException] = []
+
     def check(end):
         fed = end.prompt + end.generated
-        assert_entry_holds_what_it_fed(end.context, end.entry, fed, end.images)
-        assert_recorded_bytes_current(end.context.pool)
+        try:
+            assert_entry_holds_what_it_fed(end.context, end.entry, fed, end.images)
+            assert_recorded_bytes_current(end.context.pool)
+        except BaseException as error:  # a stream closed early only logs it (engine.py)
+            failures.append(error)
+            raise
 
     with request_ends(check):
         yield
+    if failures:
+        raise failures[0]
 
 
 @pytest.fixture(autouse=True)

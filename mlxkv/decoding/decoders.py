@@ -145,10 +145,23 @@ def _alone_or_batched(
                 yield last
         finally:
             joined.close()
-        for last in queued:  # picked in the batch, not read yet (the newest not fed)
+        for read, last in enumerate(queued, start=1):  # picked in the batch, not read yet
             produced += 1
             drafter.extend([last])
-            yield last
+            try:
+                yield last
+            except GeneratorExit:  # all but the newest were fed: give back those not read
+                _give_back(cache, len(queued) - 1 - read)
+                raise
         if produced >= total:
             return
         alone = speculate(last, total - produced)
+
+
+def _give_back(cache: ModelCache, unread_fed: int) -> None:
+    """The cache without the `unread_fed` tokens fed ahead of a reader that stopped, where its
+    layers trim (as `DecodeBatch.leave` does); layers that cannot (recurrent state, a full
+    window) keep them."""
+    target = cache.num_tokens - unread_fed
+    if unread_fed > 0 and cache.can_trim_to(target):
+        cache.trim_to(target)

@@ -1,0 +1,89 @@
+"""Review probe of batched windows and recurrent state (merge fd1e4a3) through the real server
+and the real OpenAI client: four concurrent chats on tiny LFM2 and Gemma 3 (text), two of them
+left mid-stream, each answering as a fresh Runner answers it alone; afterwards nothing in use,
+an empty batch, and the left conversations' next turns as a fresh Runner's. Entries are checked
+after every request by `tests/invariants.py`."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mlxkv import Runner
+from mlxkv.decoding import batch as batch_module
+from tests.factories import wait_until
+from tests.server.conftest import serve
+
+ASKS = [  # (question, max_tokens, chunks read before leaving, or None)
+    ("Tell me about caches and their keys.", 30, None),
+    ("What is a sliding window?", 40, 3),
+    ("Why do recurrent layers keep state?", 26, None),
+    ("Count the rows of a batch, at length.", 60, 9),
+]
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "gemma3_text"])
+def test_concurrent_chats_with_disconnects_answer_as_alone(loaded_tiny, arch, monkeypatch):
+    loaded = loaded_tiny(arch)
+    rows: list[int] = []
+    step = batch_module.DecodeBatch._step
+
+    def counting(self):
+        rows.append(self.num_rows)
+        return step(self)
+
+    def alone(question, n):
+        fresh = Runner(loaded, max_context=1024, speculative=None)
+        messages = [{"role": "user", "content": question}]
+        return fresh.generate(messages, max_tokens=n, temperature=0.0).text
+
+    want = [alone(q, n) for q, n, _ in ASKS]
+    runner = Runner(loaded, max_context=1024, max_batch=4)
+    monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
+    got: list = [None] * len(ASKS)
+    with serve(runner, model_name="tiny") as served:
+        client = served.openai()
+
+        def ask(i):
+            question, n, leave_after = ASKS[i]
+            messages = [{"role": "user", "content": question}]
+            stream = client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=n, temperature=0.0, stream=True
+            )
+            pieces = []
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    pieces.append(chunk.choices[0].delta.content)
+                if leave_after is not None and len(pieces) == leave_after:
+                    stream.close()
+                    break
+            got[i] = "".join(pieces)
+
+        threads = [threading.Thread(target=lambda i=i: ask(i)) for i in range(len(ASKS))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for i, (_, _, leave_after) in enumerate(ASKS):
+            if leave_after is None:
+                assert got[i] == want[i], i
+            else:
+                assert want[i].startswith(got[i]), i
+        wait_until(lambda: not runner._pool._in_use, what="every entry released")
+        assert runner._dispatch._batching.batch.num_rows == 0
+        assert runner._dispatch._batching.streams == 0
+        for i in (1, 3):  # the left conversations, with what their clients saw, go on
+            question = ASKS[i][0]
+            messages = [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": got[i]},
+                {"role": "user", "content": "Go on."},
+            ]
+            again = client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=16, temperature=0.0
+            )
+            fresh = Runner(loaded, max_context=1024, speculative=None)
+            expected = fresh.generate(messages, max_tokens=16, temperature=0.0).text
+            assert again.choices[0].message.content == expected, i
+    assert max(rows) >= 2, rows
