@@ -97,7 +97,7 @@ def _run(tree: Path, model_dir: Path, tokens: int, settings: dict) -> dict[int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--before", type=Path, help="the other tree (holding mlxkv/)")
+    parser.add_argument("--before", type=Path, required=True, help="the other tree (its mlxkv/)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--size", default="100m")

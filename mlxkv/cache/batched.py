@@ -28,7 +28,7 @@ copy a shared prefix from it meanwhile.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -72,11 +72,11 @@ def can_prefill_together(cache: ModelCache) -> bool:
     (`finalize`). Sliding windows come out of it exact (mlx-lm's `BatchRotatingKVCache` rolls
     too), but their prompts take checkpoints where the reply starts, which one pass for all
     rows does not. Recurrent state is exact only where the model itself reads
-    `ArraysCache.lengths` to stop before the padding: mlx-lm's LFM2, Qwen3-Next and Kimi
-    Linear do, its Mamba, Jamba, Nemotron-H, RecurrentGemma and RWKV-7 do not (their states
-    take the padding in, logits off by about 10; measured on the sweep's tiny models), and no
-    cache can tell which. Quantized K/V: `BatchQuantizedKVCache` has no right padding to
-    roll out (`prepare`, `finalize`). Those caches prefill alone, then decode in the batch."""
+    `ArraysCache.lengths` to stop before the padding (docs/batching.md lists which of
+    mlx-lm's models do: those that do not take the padding into their state, logits off by 3
+    to 15 on the sweep's tiny models), and no cache can tell which. Quantized K/V:
+    `BatchQuantizedKVCache` has no right padding to roll out (`prepare`, `finalize`). Those
+    caches prefill alone, then decode in the batch."""
     return can_batch(cache) and all(type(layer) is KVCache for layer in cache.layers)
 
 
@@ -163,6 +163,13 @@ class BatchedKV:
         state of this moment (`rewound_row`)."""
         return [_marks(batch) for batch in self.layers]
 
+    def marks_nbytes(self, marks: Sequence[list[Any]]) -> int:
+        """Bytes that `marks` (`state_marks` of earlier steps) keep alive besides the batch's
+        own arrays, each array counted once (steps share the arrays of layers not replaced)."""
+        own = {id(a) for a in _mark_arrays(self.state_marks())}
+        kept = {id(a): a for a in _mark_arrays(marks) if id(a) not in own}
+        return sum(a.nbytes for a in kept.values())
+
     def _check(self, row: int) -> None:
         if not 0 <= row < self.num_rows:
             raise IndexError(f"no row {row} in a batch of {self.num_rows}")
@@ -204,6 +211,14 @@ def _marks(batch: Any) -> Any:
     if type(batch) is CacheList:
         return [_marks(part) for part in batch.caches]
     return list(batch.cache) if type(batch) is ArraysCache else None
+
+
+def _mark_arrays(marks: Any) -> Iterator[mx.array]:
+    for mark in marks:
+        if isinstance(mark, list):
+            yield from _mark_arrays(mark)
+        elif mark is not None:
+            yield mark
 
 
 def _arrays_row(arrays: Sequence[mx.array | None], row: int) -> ArraysCache:

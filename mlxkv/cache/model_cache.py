@@ -299,7 +299,8 @@ class ModelCache:
         self._disk_snapshots = dict(disk or {})
 
     def nearest_restorable(self, num_tokens: int) -> int:
-        """The largest length <= num_tokens it can go back to, trimming or from a checkpoint."""
+        """The largest length <= num_tokens it can go back to, trimming or from a checkpoint
+        (0: starting over)."""
         if self.can_trim_to(num_tokens):
             return num_tokens
         return max((n for n in self._checkpoints if n <= num_tokens), default=0)

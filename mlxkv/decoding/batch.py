@@ -115,8 +115,11 @@ class DecodeBatch:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the batch's K/V hold (besides the entries' own, kept as they were)."""
-        return self._kv.nbytes
+        """Bytes the batch holds besides the entries' own (kept as they were): its layers,
+        and the recurrent state of the steps its readers have not read yet (kept to go back
+        to, `_go_back`: a slow reader's row keeps one step's state per token behind)."""
+        marks = [m for row in self._rows for _, _, m in row.out if m is not None]
+        return self._kv.nbytes + (self._kv.marks_nbytes(marks) if marks else 0)
 
     def accepts(self, cache: ModelCache) -> bool:
         """True when a sequence on `cache` can join now (room, and a cache kind that batches)."""

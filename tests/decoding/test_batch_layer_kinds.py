@@ -16,6 +16,7 @@ from mlxkv.models.loading import load_model
 from mlxkv.testing.architectures import EXPECTED_LAYERS
 from mlxkv.testing.factory import build_model
 from tests.decoding.test_batch import _alone, _assert_holds_what_it_fed, _start
+from tests.tolerances import LOGPROB_ABS
 
 STATEFUL = sorted(arch for arch, kinds in EXPECTED_LAYERS.items() if kinds - {"KVCache"})
 PROMPTS = [list(range(40, 71)), [3, 17, 5, 99, 42], list(range(100, 120))]
@@ -62,6 +63,6 @@ def test_stateful_architectures_decode_in_a_batch_as_alone(tmp_path, arch):
         want_tokens, want_logprobs = alone[i]
         assert streamed == want_tokens[: len(streamed)]
         logprobs = [pick.pop_logprob().logprob for _ in streamed]
-        assert logprobs == pytest.approx(want_logprobs[: len(streamed)], abs=1e-3)
+        assert logprobs == pytest.approx(want_logprobs[: len(streamed)], abs=LOGPROB_ABS)
         _assert_holds_what_it_fed(model, cache, PROMPTS[i], streamed, want_tokens)
     assert len(rows[1][3]) == 2 and len(rows[0][3]) == MAX_TOKENS[0]

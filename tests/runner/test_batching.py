@@ -270,25 +270,33 @@ def test_the_next_turn_started_at_the_last_chunk_finds_the_entry_released(loaded
 
 
 def _joined_mid_reply(runner, first_options, second_prompt, second_options):
-    """A stream read for 3 chunks alone, then a second one started; the first read to its end
-    (with its alone answer compared by the caller); the second's tokens."""
+    """A stream read for 3 chunks alone; a second one started and read for one chunk; the
+    first read for 3 more (beside the second now), the second to its end (its row joins where
+    the first decodes), then the first to its end; the first's tokens (its alone answer
+    compared by the caller) and the second's. Each reader waits on the other's events, never
+    on how threads happen to be scheduled."""
     first = runner.stream(PROMPTS[0], batched=True, **first_options)
     head = [next(first) for _ in range(3)]
     assert runner._dispatch._batching.batch.num_rows == 0  # decoding alone, speculatively
-    gate, holding, results = threading.Event(), threading.Event(), []
-    runner._engine._submit(lambda: holding.set() or gate.wait(30))
-    holding.wait(30)
-    second = threading.Thread(
-        target=lambda: results.append(
-            _tokens_and_logprobs(runner.stream(second_prompt, batched=True, **second_options))
-        )
-    )
+    started, resumed = threading.Event(), threading.Event()
+    results = []
+
+    def read_second():
+        chunks = []
+        for chunk in runner.stream(second_prompt, batched=True, **second_options):
+            chunks.append(chunk)
+            if len(chunks) == 1:
+                started.set()
+                resumed.wait(30)
+        results.append(_tokens_and_logprobs(chunks))
+
+    second = threading.Thread(target=read_second)
     second.start()
-    wait_until(lambda: runner._engine._jobs.qsize() == 1, what="the second stream queued")
-    gate.set()
-    got = _tokens_and_logprobs([*head, *first])
+    assert started.wait(30)
+    head += [next(first) for _ in range(3)]
+    resumed.set()
     second.join(60)
-    return got, results[0]
+    return _tokens_and_logprobs([*head, *first]), results[0]
 
 
 def test_a_speculative_stream_stays_alone_beside_one_that_cannot_batch(loaded_tiny, rows):
@@ -474,7 +482,8 @@ def test_greedy_rows_reporting_no_logprobs_pick_together_and_answer_as_alone(
     options = {"max_tokens": 24, "temperature": 0.0}
     alone = Runner(loaded, max_context=512, speculative=None)
     want = [_tokens_and_logprobs(alone.stream(p, logprobs=0, **options)) for p in PROMPTS[:3]]
-    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    # unspeculated: a row decoding alone for a while would pick its own tokens
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4, speculative=None)
     bare_picks = []
     call = TokenPicker.__call__
 

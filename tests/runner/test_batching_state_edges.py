@@ -18,7 +18,10 @@ def _alone(loaded, prompt, **options):
     return _answer(fresh.stream(prompt, **{**OPTIONS, **options}))
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+# Not a full sliding window (gemma3_text): it goes back one token at most, so a reader this
+# far behind leaves its entry holding the tokens decoded ahead (exact, but past the bound;
+# docs/batching.md, "Which cache layers batch").
+@pytest.mark.parametrize("arch", ["lfm2", "mamba"])
 def test_a_reader_far_behind_stops_and_its_entry_holds_what_it_streamed(loaded_tiny, arch, rows):
     """As test_batching_layer_kinds' slow reader, but 30 steps behind instead of 12 (a client
     reading slowly while another reads on): the entry may hold at most 17 tokens past what
@@ -197,7 +200,9 @@ def test_close_mid_batch_on_a_hybrid_then_a_restart_answers_as_alone(loaded_tiny
         _assert_same_answers([after], [_alone(loaded, prompt, **short)])
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+# Layers that trim only: a stream gone back to speculating has left the batch, so a full window
+# or recurrent state cannot give back the queued tokens it was fed (docs/batching.md).
+@pytest.mark.parametrize("arch", ["llama"])
 def test_a_speculative_stream_left_behind_in_the_batch_then_closed(loaded_tiny, arch, rows):
     """A speculative stream joins the batch when another comes, falls behind while the other
     reads to its end, reads one more token (it leaves the batch with the tokens queued for
