@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -32,17 +34,17 @@ def held_writes(monkeypatch):
     release.set()
 
 
-@pytest.fixture
-def rows(monkeypatch):
-    """The number of rows of every batched step requests took (not the load's warm-up's)."""
-    seen: list[int] = []
+def record_batch_steps(monkeypatch, what: Callable[[Any], Any]) -> list:
+    """`what(batch)` of every batched step requests take from now on (not the load's
+    warm-up's), in order: the list it returns grows as they run."""
+    seen: list = []
     warming: list[bool] = []
     step = batch_module.DecodeBatch._step
     warm_up = runner_module.warm_up
 
     def counting(self):
         if not warming:
-            seen.append(self.num_rows)
+            seen.append(what(self))
         return step(self)
 
     def flagged(*args):
@@ -55,3 +57,9 @@ def rows(monkeypatch):
     monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
     monkeypatch.setattr(runner_module, "warm_up", flagged)
     return seen
+
+
+@pytest.fixture
+def rows(monkeypatch):
+    """The number of rows of every batched step requests took (not the load's warm-up's)."""
+    return record_batch_steps(monkeypatch, lambda batch: batch.num_rows)

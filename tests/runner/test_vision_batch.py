@@ -23,11 +23,11 @@ from mlxkv.cache.building import make_cache  # noqa: E402
 from mlxkv.decoding import batch as batch_module  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.runner import assembly  # noqa: E402
-from mlxkv.runner import runner as runner_module  # noqa: E402
 from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
 from tests.factories import recorded, wait_until  # noqa: E402
+from tests.runner.conftest import record_batch_steps  # noqa: E402
 from tests.runner.test_batching import _queued_then_run, _tokens_and_logprobs  # noqa: E402
-from tests.tolerances import LOGPROB_ABS
+from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 # M-RoPE families: a prompt with images shifts the positions of the tokens after it.
 SHIFTING = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -52,26 +52,9 @@ def images():
 def steps(monkeypatch):
     """(rows, shifted) of every batched step requests took (not the load's warm-up's):
     shifted when the step passed the rows' position shifts to the model."""
-    seen: list[tuple[int, bool]] = []
-    warming: list[bool] = []
-    step = batch_module.DecodeBatch._step
-    warm_up = runner_module.warm_up
-
-    def counting(self):
-        if not warming:
-            seen.append((self.num_rows, self._shifts is not None))
-        return step(self)
-
-    def flagged(*args):
-        warming.append(True)
-        try:
-            return warm_up(*args)
-        finally:
-            warming.pop()
-
-    monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
-    monkeypatch.setattr(runner_module, "warm_up", flagged)
-    return seen
+    return record_batch_steps(
+        monkeypatch, lambda batch: (batch.num_rows, batch._shifts is not None)
+    )
 
 
 def _batches(loaded) -> bool:
@@ -186,7 +169,7 @@ def test_next_turn_of_an_image_conversation_reuses_its_entry_in_the_batch(loaded
     ]
     want = _alone(loaded, second, 12)
     del steps[:]
-    _queued_then_run(runner, [lambda: run(0, second), lambda: run(1, other)])
+    got = _two_in_step(runner, [second, other], max_tokens=12, **GREEDY)
     completion = got[0][-1].completion
     # what the same two turns reuse one at a time: the first's prompt (its image) at least,
     # and its reply where its text renders back to its tokens; a model with sliding windows
@@ -198,6 +181,33 @@ def test_next_turn_of_an_image_conversation_reuses_its_entry_in_the_batch(loaded
     assert completion.cached_tokens == reused >= (1 if windows else turn_one.prompt_tokens)
     _assert_same([_tokens_and_logprobs(got[0])], [want])
     assert max(rows for rows, _ in steps) == 2
+
+
+def _two_in_step(runner, conversations, **options) -> list[list]:
+    """Two batched streams' chunks, read so that they decode together whatever the order of
+    their prefills (each prompt with images is prefilled alone): the first waits after its
+    second chunk (its row in the batch) until the second has its second chunk, which a step
+    of both rows gives; the second waits after its first chunk until then. Events, not the
+    threads' timing, decide the overlap."""
+    joined, both = threading.Event(), threading.Event()
+    got: list = [None, None]
+
+    def read(i):
+        chunks = []
+        for chunk in runner.stream(conversations[i], batched=True, **options):
+            chunks.append(chunk)
+            if i == 0 and len(chunks) == 2:
+                joined.set()
+                assert both.wait(30)
+            elif i == 1 and len(chunks) == 1:
+                assert joined.wait(30)
+            elif i == 1 and len(chunks) == 2:
+                both.set()
+        joined.set(), both.set()  # a reply of one chunk: nothing to wait for
+        got[i] = chunks
+
+    _queued_then_run(runner, [lambda i=i: read(i) for i in range(2)])
+    return got
 
 
 def test_warm_up_runs_a_batched_step_where_the_vision_model_batches(loaded, monkeypatch):

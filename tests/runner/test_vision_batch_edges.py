@@ -21,14 +21,14 @@ from PIL import Image  # noqa: E402
 from mlxkv import Runner, json_schema_grammar  # noqa: E402
 from mlxkv.cache.batched import can_batch  # noqa: E402
 from mlxkv.cache.building import make_cache  # noqa: E402
-from mlxkv.decoding import batch as batch_module  # noqa: E402
 from mlxkv.decoding import decoders  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
-from mlxkv.runner import runner as runner_module  # noqa: E402
 from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
 from tests.factories import recorded, wait_until  # noqa: E402
+from tests.runner.conftest import record_batch_steps  # noqa: E402
 from tests.runner.test_batching import _queued_then_run  # noqa: E402
-from tests.tolerances import LOGPROB_ABS
+from tests.runner.test_vision_batch import _two_in_step  # noqa: E402
+from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 GREEDY = {"temperature": 0.0}
 
@@ -49,27 +49,10 @@ def images():
 @pytest.fixture
 def steps(monkeypatch):
     """(rows, shifts) of every batched step requests took (not the warm-up's)."""
-    seen: list[tuple[int, list[int] | None]] = []
-    warming: list[bool] = []
-    step = batch_module.DecodeBatch._step
-    warm_up = runner_module.warm_up
-
-    def counting(self):
-        if not warming:
-            shifts = None if self._shifts is None else self._shifts.tolist()
-            seen.append((self.num_rows, shifts))
-        return step(self)
-
-    def flagged(*args):
-        warming.append(True)
-        try:
-            return warm_up(*args)
-        finally:
-            warming.pop()
-
-    monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
-    monkeypatch.setattr(runner_module, "warm_up", flagged)
-    return seen
+    return record_batch_steps(
+        monkeypatch,
+        lambda batch: (batch.num_rows, None if batch._shifts is None else batch._shifts.tolist()),
+    )
 
 
 def _batches(loaded) -> bool:
@@ -231,14 +214,8 @@ def test_a_prompt_cut_to_the_window_decodes_in_the_batch_at_its_kept_shift(loade
     reference = _alone(loaded, kept, max_context=window, max_tokens=16, **GREEDY)
     assert want[0][0] == reference[0]
     runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4)
-    got: list = [None, None]
-    conversations = [cut, other]
-
-    def run(i):
-        stream = runner.stream(conversations[i], batched=True, max_tokens=16, logprobs=0, **GREEDY)
-        got[i] = _result(stream)
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    options = {"max_tokens": 16, "logprobs": 0, **GREEDY}
+    got = [_result(chunks) for chunks in _two_in_step(runner, [cut, other], **options)]
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
@@ -612,14 +589,8 @@ def test_a_cut_that_drops_every_image_decodes_unshifted_in_the_batch(loaded, ima
     ]
     assert want[0][0] == _alone(loaded, kept, max_context=window, max_tokens=16, **GREEDY)[0]
     runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4)
-    got: list = [None, None]
-    conversations = [cut, other]
-
-    def run(i):
-        stream = runner.stream(conversations[i], batched=True, max_tokens=16, logprobs=0, **GREEDY)
-        got[i] = _result(stream)
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    options = {"max_tokens": 16, "logprobs": 0, **GREEDY}
+    got = [_result(chunks) for chunks in _two_in_step(runner, [cut, other], **options)]
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
