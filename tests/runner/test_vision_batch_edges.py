@@ -242,18 +242,9 @@ def test_prefix_hits_ending_after_and_inside_an_image_decode_in_the_batch(loaded
     done = list(runner.stream(partial, max_tokens=4, cancel=cancel, progress=progress))
     assert done[-1].completion.finish_reason == "cancelled"
     assert image_tokens[0] < max(fed) < image_tokens[-1], "the cancel must cut the image"
-    got: list = [None, None]
-    cached: list = [None, None]
-    conversations = [second, partial]
-
-    def run(i):
-        chunks = list(
-            runner.stream(conversations[i], batched=True, max_tokens=12, logprobs=0, **GREEDY)
-        )
-        got[i] = _result(chunks)
-        cached[i] = chunks[-1].completion.cached_tokens
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    read = _two_in_step(runner, [second, partial], max_tokens=12, logprobs=0, **GREEDY)
+    got = [_result(chunks) for chunks in read]
+    cached = [chunks[-1].completion.cached_tokens for chunks in read]
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     if not _batches(loaded):
@@ -422,18 +413,9 @@ def test_the_same_image_prompt_again_in_the_batch_reuses_all_of_it(loaded, image
     want = [_alone(loaded, m, max_tokens=16, **GREEDY) for m in (again, other)]
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
     runner.generate(again, max_tokens=0 + 1, **GREEDY)
-    got: list = [None, None]
-    cached: list = [None, None]
-    conversations = [again, other]
-
-    def run(i):
-        chunks = list(
-            runner.stream(conversations[i], batched=True, max_tokens=16, logprobs=0, **GREEDY)
-        )
-        got[i] = _result(chunks)
-        cached[i] = chunks[-1].completion.cached_tokens
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    read = _two_in_step(runner, [again, other], max_tokens=16, logprobs=0, **GREEDY)
+    got = [_result(chunks) for chunks in read]
+    cached = [chunks[-1].completion.cached_tokens for chunks in read]
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert cached[0] >= len(runner.encode(again)) - 1
@@ -555,14 +537,8 @@ def test_the_next_turn_after_a_reply_cut_decodes_in_the_batch_at_the_cut_shift(
     reference.generate(messages, max_tokens=room, **GREEDY)
     want = [_result(reference.stream(turn2, max_tokens=12, logprobs=0, **GREEDY))]
     want.append(_alone(loaded, other, max_context=window, max_tokens=12, **GREEDY))
-    got: list = [None, None]
-    conversations = [turn2, other]
-
-    def run(i):
-        stream = runner.stream(conversations[i], batched=True, max_tokens=12, logprobs=0, **GREEDY)
-        got[i] = _result(stream)
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    read = _two_in_step(runner, [turn2, other], max_tokens=12, logprobs=0, **GREEDY)
+    got = [_result(chunks) for chunks in read]
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
