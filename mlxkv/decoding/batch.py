@@ -117,8 +117,10 @@ class DecodeBatch:
     def nbytes(self) -> int:
         """Bytes the batch holds besides the entries' own (kept as they were): its layers,
         and the recurrent state of the steps its readers have not read yet (kept to go back
-        to, `_go_back`: a slow reader's row keeps one step's state per token behind)."""
-        marks = [m for row in self._rows for _, _, m in row.out if m is not None]
+        to, `_go_back`: a slow reader's row keeps one step's state per token behind). Read
+        from any thread (`Runner.cache_info`): the rows and their queues are copied first, each
+        copy one C call (no thread switch inside it, so no 'mutated during iteration')."""
+        marks = [m for row in tuple(self._rows) for _, _, m in tuple(row.out) if m is not None]
         return self._kv.nbytes + (self._kv.marks_nbytes(marks) if marks else 0)
 
     def accepts(self, cache: ModelCache) -> bool:
