@@ -33,11 +33,9 @@ IMAGE_SIDES_PIXELS = {"tiny": (56, 112), "small": (224, 168)}
 
 
 def _conversation(stream: int, round_index: int, side: int) -> list[dict]:
-    import numpy as np
-    from PIL import Image
+    from mlxkv.testing.vision_factory import noise_image
 
-    rng = np.random.default_rng(stream)
-    image = Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8))
+    image = noise_image(stream, (side, side, 3))
     question = f"Round {round_index}: describe picture {stream} in detail, please."
     content = [{"type": "image", "image": image}, {"type": "text", "text": question}]
     return [{"role": "user", "content": content}]

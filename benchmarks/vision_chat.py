@@ -30,7 +30,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import openai
 
 from benchmarks.common import filler_text
@@ -46,11 +45,10 @@ IMAGE_SIDE_PIXELS = 448
 def image_data_url(seed: int = 0) -> str:
     """A random image; another `seed` for each conversation, so each server's turn 1 encodes
     it (neither finds it in its encoder cache from the conversation before)."""
-    from PIL import Image
+    from mlxkv.testing.vision_factory import noise_image
 
-    pixels = np.random.default_rng(seed).integers(0, 255, (IMAGE_SIDE_PIXELS,) * 2 + (3,))
     out = io.BytesIO()
-    Image.fromarray(pixels.astype(np.uint8)).save(out, format="PNG")
+    noise_image(seed, (IMAGE_SIDE_PIXELS, IMAGE_SIDE_PIXELS, 3)).save(out, format="PNG")
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 

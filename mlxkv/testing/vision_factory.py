@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from mlxkv.testing.factory import CHAT_TEMPLATE, _write_tokenizer
@@ -147,6 +148,21 @@ _TINY_VISION_TOWER = {
     "patch_size": 14,
     "image_size": 56,
 }
+
+
+def noise_images(seed: int, shapes: list[tuple[int, int, int]]) -> list[Any]:
+    """PIL images of uniform noise, one per (height, width, channels), drawn in order from one
+    generator seeded with `seed` (the same images for the same arguments): random pixels, so
+    that two images never encode alike by chance."""
+    from PIL import Image  # with mlx-vlm, as the rest of this module
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 255, shape, dtype=np.uint8)) for shape in shapes]
+
+
+def noise_image(seed: int, shape: tuple[int, int, int] = (56, 56, 3)) -> Any:
+    """One image of `noise_images`: the first that `seed` draws."""
+    return noise_images(seed, [shape])[0]
 
 
 def build_vision_model(

@@ -18,7 +18,7 @@ from mlxkv import Runner  # noqa: E402
 from mlxkv.config import ENCODER_CACHE_FRACTION  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
+from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
 from tests.tolerances import LOGPROB_ABS
 
 MAX_TOKENS = 6
@@ -32,8 +32,7 @@ def loaded(tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def images():
-    rng = np.random.default_rng(0)
-    return [Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8)) for _ in range(2)]
+    return noise_images(0, [(56, 56, 3)] * 2)
 
 
 def _ask(image, text: str = "What is this?") -> list[dict]:

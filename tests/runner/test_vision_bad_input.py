@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import io
 
-import numpy as np
 import pytest
 
 pytest.importorskip("mlx_vlm")
@@ -17,7 +16,7 @@ from mlxkv import Runner  # noqa: E402
 from mlxkv.models import images as image_limits  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT  # noqa: E402
-from mlxkv.testing.vision_factory import build_vision_model  # noqa: E402
+from mlxkv.testing.vision_factory import build_vision_model, noise_image  # noqa: E402
 
 
 def _png(width: int, height: int, fmt: str = "PNG") -> bytes:
@@ -98,13 +97,13 @@ def test_more_images_than_the_model_takes_are_refused(runner):
 
 
 def test_the_same_pixels_in_another_encoding_are_the_same_image(runner):
-    pixels = np.random.default_rng(1).integers(0, 255, (56, 56, 3), dtype=np.uint8)
+    image = noise_image(1)
     png, bmp = io.BytesIO(), io.BytesIO()
-    Image.fromarray(pixels).save(png, format="PNG")
-    Image.fromarray(pixels).save(bmp, format="BMP")
+    image.save(png, format="PNG")
+    image.save(bmp, format="BMP")
     as_data_url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     assert runner.encode(_ask(as_data_url)) == runner.encode(_ask(bmp.getvalue()))
-    assert runner.encode(_ask(as_data_url)) == runner.encode(_ask(Image.fromarray(pixels)))
+    assert runner.encode(_ask(as_data_url)) == runner.encode(_ask(image))
 
 
 def test_short_base64_holding_a_slash_is_base64_not_a_path(runner):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import threading
 
-import numpy as np
 import pytest
 
 pytest.importorskip("mlx_vlm")
@@ -23,7 +22,7 @@ from mlxkv.cache.batched import can_batch  # noqa: E402
 from mlxkv.cache.building import make_cache  # noqa: E402
 from mlxkv.decoding import decoders  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
+from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
 from tests.factories import recorded, wait_until  # noqa: E402
 from tests.runner.conftest import record_batch_steps  # noqa: E402
 from tests.runner.test_batching import _queued_then_run  # noqa: E402
@@ -41,9 +40,8 @@ def loaded(tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def images():
-    rng = np.random.default_rng(7)
     shapes = [(56, 56, 3), (84, 112, 3), (112, 56, 3), (112, 112, 3)]
-    return [Image.fromarray(rng.integers(0, 255, s, dtype=np.uint8)) for s in shapes]
+    return noise_images(7, shapes)
 
 
 @pytest.fixture

@@ -13,13 +13,12 @@ import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from PIL import Image  # noqa: E402
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.errors import ContextLengthError  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.runner.hooks import request_ends  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model  # noqa: E402
+from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_image  # noqa: E402
 from tests.tolerances import LOGPROB_ABS
 
 MAX_TOKENS = 6
@@ -32,18 +31,16 @@ def loaded(tmp_path_factory, request):
     return load_model(build_vision_model(out, family=request.param))
 
 
-def _image(seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8))
-
-
 def _conversation() -> list[dict]:
     """System, a long first turn about image A, a turn about image B, a short question."""
     return [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "image", "image": _image(1)}, _text(_LONG * 2)]},
+        {"role": "user", "content": [{"type": "image", "image": noise_image(1)}, _text(_LONG * 2)]},
         {"role": "assistant", "content": "A fox."},
-        {"role": "user", "content": [{"type": "image", "image": _image(2)}, _text("And this?")]},
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": noise_image(2)}, _text("And this?")],
+        },
         {"role": "assistant", "content": "A dog."},
         {"role": "user", "content": "Which was first?"},
     ]
@@ -95,7 +92,9 @@ def test_the_next_turn_of_a_cut_conversation_reuses_it(loaded):
 
 
 def test_a_last_message_longer_than_the_window_is_refused(loaded):
-    messages = [{"role": "user", "content": [{"type": "image", "image": _image(1)}, _text(_LONG)]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": noise_image(1)}, _text(_LONG)]}
+    ]
     runner = Runner(loaded, max_context=64)
     with pytest.raises(ContextLengthError, match="last user message"):
         runner.generate(messages, max_tokens=4)
@@ -172,7 +171,7 @@ def test_a_reply_past_the_window_cuts_whole_messages_and_goes_on(loaded, caplog)
     assert end.entry.cut_start == messages[first]
     # after the cut, each token's log-probability is the one the cut conversation and the reply
     # before it give, on mlx-vlm's own model without a cache
-    want = _teacher_forced(loaded, cut, _image(2), got.tokens)
+    want = _teacher_forced(loaded, cut, noise_image(2), got.tokens)
     after = slice(fed_again + 1, None)  # token fed_again was drawn before the cut
     assert got.logprobs[after] == pytest.approx(want[after], abs=1e-3)
 
@@ -203,7 +202,9 @@ def test_overflow_stop_still_stops_a_reply_with_images_at_the_window(loaded):
 
 
 def test_a_reply_with_no_message_to_drop_stops_at_the_window(loaded, caplog):
-    messages = [{"role": "user", "content": [{"type": "image", "image": _image(1)}, _text("Hi")]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": noise_image(1)}, _text("Hi")]}
+    ]
     full = len(Runner(loaded).encode(messages))
     with caplog.at_level(logging.INFO, logger="mlxkv.runner.request"):
         got = _reply(Runner(loaded, max_context=full + ROOM), messages)

@@ -7,24 +7,20 @@ from __future__ import annotations
 import base64
 import io
 
-import numpy as np
 import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from PIL import Image  # noqa: E402
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
-from mlxkv.testing.vision_factory import build_vision_model  # noqa: E402
+from mlxkv.testing.vision_factory import build_vision_model, noise_image  # noqa: E402
 
 from .conftest import serve  # noqa: E402
 from .test_chat_page import WAIT_MS, _current, _send, _set, browser  # noqa: E402, F401
 
 _PNG = io.BytesIO()
-Image.fromarray(np.random.default_rng(5).integers(0, 255, (56, 56, 3), dtype=np.uint8)).save(
-    _PNG, format="PNG"
-)
+noise_image(5).save(_PNG, format="PNG")
 B64 = base64.b64encode(_PNG.getvalue()).decode()
 # A DataTransfer holding the PNG, as a drop or a paste carries it.
 _TRANSFER = """(b64) => {

@@ -9,18 +9,16 @@ import base64
 import io
 
 import anthropic
-import numpy as np
 import ollama
 import openai
 import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from PIL import Image  # noqa: E402
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
-from mlxkv.testing.vision_factory import build_vision_model  # noqa: E402
+from mlxkv.testing.vision_factory import build_vision_model, noise_image  # noqa: E402
 from tests.server.conftest import serve  # noqa: E402
 
 MAX_TOKENS = 5
@@ -28,9 +26,8 @@ QUESTION = "What is this?"
 
 
 def _png() -> bytes:
-    pixels = np.random.default_rng(3).integers(0, 255, (56, 56, 3), dtype=np.uint8)
     out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
+    noise_image(3).save(out, format="PNG")
     return out.getvalue()
 
 

@@ -11,25 +11,22 @@ import base64
 import io
 import threading
 
-import numpy as np
 import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from PIL import Image  # noqa: E402
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.decoding import batch as batch_module  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
-from mlxkv.testing.vision_factory import build_vision_model  # noqa: E402
+from mlxkv.testing.vision_factory import build_vision_model, noise_image  # noqa: E402
 from tests.factories import wait_until  # noqa: E402
 from tests.server.conftest import serve  # noqa: E402
 
 
 def _png(shape, seed) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 255, shape, dtype=np.uint8)
     out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
+    noise_image(seed, shape).save(out, format="PNG")
     return out.getvalue()
 
 
