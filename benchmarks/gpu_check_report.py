@@ -145,6 +145,7 @@ def _throughput_rows(results: dict, plan: dict) -> list[list[str]]:
                 _ratio_row(f"prefill {dtype}", f"{n} tokens, tok/s", *_pair(r), PREFILL_GOAL)
             )
             rows += _breakdown_rows(f"prefill {dtype}", n, r)
+        rows += _new_length_rows(f"prefill {dtype}", found.get("new_length"))
         r = found.get("decode") or None
         measure = f"{r['tokens'] if r else plan['decode_tokens']} tokens, tok/s"
         rows.append(_ratio_row(f"decode {dtype}", measure, *_pair(r), DECODE_GOAL))
@@ -154,6 +155,17 @@ def _throughput_rows(results: dict, plan: dict) -> list[list[str]]:
             rows.append(_ratio_row(f"decode {dtype}", "loop alone (no Runner), tok/s",
                                    f"{loop:,.1f}", f"{theirs:,.1f}", loop / theirs))  # fmt: skip
     return rows
+
+
+def _new_length_rows(part: str, r: dict | None) -> list[list[str]]:
+    """A turn's first token when its count of new tokens was never seen before, against the
+    same count every turn (benchmarks/throughput.py `new_length_cost`): what per-shape kernel
+    builds cost an agent's turn."""
+    if not r:
+        return []
+    new, seen = r["new_s"]["median"] * 1000, r["seen_s"]["median"] * 1000
+    measure = f"turn on {r['prefix_tokens']:,} cached: new / seen length, first token ms"
+    return [_ratio_row(part, measure, f"{new:,.1f}", f"{seen:,.1f} (mlxkv, seen)", new / seen)]
 
 
 def _breakdown_rows(part: str, n: int, r: dict | None) -> list[list[str]]:

@@ -19,6 +19,13 @@ MLX's buffer cache after every chunk (`cache_only_clear_tps`), on a stream of it
 mlx-lm's `generation_stream` (`cache_only_stream_tps`), mlx-lm's `generate_step` on the
 default stream as mlxkv runs (`mlx_lm_default_stream_tps`); for decode, mlxkv's loop
 without the Runner's engine thread (`decode_loop_tps`).
+
+`new_length_cost` asks what an agent's turn pays for its prompt's length being new: on the
+H200 a turn after the first cost 60-120 ms on both servers for a few hundred new tokens, and
+MLX's CUDA backend builds kernels and CUDA graphs per shape. It times the first token of
+turns that add new tokens to one cached prefix, their count each time one never seen before
+or always the same, alternating. A large gap would make padding a turn's tokens to a few
+lengths worth trying (on a CPU there is none to find).
 """
 
 from __future__ import annotations
@@ -39,8 +46,12 @@ from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.models.loading import LoadedModel
 
 
-def _token_times_mlxkv(runner: Runner, ids: list[int], max_tokens: int) -> tuple[float, list]:
-    runner.reset()
+def _token_times_mlxkv(
+    runner: Runner, ids: list[int], max_tokens: int, *, fresh: bool = True
+) -> tuple[float, list]:
+    """When each token came, from a fresh cache (else from what the Runner holds: a turn)."""
+    if fresh:
+        runner.reset()
     start = time.perf_counter()
     times = [time.perf_counter() for c in runner.stream(ids, max_tokens=max_tokens) if c.token]
     return start, times
@@ -111,6 +122,25 @@ def _decode_loop_tps(runner: Runner, ids: list[int], max_tokens: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
+def new_length_cost(runner: Runner, prefix: list[int], turns: int = 6) -> dict:
+    """First-token seconds of turns adding tokens to the cached `prefix`, their count new
+    each turn (`new_s`: 200 + i) or the same each turn (`seen_s`: 200, other ids), in turns."""
+    runner.reset()
+    vocab = runner.loaded.vocab_size
+
+    def first_token_s(extra: int, seed: int) -> float:
+        ids = prefix + [(seed * 7919 + i * 31) % vocab for i in range(extra)]
+        start, times = _token_times_mlxkv(runner, ids, 1, fresh=False)
+        return times[0] - start
+
+    first_token_s(200, seed=0)  # the prefix cached, the seen length compiled
+    new, seen = [], []
+    for turn in range(1, turns + 1):
+        new.append(first_token_s(200 + turn, seed=2 * turn))
+        seen.append(first_token_s(200, seed=2 * turn + 1))
+    return {"new_s": Stat.of(new), "seen_s": Stat.of(seen), "prefix_tokens": len(prefix)}
+
+
 def measure(loaded: LoadedModel, prefill_sizes: list[int], decode_tokens: int, reps: int) -> dict:
     """Returns {"prefill": {n: {...}}, "decode": {...}} with tokens/s Stats and ratios."""
     runner = Runner(loaded)
@@ -137,6 +167,7 @@ def measure(loaded: LoadedModel, prefill_sizes: list[int], decode_tokens: int, r
         )
         # best of 2: about 5 s per dtype on an H200 at 2k-32k, inside the throughput share
         results["prefill"][n]["breakdown"] = breakdown(runner, loaded, ids, min(reps, 2))
+    results["new_length"] = new_length_cost(runner, token_prompt(loaded, min(prefill_sizes), 1))
     ids = token_prompt(loaded, 64, seed=7)
     _warm(ours, theirs, ids, decode_tokens)
     results["decode"] = _abba(ours, theirs, lambda run: decode_tps(run, ids), max(reps, 5))
