@@ -72,10 +72,15 @@ class NgramDrafter:
 
     Args:
         tokens: the text so far (prompt and the first generated token).
+        vocab_size: ids at or past it end a draft: a vision prompt's image placeholders
+            (`mlxkv.models.vision.PLACEHOLDER_BASE` and up) stand for pixels, not tokens the
+            model could pick, and the acceptance rule would read their probability off the
+            end of the logits. None: no such ids.
     """
 
-    def __init__(self, tokens: Sequence[int]):
+    def __init__(self, tokens: Sequence[int], vocab_size: int | None = None):
         self._tokens: list[int] = list(map(int, tokens))
+        self._vocab_size = vocab_size
         # per n, the text's first `_indexed` positions when first indexed: the hashes of the
         # n-grams before them, sorted, and the position after each (stable: latest last)
         self._sorted: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -99,8 +104,16 @@ class NgramDrafter:
             suffix = text[size - n :]
             after = self._latest(n, _hash(suffix))
             if after is not None and text[after - n : after] == suffix:
-                return Draft(text[after : after + limit])
+                return Draft(self._tokens_only(text[after : after + limit]))
         return Draft([])
+
+    def _tokens_only(self, draft: list[int]) -> list[int]:
+        """`draft` up to its first id that is no token (`vocab_size`)."""
+        if self._vocab_size is not None:
+            for i, token in enumerate(draft):
+                if token >= self._vocab_size:
+                    return draft[:i]
+        return draft
 
     def _latest(self, n: int, key: int) -> int | None:
         """The position after the latest n-gram indexed under hash `key` (None: none)."""

@@ -129,12 +129,13 @@ def speculative_tokens(
     """Yields up to `max_tokens` token ids from the prompt's last logits, like
     `decode_tokens`, verifying drafts where `length` asks for some and the drafter has them
     (by `AcceptanceRule(distribution)`), and decoding plainly (pipelined) in between, until
-    the drafter has a draft again. Counts drafted and accepted tokens in `counts`.
+    the drafter has a draft again. Counts drafted and accepted tokens in `counts`. Drafts
+    stop at the window (`_in_window`): plain steps make room (`make_room(cache, 1)`) where
+    plain decoding does; where none can be made (False) the reply ends, as there.
     `hand_over` is asked before each pass and after each token of a plain stretch; True ends
     the iterator as soon as the cache allows, its last token yielded but not fed: the caller
-    goes on from it elsewhere (in a batch).
-    `after`, in place of `logits`, is such a token from elsewhere (known to `pick` and the
-    drafter): the iterator goes on from it with `max_tokens` more."""
+    goes on from it elsewhere (in a batch). `after`, in place of `logits`, is such a token
+    from elsewhere (known to `pick` and the drafter): it goes on from it, `max_tokens` more."""
     if max_tokens <= 0:
         return
     rule = AcceptanceRule(distribution)
@@ -151,7 +152,7 @@ def speculative_tokens(
             return
         room = max_tokens - produced
         wanted = min(length.next(), room - 1, most, _to_snapshot(cache))
-        draft = drafter.propose(wanted) if wanted > 0 else Draft([])
+        draft = _in_window(drafter.propose(wanted) if wanted > 0 else Draft([]), cache)
         if draft.tokens:
             new = _verify(model, cache, token, draft, pick, rule, make_room)
             counts.drafted += len(draft.tokens)
@@ -166,8 +167,25 @@ def speculative_tokens(
             drafter.extend([token])
             produced += 1
             yield token
+        if produced == before:  # no room made for even one token: the reply ends here
+            return
         if not draft.tokens:  # counted once a stretch: `length` is read before the next
             length.generated(produced - before)
+
+
+def _in_window(draft: Draft, cache: ModelCache) -> Draft:
+    """`draft` cut to what one pass (the token and the drafts) feeds without going past the
+    cache's window (`capacity_tokens`; none: no cut), so that room is made where plain
+    decoding makes it: a shift, or a reply with images cut at message boundaries, which is
+    plain decoding's reply only when cut at the same token. A drafter's extra tokens are as
+    if rejected (a draft model catches up from its text)."""
+    if not draft.tokens or cache.capacity_tokens is None:
+        return draft
+    most = max(0, cache.capacity_tokens - cache.num_tokens - 1)
+    if len(draft.tokens) <= most:
+        return draft
+    kept = None if draft.probabilities is None else draft.probabilities[:most]
+    return Draft(draft.tokens[:most], kept)
 
 
 def _to_snapshot(cache: ModelCache) -> int:
@@ -198,8 +216,8 @@ def _plain_stretch(
     watch = None if paused else drafter.can_propose  # ends the stretch at a match
     if hand_over:
         watch = _either(watch, hand_over)
-    if make_room:
-        make_room(cache, 1)
+    if make_room and not make_room(cache, 1):
+        return iter(())
     step = cache.forward(model, mx.array([token], dtype=mx.uint32))[:, -1, :]
     return decode_tokens(model, cache, step, pick, min(room, paused or room), make_room, watch)
 

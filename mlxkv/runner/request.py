@@ -272,8 +272,8 @@ class RequestBuilder:
             cancelled=options.cancel or threading.Event(),
             top_logprobs=options.top_logprobs,
             cache_key=options.cache_key,
-            # drafts would see placeholder ids; verified decoding has no image path
-            speculative=None,
+            # n-gram drafts (the draft model cannot read images), verified on the bound model
+            speculative=None if options.grammar is not None else options.speculative,
             cut_start=cut_start,
             grammar=options.grammar,
             cache_salt=salt,

@@ -248,8 +248,9 @@ def _draft_cache_for(
     entry: CacheEntry, request: Request, draft: DraftModel | None, max_context: int
 ) -> ModelCache | None:
     """The entry's draft-model cache when the request drafts with the draft model (made on
-    first use, bounded as the entry), else None."""
-    if draft is None or request.speculative not in ("auto", "draft"):
+    first use, bounded as the entry), else None. A prompt with images drafts n-grams: a text
+    draft model cannot read them."""
+    if draft is None or request.speculative not in ("auto", "draft") or request.images:
         return None
     entry.draft_cache = entry.draft_cache or draft.make_cache()
     entry.draft_cache.capacity_tokens = max_context + DraftLength.MAX_TOKENS
@@ -286,11 +287,12 @@ def _decode(
     from the start when the mode is None or others are decoding already, else speculatively
     while alone and in the batch while others decode (`_alone_or_batched`)."""
     params, prompt, loaded = request.params, request.tokens, context.loaded
-    sampling = params.make_sampling(loaded.vocab_size)
+    vocab_size = loaded.vocab_size
+    sampling = params.make_sampling(vocab_size)
     processors = list(sampling.processors)
     if request.grammar is not None:
         processors.append(
-            grammar_processor(request.grammar, loaded.tokenizer, loaded.vocab_size, len(prompt))
+            grammar_processor(request.grammar, loaded.tokenizer, vocab_size, len(prompt))
         )
     pick = TokenPicker(
         sampling.sampler,
@@ -306,7 +308,7 @@ def _decode(
                 draft_cache, prompt, sampling.distribution, context.plan
             )
         else:
-            drafter = NgramDrafter(prompt)
+            drafter = NgramDrafter(prompt, vocab_size)
         speculation = Speculation(
             drafter=drafter,
             length=DraftLength(gated=request.speculative == "auto"),

@@ -50,3 +50,14 @@ def test_a_long_prompt_with_a_large_vocabulary_proposes_as_a_search(seed):
         new = rng.choice(phrases)[: rng.randrange(1, 4)]
         drafter.extend(new)
         text += new
+
+
+def test_a_draft_ends_before_an_id_that_is_no_token():
+    """A vision prompt's image placeholders (ids past the vocabulary) are never drafted: the
+    acceptance rule would read their probability off the end of the logits."""
+    placeholder = 1_000_000
+    text = [5, 6, 7, placeholder, placeholder + 1, 8, 5, 6]
+    assert NgramDrafter(text).propose(4).tokens == [7, placeholder, placeholder + 1, 8]
+    assert NgramDrafter(text, vocab_size=100).propose(4).tokens == [7]
+    starts_with_one = [5, 6, placeholder, 7, 5, 6]
+    assert NgramDrafter(starts_with_one, vocab_size=100).propose(4).tokens == []

@@ -90,7 +90,9 @@ def test_greedy_output_equals_plain_decoding_when_drafts_are_partly_wrong(
     expected = _plain(loaded, PROMPT, max_tokens=40)
     prompt = Runner(loaded).encode(PROMPT)
     monkeypatch.setattr(
-        request_run, "NgramDrafter", lambda tokens: _OracleDrafter(prompt, expected.tokens)
+        request_run,
+        "NgramDrafter",
+        lambda tokens, vocab_size: _OracleDrafter(prompt, expected.tokens),
     )
     runner = Runner(loaded, max_context=1024)
     out = runner.generate(PROMPT, max_tokens=40, speculative="ngram")

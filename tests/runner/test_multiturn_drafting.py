@@ -68,7 +68,7 @@ def test_drafted_replies_keep_the_next_turns_reuse_and_answers(loaded_tiny, arch
         monkeypatch.setattr(
             request_run,
             "NgramDrafter",
-            lambda prompt, reply=reply: _IntermittentDrafter(prompt, reply),
+            lambda prompt, vocab_size, reply=reply: _IntermittentDrafter(prompt, reply),
         )
         chunks = list(drafted.stream(messages, speculative="ngram", **options))
         out = chunks[-1].completion

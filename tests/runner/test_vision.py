@@ -18,8 +18,10 @@ from mlxkv import Runner  # noqa: E402
 from mlxkv.config import ENCODER_CACHE_FRACTION  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
+from mlxkv.runner import request_run  # noqa: E402
 from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
-from tests.tolerances import LOGPROB_ABS
+from tests.runner.test_multiturn_drafting import _IntermittentDrafter  # noqa: E402
+from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 MAX_TOKENS = 6
 
@@ -233,3 +235,37 @@ def test_each_image_goes_through_the_processor_once_per_conversation(loaded, ima
     ]
     _greedy(runner, turn2)
     assert len(calls) == 1
+
+
+def test_a_reply_with_images_decoded_with_drafts_equals_plain_and_is_reused(
+    loaded, images, monkeypatch
+):
+    """Drafts (accepted, one rejected and rolled back, plain decoding between) verified on the
+    model bound to the prompt's images: the answer and log-probabilities of plain decoding,
+    and a next turn that reuses and answers as plain decoding's."""
+    messages = _ask(images[0], "Describe it in every detail, please.")
+    options = {"max_tokens": 24, "temperature": 0.0, "logprobs": 0}
+    plain = Runner(loaded, max_context=1024, speculative=None)
+    want_chunks = list(plain.stream(messages, **options))
+    want = want_chunks[-1].completion
+    reply = [*want.tokens, *loaded.tokenizer.eos_token_ids][: options["max_tokens"] + 1]
+    monkeypatch.setattr(
+        request_run, "NgramDrafter", lambda prompt, vocab_size: _IntermittentDrafter(prompt, reply)
+    )
+    drafted = Runner(loaded, max_context=1024)
+    chunks = list(drafted.stream(messages, speculative="ngram", **options))
+    got = chunks[-1].completion
+    assert got.tokens == want.tokens
+    assert [c.logprob.logprob for c in chunks[:-1]] == pytest.approx(
+        [c.logprob.logprob for c in want_chunks[:-1]], abs=LOGPROB_ABS
+    )
+    assert len(want.tokens) > 6, "too short a reply to draft in"
+    assert got.drafted_tokens > got.accepted_tokens > 0
+    turn2 = messages + [
+        {"role": "assistant", "content": got.text},
+        {"role": "user", "content": "And the colors?"},
+    ]
+    second, plain_second = _greedy(drafted, turn2), _greedy(plain, turn2)
+    assert second.cached_tokens == plain_second.cached_tokens
+    assert second.tokens == plain_second.tokens
+    assert second.first_logprob == pytest.approx(plain_second.first_logprob, abs=LOGPROB_ABS)

@@ -259,7 +259,9 @@ def test_a_seeded_image_request_beside_batched_rows_draws_as_alone(loaded, image
     sampled = {"temperature": 0.9, "seed": 11}
     seeded = [_user(images[3], "What is this?")]
     others = [[_user(images[1], "And this?")], [{"role": "user", "content": "Say something."}]]
-    want_seeded = _alone(loaded, seeded, max_tokens=12, **sampled)
+    # alone on a Runner set as the one below (a seeded request with images speculates too)
+    alone = Runner(loaded, max_context=1024).stream(seeded, max_tokens=12, logprobs=0, **sampled)
+    want_seeded = _result(alone)
     want = [_alone(loaded, m, max_tokens=12, **GREEDY) for m in others]
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
     got: list = [None] * 3

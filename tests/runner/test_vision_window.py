@@ -15,11 +15,14 @@ pytest.importorskip("mlx_vlm")
 
 
 from mlxkv import Runner  # noqa: E402
+from mlxkv.decoding.drafts import Draft  # noqa: E402
 from mlxkv.errors import ContextLengthError  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
+from mlxkv.runner import request_run  # noqa: E402
 from mlxkv.runner.hooks import request_ends  # noqa: E402
 from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_image  # noqa: E402
-from tests.tolerances import LOGPROB_ABS
+from tests.runner.test_multiturn_drafting import _IntermittentDrafter  # noqa: E402
+from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 MAX_TOKENS = 6
 _LONG = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 16
@@ -238,3 +241,40 @@ def test_a_long_reply_cuts_again_later_and_stops_where_no_message_is_left(loaded
     assert any("stopped at the window" in line for line in lines)
     assert got.finish_reason == "length"
     assert runner.max_context - full < len(got.tokens) < runner.max_context
+
+
+class _ReplyDrafter:
+    """Drafts the rest of the reference reply at every position: passes as long as the
+    drafted length allows, so one reaches the window wherever it may."""
+
+    def __init__(self, prompt, reply):
+        self._text, self._whole = list(prompt), list(prompt) + list(reply)
+
+    def extend(self, tokens):
+        self._text.extend(tokens)
+
+    def can_propose(self):
+        return len(self._text) < len(self._whole)
+
+    def propose(self, limit):
+        return Draft(self._whole[len(self._text) : len(self._text) + limit])
+
+
+@pytest.mark.parametrize("drafter", [_IntermittentDrafter, _ReplyDrafter])
+def test_a_reply_decoded_with_drafts_cuts_at_the_window_as_a_plain_one(
+    loaded, monkeypatch, drafter
+):
+    """Drafts verified up to the cut a reply makes at the window (the model rebound to the
+    cut prompt mid-reply), and after it, give plain decoding's reply: the cut comes at the
+    same token (a pass that would reach past the window drafts less)."""
+    messages = _conversation()
+    full = len(Runner(loaded).encode(messages))
+    want = _reply(Runner(loaded, max_context=full + ROOM, speculative=None), messages)
+    reply = [*want.tokens, *loaded.tokenizer.eos_token_ids][: ROOM + AFTER + 1]
+    monkeypatch.setattr(
+        request_run, "NgramDrafter", lambda prompt, vocab_size: drafter(prompt, reply)
+    )
+    got = _reply(Runner(loaded, max_context=full + ROOM), messages, speculative="ngram")
+    assert got.tokens == want.tokens
+    assert got.logprobs == pytest.approx(want.logprobs, abs=LOGPROB_ABS)
+    assert got.drafted_tokens > 0
