@@ -145,7 +145,7 @@ def test_kill_9_mid_batch_after_a_turn_and_mid_write(arch, model_root, loaded_ti
                 killed = server.process.poll() is not None
                 stderr = server.process.communicate()[1] if killed else server.stop(kill=False)
             _assert_clean(stderr)
-            assert all(path.exists() for path in planted), [p.name for p in planted]
+            assert all(p.exists() for p in planted), [p.name for p in planted if not p.exists()]
     finally:
         reference.stop(kill=True)
     # The directory opened in this process: the suite's invariants check what it restores.
