@@ -199,3 +199,36 @@ def test_a_client_string_is_never_read_as_a_local_file(served, tmp_path):
     status, answer = served.post("/api/chat", {"model": "tiny-vl", "messages": [message]})
     assert status == 400
     assert "not valid base64" in answer["error"]
+
+
+def test_anthropic_takes_an_image_in_a_tool_result(served):
+    """Claude Code's Read of a screenshot (and an MCP browser tool's capture) comes back as an
+    `image` block inside `tool_result` content, a shape the anthropic SDK types allow."""
+    tools = [{"name": "read", "description": "Reads a file", "input_schema": {"type": "object"}}]
+    call = {"id": "toolu_01", "type": "function", "function": {"name": "read", "arguments": {}}}
+    image = {"type": "image", "image": _png()}
+    want = served.runner.generate(
+        [
+            {"role": "user", "content": "Read shot.png"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "toolu_01", "content": [image]},
+        ],
+        tools=[{"type": "function", "function": {"name": "read", "description": "Reads a file",
+                                                 "parameters": {"type": "object"}}}],
+        max_tokens=MAX_TOKENS, temperature=0.0,
+    )  # fmt: skip
+    source = {"type": "base64", "media_type": "image/png", "data": B64}
+    result = {"type": "tool_result", "tool_use_id": "toolu_01", "content": [
+        {"type": "image", "source": source}]}  # fmt: skip
+    reply = served.anthropic().messages.create(
+        model="tiny-vl", max_tokens=MAX_TOKENS, tools=tools, extra_body={"temperature": 0.0},
+        messages=[
+            {"role": "user", "content": "Read shot.png"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_01", "name": "read", "input": {}}]},
+            {"role": "user", "content": [result]},
+        ],
+    )  # fmt: skip
+    assert reply.content[0].text == want.text
+    usage = reply.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == want.prompt_tokens

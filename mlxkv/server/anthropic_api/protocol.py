@@ -40,13 +40,6 @@ class ToolUseBlock(Lenient):
     input: dict[str, Any]
 
 
-class ToolResultBlock(Lenient):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: str | list[TextBlock] | None = None
-    is_error: bool = False
-
-
 class MediaBlock(Lenient):
     """An image (base64, or a URL, which is not fetched) or a document (refused: text only).
     `source` as Anthropic sends it: {"type": "base64", "media_type", "data"} or
@@ -64,6 +57,19 @@ class MediaBlock(Lenient):
             media = source.get("media_type") or "image/png"
             return image_part(f"data:{media};base64,{source.get('data') or ''}", where)
         return image_part(source.get("url") or "", where)
+
+
+ResultPart = Annotated[TextBlock | MediaBlock, Field(discriminator="type")]
+
+
+class ToolResultBlock(Lenient):
+    """A tool's result: text, or text and images (Claude Code's Read of a screenshot, an MCP
+    browser tool's capture), which go to the template's `tool` message as image parts."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[ResultPart] | None = None
+    is_error: bool = False
 
 
 class ThinkingBlock(Lenient):
@@ -221,7 +227,7 @@ def _template_messages(index: int, message: Message) -> list[dict[str, Any]]:
                 {
                     "role": "tool",
                     "tool_call_id": model_id(block.tool_use_id),
-                    "content": _result_text(block),
+                    "content": _result_content(block, f"messages.{index}.content.{j}"),
                 }
             )
     if parts or calls or not out:
@@ -257,7 +263,18 @@ def _expect_role(index: int, message: Message, role: str, block_type: str) -> No
         raise ApiError(400, f"messages.{index}: {block_type} blocks belong in {role} messages")
 
 
-def _result_text(block: ToolResultBlock) -> str:
-    content = block.content
-    text = "".join(part.text for part in content) if isinstance(content, list) else content or ""
-    return f"Error: {text}" if block.is_error else text
+def _result_content(block: ToolResultBlock, where: str) -> str | list[dict[str, Any]]:
+    """The tool message's content: the result's text, or its parts where it holds an image."""
+    content = block.content if isinstance(block.content, list) else None
+    if content is None:
+        parts = [{"type": "text", "text": block.content or ""}]
+    else:
+        parts = [
+            part.image(f"{where}.content.{k}")
+            if isinstance(part, MediaBlock)
+            else {"type": "text", "text": part.text}
+            for k, part in enumerate(content)
+        ]
+    if block.is_error:
+        parts.insert(0, {"type": "text", "text": "Error: "})
+    return parts_or_text(parts)
