@@ -96,8 +96,10 @@ def ttft_s(client: openai.OpenAI, model: str, prompt_tokens: int) -> float:
         stream=True,
     )
     first = None
-    for _ in stream:
-        first = first or time.perf_counter()
+    for chunk in stream:  # the first chunk is the role alone, sent before the prefill
+        delta = chunk.choices[0] if chunk.choices else None
+        if delta is not None and (delta.delta.content or delta.finish_reason):
+            first = first or time.perf_counter()
     return (first or time.perf_counter()) - started
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlxkv.cli.common import MEMORY_LOGGER, follow, load_runner, runner_config
 from mlxkv.config import ServerConfig, env, format_bytes
+from mlxkv.models.loading import expected_weights_bytes
 from mlxkv.models.sharding import world
 from mlxkv.models.sources import find_models
 from mlxkv.runner.runner import Runner
@@ -127,7 +128,7 @@ def _model_sources(args: argparse.Namespace) -> dict[str, Runner | ModelLoader] 
     return {
         name: ModelLoader(
             functools.partial(load_runner, _for_model(args, model)),
-            estimated_bytes=_weights_bytes(model) + cache_bytes,
+            estimated_bytes=expected_weights_bytes(model) + cache_bytes,
             path=Path(model).expanduser() if model else None,  # a local one's tokenizer files
         )
         for name, model in models.items()
@@ -136,17 +137,6 @@ def _model_sources(args: argparse.Namespace) -> dict[str, Runner | ModelLoader] 
 
 def _for_model(args: argparse.Namespace, model: str | None) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "model": model})
-
-
-def _weights_bytes(model: str | None) -> int:
-    """The bytes of a local model's weight files (0 for another): its expected size in memory
-    until it loads."""
-    path = Path(model).expanduser() if model else None
-    if path is None or not path.exists():
-        return 0
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
 def _named_models(specs: list[str], folders: list[str]) -> dict[str, str | None]:

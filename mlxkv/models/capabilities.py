@@ -1,7 +1,7 @@
-"""What a model can do with tools and thinking, read from what its chat template and tokenizer
-actually do, not from what an API allows: SmolLM2's template drops the tools it is given (its
-prompt is the same 42 tokens with or without them), so it does not "have" tools, whatever a
-request may send.
+"""What a model can do with tools, thinking and images, read from what its chat template,
+tokenizer and config actually do, not from what an API allows: SmolLM2's template drops the
+tools it is given (its prompt is the same 42 tokens with or without them), so it does not
+"have" tools, whatever a request may send.
 
 Owns `Capabilities` and `model_capabilities`, which `/api/show`, `/v1/models` and `mlxkv info`
 report alike, and `TemplateFacts` (`read_template_facts`: the same read from a local model's
@@ -19,6 +19,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from mlxkv.models.encoder import is_encoder_model
+from mlxkv.models.vision import is_vision_model
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class Capabilities:
     thinking: its vocabulary has thinking tags (its thinking is returned apart).
     forced_tool_calls: a `tool_choice` that requires a call returns one whose arguments
         validate (a grammar keeps the reply to it): every model, through llguidance.
+    vision: the model takes images (a vision-language model through mlx-vlm); Ollama's
+        word, which its clients read before they send images.
     """
 
     tools: bool
@@ -51,6 +54,7 @@ class Capabilities:
     thinking: bool
     forced_tool_calls: bool = True
     generates: bool = True
+    vision: bool = False
 
     def names(self, ollama: bool = False) -> list[str]:
         """The capabilities by name (`/v1/models`, `mlxkv info`); `ollama`: only those in
@@ -63,14 +67,17 @@ class Capabilities:
             "tools": self.tools,
             "forced_tool_calls": self.forced_tool_calls and not ollama,
             "thinking": self.thinking,
+            "vision": self.vision,
         }
         return [name for name, held in named.items() if held]
 
 
-def model_capabilities(tokenizer: Any, generates: bool = True) -> Capabilities:
+def model_capabilities(
+    tokenizer: Any, generates: bool = True, vision: bool = False
+) -> Capabilities:
     """What `tokenizer`'s model (mlx-lm's TokenizerWrapper) can do, from one render of its
     chat template with a probe tool; nothing but embeddings for a model that does not
-    `generate` (an encoder: its tokenizer is mlx-embeddings')."""
+    `generate` (an encoder: its tokenizer is mlx-embeddings'); `vision`: it takes images."""
     if not generates:
         return Capabilities(False, None, False, forced_tool_calls=False, generates=False)
     parser = getattr(tokenizer, "tool_parser", None) if tokenizer.has_tool_calling else None
@@ -79,6 +86,7 @@ def model_capabilities(tokenizer: Any, generates: bool = True) -> Capabilities:
         tools=_template_shows_tools(tokenizer),
         tool_call_format=format_name,
         thinking=bool(tokenizer.has_thinking),
+        vision=vision,
     )
 
 
@@ -117,7 +125,8 @@ def read_template_facts(path: str | Path | None) -> TemplateFacts | None:
         logger.debug("tokenizer of %s not read before loading: %s", folder, error)
         return None
     template = getattr(tokenizer, "chat_template", None) or ""
-    return TemplateFacts(model_capabilities(tokenizer), template, config.get("model_type", ""))
+    capabilities = model_capabilities(tokenizer, vision=is_vision_model(config))
+    return TemplateFacts(capabilities, template, config.get("model_type", ""))
 
 
 def _template_shows_tools(tokenizer: Any) -> bool:

@@ -34,7 +34,9 @@ def describe(loaded: LoadedModel) -> dict[str, str]:
     per_token = sum(layer.used_bytes for layer in kv)
     state_bytes = sum(layer.nbytes for layer in leaves(cache.layers) if layer not in kv)
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    capabilities = model_capabilities(loaded.tokenizer, generates=not loaded.is_encoder)
+    capabilities = model_capabilities(
+        loaded.tokenizer, generates=not loaded.is_encoder, vision=loaded.vision is not None
+    )
     windowed = any(trim_reach(layer) == "window" for layer in cache.layers)
     return {
         "path": str(loaded.path),

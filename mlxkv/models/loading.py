@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from mlx.utils import tree_flatten
 from mlxkv.errors import ModelLoadError
 from mlxkv.models import gguf
 from mlxkv.models.encoder import EncoderModel, is_encoder_model, load_encoder
+from mlxkv.models.gguf.reader import tensor_elements
 from mlxkv.models.sharding import shard_model
 from mlxkv.models.sources import default_model_path, find_model, is_gguf
 from mlxkv.models.vision import VisionSupport, is_vision_model, load_vision_model
@@ -129,3 +132,43 @@ def materialize(model: nn.Module) -> None:
     time another thread runs the model.
     """
     mx.eval([leaf for _, leaf in tree_flatten(model) if isinstance(leaf, mx.array)])
+
+
+# safetensors dtypes `load_model` casts to float32 on the CPU backend (mlx's set_dtype: floats)
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def expected_weights_bytes(model: str | Path | None) -> int:
+    """The bytes a local model's weights take once `load_model` has loaded them, read from its
+    files' headers (no weights read): the bytes on disk understate them on MLX's CPU backend,
+    which casts floating-point weights to float32, and for a GGUF file, whose quantized tensors
+    are dequantized (to float16, float32 on the CPU). 0 for a model that is not a local file or
+    directory (a repo id, an Ollama name: unknown until it loads).
+
+    Raises:
+        UnsupportedFormatError: a GGUF file whose tensor table cannot be read.
+    """
+    path = Path(model).expanduser() if model else None
+    if path is None or not path.exists():
+        return 0
+    float_bytes = None if on_gpu() else 4
+    if is_gguf(path):
+        return tensor_elements(path) * (float_bytes or 2)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    return sum(_safetensors_bytes(file, float_bytes) for file in files)
+
+
+def _safetensors_bytes(file: Path, float_bytes: int | None) -> int:
+    """A safetensors file's tensors' bytes once loaded, floats at `float_bytes` each (None: as
+    stored), from its JSON header (8 bytes of length, then the header)."""
+    with file.open("rb") as handle:
+        (header_bytes,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_bytes))
+    total = 0
+    for name, tensor in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = tensor["data_offsets"]
+        floating = float_bytes is not None and tensor["dtype"] in _FLOAT_DTYPES
+        total += math.prod(tensor["shape"]) * float_bytes if floating else end - start
+    return total

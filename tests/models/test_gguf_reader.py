@@ -10,7 +10,7 @@ import pytest
 from gguf import GGUFReader
 
 from mlxkv import UnsupportedFormatError
-from mlxkv.models.gguf.reader import read_metadata
+from mlxkv.models.gguf.reader import read_metadata, tensor_elements
 
 _U8, _I32, _U32, _F32, _BOOL, _STRING, _ARRAY, _U64 = 0, 5, 4, 6, 7, 8, 9, 10
 _F32_TENSOR, _Q4_K_TENSOR = 0, 12
@@ -160,3 +160,22 @@ def test_the_gguf_methods_bounded_here_keep_their_signatures():
     }
     for name, parameters in expected.items():
         assert list(inspect.signature(getattr(GGUFReader, name)).parameters) == parameters, name
+
+
+def test_tensor_elements_skim_the_metadata_and_count_every_tensor(tmp_path):
+    """`tensor_elements` (the served model's size before it loads) counts what gguf's reader
+    counts, and a table cut short or an array past the end is one clear error, at once."""
+    strings = struct.pack("<IQ", _STRING, 2) + _string("x") + _string("yz")
+    nested = struct.pack("<IQ", _ARRAY, 1) + struct.pack("<IQ2I", _U32, 2, 1, 2)
+    kvs = [_kv("a.strings", _ARRAY, strings), _kv("a.nested", _ARRAY, nested)]
+    kvs += [_kv("a.f32", _F32, struct.pack("<f", 0.5))]
+    tensors = [_tensor("w", [4, 2]), _tensor("b", [4], offset=32)]
+    path = _gguf(tmp_path / "ok.gguf", kvs=kvs, tensors=tensors, data=bytes(64))
+    assert tensor_elements(path) == 12 == sum(int(t.n_elements) for t in GGUFReader(path).tensors)
+    cut = _gguf(tmp_path / "cut.gguf", kvs=kvs, tensors=[_tensor("w", [4, 2])[:-6]])
+    cut.write_bytes(cut.read_bytes().rstrip(b"\0"))
+    with pytest.raises(UnsupportedFormatError, match="cut.gguf is not a valid GGUF file"):
+        tensor_elements(cut)
+    huge = _gguf(tmp_path / "huge.gguf", kvs=[_kv("h", _ARRAY, struct.pack("<IQ", _STRING, 2**61))])
+    with pytest.raises(UnsupportedFormatError, match="huge.gguf is not a valid GGUF file"):
+        tensor_elements(huge)

@@ -61,3 +61,21 @@ def test_the_warning_says_where_the_tools_went(plain, caplog):
     )
     warned = [r.getMessage() for r in caplog.records if "tool-call format" in r.getMessage()]
     assert not warned or "leaves the tools out" in warned[0]  # once a process
+
+
+def test_a_vision_model_lists_vision_everywhere(tmp_path_factory):
+    """Issue 44: capabilities "images once they exist", the same in `/api/show` (Ollama's
+    word: `vision`, which Ollama clients read before sending images), `/v1/models` and
+    `mlxkv info`, and in a listing read before the model loads."""
+    pytest.importorskip("mlx_vlm")
+    from mlxkv.models.capabilities import read_template_facts
+    from mlxkv.testing.vision_factory import build_vision_model
+
+    path = build_vision_model(tmp_path_factory.mktemp("vl") / "m")
+    assert "vision" in read_template_facts(path).capabilities.names()
+    runner = Runner(load_model(path), max_context=256)
+    with serve(runner) as served:
+        assert "vision" in ollama.Client(host=served.url).show("m").capabilities
+        (model,) = served.openai().models.list().data
+        assert "vision" in model.capabilities
+    assert "vision" in describe(runner.loaded)["capabilities"]

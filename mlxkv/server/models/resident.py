@@ -125,7 +125,9 @@ class ResidentModel:
         self._replies = replies
         self.facts = ModelFacts(
             capabilities=model_capabilities(
-                runner.tokenizer, generates=not runner.loaded.is_encoder
+                runner.tokenizer,
+                generates=not runner.loaded.is_encoder,
+                vision=runner.loaded.vision is not None,
             ),
             digest=digest,
             config=dict(runner.loaded.config),
