@@ -3,7 +3,8 @@ prompt cache it uses (its entries' pool and, when asked for, the disk tier in th
 subdirectory), and the warm-up.
 
 Owns `fit_window`, `choose_max_batch`, `make_layers` (and the measures behind them), `make_pool`
-(with the disk tier's snapshot interval) and `warm_up`. Does not own
+(with the disk tier's snapshot interval), `probe_padded_state` (whether a model's recurrent
+state is exact when prompts are prefilled together) and `warm_up`. Does not own
 the pool's policy (`mlxkv.runner.prompt_cache.pool`), the file format
 (`mlxkv.runner.disk.store`) or the settings (`mlxkv.config.RunnerConfig`).
 """
@@ -33,7 +34,7 @@ from mlxkv.config import (
 from mlxkv.decoding.batch import DecodeBatch
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.picker import TokenPicker
-from mlxkv.decoding.prefill.batched import prefill_together
+from mlxkv.decoding.prefill.batched import Stops, prefill_together
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel
 from mlxkv.models.vision import EncoderCache
@@ -54,6 +55,16 @@ _WARMUP_CHUNK_TOKENS = 32
 _WARMUP_DRAFT_TOKENS = 4
 # The warm-up's batched prompts: two rows of different lengths, so that padding is masked.
 _WARMUP_BATCH_PROMPTS = ([0, 0, 0], [0, 0])
+# The probe's prompts (ids every vocabulary holds, distinct from the padding's 0): rows of
+# different lengths, the first with a checkpoint, so that the second feeds only padding in
+# one stage of the pass (`prefill_together`).
+_PROBE_PROMPTS = ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10])
+_PROBE_STOPS = (Stops(checkpoints=(2,)), Stops())
+# How far a row's last logits together may be from alone, relative to their largest |logit|,
+# for the model's state to count as exact under padding: far above rounding (1e-4 in float32,
+# 2e-2 in half precision, tests/tolerances.py) and far below padding read into the state (the
+# logits of the sweep's tiny models that do: off by 3 to 15, at largest |logits| of about 5).
+_PROBE_RTOL = 0.1
 
 
 def make_pool(
@@ -184,12 +195,46 @@ def choose_max_batch(config: RunnerConfig, per_token_bytes: int, empty: ModelCac
             "decoding one at a time",
             ", ".join(sorted({type(x).__name__ for x in empty if not layer_batches(x)})),
         )
-    elif max_batch > 1 and not can_prefill_together(empty):
+    elif max_batch > 1 and not can_prefill_together(empty, padded_state_exact=True):
         logger.info(
             "this model's cache layers (%s) decode in the batch; prompts are prefilled alone",
             ", ".join(sorted({type(layer).__name__ for layer in empty})),
         )
     return max_batch
+
+
+def probe_padded_state(loaded: LoadedModel, config: RunnerConfig, max_batch: int) -> bool:
+    """Whether this model's recurrent state stays exact when prompts are prefilled together
+    (`can_prefill_together`'s `padded_state_exact`): two prompts of different lengths fed
+    together and each alone, their last logits compared (`_PROBE_RTOL`). Only a model that
+    reads `ArraysCache.lengths` stops its state before a row's padding, and no cache can tell
+    which; a model that fails prefills each prompt alone, exact. Runs (and logs its outcome)
+    only where it decides something: batches of 2 or more, no images, state layers that
+    would otherwise be prefilled together."""
+    model = loaded.model
+    empty = make_layers(model, config)
+    if max_batch < 2 or loaded.vision is not None or can_prefill_together(empty):
+        return False
+    if not can_prefill_together(empty, padded_state_exact=True):
+        return False
+    caches = [make_layers(model, config) for _ in _PROBE_PROMPTS]
+    together = prefill_together(
+        model, caches, _PROBE_PROMPTS, stops=_PROBE_STOPS, padded_state_exact=True
+    )
+    worst = 0.0
+    for logits, prompt in zip(together, _PROBE_PROMPTS, strict=True):
+        alone = make_layers(model, config).forward(model, prompt)[:, -1, :]
+        scale = max(1.0, mx.abs(alone).max().item())
+        worst = max(worst, mx.abs(logits - alone).max().item() / scale)
+    exact = worst <= _PROBE_RTOL
+    logger.info(
+        "prefill probe: model_type=%s state_exact=%s max_rel_diff=%.2g: prompts are prefilled %s",
+        loaded.config.get("model_type"),
+        exact,
+        worst,
+        "together" if exact else "alone (its recurrent layers read the padding)",
+    )
+    return exact
 
 
 def make_layers(model: nn.Module, config: RunnerConfig) -> ModelCache:
@@ -204,7 +249,8 @@ def warm_up(
     verification, a decode step; with `max_batch` over 1 and K/V that batch, prompts prefilled
     together and batched decode steps) on scratch caches, for the model and the draft model:
     MLX compiles kernels for new shapes (9.8 s for the first request on an H100), here instead
-    of in the first user's request. Touches no entry."""
+    of in the first user's request (recurrent state prefilled together compiles in
+    `probe_padded_state`, which feeds that path). Touches no entry."""
     if loaded.is_encoder:  # nothing generates: the first embedding compiles its own shapes
         return
     start = time.perf_counter()
@@ -224,10 +270,10 @@ def warm_up(
 
 def _warm_up_batch(model: nn.Module, config: RunnerConfig, *, together: bool) -> None:
     """Two prompts prefilled together (where `together` and the cache's layers allow: else
-    each alone), then a batched decode step, as concurrent requests run (the drafts of
-    speculation never batch): the batched path's own kernels (padding masks, the rows' layers
-    joined and parted, (B, 1) steps) compile here rather than in the first requests that
-    decode together."""
+    each alone), then a batched decode
+    step, as concurrent requests run (the drafts of speculation never batch): the batched
+    path's own kernels (padding masks, the rows' layers joined and parted, (B, 1) steps)
+    compile here rather than in the first requests that decode together."""
     caches = [make_layers(model, config) for _ in _WARMUP_BATCH_PROMPTS]
     if together and can_prefill_together(caches[0]):
         last_logits = prefill_together(model, caches, _WARMUP_BATCH_PROMPTS)
