@@ -56,15 +56,18 @@ _WARMUP_DRAFT_TOKENS = 4
 # The warm-up's batched prompts: two rows of different lengths, so that padding is masked.
 _WARMUP_BATCH_PROMPTS = ([0, 0, 0], [0, 0])
 # The probe's prompts (ids every vocabulary holds, distinct from the padding's 0): rows of
-# different lengths, the first with a checkpoint, so that the second feeds only padding in
-# one stage of the pass (`prefill_together`).
-_PROBE_PROMPTS = ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10])
-_PROBE_STOPS = (Stops(checkpoints=(2,)), Stops())
+# different lengths and checkpoints, so that in each stage of the pass (`prefill_together`)
+# one row is partly padding and, in the second, one is all padding (Nemotron-H's state was
+# exact with a row all padding, off by 2.8 with a row partly padding).
+_PROBE_PROMPTS = ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12], [13, 14])
+_PROBE_STOPS = (Stops(checkpoints=(4,)), Stops(checkpoints=(1,)), Stops())
 # How far a row's last logits together may be from alone, relative to their largest |logit|,
-# for the model's state to count as exact under padding: far above rounding (1e-4 in float32,
-# 2e-2 in half precision, tests/tolerances.py) and far below padding read into the state (the
-# logits of the sweep's tiny models that do: off by 3 to 15, at largest |logits| of about 5).
-_PROBE_RTOL = 0.1
+# for the model's state to count as exact under padding: above rounding (1e-6 measured on the
+# sweep's models that read `lengths`, float32; 2e-2 allowed in half precision,
+# tests/tolerances.py) and below padding read into the state (0.21 for Nemotron-H, 0.9 to 1.9
+# for Mamba, Jamba, OLMo hybrid, RWKV-7, Bailing linear). A model too close to call stays
+# alone, which is exact.
+_PROBE_RTOL = 0.05
 
 
 def make_pool(
