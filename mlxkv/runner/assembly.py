@@ -112,10 +112,10 @@ def make_pool(
 
 def size_window(
     loaded: LoadedModel, config: RunnerConfig, engine: EngineThread, lockstep: Lockstep | Solo
-) -> tuple[RunnerConfig, int, SnapshotCost]:
-    """`config` with its context window fitted to memory (every rank taking rank 0's), the
-    K/V bytes per token it was fitted from and what the state layers' snapshots cost
-    (`measure_one_token`; the disk tier's snapshot rule reads it). The forward that measures
+) -> tuple[RunnerConfig, SnapshotCost]:
+    """`config` with its context window fitted to memory (every rank taking rank 0's) and
+    what the state layers' snapshots cost beside the K/V per token (`measure_one_token`; the
+    disk tier's snapshot rule and the default decode batch read it). The forward that measures
     them runs on the engine thread: a model that updates weights lazily in its forward (Gemma
     3n's AltUp) leaves arrays only that thread can evaluate later."""
     layers = make_layers(loaded.model, config)
@@ -130,7 +130,7 @@ def size_window(
     if config.cache_dir is not None:
         held = snapshot_bytes_per_token(cost, BLOCK_TOKENS, config.cache_dir_kv_bits)
     config = fit_window(config, loaded.max_position_embeddings, per_token_bytes + held)
-    return lockstep.leaders_settings(config), per_token_bytes, cost
+    return lockstep.leaders_settings(config), cost
 
 
 def fit_window(
@@ -178,20 +178,24 @@ def default_max_context(
     return min(max_position_embeddings or fits, fits)
 
 
-def default_max_batch(window_tokens: int, per_token_bytes: int, memory_bytes: int) -> int:
-    """Rows of a decode batch whose K/V fit in `BATCH_MEMORY_FRACTION` of memory when each
-    holds a whole window (rows are padded to the longest), between 1 and `DEFAULT_MAX_BATCH`."""
-    rows = int(memory_bytes * BATCH_MEMORY_FRACTION) // max(1, window_tokens * per_token_bytes)
+def default_max_batch(window_tokens: int, cost: SnapshotCost, memory_bytes: int) -> int:
+    """Rows of a decode batch that fit in `BATCH_MEMORY_FRACTION` of memory when each holds a
+    whole context window (rows are padded to the longest): K/V of the layers that trim back
+    for every token, and once per row a full state layer (`cost.snapshot_bytes`: an
+    `ArraysCache`'s arrays, a sliding window's `window` slots, the same at any length);
+    between 1 and `DEFAULT_MAX_BATCH`."""
+    row_bytes = window_tokens * cost.kv_bytes_per_token + cost.snapshot_bytes
+    rows = int(memory_bytes * BATCH_MEMORY_FRACTION) // max(1, row_bytes)
     return max(1, min(DEFAULT_MAX_BATCH, rows))
 
 
-def choose_max_batch(config: RunnerConfig, per_token_bytes: int, empty: ModelCache) -> int:
-    """`config.max_batch`, else the rows whose K/V fit (`default_max_batch`); logs when the
-    model's cache layers (those of `empty`, an unused entry) do not batch (naming those that
-    do not), or decode in the batch but prefill alone (`can_prefill_together`)."""
-    max_batch = config.max_batch or default_max_batch(
-        config.max_context, per_token_bytes, memory_bytes()
-    )
+def choose_max_batch(config: RunnerConfig, cost: SnapshotCost, empty: ModelCache) -> int:
+    """`config.max_batch`, else the rows that fit (`default_max_batch`, from `cost`, what
+    `measure_one_token` read of one token's layers); logs when the model's cache layers
+    (those of `empty`, an unused entry) do not batch (naming those that do not), or decode
+    in the batch but prefill alone (`can_prefill_together`; recurrent state: the probe at
+    load, `probe_padded_state`, logs its own outcome)."""
+    max_batch = config.max_batch or default_max_batch(config.max_context, cost, memory_bytes())
     if max_batch > 1 and not can_batch(empty):
         logger.info(
             "this model's cache layers (%s) do not batch: batched streams take turns, "
