@@ -213,11 +213,11 @@ def choose_max_batch(config: RunnerConfig, cost: SnapshotCost, empty: ModelCache
 def probe_padded_state(loaded: LoadedModel, config: RunnerConfig, max_batch: int) -> bool:
     """Whether this model's recurrent state stays exact when prompts are prefilled together
     (`can_prefill_together`'s `padded_state_exact`): three prompts of different lengths fed
-    together (`_PROBE_PROMPTS`) and each alone, their last logits compared (`_PROBE_RTOL`). Only a model that
-    reads `ArraysCache.lengths` stops its state before a row's padding, and no cache can tell
-    which; a model that fails prefills each prompt alone, exact. Runs (and logs its outcome)
-    only where it decides something: batches of 2 or more, no images, state layers that
-    would otherwise be prefilled together."""
+    together (`_PROBE_PROMPTS`) and each alone, their last logits compared (`_PROBE_RTOL`).
+    Only a model that reads `ArraysCache.lengths` stops its state before a row's padding, and
+    no cache can tell which; a model that fails prefills each prompt alone, exact. Runs (and
+    logs its outcome) only where it decides something: batches of 2 or more, no images,
+    state layers that would otherwise be prefilled together."""
     model = loaded.model
     empty = make_layers(model, config)
     if max_batch < 2 or loaded.vision is not None or can_prefill_together(empty):
