@@ -6,7 +6,9 @@ Per tree and model (the factory's LFM2 and Gemma 3 at `--size`, Gemma 3's window
 `llama-q8`), in process: N threads each reading
 `Runner.stream(..., batched=True)` (the server's path, less HTTP), greedy, no speculation,
 `--tokens` tokens a stream, distinct prompts; the aggregate generated tokens/s from the
-streams' start to their end (prefills included), for N = 1 and 4. Each (tree, model) runs in a
+streams' start to their end (prefills included), for N = 1 and 4, and the time from their
+start until every stream has its first token (the prompts prefilled, together where the
+tree's `PrefillGroup` admits them). Each (tree, model) runs in a
 process of its own with that tree first on `PYTHONPATH`, `--rounds` times, the trees in turns;
 medians over rounds are printed.
 
@@ -50,12 +52,13 @@ MODELS = {
 }
 
 
-def _measure(model_dir: str, tokens: int, settings: dict) -> dict[int, float]:
-    """Aggregate tokens/s of N batched streams per N (run in the tree under test)."""
+def _measure(model_dir: str, tokens: int, settings: dict) -> dict[str, dict[int, float]]:
+    """Per N: aggregate tokens/s of N batched streams ("rates") and seconds until every
+    stream had its first token ("first_s"), run in the tree under test."""
     from mlxkv import Runner
 
     runner = Runner.load(model_dir, max_context=1024, cache_entries=8, max_batch=4, **settings)
-    rates = {}
+    rates, firsts = {}, {}
     for offset, rows in enumerate(LOADS):
         prompts = [
             [(offset * 131 + row * 17 + i * 7) % 400 + 10 for i in range(PROMPT_TOKENS)]
@@ -63,12 +66,14 @@ def _measure(model_dir: str, tokens: int, settings: dict) -> dict[int, float]:
         ]
         start = threading.Barrier(rows + 1)
         counts = [0] * rows
+        first = [0.0] * rows
 
-        def read(i: int, prompts=prompts, start=start, counts=counts) -> None:
+        def read(i: int, prompts=prompts, start=start, counts=counts, first=first) -> None:
             start.wait()
             options = {"max_tokens": tokens, "temperature": 0, "speculative": None}
             for chunk in runner.stream(prompts[i], batched=True, **options):
                 counts[i] += chunk.token is not None
+                first[i] = first[i] or time.perf_counter()
 
         threads = [threading.Thread(target=read, args=(i,)) for i in range(rows)]
         for thread in threads:
@@ -78,11 +83,12 @@ def _measure(model_dir: str, tokens: int, settings: dict) -> dict[int, float]:
         for thread in threads:
             thread.join()
         rates[rows] = sum(counts) / (time.perf_counter() - began)
+        firsts[rows] = max(first) - began
     runner.close()
-    return rates
+    return {"rates": rates, "first_s": firsts}
 
 
-def _run(tree: Path, model_dir: Path, tokens: int, settings: dict) -> dict[int, float]:
+def _run(tree: Path, model_dir: Path, tokens: int, settings: dict) -> dict[str, dict[int, float]]:
     env_path = f"{tree}:{Path(__file__).resolve().parent.parent}"
     measure = ["--measure", str(model_dir), "--settings", json.dumps(settings)]
     out = subprocess.run(
@@ -92,12 +98,14 @@ def _run(tree: Path, model_dir: Path, tokens: int, settings: dict) -> dict[int, 
         text=True,
         check=True,
     )
-    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    return {what: {int(k): v for k, v in by_rows.items()} for what, by_rows in measured.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--before", type=Path, required=True, help="the other tree (its mlxkv/)")
+    # required, but not of the --measure runs this script starts of itself
+    parser.add_argument("--before", type=Path, help="the other tree (its mlxkv/); required")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--size", default="100m")
@@ -108,6 +116,8 @@ def main() -> None:
     if args.measure:
         print(json.dumps(_measure(args.measure, args.tokens, json.loads(args.settings))))
         return
+    if args.before is None:
+        parser.error("--before DIR is required: the tree to compare this one with")
     models = {name: MODELS[name] for name in args.models.split(",")}
     from mlxkv.testing.factory import build_model
 
@@ -124,14 +134,15 @@ def main() -> None:
                 settings = models[model][2]
                 for name, tree in trees.items():
                     rates[name, model].append(_run(tree, model_dir, args.tokens, settings))
-    print(f"tokens/s, {args.rounds} rounds (medians), {args.tokens} tokens a stream")
-    print("| model | streams | before | after | after / before |")
-    print("|---|---|---|---|---|")
-    for model in models:
-        for rows in LOADS:
-            before = statistics.median(r[rows] for r in rates["before", model])
-            now = statistics.median(r[rows] for r in rates["after", model])
-            print(f"| {model} | {rows} | {before:.1f} | {now:.1f} | {now / before:.2f}x |")
+    for what, unit in (("rates", "tokens/s"), ("first_s", "s until every first token")):
+        print(f"{unit}, {args.rounds} rounds (medians), {args.tokens} tokens a stream")
+        print("| model | streams | before | after | after / before |")
+        print("|---|---|---|---|---|")
+        for model in models:
+            for rows in LOADS:
+                before = statistics.median(r[what][rows] for r in rates["before", model])
+                now = statistics.median(r[what][rows] for r in rates["after", model])
+                print(f"| {model} | {rows} | {before:.2f} | {now:.2f} | {now / before:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -66,18 +66,27 @@ def can_batch(cache: ModelCache) -> bool:
     return cache.gate is None and len(cache.layers) > 0 and all(map(layer_batches, cache.layers))
 
 
-def can_prefill_together(cache: ModelCache) -> bool:
+def can_prefill_together(cache: ModelCache, *, padded_state_exact: bool = False) -> bool:
     """True when `cache` may take part in a batched prefill (`prefill_together`): every layer
-    a float `KVCache`. That pass right-pads the prompts and rolls the padding out afterwards
-    (`finalize`). Sliding windows come out of it exact (mlx-lm's `BatchRotatingKVCache` rolls
-    too), but their prompts take checkpoints where the reply starts, which one pass for all
-    rows does not. Recurrent state is exact only where the model itself reads
-    `ArraysCache.lengths` to stop before the padding (docs/batching.md lists which of
-    mlx-lm's models do: those that do not take the padding into their state, logits off by 3
-    to 15 on the sweep's tiny models), and no cache can tell which. Quantized K/V:
-    `BatchQuantizedKVCache` has no right padding to roll out (`prepare`, `finalize`). Those
+    a float `KVCache` or a `SlidingWindowCache` without sinks, or (`padded_state_exact`) every
+    layer a float `KVCache` or mlx-lm's `ArraysCache`.
+
+    That pass right-pads the prompts and rolls the padding out afterwards (`finalize`); it
+    stops at each row's checkpoints to take them from the batch's rows, so windows and state
+    come out with the checkpoints a plain prefill leaves. K/V and windows are exact in it
+    (mlx-lm's `BatchRotatingKVCache` rolls too). Recurrent state is exact only where the
+    model itself reads `ArraysCache.lengths` to stop before the padding: no cache can tell
+    which, so the loaded model is probed once at load (`mlxkv.runner.assembly`), and
+    `padded_state_exact` is its outcome. Out: quantized K/V (`BatchQuantizedKVCache` has no
+    right padding to roll out), a `CacheList` and windows beside state (never probed: no
+    model of the sweep mixes them with padding read), windows with `keep` sinks. Those
     caches prefill alone, then decode in the batch."""
-    return can_batch(cache) and all(type(layer) is KVCache for layer in cache.layers)
+    if not can_batch(cache):
+        return False
+    kinds = {type(layer) for layer in cache.layers}
+    if SlidingWindowCache in kinds:
+        return kinds <= {KVCache, SlidingWindowCache}
+    return kinds <= ({KVCache, ArraysCache} if padded_state_exact else {KVCache})
 
 
 class BatchedKV:

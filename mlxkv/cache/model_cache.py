@@ -113,9 +113,8 @@ class ModelCache:
 
     def materialize(self) -> list[int]:
         """Evaluates every lazy array and reads back pending token ids; returns the token ids
-        held, as `tokens` does. MLX streams belong to the thread that made them (a lazy array
-        built on one thread cannot be evaluated on another): materializing at the end of each
-        request lets the next one run on any thread."""
+        held, as `tokens` does. A lazy array built on one thread cannot be evaluated on
+        another: materializing at the end of each request lets the next run on any thread."""
         mx.eval(self.arrays() + [p for p in self._pending if isinstance(p, mx.array)])
         return self.tokens
 
@@ -262,6 +261,10 @@ class ModelCache:
         return taken
 
     @property
+    def disk_snapshots(self) -> dict[int, list[Any]]:  # by length, not yet taken (a copy)
+        return dict(self._disk_snapshots)
+
+    @property
     def checkpoints(self) -> dict[int, list[Any]]:
         """Checkpoints by length in tokens: per layer a snapshot, or None for layers that trim
         back instead. Read-only: snapshots are never changed in place, so they may be shared."""
@@ -280,11 +283,8 @@ class ModelCache:
         Raises:
             ValueError: a layer's offset is not len(tokens), or a checkpoint lies past it.
         """
-        offsets = {
-            layer.offset
-            for layer in leaves(layers)
-            if hasattr(layer, "offset") and not is_unwritten(layer)
-        }
+        written = [x for x in leaves(layers) if hasattr(x, "offset") and not is_unwritten(x)]
+        offsets = {layer.offset for layer in written}
         if offsets - {len(tokens)} or any(n > len(tokens) for n in checkpoints):
             raise ValueError(
                 f"layers at offsets {sorted(offsets)} with checkpoints at {sorted(checkpoints)} "

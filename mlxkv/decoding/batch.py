@@ -107,6 +107,9 @@ class DecodeBatch:
         self._kv = BatchedKV()
         self._rows: list[_Row] = []
         self._shifts: mx.array | None = None  # the rows' position shifts; None: all 0
+        # whether some layer keeps recurrent state (marks kept each step), read at a join and
+        # a part rather than by walking the layers every step
+        self._has_state = False
         self._steps = 0
 
     @property
@@ -149,6 +152,7 @@ class DecodeBatch:
         every = cache.snapshot_every_tokens if cache.needs_checkpoints else None
         row = _Row(cache, pick, left, first_input, every, position_shift)
         self._kv.join(cache)
+        self._has_state = self._kv.has_state
         self._rows.append(row)
         self._shifts_changed()
         return row
@@ -209,7 +213,7 @@ class DecodeBatch:
         except BaseException as error:  # the model, or one row's processors (a grammar)
             self._fail(error)
             raise
-        marks = self._kv.state_marks() if self._kv.has_state else None
+        marks = self._kv.state_marks() if self._has_state else None
         for i, row in enumerate(rows):
             row.fresh = False
             row.fed.append(row.next_input)
@@ -238,6 +242,7 @@ class DecodeBatch:
         """Hands the row's layers back to its entry, with the tokens fed since the join and
         the disk snapshots taken meanwhile (besides the entry's own, not yet written)."""
         layers = self._kv.part(self._rows.index(row), row.cache.layers)
+        self._has_state = self._kv.has_state
         self._rows.remove(row)
         self._shifts_changed()
         fed = [picked.id(index) for picked, index in row.fed]
@@ -255,6 +260,7 @@ class DecodeBatch:
             row.failure = error
         self._rows.clear()
         self._kv = BatchedKV()
+        self._has_state = False
         self._shifts = None
 
     def _shifts_changed(self) -> None:

@@ -3,7 +3,8 @@ prompt cache it uses (its entries' pool and, when asked for, the disk tier in th
 subdirectory), and the warm-up.
 
 Owns `fit_window`, `choose_max_batch`, `make_layers` (and the measures behind them), `make_pool`
-(with the disk tier's snapshot interval) and `warm_up`. Does not own
+(with the disk tier's snapshot interval), `probe_padded_state` (whether a model's recurrent
+state is exact when prompts are prefilled together) and `warm_up`. Does not own
 the pool's policy (`mlxkv.runner.prompt_cache.pool`), the file format
 (`mlxkv.runner.disk.store`) or the settings (`mlxkv.config.RunnerConfig`).
 """
@@ -33,7 +34,7 @@ from mlxkv.config import (
 from mlxkv.decoding.batch import DecodeBatch
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.picker import TokenPicker
-from mlxkv.decoding.prefill.batched import prefill_together
+from mlxkv.decoding.prefill.batched import Stops, prefill_together
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel
 from mlxkv.models.vision import EncoderCache
@@ -54,6 +55,19 @@ _WARMUP_CHUNK_TOKENS = 32
 _WARMUP_DRAFT_TOKENS = 4
 # The warm-up's batched prompts: two rows of different lengths, so that padding is masked.
 _WARMUP_BATCH_PROMPTS = ([0, 0, 0], [0, 0])
+# The probe's prompts (ids every vocabulary holds, distinct from the padding's 0): rows of
+# different lengths and checkpoints, so that in each stage of the pass (`prefill_together`)
+# one row is partly padding and, in the second, one is all padding (Nemotron-H's state was
+# exact with a row all padding, off by 2.8 with a row partly padding).
+_PROBE_PROMPTS = ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12], [13, 14])
+_PROBE_STOPS = (Stops(checkpoints=(4,)), Stops(checkpoints=(1,)), Stops())
+# How far a row's last logits together may be from alone, relative to their largest |logit|,
+# for the model's state to count as exact under padding: above rounding (1e-6 measured on the
+# sweep's models that read `lengths`, float32; 2e-2 allowed in half precision,
+# tests/tolerances.py) and below padding read into the state (0.21 for Nemotron-H, 0.9 to 1.9
+# for Mamba, Jamba, OLMo hybrid, RWKV-7, Bailing linear). A model too close to call stays
+# alone, which is exact.
+_PROBE_RTOL = 0.05
 
 
 def make_pool(
@@ -98,10 +112,10 @@ def make_pool(
 
 def size_window(
     loaded: LoadedModel, config: RunnerConfig, engine: EngineThread, lockstep: Lockstep | Solo
-) -> tuple[RunnerConfig, int, SnapshotCost]:
-    """`config` with its context window fitted to memory (every rank taking rank 0's), the
-    K/V bytes per token it was fitted from and what the state layers' snapshots cost
-    (`measure_one_token`; the disk tier's snapshot rule reads it). The forward that measures
+) -> tuple[RunnerConfig, SnapshotCost]:
+    """`config` with its context window fitted to memory (every rank taking rank 0's) and
+    what the state layers' snapshots cost beside the K/V per token (`measure_one_token`; the
+    disk tier's snapshot rule and the default decode batch read it). The forward that measures
     them runs on the engine thread: a model that updates weights lazily in its forward (Gemma
     3n's AltUp) leaves arrays only that thread can evaluate later."""
     layers = make_layers(loaded.model, config)
@@ -116,7 +130,7 @@ def size_window(
     if config.cache_dir is not None:
         held = snapshot_bytes_per_token(cost, BLOCK_TOKENS, config.cache_dir_kv_bits)
     config = fit_window(config, loaded.max_position_embeddings, per_token_bytes + held)
-    return lockstep.leaders_settings(config), per_token_bytes, cost
+    return lockstep.leaders_settings(config), cost
 
 
 def fit_window(
@@ -164,32 +178,70 @@ def default_max_context(
     return min(max_position_embeddings or fits, fits)
 
 
-def default_max_batch(window_tokens: int, per_token_bytes: int, memory_bytes: int) -> int:
-    """Rows of a decode batch whose K/V fit in `BATCH_MEMORY_FRACTION` of memory when each
-    holds a whole window (rows are padded to the longest), between 1 and `DEFAULT_MAX_BATCH`."""
-    rows = int(memory_bytes * BATCH_MEMORY_FRACTION) // max(1, window_tokens * per_token_bytes)
+def default_max_batch(window_tokens: int, cost: SnapshotCost, memory_bytes: int) -> int:
+    """Rows of a decode batch that fit in `BATCH_MEMORY_FRACTION` of memory when each holds a
+    whole context window (rows are padded to the longest): K/V of the layers that trim back
+    for every token, and once per row a full state layer (`cost.snapshot_bytes`: an
+    `ArraysCache`'s arrays, a sliding window's `window` slots, the same at any length);
+    between 1 and `DEFAULT_MAX_BATCH`."""
+    row_bytes = window_tokens * cost.kv_bytes_per_token + cost.snapshot_bytes
+    rows = int(memory_bytes * BATCH_MEMORY_FRACTION) // max(1, row_bytes)
     return max(1, min(DEFAULT_MAX_BATCH, rows))
 
 
-def choose_max_batch(config: RunnerConfig, per_token_bytes: int, empty: ModelCache) -> int:
-    """`config.max_batch`, else the rows whose K/V fit (`default_max_batch`); logs when the
-    model's cache layers (those of `empty`, an unused entry) do not batch (naming those that
-    do not), or decode in the batch but prefill alone (`can_prefill_together`)."""
-    max_batch = config.max_batch or default_max_batch(
-        config.max_context, per_token_bytes, memory_bytes()
-    )
+def choose_max_batch(config: RunnerConfig, cost: SnapshotCost, empty: ModelCache) -> int:
+    """`config.max_batch`, else the rows that fit (`default_max_batch`, from `cost`, what
+    `measure_one_token` read of one token's layers); logs when the model's cache layers
+    (those of `empty`, an unused entry) do not batch (naming those that do not), or decode
+    in the batch but prefill alone (`can_prefill_together`; recurrent state: the probe at
+    load, `probe_padded_state`, logs its own outcome)."""
+    max_batch = config.max_batch or default_max_batch(config.max_context, cost, memory_bytes())
     if max_batch > 1 and not can_batch(empty):
         logger.info(
             "this model's cache layers (%s) do not batch: batched streams take turns, "
             "decoding one at a time",
             ", ".join(sorted({type(x).__name__ for x in empty if not layer_batches(x)})),
         )
-    elif max_batch > 1 and not can_prefill_together(empty):
+    elif max_batch > 1 and not can_prefill_together(empty, padded_state_exact=True):
         logger.info(
             "this model's cache layers (%s) decode in the batch; prompts are prefilled alone",
             ", ".join(sorted({type(layer).__name__ for layer in empty})),
         )
     return max_batch
+
+
+def probe_padded_state(loaded: LoadedModel, config: RunnerConfig, max_batch: int) -> bool:
+    """Whether this model's recurrent state stays exact when prompts are prefilled together
+    (`can_prefill_together`'s `padded_state_exact`): three prompts of different lengths fed
+    together (`_PROBE_PROMPTS`) and each alone, their last logits compared (`_PROBE_RTOL`).
+    Only a model that reads `ArraysCache.lengths` stops its state before a row's padding, and
+    no cache can tell which; a model that fails prefills each prompt alone, exact. Runs (and
+    logs its outcome) only where it decides something: batches of 2 or more, no images,
+    state layers that would otherwise be prefilled together."""
+    model = loaded.model
+    empty = make_layers(model, config)
+    if max_batch < 2 or loaded.vision is not None or can_prefill_together(empty):
+        return False
+    if not can_prefill_together(empty, padded_state_exact=True):
+        return False
+    caches = [make_layers(model, config) for _ in _PROBE_PROMPTS]
+    together = prefill_together(
+        model, caches, _PROBE_PROMPTS, stops=_PROBE_STOPS, padded_state_exact=True
+    )
+    worst = 0.0
+    for logits, prompt in zip(together, _PROBE_PROMPTS, strict=True):
+        alone = make_layers(model, config).forward(model, prompt)[:, -1, :]
+        scale = max(1.0, mx.abs(alone).max().item())
+        worst = max(worst, mx.abs(logits - alone).max().item() / scale)
+    exact = worst <= _PROBE_RTOL
+    logger.info(
+        "prefill probe: model_type=%s state_exact=%s max_rel_diff=%.2g: prompts are prefilled %s",
+        loaded.config.get("model_type"),
+        exact,
+        worst,
+        "together" if exact else "alone (its recurrent layers read the padding)",
+    )
+    return exact
 
 
 def make_layers(model: nn.Module, config: RunnerConfig) -> ModelCache:
@@ -204,7 +256,8 @@ def warm_up(
     verification, a decode step; with `max_batch` over 1 and K/V that batch, prompts prefilled
     together and batched decode steps) on scratch caches, for the model and the draft model:
     MLX compiles kernels for new shapes (9.8 s for the first request on an H100), here instead
-    of in the first user's request. Touches no entry."""
+    of in the first user's request (recurrent state prefilled together compiles in
+    `probe_padded_state`, which feeds that path). Touches no entry."""
     if loaded.is_encoder:  # nothing generates: the first embedding compiles its own shapes
         return
     start = time.perf_counter()
@@ -224,10 +277,10 @@ def warm_up(
 
 def _warm_up_batch(model: nn.Module, config: RunnerConfig, *, together: bool) -> None:
     """Two prompts prefilled together (where `together` and the cache's layers allow: else
-    each alone), then a batched decode step, as concurrent requests run (the drafts of
-    speculation never batch): the batched path's own kernels (padding masks, the rows' layers
-    joined and parted, (B, 1) steps) compile here rather than in the first requests that
-    decode together."""
+    each alone), then a batched decode
+    step, as concurrent requests run (the drafts of speculation never batch): the batched
+    path's own kernels (padding masks, the rows' layers joined and parted, (B, 1) steps)
+    compile here rather than in the first requests that decode together."""
     caches = [make_layers(model, config) for _ in _WARMUP_BATCH_PROMPTS]
     if together and can_prefill_together(caches[0]):
         last_logits = prefill_together(model, caches, _WARMUP_BATCH_PROMPTS)

@@ -31,6 +31,7 @@ from mlxkv.decoding.prefill.chunks import PrefillPlan
 from mlxkv.errors import RunnerBusyError
 from mlxkv.models.loading import LoadedModel
 from mlxkv.platform.random_state import request_random_state, with_own_key
+from mlxkv.runner.assembly import probe_padded_state
 from mlxkv.runner.engine import EngineThread, Interleaved, Relay
 from mlxkv.runner.lockstep import Lockstep, Solo
 from mlxkv.runner.prefill.group import PrefillGroup
@@ -96,11 +97,14 @@ class Dispatcher:
         self._consumers: dict[int, Relay | Interleaved] = {}  # threads iterating a stream()
         self._slots = Slots(max_batch)
         batch = DecodeBatch(loaded.model, max_batch, others_waiting=lambda: engine.jobs_waiting)
+        # sharded ranks never batch: the probe's model calls would run on this rank alone
+        probe_rows = 1 if lockstep.sharded else max_batch
         prefills = PrefillGroup(
             loaded.model,
             max_prompt_tokens=prefill_plan.step_tokens,
             max_rows=max_batch,
             queued=lambda: engine.arrivals_waiting,
+            padded_state_exact=engine.call(probe_padded_state, loaded, config, probe_rows),
         )
         self._batching = Batching(batch, prefills)
         pool.working = batch

@@ -85,7 +85,7 @@ class Runner:
         # Every model call runs on this thread (see `engine`); it ends with the Runner.
         self._engine = EngineThread(f"mlxkv-engine-{id(self):x}")
         weakref.finalize(self, self._engine.stop, False)
-        config, per_token_bytes, snaps = size_window(loaded, config, self._engine, self._lockstep)
+        config, snaps = size_window(loaded, config, self._engine, self._lockstep)
         self.config = config
         self.max_context = config.max_context
         self.prefill_plan = PrefillPlan.make(
@@ -95,7 +95,7 @@ class Runner:
         self._pool = make_pool(loaded, self._make_entry, config, snaps)
         if self._pool.store is not None:  # a Runner dropped without close() stops its writer
             weakref.finalize(self, self._pool.store.close)
-        self.max_batch = choose_max_batch(config, per_token_bytes, self._make_entry())
+        self.max_batch = choose_max_batch(config, snaps, self._make_entry())
         if config.warmup:
             # sharded, requests never batch (`dispatch`), and ranks may size batches apart
             batch_rows = 1 if self._lockstep.sharded else self.max_batch

@@ -90,6 +90,9 @@ def test_refuses_caches_that_cannot_batch_and_empty_prompts(loaded_tiny):
     llama = loaded_tiny("llama").model
     with pytest.raises(ValueError, match="non-empty prompt"):
         prefill_together(llama, [make_cache(llama)], [[]])
-    gemma = loaded_tiny("gemma3_text").model
-    with pytest.raises(ValueError, match="float KVCache"):
-        prefill_together(gemma, [make_cache(gemma), make_cache(gemma)], [[1], [2]])
+    lfm2 = loaded_tiny("lfm2").model  # recurrent state, not known to read its lengths
+    with pytest.raises(ValueError, match="float KVCache or sliding-window"):
+        prefill_together(lfm2, [make_cache(lfm2), make_cache(lfm2)], [[1], [2]])
+    quantized = [make_cache(llama, kv_bits=8, kv_group_size=32) for _ in range(2)]
+    with pytest.raises(ValueError, match="float KVCache or sliding-window"):
+        prefill_together(llama, quantized, [[1], [2]])

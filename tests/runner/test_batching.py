@@ -29,7 +29,9 @@ PROMPTS = [
 # factory models whose cache layers all batch: float K/V, sliding windows (gemma3_text, spark2_5:
 # windows of 8 tokens, wrapping in these replies), recurrent state (lfm2, mamba)
 BATCHING = ARCHITECTURES
-PREFILLED_TOGETHER = ("llama", "qwen3")  # all float K/V layers (`can_prefill_together`)
+# float K/V and windows (`can_prefill_together`), state that the probe at load finds exact;
+# mamba's state reads the padding: prefilled alone
+PREFILLED_TOGETHER = ("llama", "qwen3", "gemma3_text", "spark2_5", "lfm2")
 
 
 def _tokens_and_logprobs(chunks):
@@ -73,18 +75,20 @@ def _assert_same_answers(got, want, kv_bits=None):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_batched_streams_answer_as_one_at_a_time(loaded_tiny, arch, rows, caplog):
+def test_batched_streams_answer_as_one_at_a_time(loaded_tiny, arch, rows, caplog, monkeypatch):
     loaded = loaded_tiny(arch)
     options = {"max_tokens": 24, "temperature": 0.0, "logprobs": 0}
     alone = Runner(loaded, max_context=512, speculative=None)
     want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS]
     with caplog.at_level(logging.INFO, logger="mlxkv.runner.assembly"):
         runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    passes = recorded(monkeypatch, prefill_group, "prefill_together", lambda *a, **_: len(a[1]))
     got = _together(runner, PROMPTS, **options)
     _assert_same_answers(got, want)
     assert max(rows) >= 2, "the streams never decoded together"
-    prefilled_alone = "decode in the batch; prompts are prefilled alone" in caplog.text
+    prefilled_alone = "prompts are prefilled alone" in caplog.text
     assert prefilled_alone == (arch not in PREFILLED_TOGETHER)
+    assert bool(passes) == (arch in PREFILLED_TOGETHER), passes
 
 
 def test_a_stream_that_leaves_mid_batch_leaves_the_others_exact(loaded_tiny, rows):
@@ -359,7 +363,7 @@ def test_streams_arriving_together_are_prefilled_together_and_answer_as_alone(
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
     passes = recorded(
         monkeypatch, prefill_group, "prefill_together",
-        lambda _model, caches, _prompts: [cache.num_tokens for cache in caches],
+        lambda _model, caches, _prompts, **_: [cache.num_tokens for cache in caches],
     )  # fmt: skip
     results = _first_jobs_queued_then_run(runner, PROMPTS, [options] * len(PROMPTS))
     assert passes == [[0, 0, 0]]
@@ -403,7 +407,7 @@ def test_a_seeded_stream_is_not_prefilled_with_others(loaded_tiny, monkeypatch):
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
     passes = recorded(
         monkeypatch, prefill_group, "prefill_together",
-        lambda _model, _caches, fed: sorted(len(tokens) for tokens in fed),
+        lambda _model, _caches, fed, **_: sorted(len(tokens) for tokens in fed),
     )  # fmt: skip
     results = _first_jobs_queued_then_run(runner, prompts, options)
     lengths = [len(runner.encode(p)) for p in prompts]

@@ -39,7 +39,7 @@ def model(loaded_tiny):
 def passes(monkeypatch):
     """The rows of every batched pass the group runs."""
     return recorded(
-        monkeypatch, group_module, "prefill_together", lambda _model, caches, _p: len(caches)
+        monkeypatch, group_module, "prefill_together", lambda _model, caches, _p, **_: len(caches)
     )
 
 
@@ -166,7 +166,7 @@ def test_a_full_group_waits_for_no_one(model, passes):
 
 
 def test_a_failed_pass_reaches_every_member_and_changes_no_cache(model, monkeypatch):
-    def broken(*args):
+    def broken(*args, **_):
         raise RuntimeError("broken pass")
 
     monkeypatch.setattr(group_module, "prefill_together", broken)
@@ -189,4 +189,11 @@ def test_admits_short_prompts_on_caches_that_batch(model, loaded_tiny):
     assert not group.admits(make_cache(model), [1] * 64)  # a whole chunk: fed in turns
     assert not group.admits(make_cache(model), [])
     gemma = loaded_tiny("gemma3_text").model
-    assert not group.admits(make_cache(gemma), [1, 2])
+    assert group.admits(make_cache(gemma), [1, 2])  # windows: their checkpoints sliced out
+    assert not group.admits(make_cache(model, kv_bits=8, kv_group_size=32), [1, 2])
+    lfm2 = loaded_tiny("lfm2").model
+    assert not group.admits(make_cache(lfm2), [1, 2])  # state: only as the probe found
+    exact = PrefillGroup(
+        model, max_prompt_tokens=64, max_rows=4, queued=_Arrivals(), padded_state_exact=True
+    )
+    assert exact.admits(make_cache(lfm2), [1, 2])

@@ -2,12 +2,15 @@
 request meets before the first request, on scratch caches that no entry sees."""
 
 import dataclasses
+import logging
 
 import pytest
 
+from mlxkv.cache.building import make_cache
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cli.common import runner_config
 from mlxkv.cli.parser import build_parser
+from mlxkv.runner.assembly import _PROBE_PROMPTS
 from tests.factories import recorded
 
 
@@ -43,6 +46,7 @@ def test_warm_up_covers_the_draft_model(make_runner, loaded_tiny, widths_fed):
 
 
 TOGETHER = [[0, 0, 0], [0, 0]]
+PROBE = _PROBE_PROMPTS
 
 
 @pytest.mark.parametrize(
@@ -50,8 +54,9 @@ TOGETHER = [[0, 0, 0], [0, 0]]
     [
         ("llama", {}, ([TOGETHER], [2])),
         ("llama", {"max_batch": 1}, ([], [])),
-        ("gemma3_text", {}, ([], [2])),  # decodes in the batch, prompts prefilled alone
-        ("lfm2", {}, ([], [2])),
+        ("gemma3_text", {}, ([TOGETHER], [2])),  # windows: checkpoints sliced from the rows
+        # recurrent state: together in the probe that decides it, alone in the warm-up
+        ("lfm2", {}, ([list(PROBE)], [2])),
     ],
     ids=["batching", "max-batch-1", "sliding-window", "recurrent"],
 )
@@ -65,7 +70,7 @@ def test_warm_up_runs_the_batched_path_where_requests_batch(
     from mlxkv.decoding.batch import DecodeBatch
     from mlxkv.runner import assembly
 
-    prompts = recorded(monkeypatch, assembly, "prefill_together", lambda _m, _c, p: list(p))
+    prompts = recorded(monkeypatch, assembly, "prefill_together", lambda _m, _c, p, **_: list(p))
     steps = recorded(monkeypatch, DecodeBatch, "_step", lambda batch: batch.num_rows)
     runner = make_runner(arch, max_context=256, **settings)
     assert (prompts, steps) == expected
@@ -85,3 +90,27 @@ def test_warm_up_runs_the_batched_path_where_requests_batch(
 )
 def test_cli_warmup_option(argv, expected):
     assert runner_config(build_parser().parse_args(argv)).warmup is expected
+
+
+@pytest.mark.parametrize(
+    ("arch", "exact"),
+    [("lfm2", True), ("mamba", False), ("llama", None)],
+    ids=["reads-lengths", "reads-padding", "no-state"],
+)
+def test_the_probe_at_load_decides_whether_state_is_prefilled_together(
+    make_runner, caplog, arch, exact
+):
+    """LFM2 stops its state before a row's padding (it reads `ArraysCache.lengths`), Mamba
+    does not (its state takes the padding in): the probe at load tells them apart, says so in
+    the log, and the prefill group admits their caches accordingly. A model with no state
+    needs no probe. Warm-up off: the probe decides whatever the warm-up does."""
+    with caplog.at_level(logging.INFO, logger="mlxkv.runner.assembly"):
+        runner = make_runner(arch, max_context=256, warmup=False)
+    lines = [r.getMessage() for r in caplog.records if "prefill probe" in r.getMessage()]
+    group = runner._dispatch._batching.prefills
+    if exact is None:
+        assert lines == [] and group.admits(make_cache(runner.loaded.model), [1, 2])
+        return
+    assert len(lines) == 1 and f"state_exact={exact}" in lines[0], lines
+    assert ("together" if exact else "alone") in lines[0]
+    assert group.admits(make_cache(runner.loaded.model), [1, 2]) is exact

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.decoding.pause import PAUSE, Pause
+from mlxkv.decoding.prefill.batched import Stops
 from mlxkv.decoding.prefill.chunks import PrefillPlan, fill_steps, prefill_steps
 from mlxkv.runner.prefill.group import PrefillGroup
 from mlxkv.runner.prompt_cache.pool import PrefixHit
@@ -47,8 +48,9 @@ def fill_prompt(
 
     Args:
         plan: how the tokens are fed (chunk size, CPU lanes).
-        together: the group a short prompt (on a cache that batches: no checkpoints) is fed
-            with, when other requests reach their prefill at the same moment (None: alone).
+        together: the group a short prompt (on a cache whose layers it admits) is fed with,
+            its checkpoints and disk snapshots taken as alone, when other requests reach
+            their prefill at the same moment (None: alone).
 
     Raises:
         PrefillCancelled: the request's cancel flag was set; the chunks fed stay cached.
@@ -64,7 +66,8 @@ def fill_prompt(
             raise PrefillCancelled
 
     if together is not None and together.admits(cache, remaining):
-        logits = yield from together.prefill(cache, remaining)
+        stops = Stops(hit.checkpoints, hit.disk_snapshots)
+        logits = yield from together.prefill(cache, remaining, stops)
         if logits is not None:  # fed with others; else no other came
             fed(total)
             return logits

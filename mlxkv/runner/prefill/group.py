@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlxkv.cache.batched import can_prefill_together
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.pause import PAUSE, Pause
-from mlxkv.decoding.prefill.batched import prefill_together
+from mlxkv.decoding.prefill.batched import Stops, prefill_together
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ SLACK_TOKENS = 64
 class _Member:
     cache: ModelCache
     prompt: Sequence[int]
+    stops: Stops
     logits: mx.array | None = None
     failure: BaseException | None = None
     settled: bool = False  # fed, failed, or left out by a feed: it feeds alone
@@ -61,6 +62,9 @@ class PrefillGroup:
             chunk: such a prompt is fed in chunks, taking turns with running requests).
         max_rows: the most members fed at once (the decode batch's rows).
         queued: True while requests' first jobs wait on the engine thread (they may join).
+        padded_state_exact: the model's recurrent layers stop before a row's padding (the
+            probe at load found it: `mlxkv.runner.assembly.probe_padded_state`), so caches
+            with recurrent state are prefilled together too.
     """
 
     def __init__(
@@ -70,11 +74,13 @@ class PrefillGroup:
         max_prompt_tokens: int,
         max_rows: int,
         queued: Callable[[], bool],
+        padded_state_exact: bool = False,
     ):
         self._model = model
         self._max_prompt_tokens = max_prompt_tokens
         self._max_rows = max_rows
         self._queued = queued
+        self._padded_state_exact = padded_state_exact
         self._members: list[_Member] = []
         self._arriving = 0  # requests waiting for a shared prefix: they come next
 
@@ -89,21 +95,26 @@ class PrefillGroup:
             self._arriving -= 1
 
     def admits(self, cache: ModelCache, prompt: Sequence[int]) -> bool:
-        """True when `prompt`, fed after what `cache` holds, may be fed with others (float K/V
-        layers only: `can_prefill_together` says why)."""
-        return 0 < len(prompt) < self._max_prompt_tokens and can_prefill_together(cache)
+        """True when `prompt`, fed after what `cache` holds, may be fed with others: the one
+        place that decides it, from the cache's layer kinds and, for recurrent state, the
+        loaded model's probe (`can_prefill_together` says why)."""
+        exact = self._padded_state_exact
+        return 0 < len(prompt) < self._max_prompt_tokens and can_prefill_together(
+            cache, padded_state_exact=exact
+        )
 
     def prefill(
-        self, cache: ModelCache, prompt: Sequence[int]
+        self, cache: ModelCache, prompt: Sequence[int], stops: Stops | None = None
     ) -> Generator[Pause, None, mx.array | None]:
         """Feeds `prompt` into `cache` with the others that come now, pausing (yielding
         `PAUSE`) at most once for them; returns its last-token logits, shape (1, vocab), or
-        None when no other came (`cache` untouched: the caller feeds it alone).
+        None when no other came (`cache` untouched: the caller feeds it alone). `stops`: where
+        into `prompt` the layers that cannot trim back are snapshotted, as alone.
 
         Raises:
             whatever the batched pass raised (every member hears it; no cache changed).
         """
-        member = _Member(cache, prompt)
+        member = _Member(cache, prompt, stops or Stops())
         self._members.append(member)
         try:
             if len(self._members) < self._max_rows and (self._arriving or self._queued()):
@@ -129,7 +140,11 @@ class PrefillGroup:
         logger.debug("prefill group: rows=%d", len(members))
         try:
             logits = prefill_together(
-                self._model, [m.cache for m in members], [m.prompt for m in members]
+                self._model,
+                [m.cache for m in members],
+                [m.prompt for m in members],
+                stops=[m.stops for m in members],
+                padded_state_exact=self._padded_state_exact,
             )
         except BaseException as error:
             for m in members:
