@@ -41,6 +41,13 @@ class LoadedModel:
     config: dict[str, Any]
     path: Path
     vision: VisionSupport | None = None
+    source_name: str | None = None  # what the caller named, where `path` is not it (a GGUF)
+
+    @property
+    def name(self) -> str:
+        """The model's name in messages: what it was loaded as (a converted GGUF's `path` is
+        a folder named by a digest), else its directory's name."""
+        return self.source_name or self.path.name
 
     @property
     def vocab_size(self) -> int:
@@ -80,7 +87,9 @@ def load_model(
     from mlx_lm.utils import load
 
     path = find_model(default_model_path() if path_or_repo is None else str(path_or_repo))
+    source_name = None
     if path.suffix == ".gguf" or is_gguf(path):
+        source_name = path.name if path_or_repo is None else Path(str(path_or_repo)).name
         path = gguf.converted_dir(path, progress=progress)
     config = _read_config(path)
     if group is None and is_vision_model(config):
@@ -99,7 +108,9 @@ def load_model(
         model.set_dtype(mx.float32)  # half-precision matmuls are several times slower on CPU
     materialize(model)
     logger.info("loaded model path=%s type=%s", path, config.get("model_type"))
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, config=config, path=path, source_name=source_name
+    )
 
 
 def _read_config(path: Path) -> dict[str, Any]:

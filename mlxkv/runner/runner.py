@@ -111,7 +111,7 @@ class Runner:
             lockstep=self._lockstep,
             max_batch=self.max_batch,
         )
-        vision = VisionPrompts(self._prompts, loaded.vision, loaded.path.name)
+        vision = VisionPrompts(self._prompts, loaded.vision, loaded.name)
         self._builder = RequestBuilder(self._prompts, self.max_context, config.keep, vision)
         self._embedder = Embedder(
             loaded,
@@ -119,7 +119,7 @@ class Runner:
             self._engine.call,
             max_tokens=self.max_context,
             batch_tokens=self.prefill_plan.step_tokens,
-            name=loaded.path.name,
+            name=loaded.name,
         )
 
     @classmethod

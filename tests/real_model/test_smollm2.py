@@ -63,3 +63,10 @@ def test_a_reply_that_encodes_otherwise_is_reused_in_full(smollm2):
     assert second.cached_tokens == len(held)
     fresh = Runner(smollm2).generate(runner.cache_tokens[: second.prompt_tokens], max_tokens=4)
     assert second.tokens == fresh.tokens
+
+
+def test_messages_name_the_gguf_file_not_its_converted_folder(smollm2):
+    """The converted folder is named by a digest; a refusal names what the user loaded."""
+    assert smollm2.name.endswith(".gguf") and smollm2.name != smollm2.path.name
+    with pytest.raises(ValueError, match=rf"model '{smollm2.name}'"):
+        Runner(smollm2).embed(["hi"], dimensions=10**6)
