@@ -41,3 +41,26 @@ def test_a_prefill_pauses_between_chunks_not_after_the_last(loaded_tiny, tokens,
             break
     assert seen == pauses
     assert logits.shape[0] == 1 and cache.num_tokens == tokens and stats.processed == tokens
+
+
+def test_a_pause_where_a_checkpoint_falls_comes_after_it(loaded_tiny):
+    """A request waiting for this prefix (`_await_shared_prefix`) copies it at a pause: where
+    the cache then ends on a checkpoint of layers that cannot trim back (LFM2's recurrent
+    state), the checkpoint must be there already, or the copy goes back further."""
+    loaded = loaded_tiny("lfm2")
+    cache = make_cache(loaded.model)
+    ids = list(range(1, 98))
+    request = SimpleNamespace(
+        tokens=ids, header_tokens=0, keep=0, progress=None, cancelled=threading.Event()
+    )
+    stats = CompletionStats(time.perf_counter(), len(ids), 0)
+    hit = PrefixHit(CacheEntry(cache), 0, ids, checkpoints=(40,))
+    steps = fill_prompt(loaded.model, request, hit, stats, plan=PrefillPlan(32, 1))
+    paused_at = []
+    while True:
+        try:
+            assert next(steps) is PAUSE
+        except StopIteration:
+            break
+        paused_at.append((cache.num_tokens, sorted(cache.checkpoints)))
+    assert paused_at == [(32, []), (40, [40]), (72, [40])]

@@ -76,9 +76,11 @@ def fill_prompt(
     last_pause = total - 1
     for split in sorted({*hit.checkpoints, *hit.disk_snapshots}):
         steps = fill_steps(model, cache, remaining[: split - offset], plan)
-        yield from _paced(steps, fed, offset, last_pause)
+        yield from _paced(steps, fed, offset, min(split, last_pause))
         if split in hit.checkpoints:  # a disk snapshot the cache took here is shared
             cache.checkpoint()
+        if split < last_pause:  # the chunk's pause, after its checkpoint: a request waiting
+            yield PAUSE  # for this prefix (`_await_shared_prefix`) may copy it from there
         offset, remaining = split, remaining[split - offset :]
     steps = prefill_steps(model, cache, remaining, plan)
     logits = yield from _paced(steps, fed, offset, last_pause)
@@ -87,16 +89,16 @@ def fill_prompt(
 
 
 def _paced(
-    steps: Generator[int, None, T], fed: Callable[[int], None], offset: int, last_pause: int
+    steps: Generator[int, None, T], fed: Callable[[int], None], offset: int, pause_before: int
 ) -> Generator[Pause, None, T]:
     """Runs `steps` (a prefill generator yielding the tokens it has fed), telling `fed` the
     tokens fed in all (`offset` before it) and pausing (yielding `PAUSE`) after each chunk that
-    ends before `last_pause` tokens; returns what `steps` returns."""
+    ends before `pause_before` tokens; returns what `steps` returns."""
     while True:
         try:
             done = next(steps)
         except StopIteration as end:
             return end.value
         fed(offset + done)
-        if offset + done < last_pause:
+        if offset + done < pause_before:
             yield PAUSE
