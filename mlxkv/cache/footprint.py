@@ -76,6 +76,13 @@ class SnapshotCost:
     float_kv_bytes_per_token: int = 0
     float_kv_item_bytes: int = 0
 
+    def held_bytes(self, tokens: int, checkpoints: int = 0, per_token_extra: int = 0) -> int:
+        """Bytes a cache holding `tokens` tokens takes at most: the K/V that grow with them
+        (plus `per_token_extra` a token), each state layer full (a window's whole window, a
+        recurrent layer's state), and `checkpoints` snapshots of those."""
+        growing = tokens * (self.kv_bytes_per_token + per_token_extra)
+        return growing + self.snapshot_bytes * (1 + checkpoints)
+
 
 def snapshot_cost(layers: Sequence[Any]) -> SnapshotCost:
     """`SnapshotCost` read from `layers` (a model's cache) holding exactly one token."""

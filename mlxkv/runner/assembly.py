@@ -20,6 +20,7 @@ import mlx.nn as nn
 
 from mlxkv.cache.batched import can_batch, can_prefill_together, layer_batches
 from mlxkv.cache.building import make_cache
+from mlxkv.cache.checkpoints import MAX_CHECKPOINTS
 from mlxkv.cache.footprint import SnapshotCost, snapshot_cost
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.serialize import layout_signature
@@ -129,29 +130,35 @@ def size_window(
     held = 0
     if config.cache_dir is not None:
         held = snapshot_bytes_per_token(cost, BLOCK_TOKENS, config.cache_dir_kv_bits)
-    config = fit_window(config, loaded.max_position_embeddings, per_token_bytes + held)
+    config = fit_window(config, loaded.max_position_embeddings, cost, held, per_token_bytes)
     return lockstep.leaders_settings(config), cost
 
 
 def fit_window(
-    config: RunnerConfig, max_position_embeddings: int | None, per_token_bytes: int
+    config: RunnerConfig,
+    max_position_embeddings: int | None,
+    cost: SnapshotCost,
+    held_per_token: int,
+    one_token_bytes: int,
 ) -> RunnerConfig:
     """`config` with its context window: by default the model's maximum capped to what
-    the entries' budget holds (`cache_bytes`, else a share of memory), one reading for
-    both. A window the budget cannot hold is allowed, with a warning: a conversation
-    longer than the budget keeps only its first part in the cache after each request."""
-    per_token = per_token_bytes
+    the entries' budget holds (`cache_bytes`, else a share of memory; `default_max_context`),
+    one reading for both. A window the budget cannot hold is allowed, with a warning: a
+    conversation longer than the budget keeps only its first part in the cache after each
+    request."""
     budget = config.cache_bytes or int(memory_bytes() * CONTEXT_MEMORY_FRACTION)
-    window = config.max_context or default_max_context(max_position_embeddings, per_token, budget)
-    if config.cache_bytes is not None and window * per_token > config.cache_bytes:
+    window = config.max_context or default_max_context(
+        max_position_embeddings, cost, held_per_token, one_token_bytes, budget
+    )
+    needed = cost.held_bytes(window, MAX_CHECKPOINTS, held_per_token)
+    if config.cache_bytes is not None and needed > config.cache_bytes:
         logger.warning(
             "the context window (%d tokens) needs %s of K/V but cache_bytes is %s: a "
-            "conversation keeps only its first %d tokens in the cache between requests "
+            "conversation keeps only its first part in the cache between requests "
             "(raise cache_bytes or lower max_context)",
             window,
-            format_bytes(window * per_token),
+            format_bytes(needed),
             format_bytes(config.cache_bytes),
-            config.cache_bytes // per_token,
         )
     return config.replace(max_context=window)
 
@@ -171,10 +178,26 @@ def measure_one_token(model: nn.Module, cache: ModelCache) -> tuple[int, Snapsho
 
 
 def default_max_context(
-    max_position_embeddings: int | None, per_token_bytes: int, budget_bytes: int
+    max_position_embeddings: int | None,
+    cost: SnapshotCost,
+    held_per_token: int,
+    one_token_bytes: int,
+    budget_bytes: int,
 ) -> int:
-    """The model's own maximum, capped to the tokens whose K/V fit in `budget_bytes`."""
-    fits = max(2, budget_bytes // per_token_bytes)
+    """The model's own maximum, capped to the tokens an entry holds within `budget_bytes`:
+    the K/V that grow with each token (and the disk tier's `held_per_token`), beside its
+    state layers and their checkpoints, whose size no length changes (`SnapshotCost`). A
+    token's whole one-token measure (`one_token_bytes`) would count a recurrent layer's state
+    once per token and every window layer as if it grew: a hybrid or windowed model got a
+    window several times smaller than its memory holds. A model whose layers are all state
+    (Mamba) grows with no token: the one-token measure still caps it where the model states
+    no maximum."""
+    growing = cost.kv_bytes_per_token + held_per_token
+    if growing:
+        fixed = cost.held_bytes(0, MAX_CHECKPOINTS)
+        fits = max(2, (budget_bytes - fixed) // growing)
+    else:
+        fits = max(2, budget_bytes // one_token_bytes)
     return min(max_position_embeddings or fits, fits)
 
 
@@ -184,7 +207,7 @@ def default_max_batch(window_tokens: int, cost: SnapshotCost, memory_bytes: int)
     for every token, and once per row a full state layer (`cost.snapshot_bytes`: an
     `ArraysCache`'s arrays, a sliding window's `window` slots, the same at any length);
     between 1 and `DEFAULT_MAX_BATCH`."""
-    row_bytes = window_tokens * cost.kv_bytes_per_token + cost.snapshot_bytes
+    row_bytes = cost.held_bytes(window_tokens)
     rows = int(memory_bytes * BATCH_MEMORY_FRACTION) // max(1, row_bytes)
     return max(1, min(DEFAULT_MAX_BATCH, rows))
 

@@ -139,6 +139,8 @@ def test_the_rule_weighs_snapshots_against_the_kv_as_written_quantized(large_sta
 
 def test_a_disk_tier_fits_the_window_with_the_snapshots_it_holds(large_state, tmp_path):
     """A long request holds its boundary snapshots until its turn is written: the window
-    fitted to the same budget is smaller with a disk tier (not for a model that trims)."""
-    memory_only = Runner(large_state, cache_bytes=2**26).max_context
-    assert Runner(large_state, cache_bytes=2**26, cache_dir=tmp_path).max_context < memory_only
+    fitted to the same budget is smaller with a disk tier (not for a model that trims). The
+    budget binds under the model's 4,096 positions: its state counts once, not per token."""
+    memory_only = Runner(large_state, cache_bytes=2**20).max_context
+    assert memory_only < 4096
+    assert Runner(large_state, cache_bytes=2**20, cache_dir=tmp_path).max_context < memory_only
