@@ -129,6 +129,10 @@ def _feed_padded(model: nn.Module, batched: BatchedKV, segments: list[Sequence[i
     width = max(lengths)
     if width == 0:
         return
+    if width == 1 and min(lengths) == 0:
+        # a (B, 1) input is a decode step to a sliding window (mlx-lm's
+        # `BatchRotatingKVCache`), which takes no right padding: feed two wide instead
+        width = 2
     padding = [width - length for length in lengths]
     inputs = mx.array(
         [[*segment, *[0] * pad] for segment, pad in zip(segments, padding, strict=True)],
