@@ -12,6 +12,7 @@ from mlxkv import Runner
 from mlxkv.cache.building import make_cache
 from mlxkv.decoding.prefill.batched import Stops, prefill_together
 from mlxkv.decoding.prefill.chunks import PrefillPlan, prefill
+from tests.decoding.test_prefill_together_layer_kinds import NEXT, _alone, _holding
 from tests.runner.test_batching import (
     _assert_same_answers,
     _first_jobs_queued_then_run,
@@ -50,3 +51,27 @@ def test_requests_of_two_and_one_tokens_together_answer_as_alone(loaded_tiny, ar
     got = _first_jobs_queued_then_run(runner, prompts, [options] * len(prompts))
     assert None not in got, "a request failed (its thread raised)"
     _assert_same_answers(got, want)
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_a_stage_of_one_token_for_every_row_then_a_wider_one(loaded_tiny, arch):
+    """Every row feeds one token in the first stage (a checkpoint one token in; no padding),
+    the rows holding 10 and 3 tokens (past and within the window of 8): the (B, 1) stage is a
+    decode step to the windows, after which the next stage's multi-token pass misplaced a row
+    (Gemma 3: last logits 4 apart)."""
+    model = loaded_tiny(arch).model
+    held = [list(range(30, 40)), [1, 2, 3]]
+    prompts = [list(range(5, 25)), list(range(100, 120))]
+    stops = [Stops((1,)), Stops((1,))]
+    caches = [_holding(model, tokens) for tokens in held]
+    got = prefill_together(model, caches, prompts, stops=stops)
+    for i, (cache, logits) in enumerate(zip(caches, got, strict=True)):
+        alone, want = _alone(model, held[i], prompts[i], stops[i])
+        assert_logits_close(logits, want, f"{arch} row {i}")
+        for at in sorted(alone.checkpoints):
+            assert_logits_close(
+                cache.copy_prefix(at).forward(model, NEXT),
+                alone.copy_prefix(at).forward(model, NEXT),
+                f"{arch} row {i}: from its checkpoint at {at}",
+            )
+        assert_logits_close(cache.forward(model, NEXT), alone.forward(model, NEXT), f"row {i}")
