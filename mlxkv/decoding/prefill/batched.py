@@ -129,6 +129,11 @@ def _feed_padded(model: nn.Module, batched: BatchedKV, segments: list[Sequence[i
     width = max(lengths)
     if width == 0:
         return
+    if width == 1:
+        # a (B, 1) input is a decode step to a sliding window (mlx-lm's
+        # `BatchRotatingKVCache`), which takes no right padding, and after which its next
+        # multi-token pass misplaces rows: feed two wide instead (every row padded)
+        width = 2
     padding = [width - length for length in lengths]
     inputs = mx.array(
         [[*segment, *[0] * pad] for segment, pad in zip(segments, padding, strict=True)],
