@@ -154,8 +154,23 @@ def expected_weights_bytes(model: str | Path | None) -> int:
     float_bytes = None if on_gpu() else 4
     if is_gguf(path):
         return tensor_elements(path) * (float_bytes or 2)
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    return sum(_safetensors_bytes(file, float_bytes) for file in files)
+    return sum(_safetensors_bytes(file, float_bytes) for file in _weight_files(path))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files the loader of `path`'s model reads, no others (a repo's
+    `consolidated.safetensors` beside them is another copy): mlx-vlm's `*.safetensors`,
+    mlx-embeddings' `model*.safetensors` in any folder (else `weight*`), mlx-lm's
+    `model*.safetensors`."""
+    if path.is_file():
+        return [path]
+    config = _read_config(path)
+    if is_vision_model(config):
+        return sorted(path.glob("*.safetensors"))
+    if is_encoder_model(config):
+        nested = sorted(path.glob("**/model*.safetensors"))
+        return nested or sorted(path.glob("weight*.safetensors"))
+    return sorted(path.glob("model*.safetensors"))
 
 
 def _safetensors_bytes(file: Path, float_bytes: int | None) -> int:
