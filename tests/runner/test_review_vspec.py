@@ -253,3 +253,26 @@ def test_repetition_penalty_on_an_image_prompt_does_not_crash_the_process(tmp_pa
     )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert "tokens" in done.stdout
+
+
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_a_text_reply_shifted_mid_reply_with_a_draft_model_equals_plain(loaded_tiny, arch):
+    """The model as its own draft model (every greedy draft right) on a reply that passes the
+    window several times: plain decoding's tokens. The draft model's cache is bounded at the
+    window plus `DraftLength.MAX_TOKENS` and its text is the whole reply."""
+    loaded = loaded_tiny(arch)
+    messages = [{"role": "user", "content": "Count the colors: red blue green red blue green."}]
+    full = len(Runner(loaded).encode(messages))
+    options = {"max_tokens": 80, "temperature": 0.0, "logprobs": 0}
+    plain = Runner(loaded, max_context=full + 8, speculative=None)
+    want_chunks = list(plain.stream(messages, **options))
+    want = want_chunks[-1].completion
+    assert len(want.tokens) > 40, "too short a reply to pass the draft cache's bound"
+    drafted = Runner(loaded, max_context=full + 8, draft=dataclasses.replace(loaded))
+    chunks = list(drafted.stream(messages, speculative="draft", **options))
+    got = chunks[-1].completion
+    assert got.drafted_tokens > 0
+    assert got.tokens == want.tokens
+    assert [c.logprob.logprob for c in chunks[:-1]] == pytest.approx(
+        [c.logprob.logprob for c in want_chunks[:-1]], abs=LOGPROB_ABS
+    )
