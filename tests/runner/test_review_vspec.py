@@ -353,3 +353,22 @@ def test_a_cancel_mid_draft_ends_the_reply_and_the_next_turn_answers_as_plain(
     ]
     got = _result(runner.stream(turn2, max_tokens=8, logprobs=0, **GREEDY))
     _assert_same(got, _alone(loaded, turn2, max_tokens=8, **GREEDY))
+
+
+def test_a_drafted_reply_that_cuts_twice_then_finds_no_room_ends_as_plain(loaded, monkeypatch):
+    """A reply with images that reaches the window, cuts, reaches it again, cuts again and then
+    has no whole message left to drop (`ImageWindow.make_room` False), drafted wholly right:
+    plain decoding's tokens and log-probabilities, ending where it ends ("length")."""
+    from tests.runner.test_vision_window import ROOM, _short_conversation
+
+    messages = _short_conversation(Runner(loaded))
+    full = len(Runner(loaded).encode(messages))
+    options = {"max_tokens": 4 * (full + ROOM), "logprobs": 0, **GREEDY}
+    want = _result(
+        Runner(loaded, max_context=full + ROOM, speculative=None).stream(messages, **options)
+    )
+    assert want[4] == "length" and len(want[0]) < full + ROOM
+    _drafting(monkeypatch, [*want[0], *loaded.tokenizer.eos_token_ids])
+    runner = Runner(loaded, max_context=full + ROOM)
+    got = _result(runner.stream(messages, speculative="ngram", **options))
+    _assert_same(got, want)
