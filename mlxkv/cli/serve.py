@@ -137,9 +137,9 @@ def _model_sources(args: argparse.Namespace) -> dict[str, Runner | ModelLoader] 
 
 
 def _weights_bytes(name: str, model: str | None) -> int:
-    """`expected_weights_bytes`, or 0 (unknown, as for a repo id) for a GGUF file whose tensor
-    table cannot be read (a download cut short): the other models are served, and this one
-    says what is wrong when it loads."""
+    """`expected_weights_bytes`, or 0 (unknown, as for a repo id) for a GGUF tensor table or a
+    safetensors header that cannot be read (a download cut short): the other models are
+    served, and this one says what is wrong when it loads."""
     try:
         return expected_weights_bytes(model)
     except UnsupportedFormatError as error:

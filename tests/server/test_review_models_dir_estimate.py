@@ -26,3 +26,18 @@ def test_a_partial_gguf_in_the_models_dir_leaves_the_others_served(tmp_path):
     assert sorted(sources) == ["good", "other", "partial"]
     assert sources["partial"].estimated_bytes >= 0
     assert sources["good"].estimated_bytes > 0
+
+
+def test_a_model_folder_with_a_cut_safetensors_file_leaves_the_others_served(tmp_path):
+    """A safetensors file shorter than its own header (a copy cut short): listed, its estimate
+    unknown; the others served."""
+    root = tmp_path / "models"
+    root.mkdir()
+    build_model("llama", root / "good")
+    cut = build_model("llama", root / "cut")
+    weights = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(weights[:20])
+    argv = ["serve", "--models-dir", str(root), "--no-cache-dir", "--no-warmup"]
+    sources = _model_sources(build_parser().parse_args(argv))
+    assert sorted(sources) == ["cut", "good"]
+    assert sources["good"].estimated_bytes > 0
