@@ -277,6 +277,13 @@ def test_a_text_reply_shifted_mid_reply_with_a_draft_model_equals_plain(loaded_t
     assert [c.logprob.logprob for c in chunks[:-1]] == pytest.approx(
         [c.logprob.logprob for c in want_chunks[:-1]], abs=LOGPROB_ABS
     )
+    turn2 = messages + [
+        {"role": "assistant", "content": got.text},
+        {"role": "user", "content": "Shorter?"},
+    ]
+    short = {"max_tokens": 12, "temperature": 0.0}
+    again = drafted.generate(turn2, speculative="draft", **short)
+    assert again.tokens == plain.generate(turn2, **short).tokens
 
 
 def test_drafted_image_replies_across_a_disk_snapshot_boundary_serve_a_restart(
