@@ -193,3 +193,24 @@ def test_a_tool_result_document_or_url_image_is_a_400(served, block, message):
         )
     if block["type"] == "document":  # a URL is refused where URLs are fetched, unnamed
         assert "messages.2.content.0.content.0" in str(refused.value)
+
+
+def test_ollama_chat_with_an_image_and_repeat_penalty(served):
+    """Ollama's `repeat_penalty` (Open WebUI's parameter form sends it) on a prompt whose last
+    20 ids hold image placeholders: an answer (the server process died with SIGSEGV before
+    the processors skipped them), as the Python API's with the same settings."""
+    import ollama
+
+    question = [_image(5), {"type": "text", "text": "What is this?"}]
+    want = served.runner.generate(
+        [{"role": "user", "content": question}],
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        repetition_penalty=1.1,
+    )
+    chat = ollama.Client(host=served.url).chat(
+        model="tiny-vl",
+        messages=[{"role": "user", "content": "What is this?", "images": [_png(5)]}],
+        options={"temperature": 0.0, "num_predict": MAX_TOKENS, "repeat_penalty": 1.1},
+    )
+    assert chat.message.content == want.text
