@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlxkv.cli.common import MEMORY_LOGGER, follow, load_runner, runner_config
 from mlxkv.config import ServerConfig, env, format_bytes
+from mlxkv.errors import UnsupportedFormatError
 from mlxkv.models.loading import expected_weights_bytes
 from mlxkv.models.sharding import world
 from mlxkv.models.sources import find_models
@@ -128,11 +129,22 @@ def _model_sources(args: argparse.Namespace) -> dict[str, Runner | ModelLoader] 
     return {
         name: ModelLoader(
             functools.partial(load_runner, _for_model(args, model)),
-            estimated_bytes=expected_weights_bytes(model) + cache_bytes,
+            estimated_bytes=_weights_bytes(name, model) + cache_bytes,
             path=Path(model).expanduser() if model else None,  # a local one's tokenizer files
         )
         for name, model in models.items()
     }
+
+
+def _weights_bytes(name: str, model: str | None) -> int:
+    """`expected_weights_bytes`, or 0 (unknown, as for a repo id) for a GGUF tensor table or a
+    safetensors header that cannot be read (a download cut short): the other models are
+    served, and this one says what is wrong when it loads."""
+    try:
+        return expected_weights_bytes(model)
+    except UnsupportedFormatError as error:
+        print(f"mlxkv: {name}: its size is unknown until it loads: {error}", file=sys.stderr)
+        return 0
 
 
 def _for_model(args: argparse.Namespace, model: str | None) -> argparse.Namespace:

@@ -59,9 +59,9 @@ def decode_reply(
     speculatively while alone and in the batch while others decode.
 
     Args:
-        make_room: called when the window is full (a context shift), or None: stop there;
-            where it returns False (no room made) a plainly decoded reply ends (the windows of
-            speculative requests always make room).
+        make_room: called when the window is full (a context shift, or a reply with images
+            cut at message boundaries), or None: stop there; where it returns False (no room
+            made) the reply ends, plain or speculative.
         speculation: how to draft, or None for no speculation.
         batch: the decode batch the request may join, or None: alone.
         crowded: True while another request that can batch is decoding (with `batch`).

@@ -199,9 +199,11 @@ class ModelDrafter:
         self._tokens.extend(int(t) for t in tokens)
 
     def can_propose(self) -> bool:
-        return True
+        return self._fits(1)
 
     def propose(self, limit: int) -> Draft:
+        if not self._fits(limit):
+            return Draft([])
         self._catch_up()
         feed = mx.array(self._tokens[-1:], dtype=mx.uint32)
         drafted, probabilities = [], []
@@ -220,6 +222,15 @@ class ModelDrafter:
         tokens = mx.concatenate(drafted)
         mx.eval(tokens, *probabilities)
         return Draft(tokens.tolist(), probabilities if self._distribution else None)
+
+    def _fits(self, limit: int) -> bool:
+        """Whether the draft cache holds the text but its last token and `limit` drafts (the
+        last one not fed): its text is never shifted, so a reply that passes the window stops
+        drafting once it passes the cache's bound (the target's window and
+        `DraftLength.MAX_TOKENS`) and goes on plainly, as its output does not depend on
+        drafts."""
+        capacity = self._cache.capacity_tokens
+        return capacity is None or len(self._tokens) - 1 + limit <= capacity
 
     def _catch_up(self) -> None:
         """Makes the draft cache hold the text but its last token (which `propose` feeds)."""

@@ -131,7 +131,26 @@ class SamplingParams:
         return distribution
 
     def make_logits_processors(self) -> list[LogitsProcessor]:
-        return make_logits_processors(repetition_penalty=self.repetition_penalty)
+        """mlx-lm's processors, each reading only the history's ids within the logits
+        (`_within_logits`)."""
+        made = make_logits_processors(repetition_penalty=self.repetition_penalty)
+        return [_within_logits(processor) for processor in made]
+
+
+def _within_logits(processor: LogitsProcessor) -> LogitsProcessor:
+    """`processor` given the history with each id past the logits' end (a vision prompt's image
+    placeholders, `mlxkv.models.vision.PLACEHOLDER_BASE` and up) moved to one spare column
+    added after them and dropped after: mlx-lm's repetition penalty gathers and scatters the
+    logits at the history's ids, out of bounds there (the process died with SIGSEGV). The
+    other ids' logits are what it gives them alone."""
+
+    def within(tokens: mx.array, logits: mx.array) -> mx.array:
+        width = logits.shape[-1]
+        ids = mx.where(tokens < width, tokens, width).astype(tokens.dtype)
+        spare = mx.zeros((*logits.shape[:-1], 1), dtype=logits.dtype)
+        return processor(ids, mx.concatenate([logits, spare], axis=-1))[..., :width]
+
+    return within
 
 
 def _check_float32_safe(name: str, value: float, alternative: str) -> None:

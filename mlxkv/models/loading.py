@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxkv.errors import ModelLoadError
+from mlxkv.errors import ModelLoadError, UnsupportedFormatError
 from mlxkv.models import gguf
 from mlxkv.models.encoder import EncoderModel, is_encoder_model, load_encoder
 from mlxkv.models.gguf.reader import tensor_elements
@@ -157,7 +157,8 @@ def expected_weights_bytes(model: str | Path | None) -> int:
     directory (a repo id, an Ollama name: unknown until it loads).
 
     Raises:
-        UnsupportedFormatError: a GGUF file whose tensor table cannot be read.
+        UnsupportedFormatError: a GGUF file whose tensor table, or a safetensors file whose
+            header, cannot be read.
     """
     path = Path(model).expanduser() if model else None
     if path is None or not path.exists():
@@ -165,21 +166,45 @@ def expected_weights_bytes(model: str | Path | None) -> int:
     float_bytes = None if on_gpu() else 4
     if is_gguf(path):
         return tensor_elements(path) * (float_bytes or 2)
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    return sum(_safetensors_bytes(file, float_bytes) for file in files)
+    return sum(_safetensors_bytes(file, float_bytes) for file in _weight_files(path))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files the loader of `path`'s model reads, no others (a repo's
+    `consolidated.safetensors` beside them is another copy): mlx-vlm's `*.safetensors`,
+    mlx-embeddings' `model*.safetensors` in any folder (else `weight*`), mlx-lm's
+    `model*.safetensors`."""
+    if path.is_file():
+        return [path]
+    config = _read_config(path)
+    if is_vision_model(config):
+        return sorted(path.glob("*.safetensors"))
+    if is_encoder_model(config):
+        nested = sorted(path.glob("**/model*.safetensors"))
+        return nested or sorted(path.glob("weight*.safetensors"))
+    return sorted(path.glob("model*.safetensors"))
 
 
 def _safetensors_bytes(file: Path, float_bytes: int | None) -> int:
     """A safetensors file's tensors' bytes once loaded, floats at `float_bytes` each (None: as
-    stored), from its JSON header (8 bytes of length, then the header)."""
-    with file.open("rb") as handle:
-        (header_bytes,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_bytes))
-    total = 0
-    for name, tensor in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = tensor["data_offsets"]
-        floating = float_bytes is not None and tensor["dtype"] in _FLOAT_DTYPES
-        total += math.prod(tensor["shape"]) * float_bytes if floating else end - start
+    stored), from its JSON header (8 bytes of length, then the header).
+
+    Raises:
+        UnsupportedFormatError: a header that cannot be read (a file cut short).
+    """
+    try:
+        with file.open("rb") as handle:
+            (header_bytes,) = struct.unpack("<Q", handle.read(8))
+            if header_bytes > file.stat().st_size:
+                raise ValueError(f"a header of {header_bytes} bytes")
+            header = json.loads(handle.read(header_bytes))
+        total = 0
+        for name, tensor in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = tensor["data_offsets"]
+            floating = float_bytes is not None and tensor["dtype"] in _FLOAT_DTYPES
+            total += math.prod(tensor["shape"]) * float_bytes if floating else end - start
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UnsupportedFormatError(f"{file} is not a valid safetensors file: {error}") from None
     return total
