@@ -240,7 +240,8 @@ class RequestBuilder:
         chat is: never inside an image, and the kept messages' positions are those of a fresh
         prompt); so is the prompt of a reply that reaches the window ("shift"), mid-reply
         (`text.vision_cuts`). A reply with no message to drop stops at the window."""
-        template = self._template_args(prompt, options, salt)
+        # the prompt's text parts stay as sent, but a reply sent back is found by its text
+        template = self._template_args(with_text_content(prompt), options, salt)
         render = functools.partial(self._vision.encode, **template)
         encoded = render(prompt)
         keep = self._keep if self._keep is not None else DEFAULT_KEEP_TOKENS
@@ -342,12 +343,11 @@ class RequestBuilder:
         ids."""
         template = {"parse_control_tokens": parse_control_tokens, "tools": tools}
         template["switches"] = switches
-        images = has_images(prompt)
-        prompt = prompt if images else with_text_content(prompt)
-        template["replies"] = self._replies.known_in(with_text_content(prompt), salt).get
-        if images:
+        images, joined = has_images(prompt), with_text_content(prompt)
+        template["replies"] = self._replies.known_in(joined, salt).get
+        if images:  # the text parts as sent: the processor's template renders them
             return self._vision.encode(prompt, **template).tokens
-        return self._prompts.encode(prompt, **template)
+        return self._prompts.encode(joined, **template)
 
     def _template_args(
         self, prompt: Prompt, options: RequestOptions, salt: str | None
@@ -358,8 +358,7 @@ class RequestBuilder:
             "parse_control_tokens": options.parse_control_tokens,
             "tools": options.tools,
             "switches": options.switches,
-            # an image prompt's text-only parts stay as sent, but a reply is found by its text
-            "replies": self._replies.known_in(with_text_content(prompt), salt).get,
+            "replies": self._replies.known_in(prompt, salt).get,
         }
 
     def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:

@@ -168,3 +168,13 @@ def test_another_isolation_domain_renders_the_reply_from_its_text(loaded, images
     _check_record(loaded, ours, turn2, [images[0]], first)
     n = len(first.tokens)
     assert all(theirs[i : i + n] != first.tokens for i in range(len(theirs)))
+
+
+def test_a_reply_sent_back_as_text_parts_takes_its_ids_too(loaded, images):
+    runner, turn1, first = _first_turn(loaded, images)
+    as_text = turn1 + [{"role": "assistant", "content": first.text}, _user("And the colors?")]
+    parts = [{"type": "text", "text": first.text}]
+    as_parts = turn1 + [{"role": "assistant", "content": parts}, _user("And the colors?")]
+    record = runner.encode(as_parts)
+    assert record == runner.encode(as_text)
+    _check_record(loaded, record, as_text, [images[0]], first)
