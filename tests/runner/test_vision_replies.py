@@ -178,3 +178,28 @@ def test_a_reply_sent_back_as_text_parts_takes_its_ids_too(loaded, images):
     record = runner.encode(as_parts)
     assert record == runner.encode(as_text)
     _check_record(loaded, record, as_text, [images[0]], first)
+
+
+def test_a_template_that_rewrites_the_reply_renders_it_from_its_text(loaded, images, monkeypatch):
+    """As a text prompt's: a reply the template does not write as given (here cut to its first
+    characters) cannot take its ids, so the whole prompt renders from text."""
+    runner, turn1, first = _first_turn(loaded, images)
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, _user("And the colors?")]
+    tokenizer = loaded.tokenizer
+    render = tokenizer.apply_chat_template
+
+    def rewriting(messages, **options):
+        cut = [
+            {**m, "content": m["content"][:5]} if m["role"] == "assistant" else m for m in messages
+        ]
+        return render(cut, **options)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", rewriting, raising=False)
+    # control-token text parsed: content escaped as plain text must be written as given too
+    parsed = {"parse_control_tokens": True}
+    record = runner.encode(turn2, **parsed)
+    assert record == runner.encode(turn2, cache_salt="no reply of its own", **parsed)
+    n = len(first.tokens)
+    assert all(record[i : i + n] != first.tokens for i in range(len(record)))
+    second = _greedy(runner, turn2, **parsed)
+    assert second.prompt_tokens == len(record)
