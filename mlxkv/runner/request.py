@@ -185,7 +185,7 @@ class RequestBuilder:
         params = _sampling_params(sampling)
         options.check()
         salt = salt_digest(options.cache_salt)
-        if has_images(prompt):  # rendered by the model's processor: no reply ids taken
+        if has_images(prompt):  # rendered by the model's processor, replies as their ids
             return self._image_request(prompt, params, options, salt, cached_prefix, cut_starts)
         prompt = with_text_content(prompt)
         template = self._template_args(prompt, options, salt)
@@ -240,8 +240,8 @@ class RequestBuilder:
         chat is: never inside an image, and the kept messages' positions are those of a fresh
         prompt); so is the prompt of a reply that reaches the window ("shift"), mid-reply
         (`text.vision_cuts`). A reply with no message to drop stops at the window."""
-        template = {"parse_control_tokens": options.parse_control_tokens}
-        template |= {"tools": options.tools, "switches": options.switches}
+        # the prompt's text parts stay as sent, but a reply sent back is found by its text
+        template = self._template_args(with_text_content(prompt), options, salt)
         render = functools.partial(self._vision.encode, **template)
         encoded = render(prompt)
         keep = self._keep if self._keep is not None else DEFAULT_KEEP_TOKENS
@@ -339,14 +339,15 @@ class RequestBuilder:
     ) -> list[int]:
         """The token ids `prompt` becomes as a request of isolation domain `salt` would feed
         them (`Runner.encode`): through the model's processor with images, else through the
-        chat template with the domain's replies sent back taking their generated ids."""
+        chat template; either way with the domain's replies sent back taking their generated
+        ids."""
         template = {"parse_control_tokens": parse_control_tokens, "tools": tools}
         template["switches"] = switches
-        if has_images(prompt):
+        images, joined = has_images(prompt), with_text_content(prompt)
+        template["replies"] = self._replies.known_in(joined, salt).get
+        if images:  # the text parts as sent: the processor's template renders them
             return self._vision.encode(prompt, **template).tokens
-        prompt = with_text_content(prompt)
-        replies = self._replies.known_in(prompt, salt).get
-        return self._prompts.encode(prompt, **template, replies=replies)
+        return self._prompts.encode(joined, **template)
 
     def _template_args(
         self, prompt: Prompt, options: RequestOptions, salt: str | None

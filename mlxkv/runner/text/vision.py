@@ -13,6 +13,13 @@ Terms:
   - Control-token escaping: a text part holding control-token strings (a user typing
     `<|image_pad|>`) is tokenized as plain text, so only the template's own image markers
     become images (else the count of markers would no longer match the images).
+  - Reply sent back: an assistant message whose content the reply memory knows
+    (`text.replies`) takes the ids the model generated, as in a text prompt
+    (`PromptEncoder.reply_ids`), so the next turn matches what the cache holds even where the
+    reply's text encodes otherwise. The images' spans are found in the record after that
+    substitution, so an image after the reply gets its place (and, from the record, its
+    M-RoPE positions) in the ids actually fed. A reply holding the image token's id renders as
+    text (the id in the record would count as an image's token in the positions).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from mlxkv.models.images import decode_image
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
 from mlxkv.models.vision_families import ProcessedImage
 from mlxkv.runner.text.messages import Message, Tools
-from mlxkv.runner.text.prompt import PromptEncoder, _checked_tools, _valid_text
+from mlxkv.runner.text.prompt import PromptEncoder, _checked_tools, _ReplyRewritten, _valid_text
+from mlxkv.runner.text.replies import ReplyIds
 
 
 @dataclass(frozen=True)
@@ -110,8 +118,11 @@ class VisionPrompts:
         parse_control_tokens: bool = False,
         tools: Tools | None = None,
         switches: dict[str, Any] | None = None,
+        replies: ReplyIds | None = None,
     ) -> ImageTokens:
-        """Renders `messages` and their images.
+        """Renders `messages` and their images; an assistant message whose content `replies`
+        knows takes its generated ids (`PromptEncoder.reply_ids`), unless the template does
+        not render that content once, as given (then all render as text, as a text prompt's).
 
         Raises:
             ValueError: a text-only model; malformed parts; an image that cannot be decoded or
@@ -123,7 +134,7 @@ class VisionPrompts:
                 f"model {self._model_name} does not take images; send text only, or load a "
                 "vision-language model"
             )
-        masked, images, tainted = self._masked(messages, parse_control_tokens)
+        masked, images, slots, known = self._masked(messages, parse_control_tokens, replies)
         if len(images) > MAX_IMAGES_PER_PROMPT:
             raise ValueError(
                 f"the prompt holds {len(images)} images; this model takes at most "
@@ -140,16 +151,23 @@ class VisionPrompts:
         recent, process = self._recent, self._support.family.process
         processed = [recent.get(i.digest) or process(i.image) for i in decoded]
         self._recent = {i.digest: p for i, p in zip(decoded, processed, strict=True)}
-        segments = self._ids(text, tainted, [p.text for p in processed])
+        try:
+            segments = self._ids(text, slots, known, [p.text for p in processed])
+        except _ReplyRewritten:  # the template changed a reply: every reply renders as text
+            args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
+            return self.encode(
+                messages, parse_control_tokens=parse_control_tokens, tools=tools, **args
+            )
         return self._expanded(segments, decoded, processed)
 
     def _masked(
-        self, messages: Sequence[Message], parse_control_tokens: bool
-    ) -> tuple[list[Message], list[Any], dict[str, str]]:
-        """Messages as the template takes them (image parts bare, tainted text behind a
-        random slot), the image sources in order, and slot -> text."""
+        self, messages: Sequence[Message], parse_control_tokens: bool, replies: ReplyIds | None
+    ) -> tuple[list[Message], list[Any], dict[str, list[int]], set[str]]:
+        """Messages as the template takes them (image parts bare; tainted text and known
+        replies behind a random slot), the image sources in order, slot -> the ids it stands
+        for (tainted text's plain ids, a reply's generated ids), and the replies' slots."""
         nonce, controls = secrets.token_hex(8), self._prompts._controls
-        masked, images, tainted = [], [], {}
+        masked, images, slots, known = [], [], {}, set()
 
         def text(value: Any, where: str) -> str:
             if not isinstance(value, str):
@@ -157,14 +175,26 @@ class VisionPrompts:
             value = _valid_text(value)
             if parse_control_tokens or controls is None or not controls.search(value):
                 return value
-            slot = f"mlxkv{nonce}slot{len(tainted)}"
-            tainted[slot] = value
+            slot = f"mlxkv{nonce}slot{len(slots)}"
+            slots[slot] = self._prompts._plain.encode(value, add_special_tokens=False).ids
             return slot
+
+        def reply(message: Message) -> list[int] | None:  # sent back as text parts too
+            if _text_parts(message):
+                message = {**message, "content": _joined(message["content"])}
+            ids = self._prompts.reply_ids(message, replies)
+            return None if ids is None or self._support.image_token_id in ids else list(ids)
 
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
             content = message.get("content")
+            if (ids := reply(message)) is not None:
+                slot = f"mlxkv{nonce}slot{len(slots)}"
+                slots[slot] = ids
+                known.add(slot)
+                masked.append({**message, "content": slot})
+                continue
             if isinstance(content, str):
                 masked.append({**message, "content": text(content, f"message {i}")})
                 continue
@@ -179,14 +209,18 @@ class VisionPrompts:
                 else:
                     raise ValueError(f"{where} must be a text or image part: {_describe(part)}")
             masked.append({**message, "content": parts})
-        return masked, images, tainted
+        return masked, images, slots, known
 
     def _ids(
-        self, text: str, tainted: dict[str, str], expansions: list[str]
+        self, text: str, slots: dict[str, list[int]], known: set[str], expansions: list[str]
     ) -> list[tuple[list[int], bool]]:
         """The rendered text's ids in segments: (ids, from the template) pairs. Each image
         marker the template wrote is replaced, in the text, by its image's expansion (as the
-        processor does), so the text around it tokenizes as in the model's own pipeline."""
+        processor does), so the text around it tokenizes as in the model's own pipeline; each
+        slot by the ids it stands for.
+
+        Raises:
+            _ReplyRewritten: a reply's slot is not in the text once, as given."""
         tokenizer, segments, cursor = self._prompts.tokenizer, [], 0
         pending = list(reversed(expansions))
 
@@ -198,13 +232,14 @@ class VisionPrompts:
             joined = pieces[0] + "".join(pending.pop() + p for p in pieces[1:])
             return tokenizer.encode(joined, add_special_tokens=False)
 
-        for slot, content in tainted.items():
+        for slot, ids in slots.items():
             start = text.find(slot, cursor)
+            if slot in known and (start < 0 or text.count(slot) != 1):
+                raise _ReplyRewritten
             if start < 0:
                 raise ValueError("the chat template rewrote a message's text; it cannot be kept")
             segments.append((template(text[cursor:start]), True))
-            plain = self._prompts._plain.encode(content, add_special_tokens=False).ids
-            segments.append((plain, False))
+            segments.append((ids, False))
             cursor = start + len(slot)
         segments.append((template(text[cursor:]), True))
         if pending:
