@@ -23,7 +23,6 @@ pytest.importorskip("mlx_vlm")
 from mlxkv import Runner  # noqa: E402
 from mlxkv.cache.model_cache import ModelCache  # noqa: E402
 from mlxkv.decoding import decoders  # noqa: E402
-from mlxkv.decoding.drafts import Draft  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.runner import request_run  # noqa: E402
 from mlxkv.testing.factory import ARCHITECTURES  # noqa: E402
@@ -36,6 +35,7 @@ from tests.runner.test_vision_batch_edges import (  # noqa: E402
     _result,
     _user,
 )
+from tests.runner.test_vision_window import _ReplyDrafter  # noqa: E402
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 
@@ -48,22 +48,6 @@ def loaded(tmp_path_factory, request):
 @pytest.fixture(scope="module")
 def images():
     return noise_images(5, [(56, 56, 3), (84, 112, 3), (112, 56, 3)])
-
-
-class _ReplyDrafter:
-    """Drafts the rest of a reference reply at every position (every draft accepted)."""
-
-    def __init__(self, prompt, reply):
-        self._text, self._whole = list(prompt), list(prompt) + list(reply)
-
-    def extend(self, tokens):
-        self._text.extend(tokens)
-
-    def can_propose(self):
-        return len(self._text) < len(self._whole)
-
-    def propose(self, limit):
-        return Draft(self._whole[len(self._text) : len(self._text) + limit])
 
 
 def _drafting(monkeypatch, reply):
