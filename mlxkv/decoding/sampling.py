@@ -98,13 +98,14 @@ class SamplingParams:
             check_int("seed", self.seed, low=0, high=2**64 - 1)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
 
-    def make_sampling(self, vocab_size: int) -> Sampling:
+    def make_sampling(self, vocab_size: int, placeholders: bool = False) -> Sampling:
         """The sampler, logits processors and (when sampling) the distribution, for a model
-        of `vocab_size` tokens."""
+        of `vocab_size` tokens; `placeholders`: the history holds image placeholder ids
+        (`make_logits_processors`)."""
         greedy = self.temperature == 0
         return Sampling(
             self.make_sampler(vocab_size),
-            tuple(self.make_logits_processors()),
+            tuple(self.make_logits_processors(placeholders)),
             None if greedy else self.make_distribution(vocab_size),
         )
 
@@ -130,11 +131,12 @@ class SamplingParams:
 
         return distribution
 
-    def make_logits_processors(self) -> list[LogitsProcessor]:
-        """mlx-lm's processors, each reading only the history's ids within the logits
-        (`_within_logits`)."""
+    def make_logits_processors(self, placeholders: bool = False) -> list[LogitsProcessor]:
+        """mlx-lm's processors; with `placeholders` (a prompt with images), each reading only
+        the history's ids within the logits (`_within_logits`): a text history needs no
+        remapping."""
         made = make_logits_processors(repetition_penalty=self.repetition_penalty)
-        return [_within_logits(processor) for processor in made]
+        return [_within_logits(processor) for processor in made] if placeholders else made
 
 
 def _within_logits(processor: LogitsProcessor) -> LogitsProcessor:

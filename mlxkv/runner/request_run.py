@@ -288,7 +288,7 @@ def _decode(
     while alone and in the batch while others decode (`_alone_or_batched`)."""
     params, prompt, loaded = request.params, request.tokens, context.loaded
     vocab_size = loaded.vocab_size
-    sampling = params.make_sampling(vocab_size)
+    sampling = params.make_sampling(vocab_size, placeholders=bool(request.images))
     processors = list(sampling.processors)
     if request.grammar is not None:
         processors.append(

@@ -19,7 +19,7 @@ def _logits(width: int = 64) -> mx.array:
 
 def test_a_history_of_tokens_is_penalized_as_mlx_lm_does():
     history = mx.array([3, 5, 5, 60, 7] * 6, dtype=mx.uint32)  # longer than its 20-token window
-    (ours,) = SamplingParams(repetition_penalty=1.3).make_logits_processors()
+    (ours,) = SamplingParams(repetition_penalty=1.3).make_logits_processors(placeholders=True)
     (theirs,) = make_logits_processors(repetition_penalty=1.3)
     assert mx.array_equal(ours(history, _logits()), theirs(history, _logits()))
 
@@ -27,7 +27,7 @@ def test_a_history_of_tokens_is_penalized_as_mlx_lm_does():
 def test_placeholders_in_the_history_are_skipped():
     placeholders = [PLACEHOLDER_BASE, PLACEHOLDER_BASE + 1, 64]  # 64: just past the logits
     history = mx.array([3, *placeholders, 5, 9], dtype=mx.uint32)
-    (ours,) = SamplingParams(repetition_penalty=1.3).make_logits_processors()
+    (ours,) = SamplingParams(repetition_penalty=1.3).make_logits_processors(placeholders=True)
     (theirs,) = make_logits_processors(repetition_penalty=1.3)
     want = theirs(mx.array([3, 5, 9], dtype=mx.uint32), _logits())
     got = ours(history, _logits())
