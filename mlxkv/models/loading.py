@@ -166,7 +166,16 @@ def expected_weights_bytes(model: str | Path | None) -> int:
     float_bytes = None if on_gpu() else 4
     if is_gguf(path):
         return tensor_elements(path) * (float_bytes or 2)
-    return sum(_safetensors_bytes(file, float_bytes) for file in _weight_files(path))
+    tied = path.is_dir() and _ties_embeddings(_read_config(path))
+    return sum(_safetensors_bytes(file, float_bytes, tied) for file in _weight_files(path))
+
+
+def _ties_embeddings(config: dict[str, Any]) -> bool:
+    """Whether the config says the output head is the embedding: a checkpoint that still
+    stores `lm_head` has it dropped by the loader (mlx-lm's and mlx-vlm's `sanitize`). Only a
+    config that says so: where it is silent, the default differs per architecture."""
+    text = config.get("text_config") or {}
+    return config.get("tie_word_embeddings", text.get("tie_word_embeddings")) is True
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -185,9 +194,10 @@ def _weight_files(path: Path) -> list[Path]:
     return sorted(path.glob("model*.safetensors"))
 
 
-def _safetensors_bytes(file: Path, float_bytes: int | None) -> int:
+def _safetensors_bytes(file: Path, float_bytes: int | None, tied: bool) -> int:
     """A safetensors file's tensors' bytes once loaded, floats at `float_bytes` each (None: as
-    stored), from its JSON header (8 bytes of length, then the header).
+    stored), from its JSON header (8 bytes of length, then the header); with `tied`, without
+    the `lm_head` tensors the loader drops (`_ties_embeddings`).
 
     Raises:
         UnsupportedFormatError: a header that cannot be read (a file cut short).
@@ -200,7 +210,7 @@ def _safetensors_bytes(file: Path, float_bytes: int | None) -> int:
             header = json.loads(handle.read(header_bytes))
         total = 0
         for name, tensor in header.items():
-            if name == "__metadata__":
+            if name == "__metadata__" or (tied and name.split(".")[-2:-1] == ["lm_head"]):
                 continue
             start, end = tensor["data_offsets"]
             floating = float_bytes is not None and tensor["dtype"] in _FLOAT_DTYPES

@@ -97,3 +97,15 @@ def test_an_encoder_model(tmp_path):
     from mlxkv.testing.encoder_factory import build_encoder_model
 
     _assert_close(build_encoder_model(tmp_path / "tiny-bert"))
+
+
+def test_a_tied_checkpoint_that_still_stores_the_head(base, tmp_path):
+    """A config with `tie_word_embeddings` whose checkpoint still holds `lm_head.weight` (some
+    converted repos do): the loader drops it (the head is the embedding), so it is not counted.
+    The factory's head is a large share of a tiny model: counted, the estimate is 1.3x."""
+    out = tmp_path / "tied"
+    shutil.copytree(base, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    assert "lm_head.weight" in mx.load(str(out / "model.safetensors"))
+    _assert_close(out)
