@@ -228,7 +228,14 @@ def test_streams_sent_at_once_about_one_image_feed_it_once(loaded, images, steps
     conversations = [[_user(images[0], shared + ending)] for ending in ("Colors?", "Shapes?")]
     want = [_alone(loaded, messages, 12) for messages in conversations]
     # prefilled in several chunks, the second's turns come while the first's prompt is fed
-    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4, prefill_step_size=8)
+    runner = Runner(
+        loaded,
+        max_context=1024,
+        cache_entries=8,
+        max_batch=4,
+        prefill_step_size=8,
+        speculative=None,
+    )
     got: list = [None, None]
 
     def run(i):
