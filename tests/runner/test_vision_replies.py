@@ -123,21 +123,10 @@ def test_next_turn_reuses_a_reply_that_encodes_otherwise_and_answers_as_mlx_vlm(
 
 
 @pytest.mark.parametrize("first_image", [True, False], ids=["image-then-image", "text-then-image"])
-def test_an_image_after_the_reply_takes_its_place_in_the_ids_fed(
-    loaded, images, first_image, request
-):
+def test_an_image_after_the_reply_takes_its_place_in_the_ids_fed(loaded, images, first_image):
     """The reply's ids are fewer or more than its text's, so the image after it sits elsewhere
     than in the processor's ids: its tokens, and (M-RoPE) its positions and those after it,
     follow. The first turn holds an image, or is text (an agent's screenshot pasted later)."""
-    if first_image and loaded.path.name == "gemma3":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="Gemma 3 with two images in a prompt answers otherwise than mlx-vlm's "
-                "model fed the same ids, with no reply in the prompt too (two images in one "
-                "message, or the same image twice): not this test's change",
-            )
-        )
     runner = Runner(loaded)
     turn1 = [_user(QUESTION, images[0] if first_image else None)]
     first = _greedy(runner, turn1)
