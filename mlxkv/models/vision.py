@@ -48,6 +48,9 @@ PLACEHOLDER_BASE = 1 << 31
 VISION_MODEL_TYPES = tuple(FAMILIES)
 # The most images one prompt may hold.
 MAX_IMAGES_PER_PROMPT = 16
+# Any text id: where a prompt's positions are computed, it stands for a vision id the model
+# generated (the family's position function reads nothing else of the text).
+_TEXT_ID = 0
 
 
 def is_vision_model(config: dict[str, Any]) -> bool:
@@ -309,6 +312,9 @@ class ImagePrompt:
         if not self.spans:
             return _text_positions(0, len(self._prompt)), 0
         ids = np.array(self._prompt, dtype=np.int64)
+        # A vision id in the record is one the model generated (a reply sent back with its
+        # ids), which its decode placed as text: only the placeholders are images' tokens.
+        ids[np.isin(ids, self.support.family.vision_ids())] = _TEXT_ID
         ids[ids >= PLACEHOLDER_BASE] = self.support.image_token_id
         inputs = [span.processed.inputs for span in self.spans]
         return self.support.family.prompt_positions(ids, inputs)

@@ -88,6 +88,10 @@ class ImageFamily(abc.ABC):
     def prompt_positions(self, ids: np.ndarray, inputs: list[dict[str, np.ndarray]]) -> Any:
         return None
 
+    def vision_ids(self) -> tuple[int, ...]:
+        """The ids `prompt_positions` reads as an image's or a video's tokens (none here)."""
+        return ()
+
 
 class QwenVL(ImageFamily):
     """Qwen2-VL / Qwen2.5-VL: patches merged 2x2 into one run of `<|image_pad|>` tokens; the
@@ -124,6 +128,12 @@ class QwenVL(ImageFamily):
         language = self.vlm.language_model
         positions, deltas = language.get_rope_index(mx.array(ids[None].astype(np.int32)), grids)
         return positions, int(np.asarray(deltas).reshape(-1)[0])
+
+    def vision_ids(self) -> tuple[int, ...]:
+        """`get_rope_index` counts an image or a video at a vision start followed by its
+        token's id, and places it at the next image or video token's id (a vision start is
+        the template's own before an image: a reply is followed by the template's text)."""
+        return (self.vlm.config.image_token_id, self.vlm.config.video_token_id)
 
 
 @dataclass(frozen=True)

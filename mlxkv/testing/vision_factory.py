@@ -136,6 +136,11 @@ FAMILIES = (*_QWEN, "qwen3_vl", "gemma3", *_TILED)
 # Larger than the text factory's scale: the image must change the greedy answer
 # (tests/runner/test_vision.py checks two images give two answers).
 WEIGHT_SCALE = 2.0
+# Weights mlx-vlm initializes to a constant, drawn at random instead (as a trained model's
+# are): Gemma 3's projection is ones, which sums each image row's LayerNorm'd (zero-mean)
+# features to 0 in exact arithmetic, so the float32 rows were rounding noise (about 1e-6,
+# changed by the batch the encoder ran in) and the answers depended on that noise.
+_DRAWN_AT_RANDOM = ("multi_modal_projector.mm_input_projection_weight",)
 
 
 # A SigLIP-style tower (Gemma 3's, SmolVLM's, Idefics3's): one layer, a 56-pixel image of
@@ -402,9 +407,12 @@ def _write_weights(out: Path, config: dict[str, Any], seed: int) -> None:
     model_config = update_module_configs(model_config, family, config, ["text", "vision"])
     mx.random.seed(seed)
     model = family.Model(model_config)
-    weights = {
-        k: (v * WEIGHT_SCALE).astype(mx.float32) for k, v in tree_flatten(model.parameters())
-    }
+    weights = dict(tree_flatten(model.parameters()))
+    for name in _DRAWN_AT_RANDOM:
+        if name in weights:
+            shape = weights[name].shape  # (inputs, outputs): unit variance out
+            weights[name] = mx.random.normal(shape) / shape[0] ** 0.5
+    weights = {k: (v * WEIGHT_SCALE).astype(mx.float32) for k, v in weights.items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
 

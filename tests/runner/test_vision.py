@@ -227,6 +227,43 @@ def test_an_image_fed_over_several_calls_answers_as_in_one(loaded, images):
     assert completion.first_logprob == pytest.approx(want_logprob, abs=1e-3)
 
 
+@pytest.mark.parametrize("step", [None, 3], ids=["default-calls", "calls-of-3"])
+@pytest.mark.parametrize("second", [1, 0], ids=["two-images", "same-image-twice"])
+def test_two_images_in_one_message_answer_as_mlx_vlm(loaded, images, second, step):
+    """Two images in one message, fed in the default prefill calls or in calls of 3 tokens
+    (boundaries inside and between the images), past Gemma 3's 32-token window: every step's
+    token and log-probability are mlx-vlm's on the whole sequence (its encoder runs both
+    images in one batch, mlxkv's one at a time)."""
+    pictures = [images[0], images[second]]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                *({"type": "image", "image": picture} for picture in pictures),
+                {"type": "text", "text": "What differs between them?"},
+            ],
+        }
+    ]
+    runner = Runner(loaded, prefill_step_size=step)
+    chunks = list(runner.stream(messages, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0))
+    want_tokens, want_logprobs = _reference_steps(loaded, messages, pictures, None, MAX_TOKENS)
+    assert chunks[-1].completion.tokens == want_tokens
+    got_logprobs = [c.logprob.logprob for c in chunks[:-1] if c.logprob]
+    assert got_logprobs == pytest.approx(want_logprobs[: len(got_logprobs)], abs=1e-3)
+
+
+def test_the_tiny_models_image_rows_carry_the_pixels(loaded, images):
+    """The factory's encoder rows are far above float32 rounding and change with the image:
+    with mlx-vlm's initial Gemma 3 projection (ones), every row summed a zero-mean vector, so
+    rows were rounding noise of about 1e-6 that changed with the encoder's batch and the
+    process, and a Runner's answers with two images differed from mlx-vlm's by that noise."""
+    family = loaded.vision.family
+    rows = [np.asarray(family.encode(family.process(image))[0]) for image in images]
+    for each in rows:
+        assert np.sqrt(np.mean(each**2)) > 1e-2
+    assert np.abs(rows[0] - rows[1]).max() > 1e-2
+
+
 def test_encoder_outputs_count_inside_the_byte_budget_and_show_in_the_memory_line(loaded, images):
     family = loaded.vision.family
     one = family.encode(family.process(images[0])).nbytes  # float32 rows, as the cache keeps

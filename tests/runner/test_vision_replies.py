@@ -14,15 +14,20 @@ reply's generated ids where the processor has its text's, the same images' token
 
 from __future__ import annotations
 
+import itertools
+
+import mlx.core as mx
 import pytest
 
 pytest.importorskip("mlx_vlm")
 
 from mlxkv import Runner  # noqa: E402
+from mlxkv.decoding.sampling import SamplingParams  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
 from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
 from tests.runner.test_vision import _processed, _reference_steps  # noqa: E402
+from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 # Templates that write a reply sent back right after the generation prompt of its turn, so
 # that the next turn can reuse the whole first one; SmolVLM's and Idefics3's write a space
@@ -123,21 +128,10 @@ def test_next_turn_reuses_a_reply_that_encodes_otherwise_and_answers_as_mlx_vlm(
 
 
 @pytest.mark.parametrize("first_image", [True, False], ids=["image-then-image", "text-then-image"])
-def test_an_image_after_the_reply_takes_its_place_in_the_ids_fed(
-    loaded, images, first_image, request
-):
+def test_an_image_after_the_reply_takes_its_place_in_the_ids_fed(loaded, images, first_image):
     """The reply's ids are fewer or more than its text's, so the image after it sits elsewhere
     than in the processor's ids: its tokens, and (M-RoPE) its positions and those after it,
     follow. The first turn holds an image, or is text (an agent's screenshot pasted later)."""
-    if first_image and loaded.path.name == "gemma3":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="Gemma 3 with two images in a prompt answers otherwise than mlx-vlm's "
-                "model fed the same ids, with no reply in the prompt too (two images in one "
-                "message, or the same image twice): not this test's change",
-            )
-        )
     runner = Runner(loaded)
     turn1 = [_user(QUESTION, images[0] if first_image else None)]
     first = _greedy(runner, turn1)
@@ -158,6 +152,54 @@ def test_an_image_after_the_reply_takes_its_place_in_the_ids_fed(
     third, record3 = _greedy(runner, turn3), runner.encode(turn3)
     assert third.cached_tokens >= second.prompt_tokens
     _answers_as_mlx_vlm(loaded, third, turn3, pictures, record3)
+
+
+def _forcing(monkeypatch, token: int, at: int) -> None:
+    """Each request's logits processors end with one that makes `token` its reply's token
+    number `at` (0-based): as a random model now and then emits the image token's id."""
+    made = SamplingParams.make_logits_processors
+
+    def with_forcing(params):
+        picks = itertools.count()
+
+        def force(history, logits):
+            if next(picks) != at:
+                return logits
+            return mx.where(mx.arange(logits.shape[-1]) == token, 0.0, -mx.inf)[None]
+
+        return [*made(params), force]
+
+    monkeypatch.setattr(SamplingParams, "make_logits_processors", with_forcing)
+
+
+def test_a_reply_holding_the_image_tokens_id_takes_its_ids(loaded, images, monkeypatch):
+    """The model generated the image token's id in its reply (text it read as text, at text
+    positions): sent back, the reply takes its ids and the id stays text, an image after it
+    included (M-RoPE: `get_rope_index` would take the id for that image's). The next turn
+    reuses the whole first turn and answers as a fresh Runner's prefill of the same record."""
+    image_token = loaded.vision.image_token_id
+    runner = Runner(loaded, speculative=None)
+    turn1 = [_user(QUESTION, images[0])]
+    with monkeypatch.context() as forced:
+        _forcing(forced, image_token, at=2)
+        first = _greedy(runner, turn1)
+    assert first.tokens[2] == image_token
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first.text},
+        _user("And this one?", images[1]),
+    ]
+    record = runner.encode(turn2)
+    n = len(first.tokens)
+    at = next((i for i in range(len(record)) if record[i : i + n] == first.tokens), None)
+    assert at is not None, "the reply rendered from its text"
+    image_tokens = sum(loaded.vision.family.process(image).num_features for image in images)
+    assert sum(t >= PLACEHOLDER_BASE for t in record) == image_tokens
+    second = _greedy(runner, turn2)
+    _check_reuse(loaded, runner, turn1, first, record, at, second)
+    fresh = _greedy(Runner(loaded, speculative=None), turn2)
+    assert fresh.cached_tokens == 0
+    assert second.tokens == fresh.tokens
+    assert second.logprobs == pytest.approx(fresh.logprobs, abs=LOGPROB_ABS)
 
 
 def test_another_isolation_domain_renders_the_reply_from_its_text(loaded, images):

@@ -18,8 +18,8 @@ Terms:
     (`PromptEncoder.reply_ids`), so the next turn matches what the cache holds even where the
     reply's text encodes otherwise. The images' spans are found in the record after that
     substitution, so an image after the reply gets its place (and, from the record, its
-    M-RoPE positions) in the ids actually fed. A reply holding the image token's id renders as
-    text (the id in the record would count as an image's token in the positions).
+    M-RoPE positions) in the ids actually fed. A reply holding the image token's id keeps it
+    as text: only placeholders are images' tokens (`mlxkv.models.vision.ImagePrompt`).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class VisionPrompts:
             if _text_parts(message):
                 message = {**message, "content": _joined(message["content"])}
             ids = self._prompts.reply_ids(message, replies)
-            return None if ids is None or self._support.image_token_id in ids else list(ids)
+            return None if ids is None else list(ids)
 
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
