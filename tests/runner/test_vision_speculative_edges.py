@@ -276,8 +276,7 @@ def test_drafted_image_replies_across_a_disk_snapshot_boundary_serve_a_restart(
     """Gemma 3 (sliding-window layers: the disk tier snapshots every 256 tokens): an image
     prompt just under the boundary, its reply drafted wholly right across it: no verification
     pass crosses the boundary (`_to_snapshot`), and a restarted Runner answers the next turn
-    from disk as after a plain reply (the same tokens, the same cached count; the reply itself
-    is not reused, the known vision reply-memo gap, test_vision's xfail)."""
+    from disk as after a plain reply (the same tokens, the same cached count)."""
     loaded = load_model(build_vision_model(tmp_path / "gemma3", family="gemma3"))
     words = "one two three four five six seven eight nine ten " * 40
     messages = []
