@@ -5,6 +5,7 @@ reply and a later request reloads it warm from its disk tier."""
 
 from __future__ import annotations
 
+import json
 import threading
 from datetime import UTC, datetime
 
@@ -137,3 +138,22 @@ def test_show_and_pull_resolve_aliases(served):
     assert client.pull("claude-sonnet-4-5").status == "success"
     with pytest.raises(ollama.ResponseError, match="serves: a, b"):
         client.show("gpt-4o")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("DELETE", "/api/delete", {"model": "b"}),
+        ("POST", "/api/copy", {"source": "b", "destination": "x"}),
+        ("POST", "/api/create", {"model": "x", "from": "b"}),
+        ("POST", "/api/push", {"model": "a"}),
+    ],
+    ids=["delete", "copy", "create", "push"],
+)
+def test_model_management_is_refused_without_loading_a_model(served, method, path, body):
+    """A 501 loads nothing (under --max-memory a load unloads another model) and names
+    every model served, not one as if it were the only one."""
+    status, reply = served.request(method, path, json.dumps(body).encode())
+    assert status == 501
+    assert "a:latest, b:latest" in reply["error"] and "only" not in reply["error"]
+    assert _loaded(served) == []
