@@ -116,12 +116,15 @@ def read_template_facts(path: str | Path | None) -> TemplateFacts | None:
         return None
     try:
         config = json.loads((folder / "config.json").read_text())
+        if not isinstance(config, dict):
+            raise TypeError(f"config.json holds a {type(config).__name__}, not an object")
         if is_encoder_model(config):
             return TemplateFacts(
                 model_capabilities(None, generates=False), "", config["model_type"]
             )
         tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except Exception as error:  # transformers and huggingface_hub raise their own classes
+        # (an invalid config is a StrictDataclassError): a listing must not fail for it
         logger.debug("tokenizer of %s not read before loading: %s", folder, error)
         return None
     template = getattr(tokenizer, "chat_template", None) or ""

@@ -11,6 +11,7 @@ ValueError the route turns into a 400 in its API's shape.
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -20,6 +21,7 @@ from mlxkv.server.errors import ApiError
 
 # The longest one image URL may take to answer and send its bytes.
 FETCH_TIMEOUT_S = 10.0
+_READ_BYTES = 2**16  # what one read may return: the deadline is checked between reads
 _REMOTE = ("http://", "https://")
 
 
@@ -79,9 +81,20 @@ async def _fetched(part: dict[str, Any], allowed: bool) -> dict[str, Any]:
 
 
 def _download(url: str) -> bytes:
+    """The bytes at `url`, read as they come against one deadline: urllib's timeout bounds
+    each socket read only, so a host sending a byte at a time could hold a request for good."""
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
+    data = bytearray()
     try:
         with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:  # noqa: S310
-            data = response.read(MAX_IMAGE_BYTES + 1)
+            while len(data) <= MAX_IMAGE_BYTES and (chunk := response.read1(_READ_BYTES)):
+                data += chunk
+                if time.monotonic() > deadline:
+                    raise ApiError(
+                        400,
+                        f"the image at {url} took over {FETCH_TIMEOUT_S:g} s to arrive "
+                        f"({len(data):,} bytes by then); send it inline as a data: URL",
+                    )
     except (urllib.error.URLError, OSError, ValueError) as error:
         raise ApiError(400, f"could not fetch the image at {url}: {error}") from None
     if len(data) > MAX_IMAGE_BYTES:
@@ -89,4 +102,4 @@ def _download(url: str) -> bytes:
             400, f"the image at {url} is over {MAX_IMAGE_BYTES:,} bytes; the limit is "
             f"{MAX_IMAGE_BYTES:,} bytes",
         )  # fmt: skip
-    return data
+    return bytes(data)

@@ -69,3 +69,34 @@ def test_listings_before_the_first_load_equal_those_after(served):
         served.openai().chat.completions.create(model=name, messages=QUESTION, max_tokens=2)
     assert served.loads == {"tools": 1, "plain": 1}
     assert _listings(served) == before
+
+
+@pytest.mark.parametrize(
+    ("name", "files"),
+    [
+        ("invalid-config", {"config.json": '{"model_type": "llama", "hidden_size": -5}'}),
+        ("config-a-list", {"config.json": "[]"}),
+        ("broken-tokenizer", {"config.json": '{"model_type": "llama"}', "tokenizer.json": "{"}),
+    ],
+    ids=["invalid-config", "config-a-list", "broken-tokenizer"],
+)
+def test_a_broken_model_directory_leaves_the_listings_whole(model_root, tmp_path, name, files):
+    """A directory of a models dir whose files cannot be read lists with nothing known about
+    it (its load says why): the listings of every other model still answer."""
+    broken = tmp_path / name
+    broken.mkdir()
+    for file, text in files.items():
+        (broken / file).write_text(text)
+    plain = tiny_model_dir("llama", model_root)
+    sources = {
+        "plain": ModelLoader(lambda: Runner.load(str(plain), max_context=512), path=plain),
+        name: ModelLoader(lambda: Runner.load(str(broken)), path=broken),
+    }
+    with serve(sources) as served:
+        assert [m.model for m in ollama.Client(host=served.url).list().models] == [
+            "plain:latest",
+            f"{name}:latest",
+        ]
+        assert [m.id for m in served.openai().models.list()] == ["plain", name]
+        shown = httpx.post(f"{served.url}/api/show", json={"model": name})
+        assert shown.status_code == 200

@@ -107,11 +107,15 @@ async def pull(body: ModelRequest, ctx: Context):
 @router.post("/copy")
 @router.delete("/delete")
 @router.post("/push")
-async def manage(ctx: Context) -> None:
+async def manage(request: Request) -> None:
+    """Refused without loading a model: under a memory budget a load unloads another."""
+    served = request.app.state.mlxkv.models.resident
+    names = ", ".join(f"{name}:latest" for name in served)
+    what = f"'{names}' only, the model" if len(served) == 1 else f"{names}, the models"
     raise ApiError(
         501,
-        f"this server serves '{_name(ctx)}' only, the model `mlxkv serve -m` loaded; it does "
-        "not create, copy, delete or push models",
+        f"this server serves {what} `mlxkv serve` loads; it does not create, copy, delete or "
+        "push models",
     )
 
 
