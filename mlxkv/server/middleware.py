@@ -129,7 +129,10 @@ class ServerErrors:
     """Turns an exception no handler took into a 500 in the API's shape, logged once with its
     traceback. Left to Starlette's outermost handler, it was answered and raised again: logged
     twice (the second time by uvicorn), and the access log, which it passed through, showed
-    status 0."""
+    status 0. A request uvicorn cancels at the end of its graceful shutdown (one that never
+    reached a worker, which ends its own at the stop signal: an image being fetched, a model
+    being loaded) is answered 503 when nothing was sent yet; uvicorn logged its
+    CancelledError as "Exception in ASGI application" with a traceback."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -147,6 +150,11 @@ class ServerErrors:
 
         try:
             await self.app(scope, receive, watch)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            message = "the server is shutting down; send the request again once it is back"
+            await error_response(scope["path"], 503, message)(scope, receive, send)
         except Exception as error:
             _errors.exception(
                 "request failed: %s %s", printable(scope["method"]), printable(scope["path"])
