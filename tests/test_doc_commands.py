@@ -1,17 +1,19 @@
 """Every `mlxkv` command line and `python -m benchmarks.*` line the README and docs/ show takes
 the options it is shown with, and a usage line's `[--flag VALUE]` with a literal value shows
 the default `--help` gives: a renamed flag or a changed default fails here instead of in a new
-user's terminal. (tests/test_doc_references.py does the same for dotted names.)"""
+user's terminal. README's list of `Runner.load` keywords is every `RunnerConfig` field with its
+default. (tests/test_doc_references.py does the same for dotted names.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
 from mlxkv.cli.parser import build_parser
-from mlxkv.config import parse_bytes
+from mlxkv.config import RunnerConfig, parse_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -146,3 +148,22 @@ def test_the_check_reads_defaults_from_help(capsys):
     assert _same_value("16GiB", options["--cache-dir-bytes"])
     assert not _same_value("4GiB", _option_defaults(_help("chat", capsys))["--cache-bytes"])
     assert "--no-cache-dir" in options and options["--fetch-images"] is not None
+
+
+def _readme_runner_options() -> dict[str, str]:
+    """The `name=default` pairs README lists for `Runner.load`'s keywords."""
+    text = (ROOT / "README.md").read_text()
+    listed = text.split("`Runner.load(path_or_repo", 1)[1].split("`Runner(loaded_model", 1)[0]
+    listed = listed.split("as keywords (", 1)[1]
+    return dict(re.findall(r"(\w+)=([^,`\s)]+)", listed))
+
+
+def test_readme_lists_every_runner_option_with_its_default():
+    listed = _readme_runner_options()
+    fields = {field.name: field.default for field in dataclasses.fields(RunnerConfig)}
+    assert sorted(listed) == sorted(fields)
+    for name, default in fields.items():
+        shown = listed[name].strip('"')
+        if name.endswith("_bytes") and shown != "None":
+            shown = parse_bytes(shown)
+        assert shown in (str(default), default), f"README: {name}={listed[name]}, not {default!r}"
