@@ -2,7 +2,8 @@
 the options it is shown with, and a usage line's `[--flag VALUE]` with a literal value shows
 the default `--help` gives: a renamed flag or a changed default fails here instead of in a new
 user's terminal. README's list of `Runner.load` keywords is every `RunnerConfig` field with its
-default. (tests/test_doc_references.py does the same for dotted names.)"""
+default, and docs/server.md's fields of `GET /v1/mlxkv/cache` are those it returns.
+(tests/test_doc_references.py does the same for dotted names.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from mlxkv.cli.parser import build_parser
 from mlxkv.config import RunnerConfig, parse_bytes
+from mlxkv.runner.prompt_cache.report import EntryReport, MemoryReport
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -167,3 +169,16 @@ def test_readme_lists_every_runner_option_with_its_default():
         if name.endswith("_bytes") and shown != "None":
             shown = parse_bytes(shown)
         assert shown in (str(default), default), f"README: {name}={listed[name]}, not {default!r}"
+
+
+def test_server_doc_lists_every_field_of_the_cache_endpoint():
+    # The endpoint returns `cache_info()`'s fields plus two, and each entry's but `isolated`
+    # (tests/server/test_chat_page.py compares the endpoint with `cache_info()`).
+    text = (ROOT / "docs" / "server.md").read_text()
+    bullet = text.split("- `GET /v1/mlxkv/cache`", 1)[1].split("\n- ", 1)[0]
+    report, entries = bullet.split("`entries` (each with", 1)
+    named = set(re.findall(r"`([a-z_]+)`", report))
+    fields = {field.name for field in dataclasses.fields(MemoryReport)}
+    assert fields - {"entries"} | {"model", "max_context"} <= named
+    entry_fields = {field.name for field in dataclasses.fields(EntryReport)} - {"isolated"}
+    assert entry_fields <= set(re.findall(r"`([a-z_]+)`", entries))
