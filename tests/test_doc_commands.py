@@ -26,6 +26,10 @@ FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z-]*)")
 # literal (the default); `[--max-tokens N]` and `[--speculative auto|ngram]` are not.
 BRACKETED = re.compile(r"\[(--[a-z-]+) ([^\]\s|]+)\]")
 DEFAULT = re.compile(r"\(default: ([^)]*)\)")
+# A benchmark's option it refuses to run without (argparse's `required=True`, or its own check).
+REQUIRED = re.compile(
+    r'add_argument\(\s*"(--[a-z-]+)"[^)]*required=True|parser\.error\(\s*f?"(--[a-z-]+)[^"]*required'
+)
 
 
 def _lines(path: Path) -> list[tuple[str, str]]:
@@ -109,10 +113,18 @@ def _benchmark_problems() -> list[str]:
                     problems.append(f"{place}: no benchmarks/{module}.py")
                     continue
                 code = source.read_text()
+                shown = FLAG.findall(rest)
                 problems += [
                     f"{place}: benchmarks.{module} has no {flag}"
-                    for flag in FLAG.findall(rest)
+                    for flag in shown
                     if f'"{flag}"' not in code
+                ]
+                # (a module with subcommands: their options are the subcommand's business)
+                required = [] if "add_subparsers" in code else REQUIRED.findall(code)
+                problems += [
+                    f"{place}: benchmarks.{module} needs {option or check}"
+                    for option, check in required
+                    if (option or check) not in shown
                 ]
     return problems
 
