@@ -327,8 +327,13 @@ def _add_cache_options(parser: argparse.ArgumentParser, *, server: bool) -> None
         "--cache-dir",
         type=Path,
         default=None,
-        help="disk tier: evicted entries go there, and a restart starts warm (default: "
-        + ("$MLXKV_CACHE_DIR/kv, else ~/.cache/mlxkv/kv)" if server else "none)"),
+        help="disk tier: each finished turn and evicted entry is written there, and a restart "
+        "starts warm (default: "
+        + (
+            "$MLXKV_CACHE_DIR/kv, else $XDG_CACHE_HOME/mlxkv/kv, else ~/.cache/mlxkv/kv)"
+            if server
+            else "none)"
+        ),
     )
     if server:
         cache.add_argument(

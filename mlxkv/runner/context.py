@@ -122,7 +122,7 @@ def fit_prompt(
             "context: dropped %d tokens after the first %d to fit %d tokens", cut, keep, budget
         )
         return Fitted(tokens[:keep] + tokens[keep + cut :])
-    first, chosen = _chat_cut(chat, budget, cached_prefix)
+    first, chosen = _chat_cut(chat, budget, cached_prefix, len(tokens))
     logger.info(
         "context: dropped the messages before message %d (%d tokens) to fit %d tokens",
         first,
@@ -133,8 +133,10 @@ def fit_prompt(
 
 
 def _chat_cut(
-    chat: ChatCut, budget: int, cached_prefix: Callable[[Sequence[int]], int]
+    chat: ChatCut, budget: int, cached_prefix: Callable[[Sequence[int]], int], num_tokens: int
 ) -> tuple[int, list[int]]:
+    """The first message kept and the render from it; `num_tokens`: the whole prompt's, which
+    is the shortest render when no message can be dropped."""
     if chat.preferred is not None:
         candidate = chat.render_from(chat.preferred)
         if len(candidate) <= budget and cached_prefix(candidate) >= budget // 4:
@@ -144,10 +146,10 @@ def _chat_cut(
         found = _first_fitting(points, chat.render_from, limit)
         if found is not None:
             return found
-    last = chat.render_from(points[-1]) if points else None
-    shortest = f"{len(last)} tokens" if last is not None else "the whole prompt"
+    shortest = len(chat.render_from(points[-1])) if points else num_tokens
     raise ContextLengthError(
-        f"the last user message with the system prompt and what follows it takes {shortest}; "
+        f"the last user message with the system prompt and what follows it takes {shortest:,} "
+        f"tokens; "
         f"only {budget} tokens fit in the context with room left to answer. Shorten that "
         "message or raise max_context"
     )

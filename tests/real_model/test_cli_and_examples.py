@@ -124,3 +124,18 @@ def test_version_and_defaults_in_help():
     assert version.returncode == 0 and version.stdout.startswith(b"mlxkv ")
     help_text = _run_bytes(["generate", "--help"]).stdout.decode()
     assert "(default: 256)" in help_text and "(default: 0.0)" in help_text
+
+
+def _readme_python(section: str) -> str:
+    """The first ```python block under README's `## {section}` heading."""
+    text = (ROOT / "README.md").read_text().split(f"## {section}\n", 1)[1]
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_python_api_snippet_runs_and_its_second_turn_hits(converted_cache):
+    # As a reader copies it: the snippet alone, in a fresh process, on the default model.
+    result = _run(["-c", _readme_python("Python API")], converted_cache)
+    assert result.returncode == 0, result.stderr[-1500:]
+    cached = [int(n) for n in re.findall(r": cached (\d+) of \d+ prompt tokens", result.stdout)]
+    assert len(cached) == 2 and cached[0] == 0 and cached[1] > 0, result.stdout
+    assert "MemoryReport(num_tokens=" in result.stdout

@@ -1,6 +1,8 @@
 """Bad input changes nothing and poisons nothing: sampling settings, prompt types, prompts
 that cannot fit, and control tokens smuggled into message content."""
 
+import re
+
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import apply_top_k
@@ -138,6 +140,18 @@ def test_last_message_that_cannot_fit_is_a_context_length_error(make_runner, sys
     with pytest.raises(ContextLengthError, match="last user message .* only \\d+ tokens fit"):
         runner.generate(messages, max_tokens=4)
     assert runner.cache_tokens == before
+
+
+def test_a_lone_message_that_cannot_fit_says_how_long_it_is(make_runner):
+    """With no earlier message to drop, the error gave no number ("takes the whole prompt")."""
+    runner = make_runner("llama", max_context=48)
+    messages = [{"role": "user", "content": "word " * 80}]
+    with pytest.raises(
+        ContextLengthError, match=r"takes ([\d,]+) tokens; only \d+ tokens fit"
+    ) as e:
+        runner.generate(messages, max_tokens=4)
+    taken = int(re.search(r"takes ([\d,]+) tokens", str(e.value)).group(1).replace(",", ""))
+    assert taken == len(runner.encode(messages))
 
 
 def _control_ids(runner):
