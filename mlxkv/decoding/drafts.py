@@ -3,7 +3,8 @@
 Owns: `DraftModel` (a draft model checked against the target; each conversation's cache
 for it is kept on its prompt-cache entry), `NgramDrafter` (prompt lookup: the tokens that
 followed an earlier occurrence of the text's last few tokens), `ModelDrafter` (drafts from
-the draft model), `Draft`, and `DraftCounts` (a request's drafted and accepted tokens).
+the draft model; its text and cache follow the target's when the window makes room),
+`Draft`, and `DraftCounts` (a request's drafted and accepted tokens).
 Does not own verification, the acceptance rule or how many tokens to draft (`speculative`).
 
 Terms:
@@ -21,10 +22,12 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxkv.cache.building import make_cache
+from mlxkv.cache.layers.kv import Rotation
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.decoding.prefill.chunks import PrefillPlan, fill
 from mlxkv.models.loading import LoadedModel
+from mlxkv.models.rope import rope_rotations
 
 # Suffix n-grams looked up, longest first. One token matches almost anywhere and drafts
 # noise; more than 4 rarely matches where 4 does not.
@@ -170,7 +173,9 @@ class ModelDrafter:
 
     Its cache lives as long as the Runner: each request first brings it to the text's tokens
     (keeping the common prefix, like the prompt cache), so a conversation's drafts cost only
-    the draft model's share of the new tokens.
+    the draft model's share of the new tokens. When the target's window makes room
+    (`follow`), the text becomes what the target keeps, so drafting goes on past the
+    window: a long reply keeps its speed-up where it is longest.
 
     Args:
         model: the draft model.
@@ -179,6 +184,8 @@ class ModelDrafter:
         distribution: logprobs (1, vocab) -> the probabilities to sample drafts from; None for
             greedy drafts.
         plan: how the draft model is fed the text it has not seen.
+        rotations: the draft model's per-layer key rotations (`rope_rotations`), for shifting
+            its cache in place as the target's shifts.
     """
 
     def __init__(
@@ -188,22 +195,22 @@ class ModelDrafter:
         tokens: Sequence[int],
         distribution: Callable[[mx.array], mx.array] | None,
         plan: PrefillPlan,
+        rotations: Sequence[Rotation | None],
     ):
         self._model = model
         self._cache = cache
         self._tokens = list(tokens)
         self._distribution = distribution
         self._plan = plan
+        self._rotations = rotations
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._tokens.extend(int(t) for t in tokens)
 
     def can_propose(self) -> bool:
-        return self._fits(1)
+        return True  # a draft model always drafts (the target verifies it)
 
     def propose(self, limit: int) -> Draft:
-        if not self._fits(limit):
-            return Draft([])
         self._catch_up()
         feed = mx.array(self._tokens[-1:], dtype=mx.uint32)
         drafted, probabilities = [], []
@@ -223,14 +230,20 @@ class ModelDrafter:
         mx.eval(tokens, *probabilities)
         return Draft(tokens.tolist(), probabilities if self._distribution else None)
 
-    def _fits(self, limit: int) -> bool:
-        """Whether the draft cache holds the text but its last token and `limit` drafts (the
-        last one not fed): its text is never shifted, so a reply that passes the window stops
-        drafting once it passes the cache's bound (the target's window and
-        `DraftLength.MAX_TOKENS`) and goes on plainly, as its output does not depend on
-        drafts."""
-        capacity = self._cache.capacity_tokens
-        return capacity is None or len(self._tokens) - 1 + limit <= capacity
+    def follow(self, keep: int, drop: int, num_held: int) -> None:
+        """Drops the text's tokens [keep, keep + drop), as the target's window just did from
+        the first `num_held` tokens of the text that it held (`ContextWindow.on_shift`). The
+        draft cache is shifted the same way in place where it can be (float K/V with a known
+        RoPE: a rotation of its keys, the target's approximation), from the tokens the target
+        held only: a token after them goes on to be fed after the shift, in the kept context,
+        as the target feeds it. Elsewhere `_catch_up` prefills the kept text again at the
+        next draft, as the target's window did."""
+        cache = self._cache
+        held = min(common_prefix_length(cache.tokens, self._tokens), num_held)
+        del self._tokens[keep : keep + drop]
+        if keep + drop <= held and cache.can_shift(self._rotations):
+            cache.trim_to(held)
+            cache.shift(keep, drop, self._rotations)
 
     def _catch_up(self) -> None:
         """Makes the draft cache hold the text but its last token (which `propose` feeds)."""
@@ -253,6 +266,7 @@ class DraftModel:
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
+        self._rotations = rope_rotations(loaded.model)
 
     def make_cache(self) -> ModelCache:
         return make_cache(self.loaded.model)
@@ -285,4 +299,4 @@ class DraftModel:
     ) -> ModelDrafter:
         """A drafter for `tokens` on `cache` (the conversation's, from `make_cache`), which
         it rewinds and fills to match them."""
-        return ModelDrafter(self.loaded.model, cache, tokens, distribution, plan)
+        return ModelDrafter(self.loaded.model, cache, tokens, distribution, plan, self._rotations)

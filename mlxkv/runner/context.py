@@ -195,12 +195,15 @@ class ContextWindow:
         keep: tokens at the start that a shift never drops.
         rotations: per-layer key rotations (`rope_rotations`); None entries force reprocessing.
         refill: feeds tokens into the cache without sampling (used when a shift reprocesses).
+        on_shift: told (keep, drop, num_held) after each shift, which dropped the tokens
+            [keep, keep + drop) of the `num_held` held: a draft model follows the same cut.
     """
 
     max_context: int
     keep: int
     rotations: Sequence[Rotation | None]
     refill: Callable[[ModelCache, list[int]], None]
+    on_shift: Callable[[int, int, int], None] | None = None
     shifts: int = 0
 
     def make_room(self, cache: ModelCache, num_new: int) -> bool:
@@ -219,7 +222,14 @@ class ContextWindow:
                 held - self.keep - drop,
                 drop,
             )
-            return True
+        else:
+            self._reprocess(cache, drop)
+        if self.on_shift is not None:
+            self.on_shift(self.keep, drop, held)
+        return True
+
+    def _reprocess(self, cache: ModelCache, drop: int) -> None:
+        """The shift of a cache that cannot rotate in place: the kept tokens prefilled again."""
         kept = cache.tokens
         del kept[self.keep : self.keep + drop]
         cache.free()
@@ -230,4 +240,3 @@ class ContextWindow:
             len(kept),
             drop,
         )
-        return True

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -177,7 +177,7 @@ def _generate(
             hit.entry.cache,
             logits,
             stats,
-            window.make_room,
+            window,
             batching,
         )
         try:
@@ -278,14 +278,15 @@ def _decode(
     cache: ModelCache,
     logits: mx.array,
     stats: CompletionStats,
-    make_room: Callable[[ModelCache, int], bool] | None = None,
+    window: ContextWindow | ImageWindow,
     batching: Batching | None = None,
 ) -> tuple[Iterator[int | Pause], TokenPicker]:
     """The generated token ids of one request, from the prompt's last logits, and the picker
     that samples them: `decode_tokens` when the request's mode is None, else
     `speculative_tokens` with the mode's drafter (see `MODES`). With `batching`: in the batch
     from the start when the mode is None or others are decoding already, else speculatively
-    while alone and in the batch while others decode (`_alone_or_batched`)."""
+    while alone and in the batch while others decode (`_alone_or_batched`). The reply makes
+    room in `window`; a draft model follows its shifts."""
     params, prompt, loaded = request.params, request.tokens, context.loaded
     vocab_size = loaded.vocab_size
     sampling = params.make_sampling(vocab_size, placeholders=bool(request.images))
@@ -307,6 +308,7 @@ def _decode(
             drafter = context.draft.drafter(
                 draft_cache, prompt, sampling.distribution, context.plan
             )
+            window.on_shift = drafter.follow  # text only (`_draft_cache_for`): it shifts
         else:
             drafter = NgramDrafter(prompt, vocab_size)
         speculation = Speculation(
@@ -321,7 +323,7 @@ def _decode(
         logits,
         pick,
         params.max_tokens,
-        make_room=make_room,
+        make_room=window.make_room,
         speculation=speculation,
         batch=None if batching is None else batching.batch,
         crowded=None if batching is None else batching.crowded,
