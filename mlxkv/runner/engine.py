@@ -12,9 +12,10 @@ Owns `EngineThread`: `call(fn)` (run fn there, return its result), `iterate(make
 generator there, relaying its items to the caller one at a time, as if the caller iterated
 it; the thread does nothing else until it ends), `interleave(make)` (the same, one job per
 item, so that several generators take turns: a decode batch's requests), and the thread's
-lifetime: started on first use, ended when its owner is collected or
-the interpreter exits, releasing its streams on itself. Does not own what the work is
-(`runner`).
+lifetime: started on first use, ended when its owner is collected or the interpreter exits.
+It runs on a kept thread (`mlxkv.platform.threads.run_on_kept_thread`: MLX keeps a
+thread's native stream threads after it ends), which runs the next engine started after this
+one ends. Does not own what the work is (`runner`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from mlxkv.decoding.pause import PAUSE
+from mlxkv.platform.threads import run_on_kept_thread
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ class EngineThread:
         self._name = name
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._urgent: collections.deque[Callable[[], None]] = collections.deque()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the kept thread, while it runs this
+        self._ended = threading.Event()  # set when its run of this engine ends
         self._start_lock = threading.Lock()  # also guards `_wakeups`
         self._wakeups = 0  # `_run_ahead` wake-ups in `_jobs`
 
@@ -116,12 +119,13 @@ class EngineThread:
 
     def stop(self, wait: bool = True) -> None:
         """Ends the thread after the jobs already given (it starts again on the next job)."""
-        thread = self._thread
+        with self._start_lock:
+            thread, ended = self._thread, self._ended
         if thread is None:
             return
         self._jobs.put(None)
         if wait and thread is not threading.current_thread():
-            thread.join()
+            ended.wait()
 
     def abandon(self) -> None:
         """Gives up on the thread, stuck in a job that will never end (a collective whose
@@ -132,8 +136,8 @@ class EngineThread:
         """Queues `job` after the others, or with `ahead` before those not started yet."""
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
+                run = run_on_kept_thread(self._loop, self._name)
+                self._thread, self._ended = run.thread, run.ended
                 _running.add(self)
             if ahead:
                 self._urgent.append(job)
@@ -142,11 +146,22 @@ class EngineThread:
         self._jobs.put(job)
 
     def _loop(self) -> None:
+        """The jobs, until a stop with no job queued after it."""
         # A new thread's random key is the same in every thread of the process (MLX derives
-        # it from the process's start time): draw this one's from the OS instead.
+        # it from the process's start time), and a kept one's is the last engine's: draw this
+        # engine's from the OS instead.
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
         try:
-            while (job := self._jobs.get()) is not None:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    mx.synchronize()
+                    with self._start_lock:  # a job given after the stop runs on here
+                        if self._jobs.empty():
+                            self._thread = None
+                            _running.discard(self)
+                            return
+                    continue
                 if job is _run_ahead:
                     with self._start_lock:
                         self._wakeups -= 1
@@ -155,9 +170,10 @@ class EngineThread:
                 job()  # jobs hand their own errors to their callers
                 del job  # held while waiting for the next one, it would keep its arrays alive
         finally:
-            mx.synchronize()
-            mx.clear_streams()  # on this thread, before it ends (see the module docstring)
-            _running.discard(self)
+            with self._start_lock:
+                if self._thread is threading.current_thread():  # ended by an error: the next
+                    self._thread = None  # job starts a run on another thread
+                    _running.discard(self)
 
 
 class Relay:
@@ -301,7 +317,8 @@ _running: weakref.WeakSet[EngineThread] = weakref.WeakSet()
 
 @atexit.register
 def _stop_all() -> None:
-    """Ends every engine thread before the interpreter's teardown, so each releases its MLX
-    streams itself (a thread torn down with the process can abort it)."""
+    """Ends every engine before the interpreter's teardown, so that its kept thread is idle
+    when those end, each releasing its MLX streams itself (a thread torn down with the process
+    can abort it)."""
     for engine in list(_running):
         engine.stop()

@@ -53,12 +53,11 @@ def test_a_runner_dropped_without_close_stops_its_writer(make_runner, tmp_path):
     runner = make_runner("llama", cache_entries=1, cache_dir=tmp_path)
     for turn in range(3):
         runner.generate(f"{turn} apart {turn}", max_tokens=2)
-    writer = runner._pool.store._writer.thread
-    assert writer is not None
+    ended = runner._pool.store._writer.ended
+    assert ended is not None and not ended.is_set()
     del runner
     gc.collect()
-    writer.join(timeout=30)
-    assert not writer.is_alive()
+    assert ended.wait(timeout=30)
 
 
 def test_a_hybrid_models_block_is_queued_once_and_counts_what_it_holds(

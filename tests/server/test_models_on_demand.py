@@ -165,12 +165,6 @@ def _os_threads() -> int:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-@pytest.mark.xfail(
-    strict=True,
-    reason="each load runs on a new engine thread, and MLX (0.32.4) keeps the native threads "
-    "of every thread's CPU streams after mx.clear_streams(): about 2 OS threads and ~1.8 MiB "
-    "stay per load (39 loads under keep_alive 0 churn: +82 threads, +70 MiB resident)",
-)
 def test_loading_and_unloading_again_and_again_leaves_no_threads(served):
     client = ollama.Client(host=served.url)
 

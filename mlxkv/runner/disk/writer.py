@@ -15,7 +15,7 @@ from queue import Queue
 
 import mlx.core as mx
 
-from mlxkv.platform.threads import release_streams_at_thread_exit
+from mlxkv.platform.threads import KeptRun, run_on_kept_thread
 
 
 @dataclass
@@ -32,7 +32,8 @@ class WriteJob:
 
 
 class BackgroundWriter:
-    """Runs `run(job)` for each job put, in order, on a thread started on the first.
+    """Runs `run(job)` for each job put, in order, on a kept thread (`run_on_kept_thread`)
+    taken at the first.
 
     Args:
         run: writes one job; logs its own failures (it must not raise).
@@ -40,21 +41,18 @@ class BackgroundWriter:
 
     def __init__(self, run: Callable[[WriteJob], None]):
         self._run = run
-        self._lock = threading.Lock()  # guards _queued, _pending_bytes and _thread
+        self._lock = threading.Lock()  # guards _queued, _pending_bytes and _run_on
         self._queued: dict[str, WriteJob] = {}
         self._pending_bytes = 0
         self._jobs: Queue[WriteJob | None] = Queue()
-        self._thread: threading.Thread | None = None
+        self._run_on: KeptRun | None = None
 
     def put(self, job: WriteJob) -> None:
         with self._lock:
             self._pending_bytes += job.held_bytes
             self._queued[job.name] = job
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name="mlxkv-disk-writer", daemon=True
-                )
-                self._thread.start()
+            if self._run_on is None:
+                self._run_on = run_on_kept_thread(self._loop, "mlxkv-disk-writer")
         self._jobs.put(job)
 
     def is_queued(self, name: str) -> bool:
@@ -76,23 +74,23 @@ class BackgroundWriter:
         self._jobs.join()
 
     def close(self) -> None:
-        """Finishes pending jobs and stops the thread, whose frame holds `run`'s owner alive.
-        Safe to call twice, from any thread, its own included (a garbage collection there can
-        run a Runner's finalizer); a later `put` starts a new thread."""
+        """Finishes pending jobs and ends the thread's run, whose frame holds `run`'s owner
+        alive. Safe to call twice, from any thread, its own included (a garbage collection
+        there can run a Runner's finalizer); a later `put` starts a new run."""
         with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is None:
+            run, self._run_on = self._run_on, None
+        if run is None:
             return
         self._jobs.put(None)
-        if thread is not threading.current_thread():
-            thread.join()
+        if run.thread is not threading.current_thread():
+            run.ended.wait()
 
     @property
-    def thread(self) -> threading.Thread | None:
-        return self._thread
+    def ended(self) -> threading.Event | None:
+        """Set when the thread's run of this writer ends (None: none started)."""
+        return None if self._run_on is None else self._run_on.ended
 
     def _loop(self) -> None:
-        release_streams_at_thread_exit()
         while (job := self._jobs.get()) is not None:
             try:
                 self._run(job)
