@@ -90,9 +90,11 @@ class AccessLog:
             # A client that left early: its generation ends within a step of the cancel.
             completion = await turn.finished() if turn is not None else None
             if completion is not None:
+                # cancelled in its prefill: no first token, no time to it
+                ttft = f"{completion.ttft:.3f}s" if completion.generation_tokens else "none"
                 line += (
                     f" prompt={completion.prompt_tokens} cached={completion.cached_tokens}"
-                    f" generated={completion.generation_tokens} ttft={completion.ttft:.3f}s"
+                    f" generated={completion.generation_tokens} ttft={ttft}"
                     f" finish={completion.finish_reason}"
                 )
                 if completion.drafted_tokens:  # speculative decoding's acceptance

@@ -83,6 +83,22 @@ def test_a_client_that_times_out_cancels_a_plain_request(gated_server, access_lo
     assert int(cancelled.group(1)) < LONG
 
 
+def test_a_request_cancelled_before_its_first_token_logs_no_time_to_it(gated_server, access_log):
+    """The access line's ttft is the time to the first token; a request cancelled in its
+    prefill has none (it showed the time until the cancel took effect, longer than the
+    request's own duration)."""
+    served, gate = gated_server
+    gate.hold_after(0)  # the prefill waits
+    body = {"messages": QUESTION, "max_tokens": LONG}
+    connection = _open(served, "/v1/chat/completions", body, timeout=0.3)
+    with pytest.raises(TimeoutError):
+        connection.getresponse()
+    connection.close()
+    wait_until(lambda: _cancel_requested(served.runner), what="the server's cancel")
+    gate.release()
+    access_log(r"POST /v1/chat/completions \d+ .* generated=0 ttft=none finish=cancelled")
+
+
 def test_four_clients_at_once_get_their_sequential_answers(tiny_server):
     prompts = [
         [{"role": "user", "content": text}]
