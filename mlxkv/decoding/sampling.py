@@ -6,7 +6,7 @@ once per request). Does not own any sampling math: that is `mlx_lm.sample_utils`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -66,6 +66,12 @@ class SamplingParams:
             at least the vocabulary size keeps every token, as 0 does).
         repetition_penalty: >1 discourages tokens seen in the last 20; None turns it off; in
             [1e-30, 1e30].
+        presence_penalty, frequency_penalty: subtracted from the logit of each token seen in
+            the last 20, once (presence) or once per time seen (frequency), as mlx-lm's (and
+            mlx_lm.server's) penalties; negative values favour them; 0 turns each off.
+        logit_bias: added to the logits of the token ids given (a mapping of id -> bias, or
+            (id, bias) pairs), as OpenAI's `logit_bias`; kept as sorted pairs. The ids are
+            checked against a model's vocabulary by `check_vocabulary`.
         seed: seeds MLX's random generator for reproducible sampling; 0 <= seed < 2**64.
         stop: strings that end generation; the text returned stops before them. A single
             string or None is accepted; at most `MAX_STOP_STRINGS`, each at most
@@ -78,6 +84,9 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
 
@@ -94,9 +103,23 @@ class SamplingParams:
             if self.repetition_penalty == 0:
                 raise ValueError("repetition_penalty must be > 0 (None turns it off), got 0")
             _check_float32_safe("repetition_penalty", self.repetition_penalty, "")
+        low, high = _FLOAT32_SAFE
+        for name in ("presence_penalty", "frequency_penalty"):
+            check_real(name, getattr(self, name), low=-high, high=high)
         if self.seed is not None:
             check_int("seed", self.seed, low=0, high=2**64 - 1)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raises ValueError for a `logit_bias` id outside a vocabulary of `vocab_size`
+        tokens (mlx-lm's processor would index the logits past their end)."""
+        outside = [i for i, _ in self.logit_bias if i >= vocab_size]
+        if outside:
+            raise ValueError(
+                f"logit_bias: token id {outside[0]} is not in the model's vocabulary of "
+                f"{vocab_size:,} tokens (ids 0 to {vocab_size - 1:,})"
+            )
 
     def make_sampling(self, vocab_size: int, placeholders: bool = False) -> Sampling:
         """The sampler, logits processors and (when sampling) the distribution, for a model
@@ -135,7 +158,12 @@ class SamplingParams:
         """mlx-lm's processors; with `placeholders` (a prompt with images), each reading only
         the history's ids within the logits (`_within_logits`): a text history needs no
         remapping."""
-        made = make_logits_processors(repetition_penalty=self.repetition_penalty)
+        made = make_logits_processors(
+            logit_bias=dict(self.logit_bias) or None,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty or None,
+            frequency_penalty=self.frequency_penalty or None,
+        )
         return [_within_logits(processor) for processor in made] if placeholders else made
 
 
@@ -162,6 +190,24 @@ def _check_float32_safe(name: str, value: float, alternative: str) -> None:
             f"{name} must be {alternative}between {low:g} and {high:g} (logits are float32), "
             f"got {value:g}"
         )
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (id, bias) pairs, from a mapping or pairs (a JSON round trip
+    makes them lists)."""
+    if isinstance(bias, Mapping):
+        bias = list(bias.items())
+    if not isinstance(bias, Sequence) or isinstance(bias, str | bytes):
+        raise ValueError(f"logit_bias must map token ids to biases, got {type(bias).__name__}")
+    pairs = {}
+    for pair in bias:
+        if not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}")
+        token, value = pair
+        check_int("logit_bias token id", token, low=0)
+        check_real("logit_bias value", value, low=-_FLOAT32_SAFE[1], high=_FLOAT32_SAFE[1])
+        pairs[int(token)] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:

@@ -153,12 +153,19 @@ class RequestBuilder:
         max_context: the window, in tokens.
         keep: the Runner's `keep` setting (None: the system prompt, else 4 tokens).
         vision: renders prompts with images (refusing them for a text-only model).
+        vocab_size: the width of the model's logits (`logit_bias` ids are checked against it).
     """
 
     def __init__(
-        self, prompts: PromptEncoder, max_context: int, keep: int | None, vision: VisionPrompts
+        self,
+        prompts: PromptEncoder,
+        max_context: int,
+        keep: int | None,
+        vision: VisionPrompts,
+        vocab_size: int,
     ):
         self._prompts = prompts
+        self._vocab_size = vocab_size
         self._max_context = max_context
         self._keep = keep
         self._vision = vision
@@ -183,6 +190,7 @@ class RequestBuilder:
             ValueError: bad input; ContextLengthError for a prompt that cannot fit.
         """
         params = _sampling_params(sampling)
+        params.check_vocabulary(self._vocab_size)
         options.check()
         salt = salt_digest(options.cache_salt)
         if has_images(prompt):  # rendered by the model's processor, replies as their ids

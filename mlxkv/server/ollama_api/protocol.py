@@ -1,7 +1,8 @@
 """Ollama's request bodies as pydantic models, and their translation into Runner arguments.
 
 `options` map onto sampling (`temperature`, `top_p`, `top_k`, `min_p`, `repeat_penalty`,
-`seed`, `stop`, `num_predict`: -1 or -2 for "until the window is full"); options that size or
+`presence_penalty`, `frequency_penalty`, `seed`, `stop`, `num_predict`: -1 or -2 for "until
+the window is full"); options that size or
 schedule Ollama's own runner (`num_ctx`, `num_gpu`, `num_thread`, ...) are accepted and
 ignored. `keep_alive` is read where the model is held (`mlxkv.server.models.served`: when a
 model loaded on demand unloads); a zero one with nothing to generate, an unload, is answered
@@ -40,6 +41,8 @@ class Options(Lenient):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repeat_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: list[str] | None = None
     num_predict: int | None = Field(None, ge=-2)
@@ -114,6 +117,8 @@ class GenerationRequest(Lenient):
             "top_k": options.top_k,
             "min_p": options.min_p,
             "repetition_penalty": options.repeat_penalty,
+            "presence_penalty": options.presence_penalty,
+            "frequency_penalty": options.frequency_penalty,
             "seed": mlx_seed(options.seed),
             "stop": options.stop or None,
             "grammar": ollama_grammar(self.format),

@@ -9,7 +9,7 @@ Reference: https://platform.openai.com/docs/api-reference/chat/create
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -89,6 +89,10 @@ class GenerationFields(Lenient):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # token id (a decimal string in JSON) -> bias added to its logit
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)
@@ -112,6 +116,9 @@ class GenerationFields(Lenient):
             "top_k": self.top_k,
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": _token_biases(self.logit_bias),
             "seed": mlx_seed(self.seed),
             "stop": stop,
             "grammar": openai_grammar(self.response_format, "response_format"),
@@ -121,6 +128,20 @@ class GenerationFields(Lenient):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _token_biases(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as JSON object keys) keyed by int."""
+    if bias is None:
+        return None
+    wrong = [key for key in bias if not key.isdecimal()]
+    if wrong:
+        raise ApiError(
+            400,
+            f"logit_bias keys must be token ids (integers), got {wrong[0]!r}",
+            param="logit_bias",
+        )
+    return {int(key): value for key, value in bias.items()}
 
 
 class ChatCompletionRequest(GenerationFields):
