@@ -177,3 +177,17 @@ def test_loading_and_unloading_again_and_again_leaves_no_threads(served):
     for _ in range(5):
         cycle()
     assert _os_threads() <= before + 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_pulling_a_served_model_loads_nothing(served, stream):
+    """`ollama pull NAME` of a model served answers success as Ollama does for one it has;
+    under --max-memory a load would unload another model."""
+    client = ollama.Client(host=served.url)
+    if stream:
+        assert [part.status for part in client.pull("b", stream=True)][-1] == "success"
+    else:
+        assert client.pull("b").status == "success"
+    assert _loaded(served) == []
+    with pytest.raises(ollama.ResponseError):
+        client.pull("nope")

@@ -93,7 +93,10 @@ async def show(body: ModelRequest, request: Request) -> dict[str, Any]:
 
 
 @router.post("/pull")
-async def pull(body: ModelRequest, ctx: Context):
+async def pull(body: ModelRequest, request: Request):
+    # a served model is there already: pulling loads nothing (under --max-memory a load
+    # would unload another model)
+    ctx = named_context(request, body.model_name)
     _check_served(body.model_name, ctx)
     if not body.stream:
         return {"status": "success"}
