@@ -122,3 +122,19 @@ def test_the_access_line_carries_the_memory_of_the_model_that_answered(served, a
     line = access_log(r"POST /v1/chat/completions 200 .* \| (.*)$", count=2).group(1)
     a, b = served.runner["a"].memory_line, served.runner["b"].memory_line
     assert a != b and line == b
+
+
+def test_the_cache_report_names_its_model(served):
+    """`/v1/mlxkv/cache?model=` reports the model it names (the default without it): each
+    model's own cache; a 404 in OpenAI's shape for a name not served."""
+    served.openai().chat.completions.create(
+        model="b", messages=[{"role": "user", "content": "cached in b only, once"}], max_tokens=2
+    )
+    reports = {name: served.request("GET", f"/v1/mlxkv/cache?model={name}") for name in ARCHS}
+    default = served.request("GET", "/v1/mlxkv/cache")
+    assert [status for status, _ in reports.values()] == [200, 200]
+    assert {name: body["model"] for name, (_, body) in reports.items()} == {"a": "a", "b": "b"}
+    assert default[1]["model"] == "a"
+    assert reports["b"][1]["num_tokens"] != reports["a"][1]["num_tokens"]
+    status, body = served.request("GET", "/v1/mlxkv/cache?model=nope")
+    assert status == 404 and "nope" in body["error"]["message"]

@@ -17,12 +17,12 @@ import dataclasses
 from importlib.resources import files
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from mlxkv.server.errors import ApiError
-from mlxkv.server.state import Context
+from mlxkv.server.models.served import named_context
 
 STATIC_DIR = files("mlxkv.server.ui") / "static"
 
@@ -49,7 +49,10 @@ async def chat_page() -> FileResponse:
 
 
 @router.get("/v1/mlxkv/cache")
-async def cache_report(ctx: Context) -> dict[str, Any]:
+async def cache_report(request: Request, model: str | None = None) -> dict[str, Any]:
+    """The cache of the served model `model` names (the default one without it): a 404 listing
+    the names for another; loads nothing."""
+    ctx = named_context(request, model)
     if ctx.worker is None:
         raise ApiError(
             409, f"model '{ctx.model_name}' is not loaded; it loads on its first request"
