@@ -159,7 +159,7 @@ def _forcing(monkeypatch, token: int, at: int) -> None:
     number `at` (0-based): as a random model now and then emits the image token's id."""
     made = SamplingParams.make_logits_processors
 
-    def with_forcing(params):
+    def with_forcing(params, *args, **kwargs):
         picks = itertools.count()
 
         def force(history, logits):
@@ -167,7 +167,7 @@ def _forcing(monkeypatch, token: int, at: int) -> None:
                 return logits
             return mx.where(mx.arange(logits.shape[-1]) == token, 0.0, -mx.inf)[None]
 
-        return [*made(params), force]
+        return [*made(params, *args, **kwargs), force]
 
     monkeypatch.setattr(SamplingParams, "make_logits_processors", with_forcing)
 
