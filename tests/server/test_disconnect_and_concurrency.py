@@ -69,9 +69,10 @@ def test_leaving_a_stream_cancels_it_and_the_next_answer_is_a_fresh_runners(
     assert after.choices[0].message.content == reference.text
 
 
-def test_a_client_that_times_out_cancels_a_plain_request(gated_server, access_log):
-    served, gate = gated_server
-    gate.hold_after(3)  # held mid-reply: the answer cannot come before the client gives up
+def _given_up_while_held(served, gate, forward_passes: int) -> None:
+    """A plain request whose client gives up while the model is held after `forward_passes`;
+    returns once the server cancelled it and the model runs on."""
+    gate.hold_after(forward_passes)
     body = {"messages": QUESTION, "max_tokens": LONG}
     connection = _open(served, "/v1/chat/completions", body, timeout=0.3)
     with pytest.raises(TimeoutError):
@@ -79,6 +80,12 @@ def test_a_client_that_times_out_cancels_a_plain_request(gated_server, access_lo
     connection.close()
     wait_until(lambda: _cancel_requested(served.runner), what="the server's cancel")
     gate.release()
+
+
+def test_a_client_that_times_out_cancels_a_plain_request(gated_server, access_log):
+    served, gate = gated_server
+    # held mid-reply: the answer cannot come before the client gives up
+    _given_up_while_held(served, gate, forward_passes=3)
     cancelled = access_log(r"POST /v1/chat/completions \d+ .* generated=(\d+) .*finish=cancelled")
     assert int(cancelled.group(1)) < LONG
 
@@ -88,14 +95,7 @@ def test_a_request_cancelled_before_its_first_token_logs_no_time_to_it(gated_ser
     prefill has none (it showed the time until the cancel took effect, longer than the
     request's own duration)."""
     served, gate = gated_server
-    gate.hold_after(0)  # the prefill waits
-    body = {"messages": QUESTION, "max_tokens": LONG}
-    connection = _open(served, "/v1/chat/completions", body, timeout=0.3)
-    with pytest.raises(TimeoutError):
-        connection.getresponse()
-    connection.close()
-    wait_until(lambda: _cancel_requested(served.runner), what="the server's cancel")
-    gate.release()
+    _given_up_while_held(served, gate, forward_passes=0)  # the prefill waits
     access_log(r"POST /v1/chat/completions \d+ .* generated=0 ttft=none finish=cancelled")
 
 
