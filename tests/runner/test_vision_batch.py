@@ -94,7 +94,7 @@ def test_streams_with_and_without_images_decode_together_as_alone(loaded, images
     family = loaded.vision.vlm.config.model_type
     conversations = _conversations(images)
     want = [_alone(loaded, messages, 16) for messages in conversations]
-    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4, speculative=None)
     got: list = [None] * len(conversations)
 
     def run(i):
@@ -155,7 +155,7 @@ def test_next_turn_of_an_image_conversation_reuses_its_entry_in_the_batch(loaded
     if not _batches(loaded):
         pytest.skip("the model's cache layers do not batch")
     first, other, _ = _conversations(images)
-    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
+    runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4, speculative=None)
     got: list = [None, None]
 
     def run(i, messages):
@@ -215,7 +215,7 @@ def test_warm_up_runs_a_batched_step_where_the_vision_model_batches(loaded, monk
     together), then one batched step of both, where the cache layers batch."""
     together = recorded(monkeypatch, assembly, "prefill_together", lambda *args: args)
     steps = recorded(monkeypatch, batch_module.DecodeBatch, "_step", lambda b: b.num_rows)
-    runner = Runner(loaded, max_context=256, max_batch=4)
+    runner = Runner(loaded, max_context=256, max_batch=4, speculative=None)
     assert together == []
     assert steps == ([2] if _batches(loaded) else [])
     assert runner.cache_info().num_tokens == 0
