@@ -74,7 +74,7 @@ def test_concurrent_clients_on_a_vision_model_answer_as_alone(loaded, monkeypatc
         )
         for png, text, n, _ in asks
     ]
-    runner = Runner(loaded, max_context=1024, max_batch=4)
+    runner = Runner(loaded, max_context=1024, max_batch=4, speculative=None)  # rows overlap
     monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
     got: list = [None] * len(asks)
     left_after = 4
