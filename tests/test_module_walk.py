@@ -178,13 +178,16 @@ _WALKS = {
 
 def _walk_entries(loaded, max_tokens: int, walk: str = "miss") -> Counter[str]:
     counter = _EntryCounter()
-    threading.setprofile(counter)  # before the Runner: its engine thread starts with it
+    threading.setprofile(counter)  # before the Runner: any thread it starts starts with it
     # No collection during the walk: an earlier Runner's finalizer (stopping its engine
     # thread) would count as an entry at whatever moment the collector happens to run.
     gc.collect()
     gc.disable()
     try:
         runner = Runner(loaded)
+        # its engine may run on a kept thread an earlier walk's Runner started
+        # (`run_on_kept_thread`), which carries that walk's profile: this walk's, there
+        runner._engine.call(sys.setprofile, counter)
         try:
             before, speculative = _WALKS[walk]
             prompt = before(runner)
@@ -196,6 +199,7 @@ def _walk_entries(loaded, max_tokens: int, walk: str = "miss") -> Counter[str]:
             counter.active = False
         finally:
             sys.setprofile(None)
+            runner._engine.call(sys.setprofile, None)
             runner.close()
     finally:
         gc.enable()

@@ -71,7 +71,7 @@ class SamplingParams:
             mlx_lm.server's) penalties; negative values favour them; 0 turns each off.
         logit_bias: added to the logits of the token ids given (a mapping of id -> bias, or
             (id, bias) pairs), as OpenAI's `logit_bias`; kept as sorted pairs. The ids are
-            checked against a model's vocabulary by `check_vocabulary`.
+            checked against the model's vocabulary when a request is built.
         seed: seeds MLX's random generator for reproducible sampling; 0 <= seed < 2**64.
         stop: strings that end generation; the text returned stops before them. A single
             string or None is accepted; at most `MAX_STOP_STRINGS`, each at most
@@ -110,16 +110,6 @@ class SamplingParams:
             check_int("seed", self.seed, low=0, high=2**64 - 1)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
-
-    def check_vocabulary(self, vocab_size: int) -> None:
-        """Raises ValueError for a `logit_bias` id outside a vocabulary of `vocab_size`
-        tokens (mlx-lm's processor would index the logits past their end)."""
-        outside = [i for i, _ in self.logit_bias if i >= vocab_size]
-        if outside:
-            raise ValueError(
-                f"logit_bias: token id {outside[0]} is not in the model's vocabulary of "
-                f"{vocab_size:,} tokens (ids 0 to {vocab_size - 1:,})"
-            )
 
     def make_sampling(self, vocab_size: int, placeholders: bool = False) -> Sampling:
         """The sampler, logits processors and (when sampling) the distribution, for a model

@@ -153,19 +153,12 @@ class RequestBuilder:
         max_context: the window, in tokens.
         keep: the Runner's `keep` setting (None: the system prompt, else 4 tokens).
         vision: renders prompts with images (refusing them for a text-only model).
-        vocab_size: the width of the model's logits (`logit_bias` ids are checked against it).
     """
 
     def __init__(
-        self,
-        prompts: PromptEncoder,
-        max_context: int,
-        keep: int | None,
-        vision: VisionPrompts,
-        vocab_size: int,
+        self, prompts: PromptEncoder, max_context: int, keep: int | None, vision: VisionPrompts
     ):
         self._prompts = prompts
-        self._vocab_size = vocab_size
         self._max_context = max_context
         self._keep = keep
         self._vision = vision
@@ -189,8 +182,7 @@ class RequestBuilder:
         Raises:
             ValueError: bad input; ContextLengthError for a prompt that cannot fit.
         """
-        params = _sampling_params(sampling)
-        params.check_vocabulary(self._vocab_size)
+        params = _sampling_params(sampling, self._prompts.vocab_size)
         options.check()
         salt = salt_digest(options.cache_salt)
         if has_images(prompt):  # rendered by the model's processor, replies as their ids
@@ -410,13 +402,22 @@ def _no_shift(overflow: str) -> str:
     return "stop" if overflow == "shift" else overflow
 
 
-def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
+def _sampling_params(sampling: dict[str, Any], vocab_size: int) -> SamplingParams:
+    """The request's settings, checked; a `logit_bias` id outside the model's logits is a
+    ValueError (mlx-lm's processor would index them past their end)."""
     unknown = sorted(set(sampling) - set(_SAMPLING_FIELDS))
     if unknown:
         raise ValueError(
             f"unknown generation settings {', '.join(unknown)}; use {', '.join(_SAMPLING_FIELDS)}"
         )
-    return SamplingParams(**sampling)
+    params = SamplingParams(**sampling)
+    outside = [token for token, _ in params.logit_bias if token >= vocab_size]
+    if outside:
+        raise ValueError(
+            f"logit_bias: token id {outside[0]} is not in the model's vocabulary of "
+            f"{vocab_size:,} tokens (ids 0 to {vocab_size - 1:,})"
+        )
+    return params
 
 
 def salt_digest(cache_salt: str | None) -> str | None:

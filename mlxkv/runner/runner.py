@@ -112,9 +112,7 @@ class Runner:
             max_batch=self.max_batch,
         )
         vision = VisionPrompts(self._prompts, loaded.vision, loaded.name)
-        self._builder = RequestBuilder(
-            self._prompts, self.max_context, config.keep, vision, loaded.vocab_size
-        )
+        self._builder = RequestBuilder(self._prompts, self.max_context, config.keep, vision)
         self._embedder = Embedder(
             loaded,
             self._prompts.encode,
@@ -278,8 +276,7 @@ class Runner:
                 Drafts are verified several per forward pass: greedy output is plain
                 decoding's, token for token, and sampling keeps the model's distribution.
             **sampling: `SamplingParams` fields: max_tokens, temperature, top_p, top_k, min_p,
-                repetition_penalty, presence_penalty, frequency_penalty, logit_bias, seed,
-                stop.
+                the penalties (repetition, presence, frequency), logit_bias, seed, stop.
 
         Returns:
             An iterator of chunks; the last one has `finish_reason` and `completion`. Leaving
