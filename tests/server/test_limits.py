@@ -227,3 +227,19 @@ def test_a_client_that_waits_for_100_continue_is_refused_before_it_sends(loaded_
     ):
         client.sendall(head)
         assert client.recv(1024).startswith(b"HTTP/1.1 413 ")
+
+
+def test_a_request_sent_before_a_burst_of_idle_sockets_is_answered(loaded_tiny, monkeypatch):
+    """A request whose bytes had arrived but were not read yet when more than
+    `MAX_WAITING_CONNECTIONS` others opened was closed as the oldest waiting connection
+    (load_test: a client's first request, opened beside its 64 idle sockets)."""
+    monkeypatch.setattr(connections, "MAX_WAITING_CONNECTIONS", 4)
+    with serve(Runner(loaded_tiny("llama"))) as served:
+        for _ in range(5):
+            connection = http.client.HTTPConnection(served.host, served.port, timeout=30)
+            connection.request("POST", CHAT, b'{"messages": [')  # sent: in the server's socket
+            with contextlib.ExitStack() as held:
+                for _ in range(16):
+                    held.enter_context(socket.create_connection((served.host, served.port)))
+                assert connection.getresponse().status == 400
+            connection.close()
