@@ -10,7 +10,10 @@ for headers forever) while the log grew 530 MB in 50 s, one line per failed acce
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
+import sys
+import termios
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -63,7 +66,7 @@ class GuardedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers have not all
     arrived within `HEADER_TIMEOUT_S` (uvicorn's own keep-alive timeout only covers the wait
     after a response), and the oldest of those waiting when over `MAX_WAITING_CONNECTIONS`
-    wait at once."""
+    wait at once (the oldest with nothing unread: a request already sent is served)."""
 
     _header_deadline: Any = None
 
@@ -95,13 +98,25 @@ class GuardedH11Protocol(H11Protocol):
             waiting = self._waiting()
             waiting[self] = None
             while len(waiting) > MAX_WAITING_CONNECTIONS:
-                oldest = next(iter(waiting))
+                # one whose request has arrived but is not read yet is about to be served
+                oldest = next(
+                    (c for c in waiting if not c._has_unread_bytes()), next(iter(waiting))
+                )
                 logger.warning(
                     "closed a connection waiting for its headers: over %d waited at once",
                     MAX_WAITING_CONNECTIONS,
                 )
                 oldest._disarm()
                 oldest.transport.close()
+
+    def _has_unread_bytes(self) -> bool:
+        """Whether bytes wait in this connection's socket: in a burst of connections, the
+        event loop accepts them all before it reads a request sent just before them."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is None or sock.fileno() < 0:  # closed
+            return False
+        unread = fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4))
+        return int.from_bytes(unread, sys.byteorder) > 0
 
     def _disarm(self) -> None:
         if self._header_deadline is not None:

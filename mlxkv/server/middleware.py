@@ -14,6 +14,7 @@ may reach is `browsers.py`'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -49,6 +50,10 @@ _MAX_REASON_CHARS = 300
 # Seconds a request body may take to arrive once its headers have (a slow sender holds a
 # connection and, here, a task).
 BODY_TIMEOUT_S = 120.0
+# Bytes of a refused body still read before its 413 is sent. Answered first, the connection
+# closed (a client that sent `Connection: close`, as urllib does) while the body was still
+# coming: the client, still sending, saw a reset instead of the 413. Past this, answered at once.
+_MAX_DRAINED_BYTES = 64 * 2**20
 
 
 class AccessLog:
@@ -206,7 +211,8 @@ class BodyLimit:
     """Reads the whole request body first, refusing one larger than `max_bytes` with 413
     (declared by Content-Length or counted as it arrives), and one nested deeper than
     `json_limits.MAX_JSON_DEPTH` or holding more than `MAX_JSON_VALUES` values with 400,
-    then hands it to the app."""
+    then hands it to the app. A body over the limit is read to its end (up to
+    `_MAX_DRAINED_BYTES`) before the 413, unless its client waits for `100 Continue`."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -216,9 +222,16 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._refuse(scope, receive, send, declared.isdigit())
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        if declared is not None and not declared.isdigit():
+            await self._refuse(scope, receive, send, False)
+            return
+        if declared is not None and int(declared) > self.max_bytes:
+            # a client waiting for `100 Continue` (curl) sends nothing more: nothing to read
+            if int(declared) <= _MAX_DRAINED_BYTES and b"expect" not in headers:
+                await _drain(receive)
+            await self._refuse(scope, receive, send, True)
             return
         parts: list[bytes] = []
         size = 0
@@ -231,6 +244,8 @@ class BodyLimit:
                     parts.append(message.get("body", b""))
                     size += len(parts[-1])
                     if size > self.max_bytes:
+                        if message.get("more_body", False):
+                            await _drain(receive)
                         await self._refuse(scope, receive, send, True)
                         return
                     if not message.get("more_body", False):
@@ -262,6 +277,19 @@ class BodyLimit:
         else:
             response = error_response(scope["path"], 400, "Content-Length is not a number")
         await response(scope, receive, send)
+
+
+async def _drain(receive: Receive) -> None:
+    """Reads and drops the rest of a refused body, up to `_MAX_DRAINED_BYTES` and within
+    `BODY_TIMEOUT_S`, so that its refusal is read rather than lost to a reset."""
+    drained = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            while drained <= _MAX_DRAINED_BYTES:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+                drained += len(message.get("body", b""))
 
 
 def _as_json(scope: Scope, body: bytes) -> Scope:

@@ -182,3 +182,64 @@ def test_connections_over_the_limit_get_503(loaded_tiny, monkeypatch):
         held.enter_context(socket.create_connection((served.host, served.port)))  # waiting
         status, _ = served.request("GET", "/health")
     assert status == 503
+
+
+def _sixteen_mib_chunks() -> Iterator[bytes]:
+    """A body far past what the sockets' buffers hold: its sender is still sending when a
+    server that answers first has answered."""
+    yield b'{"messages": [{"role": "user", "content": "'
+    for _ in range(16):
+        yield b"x" * 2**20
+    yield b'"}]}'
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_client_that_asks_to_close_reads_the_413(loaded_tiny, framing):
+    """urllib sends `Connection: close`; the server answered 413 before reading the body and
+    closed with the body unread, so the client, still sending, saw a reset (BrokenPipeError,
+    ConnectionResetError) instead of the answer."""
+    body = b"".join(_sixteen_mib_chunks())
+    with serve(Runner(loaded_tiny("llama")), max_body_bytes=1000) as served:
+        connection = http.client.HTTPConnection(served.host, served.port, timeout=60)
+        headers = {"Content-Type": "application/json", "Connection": "close"}
+        if framing == "chunked":
+            connection.request("POST", CHAT, _sixteen_mib_chunks(), headers, encode_chunked=True)
+        else:
+            connection.request("POST", CHAT, body, headers)
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        connection.close()
+        assert served.post(CHAT, {"messages": USER, "max_tokens": 1})[0] == 200
+    assert response.status == 413 and "--max-body-bytes" in answer["error"]["message"]
+
+
+def test_a_client_that_waits_for_100_continue_is_refused_before_it_sends(loaded_tiny):
+    """curl sends `Expect: 100-continue` before a body over 1 MiB: the 413 comes at once and
+    no `100 Continue` asks for a body that would only be thrown away."""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 16777216\r\n"
+        b"Expect: 100-continue\r\nConnection: close\r\n\r\n"
+    )
+    with (
+        serve(Runner(loaded_tiny("llama")), max_body_bytes=1000) as served,
+        socket.create_connection((served.host, served.port), timeout=30) as client,
+    ):
+        client.sendall(head)
+        assert client.recv(1024).startswith(b"HTTP/1.1 413 ")
+
+
+def test_a_request_sent_before_a_burst_of_idle_sockets_is_answered(loaded_tiny, monkeypatch):
+    """A request whose bytes had arrived but were not read yet when more than
+    `MAX_WAITING_CONNECTIONS` others opened was closed as the oldest waiting connection
+    (load_test: a client's first request, opened beside its 64 idle sockets)."""
+    monkeypatch.setattr(connections, "MAX_WAITING_CONNECTIONS", 4)
+    with serve(Runner(loaded_tiny("llama"))) as served:
+        for _ in range(5):
+            connection = http.client.HTTPConnection(served.host, served.port, timeout=30)
+            connection.request("POST", CHAT, b'{"messages": [')  # sent: in the server's socket
+            with contextlib.ExitStack() as held:
+                for _ in range(16):
+                    held.enter_context(socket.create_connection((served.host, served.port)))
+                assert connection.getresponse().status == 400
+            connection.close()
