@@ -15,6 +15,15 @@ from mlxkv.server.errors import ApiError
 from mlxkv.server.json_limits import MAX_JSON_DEPTH, json_depth, too_deep_message
 
 
+def nucleus(top_p: float | None, top_k: int | None) -> dict[str, Any]:
+    """A request's `top_p` and `top_k` as the runner takes them. A `top_p` of 0, the smallest
+    nucleus, keeps the most likely token alone, as OpenAI and llama.cpp (Ollama) read it:
+    `top_k` 1; mlx-lm and the Python API read 0 as no filter (it sampled from every token)."""
+    if top_p == 0:
+        return {"top_p": None, "top_k": 1}
+    return {"top_p": top_p, "top_k": top_k}
+
+
 def mlx_seed(seed: int | None) -> int | None:
     """A client's seed as MLX takes it: the APIs take any integer, MLX an unsigned 64-bit."""
     return None if seed is None else seed % 2**64

@@ -22,7 +22,7 @@ from mlxkv.server.anthropic_api.diagnostics import Origin
 from mlxkv.server.anthropic_api.tool_ids import model_id
 from mlxkv.server.errors import ApiError
 from mlxkv.server.images import image_part, parts_or_text
-from mlxkv.server.protocol import Lenient
+from mlxkv.server.protocol import Lenient, nucleus
 from mlxkv.server.reply.forced_tools import ForcedCall
 from mlxkv.server.reply.structured import anthropic_grammar
 from mlxkv.server.reply.thinking_switch import anthropic_switches
@@ -195,8 +195,7 @@ class MessagesRequest(PromptFields):
         chosen = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
+            **nucleus(self.top_p, self.top_k),
             "stop": self.stop_sequences,
             "grammar": anthropic_grammar(self.output_config),
         }

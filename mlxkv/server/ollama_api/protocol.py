@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxkv.server.errors import ApiError
 from mlxkv.server.images import image_part, parts_or_text
 from mlxkv.server.models.keep_alive import keep_alive_ns
-from mlxkv.server.protocol import mlx_seed, tool_arguments
+from mlxkv.server.protocol import mlx_seed, nucleus, tool_arguments
 from mlxkv.server.reply.structured import ollama_grammar
 from mlxkv.server.reply.thinking_switch import ollama_switches
 
@@ -113,8 +113,7 @@ class GenerationRequest(Lenient):
         chosen = {
             "max_tokens": limit or (window if unlimited else default_max_tokens),
             "temperature": options.temperature,
-            "top_p": options.top_p,
-            "top_k": options.top_k,
+            **nucleus(options.top_p, options.top_k),
             "min_p": options.min_p,
             "repetition_penalty": options.repeat_penalty,
             "presence_penalty": options.presence_penalty,

@@ -15,7 +15,7 @@ from pydantic import Field
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.images import image_part, parts_or_text
-from mlxkv.server.protocol import Lenient, mlx_seed, tool_arguments
+from mlxkv.server.protocol import Lenient, mlx_seed, nucleus, tool_arguments
 from mlxkv.server.reply.forced_tools import ForcedCall
 from mlxkv.server.reply.structured import openai_grammar
 from mlxkv.server.reply.thinking_switch import effort_switches, merged
@@ -112,8 +112,7 @@ class GenerationFields(Lenient):
         chosen = {
             "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
             "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
+            **nucleus(self.top_p, self.top_k),
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty,

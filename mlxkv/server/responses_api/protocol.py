@@ -24,7 +24,7 @@ from pydantic import Field
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.images import image_part, parts_or_text
-from mlxkv.server.protocol import Lenient, mlx_seed, tool_arguments
+from mlxkv.server.protocol import Lenient, mlx_seed, nucleus, tool_arguments
 from mlxkv.server.reply.forced_tools import ForcedCall
 from mlxkv.server.reply.structured import openai_grammar
 from mlxkv.server.reply.thinking_switch import effort_switches
@@ -124,8 +124,7 @@ class ResponsesRequest(Lenient):
         chosen = {
             "max_tokens": self.max_output_tokens or default_max_tokens,
             "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
+            **nucleus(self.top_p, self.top_k),
             "min_p": self.min_p,
             "seed": mlx_seed(self.seed),
             "grammar": openai_grammar(self.text.format if self.text else None, "text.format"),

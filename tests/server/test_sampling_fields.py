@@ -1,6 +1,8 @@
-"""OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias`, and Ollama's
-`presence_penalty` / `frequency_penalty` options, change the answer as the same settings on a
-fresh Runner do (they were accepted and ignored); bad ones are 400s in the API's shape."""
+"""Sampling fields as each API means them. OpenAI's `presence_penalty`, `frequency_penalty`
+and `logit_bias`, and Ollama's `presence_penalty` / `frequency_penalty` options, change the
+answer as the same settings on a fresh Runner do (they were accepted and ignored); bad ones
+are 400s in the API's shape. A `top_p` of 0 keeps the most likely token alone in every API
+(mlx-lm reads 0 as no filter: it sampled from every token)."""
 
 from __future__ import annotations
 
@@ -74,3 +76,25 @@ def test_bad_settings_are_a_400_in_openais_shape(tiny_server, fields, wording):
         _openai_answer(tiny_server, **fields)
     body = refused.value.body
     assert wording in json.dumps(body)
+
+
+def test_top_p_0_keeps_the_most_likely_token_in_every_api(tiny_server, fresh_runner):
+    greedy = fresh_runner().generate(QUESTION, max_tokens=12, **GREEDY).text
+    sampled = {"temperature": 1.0, "top_p": 0.0, "seed": 3}
+    chat = tiny_server.openai().chat.completions.create(
+        model="m", messages=QUESTION, max_tokens=12, **sampled
+    )
+    responses = tiny_server.openai().responses.create(
+        model="m", input=QUESTION, max_output_tokens=12, temperature=1.0, top_p=0.0
+    )
+    message = tiny_server.anthropic().messages.create(
+        model="m", messages=QUESTION, max_tokens=12, extra_body={"temperature": 1.0, "top_p": 0.0}
+    )
+    options = {"num_predict": 12, **sampled}
+    ollama_reply = ollama.Client(host=tiny_server.url).chat(
+        model="m", messages=QUESTION, options=options
+    )
+    assert chat.choices[0].message.content == greedy
+    assert responses.output_text == greedy
+    assert message.content[0].text == greedy
+    assert ollama_reply.message.content == greedy
