@@ -143,7 +143,8 @@ class EngineThread:
                 self._urgent.append(job)
                 job = _run_ahead  # wakes the thread; the job itself runs before the next taken
                 self._wakeups += 1
-        self._jobs.put(job)
+            # under the lock: a loop taking a stop sees this job queued, or it started a run
+            self._jobs.put(job)
 
     def _loop(self) -> None:
         """The jobs, until a stop with no job queued after it."""
