@@ -77,14 +77,18 @@ class _KeptThread:
         release_streams_at_thread_exit()
         while (item := self.loops.get()) is not None:
             loop, self.thread.name, ended = item
+            del item
             try:
                 loop()
-            finally:
+            except BaseException:
                 self.thread.name = _IDLE_NAME
                 ended.set()
-            del item, loop  # a loop's frame would keep its owner alive while idle
-            with _idle_lock:
-                _idle.append(self)
+                raise
+            del loop  # a loop's frame would keep its owner alive while idle
+            self.thread.name = _IDLE_NAME
+            with _idle_lock:  # idle before the run's end is told: at exit, `_end_idle` (after
+                _idle.append(self)  # every engine's stop returned) must find it
+            ended.set()
 
 
 @atexit.register

@@ -57,6 +57,7 @@ class EngineThread:
         self._ended = threading.Event()  # set when its run of this engine ends
         self._start_lock = threading.Lock()  # also guards `_wakeups`
         self._wakeups = 0  # `_run_ahead` wake-ups in `_jobs`
+        self._relays: weakref.WeakSet[Relay] = weakref.WeakSet()  # `iterate`'s, for `_stop_all`
 
     @property
     def is_current(self) -> bool:
@@ -104,6 +105,7 @@ class EngineThread:
         nothing runs ahead, a caller that stops early closes it (its `finally` runs on the
         engine thread before the caller goes on), and its exceptions reach the caller."""
         relay = Relay()
+        self._relays.add(relay)
         self._submit(lambda: relay.pump(make))
         return relay
 
@@ -231,6 +233,11 @@ class Relay:
         if kind == "error":
             raise item
 
+    def end(self) -> None:
+        """Ends the generator as if its consumer closed it, waiting for nothing (at exit, a
+        stream a script left open: its job waits for an ask that never comes)."""
+        self._asks.put(("close", None))
+
 
 class Interleaved:
     """A generator advanced one item per engine job (see `EngineThread.interleave`), iterated
@@ -322,4 +329,6 @@ def _stop_all() -> None:
     when those end, each releasing its MLX streams itself (a thread torn down with the process
     can abort it)."""
     for engine in list(_running):
+        for relay in list(engine._relays):  # streams left open end, so that the engine can
+            relay.end()
         engine.stop()
