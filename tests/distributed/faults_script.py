@@ -19,6 +19,14 @@ from mlxkv import Runner
 from mlxkv.errors import NotSupportedError, RanksOutOfStepError
 
 
+def report(out: Path, seen: dict) -> None:
+    """Written whole under another name, then renamed: the test waits for the file to exist
+    and must never read it half-written."""
+    partial = out.with_suffix(".partial")
+    partial.write_text(json.dumps(seen))
+    os.replace(partial, out)
+
+
 def main(model_dir: str, out_dir: str) -> None:
     runner = Runner.load(model_dir, max_context=256)
     out = Path(out_dir, f"rank{runner.rank}.json")
@@ -29,7 +37,7 @@ def main(model_dir: str, out_dir: str) -> None:
         except NotSupportedError as error:
             refused = str(error)
         next(iter(runner.follow()))  # rank 0's first request, in step
-        out.write_text(json.dumps({"refused": refused}))
+        report(out, {"refused": refused})
         threading.Event().wait()  # frozen: never answers rank 0 again
     runner.generate("Hello", max_tokens=4)
     start = time.monotonic()
@@ -44,9 +52,7 @@ def main(model_dir: str, out_dir: str) -> None:
         again = None
     except RanksOutOfStepError as raised:
         again = str(raised)
-    out.write_text(
-        json.dumps({"error": error, "waited_s": waited_s, "again": again, "health": runner.health})
-    )
+    report(out, {"error": error, "waited_s": waited_s, "again": again, "health": runner.health})
     os._exit(0)  # the collectives' thread still waits for rank 1, which never answers
 
 
