@@ -211,7 +211,9 @@ class ModelDrafter:
         return True  # a draft model always drafts (the target verifies it)
 
     def propose(self, limit: int) -> Draft:
-        self._catch_up()
+        """Up to `limit` drafts; none while its cache is still catching up with the text."""
+        if not self._catch_up():
+            return Draft([])
         feed = mx.array(self._tokens[-1:], dtype=mx.uint32)
         drafted, probabilities = [], []
         for _ in range(limit):
@@ -236,8 +238,8 @@ class ModelDrafter:
         draft cache is shifted the same way in place where it can be (float K/V with a known
         RoPE: a rotation of its keys, the target's approximation), from the tokens the target
         held only: a token after them goes on to be fed after the shift, in the kept context,
-        as the target feeds it. Elsewhere `_catch_up` prefills the kept text again at the
-        next draft, as the target's window did."""
+        as the target feeds it. Elsewhere `_catch_up` prefills the kept text again, a chunk
+        per draft asked for, as the target's window did."""
         cache = self._cache
         held = min(common_prefix_length(cache.tokens, self._tokens), num_held)
         del self._tokens[keep : keep + drop]
@@ -245,15 +247,22 @@ class ModelDrafter:
             cache.trim_to(held)
             cache.shift(keep, drop, self._rotations)
 
-    def _catch_up(self) -> None:
-        """Makes the draft cache hold the text but its last token (which `propose` feeds)."""
+    def _catch_up(self) -> bool:
+        """Brings the draft cache toward the text but its last token (which `propose` feeds),
+        by at most one chunk (`PrefillPlan.step_tokens`): True once it holds them. A long
+        text to catch up with (a new conversation's prompt, the kept text after a shift the
+        draft cache cannot follow in place) is so spread over plain decoding steps, between
+        which a cancel or a request joining the batch is seen, instead of seconds in one call.
+        """
         target = self._tokens[:-1]
         common = common_prefix_length(self._cache.tokens, target)
         common = self._cache.nearest_restorable(common)
         if common < self._cache.num_tokens:
             self._cache.rewind_to(common)
-        if common < len(target):
-            fill(self._model, self._cache, target[common:], self._plan)
+        chunk = target[common : common + self._plan.step_tokens]
+        if chunk:
+            fill(self._model, self._cache, chunk, self._plan)
+        return common + len(chunk) == len(target)
 
 
 class DraftModel:
