@@ -212,9 +212,10 @@ class BodyDeadline:
     """One deadline per request for its body, and the body's rest read before an early answer.
 
     The body must arrive within `BODY_TIMEOUT_S` of the request's headers, read and drained
-    alike: a receive past the deadline raises TimeoutError (`BodyLimit` answers 408). With a
-    deadline each, an over-limit chunked body dripped slowly held its connection for the
-    read's 120 s and then the drain's 120 s.
+    alike: a receive past the deadline raises TimeoutError (`BodyLimit` answers 408). A drain
+    with a deadline of its own would hold an over-limit body dripped slowly for the read's
+    120 s and then its own; nested in the read's, it answered that body 408, as if it had not
+    come, instead of 413.
 
     An answer that starts before the body has been read (401, 403, 413, 408, a CORS
     preflight's) first reads and drops the rest of it, up to `_MAX_DRAINED_BYTES` and by the
@@ -253,6 +254,8 @@ class BodyDeadline:
 
 
 def _drainable(scope: Scope) -> bool:
+    """Whether the rest of a body is worth reading: its client sends it (no `Expect`) and
+    it fits `_MAX_DRAINED_BYTES` (one declared larger is answered at once)."""
     headers = dict(scope["headers"])
     declared = headers.get(b"content-length", b"")
     too_long = declared.isdigit() and int(declared) > _MAX_DRAINED_BYTES
