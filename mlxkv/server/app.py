@@ -25,7 +25,13 @@ from mlxkv.server.anthropic_api import routes as anthropic
 from mlxkv.server.anthropic_api.diagnostics import keep_prompt_records
 from mlxkv.server.browsers import HostCheck, OriginCheck
 from mlxkv.server.errors import ApiError, error_response
-from mlxkv.server.middleware import AccessLog, ApiKeyCheck, BodyLimit, ServerErrors
+from mlxkv.server.middleware import (
+    AccessLog,
+    ApiKeyCheck,
+    BodyDeadline,
+    BodyLimit,
+    ServerErrors,
+)
 from mlxkv.server.models.resident import SHUTDOWN_SAVE_S, ModelLoader
 from mlxkv.server.models.served import ReleaseModels, ServedModels
 from mlxkv.server.models.streams import StartStreams
@@ -113,7 +119,8 @@ def _add_routes(app: FastAPI) -> None:
 
 def _add_middleware(app: FastAPI, config: ServerConfig, memory_line: Callable[[Any], str]) -> None:
     """The middleware, added innermost first: the access log sees every response, 401s and
-    413s included."""
+    413s included; `BodyDeadline` holds every refusal sent before its body was read (401,
+    403, 413) until the body has been read."""
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyCheck, api_key=config.api_key)
@@ -126,6 +133,8 @@ def _add_middleware(app: FastAPI, config: ServerConfig, memory_line: Callable[[A
         )
     app.add_middleware(OriginCheck, allowed_origins=(*config.cors_origins, *config.allowed_origins))
     app.add_middleware(HostCheck, bound_host=config.host, allowed_hosts=config.allowed_hosts)
+    # outside every check that may answer before the body is read: that answer waits for it
+    app.add_middleware(BodyDeadline)
     app.add_middleware(ServerErrors)
     app.add_middleware(AccessLog, memory_line=memory_line)
 

@@ -6,9 +6,10 @@ and a client that disconnects is still seen by the route.
 Owns: `AccessLog` (one line per request: method, path, status, seconds, for a refusal (4xx) its
 reason, and for generations the prompt, cached and generated tokens, time to first token and
 the cache's memory line), `ServerErrors` (a 500 in the API's shape for what no handler took),
-`ApiKeyCheck` (401 without the key) and `BodyLimit` (413 over the limit in bytes, 400 for JSON
-nested too deeply; every body is then read as JSON whatever its Content-Type). What a web page
-may reach is `browsers.py`'s.
+`ApiKeyCheck` (401 without the key), `BodyDeadline` (one deadline for a request's body; the
+unread rest of a body read before any answer sent ahead of it) and `BodyLimit` (413 over the
+limit in bytes, 400 for JSON nested too deeply; every body is then read as JSON whatever its
+Content-Type). What a web page may reach is `browsers.py`'s.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 # How much of a refusal's body is read for its reason, and how much of the reason is logged.
 _MAX_REFUSAL_BYTES = 4096
 _MAX_REASON_CHARS = 300
-# Seconds a request body may take to arrive once its headers have (a slow sender holds a
-# connection and, here, a task).
+# Seconds a request body may take to arrive once its headers have, read or drained (a slow
+# sender holds a connection and, here, a task): one budget per request.
 BODY_TIMEOUT_S = 120.0
-# Bytes of a refused body still read before its 413 is sent. Answered first, the connection
-# closed (a client that sent `Connection: close`, as urllib does) while the body was still
-# coming: the client, still sending, saw a reset instead of the 413. Past this, answered at once.
+# Bytes of a body still read (and dropped) before an answer that came before it was read:
+# answered first, the connection closed under a client still sending (one that sent
+# `Connection: close`, as urllib does), which saw a reset instead. Past this, answered at once.
 _MAX_DRAINED_BYTES = 64 * 2**20
 
 
@@ -207,12 +208,78 @@ class ApiKeyCheck:
         return any(hmac.compare_digest(c, self._key) for c in candidates)
 
 
+class BodyDeadline:
+    """One deadline per request for its body, and the body's rest read before an early answer.
+
+    The body must arrive within `BODY_TIMEOUT_S` of the request's headers, read and drained
+    alike: a receive past the deadline raises TimeoutError (`BodyLimit` answers 408). A drain
+    with a deadline of its own would hold an over-limit body dripped slowly for the read's
+    120 s and then its own; nested in the read's, it answered that body 408, as if it had not
+    come, instead of 413.
+
+    An answer that starts before the body has been read (401, 403, 413, 408, a CORS
+    preflight's) first reads and drops the rest of it, up to `_MAX_DRAINED_BYTES` and by the
+    same deadline, as nginx's lingering close does: answered first, the connection closed
+    under a client still sending that had asked to close it (urllib's `Connection: close`),
+    which then saw a reset instead of the answer. Not drained: a client waiting for
+    `100 Continue` (curl; it sends nothing until told), or one that declared more than
+    `_MAX_DRAINED_BYTES`. Sits inside `ServerErrors`: a 503 at shutdown does not wait.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline_s = asyncio.get_running_loop().time() + BODY_TIMEOUT_S
+        body_ended = False
+
+        async def receive_by_deadline() -> Message:
+            nonlocal body_ended
+            if body_ended:  # the route's wait for a disconnect has no deadline
+                return await receive()
+            async with asyncio.timeout_at(deadline_s):
+                message = await receive()
+            body_ended = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def send_after_body(message: Message) -> None:
+            if message["type"] == "http.response.start" and not body_ended and _drainable(scope):
+                await _drain(receive_by_deadline)
+            await send(message)
+
+        await self.app(scope, receive_by_deadline, send_after_body)
+
+
+def _drainable(scope: Scope) -> bool:
+    """Whether the rest of a body is worth reading: its client sends it (no `Expect`) and
+    it fits `_MAX_DRAINED_BYTES` (one declared larger is answered at once)."""
+    headers = dict(scope["headers"])
+    declared = headers.get(b"content-length", b"")
+    too_long = declared.isdigit() and int(declared) > _MAX_DRAINED_BYTES
+    return b"expect" not in headers and not too_long
+
+
+async def _drain(receive: Receive) -> None:
+    """Reads and drops the rest of a body, up to `_MAX_DRAINED_BYTES` (a `receive` bounded
+    by its request's deadline: stopped there too)."""
+    drained = 0
+    with contextlib.suppress(TimeoutError):
+        while drained <= _MAX_DRAINED_BYTES:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            drained += len(message.get("body", b""))
+
+
 class BodyLimit:
     """Reads the whole request body first, refusing one larger than `max_bytes` with 413
     (declared by Content-Length or counted as it arrives), and one nested deeper than
     `json_limits.MAX_JSON_DEPTH` or holding more than `MAX_JSON_VALUES` values with 400,
-    then hands it to the app. A body over the limit is read to its end (up to
-    `_MAX_DRAINED_BYTES`) before the 413, unless its client waits for `100 Continue`."""
+    then hands it to the app. Its `receive` is `BodyDeadline`'s: one that does not arrive in
+    time is a 408, and what a refused body still sends is read there."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -222,34 +289,27 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
-        declared = headers.get(b"content-length")
+        declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and not declared.isdigit():
             await self._refuse(scope, receive, send, False)
             return
         if declared is not None and int(declared) > self.max_bytes:
-            # a client waiting for `100 Continue` (curl) sends nothing more: nothing to read
-            if int(declared) <= _MAX_DRAINED_BYTES and b"expect" not in headers:
-                await _drain(receive)
             await self._refuse(scope, receive, send, True)
             return
         parts: list[bytes] = []
         size = 0
         try:
-            async with asyncio.timeout(BODY_TIMEOUT_S):
-                while True:
-                    message = await receive()
-                    if message["type"] != "http.request":  # the client left before the end
-                        return
-                    parts.append(message.get("body", b""))
-                    size += len(parts[-1])
-                    if size > self.max_bytes:
-                        if message.get("more_body", False):
-                            await _drain(receive)
-                        await self._refuse(scope, receive, send, True)
-                        return
-                    if not message.get("more_body", False):
-                        break
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # the client left before the end
+                    return
+                parts.append(message.get("body", b""))
+                size += len(parts[-1])
+                if size > self.max_bytes:
+                    await self._refuse(scope, receive, send, True)
+                    return
+                if not message.get("more_body", False):
+                    break
         except TimeoutError:
             message = f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s"
             await error_response(scope["path"], 408, message)(scope, receive, send)
@@ -277,19 +337,6 @@ class BodyLimit:
         else:
             response = error_response(scope["path"], 400, "Content-Length is not a number")
         await response(scope, receive, send)
-
-
-async def _drain(receive: Receive) -> None:
-    """Reads and drops the rest of a refused body, up to `_MAX_DRAINED_BYTES` and within
-    `BODY_TIMEOUT_S`, so that its refusal is read rather than lost to a reset."""
-    drained = 0
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(BODY_TIMEOUT_S):
-            while drained <= _MAX_DRAINED_BYTES:
-                message = await receive()
-                if message["type"] != "http.request" or not message.get("more_body", False):
-                    return
-                drained += len(message.get("body", b""))
 
 
 def _as_json(scope: Scope, body: bytes) -> Scope:

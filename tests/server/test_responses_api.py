@@ -36,6 +36,7 @@ def test_a_reply_with_a_tool_call(scripted_server):
     assert reply.status == "completed" and reply.output_text == "Let"
     message, call = reply.output
     assert message.type == "message" and call.type == "function_call"
+    assert message.status == call.status == "completed"
     assert call.name == "get_weather"
     assert json.loads(call.arguments) == json.loads(TOOL_CALL)["arguments"]
     assert reply.usage.input_tokens > 0 and reply.usage.output_tokens > 0
@@ -137,10 +138,17 @@ def test_store_false_is_not_kept_for_previous_response_id(scripted_server):
 
 
 def test_a_reply_cut_by_max_output_tokens_ends_incomplete(scripted_server):
+    """The message it cut is `incomplete` too, in the stream's output_item.done and in the
+    response, as OpenAI sends it (a captured gpt-5-nano stream cut by max_output_tokens);
+    it said `completed`."""
     client = scripted_server.openai()
     kwargs = {"model": "m", "input": "Weather?", "tools": [WEATHER], "max_output_tokens": 1}
     with client.responses.stream(**kwargs) as stream:
-        kinds = [event.type for event in stream]
-    assert kinds[-1] == "response.incomplete"
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"
+    done = [event.item for event in events if event.type == "response.output_item.done"]
+    assert [(item.type, item.status) for item in done] == [("message", "incomplete")]
+    assert events[-1].response.output[-1].status == "incomplete"
     reply = client.responses.create(**kwargs)
     assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
+    assert [(item.type, item.status) for item in reply.output] == [("message", "incomplete")]

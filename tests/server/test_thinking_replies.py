@@ -126,6 +126,19 @@ def test_responses_reasoning_item_before_the_message(model, request):
     assert streamed.output[0].content[0].text == "Hmm." and streamed.output_text == "Paris"
 
 
+def test_responses_thinking_cut_by_max_output_tokens_is_incomplete(thinker):
+    """Cut inside its thought, the reasoning item is the one cut: `incomplete`, as a cut
+    message is (OpenAI's types allow it on reasoning items too)."""
+    client = thinker.openai()
+    reply = client.responses.create(model="m", input=ASK, max_output_tokens=2)
+    assert [(i.type, i.status) for i in reply.output] == [("reasoning", "incomplete")]
+    with client.responses.stream(model="m", input=ASK, max_output_tokens=2) as stream:
+        events = list(stream)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.status) for i in done] == [("reasoning", "incomplete")]
+    assert events[-1].type == "response.incomplete"
+
+
 def _anthropic(served, **options):
     return served.anthropic().messages.create(model="m", messages=ASK, max_tokens=16, **options)
 

@@ -73,7 +73,7 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
         events = _response_events(turn, response, remember)
         return event_stream(events, turn, response.failed_event)
     events, completion = await collect(turn, request)
-    output = _output_items(events)
+    output = _output_items(events, completion)
     remember(output)
     return response.body(output, completion, reasoning_tokens=turn.reasoning_tokens)
 
@@ -96,7 +96,7 @@ class _Response:
         reasoning_tokens: int = 0,
     ) -> dict[str, Any]:
         request = self.request
-        incomplete = completion is not None and completion.finish_reason == "length"
+        incomplete = _was_cut(completion)
         status = status or ("incomplete" if incomplete else "completed")
         return {
             "id": self.id,
@@ -138,7 +138,7 @@ async def _response_events(turn: Turn, response: _Response, remember) -> AsyncIt
         if isinstance(event, TextDelta | ReasoningDelta) and event.text:
             kind = _item_kind(event)
             if open_item is not None and open_item["type"] != kind:
-                for line in _close_item(response, open_item, len(output)):
+                for line in _close_item(response, open_item, len(output), "completed"):
                     yield line
                 output.append(open_item)
                 open_item = None
@@ -150,7 +150,7 @@ async def _response_events(turn: Turn, response: _Response, remember) -> AsyncIt
             yield _text_delta(response, open_item, len(output), event.text)
         elif isinstance(event, ToolCall):
             if open_item is not None:
-                for line in _close_item(response, open_item, len(output)):
+                for line in _close_item(response, open_item, len(output), "completed"):
                     yield line
                 output.append(open_item)
                 open_item = None
@@ -160,7 +160,8 @@ async def _response_events(turn: Turn, response: _Response, remember) -> AsyncIt
             output.append(item)
         elif isinstance(event, Completion):
             if open_item is not None:
-                for line in _close_item(response, open_item, len(output)):
+                status = "incomplete" if _was_cut(event) else "completed"
+                for line in _close_item(response, open_item, len(output), status):
                     yield line
                 output.append(open_item)
             remember(output)
@@ -172,9 +173,10 @@ async def _response_events(turn: Turn, response: _Response, remember) -> AsyncIt
             yield response.event(kind, response=final)
 
 
-def _output_items(events: list[Event]) -> list[dict[str, Any]]:
+def _output_items(events: list[Event], completion: Completion | None) -> list[dict[str, Any]]:
     """A whole reply's output items, in the order the streamed ones come: runs of thinking
-    or text joined into one reasoning or message item, each tool call its own."""
+    or text joined into one reasoning or message item, each tool call its own; the last
+    `incomplete` when its text was cut (a call is only ever whole)."""
     output: list[dict[str, Any]] = []
     for event in events:
         if isinstance(event, ToolCall):
@@ -185,7 +187,16 @@ def _output_items(events: list[Event]) -> list[dict[str, Any]]:
                 output[-1]["content"][0]["text"] += event.text
             else:
                 output.append(_item(kind, event.text))
+    if output and output[-1]["type"] != "function_call" and _was_cut(completion):
+        output[-1]["status"] = "incomplete"
     return output
+
+
+def _was_cut(completion: Completion | None) -> bool:
+    """Whether max_output_tokens (or the window) cut the reply: the response and the item
+    it cut are `incomplete`, as OpenAI sends them (the item in response.output_item.done
+    too); the items before it are whole."""
+    return completion is not None and completion.finish_reason == "length"
 
 
 def _item_kind(event: TextDelta | ReasoningDelta) -> str:
@@ -212,8 +223,8 @@ def _text_delta(response: _Response, item: dict[str, Any], index: int, text: str
     return response.event("response.output_text.delta", **fields, logprobs=[])
 
 
-def _close_item(response: _Response, item: dict[str, Any], index: int) -> list[str]:
-    item["status"] = "completed"  # the item is whole, even when the response is incomplete
+def _close_item(response: _Response, item: dict[str, Any], index: int, status: str) -> list[str]:
+    item["status"] = status
     text = item["content"][0]["text"]
     where = {"item_id": item["id"], "output_index": index, "content_index": 0}
     if item["type"] == "reasoning":
