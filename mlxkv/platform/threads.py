@@ -57,7 +57,11 @@ _idle_lock = threading.Lock()
 def run_on_kept_thread(loop: Callable[[], None], name: str) -> KeptRun:
     """Runs `loop()` on an idle kept thread, else a new one, named `name` while it runs."""
     with _idle_lock:
-        kept = _idle.pop() if _idle else _KeptThread()
+        kept = _idle.pop() if _idle else None
+    # Made outside the lock: a garbage collection while it is made can run a Runner's
+    # finalizer, which waits for a run to end, and a run ends by going idle under the lock.
+    if kept is None:
+        kept = _KeptThread()
     run = KeptRun(kept.thread)
     kept.loops.put((loop, name, run.ended))
     return run
@@ -95,9 +99,10 @@ class _KeptThread:
 def _end_idle() -> None:
     """Ends the idle kept threads before the interpreter's teardown (after the engines,
     whose exit hook, registered later, runs first), each releasing its streams itself."""
-    with _idle_lock:
-        idle = _idle[:]
-        del _idle[:]
-    for kept in idle:
+    while True:
+        with _idle_lock:  # nothing allocated under it (see `run_on_kept_thread`)
+            if not _idle:
+                return
+            kept = _idle.pop()
         kept.loops.put(None)
         kept.thread.join()

