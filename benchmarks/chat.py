@@ -19,6 +19,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from benchmarks.common import Stat, filler_text, peak_rss_bytes
 from mlxkv import Runner
+from mlxkv.cache.building import make_cache
 from mlxkv.cache.layers.base import DEFAULT_STEP_TOKENS
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.decoding.prefill.chunks import prefill
@@ -116,8 +117,10 @@ def _ttft_mlx_lm(loaded, ids, cache=None, max_tokens=1, start=None):
 
 def _floor(runner: Runner, ids: list[int]) -> float:
     """Seconds to feed only the tokens the runner's cache lacks and pick one token, on a copy
-    of the runner's cache (the runner itself is untouched)."""
-    cache = runner._pool.latest.cache.copy()  # benchmark-only look at the runner's entry
+    of the runner's cache (the runner itself is untouched). Before its first request a
+    runner holds no entry, so the floor is then a prefill on an empty cache."""
+    latest = runner._pool.latest  # benchmark-only look at the runner's entry
+    cache = make_cache(runner.loaded.model) if latest is None else latest.cache.copy()
     keep = min(common_prefix_length(cache.tokens, ids), len(ids) - 1)
     if not cache.can_trim_to(keep):
         keep = 0

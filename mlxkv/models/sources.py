@@ -68,9 +68,10 @@ def find_model(path_or_repo: str) -> Path:
     try:
         return Path(snapshot_download(path_or_repo, allow_patterns=patterns))
     except Exception as error:  # the hub raises many types: offline, 404, gated, auth
+        cause = " ".join(str(error).split())  # the hub's messages span lines; ours is one
         raise ModelLoadError(
             f"could not fetch {path_or_repo!r} from the Hugging Face hub "
-            f"({type(error).__name__}: {error}). Tried the local path {local} first. "
+            f"({type(error).__name__}: {cause}). Tried the local path {local} first. "
             "Check the repo id and your network, or pass a local model directory"
         ) from error
 

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.core as mx
 
@@ -70,7 +70,8 @@ class Lockstep:
         """The element-wise sum of `values` over the ranks.
 
         Raises:
-            RanksOutOfStepError: a `bounded` wait ran past the timeout, now or before.
+            RanksOutOfStepError: a `bounded` wait ran past the timeout, or the link to another
+                rank broke, now or before.
         """
         if self.failure is not None:
             raise RanksOutOfStepError(self.failure)
@@ -90,14 +91,23 @@ class Lockstep:
                 collective, timeout_s=self._timeout_s if bounded else None
             )
         except TimeoutError:
-            self.failure = (
-                f"rank {self.rank}: the other ranks did not answer within {self._timeout_s:g} s "
-                "(one froze or died); the sharded model cannot serve any more: restart every "
-                "rank (MLXKV_RANK_TIMEOUT_S sets the wait)"
-            )
             self._collectives.abandon()
-            logger.error("%s", self.failure)
-            raise RanksOutOfStepError(self.failure) from None
+            self._fail(
+                f"the other ranks did not answer within {self._timeout_s:g} s (one froze or "
+                "died); the sharded model cannot serve any more: restart every rank "
+                "(MLXKV_RANK_TIMEOUT_S sets the wait)"
+            )
+        except RuntimeError as error:  # a rank that died: MLX's ring says its peer was lost
+            self._fail(
+                f"the link to the other ranks broke ({error}; one died); the sharded model "
+                "cannot serve any more: restart every rank"
+            )
+
+    def _fail(self, why: str) -> NoReturn:
+        """Every later request fails at once with `why`: the ranks are out of step for good."""
+        self.failure = f"rank {self.rank}: {why}"
+        logger.error("%s", self.failure)
+        raise RanksOutOfStepError(self.failure) from None
 
     def broadcast(self, message: dict[str, Any] | None, *, bounded: bool = True) -> dict[str, Any]:
         """Rank 0's `message` (JSON-able), on every rank; the others pass None. A follower

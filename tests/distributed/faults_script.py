@@ -1,9 +1,9 @@
 """Run by `test_rank_faults.py` under `mlx.launch -n 2 --backend ring`: rank 1 first calls
-generate() (which must raise at once), then follows one request of rank 0 and freezes; rank 0
-must get a clear error within MLXKV_RANK_TIMEOUT_S instead of hanging. Each rank writes what
-it saw to OUT_DIR/rank<r>.json.
+generate() (which must raise at once), then follows one request of rank 0 and freezes (or,
+with `die`, exits); rank 0 must get a clear error within MLXKV_RANK_TIMEOUT_S instead of
+hanging or an internal error. Each rank writes what it saw to OUT_DIR/rank<r>.json.
 
-    python tests/distributed/faults_script.py MODEL_DIR OUT_DIR
+    python tests/distributed/faults_script.py MODEL_DIR OUT_DIR [freeze|die]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def report(out: Path, seen: dict) -> None:
     os.replace(partial, out)
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def main(model_dir: str, out_dir: str, fault: str = "freeze") -> None:
     runner = Runner.load(model_dir, max_context=256)
     out = Path(out_dir, f"rank{runner.rank}.json")
     if runner.rank != 0:
@@ -38,6 +38,8 @@ def main(model_dir: str, out_dir: str) -> None:
             refused = str(error)
         next(iter(runner.follow()))  # rank 0's first request, in step
         report(out, {"refused": refused})
+        if fault == "die":
+            os._exit(0)  # gone: its sockets close under rank 0
         threading.Event().wait()  # frozen: never answers rank 0 again
     runner.generate("Hello", max_tokens=4)
     start = time.monotonic()
@@ -57,4 +59,4 @@ def main(model_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.factories import tiny_model_dir, wait_until
 
 from .test_sharded import ROOT, launcher
@@ -18,13 +20,14 @@ from .test_sharded import ROOT, launcher
 SCRIPT = Path(__file__).with_name("faults_script.py")
 
 
-def test_follower_generate_raises_and_a_frozen_follower_fails_rank_0_in_bounded_time(
-    model_root, tmp_path
+@pytest.mark.parametrize("fault", ["freeze", "die"])
+def test_follower_generate_raises_and_a_lost_follower_fails_rank_0_in_bounded_time(
+    fault, model_root, tmp_path
 ):
     model = tiny_model_dir("llama", model_root)
     command = [launcher(), "-n", "2", "--backend", "ring", sys.executable, str(SCRIPT)]
     process = subprocess.Popen(
-        [*command, str(model), str(tmp_path)],
+        [*command, str(model), str(tmp_path), fault],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         cwd=ROOT,

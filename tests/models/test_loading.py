@@ -19,6 +19,20 @@ def test_repo_id_offline_names_what_was_tried(monkeypatch):
     assert "Tried the local path" in str(raised.value)
 
 
+def test_hub_failure_is_one_line(monkeypatch):
+    """The hub's own messages span lines (a network failure's does); the CLI prints the error
+    as its one line, so the cause is folded into it."""
+    import huggingface_hub
+
+    def _fail(*args, **kwargs):
+        raise OSError("Got: ConnectError\nAn error happened while trying to locate the files")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _fail)
+    with pytest.raises(ModelLoadError, match="ConnectError An error happened") as raised:
+        load_model("nobody-here/no-such-model")
+    assert "\n" not in str(raised.value)
+
+
 def test_ollama_model_name_finds_the_gguf_blob(model_root, tmp_path, monkeypatch):
     store = tmp_path / "ollama"
     blob_digest = "sha256:" + "ab" * 32
