@@ -201,3 +201,22 @@ def test_empty_early_blocks_sent_back_render_as_no_block(servers):
     )
     assert counts[0].input_tokens == counts[1].input_tokens
     assert reply.content
+
+
+def test_a_client_that_leaves_during_the_early_block_leaves_the_server_consistent(
+    servers, early_block
+):
+    served = servers["text_then_call"]
+    client = served.anthropic()
+    deltas = 0
+    with held_worker(served) as release:
+        with client.messages.stream(model="m", messages=ASK, max_tokens=8) as stream:
+            for event in stream:
+                deltas += event.type == "content_block_delta"
+                if deltas == 2:
+                    break  # the client leaves while the prefill waits
+        release.set()
+    events, final = _short(served, max_tokens=64)
+    assert [b.model_dump(exclude_none=True) for b in final.content] == [
+        {"type": "text", "text": "Let" + "".join(CALL)}
+    ]
