@@ -19,6 +19,7 @@ import pytest
 from mlxkv import Runner
 from mlxkv.runner.dispatch import Dispatcher
 from mlxkv.server import state
+from mlxkv.server.anthropic_api import routes as anthropic_routes
 from tests.server.conftest import held_worker, serve
 
 SYSTEM_PROMPT = "You are a careful coding agent. Read files before you change them. " * 6
@@ -234,16 +235,13 @@ def test_a_stream_ends_with_its_last_event_while_the_engine_is_still_busy(
     assert text.rstrip().endswith(last)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Claude Code's idle watchdog (CLAUDE_STREAM_IDLE_TIMEOUT_MS, at least 300 s) is reset only "
-        "by events its SDK yields, and the SDK drops `ping`: after message_start, a prefill over "
-        "300 s aborts the stream whatever the pings (seen: claude -p on a 57k-token prompt, "
-        "cancelled at 300.4 s, then retried). Nothing the SDK yields is sent until the first token."
-    ),
-)
-def test_the_anthropic_sdk_sees_an_event_while_the_prefill_runs(served, blocked_worker):
+def test_the_anthropic_sdk_sees_an_event_while_the_prefill_runs(
+    served, blocked_worker, monkeypatch
+):
+    """Claude Code's idle watchdog (`CLAUDE_STREAM_IDLE_TIMEOUT_MS`, 300 s at least) is reset
+    only by events its SDK yields, and the SDK drops `ping` (seen: claude -p on a 57k-token
+    prompt, cancelled at 300.4 s): a late first token finds an early block open."""
+    monkeypatch.setattr(anthropic_routes, "EARLY_BLOCK_AFTER_S", 0.1)
     client = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
     events: list[str] = []
     second_event = threading.Event()

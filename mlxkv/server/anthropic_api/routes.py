@@ -12,6 +12,7 @@ the chat template's `reasoning_content` for that turn.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from mlxkv.runner.results import Completion
+from mlxkv.server import state
 from mlxkv.server.anthropic_api.diagnostics import (
     PromptRecord,
     PromptRecords,
@@ -50,6 +52,11 @@ _USAGE_FIELDS = (
 )
 # Sent while a stream has nothing else to say (a long prefill, a wait in the queue).
 _PING = sse({"type": "ping"}, "ping")
+# Claude Code's idle watchdog (`CLAUDE_STREAM_IDLE_TIMEOUT_MS`, 300 s at least) counts only the
+# events its SDK yields, and the SDK drops `ping`: a stream whose first token has not come after
+# this long opens its first content block and sends an empty delta every keep-alive interval.
+# Well below 300 s (a loaded machine's event loop lags), far above a short request's wait.
+EARLY_BLOCK_AFTER_S = 60.0
 
 
 @router.post("/v1/messages")
@@ -72,7 +79,7 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
     if body.diagnostics is not None:
         head["diagnostics"] = diagnostics
     if body.stream:
-        events = _message_events(turn, head)
+        events = _message_events(turn, head, _early_kind(body, turn))
         return event_stream(events, turn, _error_event, keepalive=_PING)
     events, completion = await collect(turn, request)
     calls = [event for event in events if isinstance(event, ToolCall)]
@@ -208,29 +215,38 @@ async def _diagnostics(
     return None if reason is None else {"cache_miss_reason": reason}
 
 
-async def _message_events(turn: Turn, head: dict[str, Any]) -> AsyncIterator[str]:
+def _early_kind(body: MessagesRequest, turn: Turn) -> str:
+    """The block a long prefill opens early: thinking where thinking may come (Anthropic's
+    thinking blocks come first), else text; the reply continues in it or closes it empty."""
+    disabled = (body.thinking or {}).get("type") == "disabled"
+    return "thinking" if turn.may_think and not disabled else "text"
+
+
+async def _message_events(turn: Turn, head: dict[str, Any], early_kind: str) -> AsyncIterator[str]:
     """message_start at once (before the prompt is processed: a long prefill then sends pings,
     and the client knows it was accepted; its usage is zeros, message_delta carries the
     counts), then content blocks (start, deltas, stop), message_delta with the stop reason
-    and usage, message_stop."""
+    and usage, message_stop. A first token later than `EARLY_BLOCK_AFTER_S` finds block 0
+    (`early_kind`) already open, kept alive by empty deltas."""
     index, open_kind = 0, None  # the text or thinking block being streamed, if any
     calls: list[ToolCall] = []
     head = {**head, "stop_reason": None, "stop_sequence": None, "usage": _usage(None)}
     yield sse({"type": "message_start", "message": head}, "message_start")
-    async for event in turn.events():
-        if isinstance(event, TextDelta | ReasoningDelta) and event.text:
-            kind, field = _TEXT_FIELDS[type(event)]
+    async for event in _marking_waits(turn.events()):
+        if event is _WAITING:
+            if open_kind is None:
+                open_kind = early_kind
+                yield _block_start(index, _text_block(early_kind, ""))
+            yield _text_delta(index, early_kind, "")
+        elif isinstance(event, TextDelta | ReasoningDelta) and event.text:
+            kind = _TEXT_FIELDS[type(event)][0]
             if open_kind != kind:
                 if open_kind is not None:
                     yield _block_stop(index)
                     index += 1
                 open_kind = kind
                 yield _block_start(index, _text_block(kind, ""))
-            delta = {"type": _DELTA_TYPES[kind], field: event.text}
-            yield sse(
-                {"type": "content_block_delta", "index": index, "delta": delta},
-                "content_block_delta",
-            )
+            yield _text_delta(index, kind, event.text)
         elif isinstance(event, ToolCall):
             if open_kind is not None:
                 open_kind = None
@@ -251,6 +267,34 @@ async def _message_events(turn: Turn, head: dict[str, Any]) -> AsyncIterator[str
             body = {"type": "message_delta", "delta": _stop(event, calls), "usage": _usage(event)}
             yield sse(body, "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")
+
+
+_WAITING = object()  # in place of an event: the first one is late (`_marking_waits`)
+
+
+async def _marking_waits(events: AsyncIterator[Event]) -> AsyncIterator[Event | object]:
+    """`events`, with `_WAITING` once the first has taken `EARLY_BLOCK_AFTER_S`, then again
+    each keep-alive interval until it comes. The first read is waited on, never cancelled
+    (cancelling it closes the generation), except when the stream itself is closed."""
+    first = asyncio.ensure_future(anext(events, _WAITING))  # _WAITING here: no event at all
+    try:
+        wait_s = EARLY_BLOCK_AFTER_S
+        while not (await asyncio.wait({first}, timeout=wait_s))[0]:
+            yield _WAITING
+            wait_s = state.KEEPALIVE_INTERVAL_S
+    finally:
+        first.cancel()  # a no-op once it has finished
+    if (event := first.result()) is _WAITING:
+        return
+    yield event
+    async for event in events:
+        yield event
+
+
+def _text_delta(index: int, kind: str, text: str) -> str:
+    delta = {"type": _DELTA_TYPES[kind], kind: text}  # a delta's field is named as its block
+    body = {"type": "content_block_delta", "index": index, "delta": delta}
+    return sse(body, "content_block_delta")
 
 
 def _error_event(message: str) -> str:

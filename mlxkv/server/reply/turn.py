@@ -91,6 +91,12 @@ class Turn:
     def cancel(self) -> None:
         self._stream.cancel()
 
+    @property
+    def may_think(self) -> bool:
+        """Whether thinking can come before the answer (the vocabulary has thinking tags and
+        no grammar keeps them out): a stream that opens a block early opens a thinking one."""
+        return self._thinking is not None
+
     async def finished(self) -> Completion | None:
         """The Completion once the generation has ended, even if nobody read it (a client
         that left); None if it failed."""
