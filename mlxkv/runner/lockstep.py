@@ -97,10 +97,11 @@ class Lockstep:
                 "died); the sharded model cannot serve any more: restart every rank "
                 "(MLXKV_RANK_TIMEOUT_S sets the wait)"
             )
-        except RuntimeError as error:  # a rank that died: MLX's ring says its peer was lost
+        except RuntimeError as error:  # MLX's ring: "connection to a peer was lost", or any
+            # other failure of the collective: either way the ranks are out of step for good
             self._fail(
-                f"the link to the other ranks broke ({error}; one died); the sharded model "
-                "cannot serve any more: restart every rank"
+                f"a collective with the other ranks failed ({error}; a rank died or the link "
+                "broke); the sharded model cannot serve any more: restart every rank"
             )
 
     def _fail(self, why: str) -> NoReturn:
