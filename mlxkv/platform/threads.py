@@ -52,6 +52,14 @@ class KeptRun:
 _IDLE_NAME = "mlxkv-idle"
 _idle: list[_KeptThread] = []
 _idle_lock = threading.Lock()
+_before_end: list[Callable[[], None]] = []
+
+
+def before_kept_threads_end(hook: Callable[[], None]) -> Callable[[], None]:
+    """Registers `hook` to run at exit after the engines have stopped (their exit hook runs
+    first) and before the idle kept threads end: for runs that end only when told to."""
+    _before_end.append(hook)
+    return hook
 
 
 def run_on_kept_thread(loop: Callable[[], None], name: str) -> KeptRun:
@@ -99,6 +107,8 @@ class _KeptThread:
 def _end_idle() -> None:
     """Ends the idle kept threads before the interpreter's teardown (after the engines,
     whose exit hook, registered later, runs first), each releasing its streams itself."""
+    for hook in _before_end:
+        hook()
     while True:
         with _idle_lock:  # nothing allocated under it (see `run_on_kept_thread`)
             if not _idle:

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from mlxkv.decoding.pause import PAUSE
-from mlxkv.platform.threads import run_on_kept_thread
+from mlxkv.platform.threads import KeptRun, run_on_kept_thread
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +53,19 @@ class EngineThread:
         self._name = name
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._urgent: collections.deque[Callable[[], None]] = collections.deque()
-        self._thread: threading.Thread | None = None  # the kept thread, while it runs this
-        self._ended = threading.Event()  # set when its run of this engine ends
-        self._start_lock = threading.Lock()  # also guards `_wakeups`
+        # The kept thread's run of this engine, while it runs: one attribute, so that `stop`
+        # reads it whole without `_start_lock`.
+        self._run: KeptRun | None = None
+        self._stop_asked = False  # the run ends once no job is queued (see `stop`)
+        self._start_lock = threading.Lock()  # guards starting a run, and `_wakeups`
         self._wakeups = 0  # `_run_ahead` wake-ups in `_jobs`
         self._relays: weakref.WeakSet[Relay] = weakref.WeakSet()  # `iterate`'s, for `_stop_all`
 
     @property
     def is_current(self) -> bool:
         """True on the engine thread itself."""
-        return self._thread is not None and threading.current_thread() is self._thread
+        run = self._run
+        return run is not None and threading.current_thread() is run.thread
 
     @property
     def jobs_waiting(self) -> bool:
@@ -120,14 +123,19 @@ class EngineThread:
         return Interleaved(self, make)
 
     def stop(self, wait: bool = True) -> None:
-        """Ends the thread after the jobs already given (it starts again on the next job)."""
-        with self._start_lock:
-            thread, ended = self._thread, self._ended
-        if thread is None:
+        """Ends the thread after the jobs already given (it starts again on the next job).
+
+        Takes no lock: a Runner's finalizer calls it, and a garbage collection can run that
+        on a thread holding `_start_lock` in `_submit`, about to start a run. That run ends
+        after its job (`_stop_asked`); a None put as a run ends is taken by the next, which
+        goes on while jobs are queued."""
+        self._stop_asked = True
+        run = self._run
+        if run is None:
             return
-        self._jobs.put(None)
-        if wait and thread is not threading.current_thread():
-            ended.wait()
+        self._jobs.put(None)  # SimpleQueue.put: reentrant, safe inside a collection
+        if wait and run.thread is not threading.current_thread():
+            run.ended.wait()
 
     def abandon(self) -> None:
         """Gives up on the thread, stuck in a job that will never end (a collective whose
@@ -137,9 +145,8 @@ class EngineThread:
     def _submit(self, job: Callable[[], None], *, ahead: bool = False) -> None:
         """Queues `job` after the others, or with `ahead` before those not started yet."""
         with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():
-                run = run_on_kept_thread(self._loop, self._name)
-                self._thread, self._ended = run.thread, run.ended
+            if self._run is None or not self._run.thread.is_alive():
+                self._run = run_on_kept_thread(self._loop, self._name)
                 _running.add(self)
             if ahead:
                 self._urgent.append(job)
@@ -149,7 +156,7 @@ class EngineThread:
             self._jobs.put(job)
 
     def _loop(self) -> None:
-        """The jobs, until a stop with no job queued after it."""
+        """The jobs, until a stop and no job queued."""
         # A new thread's random key is the same in every thread of the process (MLX derives
         # it from the process's start time), and a kept one's is the last engine's: draw this
         # engine's from the OS instead.
@@ -157,25 +164,26 @@ class EngineThread:
         try:
             while True:
                 job = self._jobs.get()
-                if job is None:
-                    mx.synchronize()
-                    with self._start_lock:  # a job given after the stop runs on here
-                        if self._jobs.empty():
-                            self._thread = None
-                            _running.discard(self)
-                            return
-                    continue
-                if job is _run_ahead:
-                    with self._start_lock:
-                        self._wakeups -= 1
-                while self._urgent:
-                    self._urgent.popleft()()
-                job()  # jobs hand their own errors to their callers
-                del job  # held while waiting for the next one, it would keep its arrays alive
+                if job is not None:
+                    if job is _run_ahead:
+                        with self._start_lock:
+                            self._wakeups -= 1
+                    while self._urgent:
+                        self._urgent.popleft()()
+                    job()  # jobs hand their own errors to their callers
+                    del job  # held while waiting for the next, it would keep its arrays alive
+                    if not self._stop_asked:
+                        continue
+                mx.synchronize()
+                with self._start_lock:  # a job given after the stop runs on here
+                    if self._jobs.empty():
+                        self._run, self._stop_asked = None, False
+                        _running.discard(self)
+                        return
         finally:
             with self._start_lock:
-                if self._thread is threading.current_thread():  # ended by an error: the next
-                    self._thread = None  # job starts a run on another thread
+                if self.is_current:  # ended by an error: the next job starts a run on
+                    self._run = None  # another thread
                     _running.discard(self)
 
 

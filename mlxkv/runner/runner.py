@@ -94,7 +94,7 @@ class Runner:
         self._draft = DraftModel.check(draft, loaded)
         self._pool = make_pool(loaded, self._make_entry, config, snaps)
         if self._pool.store is not None:  # a Runner dropped without close() stops its writer
-            weakref.finalize(self, self._pool.store.close)
+            weakref.finalize(self, self._pool.store.close, False)
         self.max_batch = choose_max_batch(config, snaps, self._make_entry())
         if config.warmup:
             # sharded, requests never batch (`dispatch`), and ranks may size batches apart

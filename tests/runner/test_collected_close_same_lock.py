@@ -1,12 +1,10 @@
-"""A garbage collection under a non-reentrant lock that a Runner's finalizer takes, for the
-same object, hangs the collecting thread, and with it every later collection in the process
-(one is still running). The kept-threads fix moved `run_on_kept_thread`'s allocations out of
-`_idle_lock`, but both callers still start their run under a lock of their own:
-
-- `BackgroundWriter.put` under the writer's `_lock`; the finalizer `store.close` ->
-  `BackgroundWriter.close` takes it (its docstring: safe from any thread, its own included,
-  because a collection can run a Runner's finalizer there);
-- `EngineThread._submit` under `_start_lock`; the finalizer `engine.stop(False)` takes it.
+"""A garbage collection can run a Runner's finalizer (`store.close(False)`,
+`engine.stop(False)`) on any thread, inside any allocation: also on a thread in
+`BackgroundWriter.put` or `EngineThread._submit` that holds the writer's or the engine's own
+lock, starting a run of that very writer or engine (a Runner dropped while its engine still
+writes behind). Those finalizers took the same non-reentrant lock and hung that thread, and
+with it every later collection in the process; they now take none, and the run being started
+ends after its job instead of keeping its kept thread for good.
 
 A collection is forced where `run_on_kept_thread` allocates, with a finalizer that closes or
 stops that same writer or engine. Each case runs in a child process: a hung collection would
@@ -41,7 +39,7 @@ _SCRIPT = textwrap.dedent(
     done = []
     if CASE == "writer":
         owner = writer_module.BackgroundWriter(lambda job: None)
-        finalize = lambda: (owner.close(), done.append(True))
+        finalize = lambda: (owner.close(False), done.append(True))
         collected_while_started(writer_module)
         job = writer_module.WriteJob(arrays={}, metadata={}, name="x", held_bytes=0)
         act = lambda: owner.put(job)
@@ -56,21 +54,15 @@ _SCRIPT = textwrap.dedent(
     actor = threading.Thread(target=act, daemon=True)
     actor.start()
     actor.join(10.0)
-    print("hung" if actor.is_alive() else f"ended, finalized: {done}", flush=True)
-    os._exit(1 if actor.is_alive() or done != [True] else 0)
+    # the run started as the owner was finalized ends after its job (else its thread is lost)
+    run = owner._run_on if CASE == "writer" else owner._run
+    run_ended = run is None or run.ended.wait(10.0)
+    print(f"hung: {actor.is_alive()}, finalized: {done}, run ended: {run_ended}", flush=True)
+    os._exit(1 if actor.is_alive() or done != [True] or not run_ended else 0)
     """
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BackgroundWriter.put and EngineThread._submit start their kept run under a lock the "
-        "Runner's finalizer takes (store.close / engine.stop(False)): a collection there that "
-        "finalizes a Runner owning that same writer or engine hangs its thread. Fix: start the "
-        "run outside the lock, or a finalizer that takes no lock (SimpleQueue.put is reentrant)"
-    ),
-)
 @pytest.mark.parametrize("case", ["writer", "engine"])
 def test_a_finalizer_run_by_a_collection_under_the_lock_it_takes_does_not_hang(case):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

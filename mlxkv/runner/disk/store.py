@@ -341,9 +341,10 @@ class DiskStore:
     def flush(self) -> None:  # waits until every background write has finished
         self._writer.flush()
 
-    def close(self) -> None:
-        """Finishes pending writes and stops the writer thread (`BackgroundWriter.close`)."""
-        self._writer.close()
+    def close(self, wait: bool = True) -> None:
+        """Finishes pending writes and stops the writer thread; with `wait`, returns when
+        it has (`BackgroundWriter.close`)."""
+        self._writer.close(wait)
 
     def _run_logged(self, job: WriteJob) -> None:
         """`_run`, a failure logged in one line: a failed write loses a cache entry, never

@@ -8,14 +8,15 @@ hold; `flush` and `close`). Does not own what a job writes or how (`store.DiskSt
 
 from __future__ import annotations
 
+import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from queue import Queue
 
 import mlx.core as mx
 
-from mlxkv.platform.threads import KeptRun, run_on_kept_thread
+from mlxkv.platform.threads import KeptRun, before_kept_threads_end, run_on_kept_thread
 
 
 @dataclass
@@ -33,7 +34,7 @@ class WriteJob:
 
 class BackgroundWriter:
     """Runs `run(job)` for each job put, in order, on a kept thread (`run_on_kept_thread`)
-    taken at the first.
+    taken at the first, until `close`.
 
     Args:
         run: writes one job; logs its own failures (it must not raise).
@@ -41,19 +42,24 @@ class BackgroundWriter:
 
     def __init__(self, run: Callable[[WriteJob], None]):
         self._run = run
-        self._lock = threading.Lock()  # guards _queued, _pending_bytes and _run_on
+        self._lock = threading.Lock()  # guards what follows but `_jobs` and `_end_asked`
+        self._written = threading.Condition(self._lock)  # `_unfinished` fell to 0
         self._queued: dict[str, WriteJob] = {}
         self._pending_bytes = 0
-        self._jobs: Queue[WriteJob | None] = Queue()
-        self._run_on: KeptRun | None = None
+        self._unfinished = 0  # jobs put and not yet written (or failed)
+        self._jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
+        self._run_on: KeptRun | None = None  # one attribute: `close` reads it without the lock
+        self._end_asked = False  # the run ends once no job is queued (see `close`)
 
     def put(self, job: WriteJob) -> None:
         with self._lock:
             self._pending_bytes += job.held_bytes
             self._queued[job.name] = job
+            self._unfinished += 1
             if self._run_on is None:
                 self._run_on = run_on_kept_thread(self._loop, "mlxkv-disk-writer")
-        self._jobs.put(job)
+                _running.add(self)
+            self._jobs.put(job)  # under the lock: a run ending sees it queued, or ended first
 
     def is_queued(self, name: str) -> bool:
         with self._lock:
@@ -71,18 +77,23 @@ class BackgroundWriter:
 
     def flush(self) -> None:
         """Waits until every job put has been written (or has failed)."""
-        self._jobs.join()
+        with self._written:
+            self._written.wait_for(lambda: self._unfinished == 0)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Finishes pending jobs and ends the thread's run, whose frame holds `run`'s owner
-        alive. Safe to call twice, from any thread, its own included (a garbage collection
-        there can run a Runner's finalizer); a later `put` starts a new run."""
-        with self._lock:
-            run, self._run_on = self._run_on, None
+        alive; with `wait`, returns when it has ended. A later `put` starts a new run.
+
+        Takes no lock: a Runner's finalizer calls it (`wait` False: a collection can run it
+        on a thread holding a lock the writes need), on any thread, the writer's own or one
+        in `put` under `_lock`, about to start a run (which then ends after its job). Runs
+        left at exit are waited for (`_close_all`)."""
+        self._end_asked = True
+        run = self._run_on
         if run is None:
             return
-        self._jobs.put(None)
-        if run.thread is not threading.current_thread():
+        self._jobs.put(None)  # SimpleQueue.put: reentrant, safe inside a collection
+        if wait and run.thread is not threading.current_thread():
             run.ended.wait()
 
     @property
@@ -91,14 +102,35 @@ class BackgroundWriter:
         return None if self._run_on is None else self._run_on.ended
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                self._run(job)
-            finally:
-                with self._lock:
-                    self._pending_bytes -= job.held_bytes
-                    self._queued.pop(job.name, None)
-                # the job's arrays must not live on while this thread waits
-                del job
-                self._jobs.task_done()
-        self._jobs.task_done()
+        """The jobs, until a close and no job queued."""
+        while True:
+            job = self._jobs.get()
+            if job is not None:
+                try:
+                    self._run(job)
+                finally:
+                    with self._lock:
+                        self._pending_bytes -= job.held_bytes
+                        self._queued.pop(job.name, None)
+                        self._unfinished -= 1
+                        if self._unfinished == 0:
+                            self._written.notify_all()
+                    del job  # its arrays must not live on while this thread waits
+                if not self._end_asked:
+                    continue
+            with self._lock:  # a job put after the close runs on here
+                if self._jobs.empty():
+                    self._run_on, self._end_asked = None, False
+                    _running.discard(self)
+                    return
+
+
+_running: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
+
+
+@before_kept_threads_end
+def _close_all() -> None:
+    """At exit, after the engines have stopped (their last turns may still write), finishes
+    every writer's jobs: a Runner's finalizer does not wait for them."""
+    for writer in list(_running):
+        writer.close()
