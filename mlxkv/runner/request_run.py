@@ -306,7 +306,7 @@ def _decode(
     if request.speculative is not None:
         if draft_cache is not None:
             drafter = context.draft.drafter(
-                draft_cache, prompt, sampling.distribution, context.plan
+                draft_cache, prompt, sampling.distribution, context.plan, sampling.processors
             )
             window.on_shift = drafter.follow  # text only (`_draft_cache_for`): it shifts
         else:
