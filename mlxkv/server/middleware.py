@@ -57,8 +57,16 @@ BODY_TIMEOUT_S = 120.0
 _MAX_DRAINED_BYTES = 64 * 2**20
 
 
+def seconds_since_arrival(scope: Scope) -> float:
+    """Seconds since `AccessLog` (the outermost check) saw the request: a wait before the
+    route runs (a model loading) included; 0.0 for a request it did not see."""
+    arrived_s = scope.get("state", {}).get("arrived_s")
+    return 0.0 if arrived_s is None else time.perf_counter() - arrived_s
+
+
 class AccessLog:
-    """Logs one INFO line per HTTP request when the response ends.
+    """Logs one INFO line per HTTP request when the response ends, and stamps its arrival
+    (`seconds_since_arrival`).
 
     Args:
         memory_line: the memory line of the request's model (given its scope), appended
@@ -74,6 +82,7 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         start, status, refusal = time.perf_counter(), [0], bytearray()
+        scope.setdefault("state", {})["arrived_s"] = start
 
         async def record(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -175,3 +175,35 @@ def test_ollama_load_duration_is_the_wait_for_the_load(gated):
     again = client.chat(model="tiny", messages=QUESTION, options=options, stream=False)
     assert streamed[-1].load_duration == 0 and again.load_duration == 0
     assert again.total_duration > 0
+
+
+def test_an_anthropic_stream_counts_its_models_load_toward_the_early_block(gated, monkeypatch):
+    """The early block (`anthropic_api.routes.EARLY_BLOCK_AFTER_S`, for Claude Code's idle
+    watchdog, which pings do not reset) counts from the request's arrival: a load longer
+    than it (pings read past it, at the server's own keep-alive interval) finds block 0 opened
+    with an empty delta before the first token, however soon that comes after the load."""
+    from mlxkv.server import state
+    from mlxkv.server.anthropic_api import routes
+
+    monkeypatch.setattr(state, "KEEPALIVE_INTERVAL_S", 0.05)
+    monkeypatch.setattr(routes, "EARLY_BLOCK_AFTER_S", 0.5)
+    pings_past_the_early_block = 12  # the first at once, then one per 0.05 s: >= 0.55 s
+    spec = APIS["anthropic"]
+    with httpx.Client(base_url=gated.url, timeout=_TIMEOUT_S) as client:
+        body = {"model": "tiny", **spec.body}
+        with client.stream("POST", spec.path, json=body) as response:
+            lines = response.iter_lines()
+            pings = 0
+            while pings < pings_past_the_early_block:
+                pings += next(lines) == "event: ping"
+            assert not gated.gate.open.is_set()
+            gated.gate.open.set()
+            events = [d for d in _data(list(lines)) if d["type"] != "ping"]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert events[1] == {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    assert deltas[0] == {"type": "text_delta", "text": ""}  # the early block's keep-alive
+    assert spec.streamed_text([f"data: {json.dumps(e)}" for e in events])
