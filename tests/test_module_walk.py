@@ -78,6 +78,13 @@ _OVER_BUDGET = {
         "it is not kept yet (a new Runner's walk): the keeping (`segments.KeptIds`) calls "
         "back for it",
     ),
+    "mlxkv.runner.text.replies": (
+        (4, 0),
+        "the replies a prompt sends back looked up once (`known_in`), the reply remembered at "
+        "its end, and what an assistant message sent back is known by (`reply_key`: its text, "
+        "or its text and tool calls) asked by each render that reads one (the next turn's "
+        "prompt, and its render without the generation prompt for the landmarks)",
+    ),
     "mlxkv.runner.lockstep": (
         (4, 0),
         "unsharded, a `Solo` stands where the ranks' `Lockstep` does (no branch for the "

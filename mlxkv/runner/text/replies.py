@@ -17,10 +17,18 @@ digest, so one tenant's prompt never takes another's reply ids (its token count 
 With a disk tier, the replies are also kept on disk (`mlxkv.runner.disk.replies`, written
 behind with their turns' blocks) and read back when a Runner starts (`ReplyTokens.restore`): a
 restarted process, or a model loaded again, renders them as their ids too.
+
+A reply that called tools comes back as its text before the calls plus the parsed calls
+(`tool_calls`), which the template renders in its own form (spacing, key order, escapes), not
+as the model wrote them: the server, which parses the calls, also remembers such a reply by
+`call_reply_key` of what the client sends back (`mlxkv.server.reply.turn`; in memory only),
+and the whole message then takes the reply's ids, calls included (`masked_reply`). Not a reply
+with a thought: the template may drop or render it otherwise, as it does for a text reply.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
 from collections import OrderedDict
@@ -30,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from mlxkv.runner.results import Completion
+from mlxkv.runner.text.messages import Message
 
 # Replies whose text matches nothing sent back only take memory: the newest are kept.
 MAX_REPLIES = 256
@@ -41,11 +50,13 @@ _BY_TOKENIZER: weakref.WeakKeyDictionary[Any, ReplyTokens] = weakref.WeakKeyDict
 _BY_TOKENIZER_LOCK = threading.Lock()
 
 
-def remember_reply(tokenizer: Any, completion: Completion, salt: str | None) -> None:
+def remember_reply(
+    tokenizer: Any, completion: Completion, salt: str | None, key: str | None = None
+) -> None:
     """Keeps the ids of a reply `tokenizer`'s model generated, in the domain `salt`, if its
     text is exactly theirs (at the end of a generation, before its last chunk is handed on:
-    the next turn may follow at once)."""
-    replies_for(tokenizer).remember(completion, salt)
+    the next turn may follow at once), by its text or `key` (`call_reply_key`)."""
+    replies_for(tokenizer).remember(completion, salt, key)
 
 
 def is_rememberable(completion: Completion) -> bool:
@@ -57,6 +68,40 @@ def is_rememberable(completion: Completion) -> bool:
         and completion.finish_reason in ("stop", "length")
         and 0 < len(completion.tokens) <= MAX_REPLY_TOKENS
     )
+
+
+def call_reply_key(content: str, calls: Iterable[tuple[str, Any]]) -> str:
+    """What a reply with tool calls is known by: its text before the calls and each call's
+    (name, arguments), in one canonical form (a NUL first: no text content takes it)."""
+    form = [content, [[name, arguments] for name, arguments in calls]]
+    return "\0calls" + json.dumps(form, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def reply_key(message: Any) -> str | None:
+    """What an assistant message sent back is known by: its text content; with tool calls,
+    `call_reply_key` of its content and calls. None: not an assistant message, no text, a
+    call reply with a thought, or calls not in the chat template's form."""
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return None
+    content = message.get("content")
+    if not isinstance(content, str):
+        return None
+    calls = message.get("tool_calls")
+    if not calls:
+        return content or None
+    if message.get("reasoning_content"):
+        return None
+    try:
+        named = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    except (KeyError, TypeError):
+        return None
+    return call_reply_key(content, named)
+
+
+def masked_reply(message: Message, slot: str) -> Message:
+    """A known reply as the template renders it around `slot`, which its ids replace: its
+    calls are part of those ids."""
+    return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": slot}
 
 
 def replies_for(tokenizer: Any) -> ReplyTokens:
@@ -78,11 +123,12 @@ class ReplyTokens:
         self._ids: OrderedDict[tuple[str | None, str], np.ndarray] = OrderedDict()
         self._num_tokens = 0
 
-    def remember(self, completion: Completion, salt: str | None) -> None:
-        """Keeps the ids of a finished reply, if its text is exactly theirs."""
+    def remember(self, completion: Completion, salt: str | None, key: str | None = None) -> None:
+        """Keeps the ids of a finished reply, if its text is exactly theirs, by its text or
+        `key` (`call_reply_key`)."""
         if is_rememberable(completion):
             with self._lock:
-                self._keep(salt, completion.text, completion.tokens)
+                self._keep(salt, completion.text if key is None else key, completion.tokens)
                 self._trim()
 
     def restore(self, stored: Iterable[tuple[str | None, str, Sequence[int]]]) -> None:
@@ -114,18 +160,12 @@ class ReplyTokens:
 
     def known_in(self, prompt: Any, salt: str | None) -> dict[str, list[int]]:
         """The ids of the replies of `salt`'s domain that `prompt`'s assistant messages send
-        back, by their text (empty for a text or token prompt): looked up once a request, for
+        back, by `reply_key` (empty for a text or token prompt): looked up once a request, for
         the renders it makes."""
         if not isinstance(prompt, Sequence) or isinstance(prompt, str):
             return {}
-        texts = {  # a reply sent back as content parts renders from its parts' text
-            m["content"]
-            for m in prompt
-            if isinstance(m, dict)
-            and m.get("role") == "assistant"
-            and isinstance(m.get("content"), str)
-            and m["content"]
-        }
+        # a reply sent back as content parts renders from its parts' text
+        texts = {key for m in prompt if (key := reply_key(m)) is not None}
         known: dict[str, list[int]] = {}
         with self._lock:
             for text in texts:

@@ -34,7 +34,7 @@ from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport,
 from mlxkv.models.vision_families import ProcessedImage
 from mlxkv.runner.text.messages import Message, Tools
 from mlxkv.runner.text.prompt import PromptEncoder, _checked_tools, _ReplyRewritten, _valid_text
-from mlxkv.runner.text.replies import ReplyIds
+from mlxkv.runner.text.replies import ReplyIds, masked_reply
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ class VisionPrompts:
                 slot = f"mlxkv{nonce}slot{len(slots)}"
                 slots[slot] = ids
                 known.add(slot)
-                masked.append({**message, "content": slot})
+                masked.append(masked_reply(message, slot))
                 continue
             if isinstance(content, str):
                 masked.append({**message, "content": text(content, f"message {i}")})

@@ -21,7 +21,9 @@ from starlette.requests import Request
 
 from mlxkv.decoding.picker import TokenLogprob
 from mlxkv.errors import ContextLengthError
+from mlxkv.runner.request import salt_digest
 from mlxkv.runner.results import Completion, PromptUsage
+from mlxkv.runner.text.replies import call_reply_key, remember_reply
 from mlxkv.server.errors import ApiError, context_length_error
 from mlxkv.server.images import fetched_images
 from mlxkv.server.models.served import request_context
@@ -68,7 +70,11 @@ Event = ReasoningDelta | TextDelta | ToolCall | Completion
 
 class Turn:
     """The events of one generation: `ReasoningDelta`s, `TextDelta`s and `ToolCall`s in
-    order, then the `Completion`. Leaving the iteration early cancels the generation."""
+    order, then the `Completion`. Leaving the iteration early cancels the generation. A reply
+    with tool calls and no thought is remembered, before its Completion is handed on, by what
+    the client sends back (`replies.call_reply_key`: its text and parsed calls), so the next
+    turn's prompt takes its ids as the cache holds them, not the template's form of the calls.
+    """
 
     def __init__(
         self,
@@ -77,8 +83,10 @@ class Turn:
         tokenizer: Any,
         with_logprobs: bool,
         thinking: ThinkingSplitter | None = None,
+        cache_salt: str | None = None,
     ):
         self._stream = stream
+        self._salt = salt_digest(cache_salt)
         self._splitter = splitter
         self._thinking = thinking
         self._tokenizer = tokenizer
@@ -104,6 +112,8 @@ class Turn:
 
     async def events(self) -> AsyncIterator[Event]:
         pending: list[TokenInfo] = []
+        answer: list[str] = []  # the text a client sends back with the calls
+        calls: list[ToolCall] = []
         async for chunk in self._stream:
             self.prompt = self.prompt or chunk.prompt
             if self._with_logprobs and chunk.logprob is not None:
@@ -114,16 +124,21 @@ class Turn:
                 self.reasoning_tokens += 1
             for piece in pieces:
                 if isinstance(piece, ToolCall):
+                    calls.append(piece)
                     yield piece
                 elif isinstance(piece, Thought):
                     yield ReasoningDelta(piece.text, pending)
                     pending = []
                 else:
+                    answer.append(piece)
                     yield TextDelta(piece, pending)
                     pending = []
             if chunk.completion is not None:
                 if pending:
                     yield TextDelta("", pending)
+                if calls and not self.reasoning_tokens:
+                    key = call_reply_key("".join(answer), [(c.name, c.arguments) for c in calls])
+                    remember_reply(self._tokenizer, chunk.completion, self._salt, key)
                 yield chunk.completion
 
     def _thinking_now(self) -> bool:
@@ -189,10 +204,10 @@ async def start_turn(
     client's to cut): a prompt over the window is refused, so is a `max_tokens` the client
     asked for that does not fit after it or is over `max_tokens_limit`; a server default that
     does not fit ends the reply at the window or the limit (`max_tokens_asked` False).
-    `cache_salt` keeps the request to its salt's entries (vLLM's name). `forced`: a
-    `tool_choice` that requires a call, kept by a grammar (over any structured-output one).
-    `switches`: chat-template variables (`thinking_switch`). `split_thinking`: thinking comes
-    as `ReasoningDelta`s where the vocabulary has thinking tags and no grammar is kept.
+    `cache_salt` keeps the request to its salt's entries (vLLM's name). `forced`: a required
+    call's `tool_choice`, kept by a grammar (over any structured-output one). `switches`:
+    chat-template variables (`thinking_switch`). `split_thinking`: thinking comes as
+    `ReasoningDelta`s where the vocabulary has thinking tags and no grammar is kept.
 
     Raises:
         ApiError: 400 for bad input, a call required with no tools, and a request over the
@@ -227,8 +242,9 @@ async def start_turn(
         raise context_length_error(error, request.url.path) from error
     except ValueError as error:
         raise ApiError(400, str(error)) from error
-    request.state.turn = Turn(stream, splitter, tokenizer, top_logprobs is not None, thinking)
-    return request.state.turn
+    turn = Turn(stream, splitter, tokenizer, top_logprobs is not None, thinking, cache_salt)
+    request.state.turn = turn
+    return turn
 
 
 def _generating_worker(context: Any) -> GenerationWorker:
