@@ -12,9 +12,9 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
-from mlxkv.testing.factory import build_scripted_model
+from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE, build_scripted_model
 from tests.runner.test_batching import _tokens_and_logprobs
-from tests.server.conftest import SCRIPT, WEATHER, serve
+from tests.server.conftest import SCRIPT, WEATHER, build_template_model, serve
 from tests.tolerances import LOGPROB_ABS
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -102,3 +102,25 @@ def test_calls_sent_back_otherwise_render_from_the_template(served):
         model="m", messages=messages, tools=[WEATHER], max_tokens=2
     )
     assert second.usage.prompt_tokens_details.cached_tokens < held
+
+
+def test_a_template_that_wants_tool_results_after_calls_renders_the_reply_from_itself(
+    tmp_path,
+):
+    """A known call reply renders without its calls around its ids; a template that refuses
+    a tool result after a message without calls (as Mistral's do) gets the messages as sent,
+    rendered as before: the turn is answered, the cache reused up to where the prompts part."""
+    strict = TOOLS_CHAT_TEMPLATE.replace(
+        "{% elif message['role'] == 'tool' %}",
+        "{% elif message['role'] == 'tool' %}"
+        "{% if not messages[loop.index0 - 1].tool_calls %}"
+        "{{ raise_exception('tool results must follow tool calls') }}{% endif %}",
+    )
+    assert strict != TOOLS_CHAT_TEMPLATE
+    path = build_template_model(tmp_path / "strict", SCRIPT, strict)
+    with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
+        messages, held = _openai_turns(served)
+        second = served.openai().chat.completions.create(
+            model="m", messages=messages, tools=[WEATHER], max_tokens=2
+        )
+    assert 0 < second.usage.prompt_tokens_details.cached_tokens < held
