@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from mlxkv.errors import ContextLengthError
+from mlxkv.errors import ContextLengthError, ImagesNotSupportedError
 
 _OPENAI_TYPES = {
     401: "authentication_error",
@@ -88,6 +88,14 @@ def context_length_error(error: ContextLengthError, path: str) -> ApiError:
             "Please reduce the length of the messages or completion."
         )
     return ApiError(400, message, code="context_length_exceeded", param="messages")
+
+
+def bad_input_error(error: ValueError, model_name: str) -> ApiError:
+    """Bad input as a 400; a model refused by name is named as the client named it
+    (`model_name`: the served name), not by the file the server loaded it from."""
+    if isinstance(error, ImagesNotSupportedError):
+        return ApiError(400, error.for_model(model_name))
+    return ApiError(400, str(error))
 
 
 def is_anthropic_path(path: str) -> bool:
