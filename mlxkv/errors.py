@@ -29,6 +29,30 @@ class NotSupportedError(MlxkvError):
     """The operation is not possible for this cache or model (e.g. trimming a recurrent layer)."""
 
 
+class ImagesNotSupportedError(NotSupportedError, ValueError):
+    """Images sent to a model without vision (bad user input: also a ValueError).
+
+    Attributes:
+        model_name: the model as the message names it; a server names it as its clients do
+            (`for_model`), not by the file it was loaded from.
+    """
+
+    def __init__(self, model_name: str):
+        super().__init__(self._message(model_name))
+        self.model_name = model_name
+
+    def for_model(self, model_name: str) -> str:
+        """The message naming the model `model_name` instead."""
+        return self._message(model_name)
+
+    @staticmethod
+    def _message(model_name: str) -> str:
+        return (
+            f"model {model_name} does not take images; send text only, or load a "
+            "vision-language model"
+        )
+
+
 class CacheStateError(MlxkvError):
     """A saved or restored cache state does not fit the cache it is loaded into."""
 

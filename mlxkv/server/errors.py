@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from mlxkv.errors import ContextLengthError
+from mlxkv.errors import ContextLengthError, ImagesNotSupportedError
 
 _OPENAI_TYPES = {
     401: "authentication_error",
@@ -63,13 +63,18 @@ class ApiError(Exception):
 def context_length_error(error: ContextLengthError, path: str) -> ApiError:
     """A request over the window as a 400 in the wording each API's clients parse (Claude
     Code compacts its history or lowers max_tokens from Anthropic's numbers; litellm, aider
-    and others look for OpenAI's sentence and code)."""
+    and others look for OpenAI's sentence and code). Both name the window as the real APIs
+    do ("prompt is too long: 208310 tokens > 200000 maximum", "maximum context length is
+    4097 tokens"); a prompt that fills the window exactly is over it by the one token the
+    answer needs, worded as the prompt and that token."""
     prompt, window, asked = error.prompt_tokens, error.max_context, error.max_tokens
     if prompt is None or window is None:  # a window too small for keep or the last turn
         return ApiError(400, f"{error}; this server's context is set by --max-context")
+    if asked is None and prompt <= window:  # no room left for the answer's first token
+        asked = 1
     if is_anthropic_path(path):
         if asked is None:
-            message = f"prompt is too long: {prompt} tokens > {window - 1} maximum"
+            message = f"prompt is too long: {prompt} tokens > {window} maximum"
         else:
             message = (
                 f"input length and `max_tokens` exceed context limit: {prompt} + {asked} > "
@@ -88,6 +93,14 @@ def context_length_error(error: ContextLengthError, path: str) -> ApiError:
             "Please reduce the length of the messages or completion."
         )
     return ApiError(400, message, code="context_length_exceeded", param="messages")
+
+
+def bad_input_error(error: ValueError, model_name: str) -> ApiError:
+    """Bad input as a 400; a model refused by name is named as the client named it
+    (`model_name`: the served name), not by the file the server loaded it from."""
+    if isinstance(error, ImagesNotSupportedError):
+        return ApiError(400, error.for_model(model_name))
+    return ApiError(400, str(error))
 
 
 def is_anthropic_path(path: str) -> bool:

@@ -71,13 +71,14 @@ def test_a_hybrid_models_block_is_queued_once_and_counts_what_it_holds(
     queued = store._writer._queued.values()
     (job,) = [j for j in queued if j.name.endswith(store_module.SUFFIX)]  # and a reply record
     # the K/V copied and the recurrent state at its end (and at its checkpoint)
-    assert store.pending_bytes == sum(a.nbytes for a in job.arrays.values()) > cache.used_bytes
+    job_bytes = sum(a.nbytes for a in job.arrays.values())
+    assert store.pending_writes.nbytes == job_bytes > cache.used_bytes
     store.write(cache)  # evicted meanwhile: already queued
-    assert store.pending_bytes == sum(a.nbytes for a in job.arrays.values())
+    assert store.pending_writes.nbytes == job_bytes
     release.set()
     store.flush()
     assert len(started) == 1
-    assert store.pending_bytes == 0
+    assert store.pending_writes.nbytes == 0
 
 
 def test_blocks_queued_hold_copies_of_their_tokens_only(make_runner, tmp_path, held_writes):
@@ -87,10 +88,16 @@ def test_blocks_queued_hold_copies_of_their_tokens_only(make_runner, tmp_path, h
     store, cache = runner._pool.store, runner._pool.latest.cache
     assert store.block_tokens is not None
     # copies of the tokens' K/V: no view keeps the entry's buffers (which it updates in place)
-    assert store.pending_bytes == cache.used_bytes < cache.nbytes
+    assert store.pending_writes.nbytes == cache.used_bytes < cache.nbytes
     store.write(cache)  # evicted meanwhile: already queued
-    assert store.pending_bytes == cache.used_bytes
+    assert store.pending_writes.nbytes == cache.used_bytes
+    # the report counts each job queued or being written (the blocks and the reply record)
+    report = runner.cache_info()
+    assert report.disk_pending_writes == len(store._writer._queued) >= 2
+    assert report.disk_pending_bytes == cache.used_bytes
     release.set()
     store.flush()
     assert len(started) == 1
-    assert store.pending_bytes == 0
+    assert store.pending_writes == store_module.PendingWrites(num_jobs=0, nbytes=0)
+    report = runner.cache_info()
+    assert (report.disk_pending_writes, report.disk_pending_bytes) == (0, 0)

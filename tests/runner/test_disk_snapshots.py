@@ -175,11 +175,11 @@ def test_snapshots_wait_in_the_budget_until_the_writer_takes_them(runner_of, tmp
     assert len(entry.cache.checkpoints) <= MAX_CHECKPOINTS
     queued = [name for job in pool.store._writer._queued.values() for name in job.arrays]
     assert {f"c{n}.0.0" for n in (256, 512, 768)} <= set(queued)  # LFM2's conv layer 0
-    assert pool.store.pending_bytes > 0
-    assert pool.nbytes >= entry.recorded[0].allocated_bytes + pool.store.pending_bytes
+    assert pool.store.pending_writes.nbytes > 0
+    assert pool.nbytes >= entry.recorded[0].allocated_bytes + pool.store.pending_writes.nbytes
     release.set()
     pool.store.flush()
-    assert pool.store.pending_bytes == 0
+    assert pool.store.pending_writes.nbytes == 0
     runner.close()
 
 

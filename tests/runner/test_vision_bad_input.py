@@ -12,7 +12,7 @@ pytest.importorskip("mlx_vlm")
 
 from PIL import Image, ImageFile  # noqa: E402
 
-from mlxkv import Runner  # noqa: E402
+from mlxkv import ImagesNotSupportedError, Runner  # noqa: E402
 from mlxkv.models import images as image_limits  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT  # noqa: E402
@@ -41,8 +41,8 @@ def runner(tmp_path_factory):
 
 def test_an_image_for_a_text_model_is_refused_naming_the_model(make_runner):
     runner = make_runner("llama")
-    with pytest.raises(ValueError, match=r"model \S+ does not take images"):
-        runner.generate(_ask(_png(56, 56)), max_tokens=2)
+    with pytest.raises(ImagesNotSupportedError, match=r"model llama does not take images"):
+        runner.generate(_ask(_png(56, 56)), max_tokens=2)  # a ValueError too
     assert runner.cache_tokens == []
 
 

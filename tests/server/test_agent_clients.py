@@ -106,7 +106,7 @@ def test_anthropic_context_errors_in_claude_code_wording(small_window):
             model="m", max_tokens=4, messages=[{"role": "user", "content": LONG_TEXT}]
         )
     message = raised.value.body["error"]["message"]
-    assert re.fullmatch(r"prompt is too long: \d+ tokens > 63 maximum", message)
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 64 maximum", message)
     with pytest.raises(anthropic.BadRequestError) as raised:
         client.messages.create(
             model="m", max_tokens=32000, messages=[{"role": "user", "content": "hi"}], timeout=60
@@ -134,6 +134,39 @@ def test_openai_context_errors_in_openai_wording(small_window):
         r"messages or completion\.",
         raised.value.body["message"],
     )
+
+
+def _filling(runner: Runner, num_tokens: int) -> list[dict]:
+    """A user message whose prompt is `num_tokens` long."""
+    for words in range(num_tokens):
+        messages = [{"role": "user", "content": "fox " * words}]
+        if len(runner.encode(messages)) == num_tokens:
+            return messages
+    raise AssertionError(f"no count of words renders to {num_tokens} tokens")
+
+
+def test_both_apis_name_the_window_and_a_full_one_leaves_no_room(small_window):
+    """Over the window, both APIs quote it (64) as the real ones do; a prompt filling it
+    exactly is over by the answer's one token, in each API's sentence with numbers that
+    hold (never "64 tokens > 64 maximum")."""
+    messages = _filling(small_window.runner, 64)
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        small_window.anthropic().messages.create(model="m", max_tokens=4, messages=messages)
+    assert raised.value.body["error"]["message"] == (
+        "input length and `max_tokens` exceed context limit: 64 + 1 > 64, decrease input "
+        "length or max_tokens and try again"
+    )
+    with pytest.raises(openai.BadRequestError) as raised:
+        small_window.openai().chat.completions.create(model="m", messages=messages)
+    assert raised.value.body["message"] == (
+        "This model's maximum context length is 64 tokens. However, you requested 65 tokens "
+        "(64 in the messages, 1 in the completion). Please reduce the length of the messages "
+        "or completion."
+    )
+    longer = [{"role": "user", "content": LONG_TEXT}]
+    with pytest.raises(openai.BadRequestError) as raised:
+        small_window.openai().chat.completions.create(model="m", messages=longer)
+    assert raised.value.body["message"].startswith("This model's maximum context length is 64 ")
 
 
 def test_no_limit_asked_ends_at_the_window_without_a_shift(small_window):

@@ -130,7 +130,7 @@ def test_prompt_longer_than_the_context_is_context_length_exceeded(loaded_tiny):
             MESSAGES, {"max_tokens": 4, "messages": [{"role": "user", "content": long_text}]}
         )
         message = _anthropic_error(status, body)["message"]
-        assert re.fullmatch(r"prompt is too long: \d+ tokens > 63 maximum", message)
+        assert re.fullmatch(r"prompt is too long: \d+ tokens > 64 maximum", message)
         assert served.runner.cache_info().num_tokens == 0  # refused before any work
 
 

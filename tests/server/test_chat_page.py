@@ -229,15 +229,38 @@ def _screenshots(page) -> None:
 
 
 def test_server_errors_are_shown_in_the_page(page):
+    """A turn refused before its first token shows the alert alone, no empty bubble."""
     _set(page, "#temperature", "7")
     _send(page, "Hi")
-    error = page.locator(".message.assistant .error")
+    error = page.locator(".message.assistant [role=alert]")
     assert "temperature" in error.inner_text()
     assert page.locator("#send").is_visible()
 
     _set(page, "#temperature", "")
     _send(page, "word " * (MAX_CONTEXT + 100))
-    assert "context" in page.locator(".message.assistant .error").last.inner_text()
+    assert "context" in page.locator(".message.assistant [role=alert]").last.inner_text()
+    assert page.locator(".message.assistant").count() == 2
+    assert page.locator(".message.assistant .bubble").count() == 0
+    page.reload()  # as stored
+    assert page.locator(".message.assistant [role=alert]").count() == 2
+    assert page.locator(".message.assistant .bubble").count() == 0
+
+
+def test_an_error_after_some_text_keeps_the_text_above_the_alert(page):
+    """A stream that fails after its first words (the server's error event) keeps them."""
+    chunk = {"choices": [{"index": 0, "delta": {"content": "Partial words"}}]}
+    failed = {"error": {"message": "the generation failed here", "type": "server_error"}}
+    events = "".join(f"data: {json.dumps(event)}\n\n" for event in (chunk, failed))
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=200, headers={"Content-Type": "text/event-stream"}, body=events
+        ),
+    )
+    _send(page, "Hi")
+    reply = page.locator(".message.assistant")
+    assert reply.locator(".bubble").inner_text() == "Partial words"
+    assert reply.locator("[role=alert]").inner_text() == "the generation failed here"
 
 
 def test_a_key_protected_server_asks_for_the_key(browser, loaded_tiny):

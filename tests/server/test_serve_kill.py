@@ -8,11 +8,13 @@ generated renders as its generated ids after a restart too: `mlxkv.runner.disk.r
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -26,7 +28,6 @@ _ROUNDS = 4  # kills, each at a moment drawn from the seeded generator
 _SEED = 40
 # A finished turn is on disk within this long (the issue asks for "a couple of seconds").
 _DURABLE_S = 5.0
-_STILL_S = 0.3
 # Logprobs of K/V loaded from disk against K/V prefilled: same arrays, another chunking.
 _LOGPROB_ATOL = 1e-3
 
@@ -45,8 +46,13 @@ class _Server:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=str(ROOT)),
         )  # fmt: skip
-        url = ready_url(self.process, _TIMEOUT_S)
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        self.url = ready_url(self.process, _TIMEOUT_S)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def cache_report(self) -> dict:
+        """`GET /v1/mlxkv/cache`: `Runner.cache_info()` as JSON."""
+        with urllib.request.urlopen(f"{self.url}/v1/mlxkv/cache", timeout=_TIMEOUT_S) as reply:
+            return json.load(reply)
 
     def ask(self, messages: list[dict], max_tokens: int = 6):
         return self.client.chat.completions.create(
@@ -68,35 +74,16 @@ def _assert_same_answer(got, want) -> None:
     assert worst <= _LOGPROB_ATOL, f"max |logprob difference| {worst:.2e}"
 
 
-def _wait_for_writes(cache_dir: Path, since_ns: int) -> bool:
-    """True once a file of the tier was renamed into place after `since_ns` and the directory
-    then stays still (no temporary file, nothing changed) for `_STILL_S`: the writes behind
-    of the turns that ended are done, as they are a few seconds after a turn ends."""
+def _wait_for_writes(server: _Server) -> bool:
+    """True once the server reports no disk write pending (`disk_pending_writes` in
+    `/v1/mlxkv/cache`) within `_DURABLE_S`: a turn queues its writes before its reply is sent,
+    so at 0 every turn answered is on disk."""
     deadline = time.monotonic() + _DURABLE_S
-    last, still_since = None, time.monotonic()
     while time.monotonic() < deadline:
-        now = _listing(cache_dir)
-        if now != last:
-            last, still_since = now, time.monotonic()
-        elif (
-            time.monotonic() - still_since >= _STILL_S
-            # a temporary file being written (one a killed server left is older)
-            and not any(n.startswith(".tmp-") and mtime >= since_ns for n, mtime in now)
-            and any(mtime >= since_ns for _, mtime in now)
-        ):
+        if server.cache_report()["disk_pending_writes"] == 0:
             return True
-        time.sleep(0.02)
+        time.sleep(0.02)  # another process: polled
     return False
-
-
-def _listing(cache_dir: Path) -> frozenset[tuple[str, int]]:
-    found = set()
-    for path in cache_dir.glob("*/*"):
-        try:
-            found.add((path.name, path.stat().st_mtime_ns))
-        except FileNotFoundError:  # removed meanwhile
-            continue
-    return frozenset(found)
 
 
 def _kill_mid_reply(server: _Server, rng: random.Random) -> None:
@@ -151,10 +138,9 @@ def test_kill_9_at_random_moments_then_restart_answers_exactly_and_warm(model_ro
                         {"role": "system", "content": f"You are assistant {round_}. Be brief."},
                         {"role": "user", "content": f"Name {rng.randint(2, 9)} rivers."},
                     ]
-                    since_ns = time.time_ns()
                     got = server.ask(messages)
                     _assert_same_answer(got, reference.ask(messages))
-                    assert _wait_for_writes(cache_dir, since_ns)
+                    assert _wait_for_writes(server)
                     reply = {"role": "assistant", "content": got.choices[0].message.content}
                     turn_tokens = got.usage.prompt_tokens + got.usage.completion_tokens
                     finished.append((messages + [reply], turn_tokens))

@@ -8,7 +8,6 @@ equal a server without a disk tier's, by log-probabilities. Token-id prompts thr
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 
@@ -42,7 +41,6 @@ def test_batched_replies_restore_to_their_boundary_snapshot_after_kill_9(
     assert all(len(r) == _REPLY_TOKENS for r in replies)
     cache_dir = tmp_path / "kv"
     server = _Server(model, cache_dir)
-    since_ns = time.time_ns()
     start = threading.Barrier(_ROWS)
 
     def ask(i: int) -> None:
@@ -54,7 +52,7 @@ def test_batched_replies_restore_to_their_boundary_snapshot_after_kill_9(
         thread.start()
     for thread in threads:
         thread.join()
-    assert _wait_for_writes(cache_dir, since_ns)
+    assert _wait_for_writes(server)
     server.process.kill()
     _assert_clean(server.process.communicate()[1])
     server, reference = _Server(model, cache_dir), _Server(model, None)

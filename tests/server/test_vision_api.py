@@ -127,23 +127,34 @@ def test_an_image_url_is_not_fetched(served):
 
 
 def test_an_image_for_a_text_model_is_a_400_in_each_api_shape(text_only):
+    """Each API's refusal names the model as served ("tiny"), never the file it was loaded
+    from (noise to the client, and the server's file layout)."""
+    refused_as = "model tiny does not take images"
     image = [{"type": "image_url", "image_url": {"url": DATA_URL}}]
-    with pytest.raises(openai.BadRequestError, match="does not take images") as refused:
+    with pytest.raises(openai.BadRequestError, match=refused_as) as refused:
         text_only.openai().chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": image}], max_tokens=2
         )
     assert refused.value.body["type"] == "invalid_request_error"
+    part = {"type": "input_image", "image_url": DATA_URL}
+    with pytest.raises(openai.BadRequestError, match=refused_as):
+        text_only.openai().responses.create(
+            model="tiny", input=[{"role": "user", "content": [part]}], max_output_tokens=2
+        )
     source = {"type": "base64", "media_type": "image/png", "data": B64}
     block = [{"type": "image", "source": source}]
-    with pytest.raises(anthropic.BadRequestError, match="does not take images"):
-        text_only.anthropic().messages.create(
-            model="tiny", messages=[{"role": "user", "content": block}], max_tokens=2
-        )
-    with pytest.raises(ollama.ResponseError, match="does not take images") as ollama_refused:
+    messages = [{"role": "user", "content": block}]
+    with pytest.raises(anthropic.BadRequestError, match=refused_as):
+        text_only.anthropic().messages.create(model="tiny", messages=messages, max_tokens=2)
+    with pytest.raises(anthropic.BadRequestError, match=refused_as):
+        text_only.anthropic().messages.count_tokens(model="tiny", messages=messages)
+    with pytest.raises(ollama.ResponseError, match=refused_as) as ollama_refused:
         ollama.Client(host=text_only.url).chat(
             model="tiny", messages=[{"role": "user", "content": "hi", "images": [B64]}]
         )
     assert ollama_refused.value.status_code == 400
+    with pytest.raises(ollama.ResponseError, match=refused_as):
+        ollama.Client(host=text_only.url).generate(model="tiny", prompt="hi", images=[B64])
     assert text_only.runner.cache_tokens == []
 
 

@@ -64,7 +64,7 @@ from mlxkv.runner.disk.files import (
 )
 from mlxkv.runner.disk.reading import LayerStream, read_blocks, warn_unreadable
 from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply
-from mlxkv.runner.disk.writer import BackgroundWriter, WriteJob
+from mlxkv.runner.disk.writer import BackgroundWriter, PendingWrites, WriteJob
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class DiskStore:
         reply_start: int | None = None,
     ) -> None:
         """Saves `cache` under its token ids, as the blocks not on disk yet: in the background
-        (each block's arrays stay referenced, and count in `pending_bytes`, until written), or
+        (each block's arrays stay referenced, and count in `pending_writes`, until written), or
         now with `wait`. An entry already on disk, empty, larger than the budget or of a layer
         type that cannot be saved is skipped. `salt`: the isolation domain the entry belongs
         to. `reply_start`: where its last request's reply began (None: its end); a later
@@ -335,8 +335,8 @@ class DiskStore:
         return self.replies.load(records, limit)
 
     @property
-    def pending_bytes(self) -> int:  # memory held by entries handed to the writer, not written
-        return self._writer.pending_bytes
+    def pending_writes(self) -> PendingWrites:  # handed to the writer, not written yet
+        return self._writer.pending
 
     def flush(self) -> None:  # waits until every background write has finished
         self._writer.flush()

@@ -2,8 +2,9 @@
 off the engine thread, so a request never waits for a write.
 
 Owns `WriteJob` (a block's arrays, header metadata and file name, and the memory they keep
-alive) and `BackgroundWriter` (the queue, the thread, which names are queued and the bytes they
-hold; `flush` and `close`). Does not own what a job writes or how (`store.DiskStore`).
+alive), `PendingWrites` (how many jobs wait and their bytes) and `BackgroundWriter` (the queue,
+the thread, which names are queued and the bytes they hold; `flush` and `close`). Does not own
+what a job writes or how (`store.DiskStore`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ class WriteJob:
     metadata: dict[str, str]
     name: str
     held_bytes: int
+
+
+@dataclass(frozen=True)
+class PendingWrites:
+    """Jobs put and not yet written (or failed), read together under the writer's lock.
+
+    Attributes:
+        num_jobs: how many (a block or a reply record each).
+        nbytes: the memory their arrays keep alive until written.
+    """
+
+    num_jobs: int
+    nbytes: int
 
 
 class BackgroundWriter:
@@ -70,10 +84,10 @@ class BackgroundWriter:
             return set(self._queued)
 
     @property
-    def pending_bytes(self) -> int:
-        """Memory held by jobs not yet written."""
+    def pending(self) -> PendingWrites:
+        """The jobs not yet written and the memory they hold (0 jobs: `flush` would not wait)."""
         with self._lock:
-            return self._pending_bytes
+            return PendingWrites(num_jobs=self._unfinished, nbytes=self._pending_bytes)
 
     def flush(self) -> None:
         """Waits until every job put has been written (or has failed)."""

@@ -407,7 +407,7 @@ class CachePool:
         `nbytes`."""
         kept, latest = self.entries, self.latest
         unkept = [latest] if latest is not None and latest not in kept else []
-        pending = self.store.pending_bytes if self.store is not None else 0
+        pending = self.store.pending_writes.nbytes if self.store is not None else 0
         return holdings(kept, unkept=unkept, outside_bytes=self._working_bytes() + pending)
 
     def persist(self, timeout_s: float | None = None) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxkv.config import format_bytes
+from mlxkv.runner.disk.writer import PendingWrites
 from mlxkv.runner.prompt_cache.holdings import Holdings
 from mlxkv.runner.prompt_cache.pool import CachePool
 
@@ -68,6 +69,9 @@ class MemoryReport:
         disk_entries: files in the disk tier (0 without one).
         disk_bytes: their bytes.
         disk_budget_bytes: the disk tier's byte budget (None: no disk tier).
+        disk_pending_writes: writes to the disk tier queued and not yet done (blocks and reply
+            records; 0 without a disk tier): at 0, every turn that ended is on disk.
+        disk_pending_bytes: the memory those writes keep alive (part of `held_bytes`).
     """
 
     num_tokens: int
@@ -85,6 +89,8 @@ class MemoryReport:
     disk_entries: int = 0
     disk_bytes: int = 0
     disk_budget_bytes: int | None = None
+    disk_pending_writes: int = 0
+    disk_pending_bytes: int = 0
 
     @classmethod
     def measure(cls, pool: CachePool, usage: Holdings | None = None) -> MemoryReport:
@@ -106,6 +112,7 @@ class MemoryReport:
             for h in usage.entries
         )
         store = pool.store
+        pending = store.pending_writes if store else PendingWrites(num_jobs=0, nbytes=0)
         return cls(
             num_tokens=sum(r.num_tokens for r in reports),
             used_bytes=sum(r.used_bytes for r in reports),
@@ -122,6 +129,8 @@ class MemoryReport:
             disk_entries=store.num_entries if store else 0,
             disk_bytes=store.nbytes if store else 0,
             disk_budget_bytes=store.max_bytes if store else None,
+            disk_pending_writes=pending.num_jobs,
+            disk_pending_bytes=pending.nbytes,
         )
 
     def log_line(self) -> str:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mlxkv.errors import ImagesNotSupportedError
 from mlxkv.models.images import decode_image
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
 from mlxkv.models.vision_families import ProcessedImage
@@ -125,15 +126,13 @@ class VisionPrompts:
         not render that content once, as given (then all render as text, as a text prompt's).
 
         Raises:
-            ValueError: a text-only model; malformed parts; an image that cannot be decoded or
+            ImagesNotSupportedError: a text-only model.
+            ValueError: malformed parts; an image that cannot be decoded or
                 is over a limit; more than `MAX_IMAGES_PER_PROMPT` images; a template that
                 does not place one marker per image.
         """
         if self._support is None:
-            raise ValueError(
-                f"model {self._model_name} does not take images; send text only, or load a "
-                "vision-language model"
-            )
+            raise ImagesNotSupportedError(self._model_name)
         masked, images, slots, known = self._masked(messages, parse_control_tokens, replies)
         if len(images) > MAX_IMAGES_PER_PROMPT:
             raise ValueError(

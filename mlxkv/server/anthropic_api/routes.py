@@ -34,7 +34,7 @@ from mlxkv.server.anthropic_api.diagnostics import (
 )
 from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
 from mlxkv.server.anthropic_api.tool_ids import client_id
-from mlxkv.server.errors import ApiError
+from mlxkv.server.errors import bad_input_error
 from mlxkv.server.images import fetched_images
 from mlxkv.server.middleware import seconds_since_arrival
 from mlxkv.server.models.streams import StreamShape
@@ -108,7 +108,7 @@ async def count_tokens(body: PromptFields, ctx: Context) -> dict[str, int]:
             cache_salt=body.cache_salt,
         )
     except ValueError as error:
-        raise ApiError(400, str(error)) from error
+        raise bad_input_error(error, ctx.model_name) from error
     return {"input_tokens": len(tokens)}
 
 
@@ -203,7 +203,7 @@ async def _diagnostics(
     try:
         tokens = await run_in_threadpool(encode, messages)
     except ValueError as error:
-        raise ApiError(400, str(error)) from error
+        raise bad_input_error(error, ctx.model_name) from error
     system_hash, tools_hash = content_hash(body.system_text()), content_hash(tools)
     record = PromptRecord(np.asarray(tokens, np.uint32), system_hash, tools_hash)
     previous_id = body.diagnostics.get("previous_message_id")

@@ -24,7 +24,7 @@ from mlxkv.errors import ContextLengthError
 from mlxkv.runner.request import salt_digest
 from mlxkv.runner.results import Completion, PromptUsage
 from mlxkv.runner.text.replies import call_reply_key, remember_reply
-from mlxkv.server.errors import ApiError, context_length_error
+from mlxkv.server.errors import ApiError, bad_input_error, context_length_error
 from mlxkv.server.images import fetched_images
 from mlxkv.server.models.served import request_context
 from mlxkv.server.reply.forced_tools import ForcedCall, forced_call_grammar
@@ -241,7 +241,7 @@ async def start_turn(
     except ContextLengthError as error:
         raise context_length_error(error, request.url.path) from error
     except ValueError as error:
-        raise ApiError(400, str(error)) from error
+        raise bad_input_error(error, context.model_name) from error
     turn = Turn(stream, splitter, tokenizer, top_logprobs is not None, thinking, cache_salt)
     request.state.turn = turn
     return turn

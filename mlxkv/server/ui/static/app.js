@@ -89,15 +89,19 @@ function imagesHtml(images) {
 
 function messageHtml(message) {
   if (message.role === "user") return `<div class="bubble">${imagesHtml(message.images)}${escapeHtml(message.content)}</div>`;
-  let html = '<div class="bubble markdown">';
-  if (message.reasoning) {
-    // open while the model thinks, folded once the answer comes
-    const open = message.pending && !message.content ? " open" : "";
-    html += `<details class="thinking"${open}><summary>Thinking</summary><div class="thought">${escapeHtml(message.reasoning)}</div></details>`;
+  let html = "";
+  // a turn that ended before its first token (refused, unreachable, stopped) has no bubble
+  if (message.pending || message.content || message.reasoning) {
+    html += '<div class="bubble markdown">';
+    if (message.reasoning) {
+      // open while the model thinks, folded once the answer comes
+      const open = message.pending && !message.content ? " open" : "";
+      html += `<details class="thinking"${open}><summary>Thinking</summary><div class="thought">${escapeHtml(message.reasoning)}</div></details>`;
+    }
+    html += renderMarkdown(message.content);
+    if (message.pending && !message.content && !message.reasoning) html += '<span class="typing" aria-label="Waiting for the reply">●●●</span>';
+    html += "</div>";
   }
-  html += renderMarkdown(message.content);
-  if (message.pending && !message.content && !message.reasoning) html += '<span class="typing" aria-label="Waiting for the reply">●●●</span>';
-  html += "</div>";
   if (message.error) html += `<div class="error" role="alert">${escapeHtml(message.error)}</div>`;
   const notes = [];
   if (message.stopped) notes.push('<span class="stopped">stopped</span>');
