@@ -1,6 +1,7 @@
 import logging
 import os
 import re
+import threading
 
 import pytest
 
@@ -122,15 +123,30 @@ def loaded_quantizable(model_root):
     return load_model(path)
 
 
+_FLUSH_TIMEOUT_S = 120  # a writer held by the test for good fails it instead of hanging CI
+
+
 @pytest.fixture
 def make_runner(loaded_tiny):
-    """A Runner on a tiny factory model (loaded once per session), with these settings."""
+    """A Runner on a tiny factory model (loaded once per session), with these settings. At
+    the test's end, the disk writes its Runners queued are waited for: a Runner dropped
+    unclosed stops its writer without waiting, and writes going on into the next test would
+    meet its patches and its log capture."""
     from mlxkv import Runner
 
-    def _make(arch: str = "llama", **kwargs) -> Runner:
-        return Runner(loaded_tiny(arch), **kwargs)
+    stores = []  # not the Runners: tests see a dropped one collected
 
-    return _make
+    def _make(arch: str = "llama", **kwargs) -> Runner:
+        runner = Runner(loaded_tiny(arch), **kwargs)
+        if runner._pool.store is not None:
+            stores.append(runner._pool.store)
+        return runner
+
+    yield _make
+    flushed = threading.Thread(target=lambda: [store.flush() for store in stores], daemon=True)
+    flushed.start()
+    flushed.join(_FLUSH_TIMEOUT_S)
+    assert not flushed.is_alive(), "the disk writes of the test's Runners never ended"
 
 
 @pytest.fixture

@@ -159,7 +159,14 @@ def test_a_full_disk_is_one_line_per_write_and_a_cold_prefill(
         messages, _ = _chat(runner, 1)  # its turn, written behind, fails
         runner._pool.store.flush()
         runner.close()  # the same entry again: no exception
-    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # A Runner an earlier test dropped may still be writing behind (its finalizer does not
+    # wait), into its own directory, through the same patched save: not this Runner's lines.
+    lines = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING
+        and not ("bytes free in" in r.getMessage() and str(tmp_path) not in r.getMessage())
+    ]
     # the turn's block, its reply's record (`disk.replies`) and the block again at close()
     assert len(lines) == 3, [r.getMessage() for r in lines]
     assert all("the disk is full (10 bytes free" in r.getMessage() for r in lines)
