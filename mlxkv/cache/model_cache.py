@@ -426,9 +426,9 @@ class ModelCache:
     def free(self) -> None:  # drops every token and the memory that held them
         self.adopt(self._make_layers(), [], {})
 
-    def shrink(self) -> int:
-        """Gives back buffer slots past the next growth step above the tokens; bytes freed."""
-        return sum(layer.shrink() for layer in leaves(self.layers) if hasattr(layer, "shrink"))
+    def shrink(self, exact: bool = False) -> int:
+        """Frees slots past the next growth step above the tokens (`exact`: all past them)."""
+        return sum(layer.shrink(exact) for layer in leaves(self.layers) if hasattr(layer, "shrink"))
 
     def arrays(self) -> list[mx.array]:
         """Every array the layers and disk snapshots hold (`mx.eval` of it leaves none lazy)."""

@@ -165,3 +165,30 @@ def test_the_rates_alone_make_a_restart_load_part_of_a_chain(make_runner, tmp_pa
     assert got[0] == want[0]
     assert got[1] == pytest.approx(want[1], abs=LOGPROB_ABS)
     assert got[2] == 2 * BLOCK_TOKENS
+
+
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_a_block_removed_after_its_check_is_forgotten_without_a_warning(
+    make_runner, tmp_path, caplog, monkeypatch, arch
+):
+    """The writer removes a block another one supersedes while a request reads its chain
+    (seen 2 times in 200 turns under a small budget): MLX's open then fails with a
+    RuntimeError, which said "could not read ... now; the file is kept" of a file gone."""
+    follow_up = _stored_conversation(make_runner, arch, tmp_path)
+    restarted = make_runner(arch, cache_dir=tmp_path)
+    store = restarted._pool.store
+    chain = _full_chain(restarted, follow_up)
+    before = partial_restores(chain, trimmable=store.trimmable)[-2]
+    gone = chain.blocks[-1].path
+    real_check = reading.checked_header
+
+    def removed_once_checked(block, **options):
+        header = real_check(block, **options)
+        if block.path == gone:
+            gone.unlink()
+        return header
+
+    monkeypatch.setattr(reading, "checked_header", removed_once_checked)
+    warnings = _answers_as_fresh(restarted, make_runner, arch, follow_up, before.num_tokens, caplog)
+    assert warnings == []
+    assert gone.name not in store._records

@@ -163,7 +163,9 @@ class ContiguousCache(BufferedCache):
     """
 
     offset: int
+    step: int
     keys: Any
+    values: Any
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
@@ -187,6 +189,24 @@ class ContiguousCache(BufferedCache):
 
     def _used_slots(self) -> int:
         return self.offset
+
+    def shrink(self, exact: bool = False) -> int:
+        """Frees the slots beyond the next step boundary above the offset, or with `exact`
+        every slot past it (an entry kept within a byte budget smaller than one growth step;
+        the next update grows it a step again).
+
+        Returns:
+            The bytes given back (0 when there was nothing to free).
+        """
+        target = self.offset if exact else round_up(self.offset, self.step)
+        if self.keys is None or target >= self.capacity_tokens:
+            return 0
+        before = self.nbytes
+        if target == 0:
+            self.keys = self.values = None
+        else:
+            self._reallocate(self.keys, self.values, target)
+        return before - self.nbytes
 
     @classmethod
     def from_state(cls, state: Any, meta_state: tuple[str, ...] = ()):

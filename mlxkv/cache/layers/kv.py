@@ -5,7 +5,8 @@ offset; the slots past it are overwritten by the next update. `shrink()` gives m
 
 Invariants:
   - slots [0, offset) hold the K/V of positions 0..offset-1;
-  - capacity is a multiple of `step` tokens (or exactly offset after `from_state`);
+  - capacity is a multiple of `step` tokens (or exactly offset after `from_state` or
+    `shrink(exact=True)`);
   - `state` is the used part only, so saved caches carry no padding.
 """
 
@@ -59,22 +60,6 @@ class KVCache(ContiguousCache):
         so the old buffer is freed)."""
         self.keys = resized_buffer(self.keys, keys, self.offset, capacity)
         self.values = resized_buffer(self.values, values, self.offset, capacity)
-
-    def shrink(self) -> int:
-        """Frees the slots beyond the next step boundary above the offset.
-
-        Returns:
-            The bytes given back (0 when there was nothing to free).
-        """
-        target = round_up(self.offset, self.step)
-        if self.keys is None or target >= self.capacity_tokens:
-            return 0
-        before = self.nbytes
-        if target == 0:
-            self.keys = self.values = None
-        else:
-            self._reallocate(self.keys, self.values, target)
-        return before - self.nbytes
 
     def shift(self, keep: int, drop: int, rotate: Rotation) -> None:
         """Removes positions [keep, keep + drop) and moves the later tokens back by `drop`.

@@ -8,7 +8,8 @@ mlx-lm's attention takes the quantized path when the cache has a `bits` attribut
 Bytes per K/V element: bits/8 + 2 * scale_bytes / group_size (8-bit, group 64, float32 scales:
 1.125 bytes; 4-bit: 0.625 bytes).
 
-Invariants: as KVCache (slots [0, offset) hold positions 0..offset-1; trim is O(1)).
+Invariants: as KVCache (slots [0, offset) hold positions 0..offset-1; trim is O(1); `shrink()`
+gives memory back).
 """
 
 from __future__ import annotations
@@ -67,13 +68,17 @@ class QuantizedKVCache(ContiguousCache):
         q_keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
         q_values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
         if prev + num_new > self.capacity_tokens:
-            capacity = round_up(prev + num_new, self.step)
-            self.keys = _resized_triple(self.keys, q_keys, prev, capacity)
-            self.values = _resized_triple(self.values, q_values, prev, capacity)
+            self._reallocate(q_keys, q_values, round_up(prev + num_new, self.step))
         for stored, new in zip(self.keys + self.values, q_keys + q_values, strict=True):
             stored[..., prev : prev + num_new, :] = new
         self.offset = prev + num_new
         return self.keys_and_values()
+
+    def _reallocate(self, keys: Triple, values: Triple, capacity: int) -> None:
+        """Moves the used part into fresh buffers of `capacity` tokens (copies, never views,
+        so the old buffers are freed)."""
+        self.keys = _resized_triple(self.keys, keys, self.offset, capacity)
+        self.values = _resized_triple(self.values, values, self.offset, capacity)
 
     def keys_and_values(self) -> tuple[Triple, Triple]:
         """The quantized K/V of every held token, as the last `update_and_fetch` returned them

@@ -260,7 +260,8 @@ class DiskStore:
         """What a block that failed to read (`reading.read_blocks`) leaves: gone, forgotten;
         corrupt or foreign, discarded; unreadable now for a reason that proves nothing about
         the file, kept."""
-        if isinstance(error, FileNotFoundError):
+        # gone: MLX opening a file removed since its check (superseded) raises RuntimeError
+        if isinstance(error, FileNotFoundError) or not block.path.exists():
             self._forget(block.path.name)
         elif isinstance(error, (BadFile, ValueError, KeyError, TypeError)):
             self._discard(block.path, error)

@@ -15,8 +15,8 @@ from mlxkv.runner.prompt_cache.holdings import holdings
 
 logger = logging.getLogger(__name__)
 
-# Aim this far under the budget, for at most this many rounds (allocation shrinks with the
-# tokens in growth steps, so one trim may not be enough).
+# Aim this far under the budget, for at most this many rounds (checkpoints and recurrent state
+# do not shrink with the tokens, so one trim may not be enough).
 _FIT_MARGIN = 0.95
 _FIT_ROUNDS = 4
 
@@ -39,6 +39,13 @@ def fit_to_budget(entry: CacheEntry, max_bytes: int, store: DiskStore | None) ->
     if held <= max_bytes:
         return True
     cache, total = entry.cache, entry.num_tokens
+    # every slot past the tokens freed, not just past their growth step: a budget under one
+    # step (256 tokens) keeps what fits, not nothing, and the trims below are sized by it
+    cache.shrink(exact=True)
+    if entry.record() == 0:
+        return False
+    if (held := holdings([entry]).held_bytes) <= max_bytes:
+        return True
     if store is not None:
         store.write(cache, salt=entry.salt, reply_start=entry.reply_start)
     kept = total
@@ -46,7 +53,8 @@ def fit_to_budget(entry: CacheEntry, max_bytes: int, store: DiskStore | None) ->
         kept = cache.nearest_restorable(int(kept * _FIT_MARGIN * max_bytes / held))
         if kept == 0:
             break
-        cache.rewind_to(kept, shrink=True)
+        cache.rewind_to(kept)
+        cache.shrink(exact=True)
         if entry.record() == 0:
             return False
         held = holdings([entry]).held_bytes
