@@ -39,7 +39,8 @@ Invariants:
     logits, which only come from feeding at least one token);
   - after `release`, at most `max_entries` entries, and the bytes they hold (K/V allocated,
     checkpoints; plus entries still being written to disk and `working`'s) are at most
-    `max_bytes`, unless entries in use alone are over (they cannot be evicted).
+    `max_bytes`, unless entries in use alone are over (they cannot be evicted); the write the
+    release queues after that eviction is over it until written (about a second).
 """
 
 from __future__ import annotations
