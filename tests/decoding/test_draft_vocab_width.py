@@ -22,6 +22,7 @@ import pytest
 
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.prefill.chunks import PrefillPlan
+from mlxkv.decoding.sampling import SamplingParams
 from tests.factories import tiny_model_dir
 
 # The tiny models' tokenizer and table hold 512 tokens. An id far past the draft's end: reads and
@@ -43,6 +44,9 @@ _SCRIPT = textwrap.dedent(
                         speculative=mode, **settings).tokens
         for mode in (None, "draft")
     ]
+    sampled = runner.generate("one two three", max_tokens=12, temperature=0.8, seed=1,
+                              speculative="draft", **settings)  # q at the model's width
+    assert sampled.drafted_tokens > 0
     print(json.dumps(answers))
     """
 )
@@ -101,6 +105,10 @@ def test_the_processors_see_the_draft_logits_at_the_models_width(loaded_tiny):
         return logits
 
     draft = DraftModel(loaded, 640)
-    drafter = draft.drafter(draft.make_cache(), [5, 6, 7, 600], None, PrefillPlan(512), [spy])
-    assert len(drafter.propose(3).tokens) == 3  # a text within one chunk: drafts at once
+    distribution = SamplingParams(temperature=0.8).make_distribution(640)
+    text = [5, 6, 7, 600]
+    drafter = draft.drafter(draft.make_cache(), text, distribution, PrefillPlan(512), [spy])
+    proposed = drafter.propose(3)  # a text within one chunk: drafts at once
+    assert len(proposed.tokens) == 3 and max(proposed.tokens) < 512  # none the draft cannot read
     assert seen == [(640, 600)] * 3
+    assert [q.shape for q in proposed.probabilities] == [(1, 640)] * 3  # p's width
