@@ -187,6 +187,12 @@ class ModelDrafter:
         plan: how the draft model is fed the text it has not seen.
         rotations: the draft model's per-layer key rotations (`rope_rotations`), for shifting
             its cache in place as the target's shifts.
+        vocab_size: the target's logits width; the draft's are cut or padded to it
+            (`_to_width`) before the processors, which index them by the target's ids.
+        own_vocab_size: the draft's embedding rows: a text id past them (a padded id the
+            target picked) is fed to the draft as id 0, which it can read (its embedding
+            gathered out of bounds, a SIGSEGV far past the end); its drafts after that id
+            are only less likely accepted.
         processors: the request's stateless logits processors (penalties, logit bias), applied
             to the draft's logits with the same history as the target's picker: drafts from
             raw logits were accepted less often (34 of 42 with a repetition penalty, 23 of 41
@@ -202,20 +208,28 @@ class ModelDrafter:
         distribution: Callable[[mx.array], mx.array] | None,
         plan: PrefillPlan,
         rotations: Sequence[Rotation | None],
+        vocab_size: int,
+        own_vocab_size: int,
         processors: Sequence[LogitsProcessor] = (),
     ):
         self._model = model
         self._cache = cache
-        self._tokens = list(tokens)
+        self._own_vocab_size = own_vocab_size
+        self._tokens = self._readable(tokens)  # the text as the draft model is fed it
         self._distribution = distribution
         self._plan = plan
         self._rotations = rotations
+        self._vocab_size = vocab_size
         self._processors = tuple(processors)
         # every token since the prompt's first, as `TokenPicker` keeps it (never shifted)
-        self._history = mx.array(self._tokens, dtype=mx.uint32) if processors else None
+        self._history = mx.array(list(tokens), dtype=mx.uint32) if processors else None
+
+    def _readable(self, tokens: Sequence[int]) -> list[int]:
+        """`tokens` with each id past the draft's embedding rows replaced by 0."""
+        return [int(t) if t < self._own_vocab_size else 0 for t in tokens]
 
     def extend(self, tokens: Sequence[int]) -> None:
-        self._tokens.extend(int(t) for t in tokens)
+        self._tokens.extend(self._readable(tokens))
         if self._history is not None and tokens:
             added = mx.array([int(t) for t in tokens], dtype=mx.uint32)
             self._history = mx.concatenate([self._history, added])
@@ -231,7 +245,7 @@ class ModelDrafter:
         drafted, probabilities = [], []
         history = self._history
         for _ in range(limit):
-            logits = self._cache.forward(self._model, feed)[:, -1, :]
+            logits = _to_width(self._cache.forward(self._model, feed)[:, -1, :], self._vocab_size)
             if history is not None:
                 for processor in self._processors:
                     logits = processor(history, logits)
@@ -284,16 +298,33 @@ class ModelDrafter:
         return common + len(chunk) == len(target)
 
 
+def _to_width(logits: mx.array, width: int) -> mx.array:
+    """`logits` (1, vocab) over `width` tokens: cut (the target has no logit for the ids
+    past it), or padded with -inf (never drafted). Tables of one tokenizer are padded apart
+    (Qwen2.5-0.5B's 151,936 rows, 7B's 152,064): a processor indexing a narrower draft's
+    logits at a target id past their end (a bias, a penalty's history) read and wrote out of
+    bounds, and the process died with SIGSEGV."""
+    have = logits.shape[-1]
+    if have == width:
+        return logits
+    if have > width:
+        return logits[:, :width]
+    padding = mx.full((logits.shape[0], width - have), -mx.inf, dtype=logits.dtype)
+    return mx.concatenate([logits, padding], axis=-1)
+
+
 class DraftModel:
     """A draft model; each conversation's cache for it lives on its prompt-cache entry
     (`make_cache`), so interleaved conversations do not re-prefill each other's.
 
     Args:
         loaded: the draft model; its tokenizer must map text to the same ids as the target's.
+        vocab_size: the target's logits width (its embedding table may be padded apart).
     """
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, vocab_size: int):
         self.loaded = loaded
+        self.vocab_size = vocab_size
         self._rotations = rope_rotations(loaded.model)
 
     def make_cache(self) -> ModelCache:
@@ -316,7 +347,7 @@ class DraftModel:
                 f"({len(theirs):,} tokens; {differing:,} entries differ): drafts would be other "
                 "tokens. Use a draft model from the same family (same tokenizer)"
             )
-        return cls(draft)
+        return cls(draft, target.vocab_size)
 
     def drafter(
         self,
@@ -329,5 +360,13 @@ class DraftModel:
         """A drafter for `tokens` on `cache` (the conversation's, from `make_cache`), which
         it rewinds and fills to match them, drafting through `processors` (`ModelDrafter`)."""
         return ModelDrafter(
-            self.loaded.model, cache, tokens, distribution, plan, self._rotations, processors
+            self.loaded.model,
+            cache,
+            tokens,
+            distribution,
+            plan,
+            self._rotations,
+            self.vocab_size,
+            self.loaded.vocab_size,
+            processors,
         )

@@ -104,7 +104,7 @@ class AcceptanceRule:
             best = mx.argmax(logprobs, axis=-1)
             return None if best.item() == token else best
         p = self._distribution(logprobs)[0]
-        q = _one_hot(token, p.shape[-1]) if q is None else _aligned(q[0], p.shape[-1])
+        q = _one_hot(token, p.shape[-1]) if q is None else q[0]
         if mx.random.uniform().item() * q[token].item() < p[token].item():
             return None
         residual = mx.maximum(p - q, 0.0)
@@ -259,11 +259,3 @@ def _either(first: Callable[[], bool] | None, second: Callable[[], bool]) -> Cal
 
 def _one_hot(token: int, size: int) -> mx.array:
     return (mx.arange(size) == token).astype(mx.float32)
-
-
-def _aligned(q: mx.array, size: int) -> mx.array:
-    """A draft model's distribution over the target's vocabulary size (their embedding tables
-    may be padded differently; the tokens beyond the tokenizer have probability 0)."""
-    if q.shape[-1] >= size:
-        return q[:size]
-    return mx.concatenate([q, mx.zeros((size - q.shape[-1],), dtype=q.dtype)])

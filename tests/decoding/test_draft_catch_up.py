@@ -22,7 +22,7 @@ TEXT = [(7 * i + 3) % 97 + 1 for i in range(3 * STEP_TOKENS + 5)]  # 53 tokens: 
 
 def test_a_draft_model_catches_up_a_chunk_per_draft_asked_for(loaded_tiny):
     loaded = loaded_tiny("llama")
-    draft = DraftModel(loaded)
+    draft = DraftModel(loaded, loaded.vocab_size)
     chunked = draft.drafter(draft.make_cache(), TEXT, None, PrefillPlan(STEP_TOKENS))
     cache = chunked._cache
     held = []
