@@ -167,6 +167,28 @@ def test_convert_never_deletes_what_it_did_not_write(good_gguf, tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("stranger", ["file", "folder", "manifest_only"])
+def test_convert_keeps_what_a_user_added_to_an_earlier_conversion(good_gguf, tmp_path, stranger):
+    """Converting again into an earlier conversion replaced the whole directory, deleting files
+    the user had put beside the model (notes, an adapter): it is refused, naming them."""
+    out = tmp_path / "out"
+    if stranger == "manifest_only":  # a file of that name says nothing of the files beside it
+        out.mkdir()
+        (out / "mlxkv-conversion.json").write_text("{}")
+        added = out / "precious.txt"
+    else:
+        convert_gguf(good_gguf, out)
+        added = out / ("notes.txt" if stranger == "file" else "adapters/adapter.safetensors")
+    added.parent.mkdir(exist_ok=True)
+    added.write_text("keep me")
+    named = added.relative_to(out).parts[0]
+    why = "is not an mlxkv conversion" if stranger == "manifest_only" else f"also holds {named},"
+    with pytest.raises(ModelLoadError, match=f"{why}.*nothing was written"):
+        convert_gguf(good_gguf, out)
+    assert added.read_text() == "keep me"
+    assert _leftovers(tmp_path) == [] and not list(tmp_path.glob(".out.*"))
+
+
 @pytest.mark.parametrize("setting", ["file", "unwritable"])
 def test_cache_dir_that_cannot_be_used_is_one_clear_error(
     good_gguf, tmp_path, monkeypatch, setting
