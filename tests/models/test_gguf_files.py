@@ -111,6 +111,27 @@ def test_corrupt_conversion_is_converted_again(good_gguf, tmp_path, caplog, monk
     assert load_model(good_gguf).config["model_type"] == "llama"
 
 
+@pytest.mark.parametrize("damaged", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_conversion_changed_in_place_is_converted_again(
+    good_gguf, tmp_path, caplog, monkeypatch, damaged
+):
+    """Bytes of a cached conversion changed at the same size (the sizes match, so it was
+    reused): loading failed on every later run, for good. The cache is ours: convert again."""
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
+    first = converted_dir(good_gguf)
+    target = first / damaged
+    data = bytearray(target.read_bytes())
+    start = 8 if damaged == "model.safetensors" else 0  # JSON: the safetensors header's
+    data[start : start + 4] = b"XXXX"
+    target.write_bytes(bytes(data))
+    assert is_conversion(first)
+    with caplog.at_level("WARNING", logger="mlxkv"):
+        loaded = load_model(good_gguf)
+    assert loaded.config["model_type"] == "llama" and loaded.path == first
+    assert any("converting again" in r.getMessage() for r in caplog.records)
+    assert _leftovers(tmp_path) == [] and [p.name for p in first.parent.iterdir()] == [first.name]
+
+
 # Each process waits, with its weights written, until both are there: the two conversions
 # overlap for certain, however fast the machine.
 _CONVERT_TOGETHER = """

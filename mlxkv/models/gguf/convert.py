@@ -97,9 +97,14 @@ def converted_dir(
         return out
     if out.exists():
         logger.warning("gguf: conversion at %s is incomplete or corrupt; converting again", out)
-        shutil.rmtree(out, ignore_errors=True)  # the cache directory is ours
+        drop_conversion(out)
     logger.info("gguf: converting %s to %s", path.name, out)
     return convert_gguf(path, out, progress=progress)
+
+
+def drop_conversion(directory: Path) -> None:
+    """Removes a conversion in the conversion cache (`converted_dir`'s, so ours to remove)."""
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def convert_gguf(
