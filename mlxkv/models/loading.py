@@ -84,13 +84,29 @@ def load_model(
         UnsupportedFormatError: a GGUF of an unsupported architecture or tensor type.
         NotSupportedError: `group` is given and the architecture cannot be sharded.
     """
+    path = find_model(default_model_path() if path_or_repo is None else str(path_or_repo))
+    if not (path.suffix == ".gguf" or is_gguf(path)):
+        return _load_directory(path, group)
+    source_name = path.name if path_or_repo is None else Path(str(path_or_repo)).name
+    converted = gguf.converted_dir(path, progress=progress)
+    try:
+        return _load_directory(converted, group, source_name)
+    except ModelLoadError as error:
+        # its files have their sizes but not their bytes (changed in place): the conversion
+        # cache is ours, so convert again once rather than fail on every run from now on
+        logger.warning(
+            "gguf: conversion at %s does not load (%s); converting again", converted, error
+        )
+        gguf.drop_conversion(converted)
+        return _load_directory(gguf.converted_dir(path, progress=progress), group, source_name)
+
+
+def _load_directory(
+    path: Path, group: mx.distributed.Group | None, source_name: str | None = None
+) -> LoadedModel:
+    """`load_model` for a model directory (`source_name`: the GGUF file it was converted from)."""
     from mlx_lm.utils import load
 
-    path = find_model(default_model_path() if path_or_repo is None else str(path_or_repo))
-    source_name = None
-    if path.suffix == ".gguf" or is_gguf(path):
-        source_name = path.name if path_or_repo is None else Path(str(path_or_repo)).name
-        path = gguf.converted_dir(path, progress=progress)
     config = _read_config(path)
     if group is None and is_vision_model(config):
         return _load_vision(path, config)

@@ -111,6 +111,27 @@ def test_corrupt_conversion_is_converted_again(good_gguf, tmp_path, caplog, monk
     assert load_model(good_gguf).config["model_type"] == "llama"
 
 
+@pytest.mark.parametrize("damaged", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_conversion_changed_in_place_is_converted_again(
+    good_gguf, tmp_path, caplog, monkeypatch, damaged
+):
+    """Bytes of a cached conversion changed at the same size (the sizes match, so it was
+    reused): loading failed on every later run, for good. The cache is ours: convert again."""
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
+    first = converted_dir(good_gguf)
+    target = first / damaged
+    data = bytearray(target.read_bytes())
+    start = 8 if damaged == "model.safetensors" else 0  # JSON: the safetensors header's
+    data[start : start + 4] = b"XXXX"
+    target.write_bytes(bytes(data))
+    assert is_conversion(first)
+    with caplog.at_level("WARNING", logger="mlxkv"):
+        loaded = load_model(good_gguf)
+    assert loaded.config["model_type"] == "llama" and loaded.path == first
+    assert any("converting again" in r.getMessage() for r in caplog.records)
+    assert _leftovers(tmp_path) == [] and [p.name for p in first.parent.iterdir()] == [first.name]
+
+
 # Each process waits, with its weights written, until both are there: the two conversions
 # overlap for certain, however fast the machine.
 _CONVERT_TOGETHER = """
@@ -165,6 +186,28 @@ def test_convert_never_deletes_what_it_did_not_write(good_gguf, tmp_path):
     out = convert_gguf(good_gguf, tmp_path / "out")
     assert convert_gguf(good_gguf, out) == out and is_conversion(out)  # ours: replaced
     assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("stranger", ["file", "folder", "manifest_only"])
+def test_convert_keeps_what_a_user_added_to_an_earlier_conversion(good_gguf, tmp_path, stranger):
+    """Converting again into an earlier conversion replaced the whole directory, deleting files
+    the user had put beside the model (notes, an adapter): it is refused, naming them."""
+    out = tmp_path / "out"
+    if stranger == "manifest_only":  # a file of that name says nothing of the files beside it
+        out.mkdir()
+        (out / "mlxkv-conversion.json").write_text("{}")
+        added = out / "precious.txt"
+    else:
+        convert_gguf(good_gguf, out)
+        added = out / ("notes.txt" if stranger == "file" else "adapters/adapter.safetensors")
+    added.parent.mkdir(exist_ok=True)
+    added.write_text("keep me")
+    named = added.relative_to(out).parts[0]
+    why = "is not an mlxkv conversion" if stranger == "manifest_only" else f"also holds {named},"
+    with pytest.raises(ModelLoadError, match=f"{why}.*nothing was written"):
+        convert_gguf(good_gguf, out)
+    assert added.read_text() == "keep me"
+    assert _leftovers(tmp_path) == [] and not list(tmp_path.glob(".out.*"))
 
 
 @pytest.mark.parametrize("setting", ["file", "unwritable"])

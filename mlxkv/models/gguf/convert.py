@@ -97,9 +97,14 @@ def converted_dir(
         return out
     if out.exists():
         logger.warning("gguf: conversion at %s is incomplete or corrupt; converting again", out)
-        shutil.rmtree(out, ignore_errors=True)  # the cache directory is ours
+        drop_conversion(out)
     logger.info("gguf: converting %s to %s", path.name, out)
     return convert_gguf(path, out, progress=progress)
+
+
+def drop_conversion(directory: Path) -> None:
+    """Removes a conversion in the conversion cache (`converted_dir`'s, so ours to remove)."""
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def convert_gguf(
@@ -111,13 +116,14 @@ def convert_gguf(
     weight is converted. Files are written to a temporary directory of this process beside
     `out_dir`, which is renamed into place at the end: the directory appears complete or not
     at all, an error leaves nothing behind, and two processes converting at once do not
-    collide. `out_dir` may be new, empty, or an earlier conversion; anything else is refused,
-    never deleted.
+    collide. `out_dir` may be new, empty, or an earlier conversion holding only its own files;
+    anything else is refused, never deleted.
 
     Raises:
         UnsupportedFormatError: the file is not a valid, supported GGUF.
         ModelLoadError: `gguf_path` is not a file, or `out_dir` is a file, a non-empty
-            directory that is not a conversion, or cannot be written.
+            directory that is not a conversion, a conversion holding other files too, or
+            cannot be written.
     """
     path = _checked_source(Path(gguf_path))
     out = Path(out_dir)
@@ -147,11 +153,23 @@ def convert_gguf(
 def is_conversion(directory: Path) -> bool:
     """True when `directory` holds a complete conversion: every file the manifest lists, at
     the size it had when written."""
+    files = _manifest_files(directory)
     try:
-        manifest = json.loads((directory / _MANIFEST).read_text())
-        return all((directory / n).stat().st_size == size for n, size in manifest["files"].items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return bool(files) and all((directory / n).stat().st_size == s for n, s in files.items())
+    except OSError:
         return False
+
+
+def _manifest_files(directory: Path) -> dict[str, int] | None:
+    """The files (name -> bytes) a conversion's manifest says it wrote; None without a
+    readable manifest."""
+    try:
+        files = json.loads((directory / _MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(files, dict) or not all(isinstance(s, int) for s in files.values()):
+        return None
+    return files
 
 
 def _checked_source(path: Path) -> Path:
@@ -163,12 +181,25 @@ def _checked_source(path: Path) -> Path:
 
 
 def _check_destination(out: Path) -> None:
+    """Refuses an `out` that replacing would delete something this code did not write: a
+    file, a directory that is not a conversion, or a conversion holding other entries too."""
     if out.exists() and not out.is_dir():
         raise ModelLoadError(f"{out} is a file; give a new or empty directory to convert into")
-    if out.is_dir() and any(out.iterdir()) and not (out / _MANIFEST).exists():
+    present = {p.name for p in out.iterdir()} if out.is_dir() else set()
+    if not present:
+        return
+    files = _manifest_files(out)
+    if files is None:
         raise ModelLoadError(
             f"{out} is not empty and is not an mlxkv conversion; nothing was written. Give a "
             "new or empty directory"
+        )
+    strangers = sorted(present - set(files) - {_MANIFEST})
+    if strangers:
+        raise ModelLoadError(
+            f"{out} is an earlier mlxkv conversion but also holds {', '.join(strangers[:5])}"
+            f"{' and more' if len(strangers) > 5 else ''}, which converting again would "
+            "delete; nothing was written. Move them out, or give a new or empty directory"
         )
 
 
