@@ -1,0 +1,133 @@
+"""Edges of a tool-call reply sent back as its generated ids (`text.replies.call_reply_key`):
+the prompt takes those ids only where they are the reply the client sent back, whole, and
+renders the other messages as the chat template does; every API that sends calls back
+(Responses' function_call items, Ollama's arguments as objects) reuses the whole reply; a
+reply cut by max_tokens, another domain's reply, and a template that refuses a call reply
+without its calls render from the template."""
+
+from __future__ import annotations
+
+import json
+
+import ollama
+import pytest
+
+from mlxkv import Runner
+from mlxkv.models.loading import load_model
+from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE, build_scripted_model
+from tests.server.conftest import SCRIPT, WEATHER, build_template_model, serve
+
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+RESPONSES_TOOLS = [{"type": "function", **WEATHER["function"]}]
+# A tool result the template writes with the name of the call it answers (found in the
+# message before it, as gpt-oss's template does with its `last_tool_call`).
+NAMED_RESULTS = TOOLS_CHAT_TEMPLATE.replace(
+    "<|im_start|>user\n<tool_response>",
+    "{% set calls = messages[loop.index0 - 1].tool_calls %}"
+    '<|im_start|>user\n<tool_response{% if calls %} name="{{ calls[0].function.name }}"'
+    "{% endif %}>",
+)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = build_scripted_model(tmp_path_factory.mktemp("tools") / "model", SCRIPT)
+    with serve(Runner(load_model(path), max_context=512), model_name="m") as s:
+        yield s
+
+
+def _sent_back(message, result: str = "Sunny") -> list[dict]:
+    """The second turn as the server hands it to the template: the OpenAI reply with its
+    calls (arguments as objects), then the tool's result."""
+    calls = [
+        {
+            "id": call.id,
+            "type": "function",
+            "function": {
+                "name": call.function.name,
+                "arguments": json.loads(call.function.arguments),
+            },
+        }
+        for call in message.tool_calls
+    ]
+    reply = {"role": "assistant", "content": message.content or "", "tool_calls": calls}
+    return [*ASK, reply, {"role": "tool", "tool_call_id": calls[0]["id"], "content": result}]
+
+
+def _template_text(runner: Runner, messages: list[dict]) -> str:
+    return runner.tokenizer.apply_chat_template(
+        messages, tools=[WEATHER], add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_responses_function_call_items_sent_back_reuse_the_whole_reply(served):
+    client = served.openai()
+    first = client.responses.create(
+        model="m", input=ASK, tools=RESPONSES_TOOLS, max_output_tokens=40
+    )
+    held = len(served.runner.cache_tokens)
+    call = next(item for item in first.output if item.type == "function_call")
+    items = [*ASK, *[item.model_dump(exclude_none=True) for item in first.output]]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"})
+    second = client.responses.create(
+        model="m", input=items, tools=RESPONSES_TOOLS, max_output_tokens=1
+    )
+    assert second.usage.input_tokens_details.cached_tokens == held
+
+
+def test_ollama_calls_sent_back_with_object_arguments_reuse_the_whole_reply(served):
+    client = ollama.Client(host=served.url)
+    first = client.chat(model="m", messages=ASK, tools=[WEATHER], options={"num_predict": 40})
+    assert first.message.tool_calls
+    held = list(served.runner.cache_tokens)
+    reply = first.message.model_dump(exclude_none=True)
+    messages = [*ASK, reply, {"role": "tool", "content": "Sunny", "tool_name": "get_weather"}]
+    client.chat(model="m", messages=messages, tools=[WEATHER], options={"num_predict": 1})
+    # Ollama reports no cached count: the second prompt starts with all the first turn held
+    assert served.runner.cache_tokens[: len(held)] == held
+
+
+def test_a_reply_of_another_domain_renders_from_the_template(served):
+    client = served.openai()
+    first = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=40)
+    messages = _sent_back(first.choices[0].message)
+    text = _template_text(served.runner, messages)
+    other = served.runner.encode(messages, tools=[WEATHER], cache_salt="tenant-b")
+    assert served.runner.tokenizer.decode(other) == text
+    assert served.runner.encode(messages, tools=[WEATHER]) != other  # its own domain: its ids
+
+
+def test_a_call_reply_cut_by_max_tokens_renders_its_calls_from_the_template(served):
+    """Cut before its end marker, the call still parses (and is sent as a whole call): the
+    prompt writes it whole, as the template does, not as the cut the model wrote. (A domain of
+    its own: the same text and call generated whole by another test is another reply.)"""
+    client, salt = served.openai(), "cut"
+    first = client.chat.completions.create(
+        model="m", messages=ASK, tools=[WEATHER], max_tokens=3, extra_body={"cache_salt": salt}
+    )
+    assert first.choices[0].finish_reason == "length"
+    assert first.choices[0].message.tool_calls, "the unterminated call parses"
+    messages = _sent_back(first.choices[0].message)
+    ids = served.runner.encode(messages, tools=[WEATHER], cache_salt=salt)
+    assert served.runner.tokenizer.decode(ids) == _template_text(served.runner, messages)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a known call reply renders without its tool_calls (replies.masked_reply), so a "
+    "template that writes a later message from them (a tool result named after its call) "
+    "writes that message otherwise than it would for the messages sent",
+)
+def test_a_known_call_reply_leaves_the_tool_result_as_the_template_writes_it(tmp_path):
+    path = build_template_model(tmp_path / "named", SCRIPT, NAMED_RESULTS)
+    with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
+        client = served.openai()
+        first = client.chat.completions.create(
+            model="m", messages=ASK, tools=[WEATHER], max_tokens=40
+        )
+        messages = _sent_back(first.choices[0].message)
+        text = _template_text(served.runner, messages)
+        assert '<tool_response name="get_weather">' in text
+        ids = served.runner.encode(messages, tools=[WEATHER])
+    tail = text[text.index("<|im_end|>\n<|im_start|>user\n<tool_response") :]
+    assert served.runner.tokenizer.decode(ids).endswith(tail)
