@@ -3,7 +3,7 @@ the prompt takes those ids only where they are the reply the client sent back, w
 renders the other messages as the chat template does; every API that sends calls back
 (Responses' function_call items, Ollama's arguments as objects) reuses the whole reply; a
 reply cut by max_tokens, another domain's reply, and a template that refuses a call reply
-without its calls render from the template."""
+without its calls render from the template (text replies there still as their ids)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
+from mlxkv.runner.results import Completion
+from mlxkv.runner.text.replies import replies_for
 from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE, build_scripted_model
 from tests.server.conftest import SCRIPT, WEATHER, build_template_model, serve
 
@@ -26,6 +28,13 @@ NAMED_RESULTS = TOOLS_CHAT_TEMPLATE.replace(
     "{% set calls = messages[loop.index0 - 1].tool_calls %}"
     '<|im_start|>user\n<tool_response{% if calls %} name="{{ calls[0].function.name }}"'
     "{% endif %}>",
+)
+# Refuses a tool result after a message without calls, as Mistral's templates do.
+STRICT = TOOLS_CHAT_TEMPLATE.replace(
+    "{% elif message['role'] == 'tool' %}",
+    "{% elif message['role'] == 'tool' %}"
+    "{% if not messages[loop.index0 - 1].tool_calls %}"
+    "{{ raise_exception('tool results must follow tool calls') }}{% endif %}",
 )
 
 
@@ -131,3 +140,42 @@ def test_a_known_call_reply_leaves_the_tool_result_as_the_template_writes_it(tmp
         ids = served.runner.encode(messages, tools=[WEATHER])
     tail = text[text.index("<|im_end|>\n<|im_start|>user\n<tool_response") :]
     assert served.runner.tokenizer.decode(ids).endswith(tail)
+
+
+def test_text_replies_keep_their_ids_where_the_template_refuses_a_call_reply_without_calls(
+    tmp_path,
+):
+    """A strict template refuses the known call reply rendered without its calls: that reply
+    renders from the template, and a text reply earlier in the conversation still as the ids
+    the model generated (here one id a character, which its text does not encode to)."""
+    path = build_template_model(tmp_path / "strict", SCRIPT, STRICT)
+    with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
+        tokenizer = served.runner.tokenizer
+        said = "Hello there"
+        said_ids = [tokenizer.encode(c, add_special_tokens=False)[0] for c in said]
+        assert tokenizer.decode(said_ids) == said
+        assert tokenizer.encode(said, add_special_tokens=False) != said_ids
+        replies_for(tokenizer).remember(_completion(said, said_ids), None)
+        first = served.openai().chat.completions.create(
+            model="m", messages=ASK, tools=[WEATHER], max_tokens=40
+        )
+        greeting = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": said}]
+        messages = [*greeting, *_sent_back(first.choices[0].message)]
+        ids = served.runner.encode(messages, tools=[WEATHER])
+    assert tokenizer.decode(ids) == _template_text(served.runner, messages)
+    assert any(ids[i : i + len(said_ids)] == said_ids for i in range(len(ids)))
+
+
+def _completion(text: str, tokens: list[int]) -> Completion:
+    return Completion(
+        text=text,
+        tokens=tokens,
+        finish_reason="stop",
+        prompt_tokens=1,
+        cached_tokens=0,
+        prompt_tps=0.0,
+        generation_tokens=len(tokens) + 1,
+        generation_tps=0.0,
+        ttft=0.0,
+        peak_memory=0,
+    )

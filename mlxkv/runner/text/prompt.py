@@ -34,7 +34,7 @@ from mlxkv.runner.text.messages import (
     is_messages,
     leading_system_messages,
 )
-from mlxkv.runner.text.replies import ReplyIds, masked_reply, reply_key
+from mlxkv.runner.text.replies import ReplyIds, masked_reply, reply_key, without_call_replies
 from mlxkv.runner.text.segments import KeptIds, SegmentEncoder
 from mlxkv.runner.text.tokenizer_facts import (
     control_tokens,
@@ -319,10 +319,13 @@ class PromptEncoder:
         if known:
             try:
                 return self._render_in_pieces(messages, tainted, known, template_args)
-            # the template changed it, or refused a call reply without its calls (a tool
-            # message must follow calls): the reply renders from the template
-            except (_ReplyRewritten, TemplateError):
+            except _ReplyRewritten:  # the template changed it: the reply renders as text
                 pass
+            except TemplateError:  # a call reply refused without its calls (a tool message
+                if replies is None or not any(messages[i].get("tool_calls") for i in known):
+                    raise  # must follow calls): from the template, text replies as their ids
+                text_replies = without_call_replies(replies)
+                return self._render(messages, parse_control_tokens, template_args, text_replies)
         if not tainted:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
             return self._segments.encode(text)
