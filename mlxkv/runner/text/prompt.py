@@ -50,6 +50,7 @@ _ACCEPTED = (
     "a str, a list of token ids (int) or a list of chat messages (dicts with 'role' and 'content')"
 )
 _SURROGATES = re.compile("[\ud800-\udfff]")
+_TEMPLATE_REFUSED = "the model's chat template refused the messages: {}"
 # Bytes of the system-alone renders' keys kept (`PromptEncoder.landmarks`): an agent's system
 # prompt and tools are 20-90 KB a key, so a few dozen agents'; their ids as Python lists take
 # about 10 bytes per key byte besides (measured 9.5), so at most about 20 MiB in all.
@@ -283,17 +284,16 @@ class PromptEncoder:
             template_args["tools"] = _checked_tools(tools)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain string")
-        refused = "the model's chat template refused the messages: {}"
         try:
             return self._render(messages, parse_control_tokens, template_args, replies)
         except TemplateError as error:
             folded = fold_system_reminders(messages)
             if folded == messages:
-                raise ValueError(refused.format(error)) from None
+                raise ValueError(_TEMPLATE_REFUSED.format(error)) from None
         try:  # a template that wants its system message first (Gemma, Mistral)
             return self._render(folded, parse_control_tokens, template_args, replies)
         except TemplateError as error:
-            raise ValueError(refused.format(error)) from None
+            raise ValueError(_TEMPLATE_REFUSED.format(error)) from None
 
     def _render(
         self,

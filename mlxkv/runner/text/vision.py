@@ -35,7 +35,13 @@ from mlxkv.models.images import decode_image
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
 from mlxkv.models.vision_families import ProcessedImage
 from mlxkv.runner.text.messages import Message, Tools
-from mlxkv.runner.text.prompt import PromptEncoder, _checked_tools, _ReplyRewritten, _valid_text
+from mlxkv.runner.text.prompt import (
+    _TEMPLATE_REFUSED,
+    PromptEncoder,
+    _checked_tools,
+    _ReplyRewritten,
+    _valid_text,
+)
 from mlxkv.runner.text.replies import ReplyIds, masked_reply, without_call_replies
 
 
@@ -151,9 +157,9 @@ class VisionPrompts:
             args["tools"] = _checked_tools(tools)
         try:
             text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
-        except TemplateError:  # a call reply refused without its calls: from the template
+        except TemplateError as error:  # a call reply refused without its calls: retried
             if replies is None or _num_with_calls(masked) == _num_with_calls(messages):
-                raise
+                raise ValueError(_TEMPLATE_REFUSED.format(error)) from None
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
             args |= {"tools": tools, "replies": without_call_replies(replies)}  # text replies: ids
             return self.encode(messages, parse_control_tokens=parse_control_tokens, **args)
