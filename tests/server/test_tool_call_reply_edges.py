@@ -126,6 +126,65 @@ def test_a_call_reply_cut_by_max_tokens_renders_its_calls_from_the_template(serv
     assert served.runner.tokenizer.decode(ids) == _template_text(served.runner, messages)
 
 
+# Two calls, text before, between and after them (each piece one token, none repeated).
+PARALLEL = (
+    "Let",
+    "<tool_call>",
+    '{"name":"get_weather","arguments":{"city":"Paris"}}',
+    "</tool_call>",
+    "x<tool_call>",
+    '{"name":"get_weather","arguments":{"city":"Rome"}}',
+    "</tool_call>y",
+)
+
+
+@pytest.mark.parametrize(
+    ("calls", "trim", "as_generated"),
+    [([0, 1], "", True), ([1, 0], "", False), ([0], "", False), ([0, 1], "y", False)],
+    ids=["as-sent", "calls-swapped", "one-call-left-out", "text-trimmed"],
+)
+def test_parallel_calls_take_their_ids_only_as_the_reply_sent_them(
+    tmp_path, calls, trim, as_generated
+):
+    """The reply's text ("Letxy": its pieces around the calls, joined) and both calls, in
+    order: the ids; calls in another order, fewer calls or other text: the template's form."""
+    path = build_scripted_model(tmp_path / "parallel", PARALLEL)
+    with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
+        client = served.openai()
+        first = client.chat.completions.create(
+            model="m", messages=ASK, tools=[WEATHER], max_tokens=40
+        )
+        message = first.choices[0].message
+        assert message.content == "Letxy" and len(message.tool_calls) == 2
+        messages = _sent_back(message)
+        reply = messages[1]
+        reply["content"] = reply["content"].rstrip(trim)
+        reply["tool_calls"] = [reply["tool_calls"][i] for i in calls]
+        ids = served.runner.encode(messages, tools=[WEATHER])
+        text = _template_text(served.runner, messages)
+        rendered = served.runner.tokenizer.decode(ids)
+    assert (rendered != text) == as_generated
+    assert ("</tool_call>x<tool_call>" in rendered) == as_generated  # as the model wrote it
+
+
+def test_count_tokens_agrees_with_the_generations_prompt_on_a_call_reply_sent_back(served):
+    client = served.anthropic()
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    first = client.messages.create(model="m", messages=ASK, tools=tools, max_tokens=40)
+    call = next(block for block in first.content if block.type == "tool_use")
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "Sunny"}
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [result]},
+    ]
+    counted = client.messages.count_tokens(model="m", messages=messages, tools=tools)
+    second = client.messages.create(model="m", messages=messages, tools=tools, max_tokens=1)
+    usage = second.usage
+    assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens
+    assert usage.cache_read_input_tokens > 0
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="a known call reply renders without its tool_calls (replies.masked_reply), so a "
