@@ -1,7 +1,8 @@
-"""A tool-call reply sent back in a conversation with an image, where the chat template wants
-tool results right after calls (as Mistral's do): the reply known by its text and calls
-renders from the template (its calls written out) instead of refusing the prompt, as in a
-text prompt (`tests/server/test_tool_call_reply_edges.py`)."""
+"""A tool-call reply sent back in a conversation with an image: known by its text and calls,
+it takes the ids the model generated, calls included; where the chat template wants tool
+results right after calls (as Mistral's do) and refuses it rendered without them, it renders
+from the template instead of refusing the prompt, as in a text prompt
+(`tests/server/test_tool_call_reply_edges.py`)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,17 @@ from mlxkv.testing.vision_factory import build_vision_model, noise_images  # noq
 
 SAID = "Let me look."
 ARGUMENTS = {"city": "Paris"}
+CALL = {"id": "c1", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
 
 
-def test_a_known_call_reply_beside_an_image_renders_where_results_must_follow_calls(
-    tmp_path, monkeypatch
-):
-    loaded = load_model(build_vision_model(tmp_path / "qwen2_vl"))
-    runner, tokenizer = Runner(loaded), loaded.tokenizer
-    ids = [tokenizer.encode(c, add_special_tokens=False)[0] for c in SAID]  # not SAID's own
+@pytest.fixture(scope="module")
+def known(tmp_path_factory):
+    """A vision model's Runner whose reply memory knows a call reply (SAID and CALL) as ids
+    that its text does not encode to (one id a character), and those ids."""
+    loaded = load_model(build_vision_model(tmp_path_factory.mktemp("vlm") / "qwen2_vl"))
+    tokenizer = loaded.tokenizer
+    ids = [tokenizer.encode(c, add_special_tokens=False)[0] for c in SAID]
+    assert tokenizer.encode(SAID, add_special_tokens=False) != ids
     completion = Completion(
         text=SAID,
         tokens=ids,
@@ -42,6 +46,28 @@ def test_a_known_call_reply_beside_an_image_renders_where_results_must_follow_ca
     )
     key = call_reply_key(SAID, [("get_weather", ARGUMENTS)])
     replies_for(tokenizer).remember(completion, None, key)
+    return Runner(loaded), ids
+
+
+MESSAGES = [
+    {"role": "user", "content": [{"type": "image", "image": noise_images(3, [(56, 56, 3)])[0]}]},
+    {"role": "assistant", "content": SAID, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
+]
+
+
+def test_a_known_call_reply_beside_an_image_takes_its_ids(known):
+    runner, ids = known
+    record = runner.encode(MESSAGES)
+    assert any(record[i : i + len(ids)] == ids for i in range(len(record)))
+    assert record != runner.encode(MESSAGES, cache_salt="no reply of its own")
+
+
+def test_a_known_call_reply_beside_an_image_renders_where_results_must_follow_calls(
+    known, monkeypatch
+):
+    runner, ids = known
+    tokenizer = runner.tokenizer
     render = tokenizer.apply_chat_template
 
     def strict(messages, **options):
@@ -51,13 +77,4 @@ def test_a_known_call_reply_beside_an_image_renders_where_results_must_follow_ca
         return render(messages, **options)
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", strict, raising=False)
-    call = {"name": "get_weather", "arguments": ARGUMENTS}
-    messages = [
-        {
-            "role": "user",
-            "content": [{"type": "image", "image": noise_images(3, [(56, 56, 3)])[0]}],
-        },
-        {"role": "assistant", "content": SAID, "tool_calls": [{"id": "c1", "function": call}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
-    ]
-    assert runner.encode(messages) == runner.encode(messages, cache_salt="no reply of its own")
+    assert runner.encode(MESSAGES) == runner.encode(MESSAGES, cache_salt="no reply of its own")
