@@ -34,6 +34,25 @@ NAMED_RESULTS = TOOLS_CHAT_TEMPLATE.replace(
     '<|im_start|>user\n<tool_response{% if calls %} name="{{ calls[0].function.name }}"'
     "{% endif %}>",
 )
+# Opens each round of tool results with a marker that a message with calls arms (as
+# DeepSeek-V3's template does with `ns.is_output_first`).
+RESULT_ROUNDS = (
+    TOOLS_CHAT_TEMPLATE.replace(
+        "{% for message in messages %}",
+        "{% set ns = namespace(first=true) %}{% for message in messages %}",
+        1,
+    )
+    .replace(
+        "<|im_start|>assistant\n{{ message['content'] }}",
+        "{% set ns.first = true %}<|im_start|>assistant\n{{ message['content'] }}",
+        1,
+    )
+    .replace(
+        "<|im_start|>user\n<tool_response>",
+        "<|im_start|>user\n{% if ns.first %}<results>{% set ns.first = false %}{% endif %}"
+        "<tool_response>",
+    )
+)
 # Refuses a tool result after a message without calls, as Mistral's templates do.
 STRICT = TOOLS_CHAT_TEMPLATE.replace(
     "{% elif message['role'] == 'tool' %}",
@@ -204,6 +223,29 @@ def test_a_known_call_reply_leaves_the_tool_result_as_the_template_writes_it(tmp
         ids = served.runner.encode(messages, tools=[WEATHER])
     tail = text[text.index("<|im_end|>\n<|im_start|>user\n<tool_response") :]
     assert served.runner.tokenizer.decode(ids).endswith(tail)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known call replies render without their tool_calls (replies.masked_reply), so "
+    "template state that a message with calls sets (DeepSeek-V3's ns.is_output_first) is "
+    "not set: the second round of tool results loses its opening marker",
+)
+def test_known_call_replies_leave_each_round_of_tool_results_as_the_template_opens_it(
+    tmp_path,
+):
+    path = build_template_model(tmp_path / "rounds", SCRIPT, RESULT_ROUNDS)
+    with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
+        client = served.openai()
+        messages = list(ASK)
+        for _ in range(2):  # the scripted model calls again: two replies, both known
+            reply = client.chat.completions.create(
+                model="m", messages=messages, tools=[WEATHER], max_tokens=40
+            )
+            messages = [*messages, *_sent_back(reply.choices[0].message)[len(ASK) :]]
+        assert _template_text(served.runner, messages).count("<results>") == 2
+        ids = served.runner.encode(messages, tools=[WEATHER])
+    assert served.runner.tokenizer.decode(ids).count("<results>") == 2
 
 
 def test_text_replies_keep_their_ids_where_the_template_refuses_a_call_reply_without_calls(
