@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("mlx_vlm")
 
+from jinja2 import TemplateError  # noqa: E402
 from PIL import Image, ImageFile  # noqa: E402
 
 from mlxkv import ImagesNotSupportedError, Runner  # noqa: E402
@@ -151,3 +152,18 @@ def test_text_parts_without_an_image_are_the_string_prompt_on_a_vision_model(run
     got = runner.generate(parts, max_tokens=4, temperature=0, logprobs=0)
     want = runner.generate(text, max_tokens=4, temperature=0, logprobs=0)
     assert got.tokens == want.tokens
+
+
+def test_messages_with_an_image_the_template_refuses_are_a_value_error(runner, monkeypatch):
+    """As a text prompt's: the template's own message, not jinja's TemplateError (a 500 with a
+    traceback over HTTP), and nothing cached."""
+    tokenizer = runner.tokenizer
+
+    def refusing(messages, **options):
+        raise TemplateError("roles must alternate")
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", refusing, raising=False)
+    before = list(runner.cache_tokens)
+    with pytest.raises(ValueError, match="chat template refused the messages: roles must"):
+        runner.generate(_ask(_png(56, 56)), max_tokens=2)
+    assert runner.cache_tokens == before

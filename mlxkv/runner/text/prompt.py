@@ -34,7 +34,7 @@ from mlxkv.runner.text.messages import (
     is_messages,
     leading_system_messages,
 )
-from mlxkv.runner.text.replies import ReplyIds, masked_reply, reply_key
+from mlxkv.runner.text.replies import ReplyIds, masked_reply, reply_key, without_call_replies
 from mlxkv.runner.text.segments import KeptIds, SegmentEncoder
 from mlxkv.runner.text.tokenizer_facts import (
     control_tokens,
@@ -50,6 +50,7 @@ _ACCEPTED = (
     "a str, a list of token ids (int) or a list of chat messages (dicts with 'role' and 'content')"
 )
 _SURROGATES = re.compile("[\ud800-\udfff]")
+_TEMPLATE_REFUSED = "the model's chat template refused the messages: {}"
 # Bytes of the system-alone renders' keys kept (`PromptEncoder.landmarks`): an agent's system
 # prompt and tools are 20-90 KB a key, so a few dozen agents'; their ids as Python lists take
 # about 10 bytes per key byte besides (measured 9.5), so at most about 20 MiB in all.
@@ -283,17 +284,16 @@ class PromptEncoder:
             template_args["tools"] = _checked_tools(tools)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain string")
-        refused = "the model's chat template refused the messages: {}"
         try:
             return self._render(messages, parse_control_tokens, template_args, replies)
         except TemplateError as error:
             folded = fold_system_reminders(messages)
             if folded == messages:
-                raise ValueError(refused.format(error)) from None
+                raise ValueError(_TEMPLATE_REFUSED.format(error)) from None
         try:  # a template that wants its system message first (Gemma, Mistral)
             return self._render(folded, parse_control_tokens, template_args, replies)
         except TemplateError as error:
-            raise ValueError(refused.format(error)) from None
+            raise ValueError(_TEMPLATE_REFUSED.format(error)) from None
 
     def _render(
         self,
@@ -319,10 +319,13 @@ class PromptEncoder:
         if known:
             try:
                 return self._render_in_pieces(messages, tainted, known, template_args)
-            # the template changed it, or refused a call reply without its calls (a tool
-            # message must follow calls): the reply renders from the template
-            except (_ReplyRewritten, TemplateError):
+            except _ReplyRewritten:  # the template changed it: the reply renders as text
                 pass
+            except TemplateError:  # a call reply refused without its calls (a tool message
+                if replies is None or not any(messages[i].get("tool_calls") for i in known):
+                    raise  # must follow calls): from the template, text replies as their ids
+                text_replies = without_call_replies(replies)
+                return self._render(messages, parse_control_tokens, template_args, text_replies)
         if not tainted:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
             return self._segments.encode(text)

@@ -43,6 +43,7 @@ from mlxkv.runner.text.messages import Message
 # Replies whose text matches nothing sent back only take memory: the newest are kept.
 MAX_REPLIES = 256
 MAX_REPLY_TOKENS = 1 << 20  # all remembered replies together: 4 MiB of uint32
+_CALLS = "\0calls"  # how a call reply's key starts (`call_reply_key`): no text content does
 
 # A request's known replies' ids by their text (`ReplyTokens.known_in(...).get`).
 ReplyIds = Callable[[str], Sequence[int] | None]
@@ -74,7 +75,7 @@ def call_reply_key(content: str, calls: Iterable[tuple[str, Any]]) -> str:
     """What a reply with tool calls is known by: its text before the calls and each call's
     (name, arguments), in one canonical form (a NUL first: no text content takes it)."""
     form = [content, [[name, arguments] for name, arguments in calls]]
-    return "\0calls" + json.dumps(form, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return _CALLS + json.dumps(form, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 def reply_key(message: Any) -> str | None:
@@ -96,6 +97,13 @@ def reply_key(message: Any) -> str | None:
     except (KeyError, TypeError):
         return None
     return call_reply_key(content, named)
+
+
+def without_call_replies(replies: ReplyIds) -> ReplyIds:
+    """`replies` knowing text replies only: for a template that refuses a known call reply
+    rendered without its calls (`masked_reply`; a tool message must follow calls), which then
+    renders from the template while text replies keep their ids."""
+    return lambda key: None if key.startswith(_CALLS) else replies(key)
 
 
 def masked_reply(message: Message, slot: str) -> Message:

@@ -29,13 +29,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
+
 from mlxkv.errors import ImagesNotSupportedError
 from mlxkv.models.images import decode_image
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
 from mlxkv.models.vision_families import ProcessedImage
 from mlxkv.runner.text.messages import Message, Tools
-from mlxkv.runner.text.prompt import PromptEncoder, _checked_tools, _ReplyRewritten, _valid_text
-from mlxkv.runner.text.replies import ReplyIds, masked_reply
+from mlxkv.runner.text.prompt import (
+    _TEMPLATE_REFUSED,
+    PromptEncoder,
+    _checked_tools,
+    _ReplyRewritten,
+    _valid_text,
+)
+from mlxkv.runner.text.replies import ReplyIds, masked_reply, without_call_replies
 
 
 @dataclass(frozen=True)
@@ -146,7 +154,14 @@ class VisionPrompts:
         }
         if tools:
             args["tools"] = _checked_tools(tools)
-        text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
+        try:
+            text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
+        except TemplateError as error:  # a call reply refused without its calls: retried
+            if replies is None or _num_with_calls(masked) == _num_with_calls(messages):
+                raise ValueError(_TEMPLATE_REFUSED.format(error)) from None
+            args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
+            args |= {"tools": tools, "replies": without_call_replies(replies)}  # text replies: ids
+            return self.encode(messages, parse_control_tokens=parse_control_tokens, **args)
         recent, process = self._recent, self._support.family.process
         processed = [recent.get(i.digest) or process(i.image) for i in decoded]
         self._recent = {i.digest: p for i, p in zip(decoded, processed, strict=True)}
@@ -298,3 +313,8 @@ def _describe(part: Any) -> str:
     if isinstance(part, dict):
         return f"type {part.get('type')!r}"
     return type(part).__name__
+
+
+def _num_with_calls(messages: Sequence[Message]) -> int:
+    """How many of `messages` have tool calls (fewer masked: a known call reply's are its ids)."""
+    return sum(1 for m in messages if m.get("tool_calls"))

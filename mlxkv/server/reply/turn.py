@@ -71,9 +71,10 @@ Event = ReasoningDelta | TextDelta | ToolCall | Completion
 class Turn:
     """The events of one generation: `ReasoningDelta`s, `TextDelta`s and `ToolCall`s in
     order, then the `Completion`. Leaving the iteration early cancels the generation. A reply
-    with tool calls and no thought is remembered, before its Completion is handed on, by what
-    the client sends back (`replies.call_reply_key`: its text and parsed calls), so the next
-    turn's prompt takes its ids as the cache holds them, not the template's form of the calls.
+    with tool calls, no thought and not cut by max_tokens is remembered, before its Completion
+    is handed on, by what the client sends back (`replies.call_reply_key`: its text and parsed
+    calls), so the next turn's prompt takes its ids as the cache holds them, not the
+    template's form of the calls.
     """
 
     def __init__(
@@ -136,7 +137,9 @@ class Turn:
             if chunk.completion is not None:
                 if pending:
                     yield TextDelta("", pending)
-                if calls and not self.reasoning_tokens:
+                # not one cut by max_tokens: its last call may be cut before its end marker
+                # (parsed all the same), which the client sends back as a whole call
+                if calls and not self.reasoning_tokens and chunk.completion.finish_reason == "stop":
                     key = call_reply_key("".join(answer), [(c.name, c.arguments) for c in calls])
                     remember_reply(self._tokenizer, chunk.completion, self._salt, key)
                 yield chunk.completion

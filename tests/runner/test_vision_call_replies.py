@@ -1,0 +1,80 @@
+"""A tool-call reply sent back in a conversation with an image: known by its text and calls,
+it takes the ids the model generated, calls included; where the chat template wants tool
+results right after calls (as Mistral's do) and refuses it rendered without them, it renders
+from the template instead of refusing the prompt, as in a text prompt
+(`tests/server/test_tool_call_reply_edges.py`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from jinja2 import TemplateError
+
+pytest.importorskip("mlx_vlm")
+
+from mlxkv import Runner  # noqa: E402
+from mlxkv.models.loading import load_model  # noqa: E402
+from mlxkv.runner.results import Completion  # noqa: E402
+from mlxkv.runner.text.replies import call_reply_key, replies_for  # noqa: E402
+from mlxkv.testing.vision_factory import build_vision_model, noise_images  # noqa: E402
+
+SAID = "Let me look."
+ARGUMENTS = {"city": "Paris"}
+CALL = {"id": "c1", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
+
+
+@pytest.fixture(scope="module")
+def known(tmp_path_factory):
+    """A vision model's Runner whose reply memory knows a call reply (SAID and CALL) as ids
+    that its text does not encode to (one id a character), and those ids."""
+    loaded = load_model(build_vision_model(tmp_path_factory.mktemp("vlm") / "qwen2_vl"))
+    tokenizer = loaded.tokenizer
+    ids = [tokenizer.encode(c, add_special_tokens=False)[0] for c in SAID]
+    assert tokenizer.encode(SAID, add_special_tokens=False) != ids
+    completion = Completion(
+        text=SAID,
+        tokens=ids,
+        finish_reason="stop",
+        prompt_tokens=1,
+        cached_tokens=0,
+        prompt_tps=0.0,
+        generation_tokens=len(ids) + 1,
+        generation_tps=0.0,
+        ttft=0.0,
+        peak_memory=0,
+    )
+    key = call_reply_key(SAID, [("get_weather", ARGUMENTS)])
+    replies_for(tokenizer).remember(completion, None, key)
+    return Runner(loaded), ids
+
+
+MESSAGES = [
+    {"role": "user", "content": [{"type": "image", "image": noise_images(3, [(56, 56, 3)])[0]}]},
+    {"role": "assistant", "content": SAID, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
+]
+
+
+def test_a_known_call_reply_beside_an_image_takes_its_ids(known):
+    runner, ids = known
+    record = runner.encode(MESSAGES)
+    assert any(record[i : i + len(ids)] == ids for i in range(len(record)))
+    assert record != runner.encode(MESSAGES, cache_salt="no reply of its own")
+
+
+def test_a_known_call_reply_beside_an_image_renders_where_results_must_follow_calls(
+    known, monkeypatch
+):
+    runner, ids = known
+    tokenizer = runner.tokenizer
+    render = tokenizer.apply_chat_template
+
+    def strict(messages, **options):
+        for before, message in itertools.pairwise(messages):
+            if message["role"] == "tool" and not before.get("tool_calls"):
+                raise TemplateError("tool results must follow tool calls")
+        return render(messages, **options)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", strict, raising=False)
+    assert runner.encode(MESSAGES) == runner.encode(MESSAGES, cache_salt="no reply of its own")
