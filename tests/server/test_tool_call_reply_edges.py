@@ -204,13 +204,10 @@ def test_count_tokens_agrees_with_the_generations_prompt_on_a_call_reply_sent_ba
     assert usage.cache_read_input_tokens > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a known call reply renders without its tool_calls (replies.masked_reply), so a "
-    "template that writes a later message from them (a tool result named after its call) "
-    "writes that message otherwise than it would for the messages sent",
-)
 def test_a_known_call_reply_leaves_the_tool_result_as_the_template_writes_it(tmp_path):
+    """A template that names a tool result after its call (gpt-oss's) writes that result from
+    the calls: the reply renders from the template (`replies.check_calls_apart`), and the
+    result stays as the template writes it."""
     path = build_template_model(tmp_path / "named", SCRIPT, NAMED_RESULTS)
     with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
         client = served.openai()
@@ -225,15 +222,12 @@ def test_a_known_call_reply_leaves_the_tool_result_as_the_template_writes_it(tmp
     assert served.runner.tokenizer.decode(ids).endswith(tail)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known call replies render without their tool_calls (replies.masked_reply), so "
-    "template state that a message with calls sets (DeepSeek-V3's ns.is_output_first) is "
-    "not set: the second round of tool results loses its opening marker",
-)
 def test_known_call_replies_leave_each_round_of_tool_results_as_the_template_opens_it(
     tmp_path,
 ):
+    """A template whose message with calls arms the opening of the next round of tool results
+    (DeepSeek-V3's `ns.is_output_first`): the replies render from the template, each round
+    opened (`replies.check_calls_apart`)."""
     path = build_template_model(tmp_path / "rounds", SCRIPT, RESULT_ROUNDS)
     with serve(Runner(load_model(path), max_context=512), model_name="m") as served:
         client = served.openai()

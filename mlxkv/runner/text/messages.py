@@ -14,6 +14,20 @@ Message = dict[str, Any]
 Tools = Sequence[dict[str, Any]]
 
 
+def checked_tools(tools: Tools) -> list[dict[str, Any]]:
+    """`tools` as a list, each a dict (what a chat template reads).
+
+    Raises:
+        ValueError: not a list of dicts.
+    """
+    if isinstance(tools, str | bytes) or not isinstance(tools, Sequence):
+        raise ValueError(f"tools must be a list of dicts, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ValueError(f"tool {i} must be a dict, got {type(tool).__name__}")
+    return list(tools)
+
+
 def fold_system_reminders(messages: list[Message]) -> list[Message]:
     """`messages` with each system message after the first turn moved into the next user
     message (the previous one when none follows) as a `<system-reminder>` block, the form

@@ -30,11 +30,18 @@ from mlxkv.cache.prefix import common_prefix_lengths
 from mlxkv.runner.text.messages import (
     Message,
     Tools,
+    checked_tools,
     fold_system_reminders,
     is_messages,
     leading_system_messages,
 )
-from mlxkv.runner.text.replies import ReplyIds, masked_reply, reply_key, without_call_replies
+from mlxkv.runner.text.replies import (
+    ReplyIds,
+    check_calls_apart,
+    masked_reply,
+    reply_key,
+    without_call_replies,
+)
 from mlxkv.runner.text.segments import KeptIds, SegmentEncoder
 from mlxkv.runner.text.tokenizer_facts import (
     control_tokens,
@@ -281,7 +288,7 @@ class PromptEncoder:
             "add_generation_prompt": add_generation_prompt,
         }
         if tools:
-            template_args["tools"] = _checked_tools(tools)
+            template_args["tools"] = checked_tools(tools)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain string")
         try:
@@ -318,12 +325,15 @@ class PromptEncoder:
         )
         if known:
             try:
+                if any(messages[i].get("tool_calls") for i in known):
+                    check_calls_apart(self.tokenizer, template_args, messages, known)
                 return self._render_in_pieces(messages, tainted, known, template_args)
             except _ReplyRewritten:  # the template changed it: the reply renders as text
                 pass
             except TemplateError:  # a call reply refused without its calls (a tool message
                 if replies is None or not any(messages[i].get("tool_calls") for i in known):
-                    raise  # must follow calls): from the template, text replies as their ids
+                    raise  # must follow calls), or other text written from them (`CallsApart`):
+                # from the template; text replies as their ids
                 text_replies = without_call_replies(replies)
                 return self._render(messages, parse_control_tokens, template_args, text_replies)
         if not tainted:
@@ -426,15 +436,6 @@ def _checked_messages(messages: Sequence[Message]) -> list[Message]:
             )
         checked.append({**message, "content": _valid_text(content)})
     return checked
-
-
-def _checked_tools(tools: Tools) -> list[dict[str, Any]]:
-    if isinstance(tools, str | bytes) or not isinstance(tools, Sequence):
-        raise ValueError(f"tools must be a list of dicts, got {type(tools).__name__}")
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise ValueError(f"tool {i} must be a dict, got {type(tool).__name__}")
-    return list(tools)
 
 
 def _valid_text(text: str) -> str:

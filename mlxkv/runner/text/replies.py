@@ -28,7 +28,10 @@ with a thought: the template may drop or render it otherwise, as it does for a t
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+import secrets
 import threading
 import weakref
 from collections import OrderedDict
@@ -36,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 
 from mlxkv.runner.results import Completion
 from mlxkv.runner.text.messages import Message
@@ -104,6 +108,40 @@ def without_call_replies(replies: ReplyIds) -> ReplyIds:
     rendered without its calls (`masked_reply`; a tool message must follow calls), which then
     renders from the template while text replies keep their ids."""
     return lambda key: None if key.startswith(_CALLS) else replies(key)
+
+
+class CallsApart(TemplateError):
+    """The chat template writes more than a known call reply's calls from its `tool_calls`
+    (`check_calls_apart`): its replies with calls render from the template."""
+
+
+def check_calls_apart(
+    tokenizer: Any, template_args: dict[str, Any], messages: list[Message], known: Iterable[int]
+) -> None:
+    """Checks that the known replies with calls among `messages` (indices `known`) take their
+    ids without changing the rest of the prompt: rendered by `tokenizer`'s chat template (with
+    `template_args`) with each such reply's content as a slot, with its calls and without them
+    (`masked_reply`), the two texts may differ only right after each slot (where the calls
+    go). A template that writes a later message from
+    the calls (a tool result named after its call; DeepSeek-V3 opening each round of tool
+    results after a message with calls) or the calls before the content fails it.
+
+    Raises:
+        CallsApart: the texts differ elsewhere.
+    """
+    nonce = secrets.token_hex(8)
+    slots = {i: f"mlxkv{nonce}call{i}" for i in known if messages[i].get("tool_calls")}
+    with_calls = [{**m, "content": slots[i]} if i in slots else m for i, m in enumerate(messages)]
+    without = [masked_reply(m, slots[i]) if i in slots else m for i, m in enumerate(messages)]
+    split = re.compile("|".join(slots.values())).split
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False, **template_args)
+    ours, theirs = split(render(without)), split(render(with_calls))
+    if not (
+        len(ours) == len(theirs) == len(slots) + 1
+        and ours[0] == theirs[0]
+        and all(t.endswith(o) for o, t in zip(ours[1:], theirs[1:], strict=True))
+    ):
+        raise CallsApart("the chat template writes other text from a reply's tool calls")
 
 
 def masked_reply(message: Message, slot: str) -> Message:

@@ -35,11 +35,10 @@ from mlxkv.errors import ImagesNotSupportedError
 from mlxkv.models.images import decode_image
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
 from mlxkv.models.vision_families import ProcessedImage
-from mlxkv.runner.text.messages import Message, Tools
+from mlxkv.runner.text.messages import Message, Tools, checked_tools
 from mlxkv.runner.text.prompt import (
     _TEMPLATE_REFUSED,
     PromptEncoder,
-    _checked_tools,
     _ReplyRewritten,
     _valid_text,
 )
@@ -153,7 +152,7 @@ class VisionPrompts:
             "add_generation_prompt": add_generation_prompt,
         }
         if tools:
-            args["tools"] = _checked_tools(tools)
+            args["tools"] = checked_tools(tools)
         try:
             text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
         except TemplateError as error:  # a call reply refused without its calls: retried
