@@ -282,10 +282,10 @@ def _decode(
     batching: Batching | None = None,
 ) -> tuple[Iterator[int | Pause], TokenPicker]:
     """The generated token ids of one request, from the prompt's last logits, and the picker
-    that samples them: `decode_tokens` when the request's mode is None, else
-    `speculative_tokens` with the mode's drafter (see `MODES`). With `batching`: in the batch
-    from the start when the mode is None or others are decoding already, else speculatively
-    while alone and in the batch while others decode (`_alone_or_batched`). The reply makes
+    that samples them. Builds what the decoder needs (the picker with the request's
+    processors and grammar; for a speculative mode, its drafter: the draft model's where
+    `draft_cache` is given, else n-grams); `mlxkv.decoding.decoders.decode_reply` chooses the
+    decoder (plain, speculative, in the batch, or speculative while alone). The reply makes
     room in `window`; a draft model follows its shifts."""
     params, prompt, loaded = request.params, request.tokens, context.loaded
     vocab_size = loaded.vocab_size
