@@ -376,6 +376,7 @@ def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, An
     except (ValueError, FileNotFoundError, KeyError, OSError) as error:
         raise ModelLoadError(f"could not load a vision model from {path}: {error}") from error
     if getattr(tokenizer, "chat_template", None) is None:
-        tokenizer._tokenizer.chat_template = getattr(processor, "chat_template", None)
+        # mlx-lm's wrapper hands the attribute to the tokenizer it wraps
+        tokenizer.chat_template = getattr(processor, "chat_template", None)
     support = VisionSupport(vlm, processor)
     return VisionLanguageModel(vlm, support.family), tokenizer, support
