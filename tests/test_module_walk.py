@@ -78,6 +78,12 @@ _OVER_BUDGET = {
         "it is not kept yet (a new Runner's walk): the keeping (`segments.KeptIds`) calls "
         "back for it",
     ),
+    "mlxkv.decoding.speculative": (
+        (3, 0),
+        "a speculative reply's settings are records of the loop that reads them: the request "
+        "path makes its `DraftLength` and its `Speculation`, then the loop runs "
+        "(`speculative_tokens`, through `decoders`)",
+    ),
     "mlxkv.runner.lockstep": (
         (4, 0),
         "unsharded, a `Solo` stands where the ranks' `Lockstep` does (no branch for the "

@@ -20,13 +20,13 @@ import mlx.core as mx
 
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.batch import DecodeBatch
-from mlxkv.decoding.decoders import Speculation, decode_reply
+from mlxkv.decoding.decoders import decode_reply
 from mlxkv.decoding.drafts import DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.prefill.chunks import fill
-from mlxkv.decoding.speculative import DraftLength
+from mlxkv.decoding.speculative import DraftLength, Speculation
 from mlxkv.errors import RestoreBroken
 from mlxkv.models.vision import ImagePrompt
 from mlxkv.runner.context import ContextWindow
