@@ -25,6 +25,10 @@ from typing import Any
 
 from mlxkv.errors import check_int, check_real
 
+# A sharded Runner's wait for the other ranks during a request: a prefill chunk of a large
+# model stays well inside it.
+DEFAULT_RANK_TIMEOUT_S = 120.0
+
 # Every environment variable mlxkv reads, and when it takes effect.
 ENVIRONMENT = {
     "MLXKV_OPENBLAS": "1 (find the system's OpenBLAS), 0 (MLX's reference BLAS) or a libblas.so "
@@ -35,7 +39,7 @@ ENVIRONMENT = {
     "default $XDG_CACHE_HOME/mlxkv, else ~/.cache/mlxkv",
     "MLXKV_API_KEY": "mlxkv serve's --api-key when the flag is not given",
     "MLXKV_RANK_TIMEOUT_S": "seconds a rank of a sharded Runner waits for the others during a "
-    "request before failing it (default 120); read when the Runner is made",
+    f"request before failing it (default {DEFAULT_RANK_TIMEOUT_S:g}); read when the Runner is made",
 }
 
 DEFAULT_DISK_BYTES = 16 * 2**30
@@ -95,6 +99,27 @@ def env(name: str) -> str | None:
     if name not in ENVIRONMENT:
         raise KeyError(f"{name} is not one of mlxkv's environment variables")
     return os.environ.get(name) or None
+
+
+def rank_timeout_s() -> float:
+    """$MLXKV_RANK_TIMEOUT_S, else `DEFAULT_RANK_TIMEOUT_S`.
+
+    Raises:
+        ValueError: the variable is not a number of seconds above 0.
+    """
+    setting = env("MLXKV_RANK_TIMEOUT_S")
+    if setting is None:
+        return DEFAULT_RANK_TIMEOUT_S
+    try:
+        seconds = float(setting)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(
+            f"MLXKV_RANK_TIMEOUT_S={setting!r} is not a number of seconds above 0; set one "
+            f"(the default is {DEFAULT_RANK_TIMEOUT_S:g}) or unset it"
+        )
+    return seconds
 
 
 def cache_root() -> Path:
