@@ -2,10 +2,10 @@
 decoding (plain, speculative or batched with other requests), and the text chunks the caller
 streams.
 
-Owns `run_request` (a request's entry claimed and released in one place) and the choice of
-decoder. Does not own serializing or
-interleaving requests, thread bookkeeping or the memory line (`dispatch`), nor the cache
-policy (`mlxkv.runner.prompt_cache.pool`).
+Owns `run_request` (a request's entry claimed and released in one place) and what its reply's
+decoder is given (the token picker, a drafter, the window). Does not own the choice of decoder
+(`mlxkv.decoding.decoders`), serializing or interleaving requests, thread bookkeeping or the
+memory line (`dispatch`), nor the cache policy (`mlxkv.runner.prompt_cache.pool`).
 """
 
 from __future__ import annotations
