@@ -193,6 +193,9 @@ class _Options:
             )
         return dataclasses.replace(self, **options)
 
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # normalizing a frozen dataclass's own field
+
 
 @dataclass(frozen=True)
 class RunnerConfig(_Options):
@@ -278,9 +281,6 @@ class RunnerConfig(_Options):
                 raise ValueError(f"cache_dir {str(path)!r} exists and is not a directory")
             self._set("cache_dir", path)
         self._set("speculative", check_speculative(self.speculative))
-
-    def _set(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)  # normalizing a frozen dataclass's own field
 
     @classmethod
     def of(cls, config: RunnerConfig | None, options: dict[str, Any]) -> RunnerConfig:
@@ -369,8 +369,7 @@ class ServerConfig(_Options):
         check_int("port", self.port, low=0, high=65535)
         check_real("keep_alive_s", self.keep_alive_s, low=-math.inf)
         if self.max_memory_bytes is not None:
-            limit = parse_bytes(self.max_memory_bytes, "max_memory_bytes")
-            object.__setattr__(self, "max_memory_bytes", limit)
+            self._set("max_memory_bytes", parse_bytes(self.max_memory_bytes, "max_memory_bytes"))
         check_int("max_body_bytes", self.max_body_bytes, low=1)
         check_int("default_max_tokens", self.default_max_tokens, low=1)
         if self.max_tokens_limit is not None:
@@ -378,10 +377,8 @@ class ServerConfig(_Options):
         check_int("max_queue", self.max_queue, low=1)
         check_real("queue_timeout_s", self.queue_timeout_s, low=0.001)
         check_int("max_connections", self.max_connections, low=1)
-        object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
-        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
-        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
-        object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
+        for name in ("cors_origins", "allowed_origins", "allowed_hosts", "model_aliases"):
+            self._set(name, tuple(getattr(self, name)))
 
     @classmethod
     def of(cls, config: ServerConfig | None, options: dict[str, Any]) -> ServerConfig:
