@@ -64,7 +64,7 @@ def placeholder_id(digest: str) -> int:
     return PLACEHOLDER_BASE + int(digest[:8], 16) % PLACEHOLDER_BASE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ImageSpan:
     """One image's place in a prompt.
 
