@@ -91,13 +91,13 @@ def run_request(
             them (first waiting for a prefix one of them is feeding); None: alone.
     """
     tokens, pool = request.tokens, context.pool
-    stats_start = time.perf_counter()
+    stats = CompletionStats(time.perf_counter(), prompt_tokens=len(tokens), cached=0)
     run = _with_images(context, request)
     if batching is not None:  # interleaved: other requests run between this one's turns
         with batching.prefills.arriving():
             yield from _await_shared_prefix(request, pool)
     if request.cancelled.is_set():  # cancelled while waiting its turn: touch nothing
-        yield CompletionStats(stats_start, len(tokens), 0).final_chunk("", "cancelled")
+        yield stats.final_chunk("", "cancelled")
         return
     hit = pool.fetch_nearest(
         tokens,
@@ -107,7 +107,7 @@ def run_request(
         label=request.cache_key,
         cut_start=request.cut_start,
     )
-    stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
+    stats.cached = hit.num_cached
     final = None
     try:
         with contextlib.closing(_generate(request, run, hit, stats, batching)) as chunks:
