@@ -25,6 +25,10 @@ from typing import Any
 
 from mlxkv.errors import check_int, check_real
 
+# A sharded Runner's wait for the other ranks during a request: a prefill chunk of a large
+# model stays well inside it.
+DEFAULT_RANK_TIMEOUT_S = 120.0
+
 # Every environment variable mlxkv reads, and when it takes effect.
 ENVIRONMENT = {
     "MLXKV_OPENBLAS": "1 (find the system's OpenBLAS), 0 (MLX's reference BLAS) or a libblas.so "
@@ -35,7 +39,7 @@ ENVIRONMENT = {
     "default $XDG_CACHE_HOME/mlxkv, else ~/.cache/mlxkv",
     "MLXKV_API_KEY": "mlxkv serve's --api-key when the flag is not given",
     "MLXKV_RANK_TIMEOUT_S": "seconds a rank of a sharded Runner waits for the others during a "
-    "request before failing it (default 120); read when the Runner is made",
+    f"request before failing it (default {DEFAULT_RANK_TIMEOUT_S:g}); read when the Runner is made",
 }
 
 DEFAULT_DISK_BYTES = 16 * 2**30
@@ -95,6 +99,27 @@ def env(name: str) -> str | None:
     if name not in ENVIRONMENT:
         raise KeyError(f"{name} is not one of mlxkv's environment variables")
     return os.environ.get(name) or None
+
+
+def rank_timeout_s() -> float:
+    """$MLXKV_RANK_TIMEOUT_S, else `DEFAULT_RANK_TIMEOUT_S`.
+
+    Raises:
+        ValueError: the variable is not a number of seconds above 0.
+    """
+    setting = env("MLXKV_RANK_TIMEOUT_S")
+    if setting is None:
+        return DEFAULT_RANK_TIMEOUT_S
+    try:
+        seconds = float(setting)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(
+            f"MLXKV_RANK_TIMEOUT_S={setting!r} is not a number of seconds above 0; set one "
+            f"(the default is {DEFAULT_RANK_TIMEOUT_S:g}) or unset it"
+        )
+    return seconds
 
 
 def cache_root() -> Path:
@@ -167,6 +192,9 @@ class _Options:
                 f"{', '.join(sorted(names))}"
             )
         return dataclasses.replace(self, **options)
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # normalizing a frozen dataclass's own field
 
 
 @dataclass(frozen=True)
@@ -253,9 +281,6 @@ class RunnerConfig(_Options):
                 raise ValueError(f"cache_dir {str(path)!r} exists and is not a directory")
             self._set("cache_dir", path)
         self._set("speculative", check_speculative(self.speculative))
-
-    def _set(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)  # normalizing a frozen dataclass's own field
 
     @classmethod
     def of(cls, config: RunnerConfig | None, options: dict[str, Any]) -> RunnerConfig:
@@ -344,8 +369,7 @@ class ServerConfig(_Options):
         check_int("port", self.port, low=0, high=65535)
         check_real("keep_alive_s", self.keep_alive_s, low=-math.inf)
         if self.max_memory_bytes is not None:
-            limit = parse_bytes(self.max_memory_bytes, "max_memory_bytes")
-            object.__setattr__(self, "max_memory_bytes", limit)
+            self._set("max_memory_bytes", parse_bytes(self.max_memory_bytes, "max_memory_bytes"))
         check_int("max_body_bytes", self.max_body_bytes, low=1)
         check_int("default_max_tokens", self.default_max_tokens, low=1)
         if self.max_tokens_limit is not None:
@@ -353,10 +377,8 @@ class ServerConfig(_Options):
         check_int("max_queue", self.max_queue, low=1)
         check_real("queue_timeout_s", self.queue_timeout_s, low=0.001)
         check_int("max_connections", self.max_connections, low=1)
-        object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
-        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
-        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
-        object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
+        for name in ("cors_origins", "allowed_origins", "allowed_hosts", "model_aliases"):
+            self._set(name, tuple(getattr(self, name)))
 
     @classmethod
     def of(cls, config: ServerConfig | None, options: dict[str, Any]) -> ServerConfig:

@@ -1,6 +1,7 @@
 """The package's floor plan holds: imports flow one way, from the CLI and the server down to
-the platform, and no two modules import each other in a circle (function-local imports
-included: a cycle hidden inside a function is still a cycle)."""
+the platform, no two modules import each other in a circle (function-local imports
+included: a cycle hidden inside a function is still a cycle), and no API folder of the server
+(`server/*_api/`) imports another: what they share lives outside all of them."""
 
 from __future__ import annotations
 
@@ -83,6 +84,28 @@ def test_imports_flow_down_the_layers():
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
 
 
+def _api_folder(module: str) -> str | None:
+    """The server's API folder `module` is in (`openai_api`...), or None."""
+    parts = module.split(".")
+    inside = len(parts) > 2 and parts[1] == "server" and parts[2].endswith("_api")
+    return parts[2] if inside else None
+
+
+def _api_crossings(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, imported in graph.items():
+        folder = _api_folder(module)
+        for target in imported:
+            if folder is not None and _api_folder(target) not in (None, folder):
+                wrong.append(f"{module} imports {target}")
+    return sorted(wrong)
+
+
+def test_no_api_folder_imports_another():
+    wrong = _api_crossings(_graph())
+    assert not wrong, "API folders importing each other:\n" + "\n".join(wrong)
+
+
 def test_no_import_cycles():
     graph = _graph()
     edges = {module: targets - {module} for module, targets in graph.items()}
@@ -121,3 +144,9 @@ def test_the_checks_see_wrong_imports_and_cycles(tmp_path):
     ]
     assert _violations({"mlxkv.runner.x": {"mlxkv.runner.prompt_cache.pool", "mlxkv.config"}}) == []
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a -> b -> c -> a"]
+    crossing = {"mlxkv.server.ollama_api.routes": {"mlxkv.server.openai_api.protocol"}}
+    assert _api_crossings(crossing) == [
+        "mlxkv.server.ollama_api.routes imports mlxkv.server.openai_api.protocol"
+    ]
+    shared = {"mlxkv.server.ollama_api.routes": {"mlxkv.server.protocol"}}
+    assert _api_crossings(shared) == []

@@ -85,6 +85,12 @@ _OVER_BUDGET = {
         "or its text and tool calls) asked by each render that reads one (the next turn's "
         "prompt, and its render without the generation prompt for the landmarks)",
     ),
+    "mlxkv.decoding.speculative": (
+        (3, 0),
+        "a speculative reply's settings are records of the loop that reads them: the request "
+        "path makes its `DraftLength` and its `Speculation`, then the loop runs "
+        "(`speculative_tokens`, through `decoders`)",
+    ),
     "mlxkv.runner.lockstep": (
         (4, 0),
         "unsharded, a `Solo` stands where the ranks' `Lockstep` does (no branch for the "

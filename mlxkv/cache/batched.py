@@ -267,8 +267,9 @@ def _merged_windows(layers: list[SlidingWindowCache]) -> BatchRotatingKVCache:
             if gap > 0:
                 pad = [(0, 0), (0, 0), (gap, 0), (0, 0)]
                 keys, values = mx.pad(keys, pad), mx.pad(values, pad)
-            as_rotating.keys, as_rotating.values = keys, values
-            as_rotating.offset, as_rotating._idx = layer.offset, keys.shape[2]
+            # mlx-lm's state: keys, values, offset, keep, max_size and the write index
+            held = keys.shape[2]
+            as_rotating.state = (keys, values, layer.offset, 0, layer.window, held)
             missing.append(max(0, gap))
         else:
             missing.append(0)

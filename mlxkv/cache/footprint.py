@@ -57,7 +57,7 @@ def measure(
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SnapshotCost:
     """What a snapshot of the layers that cannot trim back costs, beside the K/V of those
     that can.
@@ -100,4 +100,9 @@ def snapshot_cost(layers: Sequence[Any]) -> SnapshotCost:
             snapshot_bytes += used * layer.chunk_size
         else:  # recurrent state, the same size at any length
             snapshot_bytes += used
-    return SnapshotCost(snapshot_bytes, kv_bytes, float_kv_bytes, item_bytes)
+    return SnapshotCost(
+        snapshot_bytes=snapshot_bytes,
+        kv_bytes_per_token=kv_bytes,
+        float_kv_bytes_per_token=float_kv_bytes,
+        float_kv_item_bytes=item_bytes,
+    )

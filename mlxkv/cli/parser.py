@@ -13,10 +13,13 @@ from mlxkv.cli.serve import serve_command
 from mlxkv.config import (
     DEFAULT_DISK_BYTES,
     DISK_KV_BITS,
+    SERVER_CACHE_ENTRIES,
+    SPECULATIVE_MODES,
     RunnerConfig,
     ServerConfig,
     format_bytes,
 )
+from mlxkv.decoding.sampling import SamplingParams
 
 _MODEL_HELP = "model directory, .gguf file, Ollama name or Hugging Face repo (default: SmolLM2)"
 _MAX_CONTEXT_HELP = "tokens the cache holds (None: model's)"
@@ -267,9 +270,16 @@ def _joined_signed_values(args: list[str]) -> list[str]:
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--model", default=None, help=_MODEL_HELP)
-    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
-    parser.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy")
-    parser.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling; 0 = off")
+    sampling = SamplingParams()  # a request's defaults, as the Python API gives them
+    parser.add_argument(
+        "--max-tokens", type=int, default=sampling.max_tokens, help="most tokens to generate"
+    )
+    parser.add_argument(
+        "--temp", type=float, default=sampling.temperature, help="temperature; 0 = greedy"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=sampling.top_p, help="nucleus sampling; 0 = off"
+    )
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument("--max-context", type=int, default=None, help=_MAX_CONTEXT_HELP)
     parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
@@ -294,10 +304,10 @@ def _add_speculative_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--speculative",
-        choices=("auto", "ngram", "draft", "off"),
-        default="auto",
+        choices=[mode or "off" for mode in SPECULATIVE_MODES],
+        default=_RUNNER.speculative or "off",
         help="auto: draft (from --draft-model, else from the text itself) only while drafts "
-        "pay; ngram / draft: always; off: plain decoding (default: auto)",
+        "pay; ngram / draft: always; off: plain decoding",
     )
     group.add_argument(
         "--draft-model", default=None, help="a small model with the same tokenizer to draft with"
@@ -314,7 +324,8 @@ def _add_cache_options(parser: argparse.ArgumentParser, *, server: bool) -> None
         "--cache-entries",
         type=int,
         default=None if server else _RUNNER.cache_entries,
-        help="conversations kept in memory" + (" (default: 8)" if server else ""),
+        help="conversations kept in memory"
+        + (f" (default: {SERVER_CACHE_ENTRIES})" if server else ""),
     )
     cache.add_argument(
         "--cache-bytes",

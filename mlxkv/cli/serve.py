@@ -89,8 +89,10 @@ def _close(runners: list[Runner]) -> None:
         try:
             runner.close(save_timeout_s=SHUTDOWN_SAVE_S / len(runners))
         except Exception as error:
-            print(f"mlxkv: error: saving the cache of {runner.loaded.path.name}: {error}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"mlxkv: error: saving the cache of {runner.loaded.path.name}: {error}",
+                file=sys.stderr,
+            )
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:

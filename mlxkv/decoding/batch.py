@@ -69,7 +69,7 @@ class _Picked:
         return self._ids[row]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class _Row:
     """One request's sequence in the batch. Its tokens are (step's `_Picked`, index) pairs;
     those not read yet carry the batch's recurrent state after their step (`state_marks`,
@@ -150,7 +150,14 @@ class DecodeBatch:
         """
         first_input = (_Picked(first.reshape(1)), 0)
         every = cache.snapshot_every_tokens if cache.needs_checkpoints else None
-        row = _Row(cache, pick, left, first_input, every, position_shift)
+        row = _Row(
+            cache=cache,
+            pick=pick,
+            left=left,
+            next_input=first_input,
+            snapshot_every_tokens=every,
+            position_shift=position_shift,
+        )
         self._kv.join(cache)
         self._has_state = self._kv.has_state
         self._rows.append(row)

@@ -2,42 +2,23 @@
 speculative (`speculative.speculative_tokens`), in the decode batch with other requests
 (`batch.batched_tokens`), or speculative while alone and in the batch while others decode.
 
-Owns `decode_reply` and `Speculation` (what a speculative reply drafts with). Does not own the
-token picker or the drafter's making (the request path builds them), nor any decoder itself.
+Owns `decode_reply`. Does not own the token picker or what a speculative reply drafts with
+(`speculative.Speculation`: the request path builds them), nor any decoder itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.batch import DecodeBatch, batched_tokens, joined_tokens
-from mlxkv.decoding.drafts import DraftCounts
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
-from mlxkv.decoding.speculative import Distribution, Drafter, DraftLength, speculative_tokens
-
-
-@dataclass(frozen=True, kw_only=True)
-class Speculation:
-    """What a reply decoded speculatively drafts with.
-
-    Attributes:
-        drafter: proposes tokens (n-gram or draft model).
-        length: how many tokens to draft each time (grown and shrunk by acceptance).
-        distribution: turns logits into the sampling distribution (None: greedy).
-        counts: drafted and accepted tokens, counted for the Completion.
-    """
-
-    drafter: Drafter
-    length: DraftLength
-    distribution: Distribution | None
-    counts: DraftCounts
+from mlxkv.decoding.speculative import Drafter, Speculation, speculative_tokens
 
 
 def decode_reply(
@@ -80,10 +61,7 @@ def decode_reply(
             logits,
             pick,
             total,
-            drafter=speculation.drafter,
-            length=speculation.length,
-            distribution=speculation.distribution,
-            counts=speculation.counts,
+            speculation=speculation,
             make_room=make_room,
             hand_over=crowded if batch is not None else None,
             after=after,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -111,6 +112,23 @@ class AcceptanceRule:
         return mx.random.categorical(mx.log(residual)).reshape(1)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Speculation:
+    """What a reply decoded speculatively drafts with.
+
+    Attributes:
+        drafter: proposes tokens (n-gram or draft model).
+        length: how many tokens to draft each time (grown and shrunk by acceptance).
+        distribution: turns logits into the sampling distribution (None: greedy).
+        counts: drafted and accepted tokens, counted for the Completion.
+    """
+
+    drafter: Drafter
+    length: DraftLength
+    distribution: Distribution | None
+    counts: DraftCounts
+
+
 def speculative_tokens(
     model: nn.Module,
     cache: ModelCache,
@@ -118,18 +136,16 @@ def speculative_tokens(
     pick: TokenPicker,
     max_tokens: int,
     *,
-    drafter: Drafter,
-    length: DraftLength,
-    distribution: Distribution | None,
-    counts: DraftCounts,
+    speculation: Speculation,
     make_room: Callable[[ModelCache, int], bool] | None = None,
     hand_over: Callable[[], bool] | None = None,
     after: int | None = None,
 ) -> Iterator[int]:
     """Yields up to `max_tokens` token ids from the prompt's last logits, like
-    `decode_tokens`, verifying drafts where `length` asks for some and the drafter has them
-    (by `AcceptanceRule(distribution)`), and decoding plainly (pipelined) in between, until
-    the drafter has a draft again. Counts drafted and accepted tokens in `counts`. Drafts
+    `decode_tokens`, verifying drafts where `speculation.length` asks for some and its drafter
+    has them (by `AcceptanceRule(speculation.distribution)`), and decoding plainly (pipelined)
+    in between, until the drafter has a draft again. Counts drafted and accepted tokens in
+    `speculation.counts`. Drafts
     stop at the window (`_in_window`): plain steps make room (`make_room(cache, 1)`) where
     plain decoding does; where none can be made (False) the reply ends, as there.
     `hand_over` is asked before each pass and after each token of a plain stretch; True ends
@@ -138,7 +154,8 @@ def speculative_tokens(
     from elsewhere (known to `pick` and the drafter): it goes on from it, `max_tokens` more."""
     if max_tokens <= 0:
         return
-    rule = AcceptanceRule(distribution)
+    drafter, length, counts = speculation.drafter, speculation.length, speculation.counts
+    rule = AcceptanceRule(speculation.distribution)
     if after is None:
         token = int(pick(logits).item())
         yield token

@@ -36,7 +36,7 @@ _PROBE_TOOL = {
 _PROBE_MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Capabilities:
     """Attributes:
     tools: the chat template shows the model the tools a request sends.
@@ -79,7 +79,13 @@ def model_capabilities(
     chat template with a probe tool; nothing but embeddings for a model that does not
     `generate` (an encoder: its tokenizer is mlx-embeddings'); `vision`: it takes images."""
     if not generates:
-        return Capabilities(False, None, False, forced_tool_calls=False, generates=False)
+        return Capabilities(
+            tools=False,
+            tool_call_format=None,
+            thinking=False,
+            forced_tool_calls=False,
+            generates=False,
+        )
     parser = getattr(tokenizer, "tool_parser", None) if tokenizer.has_tool_calling else None
     format_name = (getattr(parser, "__module__", "") or "").rpartition(".")[2] or None
     return Capabilities(
@@ -90,7 +96,7 @@ def model_capabilities(
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TemplateFacts:
     """What a model's tokenizer files and config say, read without its weights.
 
@@ -120,7 +126,9 @@ def read_template_facts(path: str | Path | None) -> TemplateFacts | None:
             raise TypeError(f"config.json holds a {type(config).__name__}, not an object")
         if is_encoder_model(config):
             return TemplateFacts(
-                model_capabilities(None, generates=False), "", config["model_type"]
+                capabilities=model_capabilities(None, generates=False),
+                chat_template="",
+                model_type=config["model_type"],
             )
         tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
     except Exception as error:  # transformers and huggingface_hub raise their own classes
@@ -129,7 +137,11 @@ def read_template_facts(path: str | Path | None) -> TemplateFacts | None:
         return None
     template = getattr(tokenizer, "chat_template", None) or ""
     capabilities = model_capabilities(tokenizer, vision=is_vision_model(config))
-    return TemplateFacts(capabilities, template, config.get("model_type", ""))
+    return TemplateFacts(
+        capabilities=capabilities,
+        chat_template=template,
+        model_type=config.get("model_type", ""),
+    )
 
 
 def _template_shows_tools(tokenizer: Any) -> bool:

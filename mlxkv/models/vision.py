@@ -64,7 +64,7 @@ def placeholder_id(digest: str) -> int:
     return PLACEHOLDER_BASE + int(digest[:8], 16) % PLACEHOLDER_BASE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ImageSpan:
     """One image's place in a prompt.
 
@@ -376,6 +376,7 @@ def load_vision_model(path: Path, config: dict[str, Any]) -> tuple[nn.Module, An
     except (ValueError, FileNotFoundError, KeyError, OSError) as error:
         raise ModelLoadError(f"could not load a vision model from {path}: {error}") from error
     if getattr(tokenizer, "chat_template", None) is None:
-        tokenizer._tokenizer.chat_template = getattr(processor, "chat_template", None)
+        # mlx-lm's wrapper hands the attribute to the tokenizer it wraps
+        tokenizer.chat_template = getattr(processor, "chat_template", None)
     support = VisionSupport(vlm, processor)
     return VisionLanguageModel(vlm, support.family), tokenizer, support

@@ -122,7 +122,7 @@ def size_window(
     layers = make_layers(loaded.model, config)
     # an encoder keeps no K/V (and runs no decoder forward to measure them)
     per_token_bytes, cost = (
-        (1, SnapshotCost(0, 0))
+        (1, SnapshotCost(snapshot_bytes=0, kv_bytes_per_token=0))
         if loaded.is_encoder
         else engine.call(measure_one_token, loaded.model, layers)
     )

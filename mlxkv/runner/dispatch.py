@@ -159,7 +159,9 @@ class Dispatcher:
         try:
             self._refuse_second_stream()
             if not self._slots.acquire(request.cancelled):
-                stats = CompletionStats(time.perf_counter(), len(request.tokens), 0)
+                stats = CompletionStats(
+                    time.perf_counter(), prompt_tokens=len(request.tokens), cached=0
+                )
                 yield stats.final_chunk("", "cancelled")
                 return
             try:

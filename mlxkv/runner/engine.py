@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
-from mlxkv.decoding.pause import PAUSE
+from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.platform.threads import KeptRun, run_on_kept_thread
 
 logger = logging.getLogger(__name__)
@@ -112,12 +112,12 @@ class EngineThread:
         self._submit(lambda: relay.pump(make))
         return relay
 
-    def interleave(self, make: Callable[[], Iterator[T | None]]) -> Interleaved:
+    def interleave(self, make: Callable[[], Iterator[T | Pause]]) -> Interleaved:
         """The items of the generator `make()` returns, like `iterate`, except that each item
         is computed by a job of its own: the jobs of other interleaved generators and calls
         run between two items. The generator yields `PAUSE` to pause: its next part runs after
         the jobs waiting then (a long prefill lets running requests decode between its
-        chunks); the caller never sees None. The first item's job goes ahead of those
+        chunks); the caller never sees a pause. The first item's job goes ahead of those
         waiting (at most one per interleaved generator: a decode step each), so a new
         request's prefill starts at the next turn, not after a round of them."""
         return Interleaved(self, make)

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 import mlx.core as mx
 
-from mlxkv.config import RunnerConfig, env, format_bytes
+from mlxkv.config import RunnerConfig, format_bytes, rank_timeout_s
 from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import NotSupportedError, RanksOutOfStepError
 from mlxkv.runner.engine import EngineThread
@@ -39,8 +39,6 @@ from mlxkv.runner.request import Request
 from mlxkv.runner.results import Completion, GenerationChunk
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_RANK_TIMEOUT_S = 120.0  # a prefill chunk of a large model stays well inside it
 
 
 class Lockstep:
@@ -51,13 +49,13 @@ class Lockstep:
     """
 
     def __init__(self, group: mx.distributed.Group):
+        self._timeout_s = rank_timeout_s()  # checked before anything starts
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
         # Collectives run one at a time on a thread of their own, so a wait for a rank that
         # froze or died is bounded (MLX's own wait cannot be interrupted).
         self._collectives = EngineThread(f"mlxkv-collectives-{self.rank}")
-        self._timeout_s = float(env("MLXKV_RANK_TIMEOUT_S") or DEFAULT_RANK_TIMEOUT_S)
         self.failure: str | None = None  # why the ranks are out of step, once they are
 
     sharded = True

@@ -2,10 +2,10 @@
 decoding (plain, speculative or batched with other requests), and the text chunks the caller
 streams.
 
-Owns `run_request` (a request's entry claimed and released in one place) and the choice of
-decoder. Does not own serializing or
-interleaving requests, thread bookkeeping or the memory line (`dispatch`), nor the cache
-policy (`mlxkv.runner.prompt_cache.pool`).
+Owns `run_request` (a request's entry claimed and released in one place) and what its reply's
+decoder is given (the token picker, a drafter, the window). Does not own the choice of decoder
+(`mlxkv.decoding.decoders`), serializing or interleaving requests, thread bookkeeping or the
+memory line (`dispatch`), nor the cache policy (`mlxkv.runner.prompt_cache.pool`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import mlx.core as mx
 
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.batch import DecodeBatch
-from mlxkv.decoding.decoders import Speculation, decode_reply
+from mlxkv.decoding.decoders import decode_reply
 from mlxkv.decoding.drafts import DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.prefill.chunks import fill
-from mlxkv.decoding.speculative import DraftLength
+from mlxkv.decoding.speculative import DraftLength, Speculation
 from mlxkv.errors import RestoreBroken
 from mlxkv.models.vision import ImagePrompt
 from mlxkv.runner.context import ContextWindow
@@ -91,13 +91,13 @@ def run_request(
             them (first waiting for a prefix one of them is feeding); None: alone.
     """
     tokens, pool = request.tokens, context.pool
-    stats_start = time.perf_counter()
+    stats = CompletionStats(time.perf_counter(), prompt_tokens=len(tokens), cached=0)
     run = _with_images(context, request)
     if batching is not None:  # interleaved: other requests run between this one's turns
         with batching.prefills.arriving():
             yield from _await_shared_prefix(request, pool)
     if request.cancelled.is_set():  # cancelled while waiting its turn: touch nothing
-        yield CompletionStats(stats_start, len(tokens), 0).final_chunk("", "cancelled")
+        yield stats.final_chunk("", "cancelled")
         return
     hit = pool.fetch_nearest(
         tokens,
@@ -107,7 +107,7 @@ def run_request(
         label=request.cache_key,
         cut_start=request.cut_start,
     )
-    stats = CompletionStats(stats_start, len(tokens), hit.num_cached)
+    stats.cached = hit.num_cached
     final = None
     try:
         with contextlib.closing(_generate(request, run, hit, stats, batching)) as chunks:
@@ -282,10 +282,10 @@ def _decode(
     batching: Batching | None = None,
 ) -> tuple[Iterator[int | Pause], TokenPicker]:
     """The generated token ids of one request, from the prompt's last logits, and the picker
-    that samples them: `decode_tokens` when the request's mode is None, else
-    `speculative_tokens` with the mode's drafter (see `MODES`). With `batching`: in the batch
-    from the start when the mode is None or others are decoding already, else speculatively
-    while alone and in the batch while others decode (`_alone_or_batched`). The reply makes
+    that samples them. Builds what the decoder needs (the picker with the request's
+    processors and grammar; for a speculative mode, its drafter: the draft model's where
+    `draft_cache` is given, else n-grams); `mlxkv.decoding.decoders.decode_reply` chooses the
+    decoder (plain, speculative, in the batch, or speculative while alone). The reply makes
     room in `window`; a draft model follows its shifts."""
     params, prompt, loaded = request.params, request.tokens, context.loaded
     vocab_size = loaded.vocab_size

@@ -52,7 +52,7 @@ class Completion:
     accepted_tokens: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PromptUsage:
     """The prompt's size and how much of it the prompt cache supplied, in tokens."""
 
@@ -91,7 +91,7 @@ class CompletionStats:
         cached: prompt tokens reused from the cache.
     """
 
-    def __init__(self, start: float, prompt_tokens: int, cached: int):
+    def __init__(self, start: float, *, prompt_tokens: int, cached: int):
         self.start = start
         self.prompt_tokens = prompt_tokens
         self.cached = cached
@@ -130,7 +130,7 @@ class CompletionStats:
         )
 
     def usage(self) -> PromptUsage:
-        return PromptUsage(self.prompt_tokens, self.cached)
+        return PromptUsage(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached)
 
     def completion(self, finish_reason: str, stop_string: str | None = None) -> Completion:
         end = time.perf_counter()

@@ -1,4 +1,5 @@
-"""The ASGI app: routes of both APIs, middleware, error handlers and the worker's lifetime.
+"""The ASGI app: every API's routes (OpenAI, Responses, Anthropic, Ollama) and the chat page,
+middleware, error handlers and the served models' lifetime.
 
 Owns: `create_app` and the rule that no request ends in a traceback: validation errors are
 400s with the field and what to fix, unknown paths 404s, each in the shape of the API the path
@@ -58,7 +59,7 @@ def create_app(
     batch (more wait their turn); the app owns the Runner while it serves (generating with it
     elsewhere meanwhile only makes requests wait). With one Runner, any model name a client
     sends is answered by it; with several, the request's `model` chooses
-    (`models.ServedModels`: exact names, then `config.model_aliases`, else a 404 listing
+    (`models.served.ServedModels`: exact names, then `config.model_aliases`, else a 404 listing
     them), each with its own worker and cache. A model given as a `ModelLoader` loads on its
     first request and unloads after its keep-alive (`config.keep_alive_s`, or a request's
     `keep_alive`) or when another needs the memory (`config.max_memory_bytes`); a Runner given

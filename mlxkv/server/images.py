@@ -99,7 +99,8 @@ def _download(url: str) -> bytes:
         raise ApiError(400, f"could not fetch the image at {url}: {error}") from None
     if len(data) > MAX_IMAGE_BYTES:
         raise ApiError(
-            400, f"the image at {url} is over {MAX_IMAGE_BYTES:,} bytes; the limit is "
+            400,
+            f"the image at {url} is over {MAX_IMAGE_BYTES:,} bytes; the limit is "
             f"{MAX_IMAGE_BYTES:,} bytes",
-        )  # fmt: skip
+        )
     return bytes(data)

@@ -110,7 +110,7 @@ class ServerContext:
 
 
 async def server_context(request: Request) -> ServerContext:
-    """The context of the model the request names (`models.request_context`)."""
+    """The context of the model the request names (`models.served.request_context`)."""
     return await request_context(request)
 
 

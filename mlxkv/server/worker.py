@@ -3,7 +3,7 @@
 Owns: `GenerationWorker`, which starts generations in the order requests arrived, up to the
 Runner's `max_batch` at once (more wait their turn), and `GenerationStream`, which hands a
 generation's chunks to the event loop and cancels the generation when its consumer leaves.
-Does not own the HTTP formats (`openai`, `anthropic`), batching (the Runner's batched streams
+Does not own the HTTP formats (each API's folder), batching (the Runner's batched streams
 decode together on its engine thread) or cache policy (the Runner).
 
 Each running generation has a thread of its own here that reads its chunks (a batched stream
@@ -271,6 +271,6 @@ class GenerationWorker:
         self.runner.cancel()
 
     def shutdown(self) -> None:
-        """Cancels what is running or waiting and waits for the worker thread to end."""
+        """Cancels what is running or waiting and waits for the worker threads to end."""
         self.runner.cancel()
         self._executor.shutdown(wait=True, cancel_futures=False)

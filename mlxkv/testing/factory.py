@@ -75,7 +75,8 @@ over the lazy dog. user assistant system: hello, how are you? I am fine, thank y
 """
 
 # mlx-lm's initial weights times this, with an untied output head: the next token then depends
-# on the whole context on every architecture (tests/testing/test_factory.py measures it). With
+# on the whole context on every architecture (the conformance sweep measures it: a token far
+# back must move the last log-probabilities, tests/conformance/test_sweep.py). With
 # smaller weights or a head tied to the embeddings, most architectures answer the same token
 # whatever the context, so token-level tests could not see a corrupted cache.
 WEIGHT_SCALE = 2.0

@@ -161,7 +161,8 @@ RULE = {  # (snapshot bytes, K/V bytes a token, block tokens) -> every how many 
 @pytest.mark.parametrize("case", list(RULE))
 def test_the_rule_bounds_snapshot_bytes_by_the_kv_beside_them(case):
     (snapshot_bytes, per_token, block_tokens), want = RULE[case]
-    assert snapshot_every_blocks(SnapshotCost(snapshot_bytes, per_token), block_tokens) == want
+    cost = SnapshotCost(snapshot_bytes=snapshot_bytes, kv_bytes_per_token=per_token)
+    assert snapshot_every_blocks(cost, block_tokens) == want
 
 
 def test_snapshots_wait_in_the_budget_until_the_writer_takes_them(runner_of, tmp_path, held_writes):

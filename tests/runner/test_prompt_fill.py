@@ -27,7 +27,7 @@ def test_a_prefill_pauses_between_chunks_not_after_the_last(loaded_tiny, tokens,
     request = SimpleNamespace(
         tokens=ids, header_tokens=0, keep=0, progress=None, cancelled=threading.Event()
     )
-    stats = CompletionStats(time.perf_counter(), tokens, 0)
+    stats = CompletionStats(time.perf_counter(), prompt_tokens=tokens, cached=0)
     steps = fill_prompt(
         loaded.model, request, PrefixHit(CacheEntry(cache), 0, ids), stats, plan=PrefillPlan(32, 1)
     )
@@ -53,7 +53,7 @@ def test_a_pause_where_a_checkpoint_falls_comes_after_it(loaded_tiny):
     request = SimpleNamespace(
         tokens=ids, header_tokens=0, keep=0, progress=None, cancelled=threading.Event()
     )
-    stats = CompletionStats(time.perf_counter(), len(ids), 0)
+    stats = CompletionStats(time.perf_counter(), prompt_tokens=len(ids), cached=0)
     hit = PrefixHit(CacheEntry(cache), 0, ids, checkpoints=(40,))
     steps = fill_prompt(loaded.model, request, hit, stats, plan=PrefillPlan(32, 1))
     paused_at = []

@@ -65,7 +65,7 @@ def test_stop_string_in_text_the_detokenizer_held_to_the_end_ends_with_stop(load
             progress=None,
             cancelled=threading.Event(),
         )
-        stats = CompletionStats(0.0, 1, 0)
+        stats = CompletionStats(0.0, prompt_tokens=1, cached=0)
         pick = TokenPicker(lambda x: x, [], [])
         return list(emit_chunks(tokenizer, iter([space] * 12), stats, request, pick))[-1]
 

@@ -132,7 +132,11 @@ def test_changed_tools_in_the_first_message_are_tools_changed():
 
     from mlxkv.server.anthropic_api.diagnostics import PromptRecord, diagnose
 
-    before = PromptRecord(np.arange(10, dtype=np.uint32), "system", "tools-a")
-    after = PromptRecord(np.array([0, 1, 2, 9], dtype=np.uint32), "system", "tools-b")
+    before = PromptRecord(
+        tokens=np.arange(10, dtype=np.uint32), system_hash="system", tools_hash="tools-a"
+    )
+    after = PromptRecord(
+        tokens=np.array([0, 1, 2, 9], dtype=np.uint32), system_hash="system", tools_hash="tools-b"
+    )
     reason = diagnose(after, before, 3, lambda at: (0, ("system", None)))
     assert reason["type"] == "tools_changed" and reason["cache_missed_input_tokens"] == 1

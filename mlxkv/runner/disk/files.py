@@ -235,6 +235,7 @@ def entry_metadata(
     signature: str,
     layout: dict,
     tokens: np.ndarray,
+    *,
     salt: str | None,
     reply_start: int,
     parent: str | None = None,

@@ -50,7 +50,7 @@ REPLY_SUFFIX = ".reply"
 _NAME = re.compile(r"[0-9a-f]{32}\.reply")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StoredReply:
     """One record: the ids the model generated for `text` in `salt`'s domain."""
 
@@ -111,13 +111,13 @@ def read_reply(path: Path, fingerprint: str, signature: str) -> StoredReply:
     try:
         text, salt = metadata["text"], metadata.get("salt") or None
         reply = StoredReply(
-            path,
-            salt,
-            text,
-            _unpack(metadata["ids"]).tolist(),
-            metadata.get("anchor") or None,
-            _unpack(metadata["tail"]),
-            int(metadata["tail_start"]),
+            path=path,
+            salt=salt,
+            text=text,
+            ids=_unpack(metadata["ids"]).tolist(),
+            anchor=metadata.get("anchor") or None,
+            tail=_unpack(metadata["tail"]),
+            tail_start=int(metadata["tail_start"]),
         )
     except (KeyError, ValueError, TypeError) as error:
         raise BadFile(f"unreadable metadata ({error})") from error

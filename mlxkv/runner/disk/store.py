@@ -22,6 +22,7 @@ Invariants:
   - a scan of the directory and this process's own renames and removals (each with its index
     change) exclude each other, so the index never drops a file written while a scan ran.
 """
+# long: the index and every path that changes it (scan, load, write, budget), under its 2 locks
 
 from __future__ import annotations
 
@@ -316,9 +317,15 @@ class DiskStore:
                 )
                 return
             metadata = entry_metadata(
-                self.fingerprint, self.signature, block_layout, tokens[start:end], salt,
-                reply_start, parent, start,
-            )  # fmt: skip
+                self.fingerprint,
+                self.signature,
+                block_layout,
+                tokens[start:end],
+                salt=salt,
+                reply_start=reply_start,
+                parent=parent,
+                start=start,
+            )
             job = WriteJob(block, metadata, key + SUFFIX, nbytes)
             self._run_logged(job) if wait else self._writer.put(job)
 

@@ -64,7 +64,7 @@ _TEMPLATE_REFUSED = "the model's chat template refused the messages: {}"
 MAX_SYSTEM_RENDER_BYTES = 2 * 1024 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Landmarks:
     """Where a prompt's parts end in its token ids.
 
@@ -227,14 +227,15 @@ class PromptEncoder:
         end: the system messages (rendered alone only if `system_tokens`) and the generation
         prompt, where the next turn re-renders from (so where a checkpoint is most useful)."""
         if not is_messages(prompt):
-            return Landmarks(False, [], 0, 1)
+            return Landmarks(chat=False, system=[], system_tokens=0, header_tokens=1)
         system = leading_system_messages(prompt)
         rendered = [self.render(prompt, add_generation_prompt=False, **template)]
         if system and system_tokens:
             rendered.append(self._system_alone(system, template))
         ends = common_prefix_lengths(tokens, rendered)
         system_end = ends[1] if len(ends) > 1 else 0
-        return Landmarks(True, system, system_end, max(1, len(tokens) - ends[0]))
+        header = max(1, len(tokens) - ends[0])
+        return Landmarks(chat=True, system=system, system_tokens=system_end, header_tokens=header)
 
     def _system_alone(self, system: list[Message], template: dict[str, Any]) -> list[int]:
         """The ids of the system messages rendered alone (kept ones: not to be changed)."""
@@ -333,8 +334,7 @@ class PromptEncoder:
             except TemplateError:  # a call reply refused without its calls (a tool message
                 if replies is None or not any(messages[i].get("tool_calls") for i in known):
                     raise  # must follow calls), or other text written from them (`CallsApart`):
-                # from the template; text replies as their ids
-                text_replies = without_call_replies(replies)
+                text_replies = without_call_replies(replies)  # from the template; text: ids
                 return self._render(messages, parse_control_tokens, template_args, text_replies)
         if not tainted:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template_args)

@@ -296,7 +296,14 @@ class VisionPrompts:
         spans = []
         for image_runs, source, done in zip(runs, decoded, processed, strict=True):
             start, end = image_runs[0][0], sum(image_runs[-1])
-            spans.append(ImageSpan(start, end - start, source.digest, done, tuple(image_runs)))
+            span = ImageSpan(
+                start=start,
+                num_tokens=end - start,
+                digest=source.digest,
+                processed=done,
+                runs=tuple(image_runs),
+            )
+            spans.append(span)
         return ImageTokens(tokens, tuple(spans))
 
 

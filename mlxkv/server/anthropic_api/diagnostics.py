@@ -44,7 +44,7 @@ MAX_RECORDS = 64
 Origin = tuple[Any, int | None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PromptRecord:
     tokens: np.ndarray  # (L,) uint32: the prompt as rendered
     system_hash: str

@@ -205,7 +205,8 @@ async def _diagnostics(
     except ValueError as error:
         raise bad_input_error(error, ctx.model_name) from error
     system_hash, tools_hash = content_hash(body.system_text()), content_hash(tools)
-    record = PromptRecord(np.asarray(tokens, np.uint32), system_hash, tools_hash)
+    rendered = np.asarray(tokens, np.uint32)
+    record = PromptRecord(tokens=rendered, system_hash=system_hash, tools_hash=tools_hash)
     previous_id = body.diagnostics.get("previous_message_id")
     reason = None
     if previous_id is not None:
