@@ -15,9 +15,9 @@ pytest.importorskip("mlx_vlm")
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
-from mlxkv.runner.results import Completion  # noqa: E402
 from mlxkv.runner.text.replies import call_reply_key, replies_for  # noqa: E402
 from mlxkv.testing.vision_factory import build_vision_model, noise_images  # noqa: E402
+from tests.server.test_tool_call_reply_edges import _completion  # noqa: E402
 
 SAID = "Let me look."
 ARGUMENTS = {"city": "Paris"}
@@ -32,18 +32,7 @@ def known(tmp_path_factory):
     tokenizer = loaded.tokenizer
     ids = [tokenizer.encode(c, add_special_tokens=False)[0] for c in SAID]
     assert tokenizer.encode(SAID, add_special_tokens=False) != ids
-    completion = Completion(
-        text=SAID,
-        tokens=ids,
-        finish_reason="stop",
-        prompt_tokens=1,
-        cached_tokens=0,
-        prompt_tps=0.0,
-        generation_tokens=len(ids) + 1,
-        generation_tps=0.0,
-        ttft=0.0,
-        peak_memory=0,
-    )
+    completion = _completion(SAID, ids)
     key = call_reply_key(SAID, [("get_weather", ARGUMENTS)])
     replies_for(tokenizer).remember(completion, None, key)
     return Runner(loaded), ids
