@@ -18,8 +18,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.runner.dispatch import Dispatcher
-from mlxkv.server import state
-from mlxkv.server.anthropic_api import routes as anthropic_routes
+from mlxkv.server import early_events, state
 from tests.server.conftest import held_worker, serve
 
 SYSTEM_PROMPT = "You are a careful coding agent. Read files before you change them. " * 6
@@ -274,7 +273,7 @@ def test_the_anthropic_sdk_sees_an_event_while_the_prefill_runs(
     """Claude Code's idle watchdog (`CLAUDE_STREAM_IDLE_TIMEOUT_MS`, 300 s at least) is reset
     only by events its SDK yields, and the SDK drops `ping` (seen: claude -p on a 57k-token
     prompt, cancelled at 300.4 s): a late first token finds an early block open."""
-    monkeypatch.setattr(anthropic_routes, "EARLY_BLOCK_AFTER_S", 0.1)
+    monkeypatch.setattr(early_events, "EARLY_EVENT_AFTER_S", 0.1)
     client = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
     events: list[str] = []
     second_event = threading.Event()
@@ -298,3 +297,40 @@ def test_the_anthropic_sdk_sees_an_event_while_the_prefill_runs(
         reader.join(timeout=60)
     assert events[0] == "message_start"
     assert seen, f"only {events[:1]} reached the SDK while the worker was busy"
+
+
+def test_the_openai_sdk_sees_responses_events_while_the_prefill_runs(
+    served, blocked_worker, monkeypatch
+):
+    """Codex's idle watchdog (`stream_idle_timeout_ms`, 300 s) counts only the events its SSE
+    reader yields, not SSE comments: a late first token finds response.in_progress sent
+    again (here past response.created and the first in_progress), and the reply after it is
+    what it always is."""
+    monkeypatch.setattr(early_events, "EARLY_EVENT_AFTER_S", 0.1)
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    events: list[str] = []
+    third_event = threading.Event()
+
+    def read() -> None:
+        stream = client.responses.create(
+            model="m", input="hi", max_output_tokens=3, temperature=0, stream=True
+        )
+        for event in stream:
+            events.append(event.type)
+            if len(events) == 3:
+                third_event.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        seen = third_event.wait(timeout=2.0)  # 40 keep-alive intervals of 50 ms
+    finally:
+        blocked_worker.set()
+        reader.join(timeout=60)
+    assert seen, f"only {events} reached the SDK while the worker was busy"
+    assert events[:3] == ["response.created", "response.in_progress", "response.in_progress"]
+    rest = [e for e in events[3:] if e != "response.in_progress"]
+    assert rest[0] == "response.output_item.added" and rest[-1] in (
+        "response.completed",
+        "response.incomplete",
+    )

@@ -1,6 +1,7 @@
-"""A stream whose first token is later than `EARLY_BLOCK_AFTER_S` (the worker held, as a long
-prefill holds it) opens content block 0 early and keeps it alive with empty deltas: the SDKs
-drop `ping`, and Claude Code's idle watchdog counts only the events its SDK yields. Read through
+"""A stream whose first token is later than `early_events.EARLY_EVENT_AFTER_S` (the worker
+held, as a long prefill holds it) opens content block 0 early and keeps it alive with empty
+deltas: the SDKs drop `ping`, and Claude Code's idle watchdog counts only the events its SDK
+yields. Read through
 the real `anthropic` SDK: the final Message holds what a short request's holds, besides the early
 block, left empty, where the reply starts with another kind; a short request's events are
 unchanged. Scripted models (`build_template_model`) answer as their script says."""
@@ -15,8 +16,7 @@ import pytest
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
 from mlxkv.runner.dispatch import Dispatcher
-from mlxkv.server import state
-from mlxkv.server.anthropic_api import routes
+from mlxkv.server import early_events, state
 from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE
 from tests.server.conftest import (
     THINKING_TEMPLATE,
@@ -53,7 +53,7 @@ def servers(tmp_path_factory):
 def _early_block(monkeypatch) -> None:
     """Keep-alives every 50 ms, the early block after 100 ms."""
     monkeypatch.setattr(state, "KEEPALIVE_INTERVAL_S", 0.05)
-    monkeypatch.setattr(routes, "EARLY_BLOCK_AFTER_S", 0.1)
+    monkeypatch.setattr(early_events, "EARLY_EVENT_AFTER_S", 0.1)
 
 
 @pytest.fixture

@@ -178,15 +178,14 @@ def test_ollama_load_duration_is_the_wait_for_the_load(gated):
 
 
 def test_an_anthropic_stream_counts_its_models_load_toward_the_early_block(gated, monkeypatch):
-    """The early block (`anthropic_api.routes.EARLY_BLOCK_AFTER_S`, for Claude Code's idle
+    """The early block (`early_events.EARLY_EVENT_AFTER_S`, for Claude Code's idle
     watchdog, which pings do not reset) counts from the request's arrival: a load longer
     than it (pings read past it, at the server's own keep-alive interval) finds block 0 opened
     with an empty delta before the first token, however soon that comes after the load."""
-    from mlxkv.server import state
-    from mlxkv.server.anthropic_api import routes
+    from mlxkv.server import early_events, state
 
     monkeypatch.setattr(state, "KEEPALIVE_INTERVAL_S", 0.05)
-    monkeypatch.setattr(routes, "EARLY_BLOCK_AFTER_S", 0.5)
+    monkeypatch.setattr(early_events, "EARLY_EVENT_AFTER_S", 0.5)
     pings_past_the_early_block = 12  # the first at once, then one per 0.05 s: >= 0.55 s
     spec = APIS["anthropic"]
     with httpx.Client(base_url=gated.url, timeout=_TIMEOUT_S) as client:

@@ -12,7 +12,6 @@ the chat template's `reasoning_content` for that turn.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import uuid
 from collections.abc import AsyncIterator
@@ -23,7 +22,6 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from mlxkv.runner.results import Completion
-from mlxkv.server import state
 from mlxkv.server.anthropic_api.diagnostics import (
     PromptRecord,
     PromptRecords,
@@ -34,9 +32,9 @@ from mlxkv.server.anthropic_api.diagnostics import (
 )
 from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
 from mlxkv.server.anthropic_api.tool_ids import client_id
+from mlxkv.server.early_events import WAITING, marking_waits
 from mlxkv.server.errors import bad_input_error
 from mlxkv.server.images import fetched_images
-from mlxkv.server.middleware import seconds_since_arrival
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
@@ -53,12 +51,6 @@ _USAGE_FIELDS = (
 )
 # Sent while a stream has nothing else to say (a long prefill, a wait in the queue).
 _PING = sse({"type": "ping"}, "ping")
-# Claude Code's idle watchdog (`CLAUDE_STREAM_IDLE_TIMEOUT_MS`, 300 s at least) counts only the
-# events its SDK yields, and the SDK drops `ping`: a stream whose first token has not come this
-# long after the request arrived (its model's load counted: only pings go out meanwhile) opens
-# its first content block and sends an empty delta every keep-alive interval. Well below 300 s
-# (a loaded machine's event loop lags), far above a short request's wait.
-EARLY_BLOCK_AFTER_S = 60.0
 
 
 @router.post("/v1/messages")
@@ -81,8 +73,7 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
     if body.diagnostics is not None:
         head["diagnostics"] = diagnostics
     if body.stream:
-        early_after_s = max(0.0, EARLY_BLOCK_AFTER_S - seconds_since_arrival(request.scope))
-        events = _message_events(turn, head, _early_kind(body, turn), early_after_s)
+        events = _message_events(turn, head, _early_kind(body, turn), request.scope)
         return event_stream(events, turn, _error_event, keepalive=_PING)
     events, completion = await collect(turn, request)
     calls = [event for event in events if isinstance(event, ToolCall)]
@@ -227,19 +218,20 @@ def _early_kind(body: MessagesRequest, turn: Turn) -> str:
 
 
 async def _message_events(
-    turn: Turn, head: dict[str, Any], early_kind: str, early_after_s: float
+    turn: Turn, head: dict[str, Any], early_kind: str, scope: dict[str, Any]
 ) -> AsyncIterator[str]:
     """message_start at once (before the prompt is processed: a long prefill then sends pings,
     and the client knows it was accepted; its usage is zeros, message_delta carries the
     counts), then content blocks (start, deltas, stop), message_delta with the stop reason
-    and usage, message_stop. A first token later than `early_after_s` finds block 0
-    (`early_kind`) already open, kept alive by empty deltas."""
+    and usage, message_stop. A first token late for Claude Code's watchdog (`early_events`:
+    the request of `scope` arrived long before) finds block 0 (`early_kind`) already open,
+    kept alive by empty deltas (its SDK drops `ping`)."""
     index, open_kind = 0, None  # the text or thinking block being streamed, if any
     calls: list[ToolCall] = []
     head = {**head, "stop_reason": None, "stop_sequence": None, "usage": _usage(None)}
     yield sse({"type": "message_start", "message": head}, "message_start")
-    async for event in _marking_waits(turn.events(), early_after_s):
-        if event is _WAITING:
+    async for event in marking_waits(turn.events(), scope):
+        if event is WAITING:
             if open_kind is None:
                 open_kind = early_kind
                 yield _block_start(index, _text_block(early_kind, ""))
@@ -273,30 +265,6 @@ async def _message_events(
             body = {"type": "message_delta", "delta": _stop(event, calls), "usage": _usage(event)}
             yield sse(body, "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")
-
-
-_WAITING = object()  # in place of an event: the first one is late (`_marking_waits`)
-
-
-async def _marking_waits(
-    events: AsyncIterator[Event], first_wait_s: float
-) -> AsyncIterator[Event | object]:
-    """`events`, with `_WAITING` once the first has taken `first_wait_s`, then again each
-    keep-alive interval until it comes. The first read is waited on, never cancelled
-    (cancelling it closes the generation), except when the stream itself is closed."""
-    first = asyncio.ensure_future(anext(events, _WAITING))  # _WAITING here: no event at all
-    try:
-        wait_s = first_wait_s
-        while not (await asyncio.wait({first}, timeout=wait_s))[0]:
-            yield _WAITING
-            wait_s = state.KEEPALIVE_INTERVAL_S
-    finally:
-        first.cancel()  # a no-op once it has finished
-    if (event := first.result()) is _WAITING:
-        return
-    yield event
-    async for event in events:
-        yield event
 
 
 def _text_delta(index: int, kind: str, text: str) -> str:

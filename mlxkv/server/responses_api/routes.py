@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from mlxkv.runner.results import Completion
+from mlxkv.server.early_events import WAITING, marking_waits
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.reply.tool_calls import ToolCall
@@ -70,7 +71,7 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
             stored_responses(request).put(response.id, conversation + _as_messages(output))
 
     if body.stream:
-        events = _response_events(turn, response, remember)
+        events = _response_events(turn, response, remember, request.scope)
         return event_stream(events, turn, response.failed_event)
     events, completion = await collect(turn, request)
     output = _output_items(events, completion)
@@ -129,13 +130,22 @@ class _Response:
         return self.event("response.failed", response=failed)
 
 
-async def _response_events(turn: Turn, response: _Response, remember) -> AsyncIterator[str]:
-    yield response.event("response.created", response=response.body([], None, "in_progress"))
-    yield response.event("response.in_progress", response=response.body([], None, "in_progress"))
+async def _response_events(
+    turn: Turn, response: _Response, remember, scope: dict[str, Any]
+) -> AsyncIterator[str]:
+    """response.created and response.in_progress at once, then the output items' events and
+    response.completed (or response.incomplete). A first token late for Codex's watchdog
+    (`early_events`: the request of `scope` arrived long before) finds response.in_progress
+    sent again every keep-alive interval meanwhile: Codex does not count SSE comments."""
+    in_progress = response.body([], None, "in_progress")
+    yield response.event("response.created", response=in_progress)
+    yield response.event("response.in_progress", response=in_progress)
     output: list[dict[str, Any]] = []
     open_item: dict[str, Any] | None = None  # the reasoning or message item being streamed
-    async for event in turn.events():
-        if isinstance(event, TextDelta | ReasoningDelta) and event.text:
+    async for event in marking_waits(turn.events(), scope):
+        if event is WAITING:
+            yield response.event("response.in_progress", response=in_progress)
+        elif isinstance(event, TextDelta | ReasoningDelta) and event.text:
             kind = _item_kind(event)
             if open_item is not None and open_item["type"] != kind:
                 for line in _close_item(response, open_item, len(output), "completed"):
