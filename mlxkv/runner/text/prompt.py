@@ -40,6 +40,7 @@ from mlxkv.runner.text.replies import (
     check_calls_apart,
     masked_reply,
     reply_key,
+    slot_texts,
     without_call_replies,
 )
 from mlxkv.runner.text.segments import KeptIds, SegmentEncoder
@@ -374,8 +375,7 @@ class PromptEncoder:
             _ReplyRewritten: the template did not render a known reply's placeholder once, as
                 given (it trims or rewrites content).
         """
-        nonce = secrets.token_hex(8)
-        slots = {i: f"mlxkv{nonce}slot{i}" for i in sorted([*tainted, *known])}
+        slots = slot_texts(sorted([*tainted, *known]))
         masked = [{**m, "content": slots.get(i, m["content"])} for i, m in enumerate(messages)]
         masked = [masked_reply(m, slots[i]) if i in known else m for i, m in enumerate(masked)]
         text = self.tokenizer.apply_chat_template(masked, tokenize=False, **template_args)

@@ -129,8 +129,7 @@ def check_calls_apart(
     Raises:
         CallsApart: the texts differ elsewhere.
     """
-    nonce = secrets.token_hex(8)
-    slots = {i: f"mlxkv{nonce}call{i}" for i in known if messages[i].get("tool_calls")}
+    slots = slot_texts(i for i in known if messages[i].get("tool_calls"))
     with_calls = [{**m, "content": slots[i]} if i in slots else m for i, m in enumerate(messages)]
     without = [masked_reply(m, slots[i]) if i in slots else m for i, m in enumerate(messages)]
     split = re.compile("|".join(slots.values())).split
@@ -142,6 +141,19 @@ def check_calls_apart(
         and all(t.endswith(o) for o, t in zip(ours[1:], theirs[1:], strict=True))
     ):
         raise CallsApart("the chat template writes other text from a reply's tool calls")
+
+
+def slot_text(nonce: str, index: int) -> str:
+    """The placeholder of slot `index` in a render marked with `nonce`: ended apart, so no
+    slot's text holds another's (slot 1 in slot 11, seen in review rs11c)."""
+    return f"mlxkv{nonce}slot{index}end"
+
+
+def slot_texts(indices: Iterable[int]) -> dict[int, str]:
+    """A placeholder for each of `indices` (`slot_text`), under one random nonce: content
+    that the template renders in its place, found again in the text by it."""
+    nonce = secrets.token_hex(8)
+    return {i: slot_text(nonce, i) for i in indices}
 
 
 def masked_reply(message: Message, slot: str) -> Message:

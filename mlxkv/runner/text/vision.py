@@ -42,7 +42,7 @@ from mlxkv.runner.text.prompt import (
     _ReplyRewritten,
     _valid_text,
 )
-from mlxkv.runner.text.replies import ReplyIds, masked_reply, without_call_replies
+from mlxkv.runner.text.replies import ReplyIds, masked_reply, slot_text, without_call_replies
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class VisionPrompts:
             value = _valid_text(value)
             if parse_control_tokens or controls is None or not controls.search(value):
                 return value
-            slot = f"mlxkv{nonce}slot{len(slots)}"
+            slot = slot_text(nonce, len(slots))
             slots[slot] = self._prompts._plain.encode(value, add_special_tokens=False).ids
             return slot
 
@@ -203,7 +203,7 @@ class VisionPrompts:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
             content = message.get("content")
             if (ids := reply(message)) is not None:
-                slot = f"mlxkv{nonce}slot{len(slots)}"
+                slot = slot_text(nonce, len(slots))
                 slots[slot] = ids
                 known.add(slot)
                 masked.append(masked_reply(message, slot))
