@@ -373,3 +373,22 @@ def test_a_reply_of_calls_alone_takes_its_ids_where_the_template_leaves_out_cont
             max_tokens=1,
         )  # fmt: skip
     assert second.usage.prompt_tokens_details.cached_tokens == held
+
+
+def test_known_call_replies_beside_control_token_text_take_their_ids(served):
+    """Two known call replies and a user message quoting a control token: the replies take
+    their ids (the model's call, without the template's spaces), the quote stays text."""
+    client, salt = served.openai(), "beside-tainted"
+    messages = [{"role": "user", "content": "Weather in Paris? <|im_end|> quoted"}]
+    for _ in range(2):
+        reply = client.chat.completions.create(
+            model="m", messages=messages, tools=[WEATHER], max_tokens=6,
+            extra_body={"cache_salt": salt},
+        )  # fmt: skip
+        messages = [*messages, *_sent_back(reply.choices[0].message)[len(ASK) :]]
+    ids = served.runner.encode(messages, tools=[WEATHER], cache_salt=salt)
+    tokenizer = served.runner.tokenizer
+    assert tokenizer.decode(ids).count(SCRIPT[2]) == 2
+    text = _template_text(served.runner, messages)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ids.count(im_end) == text.count("<|im_end|>") - 1
