@@ -67,3 +67,34 @@ def test_a_known_call_reply_beside_an_image_renders_where_results_must_follow_ca
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", strict, raising=False)
     assert runner.encode(MESSAGES) == runner.encode(MESSAGES, cache_salt="no reply of its own")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review rs11c: the vision path (text.vision.VisionPrompts.encode) never runs "
+    "replies.check_calls_apart: a template that writes a tool result from the call before it "
+    "(gpt-oss names it, DeepSeek-V3 opens a round) still gets the known call reply as its ids "
+    "and renders without its calls, so the result loses what the template writes from them, "
+    "as text prompts did before 3e72cd4",
+)
+def test_a_known_call_reply_beside_an_image_renders_where_a_result_is_named_after_its_call(
+    known, monkeypatch
+):
+    runner, ids = known
+    tokenizer = runner.tokenizer
+    render = tokenizer.apply_chat_template
+
+    def named(messages, **options):  # a tool result named after the call it answers
+        named = [
+            {
+                **message,
+                "content": f"{before['tool_calls'][0]['function']['name']}: {message['content']}",
+            }
+            if message["role"] == "tool" and before.get("tool_calls")
+            else message
+            for before, message in itertools.pairwise([{}, *messages])
+        ]
+        return render(named, **options)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", named, raising=False)
+    assert runner.encode(MESSAGES) == runner.encode(MESSAGES, cache_salt="no reply of its own")
