@@ -119,28 +119,40 @@ def check_calls_apart(
     tokenizer: Any, template_args: dict[str, Any], messages: list[Message], known: Iterable[int]
 ) -> None:
     """Checks that the known replies with calls among `messages` (indices `known`) take their
-    ids without changing the rest of the prompt: rendered by `tokenizer`'s chat template (with
-    `template_args`) with each such reply's content as a slot, with its calls and without them
-    (`masked_reply`), the two texts may differ only right after each slot (where the calls
-    go). A template that writes a later message from
-    the calls (a tool result named after its call; DeepSeek-V3 opening each round of tool
-    results after a message with calls) or the calls before the content fails it.
+    ids without changing the rest of the prompt: the text `tokenizer`'s chat template writes
+    for the messages as sent (with `template_args`) must be its text with each such reply
+    masked (`masked_reply`, a slot for content and calls), any text in place of each slot:
+    where the template writes the reply's content and calls, or the calls alone (Llama 3.1,
+    Mistral and Hermes leave a call reply's content out), and nothing else from them. A
+    template that writes a later message from the calls (a tool result named after its call,
+    gpt-oss's; DeepSeek-V3 opening each round of tool results after a message with calls)
+    fails it.
 
     Raises:
         CallsApart: the texts differ elsewhere.
     """
     slots = slot_texts(i for i in known if messages[i].get("tool_calls"))
-    with_calls = [{**m, "content": slots[i]} if i in slots else m for i, m in enumerate(messages)]
     without = [masked_reply(m, slots[i]) if i in slots else m for i, m in enumerate(messages)]
-    split = re.compile("|".join(slots.values())).split
     render = functools.partial(tokenizer.apply_chat_template, tokenize=False, **template_args)
-    ours, theirs = split(render(without)), split(render(with_calls))
-    if not (
-        len(ours) == len(theirs) == len(slots) + 1
-        and ours[0] == theirs[0]
-        and all(t.endswith(o) for o, t in zip(ours[1:], theirs[1:], strict=True))
-    ):
+    pieces = re.compile("|".join(map(re.escape, slots.values()))).split(render(without))
+    if len(pieces) != len(slots) + 1 or not _in_order(render(messages), pieces):
         raise CallsApart("the chat template writes other text from a reply's tool calls")
+
+
+def _in_order(text: str, pieces: list[str]) -> bool:
+    """Whether `text` is `pieces` in order with any text between two (the first a prefix,
+    the last a suffix). Each found at its first place from where the one before ended: that
+    leaves the most room for the rest (with a regex of them the check took 154 ms on an
+    agent's 258,000 characters and 40 call replies, mostly compiling; so, 5 ms with both
+    renders)."""
+    if not text.startswith(pieces[0]):
+        return False
+    end = len(pieces[0])
+    for piece in pieces[1:-1]:
+        if (found := text.find(piece, end)) < 0:
+            return False
+        end = found + len(piece)
+    return len(text) - len(pieces[-1]) >= end and text.endswith(pieces[-1])
 
 
 def slot_text(nonce: str, index: int) -> str:
