@@ -267,6 +267,29 @@ def test_a_stream_ends_with_its_last_event_while_the_engine_is_still_busy(
     assert text.rstrip().endswith(last)
 
 
+def _events_while_held(stream_events, count: int, release: threading.Event):
+    """The types of the events an SDK stream yields (`stream_events()`, read on a thread),
+    and whether `count` of them came while the worker was held (within 40 keep-alive
+    intervals of 50 ms); the worker is released then."""
+    events: list[str] = []
+    arrived = threading.Event()
+
+    def read() -> None:
+        for event in stream_events():
+            events.append(event.type)
+            if len(events) == count:
+                arrived.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        seen = arrived.wait(timeout=2.0)
+    finally:
+        release.set()
+        reader.join(timeout=60)
+    return events, seen
+
+
 def test_the_anthropic_sdk_sees_an_event_while_the_prefill_runs(
     served, blocked_worker, monkeypatch
 ):
@@ -275,26 +298,13 @@ def test_the_anthropic_sdk_sees_an_event_while_the_prefill_runs(
     prompt, cancelled at 300.4 s): a late first token finds an early block open."""
     monkeypatch.setattr(early_events, "EARLY_EVENT_AFTER_S", 0.1)
     client = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
-    events: list[str] = []
-    second_event = threading.Event()
 
-    def read() -> None:
-        with client.messages.create(
-            model="m", max_tokens=3, stream=True, messages=[{"role": "user", "content": "hi"}]
-        ) as stream:
-            for event in stream:
-                events.append(event.type)
-                if len(events) == 2:
-                    second_event.set()
+    def stream_events():
+        hi = [{"role": "user", "content": "hi"}]
+        with client.messages.create(model="m", max_tokens=3, stream=True, messages=hi) as stream:
+            yield from stream
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    try:
-        # 40 keep-alive intervals of 50 ms: an event the SDK yields is due long before.
-        seen = second_event.wait(timeout=2.0)
-    finally:
-        blocked_worker.set()
-        reader.join(timeout=60)
+    events, seen = _events_while_held(stream_events, 2, blocked_worker)
     assert events[0] == "message_start"
     assert seen, f"only {events[:1]} reached the SDK while the worker was busy"
 
@@ -308,25 +318,13 @@ def test_the_openai_sdk_sees_responses_events_while_the_prefill_runs(
     what it always is."""
     monkeypatch.setattr(early_events, "EARLY_EVENT_AFTER_S", 0.1)
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
-    events: list[str] = []
-    third_event = threading.Event()
 
-    def read() -> None:
-        stream = client.responses.create(
+    def stream_events():
+        yield from client.responses.create(
             model="m", input="hi", max_output_tokens=3, temperature=0, stream=True
         )
-        for event in stream:
-            events.append(event.type)
-            if len(events) == 3:
-                third_event.set()
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    try:
-        seen = third_event.wait(timeout=2.0)  # 40 keep-alive intervals of 50 ms
-    finally:
-        blocked_worker.set()
-        reader.join(timeout=60)
+    events, seen = _events_while_held(stream_events, 3, blocked_worker)
     assert seen, f"only {events} reached the SDK while the worker was busy"
     assert events[:3] == ["response.created", "response.in_progress", "response.in_progress"]
     rest = [e for e in events[3:] if e != "response.in_progress"]

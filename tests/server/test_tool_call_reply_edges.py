@@ -327,18 +327,28 @@ async def _events(turn: Turn) -> list:
     return [event async for event in turn.events()]
 
 
+def _call_rounds(served, messages: list[dict], salt: str, rounds: int) -> list[dict]:
+    """`messages` and `rounds` call replies of the scripted model, each sent back with its
+    tool result, in `salt`'s domain."""
+    client = served.openai()
+    for _ in range(rounds):
+        reply = client.chat.completions.create(
+            model="m",
+            messages=messages,
+            tools=[WEATHER],
+            max_tokens=6,
+            extra_body={"cache_salt": salt},
+        )
+        messages = [*messages, *_sent_back(reply.choices[0].message)[len(ASK) :]]
+    return messages
+
+
 def test_six_rounds_of_known_call_replies_all_take_their_ids(served):
     """Replies at messages 1, 3, ... 11: the slot of reply 1 is not read inside reply 11's
     (`replies.slot_text`), so all six take the ids the model wrote (its call without the
     template's spaces); seen failing (none did) with slots that end at their index."""
-    client, salt = served.openai(), "six-rounds"
-    messages = list(ASK)
-    for _ in range(6):
-        reply = client.chat.completions.create(
-            model="m", messages=messages, tools=[WEATHER], max_tokens=6,
-            extra_body={"cache_salt": salt},
-        )  # fmt: skip
-        messages = [*messages, *_sent_back(reply.choices[0].message)[len(ASK) :]]
+    salt = "six-rounds"
+    messages = _call_rounds(served, list(ASK), salt, 6)
     ids = served.runner.encode(messages, tools=[WEATHER], cache_salt=salt)
     assert served.runner.tokenizer.decode(ids).count(SCRIPT[2]) == 6
 
@@ -373,14 +383,9 @@ def test_a_reply_of_calls_alone_takes_its_ids_where_the_template_leaves_out_cont
 def test_known_call_replies_beside_control_token_text_take_their_ids(served):
     """Two known call replies and a user message quoting a control token: the replies take
     their ids (the model's call, without the template's spaces), the quote stays text."""
-    client, salt = served.openai(), "beside-tainted"
-    messages = [{"role": "user", "content": "Weather in Paris? <|im_end|> quoted"}]
-    for _ in range(2):
-        reply = client.chat.completions.create(
-            model="m", messages=messages, tools=[WEATHER], max_tokens=6,
-            extra_body={"cache_salt": salt},
-        )  # fmt: skip
-        messages = [*messages, *_sent_back(reply.choices[0].message)[len(ASK) :]]
+    salt = "beside-tainted"
+    quoted = [{"role": "user", "content": "Weather in Paris? <|im_end|> quoted"}]
+    messages = _call_rounds(served, quoted, salt, 2)
     ids = served.runner.encode(messages, tools=[WEATHER], cache_salt=salt)
     tokenizer = served.runner.tokenizer
     assert tokenizer.decode(ids).count(SCRIPT[2]) == 2
