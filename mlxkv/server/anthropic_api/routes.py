@@ -32,12 +32,20 @@ from mlxkv.server.anthropic_api.diagnostics import (
 )
 from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
 from mlxkv.server.anthropic_api.tool_ids import client_id
-from mlxkv.server.early_events import WAITING, marking_waits
+from mlxkv.server.early_events import marking_waits
 from mlxkv.server.errors import bad_input_error
 from mlxkv.server.images import fetched_images
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.reply.tool_calls import ToolCall
-from mlxkv.server.reply.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
+from mlxkv.server.reply.turn import (
+    WAITING,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    Turn,
+    collect,
+    start_turn,
+)
 from mlxkv.server.state import Context, ServerContext, event_stream, sse
 
 router = APIRouter()
@@ -225,17 +233,18 @@ async def _message_events(
     counts), then content blocks (start, deltas, stop), message_delta with the stop reason
     and usage, message_stop. A first token late for Claude Code's watchdog (`early_events`:
     the request of `scope` arrived long before) finds block 0 (`early_kind`) already open,
-    kept alive by empty deltas (its SDK drops `ping`)."""
+    kept alive by empty deltas (its SDK drops `ping`); a tool call long in the writing, the
+    open block kept alive so, or an empty text block opened before it."""
     index, open_kind = 0, None  # the text or thinking block being streamed, if any
     calls: list[ToolCall] = []
     head = {**head, "stop_reason": None, "stop_sequence": None, "usage": _usage(None)}
     yield sse({"type": "message_start", "message": head}, "message_start")
-    async for event in marking_waits(turn.events(), scope):
-        if event is WAITING:
-            if open_kind is None:
-                open_kind = early_kind
-                yield _block_start(index, _text_block(early_kind, ""))
-            yield _text_delta(index, early_kind, "")
+    async for event in marking_waits(turn, scope):
+        if event is WAITING:  # an empty delta, in an empty block if none is open
+            if open_kind is None:  # thinking only first, as Anthropic's blocks come
+                open_kind = early_kind if index == 0 else "text"
+                yield _block_start(index, _text_block(open_kind, ""))
+            yield _text_delta(index, open_kind, "")
         elif isinstance(event, TextDelta | ReasoningDelta) and event.text:
             kind = _TEXT_FIELDS[type(event)][0]
             if open_kind != kind:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,9 @@ class ReasoningDelta:
 
 
 Event = ReasoningDelta | TextDelta | ToolCall | Completion
+# In place of an event: the reply is late, or goes on with nothing to show yet (a tool call
+# being written comes out whole), and a client's idle watchdog wants an event (`early_events`).
+WAITING = object()
 
 
 class Turn:
@@ -111,10 +115,15 @@ class Turn:
         that left); None if it failed."""
         return await self._stream.finished
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self, waiting_after_s: float | None = None) -> AsyncIterator[Event]:
+        """The events; with `waiting_after_s`, also `WAITING` each time a token comes that long
+        after the last thing yielded and shows nothing yet (a tool call's text is held until
+        the call is whole: an agent's file write can take minutes). Costs a clock read per
+        held token, nothing when nothing is held."""
         pending: list[TokenInfo] = []
         answer: list[str] = []  # the text a client sends back with the calls
         calls: list[ToolCall] = []
+        yielded_s = time.monotonic()
         async for chunk in self._stream:
             self.prompt = self.prompt or chunk.prompt
             if self._with_logprobs and chunk.logprob is not None:
@@ -123,6 +132,12 @@ class Turn:
             pieces = self._pieces(chunk.text, ended=chunk.completion is not None)
             if chunk.token is not None and (was_thinking or self._thinking_now()):
                 self.reasoning_tokens += 1
+            if pieces:
+                yielded_s = time.monotonic()
+            elif chunk.completion is None and waiting_after_s is not None:
+                if time.monotonic() - yielded_s >= waiting_after_s:
+                    yielded_s = time.monotonic()
+                    yield WAITING
             for piece in pieces:
                 if isinstance(piece, ToolCall):
                     calls.append(piece)

@@ -24,11 +24,19 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from mlxkv.runner.results import Completion
-from mlxkv.server.early_events import WAITING, marking_waits
+from mlxkv.server.early_events import marking_waits
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.reply.tool_calls import ToolCall
-from mlxkv.server.reply.turn import Event, ReasoningDelta, TextDelta, Turn, collect, start_turn
+from mlxkv.server.reply.turn import (
+    WAITING,
+    Event,
+    ReasoningDelta,
+    TextDelta,
+    Turn,
+    collect,
+    start_turn,
+)
 from mlxkv.server.responses_api.history import stored_responses
 from mlxkv.server.responses_api.protocol import ResponsesRequest, chat_messages
 from mlxkv.server.state import Context, event_stream, sse
@@ -136,13 +144,14 @@ async def _response_events(
     """response.created and response.in_progress at once, then the output items' events and
     response.completed (or response.incomplete). A first token late for Codex's watchdog
     (`early_events`: the request of `scope` arrived long before) finds response.in_progress
-    sent again every keep-alive interval meanwhile: Codex does not count SSE comments."""
+    sent again every keep-alive interval meanwhile, and so does a tool call long in the
+    writing (held until whole): Codex does not count SSE comments."""
     in_progress = response.body([], None, "in_progress")
     yield response.event("response.created", response=in_progress)
     yield response.event("response.in_progress", response=in_progress)
     output: list[dict[str, Any]] = []
     open_item: dict[str, Any] | None = None  # the reasoning or message item being streamed
-    async for event in marking_waits(turn.events(), scope):
+    async for event in marking_waits(turn, scope):
         if event is WAITING:
             yield response.event("response.in_progress", response=in_progress)
         elif isinstance(event, TextDelta | ReasoningDelta) and event.text:
