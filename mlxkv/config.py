@@ -43,6 +43,8 @@ ENVIRONMENT = {
 }
 
 DEFAULT_DISK_BYTES = 16 * 2**30
+# What `keep` None keeps of a prompt without a system prompt: as llama.cpp's attention sinks.
+DEFAULT_KEEP_TOKENS = 4
 DISK_KV_BITS = (4, 8)  # what `cache_dir_kv_bits` accepts (mx.quantize's affine bits)
 # `mlxkv serve`'s defaults: a few conversations and their side requests, a quarter of the
 # machine's memory, and a disk tier that survives restarts.
@@ -206,7 +208,7 @@ class RunnerConfig(_Options):
             `max_position_embeddings`, capped to the tokens whose K/V fit in `cache_bytes`
             (else in half the machine's memory).
         keep: tokens at the start that truncation and shifts never drop; None keeps the
-            system prompt's tokens for chat messages, else the first 4.
+            system prompt's tokens for chat messages, else the first `DEFAULT_KEEP_TOKENS`.
         kv_bits: quantize global-attention K/V to 8 or 4 bits; None keeps the model's dtype.
         kv_group_size: head-dimension elements per quantization scale.
         prefill_step_size: most prompt tokens fed per model call (bounds prefill memory);

@@ -30,8 +30,6 @@ from mlxkv.runner.text.messages import Message
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KEEP_TOKENS = 4  # without a system prompt; as llama.cpp's attention sinks
-
 
 def check_keep(keep: int, budget: int) -> None:
     """Raises ContextLengthError when `keep` leaves no room in a window of `budget` tokens."""

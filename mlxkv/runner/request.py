@@ -21,12 +21,13 @@ from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
 from mlxkv.cache.prefix import common_prefix_lengths
+from mlxkv.config import DEFAULT_KEEP_TOKENS
 from mlxkv.decoding.grammar import check_grammar
 from mlxkv.decoding.prefill.chunks import ProgressCallback
 from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import ContextLengthError, check_int
 from mlxkv.models.vision import ImageSpan
-from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, chat_cut, fit_prompt
+from mlxkv.runner.context import chat_cut, fit_prompt
 from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
 from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
 from mlxkv.runner.text.replies import replies_for
@@ -194,8 +195,6 @@ class RequestBuilder:
         if not options.truncate and len(tokens) >= self._max_context:
             self._refuse_too_long(len(tokens))
         params = self._fit_max_tokens(params, len(tokens), options.overflow)
-        if options.grammar is not None:
-            check_grammar(options.grammar, self._prompts.tokenizer)
         marks = self._prompts.landmarks(
             prompt, tokens, system_tokens=self._keep is None, **template
         )
@@ -210,20 +209,33 @@ class RequestBuilder:
         held = functools.partial(cached_prefix, salt=salt)
         fitted = fit_prompt(tokens, budget, keep, cached_prefix=held, chat=chat)
         cut_start = None if fitted.first_message is None else prompt[fitted.first_message]
-        return Request(
+        return self._request(
+            options,
+            salt,
             tokens=fitted.tokens,
             keep=keep,
             header_tokens=marks.header_tokens,
             params=params,
+            cut_start=cut_start,
+        )
+
+    def _request(self, options: RequestOptions, salt: str | None, **prompt: Any) -> Request:
+        """The Request of a `prompt` (its tokens, keep, header, settings, cuts) with what
+        every prompt takes from its options; a grammar is checked against the tokenizer."""
+        if options.grammar is not None:
+            check_grammar(options.grammar, self._prompts.tokenizer)
+        return Request(
             progress=options.progress,
             cancelled=options.cancel or threading.Event(),
             top_logprobs=options.top_logprobs,
             cache_key=options.cache_key,
-            # drafts verified k at a time would each need the grammar's state: off
+            # drafts verified k at a time would each need the grammar's state: off (a prompt
+            # with images drafts n-grams, verified on the bound model: the draft model cannot
+            # read images)
             speculative=None if options.grammar is not None else options.speculative,
-            cut_start=cut_start,
             grammar=options.grammar,
             cache_salt=salt,
+            **prompt,
         )
 
     def _image_request(
@@ -261,22 +273,14 @@ class RequestBuilder:
         )
         bare = self._vision.encode(prompt, **template, add_generation_prompt=False).tokens
         header = max(1, len(tokens) - common_prefix_lengths(tokens, [bare])[0])
-        if options.grammar is not None:
-            check_grammar(options.grammar, self._prompts.tokenizer)
-        return Request(
+        return self._request(
+            options,
+            salt,
             tokens=tokens,
             keep=keep,
             header_tokens=header,
             params=fitted,
-            progress=options.progress,
-            cancelled=options.cancel or threading.Event(),
-            top_logprobs=options.top_logprobs,
-            cache_key=options.cache_key,
-            # n-gram drafts (the draft model cannot read images), verified on the bound model
-            speculative=None if options.grammar is not None else options.speculative,
             cut_start=cut_start,
-            grammar=options.grammar,
-            cache_salt=salt,
             images=encoded.spans,
             reply_cuts=reply_cuts,
         )
