@@ -118,8 +118,8 @@ class Turn:
     async def events(self, waiting_after_s: float | None = None) -> AsyncIterator[Event]:
         """The events; with `waiting_after_s`, also `WAITING` each time a token comes that long
         after the last thing yielded and shows nothing yet (a tool call's text is held until
-        the call is whole: an agent's file write can take minutes). Costs a clock read per
-        held token, nothing when nothing is held."""
+        the call is whole: an agent's file write can take minutes). Costs a clock read a
+        token."""
         pending: list[TokenInfo] = []
         answer: list[str] = []  # the text a client sends back with the calls
         calls: list[ToolCall] = []
@@ -132,12 +132,13 @@ class Turn:
             pieces = self._pieces(chunk.text, ended=chunk.completion is not None)
             if chunk.token is not None and (was_thinking or self._thinking_now()):
                 self.reasoning_tokens += 1
+            now_s = time.monotonic()
+            late = waiting_after_s is not None and now_s - yielded_s >= waiting_after_s
             if pieces:
-                yielded_s = time.monotonic()
-            elif chunk.completion is None and waiting_after_s is not None:
-                if time.monotonic() - yielded_s >= waiting_after_s:
-                    yielded_s = time.monotonic()
-                    yield WAITING
+                yielded_s = now_s
+            elif late and chunk.completion is None:  # the last chunk's events come now
+                yielded_s = now_s
+                yield WAITING
             for piece in pieces:
                 if isinstance(piece, ToolCall):
                     calls.append(piece)
