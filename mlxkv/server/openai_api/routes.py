@@ -18,10 +18,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from mlxkv.runner.results import Completion
+from mlxkv.server.early_events import marking_waits
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
+    WAITING,
     Event,
     ReasoningDelta,
     TextDelta,
@@ -67,7 +69,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     )
     reply = _Reply(ctx.model_name, "chatcmpl", "chat.completion")
     if body.stream:
-        return event_stream(_chat_events(turn, reply, body.include_usage), turn, _error_event)
+        events = _chat_events(turn, reply, body.include_usage, request.scope)
+        return event_stream(events, turn, _error_event)
     events, completion = await collect(turn, request)
     message: dict[str, Any] = {"role": "assistant", "content": _text(events)}
     reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
@@ -100,7 +103,8 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context):
     )
     reply = _Reply(ctx.model_name, "cmpl", "text_completion")
     if body.stream:
-        return event_stream(_completion_events(turn, reply, body), turn, _error_event)
+        events = _completion_events(turn, reply, body, request.scope)
+        return event_stream(events, turn, _error_event)
     events, completion = await collect(turn, request)
     choice = {
         "index": 0,
@@ -125,7 +129,12 @@ class _Reply:
         return {**head, "choices": choices, **extra}
 
 
-async def _chat_events(turn: Turn, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
+async def _chat_events(
+    turn: Turn, reply: _Reply, include_usage: bool, scope: dict[str, Any]
+) -> AsyncIterator[str]:
+    """The role chunk at once, then the reply's chunks; a wait the client's watchdog would
+    count as a stall (`early_events`: langchain-openai's `stream_chunk_timeout`, 120 s, counts
+    only parsed chunks) sends a chunk of empty content."""
     reply.kind = "chat.completion.chunk"
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
@@ -134,8 +143,10 @@ async def _chat_events(turn: Turn, reply: _Reply, include_usage: bool) -> AsyncI
 
     yield chunk({"role": "assistant", "content": ""})
     calls: list[ToolCall] = []
-    async for event in turn.events():
-        if isinstance(event, TextDelta | ReasoningDelta) and (event.text or event.logprobs):
+    async for event in marking_waits(turn, scope):
+        if event is WAITING:
+            yield chunk({"content": ""})
+        elif isinstance(event, TextDelta | ReasoningDelta) and (event.text or event.logprobs):
             logprobs = {"content": [_token(t) for t in event.logprobs]} if event.logprobs else None
             if isinstance(event, ReasoningDelta):
                 yield chunk(_reasoning(event.text), logprobs=logprobs)
@@ -152,17 +163,22 @@ async def _chat_events(turn: Turn, reply: _Reply, include_usage: bool) -> AsyncI
 
 
 async def _completion_events(
-    turn: Turn, reply: _Reply, body: CompletionRequest
+    turn: Turn, reply: _Reply, body: CompletionRequest, scope: dict[str, Any]
 ) -> AsyncIterator[str]:
-    async for event in turn.events():
-        if isinstance(event, TextDelta) and (event.text or event.logprobs):
+    """The text's chunks; a long wait (`early_events`) sends one of empty text."""
+
+    def chunk(text: str, logprobs: dict[str, Any] | None = None, finish: str | None = None) -> str:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return sse(reply.body([choice]))
+
+    async for event in marking_waits(turn, scope):
+        if event is WAITING:
+            yield chunk("")
+        elif isinstance(event, TextDelta) and (event.text or event.logprobs):
             logprobs = _legacy_logprobs([event]) if body.logprobs is not None else None
-            choice = {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": None}
-            yield sse(reply.body([choice]))
+            yield chunk(event.text, logprobs)
         elif isinstance(event, Completion):
-            finish = _finish_reason(event, [])
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
-            yield sse(reply.body([choice]))
+            yield chunk("", finish=_finish_reason(event, []))
             if body.include_usage:
                 yield sse(reply.body([], usage=_usage(event)))
     yield sse("[DONE]")
