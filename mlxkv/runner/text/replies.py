@@ -75,32 +75,49 @@ def is_rememberable(completion: Completion) -> bool:
     )
 
 
-def call_reply_key(content: str, calls: Iterable[tuple[str, Any]]) -> str:
+def call_reply_key(
+    content: str, calls: Iterable[tuple[str, Any]], ids: Sequence[str] | None = None
+) -> str:
     """What a reply with tool calls is known by: its text before the calls and each call's
-    (name, arguments), in one canonical form (a NUL first: no text content takes it)."""
-    form = [content, [[name, arguments] for name, arguments in calls]]
-    return _CALLS + json.dumps(form, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    (name, arguments), with `ids` the call ids the model wrote (one a call; None: it wrote
+    none), in one canonical form (a NUL first: no text content takes it). Written ids are
+    part of the reply's token ids: two replies differing only in them are two replies."""
+    form: list[list[Any]] = [[name, arguments] for name, arguments in calls]
+    if ids is not None:
+        form = [[*call, call_id] for call, call_id in zip(form, ids, strict=True)]
+    return _CALLS + json.dumps(
+        [content, form], sort_keys=True, ensure_ascii=False, separators=(",", ":")
+    )
 
 
-def reply_key(message: Any) -> str | None:
-    """What an assistant message sent back is known by: its text content; with tool calls,
-    `call_reply_key` of its content and calls. None: not an assistant message, no text, a
-    call reply with a thought, or calls not in the chat template's form."""
+def reply_keys(message: Any) -> list[str]:
+    """What an assistant message sent back may be known by, the closest first: its text
+    content; with tool calls, `call_reply_key` of its content, calls and their ids (a reply
+    whose model wrote them), then without ids (a reply whose calls' ids were made here: the
+    client may send them back or not, as Ollama's client does not). Empty: not an assistant
+    message, no text, a call reply with a thought, or calls not in the chat template's form."""
     if not isinstance(message, dict) or message.get("role") != "assistant":
-        return None
+        return []
     content = message.get("content")
     if not isinstance(content, str):
-        return None
+        return []
     calls = message.get("tool_calls")
     if not calls:
-        return content or None
+        return [content] if content else []
     if message.get("reasoning_content"):
-        return None
+        return []
     try:
         named = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
     except (KeyError, TypeError):
-        return None
-    return call_reply_key(content, named)
+        return []
+    ids = [c.get("id") for c in calls]
+    with_ids = [call_reply_key(content, named, ids)] if all(isinstance(i, str) for i in ids) else []
+    return [*with_ids, call_reply_key(content, named)]
+
+
+def known_reply(message: Any, replies: ReplyIds) -> Sequence[int] | None:
+    """The ids `replies` knows `message` by, its closest key first (`reply_keys`)."""
+    return next((ids for key in reply_keys(message) if (ids := replies(key)) is not None), None)
 
 
 def without_call_replies(replies: ReplyIds) -> ReplyIds:
@@ -230,12 +247,12 @@ class ReplyTokens:
 
     def known_in(self, prompt: Any, salt: str | None) -> dict[str, list[int]]:
         """The ids of the replies of `salt`'s domain that `prompt`'s assistant messages send
-        back, by `reply_key` (empty for a text or token prompt): looked up once a request, for
+        back, by `reply_keys` (empty for a text or token prompt): looked up once a request, for
         the renders it makes."""
         if not isinstance(prompt, Sequence) or isinstance(prompt, str):
             return {}
         # a reply sent back as content parts renders from its parts' text
-        texts = {key for m in prompt if (key := reply_key(m)) is not None}
+        texts = {key for m in prompt for key in reply_keys(m)}
         known: dict[str, list[int]] = {}
         with self._lock:
             for text in texts:

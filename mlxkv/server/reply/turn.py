@@ -72,9 +72,9 @@ class Turn:
     """The events of one generation: `ReasoningDelta`s, `TextDelta`s and `ToolCall`s in
     order, then the `Completion`. Leaving the iteration early cancels the generation. A reply
     with tool calls, no thought and not cut by max_tokens is remembered, before its Completion
-    is handed on, by what the client sends back (`replies.call_reply_key`: its text and parsed
-    calls), so the next turn's prompt takes its ids as the cache holds them, not the
-    template's form of the calls.
+    is handed on, by what the client sends back (`replies.call_reply_key`: its text, parsed
+    calls and the call ids the model wrote), so the next turn's prompt takes its ids as the
+    cache holds them, not the template's form of the calls.
     """
 
     def __init__(
@@ -140,8 +140,9 @@ class Turn:
                 # not one cut by max_tokens: its last call may be cut before its end marker
                 # (parsed all the same), which the client sends back as a whole call
                 if calls and not self.reasoning_tokens and chunk.completion.finish_reason == "stop":
-                    key = call_reply_key("".join(answer), [(c.name, c.arguments) for c in calls])
-                    remember_reply(self._tokenizer, chunk.completion, self._salt, key)
+                    key = _call_reply_key("".join(answer), calls)
+                    if key is not None:
+                        remember_reply(self._tokenizer, chunk.completion, self._salt, key)
                 yield chunk.completion
 
     def _thinking_now(self) -> bool:
@@ -169,6 +170,20 @@ class Turn:
         decode = self._tokenizer.decode
         top = [(decode([alternative]), value) for alternative, value in logprob.top]
         return TokenInfo(decode([token]), logprob.logprob, top)
+
+
+def _call_reply_key(answer: str, calls: list[ToolCall]) -> str | None:
+    """What a reply of `answer` and `calls` is known by when sent back
+    (`replies.call_reply_key`): with the call ids the model wrote (in its token ids, so the
+    client's must be those), or without ids where it wrote none (ids made here are not in its
+    token ids, and Ollama's client sends none back). None where the client got another id
+    than one the model wrote (its template would refuse it): those ids would show an id that
+    no tool result answers."""
+    named = [(call.name, call.arguments) for call in calls]
+    written = [call.written_id for call in calls]
+    if all(written_id is None for written_id in written):
+        return call_reply_key(answer, named)
+    return call_reply_key(answer, named, written) if written == [c.id for c in calls] else None
 
 
 def _within_limit(
