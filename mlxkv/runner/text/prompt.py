@@ -327,8 +327,7 @@ class PromptEncoder:
         )
         if known:
             try:
-                if any(messages[i].get("tool_calls") for i in known):
-                    check_calls_apart(self.tokenizer, template_args, messages, known)
+                check_calls_apart(self.tokenizer, template_args, messages, known)
                 return self._render_in_pieces(messages, tainted, known, template_args)
             except _ReplyRewritten:  # the template changed it: the reply renders as text
                 pass

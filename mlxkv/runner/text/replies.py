@@ -143,12 +143,14 @@ def check_calls_apart(
     Mistral and Hermes leave a call reply's content out), and nothing else from them. A
     template that writes a later message from the calls (a tool result named after its call,
     gpt-oss's; DeepSeek-V3 opening each round of tool results after a message with calls)
-    fails it.
+    fails it. Text prompts and prompts with images (`vision.VisionPrompts`) both check here.
 
     Raises:
         CallsApart: the texts differ elsewhere.
     """
     slots = slot_texts(i for i in known if messages[i].get("tool_calls"))
+    if not slots:
+        return
     without = [masked_reply(m, slots[i]) if i in slots else m for i, m in enumerate(messages)]
     render = functools.partial(tokenizer.apply_chat_template, tokenize=False, **template_args)
     pieces = re.compile("|".join(map(re.escape, slots.values()))).split(render(without))
