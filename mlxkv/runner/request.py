@@ -29,7 +29,7 @@ from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import DEFAULT_KEEP_TOKENS, chat_cut, fit_prompt
 from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
 from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
-from mlxkv.runner.text.replies import replies_for
+from mlxkv.runner.text.replies import ReplyKey, replies_for
 from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images, with_text_content
 from mlxkv.runner.text.vision_cuts import ImageChat
 
@@ -68,6 +68,7 @@ class Request:
         reply_cuts: for a prompt with images whose reply may pass the window ("shift"), the
             prompt's messages, cut at message boundaries when the reply reaches the window
             (`text.vision_cuts.ImageWindow`); None: nothing to cut, the reply stops there.
+        reply_key: what the reply is known by when sent back, if not its text (`ReplyKey`).
     """
 
     tokens: list[int]
@@ -84,6 +85,7 @@ class Request:
     cache_salt: str | None = None
     images: tuple[ImageSpan, ...] = ()
     reply_cuts: ImageChat | None = None
+    reply_key: ReplyKey | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +109,7 @@ class RequestOptions:
             (`salt_digest`), or None.
         switches: chat-template variables (`enable_thinking`, ...), passed where the template
             reads them.
+        reply_key: what the reply is known by when sent back, if not its text (`ReplyKey`).
     """
 
     progress: ProgressCallback | None = None
@@ -121,16 +124,16 @@ class RequestOptions:
     grammar: str | None = None
     cache_salt: str | None = dataclasses.field(default=None, repr=False)  # a secret: never shown
     switches: dict[str, Any] | None = None
+    reply_key: ReplyKey | None = None
 
     def check(self) -> None:
         if self.overflow not in OVERFLOW_MODES:
             raise ValueError(
                 f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {self.overflow!r}"
             )
-        if self.progress is not None and not callable(self.progress):
-            raise ValueError(
-                f"progress must be a callable or None, got {type(self.progress).__name__}"
-            )
+        for name in ("progress", "reply_key"):
+            if (value := getattr(self, name)) is not None and not callable(value):
+                raise ValueError(f"{name} must be a callable or None, got {type(value).__name__}")
         if self.cancel is not None and not isinstance(self.cancel, threading.Event):
             raise ValueError(
                 f"cancel must be a threading.Event or None, got {type(self.cancel).__name__}"
@@ -215,15 +218,8 @@ class RequestBuilder:
             keep=keep,
             header_tokens=marks.header_tokens,
             params=params,
-            progress=options.progress,
-            cancelled=options.cancel or threading.Event(),
-            top_logprobs=options.top_logprobs,
-            cache_key=options.cache_key,
-            # drafts verified k at a time would each need the grammar's state: off
-            speculative=None if options.grammar is not None else options.speculative,
             cut_start=cut_start,
-            grammar=options.grammar,
-            cache_salt=salt,
+            **_as_given(options, salt),
         )
 
     def _image_request(
@@ -268,15 +264,10 @@ class RequestBuilder:
             keep=keep,
             header_tokens=header,
             params=fitted,
-            progress=options.progress,
-            cancelled=options.cancel or threading.Event(),
-            top_logprobs=options.top_logprobs,
-            cache_key=options.cache_key,
-            # n-gram drafts (the draft model cannot read images), verified on the bound model
-            speculative=None if options.grammar is not None else options.speculative,
             cut_start=cut_start,
-            grammar=options.grammar,
-            cache_salt=salt,
+            # with images: n-gram drafts (the draft model cannot read images), verified on the
+            # bound model
+            **_as_given(options, salt),
             images=encoded.spans,
             reply_cuts=reply_cuts,
         )
@@ -418,6 +409,21 @@ def _sampling_params(sampling: dict[str, Any], vocab_size: int) -> SamplingParam
             f"{vocab_size:,} tokens (ids 0 to {vocab_size - 1:,})"
         )
     return params
+
+
+def _as_given(options: RequestOptions, salt: str | None) -> dict[str, Any]:
+    """The `Request` fields taken from `options` as given (`salt`: its salt's digest)."""
+    return {
+        "progress": options.progress,
+        "cancelled": options.cancel or threading.Event(),
+        "top_logprobs": options.top_logprobs,
+        "cache_key": options.cache_key,
+        # drafts verified k at a time would each need the grammar's state: off
+        "speculative": None if options.grammar is not None else options.speculative,
+        "grammar": options.grammar,
+        "cache_salt": salt,
+        "reply_key": options.reply_key,
+    }
 
 
 def salt_digest(cache_salt: str | None) -> str | None:

@@ -7,7 +7,6 @@ without its calls render from the template (text replies there still as their id
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 
@@ -17,10 +16,10 @@ from mlx_lm.tool_parsers import json_tools, mistral
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
-from mlxkv.runner.results import Completion, GenerationChunk
-from mlxkv.runner.text.replies import known_reply, replies_for
+from mlxkv.runner.results import Completion
+from mlxkv.runner.text.replies import known_reply, remember_reply, replies_for
 from mlxkv.server.reply.tool_calls import ToolCall, ToolCallSplitter
-from mlxkv.server.reply.turn import Turn
+from mlxkv.server.reply.turn import reply_keyer
 from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE, build_scripted_model
 from tests.server.conftest import SCRIPT, WEATHER, build_template_model, serve
 
@@ -285,17 +284,15 @@ class _Tokenizer:
     """Stands for a model's tokenizer: what the reply memory is kept by."""
 
 
-async def _chunks(pieces: list[tuple[str, int]]):
-    text, tokens = "".join(p for p, _ in pieces), [t for _, t in pieces]
-    for piece, token in pieces:
-        yield GenerationChunk(piece, token)
-    yield GenerationChunk("", None, "stop", _completion(text, tokens))
-
-
 def _generated_call(tokenizer, splitter: ToolCallSplitter, pieces: list[tuple[str, int]]):
-    """The one call of a reply of `pieces` (text, token) through `Turn`, which remembers it."""
-    turn = Turn(_chunks(pieces), splitter, tokenizer, False)
-    (call,) = [e for e in asyncio.run(_events(turn)) if isinstance(e, ToolCall)]
+    """The one call of a reply of `pieces` (text, token), remembered by its key as the Runner
+    remembers a server turn's reply (`turn.reply_keyer`)."""
+    completion = _completion("".join(p for p, _ in pieces), [t for _, t in pieces])
+    key = reply_keyer(splitter, None, tokenizer)(completion)
+    remember_reply(tokenizer, completion, None, key)
+    (call,) = [
+        p for p in splitter.push(completion.text) + splitter.finish() if isinstance(p, ToolCall)
+    ]
     return call
 
 
@@ -348,10 +345,6 @@ def test_a_reply_with_a_call_id_replaced_here_is_not_known_by_its_calls():
     call = _generated_call(tokenizer, splitter, [("[TOOL_CALLS]", 5), (body, 9)])
     assert call.written_id == "short" != call.id
     assert _known(tokenizer, _sent_call(call, id=call.id)) is None
-
-
-async def _events(turn: Turn) -> list:
-    return [event async for event in turn.events()]
 
 
 def _call_rounds(served, messages: list[dict], salt: str, rounds: int) -> list[dict]:

@@ -20,10 +20,11 @@ restarted process, or a model loaded again, renders them as their ids too.
 
 A reply that called tools comes back as its text before the calls plus the parsed calls
 (`tool_calls`), which the template renders in its own form (spacing, key order, escapes), not
-as the model wrote them: the server, which parses the calls, also remembers such a reply by
-`call_reply_key` of what the client sends back (`mlxkv.server.reply.turn`; in memory only),
-and the whole message then takes the reply's ids, calls included (`masked_reply`). Not a reply
-with a thought: the template may drop or render it otherwise, as it does for a text reply.
+as the model wrote them: the server, which parses the calls, has the Runner remember such a
+reply by `call_reply_key` of what the client sends back instead of its text (`ReplyKey`,
+`mlxkv.server.reply.turn.reply_keyer`; one slot, and one record on disk), and the whole
+message then takes the reply's ids, calls included (`masked_reply`). Not a reply with a
+thought: the template may drop or render it otherwise, as it does for a text reply.
 """
 
 from __future__ import annotations
@@ -51,17 +52,21 @@ _CALLS = "\0calls"  # how a call reply's key starts (`call_reply_key`): no text 
 
 # A request's known replies' ids by their text (`ReplyTokens.known_in(...).get`).
 ReplyIds = Callable[[str], Sequence[int] | None]
+# What a caller knows a finished reply by when it comes back, None for its text: the server,
+# which parses its calls, a call reply's `call_reply_key` (run on the engine thread).
+ReplyKey = Callable[[Completion], str | None]
 _BY_TOKENIZER: weakref.WeakKeyDictionary[Any, ReplyTokens] = weakref.WeakKeyDictionary()
 _BY_TOKENIZER_LOCK = threading.Lock()
 
 
 def remember_reply(
     tokenizer: Any, completion: Completion, salt: str | None, key: str | None = None
-) -> None:
+) -> bool:
     """Keeps the ids of a reply `tokenizer`'s model generated, in the domain `salt`, if its
     text is exactly theirs (at the end of a generation, before its last chunk is handed on:
-    the next turn may follow at once), by its text or `key` (`call_reply_key`)."""
-    replies_for(tokenizer).remember(completion, salt, key)
+    the next turn may follow at once), by its text or `key` (`call_reply_key`). Returns
+    whether it did (`is_rememberable`)."""
+    return replies_for(tokenizer).remember(completion, salt, key)
 
 
 def is_rememberable(completion: Completion) -> bool:
@@ -212,13 +217,15 @@ class ReplyTokens:
         self._ids: OrderedDict[tuple[str | None, str], np.ndarray] = OrderedDict()
         self._num_tokens = 0
 
-    def remember(self, completion: Completion, salt: str | None, key: str | None = None) -> None:
+    def remember(self, completion: Completion, salt: str | None, key: str | None = None) -> bool:
         """Keeps the ids of a finished reply, if its text is exactly theirs, by its text or
-        `key` (`call_reply_key`)."""
-        if is_rememberable(completion):
-            with self._lock:
-                self._keep(salt, completion.text if key is None else key, completion.tokens)
-                self._trim()
+        `key` (`call_reply_key`); returns whether it did."""
+        if not is_rememberable(completion):
+            return False
+        with self._lock:
+            self._keep(salt, completion.text if key is None else key, completion.tokens)
+            self._trim()
+        return True
 
     def restore(self, stored: Iterable[tuple[str | None, str, Sequence[int]]]) -> None:
         """Takes the (salt, text, ids) of replies kept on disk (`DiskStore.stored_replies`) or
