@@ -81,7 +81,7 @@ _OVER_BUDGET = {
     "mlxkv.runner.text.replies": (
         (4, 0),
         "the replies a prompt sends back looked up once (`known_in`), the reply remembered at "
-        "its end, and what an assistant message sent back is known by (`reply_key`: its text, "
+        "its end, and what an assistant message sent back is known by (`reply_keys`: its text, "
         "or its text and tool calls) asked by each render that reads one (the next turn's "
         "prompt, and its render without the generation prompt for the landmarks)",
     ),

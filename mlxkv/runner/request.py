@@ -30,7 +30,7 @@ from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import chat_cut, fit_prompt
 from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
 from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
-from mlxkv.runner.text.replies import replies_for
+from mlxkv.runner.text.replies import ReplyKey, replies_for
 from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images, with_text_content
 from mlxkv.runner.text.vision_cuts import ImageChat
 
@@ -69,6 +69,7 @@ class Request:
         reply_cuts: for a prompt with images whose reply may pass the window ("shift"), the
             prompt's messages, cut at message boundaries when the reply reaches the window
             (`text.vision_cuts.ImageWindow`); None: nothing to cut, the reply stops there.
+        reply_key: what the reply is known by when sent back, if not its text (`ReplyKey`).
     """
 
     tokens: list[int]
@@ -85,6 +86,7 @@ class Request:
     cache_salt: str | None = None
     images: tuple[ImageSpan, ...] = ()
     reply_cuts: ImageChat | None = None
+    reply_key: ReplyKey | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +110,7 @@ class RequestOptions:
             (`salt_digest`), or None.
         switches: chat-template variables (`enable_thinking`, ...), passed where the template
             reads them.
+        reply_key: what the reply is known by when sent back, if not its text (`ReplyKey`).
     """
 
     progress: ProgressCallback | None = None
@@ -122,16 +125,16 @@ class RequestOptions:
     grammar: str | None = None
     cache_salt: str | None = dataclasses.field(default=None, repr=False)  # a secret: never shown
     switches: dict[str, Any] | None = None
+    reply_key: ReplyKey | None = None
 
     def check(self) -> None:
         if self.overflow not in OVERFLOW_MODES:
             raise ValueError(
                 f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {self.overflow!r}"
             )
-        if self.progress is not None and not callable(self.progress):
-            raise ValueError(
-                f"progress must be a callable or None, got {type(self.progress).__name__}"
-            )
+        for name in ("progress", "reply_key"):
+            if (value := getattr(self, name)) is not None and not callable(value):
+                raise ValueError(f"{name} must be a callable or None, got {type(value).__name__}")
         if self.cancel is not None and not isinstance(self.cancel, threading.Event):
             raise ValueError(
                 f"cancel must be a threading.Event or None, got {type(self.cancel).__name__}"
@@ -235,6 +238,7 @@ class RequestBuilder:
             speculative=None if options.grammar is not None else options.speculative,
             grammar=options.grammar,
             cache_salt=salt,
+            reply_key=options.reply_key,
             **prompt,
         )
 

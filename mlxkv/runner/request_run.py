@@ -37,10 +37,10 @@ from mlxkv.runner.prompt_cache.entry import CacheEntry
 from mlxkv.runner.prompt_cache.pool import CachePool, PrefixHit
 from mlxkv.runner.prompt_cache.restore_again import restore_again
 from mlxkv.runner.request import Request
-from mlxkv.runner.results import CompletionStats, GenerationChunk
+from mlxkv.runner.results import Completion, CompletionStats, GenerationChunk
 from mlxkv.runner.run_context import RunContext
 from mlxkv.runner.text.chunks import emit_chunks
-from mlxkv.runner.text.replies import is_rememberable
+from mlxkv.runner.text.replies import remember_reply
 from mlxkv.runner.text.vision_cuts import ImageWindow
 
 
@@ -118,10 +118,6 @@ def run_request(
                 yield chunk
     finally:  # on the engine thread, the generation closed first (even on error)
         holdings = pool.release(hit.entry)
-        if final is not None and pool.store is not None and is_rememberable(final.completion):
-            # behind the turn's blocks: a restart renders the reply sent back as its ids
-            done = final.completion
-            pool.store.write_reply(list(tokens), done.tokens, done.text, request.cache_salt)
         context.ended(holdings)
         prompt, images = _held_prompt(request, run)
         end = RequestEnd(
@@ -133,7 +129,21 @@ def run_request(
         )
         notify(end)
     if final is not None:
+        _remember_reply(request, context, final.completion)
         yield final
+
+
+def _remember_reply(request: Request, context: RunContext, done: Completion) -> None:
+    """Keeps the ids of a reply whose text is exactly theirs known by its text, or by what
+    the caller knows it by (`Request.reply_key`: a call reply's calls), before its last chunk
+    is handed on (the next turn may follow at once): in the model's reply memory, and on disk
+    behind the turn's blocks (released first), so a restart renders it sent back as its ids
+    too (`text.replies`)."""
+    key = None if request.reply_key is None else request.reply_key(done)
+    key = key or done.text
+    kept = remember_reply(context.loaded.tokenizer, done, request.cache_salt, key)
+    if kept and (store := context.pool.store) is not None:
+        store.write_reply(request.tokens, done.tokens, key, request.cache_salt)
 
 
 def _generate(

@@ -9,6 +9,7 @@ early, an exception in a callback, KeyboardInterrupt, `cancel()`): each prompt-c
 token list equals what its caches hold, and the next request reuses exactly that. This holds
 because every model call goes through `ModelCache.forward`, which is all or nothing.
 """
+# long: the library's entry point: each option of `stream` is documented where it is taken
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from mlxkv.runner.request import RequestBuilder, RequestOptions, salt_digest
 from mlxkv.runner.results import Completion, GenerationChunk
 from mlxkv.runner.text.messages import Tools
 from mlxkv.runner.text.prompt import Prompt, PromptEncoder
+from mlxkv.runner.text.replies import ReplyKey
 from mlxkv.runner.text.vision import VisionPrompts
 
 logger = logging.getLogger(__name__)
@@ -228,6 +230,7 @@ class Runner:
         cache_salt: str | None = None,
         switches: dict[str, Any] | None = None,
         batched: bool = False,
+        reply_key: ReplyKey | None = None,
         **sampling: Any,
     ) -> Iterator[GenerationChunk]:
         """Streams a completion chunk by chunk.
@@ -269,6 +272,9 @@ class Runner:
                 model's cache layers do not batch (chunked attention, a window with sink
                 tokens: docs/batching.md). Greedy output equals the serial one's up to the batched
                 kernels' rounding.
+            reply_key: what the reply is known by when sent back, None for its text (the
+                server: a call reply by its calls, `text.replies.call_reply_key`), so that a
+                reply sent back takes its ids, also after a restart (the disk tier's records).
             speculative: "auto" drafts tokens (from the draft model if one is loaded, else by
                 looking the text's last tokens up in the prompt and output) only while the
                 model accepts enough of them to pay; "ngram" and "draft" always draft that
@@ -311,6 +317,7 @@ class Runner:
             grammar=grammar,
             cache_salt=cache_salt,
             switches=switches,
+            reply_key=reply_key,
         )
         # Fitted to what the cache held after the last request (a cut the cache holds is
         # reused); another request running meanwhile costs only reuse, never correctness.

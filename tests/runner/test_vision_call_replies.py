@@ -1,7 +1,7 @@
 """A tool-call reply sent back in a conversation with an image: known by its text and calls,
 it takes the ids the model generated, calls included; where the chat template wants tool
-results right after calls (as Mistral's do) and refuses it rendered without them, it renders
-from the template instead of refusing the prompt, as in a text prompt
+results right after calls (as Mistral's do) and refuses it rendered without them, or writes a
+tool result from the calls, it renders from the template instead, as in a text prompt
 (`tests/server/test_tool_call_reply_edges.py`)."""
 
 from __future__ import annotations
@@ -69,17 +69,13 @@ def test_a_known_call_reply_beside_an_image_renders_where_results_must_follow_ca
     assert runner.encode(MESSAGES) == runner.encode(MESSAGES, cache_salt="no reply of its own")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review rs11c: the vision path (text.vision.VisionPrompts.encode) never runs "
-    "replies.check_calls_apart: a template that writes a tool result from the call before it "
-    "(gpt-oss names it, DeepSeek-V3 opens a round) still gets the known call reply as its ids "
-    "and renders without its calls, so the result loses what the template writes from them, "
-    "as text prompts did before 3e72cd4",
-)
 def test_a_known_call_reply_beside_an_image_renders_where_a_result_is_named_after_its_call(
     known, monkeypatch
 ):
+    """A template that writes a tool result from the call before it (gpt-oss names it;
+    DeepSeek-V3 opens a round): the known reply renders from the template, so the result keeps
+    what the template writes from the calls (`replies.check_calls_apart`, as a text prompt).
+    Seen failing with the check left out of the vision path (the reply's ids taken)."""
     runner, ids = known
     tokenizer = runner.tokenizer
     render = tokenizer.apply_chat_template

@@ -214,3 +214,25 @@ def test_kimi_ids_reach_anthropic_clients_valid_and_come_back_as_written(tmp_pat
         assert _reused_past_the_id(served, second.usage.cache_read_input_tokens)
         (again,) = second.content
         assert model_id(again.id) == "functions.get_time:1"
+
+
+def test_kimi_replies_differing_only_in_their_ids_each_take_their_own(tmp_path):
+    """The same forced call, written `functions.get_time:0` in one conversation and `:1` in
+    another (ids the model wrote, so in its token ids): the first conversation sent back
+    again takes its own reply's ids, not the newer reply's, whose id no tool result there
+    answers. Seen failing with the ids left out of `replies.call_reply_key` (`:1` taken)."""
+    with _served(tmp_path, KIMI) as served:
+        client = served.openai()
+        options = {"model": "m", "tools": CHAT_TOOLS, "max_tokens": 200}
+        named = {"type": "function", "function": {"name": "get_time"}}
+        first = client.chat.completions.create(**options, messages=ASK, tool_choice=named)
+        (call,) = first.choices[0].message.tool_calls
+        history = _round_trip(call.model_dump(), call.id)
+        second = client.chat.completions.create(**options, messages=history, tool_choice=named)
+        (again,) = second.choices[0].message.tool_calls
+        assert (again.id, again.function) == ("functions.get_time:1", call.function)
+        client.chat.completions.create(**{**options, "max_tokens": 1}, messages=history)
+        prompt = served.runner.tokenizer.decode(served.runner.cache_tokens)
+    compact = json.dumps(json.loads(call.function.arguments), separators=(",", ":"))
+    # as the model wrote it: its id, and its arguments without the template's spaces
+    assert f"{call.id}<|tool_call_argument_begin|>{compact}<|tool_call_end|>" in prompt

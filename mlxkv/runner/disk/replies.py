@@ -2,8 +2,9 @@
 process (or a model loaded again) renders a reply sent back as the ids its blocks hold.
 
 Owns the record's file (`<model directory>/<32 hex>.reply`: the disk tier's safetensors format
-with no arrays, its header holding the salt, the reply's text and ids, where in a chain it ends,
-and a CRC-32 like every block's), reading and checking one (`read_reply`), whether the blocks
+with no arrays, its header holding the salt, the reply's text (or the key a call reply is
+known by, `text.replies.call_reply_key`) and ids, where in a chain it ends, and a CRC-32 like
+every block's), reading and checking one (`read_reply`), whether the blocks
 on disk still hold its reply (`is_held`, over `IndexedBlocks`), and the records of one model
 (`ReplyRecords`: made into write jobs, read back, removed with their chains). Does not own the
 in-memory reply memory (`mlxkv.runner.text.replies`) or the writer (`store`, `writer`).

@@ -2,7 +2,7 @@
 
 Owns `emit_chunks`: detokenizing, EOS, stop strings (text after a stop string is never
 shown), per-request cancel, and the final chunk with the `Completion` (its reply's ids
-remembered first, `replies`). Does not own how the tokens were produced
+remembered by `request_run` before it is handed on). Does not own how the tokens were produced
 (`mlxkv.decoding.plain.decode_tokens`).
 """
 
@@ -15,7 +15,6 @@ from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.runner.request import Request
 from mlxkv.runner.results import CompletionStats, GenerationChunk
-from mlxkv.runner.text.replies import remember_reply
 from mlxkv.runner.text.stop_strings import StopStrings
 
 
@@ -61,6 +60,4 @@ def emit_chunks(
         if stopped and finish == "length":
             finish = "stop"
         stats.text.append(tail)
-    final = stats.final_chunk(tail, finish, stops.matched)
-    remember_reply(tokenizer, final.completion, request.cache_salt)
-    yield final
+    yield stats.final_chunk(tail, finish, stops.matched)

@@ -20,10 +20,11 @@ restarted process, or a model loaded again, renders them as their ids too.
 
 A reply that called tools comes back as its text before the calls plus the parsed calls
 (`tool_calls`), which the template renders in its own form (spacing, key order, escapes), not
-as the model wrote them: the server, which parses the calls, also remembers such a reply by
-`call_reply_key` of what the client sends back (`mlxkv.server.reply.turn`; in memory only),
-and the whole message then takes the reply's ids, calls included (`masked_reply`). Not a reply
-with a thought: the template may drop or render it otherwise, as it does for a text reply.
+as the model wrote them: the server, which parses the calls, has the Runner remember such a
+reply by `call_reply_key` of what the client sends back instead of its text (`ReplyKey`,
+`mlxkv.server.reply.turn.reply_keyer`; one slot, and one record on disk), and the whole
+message then takes the reply's ids, calls included (`masked_reply`). Not a reply with a
+thought: the template may drop or render it otherwise, as it does for a text reply.
 """
 
 from __future__ import annotations
@@ -51,17 +52,21 @@ _CALLS = "\0calls"  # how a call reply's key starts (`call_reply_key`): no text 
 
 # A request's known replies' ids by their text (`ReplyTokens.known_in(...).get`).
 ReplyIds = Callable[[str], Sequence[int] | None]
+# What a caller knows a finished reply by when it comes back, None for its text: the server,
+# which parses its calls, a call reply's `call_reply_key` (run on the engine thread).
+ReplyKey = Callable[[Completion], str | None]
 _BY_TOKENIZER: weakref.WeakKeyDictionary[Any, ReplyTokens] = weakref.WeakKeyDictionary()
 _BY_TOKENIZER_LOCK = threading.Lock()
 
 
 def remember_reply(
     tokenizer: Any, completion: Completion, salt: str | None, key: str | None = None
-) -> None:
+) -> bool:
     """Keeps the ids of a reply `tokenizer`'s model generated, in the domain `salt`, if its
     text is exactly theirs (at the end of a generation, before its last chunk is handed on:
-    the next turn may follow at once), by its text or `key` (`call_reply_key`)."""
-    replies_for(tokenizer).remember(completion, salt, key)
+    the next turn may follow at once), by its text or `key` (`call_reply_key`). Returns
+    whether it did (`is_rememberable`)."""
+    return replies_for(tokenizer).remember(completion, salt, key)
 
 
 def is_rememberable(completion: Completion) -> bool:
@@ -75,32 +80,49 @@ def is_rememberable(completion: Completion) -> bool:
     )
 
 
-def call_reply_key(content: str, calls: Iterable[tuple[str, Any]]) -> str:
+def call_reply_key(
+    content: str, calls: Iterable[tuple[str, Any]], ids: Sequence[str] | None = None
+) -> str:
     """What a reply with tool calls is known by: its text before the calls and each call's
-    (name, arguments), in one canonical form (a NUL first: no text content takes it)."""
-    form = [content, [[name, arguments] for name, arguments in calls]]
-    return _CALLS + json.dumps(form, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    (name, arguments), with `ids` the call ids the model wrote (one a call; None: it wrote
+    none), in one canonical form (a NUL first: no text content takes it). Written ids are
+    part of the reply's token ids: two replies differing only in them are two replies."""
+    form: list[list[Any]] = [[name, arguments] for name, arguments in calls]
+    if ids is not None:
+        form = [[*call, call_id] for call, call_id in zip(form, ids, strict=True)]
+    return _CALLS + json.dumps(
+        [content, form], sort_keys=True, ensure_ascii=False, separators=(",", ":")
+    )
 
 
-def reply_key(message: Any) -> str | None:
-    """What an assistant message sent back is known by: its text content; with tool calls,
-    `call_reply_key` of its content and calls. None: not an assistant message, no text, a
-    call reply with a thought, or calls not in the chat template's form."""
+def reply_keys(message: Any) -> list[str]:
+    """What an assistant message sent back may be known by, the closest first: its text
+    content; with tool calls, `call_reply_key` of its content, calls and their ids (a reply
+    whose model wrote them), then without ids (a reply whose calls' ids were made here: the
+    client may send them back or not, as Ollama's client does not). Empty: not an assistant
+    message, no text, a call reply with a thought, or calls not in the chat template's form."""
     if not isinstance(message, dict) or message.get("role") != "assistant":
-        return None
+        return []
     content = message.get("content")
     if not isinstance(content, str):
-        return None
+        return []
     calls = message.get("tool_calls")
     if not calls:
-        return content or None
+        return [content] if content else []
     if message.get("reasoning_content"):
-        return None
+        return []
     try:
         named = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
     except (KeyError, TypeError):
-        return None
-    return call_reply_key(content, named)
+        return []
+    ids = [c.get("id") for c in calls]
+    with_ids = [call_reply_key(content, named, ids)] if all(isinstance(i, str) for i in ids) else []
+    return [*with_ids, call_reply_key(content, named)]
+
+
+def known_reply(message: Any, replies: ReplyIds) -> Sequence[int] | None:
+    """The ids `replies` knows `message` by, its closest key first (`reply_keys`)."""
+    return next((ids for key in reply_keys(message) if (ids := replies(key)) is not None), None)
 
 
 def without_call_replies(replies: ReplyIds) -> ReplyIds:
@@ -126,12 +148,14 @@ def check_calls_apart(
     Mistral and Hermes leave a call reply's content out), and nothing else from them. A
     template that writes a later message from the calls (a tool result named after its call,
     gpt-oss's; DeepSeek-V3 opening each round of tool results after a message with calls)
-    fails it.
+    fails it. Text prompts and prompts with images (`vision.VisionPrompts`) both check here.
 
     Raises:
         CallsApart: the texts differ elsewhere.
     """
     slots = slot_texts(i for i in known if messages[i].get("tool_calls"))
+    if not slots:
+        return
     without = [masked_reply(m, slots[i]) if i in slots else m for i, m in enumerate(messages)]
     render = functools.partial(tokenizer.apply_chat_template, tokenize=False, **template_args)
     pieces = re.compile("|".join(map(re.escape, slots.values()))).split(render(without))
@@ -193,13 +217,15 @@ class ReplyTokens:
         self._ids: OrderedDict[tuple[str | None, str], np.ndarray] = OrderedDict()
         self._num_tokens = 0
 
-    def remember(self, completion: Completion, salt: str | None, key: str | None = None) -> None:
+    def remember(self, completion: Completion, salt: str | None, key: str | None = None) -> bool:
         """Keeps the ids of a finished reply, if its text is exactly theirs, by its text or
-        `key` (`call_reply_key`)."""
-        if is_rememberable(completion):
-            with self._lock:
-                self._keep(salt, completion.text if key is None else key, completion.tokens)
-                self._trim()
+        `key` (`call_reply_key`); returns whether it did."""
+        if not is_rememberable(completion):
+            return False
+        with self._lock:
+            self._keep(salt, completion.text if key is None else key, completion.tokens)
+            self._trim()
+        return True
 
     def restore(self, stored: Iterable[tuple[str | None, str, Sequence[int]]]) -> None:
         """Takes the (salt, text, ids) of replies kept on disk (`DiskStore.stored_replies`) or
@@ -230,12 +256,12 @@ class ReplyTokens:
 
     def known_in(self, prompt: Any, salt: str | None) -> dict[str, list[int]]:
         """The ids of the replies of `salt`'s domain that `prompt`'s assistant messages send
-        back, by `reply_key` (empty for a text or token prompt): looked up once a request, for
+        back, by `reply_keys` (empty for a text or token prompt): looked up once a request, for
         the renders it makes."""
         if not isinstance(prompt, Sequence) or isinstance(prompt, str):
             return {}
         # a reply sent back as content parts renders from its parts' text
-        texts = {key for m in prompt if (key := reply_key(m)) is not None}
+        texts = {key for m in prompt for key in reply_keys(m)}
         known: dict[str, list[int]] = {}
         with self._lock:
             for text in texts:

@@ -19,7 +19,9 @@ Terms:
     reply's text encodes otherwise. The images' spans are found in the record after that
     substitution, so an image after the reply gets its place (and, from the record, its
     M-RoPE positions) in the ids actually fed. A reply holding the image token's id keeps it
-    as text: only placeholders are images' tokens (`mlxkv.models.vision.ImagePrompt`).
+    as text: only placeholders are images' tokens (`mlxkv.models.vision.ImagePrompt`). A
+    reply with calls takes its ids only where the template writes nothing else from them
+    (`replies.check_calls_apart`, as for a text prompt).
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ from mlxkv.runner.text.prompt import (
     _ReplyRewritten,
     _valid_text,
 )
-from mlxkv.runner.text.replies import ReplyIds, masked_reply, slot_text, without_call_replies
+from mlxkv.runner.text.replies import (
+    ReplyIds,
+    check_calls_apart,
+    masked_reply,
+    slot_text,
+    without_call_replies,
+)
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,12 @@ def with_text_content(prompt: Any) -> Any:
     same object, no copy (nor a walk of a token-id prompt's items)."""
     if not _chat(prompt) or not any(_text_parts(m) for m in prompt):
         return prompt
-    return [{**m, "content": _joined(m["content"])} if _text_parts(m) else m for m in prompt]
+    return [_as_text(m) for m in prompt]
+
+
+def _as_text(message: Any) -> Any:
+    """`message` with its text parts joined (`with_text_content`), else itself."""
+    return {**message, "content": _joined(message["content"])} if _text_parts(message) else message
 
 
 def _chat(prompt: Any) -> bool:
@@ -155,7 +168,11 @@ class VisionPrompts:
             args["tools"] = checked_tools(tools)
         try:
             text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
-        except TemplateError as error:  # a call reply refused without its calls: retried
+            sent = {i: _as_text(messages[i]) for i in known.values()}  # as `_masked` read them
+            as_sent = [sent.get(i, m) for i, m in enumerate(masked)]
+            check_calls_apart(self._prompts.tokenizer, args, as_sent, sent)
+        except TemplateError as error:  # a call reply refused without its calls, or other
+            # text written from them (`CallsApart`): it renders from the template
             if replies is None or _num_with_calls(masked) == _num_with_calls(messages):
                 raise ValueError(_TEMPLATE_REFUSED.format(error)) from None
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
@@ -175,12 +192,13 @@ class VisionPrompts:
 
     def _masked(
         self, messages: Sequence[Message], parse_control_tokens: bool, replies: ReplyIds | None
-    ) -> tuple[list[Message], list[Any], dict[str, list[int]], set[str]]:
+    ) -> tuple[list[Message], list[Any], dict[str, list[int]], dict[str, int]]:
         """Messages as the template takes them (image parts bare; tainted text and known
         replies behind a random slot), the image sources in order, slot -> the ids it stands
-        for (tainted text's plain ids, a reply's generated ids), and the replies' slots."""
+        for (tainted text's plain ids, a reply's generated ids), and the replies' slots ->
+        their messages' indices."""
         nonce, controls = secrets.token_hex(8), self._prompts._controls
-        masked, images, slots, known = [], [], {}, set()
+        masked, images, slots, known = [], [], {}, {}
 
         def text(value: Any, where: str) -> str:
             if not isinstance(value, str):
@@ -193,9 +211,7 @@ class VisionPrompts:
             return slot
 
         def reply(message: Message) -> list[int] | None:  # sent back as text parts too
-            if _text_parts(message):
-                message = {**message, "content": _joined(message["content"])}
-            ids = self._prompts.reply_ids(message, replies)
+            ids = self._prompts.reply_ids(_as_text(message), replies)
             return None if ids is None else list(ids)
 
         for i, message in enumerate(messages):
@@ -205,7 +221,7 @@ class VisionPrompts:
             if (ids := reply(message)) is not None:
                 slot = slot_text(nonce, len(slots))
                 slots[slot] = ids
-                known.add(slot)
+                known[slot] = i
                 masked.append(masked_reply(message, slot))
                 continue
             if isinstance(content, str):
@@ -225,7 +241,7 @@ class VisionPrompts:
         return masked, images, slots, known
 
     def _ids(
-        self, text: str, slots: dict[str, list[int]], known: set[str], expansions: list[str]
+        self, text: str, slots: dict[str, list[int]], known: dict[str, int], expansions: list[str]
     ) -> list[tuple[list[int], bool]]:
         """The rendered text's ids in segments: (ids, from the template) pairs. Each image
         marker the template wrote is replaced, in the text, by its image's expansion (as the

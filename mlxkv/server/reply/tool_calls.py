@@ -45,11 +45,15 @@ class ToolCall:
         name: the function's name.
         arguments: the arguments as a dict (Anthropic's `input`); `arguments_json` is the
             JSON text OpenAI sends.
+        written_id: the id as the model wrote it (JSON text if not a string), None where it
+            wrote none: part of the reply's token ids, unlike a fresh `id`
+            (`turn.call_reply_ids`).
     """
 
     id: str
     name: str
     arguments: dict[str, Any]
+    written_id: str | None = None
 
     @property
     def arguments_json(self) -> str:
@@ -190,4 +194,9 @@ def _tool_call(item: Any, ids: CallIds) -> ToolCall:
     # A JSON escape may decode to a lone surrogate, which no response can carry: such a call
     # goes back as the text the model wrote (UnicodeEncodeError is a ValueError).
     json.dumps([name, arguments, written if kept else ""], ensure_ascii=False).encode()
-    return ToolCall(id=written if kept else ids.fresh(), name=name, arguments=arguments)
+    return ToolCall(
+        id=written if kept else ids.fresh(),
+        name=name,
+        arguments=arguments,
+        written_id=written if written is None or isinstance(written, str) else json.dumps(written),
+    )

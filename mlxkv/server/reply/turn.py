@@ -2,15 +2,16 @@
 log-probabilities, tool calls, and the finished Completion. Shared by the routers, which
 only format.
 
-Owns: `start_turn` (queue a generation with the request's tools and settings) and `Turn`
-(its events). The text goes through one pipeline: detokenized text -> thinking split
-(`thinking_split`) -> tool-call parse of the answer part (`tool_calls`). Does not own the
-wire formats.
+Owns: `start_turn` (queue a generation with the request's tools and settings), `Turn` (its
+events) and `reply_keyer` (what the Runner remembers its reply by). The text goes through one
+pipeline: detokenized text -> thinking split (`thinking_split`) -> tool-call parse of the
+answer part (`tool_calls`). Does not own the wire formats.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
 import time
@@ -22,9 +23,8 @@ from starlette.requests import Request
 
 from mlxkv.decoding.picker import TokenLogprob
 from mlxkv.errors import ContextLengthError
-from mlxkv.runner.request import salt_digest
 from mlxkv.runner.results import Completion, PromptUsage
-from mlxkv.runner.text.replies import call_reply_key, remember_reply
+from mlxkv.runner.text.replies import ReplyKey, call_reply_key
 from mlxkv.server.errors import ApiError, bad_input_error, context_length_error
 from mlxkv.server.images import fetched_images
 from mlxkv.server.models.served import request_context
@@ -74,11 +74,9 @@ WAITING = object()
 
 class Turn:
     """The events of one generation: `ReasoningDelta`s, `TextDelta`s and `ToolCall`s in
-    order, then the `Completion`. Leaving the iteration early cancels the generation. A reply
-    with tool calls, no thought and not cut by max_tokens is remembered, before its Completion
-    is handed on, by what the client sends back (`replies.call_reply_key`: its text and parsed
-    calls), so the next turn's prompt takes its ids as the cache holds them, not the
-    template's form of the calls.
+    order, then the `Completion`. Leaving the iteration early cancels the generation. The
+    Runner remembers the reply (before its Completion is handed on) by what the client sends
+    back (`reply_keyer`), so the next turn's prompt takes its ids as the cache holds them.
     """
 
     def __init__(
@@ -88,10 +86,8 @@ class Turn:
         tokenizer: Any,
         with_logprobs: bool,
         thinking: ThinkingSplitter | None = None,
-        cache_salt: str | None = None,
     ):
         self._stream = stream
-        self._salt = salt_digest(cache_salt)
         self._splitter = splitter
         self._thinking = thinking
         self._tokenizer = tokenizer
@@ -121,8 +117,6 @@ class Turn:
         the call is whole: an agent's file write can take minutes). Costs a clock read a
         token."""
         pending: list[TokenInfo] = []
-        answer: list[str] = []  # the text a client sends back with the calls
-        calls: list[ToolCall] = []
         yielded_s = time.monotonic()
         async for chunk in self._stream:
             self.prompt = self.prompt or chunk.prompt
@@ -141,50 +135,100 @@ class Turn:
                 yield WAITING
             for piece in pieces:
                 if isinstance(piece, ToolCall):
-                    calls.append(piece)
                     yield piece
                 elif isinstance(piece, Thought):
                     yield ReasoningDelta(piece.text, pending)
                     pending = []
                 else:
-                    answer.append(piece)
                     yield TextDelta(piece, pending)
                     pending = []
             if chunk.completion is not None:
                 if pending:
                     yield TextDelta("", pending)
-                # not one cut by max_tokens: its last call may be cut before its end marker
-                # (parsed all the same), which the client sends back as a whole call
-                if calls and not self.reasoning_tokens and chunk.completion.finish_reason == "stop":
-                    key = call_reply_key("".join(answer), [(c.name, c.arguments) for c in calls])
-                    remember_reply(self._tokenizer, chunk.completion, self._salt, key)
                 yield chunk.completion
 
     def _thinking_now(self) -> bool:
         return self._thinking is not None and self._thinking.thinking
 
     def _pieces(self, text: str, ended: bool) -> list[Piece | Thought]:
-        """The chunk's text through the pipeline: thinking split, then tool calls parsed
-        from the answer part; `ended`: the generation's last chunk (all held text comes out)."""
-        parts: list[Thought | str] = [text] if text else []
-        if self._thinking is not None:
-            parts = self._thinking.push(text) + (self._thinking.finish() if ended else [])
-        pieces: list[Piece | Thought] = []
-        for part in parts:
-            if isinstance(part, Thought):
-                # answer text held back for a possible marker is older: it goes first
-                pieces += self._splitter.finish() if self._splitter else []
-                pieces.append(part)
-            else:
-                pieces += self._splitter.push(part) if self._splitter else [part]
-        if ended and self._splitter is not None:
-            pieces += self._splitter.finish()
-        return pieces
+        return _split(text, ended, self._splitter, self._thinking)
 
     def _token_info(self, token: int, logprob: TokenLogprob) -> TokenInfo:
         decode = self._tokenizer.decode
         top = [(decode([alternative]), value) for alternative, value in logprob.top]
         return TokenInfo(decode([token]), logprob.logprob, top)
+
+
+def _split(
+    text: str,
+    ended: bool,
+    splitter: ToolCallSplitter | BareCallReader | None,
+    thinking: ThinkingSplitter | None,
+) -> list[Piece | Thought]:
+    """Generated text through the pipeline: thinking split, then tool calls parsed from the
+    answer part; `ended`: the generation's last text (all held text comes out)."""
+    parts: list[Thought | str] = [text] if text else []
+    if thinking is not None:
+        parts = thinking.push(text) + (thinking.finish() if ended else [])
+    pieces: list[Piece | Thought] = []
+    for part in parts:
+        if isinstance(part, Thought):
+            # answer text held back for a possible marker is older: it goes first
+            pieces += splitter.finish() if splitter else []
+            pieces.append(part)
+        else:
+            pieces += splitter.push(part) if splitter else [part]
+    if ended and splitter is not None:
+        pieces += splitter.finish()
+    return pieces
+
+
+def reply_keyer(
+    splitter: ToolCallSplitter | BareCallReader | None,
+    thinking: ThinkingSplitter | None,
+    tokenizer: Any,
+) -> ReplyKey | None:
+    """What a turn's reply is known by when sent back (`Runner.stream`'s `reply_key`, run on
+    the engine thread at its end): one with tool calls, no thought and not cut by max_tokens,
+    by `_call_reply_key` (its text and calls as the client sends them back, not the text the
+    model wrote); any other by its text. Reads the reply with copies of the turn's `splitter`
+    and `thinking` (made before any text is pushed); one holding `tokenizer`'s thinking tags
+    had a thought, if an empty one. None: no calls to read."""
+    if splitter is None:
+        return None
+    splitter, thinking = copy.deepcopy((splitter, thinking))
+    began_thinking = thinking is not None and thinking.thinking
+    thinking_tags = (tokenizer.think_start, tokenizer.think_end) if thinking is not None else ()
+
+    def key(completion: Completion) -> str | None:
+        # not one cut by max_tokens: its last call may be cut before its end marker (parsed
+        # all the same), which the client sends back as a whole call
+        text = completion.text
+        if completion.finish_reason != "stop" or began_thinking:
+            return None
+        if any(tag in text for tag in thinking_tags):
+            return None
+        pieces = _split(text, True, splitter, thinking)
+        calls = [piece for piece in pieces if isinstance(piece, ToolCall)]
+        if not calls or any(isinstance(piece, Thought) for piece in pieces):
+            return None
+        return _call_reply_key("".join(p for p in pieces if isinstance(p, str)), calls)
+
+    return key
+
+
+def _call_reply_key(answer: str, calls: list[ToolCall]) -> str | None:
+    """What a reply of `answer` and `calls` is known by when sent back
+    (`replies.call_reply_key`): with the call ids the model wrote (in its token ids, so the
+    client's must be those), or without ids where it wrote none (ids made here are not in its
+    token ids, and Ollama's client sends none back). None where the client got another id
+    than one the model wrote (its template would refuse it): those ids would show an id that
+    no tool result answers."""
+    named = [(call.name, call.arguments) for call in calls]
+    written = [call.written_id for call in calls]
+    if all(written_id is None for written_id in written):
+        return call_reply_key(answer, named)
+    return call_reply_key(answer, named, written) if written == [c.id for c in calls] else None
 
 
 def _within_limit(
@@ -242,9 +286,8 @@ async def start_turn(
         call = forced_call_grammar(tokenizer, tools or [], forced, messages)
         sampling = {**sampling, "grammar": call.grammar}
         splitter = splitter if call.own_format else BareCallReader()
-    thinking = None
-    if split_thinking and "grammar" not in sampling:  # a grammar's form has no thinking tags
-        thinking = _thinking_splitter(worker.runner, messages, switches, splitter is not None)
+    split_thinking &= "grammar" not in sampling  # a grammar's form has no thinking tags
+    thinking = _thinking_splitter(worker.runner, messages, switches, splitter, split_thinking)
     try:
         stream = await worker.start(
             checked_reasoning(messages, tokenizer),
@@ -255,13 +298,14 @@ async def start_turn(
             cache_key=cache_key,
             cache_salt=cache_salt,
             switches=switches,
+            reply_key=reply_keyer(splitter, thinking, tokenizer),
             **sampling,
         )
     except ContextLengthError as error:
         raise context_length_error(error, request.url.path) from error
     except ValueError as error:
         raise bad_input_error(error, context.model_name) from error
-    turn = Turn(stream, splitter, tokenizer, top_logprobs is not None, thinking, cache_salt)
+    turn = Turn(stream, splitter, tokenizer, top_logprobs is not None, thinking)
     request.state.turn = turn
     return turn
 
@@ -290,17 +334,22 @@ def _tool_splitter(
 
 
 def _thinking_splitter(
-    runner: Any, prompt: Any, switches: dict[str, Any] | None, tool_calls: bool
+    runner: Any,
+    prompt: Any,
+    switches: dict[str, Any] | None,
+    splitter: ToolCallSplitter | BareCallReader | None,
+    split: bool,
 ) -> ThinkingSplitter | None:
-    """A splitter at the model's thinking tags; None for a vocabulary without them."""
+    """A splitter at the model's thinking tags, which tool calls (`splitter`) also end; None
+    where the turn is not `split` or the vocabulary has no thinking tags."""
     tokenizer = runner.tokenizer
-    if not tokenizer.has_thinking:
+    if not split or not tokenizer.has_thinking:
         return None
     return ThinkingSplitter(
         tokenizer.think_start,
         tokenizer.think_end,
         thinking=prompt_ends_thinking(runner, prompt, switches),
-        exits=(tokenizer.tool_call_start,) if tool_calls else (),
+        exits=(tokenizer.tool_call_start,) if splitter is not None else (),
     )
 
 
