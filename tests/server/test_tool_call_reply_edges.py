@@ -412,3 +412,16 @@ def test_known_call_replies_beside_control_token_text_take_their_ids(served):
     text = _template_text(served.runner, messages)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert ids.count(im_end) == text.count("<|im_end|>") - 1
+
+
+def test_a_call_that_does_not_parse_is_logged_once(caplog):
+    """The turn's reading of the reply logs it; the key's second reading does not."""
+    splitter = ToolCallSplitter("<tool_call>", "</tool_call>", json_tools.parse_tool_call, None)
+    key = reply_keyer(splitter, None, _Tokenizer())
+    text = 'Let<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    text += "<tool_call>not json</tool_call>"
+    with caplog.at_level("WARNING", logger="mlxkv.server.reply.tool_calls"):
+        pieces = splitter.push(text) + splitter.finish()
+        assert key(_completion(text, [5, 6])) is not None
+    assert sum(isinstance(p, ToolCall) for p in pieces) == 1
+    assert [r.getMessage()[:25] for r in caplog.records] == ["tool call not parsed, ret"]

@@ -88,6 +88,7 @@ class ToolCallSplitter:
         self._ids = call_id_maker(getattr(parse, "__module__", None))
         self._buffer = ""
         self._in_call = False
+        self.warns = True  # a call that does not parse is logged (off: a second reading)
 
     def push(self, text: str) -> list[Piece]:
         """Adds generated text; returns what is now known to be text or a complete call."""
@@ -129,7 +130,8 @@ class ToolCallSplitter:
             found = found if isinstance(found, list) else [found]
             calls = [_tool_call(item, self._ids) for item in found]
         except (ValueError, KeyError, TypeError, AttributeError) as error:
-            logger.warning("tool call not parsed, returned as text (%s): %.200r", error, raw)
+            if self.warns:
+                logger.warning("tool call not parsed, returned as text (%s): %.200r", error, raw)
             return [raw]
         return list(calls)
 
@@ -143,6 +145,7 @@ class BareCallReader:
     def __init__(self) -> None:
         self._ids = call_id_maker(None)
         self._buffer = ""
+        self.warns = True  # as `ToolCallSplitter.warns`
 
     def push(self, text: str) -> list[Piece]:
         self._buffer += text
@@ -155,7 +158,8 @@ class BareCallReader:
         try:
             return [_tool_call(json.loads(text), self._ids)]
         except (ValueError, KeyError, TypeError) as error:
-            logger.warning("forced tool call not complete, returned as text (%s)", error)
+            if self.warns:
+                logger.warning("forced tool call not complete, returned as text (%s)", error)
             return [text]
 
 

@@ -197,6 +197,7 @@ def reply_keyer(
     if splitter is None:
         return None
     splitter, thinking = copy.deepcopy((splitter, thinking))
+    splitter.warns = False  # the turn's own reading said it
     began_thinking = thinking is not None and thinking.thinking
     thinking_tags = (tokenizer.think_start, tokenizer.think_end) if thinking is not None else ()
 
