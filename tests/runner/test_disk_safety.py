@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 from mlxkv.runner.disk import reading as reading_module
 from mlxkv.runner.disk import store as store_module
+from mlxkv.runner.disk.replies import REPLY_SUFFIX
 from tests.runner.test_disk_tier import SYSTEM, _chat, _files
 
 
@@ -186,11 +187,14 @@ def test_the_report_is_what_is_on_disk(make_runner, tmp_path):
         _chat(runner, 1, start=[{"role": "system", "content": f"{SYSTEM} Number {i}."}])
     runner._pool.store.flush()
     files = _files(tmp_path)
-    assert runner.cache_info().disk_entries == len(files) >= 2
+    replies = sorted(tmp_path.glob(f"*/*{REPLY_SUFFIX}"))  # written beside the blocks
+    info = runner.cache_info()
+    assert info.disk_entries == len(files) >= 2 and len(replies) >= 1
+    assert info.disk_bytes == sum(p.stat().st_size for p in [*files, *replies])
     files[0].unlink()  # another server sharing the directory evicted it
     info = runner.cache_info()
     assert info.disk_entries == len(files) - 1
-    assert info.disk_bytes == sum(p.stat().st_size for p in files[1:])
+    assert info.disk_bytes == sum(p.stat().st_size for p in [*files[1:], *replies])
     runner.close()
 
 
