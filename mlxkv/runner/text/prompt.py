@@ -143,8 +143,8 @@ class PromptEncoder:
         Args:
             prompt: text (taken as already rendered); token ids; or chat messages, rendered
                 with the chat template and a generation prompt.
-            parse_control_tokens: let control-token strings inside message content become
-                control tokens (only for content you wrote yourself).
+            parse_control_tokens: let control-token strings inside message content and tool
+                calls become control tokens (only for messages you wrote yourself).
             tools: function definitions (OpenAI's `{"type": "function", "function": {...}}`
                 form) handed to the chat template; chat messages only.
             switches: chat-template variables such as `enable_thinking`; only those the
