@@ -62,7 +62,9 @@ class Server(uvicorn.Server):
     signals: tuple[int, ...] = ()
 
     async def shutdown(self, sockets: Any = None) -> None:
-        for connection in list(_lingering(self.server_state)):  # not in uvicorn's count
+        """Closes the turned-away connections still lingering (they left uvicorn's count, so
+        its shutdown does not see them), then shuts down as uvicorn does."""
+        for connection in list(_lingering(self.server_state)):
             connection.transport.close()
         await super().shutdown(sockets)
 
@@ -146,7 +148,8 @@ class GuardedH11Protocol(H11Protocol):
         head = b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\n"
         head += b"".join(name + b": " + value + b"\r\n" for name, value in busy.raw_headers)
         self.transport.write(head + b"\r\n" + busy.body)
-        self.transport.write_eof()  # the client reads the answer, then its end of file
+        if self.transport.can_write_eof():  # not over TLS: that close waits for the linger
+            self.transport.write_eof()  # the client reads the answer, then its end of file
         self.connections.discard(self)  # lingering: not held against the connection limit
         _lingering(self.server_state).add(self)
         self.loop.call_later(LINGER_S, self.transport.close)
