@@ -67,6 +67,12 @@ _OVER_BUDGET = {
         "here once: one call per render, and one for the system messages' render kept by "
         "its input (rendered only when not kept yet: a new Runner's walk)",
     ),
+    "mlxkv.runner.text.controls": (
+        (3, 0),
+        "the chat prompt is rendered three times (as for `segments`), each render's messages "
+        "masked here once (`ControlText.masked`: which content, and which tool calls, hold "
+        "control-token text)",
+    ),
     "mlxkv.runner.prompt_cache.entry": (
         (3, 0),
         "the entry a request claims, the request's ids converted to the array entries hold "

@@ -95,7 +95,8 @@ class RequestOptions:
 
     Attributes:
         progress: called as progress(done, total) in prompt tokens during prefill.
-        parse_control_tokens: let control-token strings in message content be control tokens.
+        parse_control_tokens: let control-token strings in message content and tool calls be
+            control tokens.
         tools: function definitions for the chat template.
         cancel: an Event that ends this request when set; None makes a private one.
         top_logprobs: None for no log-probabilities, else alternatives per token (0..20).

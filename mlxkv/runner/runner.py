@@ -195,8 +195,8 @@ class Runner:
         cache_salt: str | None = None,
     ) -> list[int]:
         """The token ids a prompt becomes (chat messages, tools and template `switches`
-        through the chat template, with control-token text inside message content kept as
-        text unless `parse_control_tokens`, and an assistant message that is a reply generated
+        through the chat template, control-token text in content and tool calls kept as text
+        unless `parse_control_tokens`, and an assistant message that is a reply generated
         here, with `cache_salt`, as the ids the model generated: `mlxkv.runner.text.replies`);
         an image's tokens carry its placeholder id (`mlxkv.models.vision`)."""
         return self._builder.encode(

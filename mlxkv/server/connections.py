@@ -5,6 +5,12 @@ Owns `uvicorn_config` (the one place the server's uvicorn settings are chosen), 
 HTTP/1.1 protocol with a deadline for request headers) and `OncePerKind` (a log filter).
 Seen before: ~2,100 sockets opened and left idle made the server unreachable (uvicorn waits
 for headers forever) while the log grew 530 MB in 50 s, one line per failed accept.
+
+Terms:
+  - turned away: a connection closed because too many wait for their headers. It is answered
+    503 first (before its request, as a server may answer 408), its bytes read and dropped
+    until the client closes or `LINGER_S` passes: closed with a request unread, it would be
+    reset, and a client of a burst (100 at once) saw "connection reset" instead of an answer.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import re
 import sys
 import termios
 import time
@@ -24,17 +31,23 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxkv.config import ServerConfig
+from mlxkv.server.errors import error_response
 
 logger = logging.getLogger(__name__)
 
 # Seconds a connection may take to send a request's headers (from opening, or from the first
 # byte of a later request on a kept-alive connection).
 HEADER_TIMEOUT_S = 15.0
-# Connections still waiting for their headers, beyond which the oldest is closed when another
-# opens: idle sockets cannot fill the connection limit that requests need (256 of them made
-# every request a 503 until the header deadline passed, and an attacker can reconnect).
+# Connections still waiting for their headers, beyond which the oldest is turned away when
+# another opens: idle sockets cannot fill the connection limit that requests need (256 of them
+# made every request a 503 until the header deadline passed, and an attacker can reconnect).
 MAX_WAITING_CONNECTIONS = 64
 KEEP_ALIVE_S = 5
+# Seconds a turned-away connection is kept to read its client's request (and drop it) after
+# its 503, so that the close resets nothing; it no longer counts against the limits.
+LINGER_S = 2.0
+RETRY_AFTER_S = 1
+_REQUEST_LINE = re.compile(rb"[A-Z]+ (/[^ ?\r\n]*)")
 # Seconds the same kind of log line (uvicorn's, asyncio's) is shown once, then counted.
 LOG_REPEAT_WINDOW_S = 60.0
 
@@ -47,6 +60,13 @@ class Server(uvicorn.Server):
     down, which for SIGTERM ends the process before the caller has saved the cache."""
 
     signals: tuple[int, ...] = ()
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        """Closes the turned-away connections still lingering (they left uvicorn's count, so
+        its shutdown does not see them), then shuts down as uvicorn does."""
+        for connection in list(_lingering(self.server_state)):
+            connection.transport.close()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
@@ -65,16 +85,20 @@ class Server(uvicorn.Server):
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers have not all
     arrived within `HEADER_TIMEOUT_S` (uvicorn's own keep-alive timeout only covers the wait
-    after a response), and the oldest of those waiting when over `MAX_WAITING_CONNECTIONS`
-    wait at once (the oldest with nothing unread: a request already sent is served)."""
+    after a response), and turning away the oldest of those waiting when over
+    `MAX_WAITING_CONNECTIONS` wait at once (the oldest with nothing unread: a request already
+    sent is served)."""
 
     _header_deadline: Any = None
+    _turned_away = False
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self._turned_away:
+            return  # answered already: read only so that the close resets nothing
         super().data_received(data)
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self._arm()  # a request begun, its headers not complete yet
@@ -83,6 +107,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        _lingering(self.server_state).discard(self)
         super().connection_lost(exc)
 
     def _waiting(self) -> OrderedDict[GuardedH11Protocol, None]:
@@ -99,15 +124,35 @@ class GuardedH11Protocol(H11Protocol):
             waiting[self] = None
             while len(waiting) > MAX_WAITING_CONNECTIONS:
                 # one whose request has arrived but is not read yet is about to be served
-                oldest = next(
-                    (c for c in waiting if not c._has_unread_bytes()), next(iter(waiting))
-                )
+                oldest = next((c for c in waiting if not c._has_unread_bytes()), None)
+                if oldest is None:
+                    break
                 logger.warning(
-                    "closed a connection waiting for its headers: over %d waited at once",
+                    "turned away a connection waiting for its headers: over %d waited at once",
                     MAX_WAITING_CONNECTIONS,
                 )
-                oldest._disarm()
-                oldest.transport.close()
+                oldest._turn_away()
+
+    def _turn_away(self) -> None:
+        """Answers 503 (Retry-After; in the shape of the API whose path the request line
+        named, if it came) and closes once the client has closed or `LINGER_S` has passed."""
+        self._disarm()
+        self._turned_away = True
+        received, _ = self.conn.trailing_data
+        path = match.group(1).decode("ascii") if (match := _REQUEST_LINE.match(received)) else "/"
+        message = (
+            f"over {MAX_WAITING_CONNECTIONS} connections were waiting for their request "
+            f"headers; retry in {RETRY_AFTER_S} s"
+        )
+        busy = error_response(path, 503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+        head = b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\n"
+        head += b"".join(name + b": " + value + b"\r\n" for name, value in busy.raw_headers)
+        self.transport.write(head + b"\r\n" + busy.body)
+        if self.transport.can_write_eof():  # not over TLS: that close waits for the linger
+            self.transport.write_eof()  # the client reads the answer, then its end of file
+        self.connections.discard(self)  # lingering: not held against the connection limit
+        _lingering(self.server_state).add(self)
+        self.loop.call_later(LINGER_S, self.transport.close)
 
     def _has_unread_bytes(self) -> bool:
         """Whether bytes wait in this connection's socket: in a burst of connections, the
@@ -133,6 +178,13 @@ class GuardedH11Protocol(H11Protocol):
                 HEADER_TIMEOUT_S,
             )
             self.transport.close()
+
+
+def _lingering(state: Any) -> set[GuardedH11Protocol]:
+    """The server's turned-away connections not closed yet (closed when it shuts down)."""
+    if not hasattr(state, "mlxkv_lingering"):
+        state.mlxkv_lingering = set()
+    return state.mlxkv_lingering
 
 
 class OncePerKind(logging.Filter):

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 from mlxkv.runner.disk import reading as reading_module
 from mlxkv.runner.disk import store as store_module
+from mlxkv.runner.disk.replies import REPLY_SUFFIX
 from tests.runner.test_disk_tier import SYSTEM, _chat, _files
 
 
@@ -144,16 +145,17 @@ def test_a_file_that_cannot_be_removed_is_skipped_not_fatal(
     assert any("could not remove" in r.getMessage() for r in caplog.records)
 
 
+def _full_disk_save(path, arrays, metadata):
+    """MLX's save on a full disk: part of the temporary file written, then its error."""
+    Path(path).write_bytes(b"partial")
+    raise RuntimeError("[save_safetensors] Unable to write 4096 bytes.")
+
+
 def test_a_full_disk_is_one_line_per_write_and_a_cold_prefill(
     make_runner, tmp_path, monkeypatch, caplog
 ):
     runner = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
-
-    def full(path, arrays, metadata):
-        Path(path).write_bytes(b"")
-        raise RuntimeError("[save_safetensors] Unable to write 4096 bytes.")
-
-    monkeypatch.setattr(store_module.mx, "save_safetensors", full)
+    monkeypatch.setattr(store_module.mx, "save_safetensors", _full_disk_save)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=10))
     with caplog.at_level(logging.WARNING, logger="mlxkv"):
         messages, _ = _chat(runner, 1)  # its turn, written behind, fails
@@ -180,17 +182,41 @@ def test_a_full_disk_is_one_line_per_write_and_a_cold_prefill(
     assert out.tokens == make_runner("llama").generate(follow_up, max_tokens=3).tokens
 
 
+def test_a_full_disk_says_what_is_free_once_the_failed_write_is_removed(
+    make_runner, tmp_path, monkeypatch, caplog
+):
+    """The partial temporary file took what was free: measured while it was still there,
+    the warning said "0 bytes free" whatever the disk held before the write."""
+    runner = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
+    directory = runner._pool.store.directory
+
+    def usage(_):
+        return SimpleNamespace(free=0 if list(directory.glob(".tmp-*")) else 5000)
+
+    monkeypatch.setattr(store_module.mx, "save_safetensors", _full_disk_save)
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    with caplog.at_level(logging.WARNING, logger="mlxkv.runner.disk"):
+        _chat(runner, 1)
+        runner._pool.store.flush()
+    lines = [r.getMessage() for r in caplog.records if str(directory) in r.getMessage()]
+    assert lines and all("the disk is full (5,000 bytes free in" in line for line in lines)
+    runner.close()
+
+
 def test_the_report_is_what_is_on_disk(make_runner, tmp_path):
     runner = make_runner("llama", cache_entries=1, cache_dir=tmp_path)
     for i in range(3):
         _chat(runner, 1, start=[{"role": "system", "content": f"{SYSTEM} Number {i}."}])
     runner._pool.store.flush()
     files = _files(tmp_path)
-    assert runner.cache_info().disk_entries == len(files) >= 2
+    replies = sorted(tmp_path.glob(f"*/*{REPLY_SUFFIX}"))  # written beside the blocks
+    info = runner.cache_info()
+    assert info.disk_entries == len(files) >= 2 and len(replies) >= 1
+    assert info.disk_bytes == sum(p.stat().st_size for p in [*files, *replies])
     files[0].unlink()  # another server sharing the directory evicted it
     info = runner.cache_info()
     assert info.disk_entries == len(files) - 1
-    assert info.disk_bytes == sum(p.stat().st_size for p in files[1:])
+    assert info.disk_bytes == sum(p.stat().st_size for p in [*files[1:], *replies])
     runner.close()
 
 

@@ -55,7 +55,7 @@ class _WholeText:
 def test_each_recorded_turn_renders_to_the_ids_of_its_whole_text(tokenizer, session):
     encoder, reference = PromptEncoder(tokenizer, 512), PromptEncoder(tokenizer, 512)
     reference._segments = _WholeText(tokenizer)
-    reference._plain_ids = lambda text: reference._plain.encode(text).ids  # content as text
+    reference._plain_ids = lambda text: reference.controls.plain.encode(text).ids  # content as text
     for messages, tools in _turns(session):  # in order: later turns reuse earlier segments
         for gen in (True, False):
             expected = reference.render(messages, tools=tools, add_generation_prompt=gen)

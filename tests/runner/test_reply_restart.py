@@ -230,3 +230,22 @@ def test_records_count_in_the_directory_budget(scripted_path, tmp_path):
     on_disk = [*tmp_path.glob(f"*/*{SUFFIX}"), *_records(tmp_path)]
     assert sum(p.stat().st_size for p in on_disk) <= store.max_bytes
     runner.close()
+
+
+def test_another_models_records_count_in_the_directory_budget(scripted_path, tmp_path, make_runner):
+    """Two models share the directory: the budget counted the other model's blocks but not
+    its reply records, so the files on disk could be that much over it."""
+    other = _runner(scripted_path, tmp_path)
+    other.generate(ASK, max_tokens=20, temperature=0)
+    other.close()
+    assert len(_records(tmp_path)) == 1
+    runner = make_runner("llama", cache_entries=2, cache_dir=tmp_path)  # another model
+    runner.generate(ASK, max_tokens=4)
+    store = runner._pool.store
+    store.flush()
+    on_disk = [*tmp_path.glob(f"*/*{SUFFIX}"), *_records(tmp_path)]
+    store.max_bytes = sum(p.stat().st_size for p in on_disk) - 1
+    store.enforce_budget()
+    on_disk = [*tmp_path.glob(f"*/*{SUFFIX}"), *_records(tmp_path)]
+    assert sum(p.stat().st_size for p in on_disk) <= store.max_bytes
+    runner.close()

@@ -154,7 +154,7 @@ def test_a_body_that_does_not_arrive_is_408(loaded_tiny, monkeypatch):
 
 def test_idle_sockets_cannot_fill_the_connection_limit(loaded_tiny, monkeypatch):
     """256 sockets that sent nothing made every request a 503 until the header deadline; now
-    the oldest waiting one is closed when too many wait."""
+    the oldest waiting one is turned away (answered 503, then closed) when too many wait."""
     monkeypatch.setattr(connections, "MAX_WAITING_CONNECTIONS", 2)
     with (
         serve(Runner(loaded_tiny("llama")), max_connections=2) as served,
@@ -165,7 +165,9 @@ def test_idle_sockets_cannot_fill_the_connection_limit(loaded_tiny, monkeypatch)
             for _ in range(6)
         ]
         assert served.request("GET", "/health")[0] == 200
-        assert all(sock.recv(1) == b"" for sock in idle[:4])  # the oldest, closed
+        for sock in idle[:4]:  # the oldest, answered and closed
+            assert sock.recv(65536).startswith(b"HTTP/1.1 503 ")
+            assert sock.recv(1) == b""
 
 
 def test_connections_over_the_limit_get_503(loaded_tiny, monkeypatch):

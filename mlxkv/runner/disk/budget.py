@@ -1,8 +1,9 @@
 """The disk tier's budget: which files count against it and which go first.
 
 Owns `tier_files` (every file under the cache root this tier wrote, any model's, proven by its
-header) and `removal_order` (superseded files first, then the least recently used). Does not
-remove anything (`store.DiskStore.enforce_budget` does, through `store_files.remove_own_file`).
+header: blocks, and other models' reply records) and `removal_order` (superseded files first,
+then the least recently used). Does not remove anything (`store.DiskStore.enforce_budget`
+does, through `store_files.remove_own_file`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from mlxkv.runner.disk.files import (
     own_files,
     read_header,
 )
+from mlxkv.runner.disk.replies import record_files
 
 FileInfo = tuple[Path, int, int]  # (path, bytes, mtime in ns)
 
@@ -27,14 +29,16 @@ FileInfo = tuple[Path, int, int]  # (path, bytes, mtime in ns)
 def tier_files(
     root: Path, directory: Path, indexed: set[str], proven: dict[tuple[str, int, int], bool]
 ) -> list[FileInfo]:
-    """(path, bytes, mtime) of every file under `root` this tier wrote: the files of
-    `directory` (this model's) named in `indexed`, and other models' files whose header says
-    so. `proven` holds that answer by (path, size, mtime), so each header is read once; it is
-    updated in place."""
+    """(path, bytes, mtime) of every file under `root` this tier wrote: the blocks of
+    `directory` (this model's) named in `indexed`, and other models' blocks and reply records
+    whose header says so (this model's records count apart: `ReplyRecords.nbytes`). `proven`
+    holds that answer by (path, size, mtime), so each header is read once; it is updated in
+    place."""
     found = []
     for model_directory in model_directories(root):
         ours = model_directory == directory
-        for entry in own_files(model_directory):
+        records = [] if ours else record_files(model_directory)
+        for entry in [*own_files(model_directory), *records]:
             try:
                 info = entry.stat(follow_symlinks=False)
             except OSError:

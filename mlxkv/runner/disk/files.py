@@ -353,18 +353,19 @@ def write_file(
     path = directory / job.name
     temporary = directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
     try:
-        mx.save_safetensors(str(temporary), job.arrays, job.metadata)
-        patch_crc(temporary)
-        with lock:
-            os.replace(temporary, path)
-            indexed = index(path)
-        fsync_directory(directory)  # the rename itself survives a power cut
+        try:  # the temporary file goes first: it took what was free before the write
+            mx.save_safetensors(str(temporary), job.arrays, job.metadata)
+            patch_crc(temporary)
+            with lock:
+                os.replace(temporary, path)
+                indexed = index(path)
+            fsync_directory(directory)  # the rename itself survives a power cut
+        finally:
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
     except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
         needed_bytes = sum(a.nbytes for a in job.arrays.values()) + len(json.dumps(job.metadata))
         raise OSError(why_unwritten(directory, needed_bytes, error)) from error
-    finally:
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
     return indexed
 
 

@@ -212,7 +212,7 @@ class ReplyRecords:
         blocks are gone, or older than those kept, is removed."""
         blocks = IndexedBlocks.of(records)
         kept: list[StoredReply] = []
-        for entry in sorted(_record_files(self.directory), key=_mtime_ns, reverse=True):
+        for entry in sorted(record_files(self.directory), key=_mtime_ns, reverse=True):
             path = Path(entry.path)
             try:
                 if len(kept) >= limit:  # older than those kept: proven this tier's, removed
@@ -276,7 +276,7 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _record_files(directory: Path) -> list[os.DirEntry]:
+def record_files(directory: Path) -> list[os.DirEntry]:
     """Regular files named as records are (never a link or a pipe)."""
     try:
         entries = list(os.scandir(directory))

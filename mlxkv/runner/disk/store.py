@@ -424,10 +424,13 @@ class DiskStore:
             return len(self._records)
 
     @property
-    def nbytes(self) -> int:  # bytes of this model's files on disk now
+    def nbytes(self) -> int:
+        """Bytes of this model's files on disk now: its blocks and its reply records, as the
+        budget counts them (`enforce_budget`)."""
         self.refresh()
         with self._lock:
-            return sum(record.nbytes for record in self._records.values())
+            blocks = sum(record.nbytes for record in self._records.values())
+        return blocks + self.replies.nbytes
 
     def _forget(self, name: str) -> None:
         with self._lock:

@@ -66,8 +66,9 @@ class MemoryReport:
             caches, pending writes, a vision model's encoder outputs).
         encoder_bytes: a vision model's encoder outputs kept by image digest (0: none kept,
             or a text model), part of `held_bytes`.
-        disk_entries: files in the disk tier (0 without one).
-        disk_bytes: their bytes.
+        disk_entries: blocks in the disk tier (0 without one).
+        disk_bytes: their bytes and those of the reply records written beside them
+            (`mlxkv.runner.disk.replies`): what counts against `disk_budget_bytes`.
         disk_budget_bytes: the disk tier's byte budget (None: no disk tier).
         disk_pending_writes: writes to the disk tier queued and not yet done (blocks and reply
             records; 0 without a disk tier): at 0, every turn that ended is on disk.

@@ -6,10 +6,11 @@ chat messages through the model's chat template so that message content is only 
 Terms:
   - control token: a special added token of the tokenizer (`<|im_start|>`, `<|im_end|>`, ...).
     The chat template's own markers are control tokens; the same strings inside a message's
-    content are tokenized as plain text, so a client cannot forge a system turn by writing
-    `<|im_end|>\\n<|im_start|>system\\n...` in a user message. `parse_control_tokens=True` is
-    the opt-out for callers that pass pre-rendered control tokens on purpose. A plain string
-    prompt is taken as already rendered: its control-token strings are parsed.
+    content or tool calls are tokenized as plain text (`controls`), so a client cannot forge a
+    system turn by writing `<|im_end|>\\n<|im_start|>system\\n...` in a user message.
+    `parse_control_tokens=True` is the opt-out for callers that pass pre-rendered control
+    tokens on purpose. A plain string prompt is taken as already rendered: its control-token
+    strings are parsed.
   - lone surrogates (from JSON escapes such as "\\ud800", or undecodable bytes on a command
     line) cannot be encoded as UTF-8; they become U+FFFD instead of failing in the tokenizer.
 """
@@ -27,6 +28,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from mlxkv.cache.prefix import common_prefix_lengths
+from mlxkv.runner.text.controls import ControlText, MaskedMessages
 from mlxkv.runner.text.messages import (
     Message,
     Tools,
@@ -44,12 +46,7 @@ from mlxkv.runner.text.replies import (
     without_call_replies,
 )
 from mlxkv.runner.text.segments import KeptIds, SegmentEncoder
-from mlxkv.runner.text.tokenizer_facts import (
-    control_tokens,
-    largest_id,
-    plain_text_tokenizer,
-    template_variables,
-)
+from mlxkv.runner.text.tokenizer_facts import largest_id, template_variables
 
 Prompt = str | Sequence[int] | Sequence[Message]
 
@@ -94,15 +91,12 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        # mlx-lm's wrapper hands attributes it lacks to the Hugging Face tokenizer it wraps
-        controls = sorted(control_tokens(tokenizer), key=len, reverse=True)
-        self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
-        self._plain = plain_text_tokenizer(tokenizer) if controls else None
+        self.controls = ControlText(tokenizer)
         # Rendered text to ids, segments seen in an earlier turn taking their ids from then;
         # so does content tokenized as plain text (an agent's replies sent back each turn).
         self._segments = SegmentEncoder(tokenizer)
         self._plain_ids = KeptIds(
-            lambda text: self._plain.encode(text, add_special_tokens=False).ids
+            lambda text: self.controls.plain.encode(text, add_special_tokens=False).ids
         )
         # Variables the chat template reads: only those are passed as switches.
         self.template_variables = template_variables(getattr(tokenizer, "chat_template", None))
@@ -149,8 +143,8 @@ class PromptEncoder:
         Args:
             prompt: text (taken as already rendered); token ids; or chat messages, rendered
                 with the chat template and a generation prompt.
-            parse_control_tokens: let control-token strings inside message content become
-                control tokens (only for content you wrote yourself).
+            parse_control_tokens: let control-token strings inside message content and tool
+                calls become control tokens (only for messages you wrote yourself).
             tools: function definitions (OpenAI's `{"type": "function", "function": {...}}`
                 form) handed to the chat template; chat messages only.
             switches: chat-template variables such as `enable_thinking`; only those the
@@ -316,19 +310,15 @@ class PromptEncoder:
             for i, m in enumerate(messages)
             if (ids := self.reply_ids(m, replies)) is not None
         }
-        tainted = (
-            []
-            if parse_control_tokens or self._controls is None
-            else [
-                i
-                for i, m in enumerate(messages)
-                if i not in known and self._controls.search(m["content"])
-            ]
+        # a client's control-token text stays text: in content (the whole content as plain
+        # text) and in tool calls (a known reply's calls are its ids, masked or not)
+        masked = self.controls.masked(
+            messages, enabled=not parse_control_tokens, encode=self._segments.encode, known=known
         )
         if known:
             try:
-                check_calls_apart(self.tokenizer, template_args, messages, known)
-                return self._render_in_pieces(messages, tainted, known, template_args)
+                check_calls_apart(self.tokenizer, template_args, masked.messages, known)
+                return self._render_in_pieces(masked, known, template_args)
             except _ReplyRewritten:  # the template changed it: the reply renders as text
                 pass
             except TemplateError:  # a call reply refused without its calls (a tool message
@@ -336,10 +326,12 @@ class PromptEncoder:
                     raise  # must follow calls), or other text written from them (`CallsApart`):
                 text_replies = without_call_replies(replies)  # from the template; text: ids
                 return self._render(messages, parse_control_tokens, template_args, text_replies)
-        if not tainted:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
-            return self._segments.encode(text)
-        return self._render_in_pieces(messages, tainted, {}, template_args)
+        if not masked.tainted:
+            text = self.tokenizer.apply_chat_template(
+                masked.messages, tokenize=False, **template_args
+            )
+            return masked.encode(text)
+        return self._render_in_pieces(masked, {}, template_args)
 
     def reply_ids(self, message: Message, replies: ReplyIds | None) -> Sequence[int] | None:
         """The ids the model generated for `message`, an assistant message `replies` knows
@@ -357,13 +349,12 @@ class PromptEncoder:
 
     def _render_in_pieces(
         self,
-        messages: list[Message],
-        tainted: list[int],
+        prepared: MaskedMessages,
         known: dict[int, Sequence[int]],
         template_args: dict[str, Any],
     ) -> list[int]:
         """Template text with control tokens parsed; tainted messages' content as plain text,
-        known replies' content as their ids.
+        known replies' content as their ids, control-token text in calls as plain text.
 
         The template renders a random placeholder in place of each such content, so the
         content's place is where the template put it, never an earlier occurrence of the same
@@ -374,7 +365,8 @@ class PromptEncoder:
             _ReplyRewritten: the template did not render a known reply's placeholder once, as
                 given (it trims or rewrites content).
         """
-        slots = slot_texts(sorted([*tainted, *known]))
+        messages = prepared.messages
+        slots = slot_texts(sorted([*prepared.tainted, *known]))
         masked = [{**m, "content": slots.get(i, m["content"])} for i, m in enumerate(messages)]
         masked = [masked_reply(m, slots[i]) if i in known else m for i, m in enumerate(masked)]
         text = self.tokenizer.apply_chat_template(masked, tokenize=False, **template_args)
@@ -382,22 +374,22 @@ class PromptEncoder:
         cursor = 0
         for i, slot in slots.items():
             start = text.find(slot, cursor)
-            if start < 0 or text.count(slot) != 1 or (i not in known and self._plain is None):
+            if start < 0 or text.count(slot) != 1 or (i not in known and not self.controls.plain):
                 if i in known:
                     raise _ReplyRewritten
-                found = self._controls.search(messages[i]["content"]).group(0)
+                found = self.controls.found(messages[i]["content"])
                 raise ValueError(
                     f"message {i} contains the control token text {found!r}, which this "
                     "model's chat template or tokenizer cannot keep as plain text; remove it "
                     "from the message"
                 )
-            ids += self._segments.encode(text[cursor:start])
+            ids += prepared.encode(text[cursor:start])
             if i in known:
                 ids += known[i]
             else:
                 ids += self._plain_ids(messages[i]["content"])
             cursor = start + len(slot)
-        ids += self._segments.encode(text[cursor:])
+        ids += prepared.encode(text[cursor:])
         return ids
 
 

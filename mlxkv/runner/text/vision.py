@@ -12,7 +12,8 @@ Terms:
     message's content list, beside `{"type": "text", "text": ...}` parts.
   - Control-token escaping: a text part holding control-token strings (a user typing
     `<|image_pad|>`) is tokenized as plain text, so only the template's own image markers
-    become images (else the count of markers would no longer match the images).
+    become images (else the count of markers would no longer match the images); so is such
+    text in a tool call (`text.controls`).
   - Reply sent back: an assistant message whose content the reply memory knows
     (`text.replies`) takes the ids the model generated, as in a text prompt
     (`PromptEncoder.reply_ids`), so the next turn matches what the cache holds even where the
@@ -27,7 +28,7 @@ Terms:
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ from mlxkv.errors import ImagesNotSupportedError
 from mlxkv.models.images import decode_image
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
 from mlxkv.models.vision_families import ProcessedImage
+from mlxkv.runner.text.controls import MaskedMessages
 from mlxkv.runner.text.messages import Message, Tools, checked_tools
 from mlxkv.runner.text.prompt import (
     _TEMPLATE_REFUSED,
@@ -153,7 +155,13 @@ class VisionPrompts:
         """
         if self._support is None:
             raise ImagesNotSupportedError(self._model_name)
-        masked, images, slots, known = self._masked(messages, parse_control_tokens, replies)
+        tokenizer = self._prompts.tokenizer
+        calls = self._prompts.controls.masked(
+            messages,
+            enabled=not parse_control_tokens,
+            encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+        )
+        masked, images, slots, known = self._masked(messages, calls, replies)
         if len(images) > MAX_IMAGES_PER_PROMPT:
             raise ValueError(
                 f"the prompt holds {len(images)} images; this model takes at most "
@@ -182,7 +190,7 @@ class VisionPrompts:
         processed = [recent.get(i.digest) or process(i.image) for i in decoded]
         self._recent = {i.digest: p for i, p in zip(decoded, processed, strict=True)}
         try:
-            segments = self._ids(text, slots, known, [p.text for p in processed])
+            segments = self._ids(text, slots, known, [p.text for p in processed], calls.encode)
         except _ReplyRewritten:  # the template changed a reply: every reply renders as text
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
             return self.encode(
@@ -191,39 +199,41 @@ class VisionPrompts:
         return self._expanded(segments, decoded, processed)
 
     def _masked(
-        self, messages: Sequence[Message], parse_control_tokens: bool, replies: ReplyIds | None
+        self, messages: Sequence[Message], calls: MaskedMessages, replies: ReplyIds | None
     ) -> tuple[list[Message], list[Any], dict[str, list[int]], dict[str, int]]:
         """Messages as the template takes them (image parts bare; tainted text and known
-        replies behind a random slot), the image sources in order, slot -> the ids it stands
-        for (tainted text's plain ids, a reply's generated ids), and the replies' slots ->
-        their messages' indices."""
-        nonce, controls = secrets.token_hex(8), self._prompts._controls
+        replies behind a random slot; control-token text in calls behind `calls`'
+        placeholders), the image sources in order, slot -> the ids it stands for (tainted
+        text's plain ids, a reply's generated ids), and the replies' slots -> their messages'
+        indices."""
+        nonce, controls = secrets.token_hex(8), self._prompts.controls
         masked, images, slots, known = [], [], {}, {}
 
         def text(value: Any, where: str) -> str:
             if not isinstance(value, str):
                 raise ValueError(f"{where} needs a string text, got {type(value).__name__}")
             value = _valid_text(value)
-            if parse_control_tokens or controls is None or not controls.search(value):
+            if not calls.enabled or not controls.found(value):
                 return value
             slot = slot_text(nonce, len(slots))
-            slots[slot] = self._prompts._plain.encode(value, add_special_tokens=False).ids
+            slots[slot] = controls.plain.encode(value, add_special_tokens=False).ids
             return slot
 
         def reply(message: Message) -> list[int] | None:  # sent back as text parts too
             ids = self._prompts.reply_ids(_as_text(message), replies)
             return None if ids is None else list(ids)
 
-        for i, message in enumerate(messages):
+        for i, (message, rendered) in enumerate(zip(messages, calls.messages, strict=True)):
             if not isinstance(message, dict):
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
             content = message.get("content")
-            if (ids := reply(message)) is not None:
+            if (ids := reply(message)) is not None:  # its calls are in its ids
                 slot = slot_text(nonce, len(slots))
                 slots[slot] = ids
                 known[slot] = i
                 masked.append(masked_reply(message, slot))
                 continue
+            message = rendered
             if isinstance(content, str):
                 masked.append({**message, "content": text(content, f"message {i}")})
                 continue
@@ -241,16 +251,21 @@ class VisionPrompts:
         return masked, images, slots, known
 
     def _ids(
-        self, text: str, slots: dict[str, list[int]], known: dict[str, int], expansions: list[str]
+        self,
+        text: str,
+        slots: dict[str, list[int]],
+        known: dict[str, int],
+        expansions: list[str],
+        encode: Callable[[str], list[int]],
     ) -> list[tuple[list[int], bool]]:
         """The rendered text's ids in segments: (ids, from the template) pairs. Each image
         marker the template wrote is replaced, in the text, by its image's expansion (as the
-        processor does), so the text around it tokenizes as in the model's own pipeline; each
-        slot by the ids it stands for.
+        processor does), so the text around it tokenizes as in the model's own pipeline (by
+        `encode`); each slot by the ids it stands for.
 
         Raises:
             _ReplyRewritten: a reply's slot is not in the text once, as given."""
-        tokenizer, segments, cursor = self._prompts.tokenizer, [], 0
+        segments, cursor = [], 0
         pending = list(reversed(expansions))
 
         def template(piece: str) -> list[int]:
@@ -259,7 +274,7 @@ class VisionPrompts:
             if len(pieces) - 1 > len(pending):
                 raise ValueError("the chat template wrote more image markers than images")
             joined = pieces[0] + "".join(pending.pop() + p for p in pieces[1:])
-            return tokenizer.encode(joined, add_special_tokens=False)
+            return encode(joined)
 
         for slot, ids in slots.items():
             start = text.find(slot, cursor)

@@ -1,0 +1,80 @@
+"""A burst of more connections than may wait for their headers at once
+(`connections.MAX_WAITING_CONNECTIONS`): every client gets an HTTP answer. Those turned away
+read a 503 with Retry-After, in the shape of the API their request line named, and no
+connection is reset (100 clients at once saw 10 resets when the oldest were closed)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import socket
+
+from mlxkv import Runner
+from mlxkv.server import connections
+from tests.factories import wait_until
+from tests.server.conftest import serve
+
+MAX_WAITING = 4
+NUM_SOCKETS = 24
+HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (a reset raises)."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def _waiting(served) -> list:
+    """The server's connections waiting for their headers (read from the test's thread)."""
+    return list(getattr(served.server.server_state, "mlxkv_waiting", {}))
+
+
+def test_every_connection_of_a_burst_gets_an_answer(loaded_tiny, monkeypatch):
+    monkeypatch.setattr(connections, "MAX_WAITING_CONNECTIONS", MAX_WAITING)
+    with (
+        serve(Runner(loaded_tiny("llama"))) as served,
+        contextlib.ExitStack() as held,
+    ):
+        address = (served.host, served.port)
+        first = held.enter_context(socket.create_connection(address, timeout=30))
+        first.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n")  # headers begun
+        wait_until(lambda: any(c.conn.trailing_data[0] for c in _waiting(served)))
+        rest = [
+            held.enter_context(socket.create_connection(address, timeout=30))
+            for _ in range(NUM_SOCKETS - 1)
+        ]
+        # all accepted (in order: the last one too) before any of them sends its request
+        last = rest[-1].getsockname()[1]
+        wait_until(lambda: last in {c.client[1] for c in _waiting(served)})
+        for sock in rest:
+            sock.sendall(HEALTH)
+        answers = [_answer(sock) for sock in rest]
+        first_answer = _answer(first)
+    assert all(a.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 503 ")) for a in answers), answers
+    busy = [a for a in answers if a.startswith(b"HTTP/1.1 503 ")]
+    assert len(busy) == NUM_SOCKETS - MAX_WAITING - 1
+    assert all(b"\r\nretry-after: 1\r\n" in a.lower() for a in [*busy, first_answer])
+    assert json.loads(busy[0].split(b"\r\n\r\n", 1)[1])["error"]["type"] == "server_error"
+    head, body = first_answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 503 ")
+    assert json.loads(body)["error"]["type"] == "overloaded_error"  # Anthropic's shape
+
+
+def test_a_burst_of_100_requests_at_once_is_answered_without_a_reset(loaded_tiny):
+    """As measured: 100 clients at once, each opening and sending at its own pace."""
+
+    def ask(_: int) -> bytes:
+        with socket.create_connection((served.host, served.port), timeout=60) as sock:
+            sock.sendall(HEALTH)
+            return _answer(sock)
+
+    with (
+        serve(Runner(loaded_tiny("llama"))) as served,
+        concurrent.futures.ThreadPoolExecutor(100) as pool,
+    ):
+        answers = list(pool.map(ask, range(100)))
+    assert all(a.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 503 ")) for a in answers)
