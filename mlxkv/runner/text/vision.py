@@ -155,12 +155,7 @@ class VisionPrompts:
         """
         if self._support is None:
             raise ImagesNotSupportedError(self._model_name)
-        tokenizer = self._prompts.tokenizer
-        calls = self._prompts.controls.masked(
-            messages,
-            enabled=not parse_control_tokens,
-            encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
-        )
+        calls = self._masked_calls(messages, parse_control_tokens)
         masked, images, slots, known = self._masked(messages, calls, replies)
         if len(images) > MAX_IMAGES_PER_PROMPT:
             raise ValueError(
@@ -197,6 +192,18 @@ class VisionPrompts:
                 messages, parse_control_tokens=parse_control_tokens, tools=tools, **args
             )
         return self._expanded(segments, decoded, processed)
+
+    def _masked_calls(
+        self, messages: Sequence[Message], parse_control_tokens: bool
+    ) -> MaskedMessages:
+        """`messages` with control-token text in their tool calls behind placeholders
+        (`text.controls`), unless such text is to be parsed."""
+        tokenizer = self._prompts.tokenizer
+        return self._prompts.controls.masked(
+            messages,
+            enabled=not parse_control_tokens,
+            encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+        )
 
     def _masked(
         self, messages: Sequence[Message], calls: MaskedMessages, replies: ReplyIds | None
