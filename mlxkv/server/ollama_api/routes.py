@@ -290,14 +290,15 @@ def _check_served(name: str, ctx: ServerContext) -> None:
 
 
 def _model_entry(ctx: ServerContext) -> dict[str, Any]:
-    """A model as `/api/tags` lists it: sizes and digest as last loaded (a model not loaded
-    yet: its expected size, no digest)."""
-    facts = ctx.resident.facts
+    """A model as `/api/tags` lists it: its weights' bytes and digest as last loaded (a model
+    not loaded yet: its weights' expected bytes, no digest), as Ollama lists a model's size on
+    disk (its cache budget is in `/api/ps`)."""
+    facts, loader = ctx.resident.facts, ctx.resident.loader
     return {
         "name": _name(ctx),
         "model": _name(ctx),
         "modified_at": _timestamp(ctx.created),
-        "size": ctx.resident.footprint_bytes if facts is None else facts.weights_bytes,
+        "size": facts.weights_bytes if facts else loader.weights_bytes if loader else 0,
         "digest": "" if facts is None else facts.digest,
         "details": _details(ctx),
     }
