@@ -281,7 +281,7 @@ def _name(ctx: ServerContext) -> str:
 def _check_served(name: str, ctx: ServerContext) -> None:
     """One model served: only its own name (several: the request's name chose, or was a 404
     listing them, alias patterns included)."""
-    if len(ctx.models.resident) == 1 and name not in (ctx.model_name, _name(ctx)):
+    if len(ctx.models.resident) == 1 and ollama_name(name) != _name(ctx):
         raise ApiError(
             404,
             f"model '{name}' not found; this server serves '{_name(ctx)}' only (start "
