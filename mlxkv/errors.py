@@ -29,27 +29,37 @@ class NotSupportedError(MlxkvError):
     """The operation is not possible for this cache or model (e.g. trimming a recurrent layer)."""
 
 
-class ImagesNotSupportedError(NotSupportedError, ValueError):
-    """Images sent to a model without vision (bad user input: also a ValueError).
+class ModelNamedError(MlxkvError):
+    """An error whose message names the model it refuses.
 
     Attributes:
         model_name: the model as the message names it; a server names it as its clients do
-            (`for_model`), not by the file it was loaded from.
+            (`for_model`), not by the directory it was loaded from.
     """
 
-    def __init__(self, model_name: str):
-        super().__init__(self._message(model_name))
+    def __init__(self, model_name: str, wording: str):
+        """`wording` holds `{model}` where the model's name goes."""
+        super().__init__(wording.format(model=model_name))
         self.model_name = model_name
+        self._wording = wording
 
     def for_model(self, model_name: str) -> str:
         """The message naming the model `model_name` instead."""
-        return self._message(model_name)
+        return self._wording.format(model=model_name)
 
-    @staticmethod
-    def _message(model_name: str) -> str:
-        return (
-            f"model {model_name} does not take images; send text only, or load a "
-            "vision-language model"
+
+class ModelNotSupportedError(ModelNamedError, NotSupportedError):
+    """A model that cannot do what was asked (embeddings from a model without hidden states,
+    text from an encoder embedding model)."""
+
+
+class ImagesNotSupportedError(ModelNotSupportedError, ValueError):
+    """Images sent to a model without vision (bad user input: also a ValueError)."""
+
+    def __init__(self, model_name: str):
+        super().__init__(
+            model_name,
+            "model {model} does not take images; send text only, or load a vision-language model",
         )
 
 

@@ -128,14 +128,16 @@ def _model_sources(args: argparse.Namespace) -> dict[str, Runner | ModelLoader] 
         name, model = next(iter(models.items()))
         return {name: load_runner(_for_model(args, model))}
     cache_bytes = runner_config(args).cache_bytes or 0
-    return {
-        name: ModelLoader(
+    loaders: dict[str, Runner | ModelLoader] = {}
+    for name, model in models.items():
+        weights_bytes = _weights_bytes(name, model)
+        loaders[name] = ModelLoader(
             functools.partial(load_runner, _for_model(args, model)),
-            estimated_bytes=_weights_bytes(name, model) + cache_bytes,
+            estimated_bytes=weights_bytes + cache_bytes,
             path=Path(model).expanduser() if model else None,  # a local one's tokenizer files
+            weights_bytes=weights_bytes,
         )
-        for name, model in models.items()
-    }
+    return loaders
 
 
 def _weights_bytes(name: str, model: str | None) -> int:

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxkv.errors import ContextLengthError, NotSupportedError
+from mlxkv.errors import ContextLengthError, ModelNotSupportedError
 from mlxkv.models.encoder import EncoderModel
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class Embedder:
         body = hidden_states_of(self._loaded.model, self._name)
         token_lists = [self._tokens(item, i, truncate) for i, item in enumerate(_listed(inputs))]
         hidden_size = int(self._loaded.config.get("hidden_size") or 0)
-        _check_dimensions(dimensions, hidden_size, self._name)
+        _check_dimensions(dimensions, hidden_size)
         vectors = self._call(
             lambda: embed_batches(
                 body,
@@ -163,12 +163,12 @@ def _is_id(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_dimensions(dimensions: int | None, hidden_size: int, name: str) -> None:
+def _check_dimensions(dimensions: int | None, hidden_size: int) -> None:
     if dimensions is None:
         return
     if not _is_id(dimensions) or dimensions < 1 or (hidden_size and dimensions > hidden_size):
         raise ValueError(
-            f"dimensions must be an integer from 1 to {hidden_size} (model '{name}' gives "
+            f"dimensions must be an integer from 1 to {hidden_size} (the model gives "
             f"{hidden_size}-dimensional embeddings); got {dimensions!r}"
         )
 
@@ -196,16 +196,17 @@ def hidden_states_of(model: nn.Module, name: str) -> Callable[[mx.array, mx.arra
     (`encoder.EncoderModel`: the padding masked).
 
     Raises:
-        NotSupportedError: the architecture has no such body in mlx-lm (`model.model`).
+        ModelNotSupportedError: the architecture has no such body in mlx-lm (`model.model`).
     """
     if isinstance(model, EncoderModel):
         return model.hidden_states
     body = getattr(model, "model", None)
     if not isinstance(body, nn.Module):
         kind = type(model).__module__.rsplit(".", 1)[-1]
-        raise NotSupportedError(
-            f"model '{name}' ({kind}) cannot compute embeddings: its architecture does not "
-            "expose hidden states; serve an embedding model or a transformer decoder"
+        raise ModelNotSupportedError(
+            name,
+            f"model '{{model}}' ({kind}) cannot compute embeddings: its architecture does not "
+            "expose hidden states; serve an embedding model or a transformer decoder",
         )
     return lambda tokens, lengths: body(tokens)
 

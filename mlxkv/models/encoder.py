@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.errors import ModelLoadError, NotSupportedError
+from mlxkv.errors import ModelLoadError, ModelNotSupportedError
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +44,11 @@ class EncoderModel(nn.Module):
     def __call__(self, inputs: mx.array, cache: Any = None, **_: Any) -> mx.array:
         raise self.cannot_generate()
 
-    def cannot_generate(self) -> NotSupportedError:
-        return NotSupportedError(
-            f"model '{self._name}' is an encoder embedding model: it gives embeddings "
-            "(Runner.embed, /v1/embeddings, /api/embed), not text"
+    def cannot_generate(self) -> ModelNotSupportedError:
+        return ModelNotSupportedError(
+            self._name,
+            "model '{model}' is an encoder embedding model: it gives embeddings "
+            "(Runner.embed, /v1/embeddings, /api/embed), not text",
         )
 
     def hidden_states(self, tokens: mx.array, lengths: mx.array) -> mx.array:

@@ -70,7 +70,12 @@ def decode_image(source: Any, *, max_bytes: int = MAX_IMAGE_BYTES) -> DecodedIma
             _check_pixels(*opened.size)
             opened.load()
             return _finish(opened)
-    except (Image.DecompressionBombError, Image.UnidentifiedImageError, OSError) as error:
+    except Image.UnidentifiedImageError:  # its message is the repr of our in-memory file
+        raise ValueError(
+            "could not decode the image: its bytes are not an image of a known format; "
+            f"send one of {', '.join(ACCEPTED_FORMATS)}"
+        ) from None
+    except (Image.DecompressionBombError, OSError) as error:
         raise ValueError(f"could not decode the image: {error}") from None
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from mlxkv.errors import ContextLengthError, NotSupportedError
+from mlxkv.errors import ContextLengthError, ModelNotSupportedError, NotSupportedError
 from mlxkv.models.embedding import EmbeddingInput, Embeddings
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models.served import request_context
@@ -33,13 +33,16 @@ async def embed(
         ApiError: 400 for bad input, an input over the window (unless `truncate`), or a model
             that cannot compute embeddings (the message names it).
     """
-    runner = (await request_context(request)).worker.runner
+    context = await request_context(request)
+    runner = context.worker.runner
     try:
         return await run_in_threadpool(
             runner.embed, inputs, dimensions=dimensions, truncate=truncate
         )
     except ContextLengthError as error:
         raise ApiError(400, str(error), code="context_length_exceeded", param="input") from error
+    except ModelNotSupportedError as error:  # named as the client named it
+        raise ApiError(400, error.for_model(context.model_name), param="model") from error
     except NotSupportedError as error:
         raise ApiError(400, str(error), param="model") from error
     except ValueError as error:

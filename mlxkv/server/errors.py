@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from mlxkv.errors import ContextLengthError, ImagesNotSupportedError
+from mlxkv.errors import ContextLengthError, ModelNamedError
 
 _OPENAI_TYPES = {
     401: "authentication_error",
@@ -98,7 +98,7 @@ def context_length_error(error: ContextLengthError, path: str) -> ApiError:
 def bad_input_error(error: ValueError, model_name: str) -> ApiError:
     """Bad input as a 400; a model refused by name is named as the client named it
     (`model_name`: the served name), not by the file the server loaded it from."""
-    if isinstance(error, ImagesNotSupportedError):
+    if isinstance(error, ModelNamedError):
         return ApiError(400, error.for_model(model_name))
     return ApiError(400, str(error))
 

@@ -11,6 +11,7 @@ ValueError the route turns into a 400 in its API's shape.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +24,7 @@ from mlxkv.server.errors import ApiError
 FETCH_TIMEOUT_S = 10.0
 _READ_BYTES = 2**16  # what one read may return: the deadline is checked between reads
 _REMOTE = ("http://", "https://")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")  # base64 has no ':': a URL of some kind
 
 
 def image_part(reference: str, where: str) -> dict[str, Any]:
@@ -31,8 +33,17 @@ def image_part(reference: str, where: str) -> dict[str, Any]:
     later, by `fetched_images`, where allowed)."""
     if not isinstance(reference, str) or not reference:
         raise ApiError(400, f"{where}: an image needs a data: URL or base64 data", param=where)
-    if not reference.startswith(("data:", *_REMOTE)):
-        reference = f"data:application/octet-stream;base64,{reference}"
+    if reference.startswith(("data:", *_REMOTE)):
+        return {"type": "image", "image": reference}
+    scheme = _SCHEME.match(reference)
+    if scheme is not None:  # a file: or ftp: URL: never read, said so (not "bad base64")
+        raise ApiError(
+            400,
+            f"{where}: a {scheme.group()} URL is not an image this server takes; send a data: "
+            "URL (data:image/png;base64,...) or base64, or an http(s) URL with --fetch-images",
+            param=where,
+        )
+    reference = f"data:application/octet-stream;base64,{reference}"
     return {"type": "image", "image": reference}
 
 

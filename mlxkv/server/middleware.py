@@ -51,6 +51,8 @@ _MAX_REASON_CHARS = 300
 # Seconds a request body may take to arrive once its headers have, read or drained (a slow
 # sender holds a connection and, here, a task): one budget per request.
 BODY_TIMEOUT_S = 120.0
+# What a request cut by the server's stop (its graceful wait ran out) is told.
+SHUTTING_DOWN = "the server is shutting down; send the request again once it is back"
 # Bytes of a body still read (and dropped) before an answer that came before it was read:
 # answered first, the connection closed under a client still sending (one that sent
 # `Connection: close`, as urllib does), which saw a reset instead. Past this, answered at once.
@@ -170,8 +172,7 @@ class ServerErrors:
         except asyncio.CancelledError:
             if started:
                 raise
-            message = "the server is shutting down; send the request again once it is back"
-            await error_response(scope["path"], 503, message)(scope, receive, send)
+            await error_response(scope["path"], 503, SHUTTING_DOWN)(scope, receive, send)
         except Exception as error:
             _errors.exception(
                 "request failed: %s %s", printable(scope["method"]), printable(scope["path"])

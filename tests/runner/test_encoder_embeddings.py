@@ -65,15 +65,18 @@ def test_without_mlx_embeddings_loading_says_how_to_install(bert_dir, monkeypatc
 
 
 def test_the_server_embeds_with_it_and_refuses_to_chat(runner):
+    """The refusal names the model as the client does (served as "notes"), not by its
+    directory ("tiny-bert")."""
     from tests.server.conftest import serve
 
-    with serve(runner) as served:
+    with serve(runner, model_name="notes") as served:
         client = served.openai()
-        reply = client.embeddings.create(model="tiny-bert", input=TEXTS, encoding_format="float")
+        reply = client.embeddings.create(model="notes", input=TEXTS, encoding_format="float")
         got = np.array([item.embedding for item in reply.data])
         np.testing.assert_allclose(got, runner.embed(TEXTS).vectors, atol=1e-6)
         status, body = served.post(
             "/v1/chat/completions",
-            {"model": "tiny-bert", "messages": [{"role": "user", "content": "Hi"}]},
+            {"model": "notes", "messages": [{"role": "user", "content": "Hi"}]},
         )
-    assert status == 400 and "encoder embedding model" in body["error"]["message"]
+    assert status == 400
+    assert body["error"]["message"].startswith("model 'notes' is an encoder embedding model")

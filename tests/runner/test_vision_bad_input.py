@@ -61,9 +61,10 @@ def test_an_image_for_a_text_model_is_refused_naming_the_model(make_runner):
     ],
 )
 def test_a_bad_image_is_refused_saying_why(runner, image, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         runner.generate(_ask(image), max_tokens=2)
     assert runner.cache_tokens == []
+    assert " object at 0x" not in str(refused.value), "a Python repr is no message"
 
 
 def test_an_image_over_the_pixel_limit_is_refused_before_decoding(runner, monkeypatch):

@@ -89,10 +89,11 @@ def test_bad_openai_input_is_a_400_naming_the_field(served, body, mentions):
 
 
 def test_a_model_that_cannot_embed_is_a_400_naming_it(loaded_tiny):
-    with serve(Runner(loaded_tiny("mamba"), max_context=32)) as served:
-        with pytest.raises(openai.BadRequestError, match="model 'mamba'.*cannot compute"):
-            served.openai().embeddings.create(model="mamba", input="hi")
-        with pytest.raises(ollama.ResponseError, match="model 'mamba'.*cannot compute") as no:
-            ollama.Client(host=served.url).embed(model="mamba", input="hi")
+    """Named as the client names it (served as "notes"), not by its directory ("mamba")."""
+    with serve(Runner(loaded_tiny("mamba"), max_context=32), model_name="notes") as served:
+        with pytest.raises(openai.BadRequestError, match="model 'notes'.*cannot compute"):
+            served.openai().embeddings.create(model="notes", input="hi")
+        with pytest.raises(ollama.ResponseError, match="model 'notes'.*cannot compute") as no:
+            ollama.Client(host=served.url).embed(model="notes", input="hi")
         assert no.value.status_code == 400
-        assert served.post("/api/chat", {"model": "mamba", "messages": []})[0] == 200
+        assert served.post("/api/chat", {"model": "notes", "messages": []})[0] == 200

@@ -1,6 +1,7 @@
 """The listings tell what a served model can do before its first load, read from its tokenizer
-files alone: `/v1/models`, `/api/tags` and `/api/show` say the same before and after the load,
-and none of them loads it (`/api/show` included)."""
+files alone: `/v1/models`, `/api/tags` and `/api/show` say the same before and after the load
+(`/api/tags` the weights' size, not the load's estimate with its cache budget), and none of
+them loads it (`/api/show` included)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import ollama
 import pytest
 
 from mlxkv import Runner
+from mlxkv.models.loading import expected_weights_bytes
 from mlxkv.server.models.resident import ModelLoader
 from tests.factories import tiny_model_dir
 from tests.server.conftest import serve
@@ -32,7 +34,8 @@ def served(model_root, scripted_dir):
                 loads[name] += 1
             return Runner.load(str(paths[name]), max_context=512)
 
-        return ModelLoader(load, path=paths[name])
+        weights_bytes, cache_budget_bytes = expected_weights_bytes(paths[name]), 1 << 30
+        return ModelLoader(load, weights_bytes + cache_budget_bytes, paths[name], weights_bytes)
 
     with serve({name: loader(name) for name in paths}) as served:
         served.loads = loads
@@ -51,7 +54,7 @@ def _listings(served) -> dict:
         "openai": {
             m.id: (m.capabilities, m.tool_call_format) for m in served.openai().models.list()
         },
-        "tags": {m.model: m.details.family for m in client.list().models},
+        "tags": {m.model: (m.details.family, m.size) for m in client.list().models},
         "show": shown,
     }
 
@@ -64,7 +67,7 @@ def test_listings_before_the_first_load_equal_those_after(served):
     assert "tools" not in before["show"]["plain"]["capabilities"]
     assert before["openai"]["tools"][1] is not None
     assert before["show"]["tools"]["template"]
-    assert before["tags"]["plain:latest"] == "llama"
+    assert before["tags"]["plain:latest"][0] == "llama"
     for name in served.loads:
         served.openai().chat.completions.create(model=name, messages=QUESTION, max_tokens=2)
     assert served.loads == {"tools": 1, "plain": 1}

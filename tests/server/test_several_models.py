@@ -138,3 +138,23 @@ def test_the_cache_report_names_its_model(served):
     assert reports["b"][1]["num_tokens"] != reports["a"][1]["num_tokens"]
     status, body = served.request("GET", "/v1/mlxkv/cache?model=nope")
     assert status == 404 and "nope" in body["error"]["message"]
+
+
+def test_ollama_names_take_the_latest_tag_once(loaded_tiny):
+    """A model served by an Ollama name that holds its tag ("tiny:latest", as `--models-dir`
+    names a model pulled with Ollama) is listed as is (not "tiny:latest:latest"), and a
+    request for "tiny" reaches it, as Ollama reads a name without a tag as ":latest" (served
+    alone too: `/api/show` checks the name)."""
+    runners = {"tiny:latest": Runner(loaded_tiny("llama")), "b": Runner(loaded_tiny("qwen3"))}
+    alone = Runner(loaded_tiny("llama")).generate(QUESTION, max_tokens=4, temperature=0)
+    options = {"temperature": 0, "num_predict": 4}
+    with serve(runners) as served:
+        client = ollama.Client(host=served.url)
+        assert [m.model for m in client.list().models] == ["tiny:latest", "b:latest"]
+        for name in ("tiny", "tiny:latest"):
+            reply = client.chat(model=name, messages=QUESTION, options=options)
+            assert reply.message.content == alone.text, name
+    with serve({"tiny:latest": runners["tiny:latest"]}) as alone_served:
+        for name in ("tiny", "tiny:latest"):
+            assert alone_served.post("/api/show", {"model": name})[0] == 200, name
+        assert alone_served.post("/api/show", {"model": "tiny:1b"})[0] == 404

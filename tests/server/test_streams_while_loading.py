@@ -7,6 +7,7 @@ The load is held by an event, so "before the load ends" is certain, not timed. A
 from __future__ import annotations
 
 import json
+import signal
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +145,25 @@ def test_a_load_that_fails_ends_the_stream_with_the_apis_error(gated, api):
     assert "error" in last or last["type"] == "error"
     if spec.first_bytes:
         assert lines[0].startswith(spec.first_bytes.decode())
+
+
+@pytest.mark.parametrize("api", list(APIS), ids=list(APIS))
+def test_a_stop_signal_ends_a_stream_waiting_for_its_load_with_the_apis_error(gated, api):
+    """A stop signal while the load goes on: when the server's graceful wait runs out, the
+    stream ends with the API's error event saying so (was: the connection cut mid-stream, and
+    a traceback of the cancel in the log)."""
+    spec = APIS[api]
+    gated.server.config.timeout_graceful_shutdown = 0.2  # `mlxkv serve` waits 5 s
+    with httpx.Client(base_url=gated.url, timeout=_TIMEOUT_S) as client:
+        body = {"model": "tiny", **spec.body}
+        with client.stream("POST", spec.path, json=body) as response:
+            assert gated.gate.entered.wait(_TIMEOUT_S)
+            gated.server.handle_exit(signal.SIGINT, None)
+            lines = [line for line in response.read().decode().splitlines() if line]
+    assert not gated.gate.open.is_set()
+    last = json.loads(lines[-1].removeprefix("data: "))
+    assert "error" in last or last["type"] == "error"
+    assert "the server is shutting down" in lines[-1]
 
 
 def test_the_real_clients_get_their_stream_before_the_load_ends(gated):

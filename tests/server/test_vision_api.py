@@ -118,9 +118,17 @@ def test_ollama_chat_and_generate_take_images(served):
     assert generated.response == want.text
 
 
-def test_an_image_url_is_not_fetched(served):
-    content = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]
-    with pytest.raises(openai.BadRequestError, match="not fetched by this server.*--fetch-images"):
+@pytest.mark.parametrize(
+    ("url", "refused_as"),
+    [
+        ("http://127.0.0.1:9/cat.png", "not fetched by this server.*--fetch-images"),
+        ("file:///etc/hostname", "a file: URL is not an image this server takes.*data: URL"),
+    ],
+    ids=["http", "file"],
+)
+def test_an_image_url_is_not_fetched(served, url, refused_as):
+    content = [{"type": "image_url", "image_url": {"url": url}}]
+    with pytest.raises(openai.BadRequestError, match=refused_as):
         served.openai().chat.completions.create(
             model="tiny-vl", messages=[{"role": "user", "content": content}], max_tokens=2
         )

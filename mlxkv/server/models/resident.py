@@ -65,11 +65,14 @@ class ModelLoader:
             first load measures it; 0: unknown.
         path: its local directory, whose tokenizer files tell the listings what it can do
             before it loads (None: nothing known until then).
+        weights_bytes: its weights' expected bytes, the size `/api/tags` lists before its
+            first load (after it, the weights' measured bytes); 0: unknown.
     """
 
     load: Callable[[], Runner]
     estimated_bytes: int = 0
     path: Path | None = None
+    weights_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ Owns `ServedModels` (names -> `ResidentModel`s, and alias patterns), `request_co
 and held for the request) and `ReleaseModels` (the middleware that lets the model go when the
 request's response and generation have ended, with the body's `keep_alive`). With one model
 served, every name answers with it (agents whose model ids cannot be changed keep working);
-with several, a name is matched exactly (Ollama's `:latest` tag ignored), then against the
+with several, a name is matched exactly (Ollama's `:latest` tag ignored, or added to a name
+without a tag, as Ollama reads "llama3.2" as "llama3.2:latest"), then against the
 alias patterns in order (`claude-*=coder`), else the request is a 404 listing the names served.
 A request that names no model gets the first one; a GET loads nothing (the listings read what
 is loaded). Does not own the APIs' listings (each API folder).
@@ -31,6 +32,12 @@ from mlxkv.server.models.resident import ModelLoader, Residency, ResidentModel
 from mlxkv.server.worker import GenerationWorker
 
 _OLLAMA_TAG = ":latest"
+
+
+def ollama_name(name: str) -> str:
+    """A served model's name as Ollama lists it: "name:latest", or as it is where it holds a
+    tag already (a model pulled with Ollama, served as "llama3.2:1b")."""
+    return name if ":" in name.rsplit("/", 1)[-1] else name + _OLLAMA_TAG
 
 
 class ServedModels:
@@ -82,7 +89,7 @@ class ServedModels:
         """
         if len(self.resident) == 1 or not name:
             return next(iter(self.resident))
-        for candidate in (name, name.removesuffix(_OLLAMA_TAG)):
+        for candidate in (name, name.removesuffix(_OLLAMA_TAG), ollama_name(name)):
             if candidate in self.resident:
                 return candidate
         for pattern, target in self.aliases:

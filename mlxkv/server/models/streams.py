@@ -24,7 +24,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxkv.server.errors import ApiError
-from mlxkv.server.middleware import replay
+from mlxkv.server.middleware import SHUTTING_DOWN, replay
 from mlxkv.server.models.served import ServedModels, body_object, named_model
 from mlxkv.server.state import KEEPALIVE_INTERVAL_S, SSE_HEADERS
 
@@ -99,6 +99,11 @@ class _Early:
             self._pacer = asyncio.create_task(self._pace(self.shape.keepalive.encode()))
         try:
             await app(scope, receive, self._from_route)
+        except asyncio.CancelledError:  # a stop signal's graceful wait ran out (a long load)
+            await self._stop_pacing()
+            if self._ended:
+                raise
+            await self._end(SHUTTING_DOWN)  # ended whole: no traceback of the cancel to log
         except Exception as error:  # the status line is sent: say it in the stream
             await self._stop_pacing()
             if not self._ended:

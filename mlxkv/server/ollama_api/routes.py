@@ -4,10 +4,11 @@ a served model, a 404 for any other), `/api/create`, `/api/copy`, `/api/delete` 
 `/api/push` (501: it serves the one model it started with; Open WebUI's model settings offer
 them, where a bare 404 "Not Found" said nothing of why). Embeddings are in `embed.py`.
 
-Each served model is listed under its name with the tag `latest` (`/api/ps`: those loaded,
-with their sizes and when they unload); with one model served, chat and generate answer any
-name with it, as the other APIs do (`keep_alive` is read by `models.served`). A thinking
-model's thinking comes as `message.thinking` (chat) and `thinking` (generate) unless `think` is
+Each served model is listed under its name with the tag `latest`, unless the name holds a tag
+(an Ollama model's "llama3.2:1b") (`/api/ps`: those loaded, with their sizes and when they
+unload); with one model served, chat and generate answer any name with it, as the other APIs
+do (`keep_alive` is read by `models.served`). A thinking model's thinking comes as
+`message.thinking` (chat) and `thinking` (generate) unless `think` is
 false, as Ollama does.
 """
 
@@ -24,7 +25,7 @@ from fastapi.responses import StreamingResponse
 
 from mlxkv.runner.results import Completion
 from mlxkv.server.errors import ApiError
-from mlxkv.server.models.served import named_context, unload_named
+from mlxkv.server.models.served import named_context, ollama_name, unload_named
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.ollama_api.protocol import ChatRequest, GenerateRequest, ModelRequest
 from mlxkv.server.reply.tool_calls import ToolCall
@@ -113,7 +114,7 @@ async def pull(body: ModelRequest, request: Request):
 async def manage(request: Request) -> None:
     """Refused without loading a model: under a memory budget a load unloads another."""
     served = request.app.state.mlxkv.models.resident
-    names = ", ".join(f"{name}:latest" for name in served)
+    names = ", ".join(ollama_name(name) for name in served)
     what = f"'{names}' only, the model" if len(served) == 1 else f"{names}, the models"
     raise ApiError(
         501,
@@ -252,7 +253,7 @@ def _unloaded(request: Request, body: Any, field: str, payload: Any) -> dict[str
     """Ollama's unload (`keep_alive` zero, nothing to generate): the model unloads when idle
     and is never loaded for it (`models.served.unload_named`)."""
     name = unload_named(request, body.model or None)
-    return _loaded(body.model or f"{name}:latest", "unload", field, payload)
+    return _loaded(body.model or ollama_name(name), "unload", field, payload)
 
 
 def _loaded(model: str, reason: str, field: str, payload: Any) -> dict[str, Any]:
@@ -274,13 +275,13 @@ def _error_line(message: str) -> str:
 
 
 def _name(ctx: ServerContext) -> str:
-    return f"{ctx.model_name}:latest"
+    return ollama_name(ctx.model_name)
 
 
 def _check_served(name: str, ctx: ServerContext) -> None:
     """One model served: only its own name (several: the request's name chose, or was a 404
     listing them, alias patterns included)."""
-    if len(ctx.models.resident) == 1 and name not in (ctx.model_name, _name(ctx)):
+    if len(ctx.models.resident) == 1 and ollama_name(name) != _name(ctx):
         raise ApiError(
             404,
             f"model '{name}' not found; this server serves '{_name(ctx)}' only (start "
@@ -289,14 +290,15 @@ def _check_served(name: str, ctx: ServerContext) -> None:
 
 
 def _model_entry(ctx: ServerContext) -> dict[str, Any]:
-    """A model as `/api/tags` lists it: sizes and digest as last loaded (a model not loaded
-    yet: its expected size, no digest)."""
-    facts = ctx.resident.facts
+    """A model as `/api/tags` lists it: its weights' bytes and digest as last loaded (a model
+    not loaded yet: its weights' expected bytes, no digest), as Ollama lists a model's size on
+    disk (its cache budget is in `/api/ps`)."""
+    facts, loader = ctx.resident.facts, ctx.resident.loader
     return {
         "name": _name(ctx),
         "model": _name(ctx),
         "modified_at": _timestamp(ctx.created),
-        "size": ctx.resident.footprint_bytes if facts is None else facts.weights_bytes,
+        "size": facts.weights_bytes if facts else loader.weights_bytes if loader else 0,
         "digest": "" if facts is None else facts.digest,
         "details": _details(ctx),
     }

@@ -316,7 +316,8 @@ def _generating_worker(context: Any) -> GenerationWorker:
     encoder embedding model)."""
     worker: GenerationWorker = context.worker
     if not context.capabilities.generates:
-        raise ApiError(400, str(worker.runner.loaded.model.cannot_generate()), param="model")
+        refusal = worker.runner.loaded.model.cannot_generate()
+        raise ApiError(400, refusal.for_model(context.model_name), param="model")
     return worker
 
 
