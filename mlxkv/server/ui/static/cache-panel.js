@@ -53,7 +53,7 @@ export function renderCache(el, report, titleOf) {
     `<dt>Disk tier</dt><dd data-field="disk">${
       report.disk_budget_bytes === null
         ? "off"
-        : `${report.disk_entries} files, ${formatBytes(report.disk_bytes)} of ${formatBytes(report.disk_budget_bytes)}`
+        : `${report.disk_entries} blocks, ${formatBytes(report.disk_bytes)} of ${formatBytes(report.disk_budget_bytes)}`
     }</dd></dl>`;
   for (const bar of el.querySelectorAll("#cache-summary [data-pct]")) {
     bar.style.width = `${bar.dataset.pct}%`;
