@@ -403,7 +403,13 @@ class DiskStore:
         files = tier_files(self.root, self.directory, set(records), self._theirs)
         if (total := sum(size for _, size, _ in files) + self.replies.nbytes) <= self.max_bytes:
             return  # the order below costs more than this sum
-        for path, size, _ in removal_order(files, records, trimmable=self.trimmable, keep=keep):
+        queued = self._writer.queued_jobs()
+        queued_after = frozenset(
+            j.metadata["parent"] + SUFFIX for j in queued if "parent" in j.metadata
+        )
+        for path, size, _ in removal_order(
+            files, records, trimmable=self.trimmable, keep=keep, queued_after=queued_after
+        ):
             if total <= self.max_bytes:
                 break
             with self._directory_lock:
