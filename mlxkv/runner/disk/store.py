@@ -368,6 +368,7 @@ class DiskStore:
         start = time.perf_counter()
         if job.name.endswith(REPLY_SUFFIX):  # a reply record: not a block of the index
             write_file(self.directory, job, self._directory_lock, self.replies.written)
+            self.enforce_budget()  # records count in it too
             return
         record = write_file(self.directory, job, self._directory_lock, self._indexed)
         self._remove_superseded(record)
