@@ -139,3 +139,34 @@ def test_a_scan_never_forgets_a_file_written_while_it_ran(
     store.flush()
     assert sorted(store._records) == sorted(p.name for p in _files(tmp_path))
     assert writes_done == [False]  # the write waited for the scan
+
+
+def test_the_budget_keeps_the_blocks_before_a_queued_block(make_runner, tmp_path, held_writes):
+    """A block whose next block is queued is not a chain's end: removed for the budget before
+    that block was written, it left the block behind it on disk without the blocks before it
+    (never loadable, yet counted in the budget), and the conversation's newest turn lost."""
+    release, _ = held_writes
+    release.set()
+    runner = make_runner("llama", cache_entries=4, cache_dir=tmp_path)
+    store = runner._pool.store
+    first = [{"role": "user", "content": "An old conversation about rivers and their mouths."}]
+    # a reply that ends the chain on a block's end: its next turn's first block follows it
+    max_tokens = BLOCK_TOKENS - (len(runner.encode(first)) - 1) % BLOCK_TOKENS
+    reply = runner.generate(first, max_tokens=max_tokens)
+    assert reply.generation_tokens == max_tokens
+    store.flush()
+    second = [{"role": "user", "content": "A newer one: museums, and what they keep."}]
+    runner.generate(second, max_tokens=4)
+    store.flush()
+    store.max_bytes = store.nbytes + store.replies.nbytes + 100  # the next block goes over
+    release.clear()  # both next turns queued before either is written
+    runner.generate(second + [{"role": "user", "content": "Which one first?"}], max_tokens=4)
+    follow_up = first + [{"role": "assistant", "content": reply.text}]
+    runner.generate(follow_up + [{"role": "user", "content": "Why?"}], max_tokens=4)
+    release.set()
+    store.flush()
+    records = {r.key: r for r in store._records.values()}
+    orphans = [r.start for r in records.values() if r.parent and r.parent not in records]
+    assert not orphans, f"blocks at {orphans} without the blocks before them"
+    newest = store_module.np.asarray(runner._pool.latest.tokens, dtype="uint32")
+    assert store.holds(newest)  # the newest turn whole

@@ -101,3 +101,23 @@ def test_blocks_queued_hold_copies_of_their_tokens_only(make_runner, tmp_path, h
     assert store.pending_writes == store_module.PendingWrites(num_jobs=0, nbytes=0)
     report = runner.cache_info()
     assert (report.disk_pending_writes, report.disk_pending_bytes) == (0, 0)
+
+
+def test_the_budget_holds_with_the_turn_just_queued_for_disk(make_runner, tmp_path, held_writes):
+    """A turn's blocks queued for disk are copies of its K/V (above), counted in the budget:
+    the request that queues them evicts for them too, not only for what it held before."""
+    release, _ = held_writes
+    first = [{"role": "user", "content": "A first conversation, about rivers and their mouths."}]
+    second = [{"role": "user", "content": "Another one entirely: museums, and what they keep."}]
+    probe = make_runner("llama", cache_entries=3, cache_dir=tmp_path / "probe")
+    for messages in (first, second):
+        probe.generate(messages, max_tokens=4)
+    both = probe.cache_info()  # both entries and both turns' blocks, still queued
+    assert both.disk_pending_bytes > 0 and len(both.entries) == 2
+    budget = both.held_bytes - 1  # one byte short of keeping both entries beside both writes
+    runner = make_runner("llama", cache_entries=3, cache_bytes=budget, cache_dir=tmp_path / "run")
+    for messages in (first, second):
+        runner.generate(messages, max_tokens=4)
+        assert runner.cache_info().held_bytes <= budget
+    assert [e.current for e in runner.cache_info().entries] == [True]  # the first one evicted
+    release.set()

@@ -230,6 +230,16 @@ def test_records_count_in_the_directory_budget(scripted_path, tmp_path):
     on_disk = [*tmp_path.glob(f"*/*{SUFFIX}"), *_records(tmp_path)]
     assert sum(p.stat().st_size for p in on_disk) <= store.max_bytes
     runner.close()
+    # and the writer keeps to it by itself: the record, written after the turn's blocks (and
+    # their budget check), is checked too (before, it left the directory over until a next
+    # block was written)
+    again = _runner(scripted_path, tmp_path / "again")
+    again._pool.store.max_bytes = blocks + records - 1
+    again.generate(ASK, max_tokens=20, temperature=0)
+    again._pool.store.flush()
+    on_disk = [*(tmp_path / "again").glob(f"*/*{SUFFIX}"), *_records(tmp_path / "again")]
+    assert sum(p.stat().st_size for p in on_disk) <= blocks + records - 1
+    again.close()
 
 
 def test_another_models_records_count_in_the_directory_budget(scripted_path, tmp_path, make_runner):

@@ -64,13 +64,20 @@ def _is_tier_file(key: tuple[str, int, int], proven: dict[tuple[str, int, int], 
 
 
 def removal_order(
-    files: list[FileInfo], records: dict[str, StoredEntry], *, trimmable: bool, keep: Path | None
+    files: list[FileInfo],
+    records: dict[str, StoredEntry],
+    *,
+    trimmable: bool,
+    keep: Path | None,
+    queued_after: frozenset[str] = frozenset(),
 ) -> list[FileInfo]:
     """`files` in the order the budget removes them: a block only after every block that
     follows it in a chain (a prefix shared by conversations stays while any of them uses it);
     among those free to go, files another file supersedes first (only when every layer can
     trim, so the longer file serves the shorter's tokens), then the least recently used;
-    `keep` (the file just written) last, so it goes only when it alone is over the budget."""
+    `keep` (the file just written) last, so it goes only when it alone is over the budget.
+    `queued_after` (names of files a queued block follows) are never listed: removed, the
+    block written next would be left without the blocks before it (never loadable)."""
     superseded = {
         name
         for name, record in records.items()
@@ -83,6 +90,7 @@ def removal_order(
         if name in records and records[name].parent
     }
     children = Counter(parent for parent in parent_of.values() if parent in by_name)
+    children.update(name for name in queued_after if name in by_name)
 
     def order_key(info: FileInfo) -> tuple:
         return (info[0] == keep, info[0].name not in superseded, info[2], info[0].name)

@@ -368,6 +368,7 @@ class DiskStore:
         start = time.perf_counter()
         if job.name.endswith(REPLY_SUFFIX):  # a reply record: not a block of the index
             write_file(self.directory, job, self._directory_lock, self.replies.written)
+            self.enforce_budget()  # records count in it too
             return
         record = write_file(self.directory, job, self._directory_lock, self._indexed)
         self._remove_superseded(record)
@@ -403,7 +404,13 @@ class DiskStore:
         files = tier_files(self.root, self.directory, set(records), self._theirs)
         if (total := sum(size for _, size, _ in files) + self.replies.nbytes) <= self.max_bytes:
             return  # the order below costs more than this sum
-        for path, size, _ in removal_order(files, records, trimmable=self.trimmable, keep=keep):
+        queued = self._writer.queued_jobs()
+        queued_after = frozenset(
+            j.metadata["parent"] + SUFFIX for j in queued if "parent" in j.metadata
+        )
+        for path, size, _ in removal_order(
+            files, records, trimmable=self.trimmable, keep=keep, queued_after=queued_after
+        ):
             if total <= self.max_bytes:
                 break
             with self._directory_lock:

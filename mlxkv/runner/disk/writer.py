@@ -83,6 +83,10 @@ class BackgroundWriter:
         with self._lock:
             return set(self._queued)
 
+    def queued_jobs(self) -> list[WriteJob]:  # put and not yet written (the one running too)
+        with self._lock:
+            return list(self._queued.values())
+
     @property
     def pending(self) -> PendingWrites:
         """The jobs not yet written and the memory they hold (0 jobs: `flush` would not wait)."""

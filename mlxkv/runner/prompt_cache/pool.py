@@ -305,11 +305,11 @@ class CachePool:
         self._in_use.pop(entry, None)
         if entry.record() == 0 and entry in self._entries:
             self._entries.remove(entry)
+        if self.store is not None and entry in self._entries:
+            self._write(entry)  # first: the eviction counts its pending copies in the budget
         # fitted, not dropped, when it alone is over: it is the latest only when no request
         # started after it (a decode batch releases out of order)
         self._evict(self.max_entries, self.max_bytes, fit=entry)
-        if self.store is not None and entry in self._entries:
-            self._write(entry)
         return self.usage()
 
     def evict(self, *, max_bytes: int | None = None, max_entries: int | None = None) -> int:
