@@ -13,7 +13,7 @@ Invariants:
   - a layer restored while its check still runs (`gate`) reaches the model, or any
     evaluation, only once it passed (`mlxkv.cache.gate`);
   - after an in-place `shift`, the K/V past its `keep` approximate a prefill of the tokens
-    (`shifted`) until the cache is trimmed back to the kept tokens, freed or replaced.
+    (`shifted`) until the cache is trimmed back to the kept tokens or freed.
 
 Recurrent state (mlx-lm's `ArraysCache`, maybe in a `CacheList`) is kept as it is and cannot
 trim: `checkpoint()` snapshots it (and sliding windows) at the current length, `rewind_to(n)`
@@ -93,7 +93,7 @@ class ModelCache:
     @property
     def shifted(self) -> bool:
         """True while some held tokens' K/V come from an in-place `shift` (approximate): not
-        after trimming back to the tokens it kept, nor after `free` or `adopt`."""
+        after trimming back to the tokens it kept, nor after `free`."""
         return self._exact_tokens is not None
 
     def __getitem__(self, index: int) -> Any:
@@ -315,7 +315,8 @@ class ModelCache:
         self._tokens = list(tokens)
         self._checkpoints = dict(checkpoints)
         self._disk_snapshots = dict(disk or {})
-        self._exact_tokens = None
+        if self.shifted and len(tokens) <= self._exact_tokens:  # a batch's rows come back
+            self._exact_tokens = None  # here grown from what they held, free() empty
 
     def nearest_restorable(self, num_tokens: int) -> int:
         """The largest length <= num_tokens it can go back to, trimming or from a checkpoint
