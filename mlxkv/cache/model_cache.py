@@ -11,12 +11,16 @@ Invariants:
     never writes, which stay empty (`layer_ops.is_unwritten`);
   - `trim_to(n)` changes nothing unless every layer can go back to n (`can_trim_to`).
   - a layer restored while its check still runs (`gate`) reaches the model, or any
-    evaluation, only once it passed (`mlxkv.cache.gate`).
+    evaluation, only once it passed (`mlxkv.cache.gate`);
+  - after an in-place `shift`, the K/V past its `keep` approximate a prefill of the tokens
+    (`shifted`) until the cache is trimmed back to the kept tokens or freed.
 
 Recurrent state (mlx-lm's `ArraysCache`, maybe in a `CacheList`) is kept as it is and cannot
 trim: `checkpoint()` snapshots it (and sliding windows) at the current length, `rewind_to(n)`
 restores one, trimming the rest; `snapshot_for_disk()` takes one for the disk tier alone.
 """
+# long: every operation here changes the token ids and the layers together (forward, trim,
+# checkpoints, shift, copy); split apart, each would reach into the others' private state.
 
 from __future__ import annotations
 
@@ -81,9 +85,16 @@ class ModelCache:
         # passed. A forward hands each layer to the model once it is ready; `arrays`,
         # `copy_prefix` and `shift` wait for all first.
         self.gate: LayerGate | None = None
-        # Whether `shift` ever ran: deeper layers then keep K/V computed with the dropped
-        # tokens, so the cache approximates, and no longer equals, a prefill of its tokens.
-        self.shifted = False
+        # Tokens at the start whose K/V a shift left exact (its `keep`); None: no shift since
+        # they were last all exact. Deeper layers keep the later tokens' K/V computed with
+        # the dropped tokens in context: those approximate a prefill of the tokens held.
+        self._exact_tokens: int | None = None
+
+    @property
+    def shifted(self) -> bool:
+        """True while some held tokens' K/V come from an in-place `shift` (approximate): not
+        after trimming back to the tokens it kept, nor after `free`."""
+        return self._exact_tokens is not None
 
     def __getitem__(self, index: int) -> Any:
         return self.layers[index]
@@ -192,7 +203,7 @@ class ModelCache:
                 restore_layer(layer, saved)
             self._settle()
             del self._tokens[start:]
-            drop_checkpoints_after(start, self._checkpoints, self._disk_snapshots)
+            self._forget_after(start)
             if num_kept:
                 self.forward(model, token_ids[:num_kept])
 
@@ -230,8 +241,15 @@ class ModelCache:
                 layer.trim(drop)
             self._settle()
             del self._tokens[num_tokens:]
-            drop_checkpoints_after(num_tokens, self._checkpoints, self._disk_snapshots)
+            self._forget_after(num_tokens)
         return drop
+
+    def _forget_after(self, num_tokens: int) -> None:
+        """Drops what described tokens past `num_tokens`, now gone: checkpoints, disk
+        snapshots, and the shift's mark once only the tokens it kept exact are left."""
+        drop_checkpoints_after(num_tokens, self._checkpoints, self._disk_snapshots)
+        if self.shifted and num_tokens <= self._exact_tokens:
+            self._exact_tokens = None
 
     @property
     def needs_checkpoints(self) -> bool:
@@ -297,6 +315,8 @@ class ModelCache:
         self._tokens = list(tokens)
         self._checkpoints = dict(checkpoints)
         self._disk_snapshots = dict(disk or {})
+        if self.shifted and len(tokens) <= self._exact_tokens:  # a batch's rows come back
+            self._exact_tokens = None  # here grown from what they held, free() empty
 
     def nearest_restorable(self, num_tokens: int) -> int:
         """The largest length <= num_tokens it can go back to, trimming or from a checkpoint
@@ -337,7 +357,7 @@ class ModelCache:
                 self.layers[i] = copy_layer(saved)  # the checkpoint stays reusable
         self._settle()
         del self._tokens[num_tokens:]
-        drop_checkpoints_after(num_tokens, self._checkpoints, self._disk_snapshots)
+        self._forget_after(num_tokens)
         return dropped
 
     def can_shift(self, rotations: Sequence[Rotation | None] | None) -> bool:
@@ -373,7 +393,7 @@ class ModelCache:
         del self._tokens[keep : keep + drop]
         self._checkpoints.clear()  # positions moved
         self._disk_snapshots.clear()
-        self.shifted = True
+        self._exact_tokens = min(keep, self._exact_tokens if self.shifted else keep)
 
     def copy(self) -> ModelCache:  # an independent cache of the same tokens (K/V, not slack)
         return self.copy_prefix(self.num_tokens)
@@ -410,6 +430,8 @@ class ModelCache:
         disk = {n: s for n, s in self._disk_snapshots.items() if n <= num_tokens}
         clone.adopt(layers, self._tokens[:num_tokens], kept, disk)
         clone.snapshot_every_tokens = self.snapshot_every_tokens
+        if self.shifted and num_tokens > self._exact_tokens:
+            clone._exact_tokens = self._exact_tokens
         return clone
 
     def pass_gate(self) -> None:

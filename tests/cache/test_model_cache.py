@@ -5,6 +5,7 @@ import pytest
 from mlx_lm.models import cache as mlx_cache
 
 from mlxkv.cache import KVCache, QuantizedKVCache, SlidingWindowCache, make_cache
+from mlxkv.models.rope import rope_rotations
 from tests.tolerances import assert_logits_close
 
 LAYOUTS = {
@@ -173,3 +174,27 @@ def test_full_cache_refuses_the_batch_and_changes_nothing(load_tiny):
     assert raised.value.capacity_tokens == 10
     assert cache.num_tokens == 8 and {layer.offset for layer in cache} == {8}
     cache.forward(model, [1, 2])  # exactly full is fine
+
+
+def test_shifted_marks_only_caches_holding_k_v_a_shift_approximates(load_tiny):
+    """An in-place shift leaves the K/V past its `keep` approximate, and only those: trimmed
+    back to the kept tokens, or freed, the cache equals a prefill of its tokens again and is
+    no longer `shifted` (the invariant every test's Runner checks was skipped for good after
+    one shift); a copy of the shifted part stays `shifted`."""
+    model, _ = load_tiny("llama")
+    rotations = rope_rotations(model)
+    ids = [(7 * i + 3) % 500 for i in range(40)]
+    cache = make_cache(model)
+    cache.forward(model, ids[:30])
+    cache.shift(4, 11, rotations)
+    assert cache.shifted
+    assert cache.copy_prefix(10).shifted and not cache.copy_prefix(4).shifted
+    cache.trim_to(6)
+    assert cache.shifted  # tokens 4 and 5 are the shifted ones
+    cache.trim_to(4)
+    assert not cache.shifted
+    got = cache.forward(model, ids[30:33])[0]
+    assert_logits_close(got, model(mx.array(ids[:4] + ids[30:33])[None])[0, -3:])
+    cache.shift(2, 3, rotations)
+    cache.free()
+    assert not cache.shifted

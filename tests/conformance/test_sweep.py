@@ -1,6 +1,7 @@
 """The conformance sweep: every architecture the installed mlx-lm ships, built tiny from a
 config (`mlxkv.testing.architectures`), runs a 4-turn chat, a retry and an edit on one Runner
-that answer exactly as a cold Runner does (by log-probabilities) while reusing the prompt.
+that answer exactly as a cold Runner does (by log-probabilities) while reusing the prompt,
+and a context shift it claims to do in place moves every layer's K/V exactly.
 
 Each model must be able to see what is checked (changing one token early in the prompt moves
 the last logits, else the architecture is reported blind, not passed) and must really have
@@ -23,8 +24,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxkv import Runner
-from mlxkv.cache import make_cache
+from mlxkv.cache import KVCache, make_cache
+from mlxkv.errors import NotSupportedError
 from mlxkv.models.loading import load_model
+from mlxkv.models.rope import rope_rotations
 from mlxkv.testing.architectures import (
     EXPECTED_LAYERS,
     NOT_COVERED,
@@ -187,3 +190,71 @@ def test_architecture_reuses_its_cache_exactly(loaded, arch):
         assert worst <= _LOGPROB_TOLERANCE, f"{arch}: request {i} log-probabilities {worst:.2g}"
         reuses.append(round(reuse, 2))
     assert min(reuses[1:]) > 0 and reuses[3] >= _MIN_REUSE, f"{arch}: reused {reuses}"
+
+
+def _layer_inputs(model, cache, ids: list[int]) -> dict[int, tuple]:
+    """Each layer's call arguments (positional, keyword) while `cache` is fed `ids`."""
+    seen: dict[int, tuple] = {}
+    classes = {type(layer) for layer in model.layers}
+    calls = {cls: cls.__call__ for cls in classes}
+
+    def recording(call):
+        def record(self, *args, **kwargs):
+            seen[id(self)] = (args, kwargs)
+            return call(self, *args, **kwargs)
+
+        return record
+
+    try:
+        for cls in classes:
+            cls.__call__ = recording(calls[cls])
+        cache.forward(model, ids)
+    finally:
+        for cls in classes:
+            cls.__call__ = calls[cls]
+    return seen
+
+
+def _fresh_layer_kv(layer, call: tuple, positions: mx.array) -> tuple[mx.array, mx.array]:
+    """The K/V `layer` stores when fed, on an empty cache, the hidden states of its recorded
+    `call` at `positions` only (so at positions 0...). The mask is dropped: it changes what
+    attention reads, never the K/V stored."""
+    args, kwargs = list(call[0]), dict(call[1])
+    fresh = KVCache()
+    hidden = next(k for k in kwargs if k not in ("mask", "cache")) if not args else None
+    if hidden is None:
+        args[0] = args[0][:, positions]
+    else:
+        kwargs[hidden] = kwargs[hidden][:, positions]
+    kwargs = {k: (fresh if k == "cache" else None if k == "mask" else v) for k, v in kwargs.items()}
+    args = args[:1] + [None if isinstance(a, (mx.array, str)) else a for a in args[1:]]
+    if "cache" not in kwargs:  # called as layer(x, mask, cache)
+        args = [*args[:1], None, fresh, *args[3:]]
+    layer(*args, **kwargs)
+    return fresh.state
+
+
+@pytest.mark.parametrize("arch", SWEPT)
+def test_a_claimed_shift_moves_every_layers_k_v_exactly(loaded, arch):
+    """Where `can_shift` claims an in-place shift, each layer's shifted K/V equal what that
+    layer stores when fed, afresh at the kept tokens' new positions, the same hidden states
+    it was fed: the re-rotation is exact for that layer's RoPE (the one-layer test in
+    tests/runner/test_context.py covers five RoPE kinds; this, every architecture). Deeper
+    layers' inputs were computed with the dropped tokens in context: that approximation is
+    the shift's by design, and not what is checked. Elsewhere a shift is refused."""
+    model = loaded(arch).model
+    cache, rotations = make_cache(model), rope_rotations(model)
+    held, keep, drop = 30, 4, 11
+    inputs = _layer_inputs(model, cache, [(7 * i + 3) % 400 for i in range(held)])
+    if not cache.can_shift(rotations):
+        with pytest.raises(NotSupportedError):
+            cache.shift(keep, drop, rotations)
+        return
+    cache.shift(keep, drop, rotations)
+    kept = mx.array([*range(keep), *range(keep + drop, held)])
+    for i, layer in enumerate(model.layers):
+        want = _fresh_layer_kv(layer, inputs[id(layer)], kept)
+        pairs = zip(cache.layers[i].state, want, ("keys", "values"), strict=True)
+        for got, expected, what in pairs:
+            worst = mx.abs(got - expected).max().item() / mx.abs(expected).max().item()
+            assert worst < 1e-5, f"{arch}: layer {i} {what} off by {worst:.2g} (relative)"

@@ -11,6 +11,7 @@ from mlxkv import ContextLengthError, Runner
 from mlxkv.cache import make_cache
 from mlxkv.models.loading import load_model
 from mlxkv.models.rope import rope_rotations
+from mlxkv.runner.hooks import request_ends
 from mlxkv.testing.factory import build_model
 from tests.tolerances import assert_logits_close
 
@@ -220,3 +221,18 @@ def test_default_window_is_what_the_cache_budget_holds_and_a_larger_one_is_warne
     with caplog.at_level("WARNING", logger="mlxkv.runner.assembly"):
         make_runner("llama", cache_bytes=budget, max_context=runner.max_context * 4)
     assert "raise cache_bytes or lower max_context" in caplog.text
+
+
+def test_a_shifted_entry_extended_in_the_batch_stays_marked_shifted(loaded_tiny):
+    """A turn that goes on from an entry shifted in place, decoded in the batch (whose rows are
+    handed back with `adopt`), still holds the K/V the shift approximated: the entry stays
+    `shifted` (else `tests/invariants.py` would hold it to a fresh prefill it cannot equal)."""
+    runner = Runner(loaded_tiny("llama"), max_context=64, max_batch=2)
+    no_eos = {0: -100.0, 1: -100.0, 2: -100.0}
+    runner.generate(list(range(3, 43)), max_tokens=40, logit_bias=no_eos)
+    ends = []
+    with request_ends(ends.append):
+        prompt = runner.cache_tokens[:40] + [7, 8]  # past the kept 4: shifted K/V reused
+        list(runner.stream(prompt, batched=True, speculative=None, max_tokens=3))
+    (end,) = ends
+    assert end.entry.cache.tokens[:42] == prompt and end.entry.cache.shifted
