@@ -53,6 +53,10 @@ class ModelNotSupportedError(ModelNamedError, NotSupportedError):
     text from an encoder embedding model)."""
 
 
+class ModelInputError(ModelNamedError, ValueError):
+    """Input this model cannot take (a `dimensions` past its width): bad user input."""
+
+
 class ImagesNotSupportedError(ModelNotSupportedError, ValueError):
     """Images sent to a model without vision (bad user input: also a ValueError)."""
 

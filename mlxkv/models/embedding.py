@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxkv.errors import ContextLengthError, ModelNotSupportedError
+from mlxkv.errors import ContextLengthError, ModelInputError, ModelNotSupportedError
 from mlxkv.models.encoder import EncoderModel
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class Embedder:
         body = hidden_states_of(self._loaded.model, self._name)
         token_lists = [self._tokens(item, i, truncate) for i, item in enumerate(_listed(inputs))]
         hidden_size = int(self._loaded.config.get("hidden_size") or 0)
-        _check_dimensions(dimensions, hidden_size)
+        _check_dimensions(dimensions, hidden_size, self._name)
         vectors = self._call(
             lambda: embed_batches(
                 body,
@@ -163,13 +163,14 @@ def _is_id(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_dimensions(dimensions: int | None, hidden_size: int) -> None:
+def _check_dimensions(dimensions: int | None, hidden_size: int, name: str) -> None:
     if dimensions is None:
         return
     if not _is_id(dimensions) or dimensions < 1 or (hidden_size and dimensions > hidden_size):
-        raise ValueError(
-            f"dimensions must be an integer from 1 to {hidden_size} (the model gives "
-            f"{hidden_size}-dimensional embeddings); got {dimensions!r}"
+        raise ModelInputError(
+            name,
+            f"dimensions must be an integer from 1 to {hidden_size} (model '{{model}}' gives "
+            f"{hidden_size}-dimensional embeddings); got {dimensions!r}",
         )
 
 

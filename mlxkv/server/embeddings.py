@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from mlxkv.errors import ContextLengthError, ModelNotSupportedError, NotSupportedError
+from mlxkv.errors import (
+    ContextLengthError,
+    ModelInputError,
+    ModelNotSupportedError,
+    NotSupportedError,
+)
 from mlxkv.models.embedding import EmbeddingInput, Embeddings
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models.served import request_context
@@ -45,6 +50,7 @@ async def embed(
         raise ApiError(400, error.for_model(context.model_name), param="model") from error
     except NotSupportedError as error:
         raise ApiError(400, str(error), param="model") from error
+    except ModelInputError as error:  # the one input checked against the model: dimensions
+        raise ApiError(400, error.for_model(context.model_name), param="dimensions") from error
     except ValueError as error:
-        param = "dimensions" if str(error).startswith("dimensions") else "input"
-        raise ApiError(400, str(error), param=param) from error
+        raise ApiError(400, str(error), param="input") from error

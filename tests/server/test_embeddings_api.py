@@ -78,7 +78,7 @@ def test_ollama_truncates_by_default_and_openai_refuses(served):
     [
         ({"model": "tiny", "input": []}, "inputs must be"),
         ({"model": "tiny", "input": ["a", ""]}, "input 1 is an empty string"),
-        ({"model": "tiny", "input": "a", "dimensions": 65}, "dimensions must be"),
+        ({"model": "tiny", "input": "a", "dimensions": 65}, "(model 'tiny' gives 64-"),
         ({"model": "tiny", "input": [[1, 99999]]}, "outside the vocabulary"),
         ({"model": "tiny", "input": "a", "encoding_format": "int8"}, "encoding_format"),
     ],
