@@ -95,14 +95,22 @@ def test_openai_named_function_gives_that_call(texter):
     assert _valid("get_time", json.loads(call.function.arguments))
 
 
-def test_responses_required_and_named_give_calls(texter):
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_responses_required_and_named_give_calls(texter, stream):
+    """Streamed, the response object in every event echoes the named tool_choice too."""
     client = texter.openai()
     named = {"type": "function", "name": "get_weather"}
     for choice, names in (("required", {"get_weather", "get_time"}), (named, {"get_weather"})):
-        reply = client.responses.create(
-            model="m", input="weather?", tools=RESPONSES_TOOLS, tool_choice=choice,
-            max_output_tokens=200,
-        )  # fmt: skip
+        options = {
+            "model": "m", "input": "weather?", "tools": RESPONSES_TOOLS, "tool_choice": choice,
+            "max_output_tokens": 200,
+        }  # fmt: skip
+        if stream:
+            with client.responses.stream(**options) as events:
+                reply = events.get_final_response()
+        else:
+            reply = client.responses.create(**options)
+        assert reply.tool_choice == choice or reply.tool_choice.name == "get_weather"
         (item,) = reply.output
         assert item.type == "function_call" and item.name in names
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Literal
 
 import pytest
+from pydantic import ConfigDict, create_model
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
 from mlxkv.server.anthropic_api.tool_ids import model_id
+from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE
 from tests.server.conftest import build_template_model, serve
 from tests.server.test_forced_tool_calls import ANTHROPIC_TOOLS, ASK, CHAT_TOOLS, VALID, ZONE
 
@@ -236,3 +239,38 @@ def test_kimi_replies_differing_only_in_their_ids_each_take_their_own(tmp_path):
     compact = json.dumps(json.loads(call.function.arguments), separators=(",", ":"))
     # as the model wrote it: its id, and its arguments without the template's spaces
     assert f"{call.id}<|tool_call_argument_begin|>{compact}<|tool_call_end|>" in prompt
+
+
+# Two models of one name: each tool's schema keeps it under `$defs/Place`.
+_FORBID = ConfigDict(extra="forbid")  # no keys past the one a scripted model writes
+_CityPlace = create_model("Place", __config__=_FORBID, city=(Literal["Paris", "Rome"], ...))
+_ZonePlace = create_model("Place", __config__=_FORBID, zone=(Literal["UTC", "CET"], ...))
+_Trip = create_model("Trip", __config__=_FORBID, place=(_CityPlace, ...))
+_Clock = create_model("Clock", __config__=_FORBID, place=(_ZonePlace, ...))
+
+_NESTED = {"plan_trip": _Trip, "set_clock": _Clock}
+
+
+@pytest.mark.parametrize(
+    "template",
+    [TOOLS_CHAT_TEMPLATE, MISTRAL_JSON, MISTRAL_ARGS, KIMI, QWEN3_CODER],
+    ids=["hermes-json", "mistral-json", "mistral-args", "kimi-k2", "bare-json"],
+)
+def test_tools_whose_parameters_refer_to_their_own_defs_can_be_forced(tmp_path, template):
+    """A nested pydantic model's schema (what pydantic-ai, instructor and LangChain send)
+    points into its own `$defs` from its root (`#/$defs/...`): still the tool's parameters
+    once a call object wraps them, in any format; two tools' `$defs` of one name stay apart."""
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": model.model_json_schema()}}
+        for name, model in _NESTED.items()
+    ]
+    assert all("Place" in tool["function"]["parameters"]["$defs"] for tool in tools)
+    with _served(tmp_path, template) as served:
+        client = served.openai()
+        for choice in ("required", {"type": "function", "function": {"name": "set_clock"}}):
+            reply = client.chat.completions.create(
+                model="m", messages=ASK, tools=tools, tool_choice=choice, max_tokens=150
+            )
+            (call,) = reply.choices[0].message.tool_calls
+            assert reply.choices[0].finish_reason == "tool_calls"
+            _NESTED[call.function.name].model_validate_json(call.function.arguments)

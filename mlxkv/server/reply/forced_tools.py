@@ -27,7 +27,9 @@ the model's format cannot carry, and models with no format at all (SmolLM2, most
 models) write the call as a bare JSON object instead, `{"name": ..., "arguments": {...}}`,
 which `tool_calls.BareCallReader` reads back: a client that requires a call (pydantic-ai's
 typed output, instructor's TOOLS mode, LangChain's structured output, the Agents SDK) gets one
-whose arguments validate, whatever the model.
+whose arguments validate, whatever the model. Where a call object wraps the arguments, each
+tool's parameters sit in the root's `$defs`, their `$ref`s rebased there, so a nested model's
+`#/$defs/...` (pydantic's) still points into them.
 """
 
 from __future__ import annotations
@@ -90,8 +92,7 @@ def forced_call_grammar(
         )
     body = _call_grammar(tokenizer, functions, _calls_in(messages))
     if body is None:
-        calls = [_call_schema(f) for f in functions]
-        body = f"start: call\ncall: {_json(calls[0] if len(calls) == 1 else {'anyOf': calls})}\n"
+        body = f"start: call\ncall: {_json(_one_call(functions))}\n"
         return ForcedGrammar(LLMatcher.grammar_from_lark(body), own_format=False)
     return ForcedGrammar(LLMatcher.grammar_from_lark(body), own_format=True)
 
@@ -111,9 +112,7 @@ def _call_grammar(tokenizer: Any, functions: list[dict[str, Any]], calls_before:
     start = _marker(tokenizer, tokenizer.tool_call_start)
     end = _marker(tokenizer, tokenizer.tool_call_end) if tokenizer.tool_call_end else ""
     if parser == f"{_PARSERS}json_tools":
-        calls = [_call_schema(f) for f in functions]
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return f'start: {start} "\\n"? call "\\n"? {end}\ncall: {_json(schema)}\n'
+        return f'start: {start} "\\n"? call "\\n"? {end}\ncall: {_json(_one_call(functions))}\n'
     if parser == f"{_PARSERS}mistral":
         return _mistral(tokenizer, functions, start)
     if parser == f"{_PARSERS}kimi_k2":
@@ -132,9 +131,9 @@ def _mistral(tokenizer: Any, functions: list[dict[str, Any]], start: str) -> str
         args = _marker(tokenizer, "[ARGS]")
         calls = " | ".join(f"{json.dumps(f['name'])} {args} {_arguments(f)}" for f in functions)
         return f"start: {start} call\ncall: {calls}\n"
-    calls = [_call_schema(f, _MISTRAL_CALL_ID) for f in functions]
-    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {"type": "array", "items": one, "minItems": 1, "maxItems": 1}
+    one = _one_call(functions, _MISTRAL_CALL_ID)
+    defs = one.pop("$defs")  # the document's root is the list
+    schema = {"type": "array", "items": one, "minItems": 1, "maxItems": 1, "$defs": defs}
     return f'start: {start} " "? call\ncall: {_json(schema)}\n'
 
 
@@ -164,10 +163,55 @@ def _arguments(function: dict[str, Any]) -> str:
 _MISTRAL_CALL_ID = {"id": {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}}
 
 
-def _call_schema(function: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+# Where each tool's parameters live in a call's schema: `$defs` of the document's root.
+_ARGUMENTS = "mlxkv_arguments_"
+
+
+def _one_call(
+    functions: list[dict[str, Any]], extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A call to any of `functions` as a schema document: its root's `$defs` holds each
+    tool's parameters, whose own `$ref`s (`#/$defs/...`, as pydantic writes nested models)
+    point at their root, so each is moved there with its pointers rebased (two tools'
+    `$defs` of one name stay apart)."""
+    defs, calls = {}, []
+    for index, function in enumerate(functions):
+        key = f"{_ARGUMENTS}{index}"
+        defs[key] = _rebased(function.get("parameters") or {"type": "object"}, f"#/$defs/{key}")
+        calls.append(_call_schema(function["name"], {"$ref": f"#/$defs/{key}"}, extra))
+    return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "$defs": defs}
+
+
+# Keywords whose values are JSON data, not schemas: a "$ref" in them is not a pointer.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values name schemas: a name ("default", "$ref") is not a keyword.
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """`schema` with every local `$ref` ("#...", relative to its root) under `root`."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rebased[key] = root + value[1:]
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            rebased[key] = {name: _rebased(sub, root) for name, sub in value.items()}
+        elif key in _DATA_KEYWORDS:
+            rebased[key] = value
+        else:
+            rebased[key] = _rebased(value, root)
+    return rebased
+
+
+def _call_schema(
+    name: str, arguments: dict[str, Any], extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A call object: its name, its arguments, then any `extra` properties, all required."""
-    parameters = function.get("parameters") or {"type": "object"}
-    properties = {"name": {"const": function["name"]}, "arguments": parameters, **(extra or {})}
+    properties = {"name": {"const": name}, "arguments": arguments, **(extra or {})}
     return {
         "type": "object",
         "properties": properties,

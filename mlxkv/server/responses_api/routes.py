@@ -38,7 +38,7 @@ from mlxkv.server.reply.turn import (
     start_turn,
 )
 from mlxkv.server.responses_api.history import stored_responses
-from mlxkv.server.responses_api.protocol import ResponsesRequest, chat_messages
+from mlxkv.server.responses_api.protocol import NamedFunction, ResponsesRequest, chat_messages
 from mlxkv.server.state import Context, event_stream, sse
 
 router = APIRouter()
@@ -105,6 +105,7 @@ class _Response:
         reasoning_tokens: int = 0,
     ) -> dict[str, Any]:
         request = self.request
+        choice = request.tool_choice
         incomplete = _was_cut(completion)
         status = status or ("incomplete" if incomplete else "completed")
         return {
@@ -123,7 +124,10 @@ class _Response:
             "store": request.store,
             "temperature": request.temperature,
             "top_p": request.top_p,
-            "tool_choice": request.tool_choice or "auto",
+            # a named function as a dict: streamed events go through json.dumps
+            "tool_choice": choice.model_dump()
+            if isinstance(choice, NamedFunction)
+            else choice or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
             "usage": _usage(completion, reasoning_tokens) if completion is not None else None,
         }
