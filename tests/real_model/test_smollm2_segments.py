@@ -23,7 +23,7 @@ def test_recorded_turns_tokenize_as_their_whole_text(tokenizer, session):
     vocab = len(tokenizer.get_vocab())
     encoder, reference = PromptEncoder(tokenizer, vocab), PromptEncoder(tokenizer, vocab)
     reference._segments = _WholeText(tokenizer)
-    reference._plain_ids = lambda text: reference._plain.encode(text).ids
+    reference._plain_ids = lambda text: reference.controls.plain.encode(text).ids
     for messages, tools in _turns(session):
         assert encoder.render(messages, tools=tools) == reference.render(messages, tools=tools)
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
