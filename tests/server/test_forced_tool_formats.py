@@ -179,19 +179,26 @@ def _reused_past_the_id(served, cached: int) -> bool:
     return "functions.get_time:0<|tool_call_argument_begin|>" in reused
 
 
+def _forced_twice(served):
+    """`get_time` forced on the first turn, sent back with its result, and forced again:
+    the first call, the second turn's messages and its reply (the OpenAI client's)."""
+    client = served.openai()
+    options = {"model": "m", "tools": CHAT_TOOLS, "max_tokens": 200}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    first = client.chat.completions.create(**options, messages=ASK, tool_choice=named)
+    (call,) = first.choices[0].message.tool_calls
+    history = _round_trip(call.model_dump(), call.id)
+    second = client.chat.completions.create(**options, messages=history, tool_choice=named)
+    return call, history, second
+
+
 def test_kimi_ids_are_the_models_and_count_the_conversations_calls(tmp_path):
     """Kimi K2 writes `functions.NAME:INDEX`, INDEX counting the conversation's calls: the
     client gets that id, sends it back, and the next turn renders the call as the model wrote
     it (the cache reuses the reply past its id); a second forced call writes the next index."""
     with _served(tmp_path, KIMI) as served:
-        client = served.openai()
-        options = {"model": "m", "tools": CHAT_TOOLS, "max_tokens": 200}
-        named = {"type": "function", "function": {"name": "get_time"}}
-        first = client.chat.completions.create(**options, messages=ASK, tool_choice=named)
-        (call,) = first.choices[0].message.tool_calls
+        call, _, second = _forced_twice(served)
         assert call.id == "functions.get_time:0"
-        history = _round_trip(call.model_dump(), call.id)
-        second = client.chat.completions.create(**options, messages=history, tool_choice=named)
         assert _reused_past_the_id(served, second.usage.prompt_tokens_details.cached_tokens)
         (again,) = second.choices[0].message.tool_calls
         assert again.id == "functions.get_time:1"
@@ -225,16 +232,12 @@ def test_kimi_replies_differing_only_in_their_ids_each_take_their_own(tmp_path):
     again takes its own reply's ids, not the newer reply's, whose id no tool result there
     answers. Seen failing with the ids left out of `replies.call_reply_key` (`:1` taken)."""
     with _served(tmp_path, KIMI) as served:
-        client = served.openai()
-        options = {"model": "m", "tools": CHAT_TOOLS, "max_tokens": 200}
-        named = {"type": "function", "function": {"name": "get_time"}}
-        first = client.chat.completions.create(**options, messages=ASK, tool_choice=named)
-        (call,) = first.choices[0].message.tool_calls
-        history = _round_trip(call.model_dump(), call.id)
-        second = client.chat.completions.create(**options, messages=history, tool_choice=named)
+        call, history, second = _forced_twice(served)
         (again,) = second.choices[0].message.tool_calls
         assert (again.id, again.function) == ("functions.get_time:1", call.function)
-        client.chat.completions.create(**{**options, "max_tokens": 1}, messages=history)
+        served.openai().chat.completions.create(
+            model="m", tools=CHAT_TOOLS, max_tokens=1, messages=history
+        )
         prompt = served.runner.tokenizer.decode(served.runner.cache_tokens)
     compact = json.dumps(json.loads(call.function.arguments), separators=(",", ":"))
     # as the model wrote it: its id, and its arguments without the template's spaces
