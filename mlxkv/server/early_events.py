@@ -1,15 +1,16 @@
 """Events a stream sends while its reply shows nothing for long, for coding agents' idle
 watchdogs: Claude Code's (`CLAUDE_STREAM_IDLE_TIMEOUT_MS`) and Codex's (`stream_idle_timeout_ms`),
-300 s each, count only the events their SDKs yield, and neither yields a keep-alive (Anthropic's
-`ping`, an SSE comment). A prefill of a long agent prompt on a slow machine, or a model loaded
-on demand first, can take longer before the first token; a tool call (a file an agent writes)
-is held until it is whole, and can take longer to write. The client gives up and sends the
-request again.
+300 s each, and langchain-openai's (`stream_chunk_timeout`, 120 s) count only the events their
+SDKs yield, and none yields a keep-alive (Anthropic's `ping`, an SSE comment). A prefill of a
+long agent prompt on a slow machine, or a model loaded on demand first, can take longer before
+the first token; a tool call (a file an agent writes) is held until it is whole, and can take
+longer to write. The client gives up and sends the request again.
 
 Owns `EARLY_EVENT_AFTER_S` and `marking_waits`, which marks where such an event is due
 (`WAITING`); each API says what it sends there (Anthropic an empty delta in the open content
-block, or in an empty text block it opens; Responses `response.in_progress` again). Before the
-first token, counted from the request's arrival (`AccessLog`'s stamp).
+block, or in an empty text block it opens; Responses `response.in_progress` again; OpenAI chat
+and text completions a chunk of empty content). Before the first token, counted from the
+request's arrival (`AccessLog`'s stamp).
 """
 
 from __future__ import annotations
