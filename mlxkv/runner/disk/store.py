@@ -16,7 +16,12 @@ Invariants:
     fsync, atomic rename, directory fsync): an interrupted write leaves at most a temporary
     file, which indexing ignores and removes once its process is gone;
   - a block is removed once a newer one beside it holds its tokens and serves them (a
-    conversation written behind turn after turn keeps one chain), with the blocks after it;
+    conversation written behind turn after turn keeps one chain), with the blocks after it,
+    last first (a process killed between two removals leaves a shorter chain, never a
+    block without its parent), but for a block a queued write follows, and those before it;
+  - a block is written only while its parent is indexed or queued (a removal between a
+    request's check and its put leaves the blocks after it unwritten, not orphaned); one
+    job runs at a time, the writer's or a close's (`_run_logged`);
   - two processes sharing the directory write identical content under identical names, and
     each picks up the other's new files when the directory changes;
   - a scan of the directory and this process's own renames and removals (each with its index
@@ -117,6 +122,7 @@ class DiskStore:
         # adds or removes a file and its record: a scan never sees one without the other
         self._directory_lock = threading.RLock()
         self._writer = BackgroundWriter(self._run_logged)
+        self._job_lock = threading.Lock()  # one job at a time: the writer's, or a close's
         self._scanned_mtime = -1
         # other models' files proven this tier's, by (path, size, mtime): read once
         self._theirs: dict[tuple[str, int, int], bool] = {}
@@ -358,7 +364,8 @@ class DiskStore:
         """`_run`, a failure logged in one line: a failed write loses a cache entry, never
         the process (nor a shutdown)."""
         try:
-            self._run(job)
+            with self._job_lock:
+                self._run(job)
         except (OSError, RuntimeError) as error:
             logger.warning("disk cache: entry %s not saved: %s", job.name, error)
         except Exception:
@@ -369,6 +376,10 @@ class DiskStore:
         if job.name.endswith(REPLY_SUFFIX):  # a reply record: not a block of the index
             write_file(self.directory, job, self._directory_lock, self.replies.written)
             self.enforce_budget()  # records count in it too
+            return
+        parent = job.metadata.get("parent")
+        if parent is not None and not self._written_or_queued(parent + SUFFIX):
+            logger.debug("disk cache: %s not saved: the block before it is gone", job.name)
             return
         record = write_file(self.directory, job, self._directory_lock, self._indexed)
         self._remove_superseded(record)
@@ -386,12 +397,28 @@ class DiskStore:
         """Removes the blocks `record` supersedes (`chains.superseded_by`): a conversation
         written behind turn after turn keeps one chain, not one per turn."""
         with self._lock:
-            records = list(self._records.values())
-        for other in superseded_by(record, records, trimmable=self.trimmable):
+            records = {r.key: r for r in self._records.values()}
+        gone = superseded_by(record, list(records.values()), trimmable=self.trimmable)
+        kept: set[str] = set()  # those a queued block follows, and the blocks before them
+        for name in self._queued_parents():
+            key: str | None = name.removesuffix(SUFFIX)
+            while key in records and key not in kept:
+                kept.add(key)
+                key = records[key].parent
+        # last first: a process killed between two removals leaves no block without its parent
+        for other in sorted(gone, key=lambda r: r.start, reverse=True):
+            if other.key in kept:
+                continue
             with self._directory_lock:
                 if remove_own_file(other.path):
                     logger.debug("disk cache superseded file=%s", other.path.name)
                 self._forget(other.path.name)
+
+    def _queued_parents(self) -> frozenset[str]:
+        """The file names of the blocks that blocks queued for writing (the one in flight
+        too) follow: removed, those would be written without the blocks before them."""
+        queued = self._writer.queued_jobs()
+        return frozenset(j.metadata["parent"] + SUFFIX for j in queued if "parent" in j.metadata)
 
     # -- budget ---------------------------------------------------------------------------
 
@@ -404,10 +431,7 @@ class DiskStore:
         files = tier_files(self.root, self.directory, set(records), self._theirs)
         if (total := sum(size for _, size, _ in files) + self.replies.nbytes) <= self.max_bytes:
             return  # the order below costs more than this sum
-        queued = self._writer.queued_jobs()
-        queued_after = frozenset(
-            j.metadata["parent"] + SUFFIX for j in queued if "parent" in j.metadata
-        )
+        queued_after = self._queued_parents()
         for path, size, _ in removal_order(
             files, records, trimmable=self.trimmable, keep=keep, queued_after=queued_after
         ):
