@@ -259,3 +259,23 @@ def test_another_models_records_count_in_the_directory_budget(scripted_path, tmp
     on_disk = [*tmp_path.glob(f"*/*{SUFFIX}"), *_records(tmp_path)]
     assert sum(p.stat().st_size for p in on_disk) <= store.max_bytes
     runner.close()
+
+
+def test_records_another_process_writes_count_in_the_budget(scripted_path, tmp_path):
+    """Two servers of one model share the directory: each counted only the records it wrote
+    or read at its start, so the other's later records were left out of `disk_bytes` and of
+    the budget, which could leave the files that much over it."""
+    counting = _runner(scripted_path, tmp_path)
+    writing = _runner(scripted_path, tmp_path)  # its own reply memory: another process's
+    writing.generate(ASK, max_tokens=20, temperature=0)
+    writing._pool.store.flush()
+    (record,) = _records(tmp_path)
+    store = counting._pool.store
+    blocks = sum(p.stat().st_size for p in tmp_path.glob(f"*/*{SUFFIX}"))
+    assert store.nbytes > 0 and store.replies.nbytes == record.stat().st_size
+    store.max_bytes = blocks + record.stat().st_size - 1
+    store.enforce_budget()
+    on_disk = [*tmp_path.glob(f"*/*{SUFFIX}"), *_records(tmp_path)]
+    assert sum(p.stat().st_size for p in on_disk) <= store.max_bytes
+    writing.close()
+    counting.close()

@@ -128,7 +128,7 @@ class DiskStore:
         self._theirs: dict[tuple[str, int, int], bool] = {}
         self._strangers: set[str] = set()  # files here it did not write, warned about once
         self.replies = ReplyRecords(self.directory, fingerprint, signature)
-        self.refresh()
+        self.refresh()  # the blocks and the reply records on disk
         self.enforce_budget()  # a smaller budget than the last run's holds from the start
 
     # -- index ----------------------------------------------------------------------------
@@ -163,6 +163,7 @@ class DiskStore:
             with self._lock:
                 self._records[path.name] = record
         remove_orphaned_temporaries(self.directory)
+        self.replies.rescan()  # any process's records: they count in the budget
         with self._lock:
             for name in set(self._records) - present - self._writer.queued_names():
                 del self._records[name]
@@ -342,11 +343,13 @@ class DiskStore:
         self._writer.put(self.replies.job(through, ids, text, salt, self.block_tokens))
 
     def stored_replies(self, limit: int) -> list[StoredReply]:
-        """The newest `limit` reply records whose blocks are on disk (`ReplyRecords.load`)."""
+        """The newest `limit` reply records whose blocks are on disk; those whose blocks are
+        gone are removed (`ReplyRecords.sweep`)."""
         self.refresh()
         with self._lock:
             records = list(self._records.values())
-        return self.replies.load(records, limit)
+        self.replies.sweep(records)
+        return self.replies.newest(limit)
 
     @property
     def pending_writes(self) -> PendingWrites:  # handed to the writer, not written yet
