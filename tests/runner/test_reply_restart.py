@@ -23,6 +23,7 @@ from mlxkv.runner import assembly
 from mlxkv.runner.disk import replies as stored_replies
 from mlxkv.runner.disk.files import SUFFIX
 from mlxkv.runner.request import salt_digest
+from mlxkv.runner.text.replies import replies_for
 from mlxkv.testing.factory import build_scripted_model
 from tests.runner.test_reply_tokens import ASK, SCRIPT, _next_turn
 
@@ -197,8 +198,12 @@ def test_a_record_goes_with_its_chain(scripted_path, tmp_path):
     assert _records(tmp_path) == []
 
 
-def test_only_the_newest_records_are_kept(scripted_path, tmp_path, monkeypatch):
-    """As many as the memory keeps (`MAX_REPLIES`), the newest; the older are removed."""
+def test_the_newest_records_are_remembered_and_the_older_found_on_disk(
+    scripted_path, tmp_path, monkeypatch
+):
+    """As many as the memory keeps (`MAX_REPLIES`), the newest, are read into it at start;
+    the older stay on disk (they go with their chains, and count in the budget) and render
+    as their ids when sent back, as in the process that wrote them."""
     before = _runner(scripted_path, tmp_path)
     for salt in ("old", "new"):
         before.generate(ASK, max_tokens=20, temperature=0, cache_salt=salt)
@@ -208,10 +213,12 @@ def test_only_the_newest_records_are_kept(scripted_path, tmp_path, monkeypatch):
     assert {p.name for p in _records(tmp_path)} == {old, new}
     monkeypatch.setattr(assembly, "MAX_REPLIES", 1)
     restarted = _runner(scripted_path, tmp_path)
-    assert [p.name for p in _records(tmp_path)] == [new]
+    assert {p.name for p in _records(tmp_path)} == {old, new}
+    memory = replies_for(restarted.tokenizer).items()
+    assert [(salt, text) for salt, text, _ in memory] == [(salt_digest("new"), "SmolLAMSmolLAM")]
     messages = _next_turn("SmolLAMSmolLAM")
-    assert len(restarted.encode(messages, cache_salt="new")) > len(
-        restarted.encode(messages, cache_salt="old")
+    assert restarted.encode(messages, cache_salt="new") == restarted.encode(
+        messages, cache_salt="old"
     )
 
 

@@ -251,18 +251,24 @@ class ReplyRecords:
                     self._known[path.name] = reply
 
     def newest(self, limit: int) -> list[StoredReply]:
-        """The newest `limit` records (by their files' times), oldest first; the older are
-        removed."""
+        """The newest `limit` records (by their files' times), oldest first: what a starting
+        process's reply memory takes; the older stay on disk, found by `held_ids`."""
         with self._lock:
             by_time = sorted(self._known, key=lambda name: self._stamps[name][1], reverse=True)
-            kept, older = by_time[:limit], by_time[limit:]
-            for name in older:
-                self._known.pop(name)
-                self._stamps.pop(name)
-            replies = [self._known[name] for name in kept][::-1]
-        for name in older:
-            remove_own_file(self.directory / name)
-        return replies
+            return [self._known[name] for name in by_time[:limit]][::-1]
+
+    def ids_of(self, salt: str | None, text: str, queued: WriteJob | None) -> list[int] | None:
+        """The ids of the record of `text` in `salt`'s domain, indexed or `queued` (its write
+        job, not written yet), else None: the reply memory's lookup of a reply it dropped, so
+        the process that wrote the record renders the reply as a restarted one, which reads
+        it, does (the turn rendered so writes a chain that holds the record's reply)."""
+        if queued is not None:
+            return _unpack(queued.metadata["ids"]).tolist()
+        with self._lock:
+            reply = self._known.get(reply_name(salt, text))
+        if reply is None or (reply.salt, reply.text) != (salt, text):
+            return None
+        return reply.ids
 
     def sweep(self, records: list[StoredEntry]) -> None:
         """Removes the records whose replies the blocks `records` no longer hold."""

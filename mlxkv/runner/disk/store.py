@@ -69,7 +69,7 @@ from mlxkv.runner.disk.files import (
     write_file,
 )
 from mlxkv.runner.disk.reading import LayerStream, read_blocks, warn_unreadable
-from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply
+from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply, reply_name
 from mlxkv.runner.disk.writer import BackgroundWriter, PendingWrites, WriteJob
 
 logger = logging.getLogger(__name__)
@@ -350,6 +350,12 @@ class DiskStore:
             records = list(self._records.values())
         self.replies.sweep(records)
         return self.replies.newest(limit)
+
+    def stored_reply(self, salt: str | None, text: str) -> list[int] | None:
+        """The ids of `text`'s reply record in `salt`'s domain, written or queued
+        (`ReplyRecords.ids_of`; `ReplyTokens.known_in` asks for a reply it dropped)."""
+        queued = self._writer.queued_job(reply_name(salt, text))
+        return self.replies.ids_of(salt, text, queued)
 
     @property
     def pending_writes(self) -> PendingWrites:  # handed to the writer, not written yet
