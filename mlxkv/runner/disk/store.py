@@ -143,8 +143,9 @@ class DiskStore:
         mtime = self.directory.stat().st_mtime_ns
         if mtime == self._scanned_mtime:
             return
-        complete = True
-        present = set()
+        # records first: one listed has its blocks (written before it) listed after it
+        self.replies.rescan()
+        complete, present = True, set()
         with self._lock:
             known = set(self._records)
         for entry in own_files(self.directory):
@@ -163,7 +164,6 @@ class DiskStore:
             with self._lock:
                 self._records[path.name] = record
         remove_orphaned_temporaries(self.directory)
-        self.replies.rescan()  # any process's records: they count in the budget
         with self._lock:
             for name in set(self._records) - present - self._writer.queued_names():
                 del self._records[name]
