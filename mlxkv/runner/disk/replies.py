@@ -252,7 +252,7 @@ class ReplyRecords:
 
     def newest(self, limit: int) -> list[StoredReply]:
         """The newest `limit` records (by their files' times), oldest first: what a starting
-        process's reply memory takes; the older stay on disk, found by `held_ids`."""
+        process's reply memory takes; the older stay on disk, found by `ids_of`."""
         with self._lock:
             by_time = sorted(self._known, key=lambda name: self._stamps[name][1], reverse=True)
             return [self._known[name] for name in by_time[:limit]][::-1]
