@@ -96,6 +96,12 @@ class ModelCache:
         after trimming back to the tokens it kept, nor after `free`."""
         return self._exact_tokens is not None
 
+    @property
+    def exact_tokens(self) -> int | None:
+        """While `shifted`, the tokens at the start whose K/V the shift left exact (None: all
+        are): what the disk tier saves with the blocks, so a restore stays `shifted`."""
+        return self._exact_tokens
+
     def __getitem__(self, index: int) -> Any:
         return self.layers[index]
 
@@ -294,9 +300,12 @@ class ModelCache:
         tokens: list[int],
         checkpoints: dict[int, list[Any]],
         disk: dict[int, list[Any]] | None = None,
+        exact_tokens: int | None = None,
     ):
         """Replaces everything held with `layers` holding `tokens` (a loaded or copied state),
         with `checkpoints` and the disk tier's snapshots `disk` (by length, as they are taken).
+        `exact_tokens`: a loaded state's shift mark (`exact_tokens`, saved with it); None
+        keeps this cache's own (a batch's rows come back here grown from what they held).
 
         Raises:
             ValueError: a layer's offset is not len(tokens), or a checkpoint lies past it.
@@ -315,8 +324,10 @@ class ModelCache:
         self._tokens = list(tokens)
         self._checkpoints = dict(checkpoints)
         self._disk_snapshots = dict(disk or {})
-        if self.shifted and len(tokens) <= self._exact_tokens:  # a batch's rows come back
-            self._exact_tokens = None  # here grown from what they held, free() empty
+        if exact_tokens is not None:
+            self._exact_tokens = exact_tokens
+        if self.shifted and len(tokens) <= self._exact_tokens:  # rows grown back, or free()
+            self._exact_tokens = None
 
     def nearest_restorable(self, num_tokens: int) -> int:
         """The largest length <= num_tokens it can go back to, trimming or from a checkpoint

@@ -6,7 +6,10 @@ and for each checkpoint; `layout_signature`, which says whether two caches have 
 shape of layers. Does not own files, checksums or the index (see `store`).
 
 Terms:
-  layout     per layer: its class name, its `meta_state` and the names of its arrays;
+  layout     per layer: its class name, its `meta_state` and the names of its arrays; with
+             "exact_tokens" while the cache is `shifted` (`ModelCache.exact_tokens`), so a
+             restore stays marked approximate (a layout without it, as every file written
+             before it was saved, restores unmarked: exact);
   signature  the layout without anything that depends on the tokens held (offsets, arrays).
 """
 
@@ -58,6 +61,8 @@ def cache_to_arrays(
             for at, snapshot in sorted({**(disk_snapshots or {}), **cache.checkpoints}.items())
         ],
     }
+    if cache.exact_tokens is not None:
+        layout["exact_tokens"] = cache.exact_tokens
     return arrays, layout
 
 
@@ -87,7 +92,8 @@ def arrays_to_cache(
         }
         if len(layers) != len(cache):
             raise ValueError(f"{len(layers)} layers saved; the model has {len(cache)}")
-        cache.adopt(layers, tokens, checkpoints)
+        exact = layout.get("exact_tokens")
+        cache.adopt(layers, tokens, checkpoints, exact_tokens=None if exact is None else int(exact))
     except (KeyError, TypeError, ValueError, IndexError) as error:
         raise CacheStateError(f"saved cache does not rebuild: {error}") from error
     return cache

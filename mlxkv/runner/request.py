@@ -30,7 +30,7 @@ from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import chat_cut, fit_prompt
 from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
 from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
-from mlxkv.runner.text.replies import ReplyKey, replies_for
+from mlxkv.runner.text.replies import ReplyKey, StoredReplyIds, replies_for
 from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images, with_text_content
 from mlxkv.runner.text.vision_cuts import ImageChat
 
@@ -158,10 +158,16 @@ class RequestBuilder:
         max_context: the window, in tokens.
         keep: the Runner's `keep` setting (None: the system prompt, else 4 tokens).
         vision: renders prompts with images (refusing them for a text-only model).
+        stored_reply: the disk tier's lookup of a reply the memory dropped (None: no tier).
     """
 
     def __init__(
-        self, prompts: PromptEncoder, max_context: int, keep: int | None, vision: VisionPrompts
+        self,
+        prompts: PromptEncoder,
+        max_context: int,
+        keep: int | None,
+        vision: VisionPrompts,
+        stored_reply: StoredReplyIds | None = None,
     ):
         self._prompts = prompts
         self._max_context = max_context
@@ -169,6 +175,7 @@ class RequestBuilder:
         self._vision = vision
         # recent replies' ids, which assistant messages sent back take (`text.replies`)
         self._replies = replies_for(prompts.tokenizer)
+        self._stored_reply = stored_reply
 
     def build(
         self,
@@ -353,7 +360,7 @@ class RequestBuilder:
         template = {"parse_control_tokens": parse_control_tokens, "tools": tools}
         template["switches"] = switches
         images, joined = has_images(prompt), with_text_content(prompt)
-        template["replies"] = self._replies.known_in(joined, salt).get
+        template["replies"] = self._replies.known_in(joined, salt, self._stored_reply).get
         if images:  # the text parts as sent: the processor's template renders them
             return self._vision.encode(prompt, **template).tokens
         return self._prompts.encode(joined, **template)
@@ -367,7 +374,7 @@ class RequestBuilder:
             "parse_control_tokens": options.parse_control_tokens,
             "tools": options.tools,
             "switches": options.switches,
-            "replies": self._replies.known_in(prompt, salt).get,
+            "replies": self._replies.known_in(prompt, salt, self._stored_reply).get,
         }
 
     def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:

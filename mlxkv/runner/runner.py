@@ -114,7 +114,11 @@ class Runner:
             max_batch=self.max_batch,
         )
         vision = VisionPrompts(self._prompts, loaded.vision, loaded.name)
-        self._builder = RequestBuilder(self._prompts, self.max_context, config.keep, vision)
+        store = self._pool.store
+        stored_reply = None if store is None else store.stored_reply
+        self._builder = RequestBuilder(
+            self._prompts, self.max_context, config.keep, vision, stored_reply
+        )
         self._embedder = Embedder(
             loaded,
             self._prompts.encode,

@@ -23,6 +23,7 @@ from mlxkv.runner import assembly
 from mlxkv.runner.disk import replies as stored_replies
 from mlxkv.runner.disk.files import SUFFIX
 from mlxkv.runner.request import salt_digest
+from mlxkv.runner.text.replies import replies_for
 from mlxkv.testing.factory import build_scripted_model
 from tests.runner.test_reply_tokens import ASK, SCRIPT, _next_turn
 
@@ -197,8 +198,12 @@ def test_a_record_goes_with_its_chain(scripted_path, tmp_path):
     assert _records(tmp_path) == []
 
 
-def test_only_the_newest_records_are_kept(scripted_path, tmp_path, monkeypatch):
-    """As many as the memory keeps (`MAX_REPLIES`), the newest; the older are removed."""
+def test_the_newest_records_are_remembered_and_the_older_found_on_disk(
+    scripted_path, tmp_path, monkeypatch
+):
+    """As many as the memory keeps (`MAX_REPLIES`), the newest, are read into it at start;
+    the older stay on disk (they go with their chains, and count in the budget) and render
+    as their ids when sent back, as in the process that wrote them."""
     before = _runner(scripted_path, tmp_path)
     for salt in ("old", "new"):
         before.generate(ASK, max_tokens=20, temperature=0, cache_salt=salt)
@@ -208,10 +213,12 @@ def test_only_the_newest_records_are_kept(scripted_path, tmp_path, monkeypatch):
     assert {p.name for p in _records(tmp_path)} == {old, new}
     monkeypatch.setattr(assembly, "MAX_REPLIES", 1)
     restarted = _runner(scripted_path, tmp_path)
-    assert [p.name for p in _records(tmp_path)] == [new]
+    assert {p.name for p in _records(tmp_path)} == {old, new}
+    memory = replies_for(restarted.tokenizer).items()
+    assert [(salt, text) for salt, text, _ in memory] == [(salt_digest("new"), "SmolLAMSmolLAM")]
     messages = _next_turn("SmolLAMSmolLAM")
-    assert len(restarted.encode(messages, cache_salt="new")) > len(
-        restarted.encode(messages, cache_salt="old")
+    assert restarted.encode(messages, cache_salt="new") == restarted.encode(
+        messages, cache_salt="old"
     )
 
 
@@ -259,3 +266,23 @@ def test_another_models_records_count_in_the_directory_budget(scripted_path, tmp
     on_disk = [*tmp_path.glob(f"*/*{SUFFIX}"), *_records(tmp_path)]
     assert sum(p.stat().st_size for p in on_disk) <= store.max_bytes
     runner.close()
+
+
+def test_records_another_process_writes_count_in_the_budget(scripted_path, tmp_path):
+    """Two servers of one model share the directory: each counted only the records it wrote
+    or read at its start, so the other's later records were left out of `disk_bytes` and of
+    the budget, which could leave the files that much over it."""
+    counting = _runner(scripted_path, tmp_path)
+    writing = _runner(scripted_path, tmp_path)  # its own reply memory: another process's
+    writing.generate(ASK, max_tokens=20, temperature=0)
+    writing._pool.store.flush()
+    (record,) = _records(tmp_path)
+    store = counting._pool.store
+    blocks = sum(p.stat().st_size for p in tmp_path.glob(f"*/*{SUFFIX}"))
+    assert store.nbytes > 0 and store.replies.nbytes == record.stat().st_size
+    store.max_bytes = blocks + record.stat().st_size - 1
+    store.enforce_budget()
+    on_disk = [*tmp_path.glob(f"*/*{SUFFIX}"), *_records(tmp_path)]
+    assert sum(p.stat().st_size for p in on_disk) <= store.max_bytes
+    writing.close()
+    counting.close()

@@ -97,6 +97,8 @@ def cut_block(
     for point in points:
         block.update({n: arrays[n] for entry in point["layers"] for n in array_names(entry)})
     block_layout = {**layout, "checkpoints": points, "end_state": end == num_tokens}
+    if layout.get("exact_tokens", end) >= end:  # a shift left all its tokens exact
+        block_layout.pop("exact_tokens", None)
     return block, {**block_layout, "quantized": quantized} if quantized else block_layout
 
 
@@ -152,7 +154,13 @@ def join_blocks(
     for arrays, point in points:
         joined.update({n: arrays[n] for entry in point["layers"] for n in array_names(entry)})
     checkpoints = [point for _, point in points]
-    joined_layout = {key: value for key, value in last_layout.items() if key != "quantized"}
+    joined_layout = {
+        key: value for key, value in last_layout.items() if key not in ("quantized", "exact_tokens")
+    }
+    # a block a shift approximated marks every token after its exact ones (blocks are shared)
+    exact = [int(layout["exact_tokens"]) for _, layout in blocks if "exact_tokens" in layout]
+    if exact:
+        joined_layout["exact_tokens"] = min(exact)
     return joined, {**joined_layout, "layers": layers, "checkpoints": checkpoints}
 
 

@@ -6,7 +6,8 @@ with no arrays, its header holding the salt, the reply's text (or the key a call
 known by, `text.replies.call_reply_key`) and ids, where in a chain it ends, and a CRC-32 like
 every block's), reading and checking one (`read_reply`), whether the blocks
 on disk still hold its reply (`is_held`, over `IndexedBlocks`), and the records of one model
-(`ReplyRecords`: made into write jobs, read back, removed with their chains). Does not own the
+(`ReplyRecords`: made into write jobs, every one on disk indexed whoever wrote it, so the budget
+counts them all, removed with their chains). Does not own the
 in-memory reply memory (`mlxkv.runner.text.replies`) or the writer (`store`, `writer`).
 
 Terms: a record's `anchor` is the key of the last whole block of the tokens through its
@@ -162,8 +163,9 @@ def is_held(reply: StoredReply, blocks: IndexedBlocks) -> bool:
 
 
 class ReplyRecords:
-    """The records of one model directory: made into write jobs, read back at start (checked,
-    those whose blocks are gone removed) and removed when their chains go.
+    """The records of one model directory, every one on disk, whoever wrote it: indexed as
+    the directory changes (`rescan`, with its blocks'), made into write jobs, removed when
+    their chains go.
 
     Args:
         directory: the model's directory of the disk tier.
@@ -174,8 +176,10 @@ class ReplyRecords:
         self.directory = directory
         self.fingerprint = fingerprint
         self.signature = signature
-        self._lock = threading.Lock()  # guards _known
-        self._known: dict[str, StoredReply] = {}  # by file name: written or read here
+        self._lock = threading.Lock()  # guards _known and _stamps
+        self._known: dict[str, StoredReply] = {}  # by file name: the good records on disk
+        # (bytes, mtime in ns) of each record file as last read, bad ones too (read once)
+        self._stamps: dict[str, tuple[int, int]] = {}
 
     def job(
         self, through: np.ndarray, ids: list[int], text: str, salt: str | None, block_tokens: int
@@ -201,41 +205,70 @@ class ReplyRecords:
 
     def written(self, path: Path) -> None:
         """Indexes the record just renamed into place (`files.write_file`)."""
-        reply = read_reply(path, self.fingerprint, self.signature)
-        with self._lock:
-            self._known[path.name] = reply
+        self._read(path, _stamp(path))
 
-    def load(self, records: list[StoredEntry], limit: int) -> list[StoredReply]:
-        """The newest `limit` records (by their files' times) whose replies `records` (the
-        blocks indexed) hold, oldest first; only those are read in full. A record that must
-        not be read is one warning (removed when its header proves it this tier's); one whose
-        blocks are gone, or older than those kept, is removed."""
-        blocks = IndexedBlocks.of(records)
-        kept: list[StoredReply] = []
-        for entry in sorted(record_files(self.directory), key=_mtime_ns, reverse=True):
-            path = Path(entry.path)
+    def rescan(self) -> None:
+        """Indexes the directory's records as they are now: new or rewritten ones read (one
+        that must not be read is one warning, removed when its header proves it this
+        tier's), those removed (by any process) forgotten. The store calls it with its own
+        scan, when the directory changed."""
+        present = {}
+        for entry in record_files(self.directory):
             try:
-                if len(kept) >= limit:  # older than those kept: proven this tier's, removed
-                    read_header(path)
-                    remove_own_file(path)
-                elif is_held(reply := read_reply(path, *self._model), blocks):
-                    kept.append(reply)
-                else:
-                    remove_own_file(path)
-                    logger.debug("disk cache: reply record %s went with its chain", path.name)
-            except BadFile as why:
-                removed = why.ours and remove_own_file(path)
-                logger.warning(
-                    "disk cache: ignoring reply record %s%s: %s",
-                    path.name,
-                    " (removed)" if removed else "",
-                    why,
-                )
-            except OSError as error:
-                logger.warning("disk cache: could not read %s now (%s)", path.name, error)
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            present[entry.name] = (info.st_size, info.st_mtime_ns)
         with self._lock:
-            self._known.update({reply.path.name: reply for reply in kept})
-        return kept[::-1]
+            for name in set(self._stamps) - set(present):
+                self._stamps.pop(name)
+                self._known.pop(name, None)
+            changed = [n for n, stamp in present.items() if self._stamps.get(n) != stamp]
+        for name in changed:
+            self._read(self.directory / name, present[name])
+
+    def _read(self, path: Path, stamp: tuple[int, int] | None) -> None:
+        try:
+            reply = read_reply(path, self.fingerprint, self.signature)
+        except BadFile as why:
+            removed = why.ours and remove_own_file(path)
+            logger.warning(
+                "disk cache: ignoring reply record %s%s: %s",
+                path.name,
+                " (removed)" if removed else "",
+                why,
+            )
+            reply = None
+        except OSError as error:  # looked at again at the next scan
+            logger.warning("disk cache: could not read %s now (%s)", path.name, error)
+            return
+        with self._lock:
+            self._known.pop(path.name, None)
+            self._stamps.pop(path.name, None)
+            if stamp is not None:
+                self._stamps[path.name] = stamp
+                if reply is not None:
+                    self._known[path.name] = reply
+
+    def newest(self, limit: int) -> list[StoredReply]:
+        """The newest `limit` records (by their files' times), oldest first: what a starting
+        process's reply memory takes; the older stay on disk, found by `ids_of`."""
+        with self._lock:
+            by_time = sorted(self._known, key=lambda name: self._stamps[name][1], reverse=True)
+            return [self._known[name] for name in by_time[:limit]][::-1]
+
+    def ids_of(self, salt: str | None, text: str, queued: WriteJob | None) -> list[int] | None:
+        """The ids of the record of `text` in `salt`'s domain, indexed or `queued` (its write
+        job, not written yet), else None: the reply memory's lookup of a reply it dropped, so
+        the process that wrote the record renders the reply as a restarted one, which reads
+        it, does (the turn rendered so writes a chain that holds the record's reply)."""
+        if queued is not None:
+            return _unpack(queued.metadata["ids"]).tolist()
+        with self._lock:
+            reply = self._known.get(reply_name(salt, text))
+        if reply is None or (reply.salt, reply.text) != (salt, text):
+            return None
+        return reply.ids
 
     def sweep(self, records: list[StoredEntry]) -> None:
         """Removes the records whose replies the blocks `records` no longer hold."""
@@ -248,32 +281,23 @@ class ReplyRecords:
                 logger.debug("disk cache: reply record %s went with its chain", reply.path.name)
                 with self._lock:
                     self._known.pop(reply.path.name, None)
+                    self._stamps.pop(reply.path.name, None)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the records known here (written or read at start) still on disk: they
-        count in the directory's budget, and go with their chains (`sweep`)."""
+        """Bytes of the records indexed (any process's, as of the last `rescan`, and those
+        written here since): they count in the directory's budget, and go with their chains
+        (`sweep`)."""
         with self._lock:
-            paths = [reply.path for reply in self._known.values()]
-        return sum(_size(path) for path in paths)
-
-    @property
-    def _model(self) -> tuple[str, str]:
-        return self.fingerprint, self.signature
+            return sum(self._stamps[name][0] for name in self._known)
 
 
-def _mtime_ns(entry: os.DirEntry) -> int:
+def _stamp(path: Path) -> tuple[int, int] | None:
     try:
-        return entry.stat(follow_symlinks=False).st_mtime_ns
-    except OSError:
-        return 0
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
+        info = path.stat()
     except OSError:  # removed meanwhile (by another process's sweep)
-        return 0
+        return None
+    return info.st_size, info.st_mtime_ns
 
 
 def record_files(directory: Path) -> list[os.DirEntry]:

@@ -16,7 +16,12 @@ Invariants:
     fsync, atomic rename, directory fsync): an interrupted write leaves at most a temporary
     file, which indexing ignores and removes once its process is gone;
   - a block is removed once a newer one beside it holds its tokens and serves them (a
-    conversation written behind turn after turn keeps one chain), with the blocks after it;
+    conversation written behind turn after turn keeps one chain), with the blocks after it,
+    last first (a process killed between two removals leaves a shorter chain, never a
+    block without its parent), but for a block a queued write follows, and those before it;
+  - a block is written only while its parent is indexed or queued (a removal between a
+    request's check and its put leaves the blocks after it unwritten, not orphaned); one
+    job runs at a time, the writer's or a close's (`_run_logged`);
   - two processes sharing the directory write identical content under identical names, and
     each picks up the other's new files when the directory changes;
   - a scan of the directory and this process's own renames and removals (each with its index
@@ -64,7 +69,7 @@ from mlxkv.runner.disk.files import (
     write_file,
 )
 from mlxkv.runner.disk.reading import LayerStream, read_blocks, warn_unreadable
-from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply
+from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply, reply_name
 from mlxkv.runner.disk.writer import BackgroundWriter, PendingWrites, WriteJob
 
 logger = logging.getLogger(__name__)
@@ -117,12 +122,13 @@ class DiskStore:
         # adds or removes a file and its record: a scan never sees one without the other
         self._directory_lock = threading.RLock()
         self._writer = BackgroundWriter(self._run_logged)
+        self._job_lock = threading.Lock()  # one job at a time: the writer's, or a close's
         self._scanned_mtime = -1
         # other models' files proven this tier's, by (path, size, mtime): read once
         self._theirs: dict[tuple[str, int, int], bool] = {}
         self._strangers: set[str] = set()  # files here it did not write, warned about once
         self.replies = ReplyRecords(self.directory, fingerprint, signature)
-        self.refresh()
+        self.refresh()  # the blocks and the reply records on disk
         self.enforce_budget()  # a smaller budget than the last run's holds from the start
 
     # -- index ----------------------------------------------------------------------------
@@ -137,8 +143,9 @@ class DiskStore:
         mtime = self.directory.stat().st_mtime_ns
         if mtime == self._scanned_mtime:
             return
-        complete = True
-        present = set()
+        # records first: one listed has its blocks (written before it) listed after it
+        self.replies.rescan()
+        complete, present = True, set()
         with self._lock:
             known = set(self._records)
         for entry in own_files(self.directory):
@@ -336,11 +343,19 @@ class DiskStore:
         self._writer.put(self.replies.job(through, ids, text, salt, self.block_tokens))
 
     def stored_replies(self, limit: int) -> list[StoredReply]:
-        """The newest `limit` reply records whose blocks are on disk (`ReplyRecords.load`)."""
+        """The newest `limit` reply records whose blocks are on disk; those whose blocks are
+        gone are removed (`ReplyRecords.sweep`)."""
         self.refresh()
         with self._lock:
             records = list(self._records.values())
-        return self.replies.load(records, limit)
+        self.replies.sweep(records)
+        return self.replies.newest(limit)
+
+    def stored_reply(self, salt: str | None, text: str) -> list[int] | None:
+        """The ids of `text`'s reply record in `salt`'s domain, written or queued
+        (`ReplyRecords.ids_of`; `ReplyTokens.known_in` asks for a reply it dropped)."""
+        queued = self._writer.queued_job(reply_name(salt, text))
+        return self.replies.ids_of(salt, text, queued)
 
     @property
     def pending_writes(self) -> PendingWrites:  # handed to the writer, not written yet
@@ -358,7 +373,8 @@ class DiskStore:
         """`_run`, a failure logged in one line: a failed write loses a cache entry, never
         the process (nor a shutdown)."""
         try:
-            self._run(job)
+            with self._job_lock:
+                self._run(job)
         except (OSError, RuntimeError) as error:
             logger.warning("disk cache: entry %s not saved: %s", job.name, error)
         except Exception:
@@ -369,6 +385,10 @@ class DiskStore:
         if job.name.endswith(REPLY_SUFFIX):  # a reply record: not a block of the index
             write_file(self.directory, job, self._directory_lock, self.replies.written)
             self.enforce_budget()  # records count in it too
+            return
+        parent = job.metadata.get("parent")
+        if parent is not None and not self._written_or_queued(parent + SUFFIX):
+            logger.debug("disk cache: %s not saved: the block before it is gone", job.name)
             return
         record = write_file(self.directory, job, self._directory_lock, self._indexed)
         self._remove_superseded(record)
@@ -386,12 +406,28 @@ class DiskStore:
         """Removes the blocks `record` supersedes (`chains.superseded_by`): a conversation
         written behind turn after turn keeps one chain, not one per turn."""
         with self._lock:
-            records = list(self._records.values())
-        for other in superseded_by(record, records, trimmable=self.trimmable):
+            records = {r.key: r for r in self._records.values()}
+        gone = superseded_by(record, list(records.values()), trimmable=self.trimmable)
+        kept: set[str] = set()  # those a queued block follows, and the blocks before them
+        for name in self._queued_parents():
+            key: str | None = name.removesuffix(SUFFIX)
+            while key in records and key not in kept:
+                kept.add(key)
+                key = records[key].parent
+        # last first: a process killed between two removals leaves no block without its parent
+        for other in sorted(gone, key=lambda r: r.start, reverse=True):
+            if other.key in kept:
+                continue
             with self._directory_lock:
                 if remove_own_file(other.path):
                     logger.debug("disk cache superseded file=%s", other.path.name)
                 self._forget(other.path.name)
+
+    def _queued_parents(self) -> frozenset[str]:
+        """The file names of the blocks that blocks queued for writing (the one in flight
+        too) follow: removed, those would be written without the blocks before them."""
+        queued = self._writer.queued_jobs()
+        return frozenset(j.metadata["parent"] + SUFFIX for j in queued if "parent" in j.metadata)
 
     # -- budget ---------------------------------------------------------------------------
 
@@ -404,10 +440,7 @@ class DiskStore:
         files = tier_files(self.root, self.directory, set(records), self._theirs)
         if (total := sum(size for _, size, _ in files) + self.replies.nbytes) <= self.max_bytes:
             return  # the order below costs more than this sum
-        queued = self._writer.queued_jobs()
-        queued_after = frozenset(
-            j.metadata["parent"] + SUFFIX for j in queued if "parent" in j.metadata
-        )
+        queued_after = self._queued_parents()
         for path, size, _ in removal_order(
             files, records, trimmable=self.trimmable, keep=keep, queued_after=queued_after
         ):

@@ -16,7 +16,9 @@ string (its ids go past the text), nor a cancelled one. Keyed by the request's c
 digest, so one tenant's prompt never takes another's reply ids (its token count would tell).
 With a disk tier, the replies are also kept on disk (`mlxkv.runner.disk.replies`, written
 behind with their turns' blocks) and read back when a Runner starts (`ReplyTokens.restore`): a
-restarted process, or a model loaded again, renders them as their ids too.
+restarted process, or a model loaded again, renders them as their ids too; a reply the memory
+dropped is looked up among those records (`known_in`'s `stored`), so the process that
+generated it renders it as a restarted one does.
 
 A reply that called tools comes back as its text before the calls plus the parsed calls
 (`tool_calls`), which the template renders in its own form (spacing, key order, escapes), not
@@ -55,6 +57,9 @@ ReplyIds = Callable[[str], Sequence[int] | None]
 # What a caller knows a finished reply by when it comes back, None for its text: the server,
 # which parses its calls, a call reply's `call_reply_key` (run on the engine thread).
 ReplyKey = Callable[[Completion], str | None]
+# A disk tier's ids of a reply by (salt, text), None when it holds no record of it: where a
+# reply the memory dropped is looked up (`DiskStore.stored_reply`).
+StoredReplyIds = Callable[[str | None, str], Sequence[int] | None]
 _BY_TOKENIZER: weakref.WeakKeyDictionary[Any, ReplyTokens] = weakref.WeakKeyDictionary()
 _BY_TOKENIZER_LOCK = threading.Lock()
 
@@ -254,10 +259,14 @@ class ReplyTokens:
         while len(self._ids) > MAX_REPLIES or self._num_tokens > MAX_REPLY_TOKENS:
             self._num_tokens -= self._ids.popitem(last=False)[1].size
 
-    def known_in(self, prompt: Any, salt: str | None) -> dict[str, list[int]]:
+    def known_in(
+        self, prompt: Any, salt: str | None, stored: StoredReplyIds | None = None
+    ) -> dict[str, list[int]]:
         """The ids of the replies of `salt`'s domain that `prompt`'s assistant messages send
         back, by `reply_keys` (empty for a text or token prompt): looked up once a request, for
-        the renders it makes."""
+        the renders it makes. One this memory dropped is looked up in `stored` (a disk tier's
+        records, kept as long as their chains) and remembered again: the process that
+        generated it renders it as a restarted one, which reads the record, does."""
         if not isinstance(prompt, Sequence) or isinstance(prompt, str):
             return {}
         # a reply sent back as content parts renders from its parts' text
@@ -269,4 +278,12 @@ class ReplyTokens:
                 if found is not None:
                     self._ids.move_to_end((salt, text))
                     known[text] = found.tolist()
+        if stored is not None and (missing := texts - set(known)):
+            found_stored = {t: list(ids) for t in missing if (ids := stored(salt, t)) is not None}
+            with self._lock:
+                for text, ids in found_stored.items():
+                    if 0 < len(ids) <= MAX_REPLY_TOKENS:
+                        self._keep(salt, text, ids)
+                self._trim()
+            known.update(found_stored)
         return known
