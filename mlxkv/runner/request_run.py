@@ -238,9 +238,13 @@ def _prefilled_with(
 ) -> PrefillGroup | None:
     """The group the request's prompt may be prefilled with: none when not interleaved, nor
     for a seeded request, whose draws must be those it makes alone (from its prompt's logits
-    fed alone, not a batched pass's, which round otherwise), nor on a vision model (each
-    call carries one prompt's images, encoder rows and positions)."""
-    if batching is None or request.params.seed is not None or context.loaded.vision is not None:
+    fed alone, not a batched pass's, which round otherwise), nor for a prompt with images
+    (its calls carry its own encoder rows and positions: `ImagePrompt`). A text-only prompt
+    on a vision model is fed with others like a text model's: its language model takes text
+    ids at plain positions, each row at its own offset."""
+    if batching is None or request.params.seed is not None:
+        return None
+    if isinstance(context.loaded.model, ImagePrompt):
         return None
     return batching.prefills
 
