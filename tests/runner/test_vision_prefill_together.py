@@ -1,10 +1,11 @@
-"""A vision model's text-only batched requests are prefilled together, as a text model's are
-(`mlxkv.runner.prefill.group`), while a prompt with images beside them is prefilled alone
-(its calls carry its own encoder rows and positions): per family, each answer (greedy tokens
-and log-probabilities) equals the same request alone on a fresh Runner, a row holding a
-cached first turn included; a request cancelled inside the batched pass, or whose client
-leaves mid-batch, leaves the others exact and nothing in use. Every entry is checked after
-every request by `tests/invariants.py`."""
+"""A vision model's batched requests, text-only or with images, are prefilled together as a
+text model's are (`mlxkv.runner.prefill.group`; rows with images run on `PromptRows` of
+`mlxkv.runner.prefill.image_rows`, each row its own encoder rows and positions): per family,
+each answer (greedy tokens and log-probabilities) equals the same request alone on a fresh
+Runner, a row after a cached image turn and a row with two images of different sizes
+included; a request (with an image or text only) cancelled inside the batched pass, or whose
+client leaves mid-batch, leaves the others exact and nothing in use. Every entry is checked
+after every request by `tests/invariants.py`."""
 
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ def loaded(tmp_path_factory, request):
 
 
 @pytest.fixture(scope="module")
-def image():
-    return noise_images(3, [(56, 56, 3)])[0]
+def images():
+    """Two of the same size, one larger (more tokens)."""
+    return noise_images(3, [(56, 56, 3), (56, 56, 3), (84, 112, 3)])
 
 
 @pytest.fixture
@@ -68,28 +70,48 @@ def _alone(loaded, prompt):
     return _tokens_and_logprobs(runner.stream(prompt, **OPTIONS))
 
 
-def test_text_prompts_are_prefilled_together_beside_one_with_an_image(loaded, image, passes):
+def test_prompts_with_and_without_images_are_prefilled_together_as_alone(loaded, images, passes):
+    """Rows: an image conversation's second turn (its first turn cached: text after its
+    image), one image, two images of different sizes, two text prompts."""
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=8, speculative=None)
-    first = _chat("Name three colors.")
+    # the chat template's head in an idle entry: no row waits for another to feed it
+    runner.generate(_chat("Hello."), **OPTIONS)
+    first = [_user(images[0], "Name three colors in it.")]
     reply = runner.generate(first, **OPTIONS).text
-    second = first + [{"role": "assistant", "content": reply}, _chat("And three shapes?")[0]]
-    prompts = [second, *map(_chat, QUESTIONS[:3]), [_user(image, "What is in this picture?")]]
+    second = first + [{"role": "assistant", "content": reply}, _user("And three shapes?")]
+    prompts = [
+        second,
+        # each starts its own way: none waits for another to feed a shared start
+        [_user("Look:", images[1], "what is in this picture?")],
+        [_user("Two pictures.", images[2], "Compare it with", images[0], "this one.")],
+        # long enough that every row is within twice another's length (the group's rule),
+        # SmolVLM's two images (111 tokens) included
+        _chat("What is a cache? Tell me about keys, values, offsets and trims, in a few words."),
+        _chat("Say a lot about windows and state, please. " * 2),
+    ]
     want = [_alone(loaded, prompt) for prompt in prompts]
     got = _first_jobs_queued_then_run(runner, prompts, [OPTIONS] * len(prompts))
     _assert_same_answers(got, want)
-    assert len({tuple(tokens) for tokens, _ in want}) == len(want), "the model tells them apart"
+    assert len({(tuple(t), tuple(p)) for t, p in want}) == len(want), "it tells them apart"
     assert len(passes) == 1, passes
-    cached, images = passes[0]
-    assert len(cached) == 4 and cached[-1] > 0, "the four text rows, the second turn's cached"
-    assert not images, "a prompt with images is prefilled alone"
+    cached, fed_images = passes[0]
+    assert len(cached) == len(prompts) and cached[-1] > 0, "every row, the second turn's cached"
+    assert fed_images, "the prompts with images were in the pass"
 
 
+@pytest.mark.parametrize("row", ["image", "text"])
 @pytest.mark.parametrize("leaves", ["cancelled", "closed"])
-def test_a_row_that_ends_in_the_batch_leaves_the_others_exact(loaded, passes, monkeypatch, leaves):
-    """One text request is cancelled inside the batched pass (its cancel set there), or its
-    client closes the stream after three tokens (decoding in the batch by then); the others
-    answer as alone, nothing stays in use, and asked again it answers as a fresh Runner."""
-    want = [_alone(loaded, _chat(q)) for q in QUESTIONS]
+def test_a_row_that_ends_in_the_batch_leaves_the_others_exact(
+    loaded, images, passes, monkeypatch, leaves, row
+):
+    """Of a prompt with an image and three text prompts fed together, one (`row`) is
+    cancelled inside the batched pass (its cancel set there), or its client closes the stream
+    after three tokens (decoding in the batch by then); the others answer as alone, nothing
+    stays in use, and asked again it answers as a fresh Runner."""
+    prompts = [[_user("Look:", images[1], "what is in this picture?")]]
+    prompts += [_chat(q) for q in QUESTIONS[:3]]
+    leaver = 0 if row == "image" else 1
+    want = [_alone(loaded, prompt) for prompt in prompts]
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4, speculative=None)
     # the chat template's head cached: no request waits for another to feed it, all 4 meet
     runner.generate(_chat("Hello."), **OPTIONS)
@@ -118,13 +140,14 @@ def test_a_row_that_ends_in_the_batch_leaves_the_others_exact(loaded, passes, mo
         return iter(kept)
 
     monkeypatch.setattr(runner, "stream", leaving)
-    options = [dict(OPTIONS) for _ in QUESTIONS]
-    options[0]["cancel"] = mine
-    got = _first_jobs_queued_then_run(runner, [_chat(q) for q in QUESTIONS], options)
+    options = [dict(OPTIONS) for _ in prompts]
+    options[leaver]["cancel"] = mine
+    got = _first_jobs_queued_then_run(runner, prompts, options)
     assert ends == [leaves], ends
-    assert [len(cached) for cached, _ in passes] == [len(QUESTIONS)], passes
-    _assert_same_answers(got[1:], want[1:])
+    assert passes == [(passes[0][0], True)] and len(passes[0][0]) == len(prompts), passes
+    others = [i for i in range(len(prompts)) if i != leaver]
+    _assert_same_answers([got[i] for i in others], [want[i] for i in others])
     wait_until(lambda: not runner._pool._in_use, what="every entry released")
     assert runner._dispatch._batching.batch.num_rows == 0
-    again = _tokens_and_logprobs(stream(_chat(QUESTIONS[0]), batched=True, **OPTIONS))
-    _assert_same_answers([again], want[:1])
+    again = _tokens_and_logprobs(stream(prompts[leaver], batched=True, **OPTIONS))
+    _assert_same_answers([again], [want[leaver]])
