@@ -240,8 +240,8 @@ def probe_padded_state(loaded: LoadedModel, config: RunnerConfig, max_batch: int
     Only a model that reads `ArraysCache.lengths` stops its state before a row's padding, and
     no cache can tell which; a model that fails prefills each prompt alone, exact. Runs (and
     logs its outcome) only where it decides something: batches of 2 or more, state layers that
-    would otherwise be prefilled together (a vision model's text-only prompts are fed as a text
-    model's; its prompts with images are prefilled alone, `request_run`)."""
+    would otherwise be prefilled together (a vision model's layers are K/V and windows: it
+    never runs there)."""
     model = loaded.model
     empty = make_layers(model, config)
     if max_batch < 2 or can_prefill_together(empty):

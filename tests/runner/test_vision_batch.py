@@ -185,7 +185,7 @@ def test_next_turn_of_an_image_conversation_reuses_its_entry_in_the_batch(loaded
 
 def _two_in_step(runner, conversations, **options) -> list[list]:
     """Two batched streams' chunks, read so that they decode together whatever the order of
-    their prefills (each prompt with images is prefilled alone): the first waits after its
+    their prefills (together or one after the other): the first waits after its
     second chunk (its row in the batch) until the second has its second chunk, which a step
     of both rows gives; the second waits after its first chunk until then. Events, not the
     threads' timing, decide the overlap."""
