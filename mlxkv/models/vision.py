@@ -144,6 +144,21 @@ class EncoderCache:
         return features
 
 
+@dataclass(frozen=True)
+class RowInputs:
+    """One row's inputs to the language model for one call.
+
+    Attributes:
+        embeds: (1, L, hidden) token embeddings, the encoder's rows over image tokens.
+        positions: (3, 1, L) M-RoPE positions; None for a family with plain positions.
+        deep: the call's deepstack rows (Qwen3-VL), None when it feeds none.
+    """
+
+    embeds: mx.array
+    positions: mx.array | None
+    deep: Deepstack | None
+
+
 class VisionLanguageModel(nn.Module):
     """mlx-vlm's language model called as mlxkv calls every model: `model(ids, cache=layers)`
     with text ids only (for M-RoPE, positions 1-D in all three axes: what a text-only prompt
@@ -196,6 +211,14 @@ class VisionLanguageModel(nn.Module):
         if self._family.uses_positions:
             positions = _call_positions(cache, inputs.shape[1], position_shifts)
         return self.run(self.embed(inputs), inputs, cache, positions)
+
+    def row_inputs(self, inputs: mx.array, offset: int) -> RowInputs:
+        """The language model's inputs for text ids `inputs` (1, L) after `offset` tokens: a
+        text prompt's row of a batch fed with prompts with images (`PromptRows`)."""
+        positions = None
+        if self._family.uses_positions:
+            positions = _text_positions(offset, inputs.shape[1])
+        return RowInputs(self.embed(inputs), positions, None)
 
     def embed(self, ids: mx.array) -> mx.array:
         """Token embeddings; placeholder ids embed as token 0 (their rows are replaced)."""
@@ -255,7 +278,14 @@ class ImagePrompt:
         return self.model.make_cache()
 
     def __call__(self, inputs: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
-        offset, length = _offset(cache), inputs.shape[1]
+        row = self.row_inputs(inputs, _offset(cache))
+        return self.model.run(row.embeds, inputs, cache, row.positions, row.deep)
+
+    def row_inputs(self, inputs: mx.array, offset: int) -> RowInputs:
+        """The language model's inputs for ids `inputs` (1, L) fed after `offset` tokens of
+        the prompt: their embeddings with the encoder's rows over the images' feature tokens
+        the call feeds, and their positions."""
+        length = inputs.shape[1]
         embeds = self.model.embed(inputs)
         pieces, deep, fed, at = [], [], [], offset
         for span in self.spans:
@@ -277,7 +307,7 @@ class ImagePrompt:
         positions = None
         if self.support.family.uses_positions:
             positions = self._positions_at(offset, length)
-        return self.model.run(embeds, inputs, cache, positions, _deepstack(deep, fed, length))
+        return RowInputs(embeds, positions, _deepstack(deep, fed, length))
 
     @property
     def position_shift(self) -> int:

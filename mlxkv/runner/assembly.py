@@ -239,11 +239,12 @@ def probe_padded_state(loaded: LoadedModel, config: RunnerConfig, max_batch: int
     together (`_PROBE_PROMPTS`) and each alone, their last logits compared (`_PROBE_RTOL`).
     Only a model that reads `ArraysCache.lengths` stops its state before a row's padding, and
     no cache can tell which; a model that fails prefills each prompt alone, exact. Runs (and
-    logs its outcome) only where it decides something: batches of 2 or more, no images,
-    state layers that would otherwise be prefilled together."""
+    logs its outcome) only where it decides something: batches of 2 or more, state layers that
+    would otherwise be prefilled together (a vision model's layers are K/V and windows: it
+    never runs there)."""
     model = loaded.model
     empty = make_layers(model, config)
-    if max_batch < 2 or loaded.vision is not None or can_prefill_together(empty):
+    if max_batch < 2 or can_prefill_together(empty):
         return False
     if not can_prefill_together(empty, padded_state_exact=True):
         return False
@@ -293,19 +294,18 @@ def warm_up(
             if width > 0:
                 mx.eval(mx.argmax(cache.forward(model, [0] * width)[:, -1, :], axis=-1))
     if max_batch > 1 and can_batch(models[0][1]):
-        # a vision model's prompts are prefilled one at a time (`request_run`)
-        _warm_up_batch(loaded.model, config, together=loaded.vision is None)
+        _warm_up_batch(loaded.model, config)
     logger.info("warm-up: %.2f s", time.perf_counter() - start)
 
 
-def _warm_up_batch(model: nn.Module, config: RunnerConfig, *, together: bool) -> None:
-    """Two prompts prefilled together (where `together` and the cache's layers allow: else
-    each alone), then a batched decode
-    step, as concurrent requests run (the drafts of speculation never batch): the batched
-    path's own kernels (padding masks, the rows' layers joined and parted, (B, 1) steps)
+def _warm_up_batch(model: nn.Module, config: RunnerConfig) -> None:
+    """Two prompts prefilled together (where the cache's layers allow: else each alone; text
+    ids, as a vision model's text-only prompts are fed), then a batched decode step, as
+    concurrent requests run (the drafts of speculation never batch): the batched path's own
+    kernels (padding masks, the rows' layers joined and parted, (B, 1) steps)
     compile here rather than in the first requests that decode together."""
     caches = [make_layers(model, config) for _ in _WARMUP_BATCH_PROMPTS]
-    if together and can_prefill_together(caches[0]):
+    if can_prefill_together(caches[0]):
         last_logits = prefill_together(model, caches, _WARMUP_BATCH_PROMPTS)
     else:
         prompts = zip(caches, _WARMUP_BATCH_PROMPTS, strict=True)

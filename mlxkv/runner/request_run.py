@@ -160,7 +160,7 @@ def _generate(
     model = loaded.model
     start = time.perf_counter()
     try:
-        together = _prefilled_with(request, context, batching)
+        together = _prefilled_with(request, batching)
         try:
             logits = yield from fill_prompt(
                 model, request, hit, stats, plan=plan, together=together
@@ -233,14 +233,13 @@ def _held_prompt(request: Request, context: RunContext) -> tuple[list[int], tupl
     return list(request.tokens), request.images
 
 
-def _prefilled_with(
-    request: Request, context: RunContext, batching: Batching | None
-) -> PrefillGroup | None:
+def _prefilled_with(request: Request, batching: Batching | None) -> PrefillGroup | None:
     """The group the request's prompt may be prefilled with: none when not interleaved, nor
     for a seeded request, whose draws must be those it makes alone (from its prompt's logits
-    fed alone, not a batched pass's, which round otherwise), nor on a vision model (each
-    call carries one prompt's images, encoder rows and positions)."""
-    if batching is None or request.params.seed is not None or context.loaded.vision is not None:
+    fed alone, not a batched pass's, which round otherwise). A vision model's prompts join
+    too, text-only or with images (each row its own encoder rows and positions:
+    `mlxkv.runner.prefill.image_rows.PromptRows`)."""
+    if batching is None or request.params.seed is not None:
         return None
     return batching.prefills
 

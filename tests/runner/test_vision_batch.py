@@ -17,7 +17,7 @@ pytest.importorskip("mlx_vlm")
 from PIL import Image  # noqa: E402
 
 from mlxkv import Runner  # noqa: E402
-from mlxkv.cache.batched import can_batch  # noqa: E402
+from mlxkv.cache.batched import can_batch, can_prefill_together  # noqa: E402
 from mlxkv.cache.building import make_cache  # noqa: E402
 from mlxkv.decoding import batch as batch_module  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
@@ -185,7 +185,7 @@ def test_next_turn_of_an_image_conversation_reuses_its_entry_in_the_batch(loaded
 
 def _two_in_step(runner, conversations, **options) -> list[list]:
     """Two batched streams' chunks, read so that they decode together whatever the order of
-    their prefills (each prompt with images is prefilled alone): the first waits after its
+    their prefills (together or one after the other): the first waits after its
     second chunk (its row in the batch) until the second has its second chunk, which a step
     of both rows gives; the second waits after its first chunk until then. Events, not the
     threads' timing, decide the overlap."""
@@ -211,12 +211,12 @@ def _two_in_step(runner, conversations, **options) -> list[list]:
 
 
 def test_warm_up_runs_a_batched_step_where_the_vision_model_batches(loaded, monkeypatch):
-    """Its two scratch prompts prefilled one at a time (a vision model's prompts never are
-    together), then one batched step of both, where the cache layers batch."""
-    together = recorded(monkeypatch, assembly, "prefill_together", lambda *args: args)
+    """Its two scratch prompts (text ids, as its text-only prompts) prefilled together where
+    the cache layers allow, then one batched step of both, where they batch."""
+    together = recorded(monkeypatch, assembly, "prefill_together", lambda *args: len(args[1]))
     steps = recorded(monkeypatch, batch_module.DecodeBatch, "_step", lambda b: b.num_rows)
     runner = Runner(loaded, max_context=256, max_batch=4, speculative=None)
-    assert together == []
+    assert together == ([2] if can_prefill_together(make_cache(loaded.model)) else [])
     assert steps == ([2] if _batches(loaded) else [])
     assert runner.cache_info().num_tokens == 0
 

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.prefill.batched import Stops
 from mlxkv.decoding.prefill.chunks import PrefillPlan, fill_steps, prefill_steps
+from mlxkv.models.vision import ImagePrompt
 from mlxkv.runner.prefill.group import PrefillGroup
 from mlxkv.runner.prompt_cache.pool import PrefixHit
 from mlxkv.runner.request import Request
@@ -67,7 +68,8 @@ def fill_prompt(
 
     if together is not None and together.admits(cache, remaining):
         stops = Stops(hit.checkpoints, hit.disk_snapshots)
-        logits = yield from together.prefill(cache, remaining, stops)
+        images = model if isinstance(model, ImagePrompt) else None
+        logits = yield from together.prefill(cache, remaining, stops, images)
         if logits is not None:  # fed with others; else no other came
             fed(total)
             return logits

@@ -12,8 +12,10 @@ it pauses once; the last one to come, or the first to resume, feeds every member
 one pass, and each member takes its logits. Rows are padded to the longest (cached tokens
 and prompt), so only members within twice each other's length (or `SLACK_TOKENS`) are fed
 together: the largest such set; a member left out, or alone, feeds its prompt itself, as any
-request does. Everything runs on the engine thread. Does not own the batched pass
-(`prefill_together`) or the request's own prefill (`prefill.fill`).
+request does. A vision model's prompts with images join like text ones: the pass then runs
+on `PromptRows`, each row its own embeddings and positions. Everything runs on the engine
+thread. Does not own the batched pass (`prefill_together`) or the request's own prefill
+(`prefill.fill`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from mlxkv.cache.batched import can_prefill_together
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.prefill.batched import Stops, prefill_together
+from mlxkv.models.vision import ImagePrompt
+from mlxkv.runner.prefill.image_rows import PromptRows
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ class _Member:
     cache: ModelCache
     prompt: Sequence[int]
     stops: Stops
+    images: ImagePrompt | None  # the model bound to the prompt's images; None: text only
     logits: mx.array | None = None
     failure: BaseException | None = None
     settled: bool = False  # fed, failed, or left out by a feed: it feeds alone
@@ -104,17 +109,23 @@ class PrefillGroup:
         )
 
     def prefill(
-        self, cache: ModelCache, prompt: Sequence[int], stops: Stops | None = None
+        self,
+        cache: ModelCache,
+        prompt: Sequence[int],
+        stops: Stops | None = None,
+        images: ImagePrompt | None = None,
     ) -> Generator[Pause, None, mx.array | None]:
         """Feeds `prompt` into `cache` with the others that come now, pausing (yielding
         `PAUSE`) at most once for them; returns its last-token logits, shape (1, vocab), or
         None when no other came (`cache` untouched: the caller feeds it alone). `stops`: where
-        into `prompt` the layers that cannot trim back are snapshotted, as alone.
+        into `prompt` the layers that cannot trim back are snapshotted, as alone. `images`:
+        a vision model's prompt with images, bound to them (its row's embeddings and
+        positions are its own).
 
         Raises:
             whatever the batched pass raised (every member hears it; no cache changed).
         """
-        member = _Member(cache, prompt, stops or Stops())
+        member = _Member(cache, prompt, stops or Stops(), images)
         self._members.append(member)
         try:
             if len(self._members) < self._max_rows and (self._arriving or self._queued()):
@@ -140,7 +151,7 @@ class PrefillGroup:
         logger.debug("prefill group: rows=%d", len(members))
         try:
             logits = prefill_together(
-                self._model,
+                self._batch_model(members),
                 [m.cache for m in members],
                 [m.prompt for m in members],
                 stops=[m.stops for m in members],
@@ -152,6 +163,13 @@ class PrefillGroup:
             return
         for m, row_logits in zip(members, logits, strict=True):
             m.logits = row_logits
+
+    def _batch_model(self, members: list[_Member]) -> nn.Module:
+        """The model the members' pass runs on: the loaded one, or, where a prompt has
+        images, each row's own embeddings and positions (`PromptRows`)."""
+        if all(m.images is None for m in members):
+            return self._model
+        return PromptRows(self._model, [m.images for m in members])
 
 
 def _similar(members: list[_Member]) -> list[_Member]:
