@@ -1,7 +1,8 @@
 """Prefill and decode throughput: mlxkv's Runner vs `mlx_lm.stream_generate`, same model.
 
 Both run with their default settings (mlxkv prefills in 512-token steps on a CPU and 2,048 on a
-GPU, mlx-lm in 2,048), on a fresh cache each repetition, and are timed the same way from
+GPU, mlx-lm in 2,048) except speculative decoding, off on mlxkv's side as mlx-lm has none by
+default, on a fresh cache each repetition, and are timed the same way from
 outside: the time to the first token for prefill, the spacing of the later tokens for decode.
 Each size first runs once on each side untimed: on MLX's CUDA backend the first call at a new
 shape compiles kernels (on an H200, 0.17-1.0 s at 2k-32k tokens), which made one of two timed
@@ -143,7 +144,9 @@ def new_length_cost(runner: Runner, prefix: list[int], turns: int = 6) -> dict:
 
 def measure(loaded: LoadedModel, prefill_sizes: list[int], decode_tokens: int, reps: int) -> dict:
     """Returns {"prefill": {n: {...}}, "decode": {...}} with tokens/s Stats and ratios."""
-    runner = Runner(loaded)
+    # Plain decoding on both sides: the Runner's default ("auto") drafts on these repeating
+    # greedy replies, which would measure speculation (benchmarks.speculative) instead.
+    runner = Runner(loaded, speculative=None)
     results: dict = {"prefill": {}, "decode": {}}
 
     def prefill_tps(run, ids):

@@ -31,11 +31,12 @@ def _llama_cpp_permute(w: mx.array, heads: int) -> mx.array:
     return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def write_gguf(model_dir, out_path, *, architecture="llama", dtype=mx.float16, **overrides):
+def llama_cpp_tensors(model_dir) -> dict[str, mx.array]:
+    """The factory model's weights under llama.cpp's names, q/k rows permuted as its convert
+    script does, in the model's own dtype."""
     config = json.loads((model_dir / "config.json").read_text())
-    weights = mx.load(str(model_dir / "model.safetensors"))
     tensors = {}
-    for name, w in weights.items():
+    for name, w in mx.load(str(model_dir / "model.safetensors")).items():
         if name == "model.embed_tokens.weight":
             key = "token_embd.weight"
         elif name == "model.norm.weight":
@@ -50,16 +51,22 @@ def write_gguf(model_dir, out_path, *, architecture="llama", dtype=mx.float16, *
                 w = _llama_cpp_permute(w, config["num_attention_heads"])
             elif module == "self_attn.k_proj":
                 w = _llama_cpp_permute(w, config["num_key_value_heads"])
-        tensors[key] = w.astype(dtype) if w.ndim == 2 else w
+        tensors[key] = w
+    return tensors
+
+
+def llama_cpp_metadata(model_dir, *, architecture="llama", file_type=1) -> dict:
+    """The factory model's config and tokenizer as llama.cpp's GGUF metadata keys."""
+    config = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     specials = {t["content"] for t in tok["added_tokens"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
-    metadata = {
+    return {
         "general.architecture": architecture,
-        "general.file_type": u32(1),
+        "general.file_type": u32(file_type),
         "llama.embedding_length": u32(config["hidden_size"]),
         "llama.block_count": u32(config["num_hidden_layers"]),
         "llama.feed_forward_length": u32(config["intermediate_size"]),
@@ -81,6 +88,14 @@ def write_gguf(model_dir, out_path, *, architecture="llama", dtype=mx.float16, *
         "tokenizer.ggml.bos_token_id": u32(config["bos_token_id"]),
         "tokenizer.chat_template": tok_config["chat_template"],
     }
+
+
+def write_gguf(model_dir, out_path, *, architecture="llama", dtype=mx.float16, **overrides):
+    tensors = {
+        key: w.astype(dtype) if w.ndim == 2 else w
+        for key, w in llama_cpp_tensors(model_dir).items()
+    }
+    metadata = llama_cpp_metadata(model_dir, architecture=architecture)
     metadata.update(overrides)
     mx.save_gguf(str(out_path), tensors, metadata)
     return out_path

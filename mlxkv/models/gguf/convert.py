@@ -56,6 +56,9 @@ _GLOBAL_NAMES = {
 }
 
 _MANIFEST = "mlxkv-conversion.json"  # file name -> size in bytes, written last
+# Raised when the same file converts to other weights: a conversion of another format is
+# converted again. 2: quantized blocks dequantized in float32 (1: in float16).
+_FORMAT = 2
 
 
 def default_cache_root() -> Path:
@@ -79,7 +82,8 @@ def converted_dir(
     """The mlx-lm directory for a GGUF file, converting it on first use.
 
     A conversion found in the cache is reused only if its files have the sizes recorded when
-    it was written; otherwise (truncated, half deleted) it is converted again.
+    it was written and it was made in this code's conversion format; otherwise (truncated,
+    half deleted, made by an older mlxkv) it is converted again.
 
     Args:
         gguf_path: the .gguf file.
@@ -92,10 +96,12 @@ def converted_dir(
     """
     path = _checked_source(Path(gguf_path))
     out = (cache_root or default_cache_root()) / "gguf" / _content_hash(path)
-    if is_conversion(out):
+    if is_conversion(out) and _manifest_format(out) == _FORMAT:
         logger.info("gguf: reusing conversion of %s at %s", path.name, out)
         return out
-    if out.exists():
+    if is_conversion(out):  # replaced in place by `convert_gguf`, as `mlxkv convert` does
+        logger.info("gguf: conversion at %s was made by an older mlxkv; converting again", out)
+    elif out.exists():
         logger.warning("gguf: conversion at %s is incomplete or corrupt; converting again", out)
         drop_conversion(out)
     logger.info("gguf: converting %s to %s", path.name, out)
@@ -172,6 +178,14 @@ def _manifest_files(directory: Path) -> dict[str, int] | None:
     return files
 
 
+def _manifest_format(directory: Path) -> int | None:
+    """The conversion format a complete conversion's manifest records."""
+    try:
+        return json.loads((directory / _MANIFEST).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _checked_source(path: Path) -> Path:
     if path.is_dir():
         raise ModelLoadError(f"{path} is a directory, not a GGUF file")
@@ -216,7 +230,7 @@ def _temporary_dir(out: Path) -> Path:
 
 def _write_manifest(directory: Path, source: str) -> None:
     files = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
-    manifest = {"format": 1, "source": source, "files": files}
+    manifest = {"format": _FORMAT, "source": source, "files": files}
     (directory / _MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
@@ -279,8 +293,15 @@ def _dequantized(tensors: dict[str, mx.array], base: str) -> mx.array:
     if scales is None:
         return weight
     bits = weight.shape[-1] // scales.shape[-1]
+    # MLX reads the blocks' scales and biases as float16 and would compute in float16: with
+    # Q8_0's bias of -128 x scale that adds up to 1/16 of a quantization step. In float32 the
+    # result is llama.cpp's own dequantization exactly.
     return mx.dequantize(
-        weight, scales, tensors[f"{base}.biases"], group_size=_GROUP_SIZE, bits=bits
+        weight,
+        scales.astype(mx.float32),
+        tensors[f"{base}.biases"].astype(mx.float32),
+        group_size=_GROUP_SIZE,
+        bits=bits,
     )
 
 
