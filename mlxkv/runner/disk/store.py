@@ -290,8 +290,6 @@ class DiskStore:
         file of its conversation that holds the tokens before it supersedes it. The cache's
         disk snapshots (`snapshot_for_disk`) go with the blocks they fall in; it forgets them.
         Skipped in the background while the writes queued hold over `max_pending_bytes`."""
-        if not wait and self._queued_over_budget():
-            return
         cache.pass_gate()  # a streamed restore's layers are written only once checked
         snapshots = cache.take_disk_snapshots()  # held by the jobs of the blocks they fall in
         tokens = np.asarray(cache.tokens, dtype=np.uint32)
@@ -301,6 +299,8 @@ class DiskStore:
         last = keys[-1] + SUFFIX
         if self._written_or_queued(last):
             return  # its last block is written or queued: so are the blocks before it
+        if not wait and self._queued_over_budget():
+            return  # its disk snapshots go with it: they were kept for this write only
         try:
             arrays, layout = cache_to_arrays(cache, snapshots)
         except NotSupportedError as why:
