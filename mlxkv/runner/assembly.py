@@ -94,6 +94,7 @@ def make_pool(
                 kv_bits=config.cache_dir_kv_bits,
                 trimmable=not empty.needs_checkpoints,
             )
+            store.max_pending_bytes = config.cache_bytes
             if not store.trimmable:
                 kv_bits = config.cache_dir_kv_bits
                 every = snapshot_every_blocks(snapshot_cost, store.block_tokens, kv_bits)

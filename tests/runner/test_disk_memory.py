@@ -121,3 +121,25 @@ def test_the_budget_holds_with_the_turn_just_queued_for_disk(make_runner, tmp_pa
         assert runner.cache_info().held_bytes <= budget
     assert [e.current for e in runner.cache_info().entries] == [True]  # the first one evicted
     release.set()
+
+
+def test_writes_queued_behind_a_slow_disk_stay_within_the_budget(
+    make_runner, tmp_path, held_writes, caplog
+):
+    """A disk slower than the requests (its writes held here) queues copies of each turn's
+    K/V: once they hold over the budget, a further write is skipped with a warning instead of
+    queued (they grew by one conversation per request, without bound, before)."""
+    release, _ = held_writes
+    one = make_runner("llama", cache_dir=tmp_path / "probe")
+    one.generate("conversation 00: a question about rivers", max_tokens=4)
+    write_bytes = one.cache_info().disk_pending_bytes  # every conversation below writes as much
+    budget = 3 * write_bytes
+    runner = make_runner("llama", cache_entries=8, cache_bytes=budget, cache_dir=tmp_path / "run")
+    for n in range(12):
+        runner.generate(f"conversation {n:02d}: a question about rivers", max_tokens=4)
+        pending = runner.cache_info().disk_pending_bytes
+        assert pending <= budget + write_bytes, f"request {n}: {pending} bytes queued"
+    assert "queued for disk are over the memory budget" in caplog.text
+    release.set()
+    runner._pool.store.flush()
+    assert runner._pool.store.num_entries >= 3  # what was queued is written

@@ -116,6 +116,9 @@ class DiskStore:
         self.streamed = True  # a load's layers used as checked (False: files checked whole)
         # tokens between the state layers' disk snapshots (`snapshots`); None: none taken
         self.snapshot_every_tokens: int | None = None
+        # the memory budget the writes queued may reach before another is skipped (a disk
+        # slower than the requests would otherwise queue copies of K/V without bound)
+        self.max_pending_bytes: int | None = None
         self._records: dict[str, StoredEntry] = {}
         self._lock = threading.Lock()  # guards _records
         # held while a scan compares the directory with the index, and while this process
@@ -292,7 +295,8 @@ class DiskStore:
         type that cannot be saved is skipped. `salt`: the isolation domain the entry belongs
         to. `reply_start`: where its last request's reply began (None: its end); a later
         file of its conversation that holds the tokens before it supersedes it. The cache's
-        disk snapshots (`snapshot_for_disk`) go with the blocks they fall in; it forgets them."""
+        disk snapshots (`snapshot_for_disk`) go with the blocks they fall in; it forgets them.
+        Skipped in the background while the writes queued hold over `max_pending_bytes`."""
         cache.pass_gate()  # a streamed restore's layers are written only once checked
         snapshots = cache.take_disk_snapshots()  # held by the jobs of the blocks they fall in
         tokens = np.asarray(cache.tokens, dtype=np.uint32)
@@ -302,6 +306,8 @@ class DiskStore:
         last = keys[-1] + SUFFIX
         if self._written_or_queued(last):
             return  # its last block is written or queued: so are the blocks before it
+        if not wait and self._queued_over_budget():
+            return  # its disk snapshots go with it: they were kept for this write only
         try:
             arrays, layout = cache_to_arrays(cache, snapshots)
         except NotSupportedError as why:
@@ -335,6 +341,19 @@ class DiskStore:
             )
             job = WriteJob(block, metadata, key + SUFFIX, nbytes)
             self._run_logged(job) if wait else self._writer.put(job)
+
+    def _queued_over_budget(self) -> bool:
+        """Whether the writes queued hold over `max_pending_bytes` (said, when they do)."""
+        pending = self.pending_writes.nbytes
+        if self.max_pending_bytes is None or pending <= self.max_pending_bytes:
+            return False
+        logger.warning(
+            "disk cache: entry not saved: %d bytes queued for disk are over the memory budget "
+            "of %d (the disk is slower than the requests)",
+            pending,
+            self.max_pending_bytes,
+        )
+        return True
 
     def write_reply(self, prompt: list[int], ids: list[int], text: str, salt: str | None) -> None:
         """Saves, behind the blocks queued before it, the record of reply `ids` (`text`) to
