@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mlxkv.cache.prefix import common_prefix_length
-from mlxkv.runner.disk.files import StoredEntry
+from mlxkv.runner.disk.files import SUFFIX, StoredEntry
 
 # Tokens per block: small enough that a turn rewrites little, large enough that a long
 # conversation is few files.
@@ -150,13 +150,20 @@ def block_ranges(num_tokens: int, block_tokens: int) -> list[tuple[int, int]]:
 
 
 def superseded_by(
-    record: StoredEntry, records: list[StoredEntry], *, trimmable: bool
+    record: StoredEntry,
+    records: list[StoredEntry],
+    *,
+    trimmable: bool,
+    followed: Iterable[str] = (),
 ) -> list[StoredEntry]:
-    """The blocks of `records` that `record` makes redundant, with every block after them:
-    beside it in its chain (same salt, parent and start), no longer, holding its tokens up to
-    their reply start (the same conversation, its reply maybe rendered back otherwise: the
-    pool trims such an entry in place too), which `record`'s chain serves (every layer trims,
-    or the reply starts in the blocks they share, or `record` has a checkpoint there)."""
+    """The blocks of `records` that `record` makes redundant, with every block after them,
+    last first (removed in this order, a process killed between two removals leaves no block
+    without its parent): beside it in its chain (same salt, parent and start), no longer,
+    holding its tokens up to their reply start (the same conversation, its reply maybe
+    rendered back otherwise: the pool trims such an entry in place too), which `record`'s
+    chain serves (every layer trims, or the reply starts in the blocks they share, or
+    `record` has a checkpoint there). Not the blocks named in `followed` (file names: a
+    queued write follows them) nor those before them."""
 
     def supersedes(other: StoredEntry) -> bool:
         served = min(other.num_tokens, max(1, other.reply_start - other.start))
@@ -179,4 +186,11 @@ def superseded_by(
         if other.parent in keys and other.key not in keys:
             gone.append(other)
             keys.add(other.key)
-    return gone
+    by_key = {r.key: r for r in records}
+    kept: set[str] = set()
+    for name in followed:
+        key: str | None = name.removesuffix(SUFFIX)
+        while key in by_key and key not in kept:
+            kept.add(key)
+            key = by_key[key].parent
+    return sorted((r for r in gone if r.key not in kept), key=lambda r: r.start, reverse=True)

@@ -31,7 +31,6 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import threading
@@ -42,16 +41,15 @@ import mlx.core as mx
 import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.serialize import arrays_to_cache, cache_to_arrays
-from mlxkv.errors import CacheStateError, NotSupportedError
-from mlxkv.runner.disk.blocks import cut_block, join_blocks
+from mlxkv.cache.serialize import cache_to_arrays
+from mlxkv.errors import NotSupportedError
+from mlxkv.runner.disk.blocks import cut_block
 from mlxkv.runner.disk.budget import removal_order, tier_files
 from mlxkv.runner.disk.chains import (
     BLOCK_TOKENS,
     StoredChain,
     block_ranges,
     longest_chain,
-    partial_restores,
     superseded_by,
 )
 from mlxkv.runner.disk.files import (
@@ -68,8 +66,9 @@ from mlxkv.runner.disk.files import (
     touch,
     write_file,
 )
-from mlxkv.runner.disk.reading import LayerStream, read_blocks, warn_unreadable
+from mlxkv.runner.disk.reading import warn_unreadable
 from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply, reply_name
+from mlxkv.runner.disk.restore import restore_chain
 from mlxkv.runner.disk.writer import BackgroundWriter, PendingWrites, WriteJob
 
 logger = logging.getLogger(__name__)
@@ -210,38 +209,25 @@ class DiskStore:
     def load(
         self, chain: StoredChain, empty: ModelCache, *, streamed: bool | None = None
     ) -> ModelCache | None:
-        """Fills `empty` with the first `chain.num_tokens` tokens from `chain`'s files (only
-        those: a chain ends at the block that holds its last token). A block that is missing,
-        truncated, corrupt or for another model (removed, one warning) ends the read there:
-        the cache holds the longest prefix the blocks before it restore (`partial_restores`;
-        the request prefills the rest), None when they restore none. `streamed` (None: the
-        store's): headers alone checked here; the cache's `gate` (`reading.LayerStream`)
-        hands each layer to the model once its sections passed, and one that fails breaks the
-        restore (`RestoreBroken`; `prompt_cache.restore_again`)."""
+        """Fills `empty` with the first `chain.num_tokens` tokens from `chain`'s files, or the
+        longest prefix its readable blocks restore (`restore.restore_chain`; the request
+        prefills the rest): None when they restore none. `streamed` (None: the store's): a
+        layer that fails its checks once used breaks the restore (`RestoreBroken`;
+        `prompt_cache.restore_again`)."""
         started = time.perf_counter()
         streamed = self.streamed if streamed is None else streamed
-        read = read_blocks(chain.blocks, self._reject, streamed=streamed)
-        restores = partial_restores(chain, trimmable=self.trimmable)
-        restores = [r for r in restores if len(r.blocks) <= len(read)]
-        if not restores:
+        restored = restore_chain(
+            chain,
+            empty,
+            trimmable=self.trimmable,
+            streamed=streamed,
+            reject=self._reject,
+            discard=self._discard,
+            measured=self._measured,
+        )
+        if restored is None:
             return None
-        restore = restores[-1]
-        used = read[: len(restore.blocks)]
-        try:
-            arrays, layout = join_blocks([block for _, block in used], restore.num_tokens)
-            cache = arrays_to_cache(arrays, layout, restore.tokens.tolist(), empty)
-            if streamed:
-                headers = list(zip(restore.blocks, [header for header, _ in used], strict=True))
-                measured = functools.partial(self._measured, restore.nbytes)
-                cache.gate = LayerStream(headers, len(cache), self._reject, measured)
-            else:
-                mx.eval(cache.arrays())
-        except (CacheStateError, ValueError, KeyError, TypeError, ArithmeticError) as why:
-            self._discard(restore.blocks[-1].path, why)
-            return None
-        except (OSError, RuntimeError, MemoryError) as error:  # says nothing about the file
-            warn_unreadable(restore.blocks[-1], error)
-            return None
+        cache, restore = restored
         seconds = max(time.perf_counter() - started, 1e-6)
         if not streamed:
             self._measured(restore.nbytes, seconds)
@@ -425,18 +411,9 @@ class DiskStore:
         """Removes the blocks `record` supersedes (`chains.superseded_by`): a conversation
         written behind turn after turn keeps one chain, not one per turn."""
         with self._lock:
-            records = {r.key: r for r in self._records.values()}
-        gone = superseded_by(record, list(records.values()), trimmable=self.trimmable)
-        kept: set[str] = set()  # those a queued block follows, and the blocks before them
-        for name in self._queued_parents():
-            key: str | None = name.removesuffix(SUFFIX)
-            while key in records and key not in kept:
-                kept.add(key)
-                key = records[key].parent
-        # last first: a process killed between two removals leaves no block without its parent
-        for other in sorted(gone, key=lambda r: r.start, reverse=True):
-            if other.key in kept:
-                continue
+            records = list(self._records.values())
+        followed = self._queued_parents()
+        for other in superseded_by(record, records, trimmable=self.trimmable, followed=followed):
             with self._directory_lock:
                 if remove_own_file(other.path):
                     logger.debug("disk cache superseded file=%s", other.path.name)
