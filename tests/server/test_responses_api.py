@@ -80,14 +80,19 @@ def test_the_tool_result_turn_reuses_the_first_turn(scripted_server):
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
 
 
-def test_an_item_reference_is_the_reply_it_names(scripted_server):
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+def test_an_item_reference_is_the_reply_it_names(scripted_server, streamed):
     """The AI SDK's `openai` provider (ai 6.0, @ai-sdk/openai 3.0, `store` on) sends an earlier
     reply back as `item_reference`s to its output items: the turn is the one its text and call
     make, and reuses the first turn's prompt and reply (a reference dropped left them out)."""
     client = scripted_server.openai()
     kwargs = {"model": "m", "instructions": INSTRUCTIONS, "tools": [WEATHER]}
     ask = {"role": "user", "content": "Weather in Lima?"}
-    first = client.responses.create(input=[ask], **kwargs)
+    if streamed:
+        with client.responses.stream(input=[ask], **kwargs) as stream:
+            first = stream.get_final_response()
+    else:
+        first = client.responses.create(input=[ask], **kwargs)
     message, call = first.output
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "warm"}
     referenced = [ask, *({"type": "item_reference", "id": item.id} for item in first.output)]
