@@ -80,6 +80,30 @@ def test_the_tool_result_turn_reuses_the_first_turn(scripted_server):
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+def test_an_item_reference_is_the_reply_it_names(scripted_server, streamed):
+    """The AI SDK's `openai` provider (ai 6.0, @ai-sdk/openai 3.0, `store` on) sends an earlier
+    reply back as `item_reference`s to its output items: the turn is the one its text and call
+    make, and reuses the first turn's prompt and reply (a reference dropped left them out)."""
+    client = scripted_server.openai()
+    kwargs = {"model": "m", "instructions": INSTRUCTIONS, "tools": [WEATHER]}
+    ask = {"role": "user", "content": "Weather in Lima?"}
+    if streamed:
+        with client.responses.stream(input=[ask], **kwargs) as stream:
+            first = stream.get_final_response()
+    else:
+        first = client.responses.create(input=[ask], **kwargs)
+    message, call = first.output
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "warm"}
+    referenced = [ask, *({"type": "item_reference", "id": item.id} for item in first.output)]
+    inline = [ask, message.model_dump(), call.model_dump()]
+    by_reference = client.responses.create(input=[*referenced, result], **kwargs)
+    by_text = client.responses.create(input=[*inline, result], **kwargs)
+    assert by_reference.usage.input_tokens == by_text.usage.input_tokens
+    reused = first.usage.input_tokens + first.usage.output_tokens
+    assert by_reference.usage.input_tokens_details.cached_tokens >= reused
+
+
 def test_input_items_as_codex_sends_them(scripted_server):
     client = scripted_server.openai()
     reply = client.responses.create(
@@ -121,8 +145,9 @@ def test_input_items_as_codex_sends_them(scripted_server):
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{oops",
                      "call_id": "c"}]}, "not JSON"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": [{"type": "item_reference", "id": "msg_unknown"}]}, "not found"),
     ],
-    ids=["image", "unknown-previous", "bad-arguments", "zero-max"],
+    ids=["image", "unknown-previous", "bad-arguments", "zero-max", "unknown-item"],
 )  # fmt: skip
 def test_bad_requests_are_400s_in_openai_shape(scripted_server, body, mentions):
     with pytest.raises(openai.BadRequestError) as raised:

@@ -3,7 +3,8 @@ messages and tools.
 
 `input` is a string or a list of items: messages (roles user, assistant, system, developer;
 content a string or `input_text`/`output_text` parts), `function_call` and
-`function_call_output` (the assistant's tool calls and their results, matched by `call_id`).
+`function_call_output` (the assistant's tool calls and their results, matched by `call_id`);
+an `item_reference` is replaced by the stored output item it names before (`history`).
 A `reasoning` item's text (`reasoning_text` content; a summary or encrypted content alone
 is not the model's thinking) is the `reasoning_content` of the assistant turn after it;
 other items a local model cannot use are dropped. `instructions` is the
@@ -42,6 +43,7 @@ class InputItem(Lenient):
     """One item of `input`; which fields matter depends on `type`."""
 
     type: str = "message"  # a bare {"role", "content"} is a message
+    id: str | None = None  # the item an `item_reference` names
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputPart] | None = None
     name: str | None = None

@@ -37,7 +37,7 @@ from mlxkv.server.reply.turn import (
     collect,
     start_turn,
 )
-from mlxkv.server.responses_api.history import stored_responses
+from mlxkv.server.responses_api.history import resolve_references, stored_responses
 from mlxkv.server.responses_api.protocol import NamedFunction, ResponsesRequest, chat_messages
 from mlxkv.server.state import Context, event_stream, sse
 
@@ -57,7 +57,8 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
                 param="previous_response_id",
             )
         history = found
-    conversation = history + chat_messages(None, body.input_items())
+    items = resolve_references(body.input_items(), stored_responses(request))
+    conversation = history + chat_messages(None, items)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     turn = await start_turn(
         request,
@@ -76,7 +77,8 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
 
     def remember(output: list[dict[str, Any]]) -> None:
         if body.store:
-            stored_responses(request).put(response.id, conversation + _as_messages(output))
+            messages = conversation + _as_messages(output)
+            stored_responses(request).put(response.id, messages, output)
 
     if body.stream:
         events = _response_events(turn, response, remember, request.scope)
