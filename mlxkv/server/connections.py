@@ -92,6 +92,32 @@ class GuardedH11Protocol(H11Protocol):
     _header_deadline: Any = None
     _turned_away = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn answers a request over `limit_concurrency` in plain text, without
+        # Retry-After: this protocol keeps the limit and answers it itself (`_over_limit`)
+        self._max_open, self.limit_concurrency = self.limit_concurrency, None
+        self._app = self.app
+
+    def handle_events(self) -> None:
+        """uvicorn's, serving a request that arrives over the limit with `_over_limit` (the
+        counts uvicorn checks: no task starts before the request it reads here)."""
+        limit = self._max_open
+        over = limit is not None and max(len(self.connections), len(self.tasks)) >= limit
+        self.app = self._over_limit if over else self._app
+        super().handle_events()
+
+    async def _over_limit(self, scope: Any, receive: Any, send: Any) -> None:
+        """503 in the shape of the request's API, with Retry-After, as the server's own 503s;
+        the connection closes after it."""
+        logger.warning("answered 503: over %s connections were open", self._max_open)
+        message = (
+            f"the server has all the {self._max_open} connections it allows open; retry in "
+            f"{RETRY_AFTER_S} s"
+        )
+        headers = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}
+        await error_response(scope["path"], 503, message, headers=headers)(scope, receive, send)
+
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()

@@ -12,6 +12,8 @@ import socket
 import threading
 from collections.abc import Iterator
 
+import anthropic
+import openai
 import pytest
 
 from mlxkv import Runner
@@ -195,7 +197,17 @@ def test_connections_over_the_limit_get_503(loaded_tiny, monkeypatch):
             kept.getresponse().read()
         held.enter_context(socket.create_connection((served.host, served.port)))  # waiting
         status, _ = served.request("GET", "/health")
+        with pytest.raises(anthropic.InternalServerError) as refused:
+            served.anthropic().messages.create(model="tiny", messages=USER, max_tokens=1)
+        with pytest.raises(openai.InternalServerError) as openai_refused:
+            served.openai().models.list()
     assert status == 503
+    # in the API's shape, with Retry-After, as the server's own 503s (was: uvicorn's plain text)
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["retry-after"] == str(connections.RETRY_AFTER_S)
+    assert refused.value.body["error"]["type"] == "overloaded_error"
+    assert openai_refused.value.body["message"].startswith("the server has all the 3 connections")
+    assert openai_refused.value.response.headers["connection"] == "close"
 
 
 def _sixteen_mib_chunks() -> Iterator[bytes]:
