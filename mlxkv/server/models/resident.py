@@ -14,7 +14,9 @@ Invariants:
   - a model loaded again (its fingerprint unchanged) knows the replies its last load
     generated (`text.replies`): one sent back renders as their ids, with or without a disk tier;
   - a model given loaded (a Runner, not a `ModelLoader`) is never unloaded: nothing could load
-    it again.
+    it again;
+  - after a stop signal (`begin_shutdown`) no request gets a worker: a load that ends after it
+    serves nothing (its requests get the 503 a stopping server answers).
 Every decision runs on the event loop (the slow parts, loading and closing, on a thread), so
 the bookkeeping needs no thread lock. Does not own which name a request means (`served.py`).
 """
@@ -45,6 +47,7 @@ from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.runner.runner import Runner
 from mlxkv.runner.text.replies import ReplyTokens, replies_for
 from mlxkv.server.errors import ApiError
+from mlxkv.server.middleware import SHUTTING_DOWN
 from mlxkv.server.worker import GenerationWorker
 
 logger = logging.getLogger(__name__)
@@ -165,6 +168,7 @@ class Residency:
         self._loading = asyncio.Lock()  # one load at a time: each decides what to unload
         self._released = asyncio.Event()  # a request ended: memory may be free to take
         self._tasks: set[asyncio.Task] = set()
+        self._stopping = False  # a stop signal came: no request starts now
         for model in models:
             if model._given is not None:
                 model._attach(model._given, make_worker(model._given))
@@ -178,12 +182,15 @@ class Residency:
         until the matching `release`.
 
         Raises:
-            ApiError: 500 when it fails to load, 507 when it cannot fit in the budget.
+            ApiError: 500 when it fails to load, 507 when it cannot fit in the budget, 503
+                once the server is stopping (its load may have ended after the stop signal).
         """
         async with model._lock:
-            if model.worker is None:
+            if model.worker is None and not self._stopping:
                 async with self._loading:
                     await self._load(model)
+            if self._stopping:
+                raise ApiError(503, SHUTTING_DOWN)
             model.in_flight += 1
             model.last_used_s = time.monotonic()
             model.expires_at = None
@@ -314,7 +321,9 @@ class Residency:
 
     def begin_shutdown(self) -> None:
         """Ends every loaded model's generations, running or waiting (from any thread: a
-        signal handler); each stream ends with its API's error event."""
+        signal handler); each stream ends with its API's error event. A request whose model is
+        still loading is refused when its load ends (`acquire`)."""
+        self._stopping = True
         for model in self.models:
             worker = model.worker
             if worker is not None:
