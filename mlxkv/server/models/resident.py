@@ -9,6 +9,9 @@ weights plus its prompt cache's byte budget (`Runner.cache_info().budget_bytes`)
 Invariants:
   - a model with requests in flight is never unloaded;
   - a model loads once however many requests wait for it (the others wait for that load);
+  - loads of different models run side by side (a tiny model waited 6.7 s behind a larger
+    one's load); under a budget, each first makes room for its estimate and holds it
+    (`_reserved_bytes`) until it is loaded, so loads side by side never overshoot it;
   - unloading writes the model's cache to its disk tier (`Runner.close`) before a request can
     load it again, so a model loaded again starts warm;
   - a model loaded again (its fingerprint unchanged) knows the replies its last load
@@ -165,7 +168,10 @@ class Residency:
         self.budget_bytes = budget_bytes
         self.keep_alive_s = keep_alive_s
         self._make_worker = make_worker
-        self._loading = asyncio.Lock()  # one load at a time: each decides what to unload
+        # one load at a time decides what to unload and reserves its room (not held while
+        # it loads: the others', which fit beside it, go on meanwhile)
+        self._room = asyncio.Lock()
+        self._reserved_bytes = 0  # the estimates of the models loading now
         self._released = asyncio.Event()  # a request ended: memory may be free to take
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False  # a stop signal came: no request starts now
@@ -187,8 +193,7 @@ class Residency:
         """
         async with model._lock:
             if model.worker is None and not self._stopping:
-                async with self._loading:
-                    await self._load(model)
+                await self._load(model)
             if self._stopping:
                 raise ApiError(503, SHUTTING_DOWN)
             model.in_flight += 1
@@ -238,8 +243,11 @@ class Residency:
 
     async def _load(self, model: ResidentModel) -> None:
         assert model.loader is not None
-        self._check_fits(model)
-        await self._make_room(model.name, model.footprint_bytes, wait=True)
+        async with self._room:
+            self._check_fits(model)
+            await self._make_room(model.name, model.footprint_bytes, wait=True)
+            reserved_bytes = model.footprint_bytes
+            self._reserved_bytes += reserved_bytes
         logger.info("loading model=%s (%s in use)", model.name, format_bytes(self.used_bytes))
         started = time.perf_counter()
         try:
@@ -247,6 +255,9 @@ class Residency:
         except Exception as error:
             logger.error("model=%s failed to load: %s", model.name, error)
             raise ApiError(500, f"model '{model.name}' failed to load: {error}") from error
+        finally:  # its room is counted as loaded from here (no await before `_attach`)
+            self._reserved_bytes -= reserved_bytes
+            self._released.set()  # a failed load's room is free; a loaded one's measured
         model._attach(runner, self._make_worker(runner))
         model.num_loads += 1
         logger.info(
@@ -283,7 +294,10 @@ class Residency:
         """Unloads idle models, least recently used first, until `extra_bytes` more fit;
         with `wait`, waits for busy ones to finish their requests when that is not enough
         (else says the budget is exceeded)."""
-        while self.budget_bytes is not None and self.used_bytes + extra_bytes > self.budget_bytes:
+        while (
+            self.budget_bytes is not None
+            and self.used_bytes + self._reserved_bytes + extra_bytes > self.budget_bytes
+        ):
             idle = [m for m in self.models if _unloadable(m) and not m._lock.locked()]
             if not idle and not wait:
                 logger.warning(
