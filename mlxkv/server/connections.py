@@ -84,13 +84,39 @@ class Server(uvicorn.Server):
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers have not all
-    arrived within `HEADER_TIMEOUT_S` (uvicorn's own keep-alive timeout only covers the wait
-    after a response), and turning away the oldest of those waiting when over
-    `MAX_WAITING_CONNECTIONS` wait at once (the oldest with nothing unread: a request already
-    sent is served)."""
+    arrived within `HEADER_TIMEOUT_S` (408 if it began a request; uvicorn's own keep-alive
+    timeout only covers the wait after a response), and turning away the oldest of those
+    waiting when over `MAX_WAITING_CONNECTIONS` wait at once (the oldest with nothing unread:
+    a request already sent is served)."""
 
     _header_deadline: Any = None
     _turned_away = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn answers a request over `limit_concurrency` in plain text, without
+        # Retry-After: this protocol keeps the limit and answers it itself (`_over_limit`)
+        self._max_open, self.limit_concurrency = self.limit_concurrency, None
+        self._app = self.app
+
+    def handle_events(self) -> None:
+        """uvicorn's, serving a request that arrives over the limit with `_over_limit` (the
+        counts uvicorn checks: no task starts before the request it reads here)."""
+        limit = self._max_open
+        over = limit is not None and max(len(self.connections), len(self.tasks)) >= limit
+        self.app = self._over_limit if over else self._app
+        super().handle_events()
+
+    async def _over_limit(self, scope: Any, receive: Any, send: Any) -> None:
+        """503 in the shape of the request's API, with Retry-After, as the server's own 503s;
+        the connection closes after it."""
+        logger.warning("answered 503: over %s connections were open", self._max_open)
+        message = (
+            f"the server has all the {self._max_open} connections it allows open; retry in "
+            f"{RETRY_AFTER_S} s"
+        )
+        headers = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}
+        await error_response(scope["path"], 503, message, headers=headers)(scope, receive, send)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -136,8 +162,6 @@ class GuardedH11Protocol(H11Protocol):
     def _turn_away(self) -> None:
         """Answers 503 (Retry-After; in the shape of the API whose path the request line
         named, if it came) and closes once the client has closed or `LINGER_S` has passed."""
-        self._disarm()
-        self._turned_away = True
         received, _ = self.conn.trailing_data
         path = match.group(1).decode("ascii") if (match := _REQUEST_LINE.match(received)) else "/"
         message = (
@@ -147,7 +171,14 @@ class GuardedH11Protocol(H11Protocol):
         busy = error_response(path, 503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
         head = b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\n"
         head += b"".join(name + b": " + value + b"\r\n" for name, value in busy.raw_headers)
-        self.transport.write(head + b"\r\n" + busy.body)
+        self._answer_and_linger(head + b"\r\n" + busy.body)
+
+    def _answer_and_linger(self, answer: bytes) -> None:
+        """Writes `answer` (a whole response, before its request was read) and closes once the
+        client has closed or `LINGER_S` has passed; the bytes it still sends are dropped."""
+        self._disarm()
+        self._turned_away = True
+        self.transport.write(answer)
         if self.transport.can_write_eof():  # not over TLS: that close waits for the linger
             self.transport.write_eof()  # the client reads the answer, then its end of file
         self.connections.discard(self)  # lingering: not held against the connection limit
@@ -170,14 +201,27 @@ class GuardedH11Protocol(H11Protocol):
             self._waiting().pop(self, None)
 
     def _too_slow(self) -> None:
+        """The header deadline: a connection that began a request is answered 408 (as nginx
+        does; a client then reports a timeout, not a dropped connection), one that sent
+        nothing is closed without a word (an idle socket, a port scanner)."""
         self._header_deadline = None
         self._waiting().pop(self, None)
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            logger.warning(
-                "closed a connection whose request headers did not arrive within %.0f s",
-                HEADER_TIMEOUT_S,
-            )
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            return
+        logger.warning(
+            "closed a connection whose request headers did not arrive within %.0f s",
+            HEADER_TIMEOUT_S,
+        )
+        received, _ = self.conn.trailing_data
+        if not received:
             self.transport.close()
+            return
+        message = f"the request headers did not arrive within {HEADER_TIMEOUT_S:g} s\n"
+        self._answer_and_linger(
+            b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n"
+            b"content-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(message), message.encode())
+        )
 
 
 def _lingering(state: Any) -> set[GuardedH11Protocol]:

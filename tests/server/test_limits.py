@@ -12,6 +12,8 @@ import socket
 import threading
 from collections.abc import Iterator
 
+import anthropic
+import openai
 import pytest
 
 from mlxkv import Runner
@@ -126,16 +128,28 @@ def test_unclosed_quotes_do_not_stall_the_server(tiny_server):
     assert status == 400
 
 
-@pytest.mark.parametrize("sent", [b"", b"POST /v1/models HTTP/1.1\r\nHost: x\r\n"],
-                         ids=["nothing", "half-the-headers"])  # fmt: skip
-def test_headers_that_do_not_arrive_close_the_connection(loaded_tiny, monkeypatch, sent):
+@pytest.mark.parametrize(
+    ("sent", "answer"),
+    [(b"", b""), (b"POST /v1/models HTTP/1.1\r\nHost: x\r\n", b"HTTP/1.1 408 ")],
+    ids=["nothing", "half-the-headers"],
+)
+def test_headers_that_do_not_arrive_close_the_connection(loaded_tiny, monkeypatch, sent, answer):
+    """A request begun is answered 408 (was: closed without a word, as is a socket that sent
+    nothing)."""
     monkeypatch.setattr(connections, "HEADER_TIMEOUT_S", 0.2)
     with (
         serve(Runner(loaded_tiny("llama"))) as served,
         socket.create_connection((served.host, served.port), timeout=30) as idle,
     ):
         idle.sendall(sent)
-        assert idle.recv(1024) == b""  # closed by the server, not by the 30 s timeout
+        received = b""
+        while chunk := idle.recv(1024):  # closed by the server, not by the 30 s timeout
+            received += chunk
+    assert received.startswith(answer) and (answer or not received), received
+    if answer:
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert b"connection: close" in head.lower()
+        assert b"did not arrive within 0.2 s" in body
 
 
 def test_a_body_that_does_not_arrive_is_408(loaded_tiny, monkeypatch):
@@ -183,7 +197,17 @@ def test_connections_over_the_limit_get_503(loaded_tiny, monkeypatch):
             kept.getresponse().read()
         held.enter_context(socket.create_connection((served.host, served.port)))  # waiting
         status, _ = served.request("GET", "/health")
+        with pytest.raises(anthropic.InternalServerError) as refused:
+            served.anthropic().messages.create(model="tiny", messages=USER, max_tokens=1)
+        with pytest.raises(openai.InternalServerError) as openai_refused:
+            served.openai().models.list()
     assert status == 503
+    # in the API's shape, with Retry-After, as the server's own 503s (was: uvicorn's plain text)
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["retry-after"] == str(connections.RETRY_AFTER_S)
+    assert refused.value.body["error"]["type"] == "overloaded_error"
+    assert openai_refused.value.body["message"].startswith("the server has all the 3 connections")
+    assert openai_refused.value.response.headers["connection"] == "close"
 
 
 def _sixteen_mib_chunks() -> Iterator[bytes]:

@@ -166,6 +166,38 @@ def test_a_stop_signal_ends_a_stream_waiting_for_its_load_with_the_apis_error(ga
     assert "the server is shutting down" in lines[-1]
 
 
+@pytest.mark.parametrize("streams", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("api", list(APIS), ids=list(APIS))
+def test_a_load_that_ends_after_a_stop_signal_starts_no_generation(gated, api, streams):
+    """A stop signal during the load, the load ending within the graceful wait: the request
+    ends with the API's shutting-down error, nothing generated (was: the reply generated,
+    for a server that was told to stop)."""
+    spec = APIS[api]
+    gated.server.config.timeout_graceful_shutdown = _TIMEOUT_S
+    body = {"model": "tiny", **spec.body, "stream": streams}
+
+    def stop_during_the_load() -> None:
+        if gated.gate.entered.wait(_TIMEOUT_S):
+            gated.server.handle_exit(signal.SIGINT, None)
+        gated.gate.open.set()  # the load ends after the stop
+
+    stopper = threading.Thread(target=stop_during_the_load)
+    stopper.start()  # a whole reply's headers come after the load
+    with httpx.Client(base_url=gated.url, timeout=_TIMEOUT_S) as client:
+        response = client.post(spec.path, json=body)
+    stopper.join()
+    lines = [line for line in response.text.splitlines() if line]
+    assert gated.app.state.mlxkv.models.resident["tiny"].num_loads == 1
+    if streams:
+        assert response.status_code == 200
+        assert spec.streamed_text(lines[:-1]) == "", lines  # the last: the error
+    else:
+        assert response.status_code == 503
+    last = json.loads(lines[-1].removeprefix("data: "))
+    assert "error" in last or last["type"] == "error"
+    assert "the server is shutting down" in lines[-1]
+
+
 def test_the_real_clients_get_their_stream_before_the_load_ends(gated):
     openai_stream = gated.openai(max_retries=0, timeout=_TIMEOUT_S).chat.completions.create(
         model="tiny", messages=QUESTION, max_tokens=6, temperature=0, stream=True

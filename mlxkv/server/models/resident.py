@@ -9,12 +9,17 @@ weights plus its prompt cache's byte budget (`Runner.cache_info().budget_bytes`)
 Invariants:
   - a model with requests in flight is never unloaded;
   - a model loads once however many requests wait for it (the others wait for that load);
+  - loads of different models run side by side (a tiny model waited 6.7 s behind a larger
+    one's load); under a budget, each first makes room for its estimate and holds it
+    (`_reserved_bytes`) until it is loaded, so loads side by side never overshoot it;
   - unloading writes the model's cache to its disk tier (`Runner.close`) before a request can
     load it again, so a model loaded again starts warm;
   - a model loaded again (its fingerprint unchanged) knows the replies its last load
     generated (`text.replies`): one sent back renders as their ids, with or without a disk tier;
   - a model given loaded (a Runner, not a `ModelLoader`) is never unloaded: nothing could load
-    it again.
+    it again;
+  - after a stop signal (`begin_shutdown`) no request gets a worker: a load that ends after it
+    serves nothing (its requests get the 503 a stopping server answers).
 Every decision runs on the event loop (the slow parts, loading and closing, on a thread), so
 the bookkeeping needs no thread lock. Does not own which name a request means (`served.py`).
 """
@@ -45,6 +50,7 @@ from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.runner.runner import Runner
 from mlxkv.runner.text.replies import ReplyTokens, replies_for
 from mlxkv.server.errors import ApiError
+from mlxkv.server.middleware import SHUTTING_DOWN
 from mlxkv.server.worker import GenerationWorker
 
 logger = logging.getLogger(__name__)
@@ -162,9 +168,13 @@ class Residency:
         self.budget_bytes = budget_bytes
         self.keep_alive_s = keep_alive_s
         self._make_worker = make_worker
-        self._loading = asyncio.Lock()  # one load at a time: each decides what to unload
+        # one load at a time decides what to unload and reserves its room (not held while
+        # it loads: the others', which fit beside it, go on meanwhile)
+        self._room = asyncio.Lock()
+        self._reserved_bytes = 0  # the estimates of the models loading now
         self._released = asyncio.Event()  # a request ended: memory may be free to take
         self._tasks: set[asyncio.Task] = set()
+        self._stopping = False  # a stop signal came: no request starts now
         for model in models:
             if model._given is not None:
                 model._attach(model._given, make_worker(model._given))
@@ -178,12 +188,14 @@ class Residency:
         until the matching `release`.
 
         Raises:
-            ApiError: 500 when it fails to load, 507 when it cannot fit in the budget.
+            ApiError: 500 when it fails to load, 507 when it cannot fit in the budget, 503
+                once the server is stopping (its load may have ended after the stop signal).
         """
         async with model._lock:
-            if model.worker is None:
-                async with self._loading:
-                    await self._load(model)
+            if model.worker is None and not self._stopping:
+                await self._load(model)
+            if self._stopping:
+                raise ApiError(503, SHUTTING_DOWN)
             model.in_flight += 1
             model.last_used_s = time.monotonic()
             model.expires_at = None
@@ -231,8 +243,11 @@ class Residency:
 
     async def _load(self, model: ResidentModel) -> None:
         assert model.loader is not None
-        self._check_fits(model)
-        await self._make_room(model.name, model.footprint_bytes, wait=True)
+        async with self._room:
+            self._check_fits(model)
+            await self._make_room(model.name, model.footprint_bytes, wait=True)
+            reserved_bytes = model.footprint_bytes
+            self._reserved_bytes += reserved_bytes
         logger.info("loading model=%s (%s in use)", model.name, format_bytes(self.used_bytes))
         started = time.perf_counter()
         try:
@@ -240,6 +255,9 @@ class Residency:
         except Exception as error:
             logger.error("model=%s failed to load: %s", model.name, error)
             raise ApiError(500, f"model '{model.name}' failed to load: {error}") from error
+        finally:  # its room is counted as loaded from here (no await before `_attach`)
+            self._reserved_bytes -= reserved_bytes
+            self._released.set()  # a failed load's room is free; a loaded one's measured
         model._attach(runner, self._make_worker(runner))
         model.num_loads += 1
         logger.info(
@@ -276,7 +294,10 @@ class Residency:
         """Unloads idle models, least recently used first, until `extra_bytes` more fit;
         with `wait`, waits for busy ones to finish their requests when that is not enough
         (else says the budget is exceeded)."""
-        while self.budget_bytes is not None and self.used_bytes + extra_bytes > self.budget_bytes:
+        while (
+            self.budget_bytes is not None
+            and self.used_bytes + self._reserved_bytes + extra_bytes > self.budget_bytes
+        ):
             idle = [m for m in self.models if _unloadable(m) and not m._lock.locked()]
             if not idle and not wait:
                 logger.warning(
@@ -314,7 +335,9 @@ class Residency:
 
     def begin_shutdown(self) -> None:
         """Ends every loaded model's generations, running or waiting (from any thread: a
-        signal handler); each stream ends with its API's error event."""
+        signal handler); each stream ends with its API's error event. A request whose model is
+        still loading is refused when its load ends (`acquire`)."""
+        self._stopping = True
         for model in self.models:
             worker = model.worker
             if worker is not None:

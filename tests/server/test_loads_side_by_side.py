@@ -1,0 +1,124 @@
+"""Loads of different models run side by side (a tiny model waited 6.7 s behind SmolLM2's
+load): with no memory budget over HTTP, through the real OpenAI client; under a budget that
+holds one of them, the second load waits for room instead of overshooting it. Each load is
+held by an event around its loader, so "while the other loads" is certain, not timed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+from mlxkv import Runner
+from mlxkv.server.models.resident import ModelLoader, Residency, ResidentModel
+from mlxkv.server.worker import GenerationWorker
+from tests.factories import tiny_model_dir
+from tests.server.conftest import serve
+
+QUESTION = [{"role": "user", "content": "Once upon a time there was"}]
+_TIMEOUT_S = 30.0  # a load that waits for the other's fails on this, not hangs
+
+
+@dataclass
+class _Gated:
+    """A factory model whose load starts (`entered`), then waits for `open`."""
+
+    path: str
+    open: threading.Event = field(default_factory=threading.Event)
+    entered: threading.Event = field(default_factory=threading.Event)
+    loads: int = 0
+
+    def loader(self, estimated_bytes: int = 0) -> ModelLoader:
+        def load() -> Runner:
+            self.loads += 1
+            self.entered.set()
+            assert self.open.wait(60)
+            return _runner(self.path)
+
+        return ModelLoader(load, estimated_bytes)
+
+
+def _runner(path: str) -> Runner:
+    return Runner.load(path, max_context=256, cache_bytes=1 << 20)
+
+
+async def _footprint_bytes(path: str) -> int:
+    """A model's measured footprint (weights and cache budget), from a load not held."""
+    probe = Residency([ResidentModel("p", ModelLoader(lambda: _runner(path)))],
+                      GenerationWorker, None, -1.0)  # fmt: skip
+    await probe.acquire(probe.models[0])
+    size = probe.models[0].footprint_bytes
+    probe.release(probe.models[0], None)
+    probe.shutdown()
+    return size
+
+
+def _gated(model_root: str, *archs: str) -> list[_Gated]:
+    return [_Gated(str(tiny_model_dir(arch, model_root))) for arch in archs]
+
+
+def test_two_models_load_side_by_side_without_a_budget(model_root):
+    a, b = _gated(model_root, "llama", "qwen3")
+    replies: dict[str, list[str]] = {"a": [], "b": []}
+
+    def ask(client, name: str) -> None:
+        reply = client.chat.completions.create(
+            model=name, messages=QUESTION, max_tokens=4, temperature=0
+        )
+        replies[name].append(reply.choices[0].message.content)
+
+    with serve({"a": a.loader(), "b": b.loader()}) as served:
+        client = served.openai(timeout=_TIMEOUT_S)
+        askers = [threading.Thread(target=ask, args=(client, name)) for name in "aab"]
+        try:
+            for asker in askers[:2]:  # two requests wait for a's one load
+                asker.start()
+            assert a.entered.wait(_TIMEOUT_S)
+            askers[2].start()
+            assert b.entered.wait(_TIMEOUT_S), "b's load waited for a's to end"
+            assert not a.open.is_set()  # both loads run at once
+        finally:
+            a.open.set()
+            b.open.set()
+            for asker in askers:
+                if asker.ident is not None:  # started
+                    asker.join(_TIMEOUT_S)
+        resident = served.app.state.mlxkv.models.resident
+        assert (a.loads, b.loads) == (1, 1)
+        assert resident["a"].num_loads == resident["b"].num_loads == 1
+        ask(client, "a")  # loaded now: the same greedy reply as the two that waited
+        ask(client, "b")
+    assert len(set(replies["a"])) == 1 and len(replies["a"]) == 3, replies
+    assert len(set(replies["b"])) == 1 and len(replies["b"]) == 2, replies
+
+
+def test_under_a_budget_for_one_the_second_load_waits_for_room(model_root):
+    """The budget holds one model: b's load does not start while a's is held (a's estimate is
+    reserved), nor while a's request runs; it starts once a has unloaded."""
+    a, b = _gated(model_root, "llama", "qwen3")
+    b.open.set()  # b loads as soon as it starts: its start is what is watched
+
+    async def scenario() -> None:
+        size = await _footprint_bytes(a.path)  # the tiny models' are about the same
+        models = [ResidentModel("a", a.loader(size)), ResidentModel("b", b.loader(size))]
+        residency = Residency(models, GenerationWorker, int(size * 1.5), -1.0)
+        model_a, model_b = models
+        first = asyncio.ensure_future(residency.acquire(model_a))
+        await asyncio.to_thread(a.entered.wait, _TIMEOUT_S)
+        second = asyncio.ensure_future(residency.acquire(model_b))
+        for _ in range(100):  # until b waits for room (nothing else runs on this loop)
+            if residency._released._waiters:
+                break
+            await asyncio.sleep(0)
+        assert residency._released._waiters and not b.entered.is_set()
+        a.open.set()
+        await first  # a's request holds it loaded: b still waits
+        assert not b.entered.is_set() and not second.done()
+        residency.release(model_a, None)  # a unloads, then b loads
+        await second
+        assert model_a.worker is None and model_b.worker is not None
+        assert residency.used_bytes <= residency.budget_bytes
+        residency.release(model_b, None)
+        residency.shutdown()
+
+    asyncio.run(scenario())
