@@ -2,7 +2,7 @@
 turn, decoded together through one Runner, each answer exactly as it does alone on a cold
 Runner (tokens and log-probabilities), on architectures of distinct layer kinds: hybrid
 GatedDeltaNet (qwen3_next), sinks with alternating windows (gpt_oss), latent attention
-(deepseek_v3), KV-shared layers (gemma3n) and chunked attention (llama4)."""
+(deepseek_v3), KV-shared layers (gemma3n, afm7) and chunked attention (llama4)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,20 @@ from tests.runner.conftest import record_batch_steps
 from tests.runner.test_batching import _queued_then_run
 from tests.tolerances import LOGPROB_ABS
 
-_ARCHS = ["qwen3_next", "gpt_oss", "deepseek_v3", "gemma3n", "llama4"]
+# afm7 (KV-reuse layers reading the last cached layer) answers otherwise when the two
+# follow-ups' prompts are prefilled together (`runner/prefill/group.py`); with that path off
+# its decode batch equals alone. Strict xfail until fixed.
+_AFM7_PREFILLED_TOGETHER = pytest.mark.xfail(
+    strict=True, reason="afm7: prompts prefilled together answer otherwise (first token)"
+)
+_ARCHS = [
+    "qwen3_next",
+    "gpt_oss",
+    "deepseek_v3",
+    "gemma3n",
+    pytest.param("afm7", marks=_AFM7_PREFILLED_TOGETHER),
+    "llama4",
+]
 _GREEDY = {"max_tokens": 12, "temperature": 0.0, "logprobs": 0}
 
 
