@@ -213,13 +213,23 @@ def default_max_batch(window_tokens: int, cost: SnapshotCost, memory_bytes: int)
     return max(1, min(DEFAULT_MAX_BATCH, rows))
 
 
-def choose_max_batch(config: RunnerConfig, cost: SnapshotCost, empty: ModelCache) -> int:
+def choose_max_batch(
+    model: nn.Module, config: RunnerConfig, cost: SnapshotCost, empty: ModelCache
+) -> int:
     """`config.max_batch`, else the rows that fit (`default_max_batch`, from `cost`, what
-    `measure_one_token` read of one token's layers); logs when the model's cache layers
-    (those of `empty`, an unused entry) do not batch (naming those that do not), or decode
-    in the batch but prefill alone (`can_prefill_together`; recurrent state: the probe at
-    load, `probe_padded_state`, logs its own outcome)."""
+    `measure_one_token` read of one token's layers); 1 for a model whose KV-reuse layers
+    place their queries at the key length (mlx-lm's AFM: `offset=S - L`), which a batch's
+    left padding moves, so a shorter row would answer otherwise. Logs when the model's cache
+    layers (those of `empty`, an unused entry) do not batch (naming those that do not), or
+    decode in the batch but prefill alone (`can_prefill_together`; recurrent state: the
+    probe at load, `probe_padded_state`, logs its own outcome)."""
     max_batch = config.max_batch or default_max_batch(config.max_context, cost, memory_bytes())
+    if max_batch > 1 and getattr(getattr(model, "model", None), "kv_reuse_layers", None):
+        logger.info(
+            "this model's KV-reuse layers place their queries at the key length, which a "
+            "batch's padding moves: batched streams take turns, decoding one at a time"
+        )
+        return 1
     if max_batch > 1 and not can_batch(empty):
         logger.info(
             "this model's cache layers (%s) do not batch: batched streams take turns, "

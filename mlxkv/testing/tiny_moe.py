@@ -240,6 +240,12 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
         "partial_rotary_factor": 0.5,
         "rope_scaling": None,
     },
+    "solar_open": {  # glm4_moe's model under solar_open's own settings
+        **BASE_CONFIG,
+        **DEEPSEEK_MOE,
+        "model_type": "solar_open",
+        "partial_rotary_factor": 0.5,
+    },
     "qwen3_moe": {**BASE_CONFIG, **QWEN_MOE, "model_type": "qwen3_moe"},
     "minimax": {
         **BASE_CONFIG,

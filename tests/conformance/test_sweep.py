@@ -50,9 +50,11 @@ _MIN_REUSE = 0.5  # of turn 4's prompt, from the cache
 
 
 def _model_modules() -> list[str]:
-    """mlx-lm's model modules, read from its sources (importing some needs extra packages)."""
+    """mlx-lm's model modules, read from its sources (importing some needs extra packages):
+    those that define `Model` or take another module's under settings of their own
+    (solar_open is glm4_moe's `Model` with its own `ModelArgs`)."""
     folder = Path(mlx_lm.models.__file__).parent
-    has_model = re.compile(r"^class Model\(", re.MULTILINE)
+    has_model = re.compile(r"^(class Model\(|from \.\w+ import (.*, )?Model\b)", re.MULTILINE)
     return sorted(p.stem for p in folder.glob("*.py") if has_model.search(p.read_text()))
 
 
