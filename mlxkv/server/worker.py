@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from mlxkv.runner.results import Completion, GenerationChunk
 from mlxkv.runner.runner import Runner
 from mlxkv.server.errors import ApiError
+from mlxkv.server.middleware import SHUTTING_DOWN
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,11 @@ class GenerationStream:
             self._started = True
         completion = None
         try:
+            if self._closing.is_set():  # a stop signal came while it was being built
+                raise ApiError(503, SHUTTING_DOWN)
             for chunk in self._chunks:
+                if self._closing.is_set():  # the Runner's cancel missed one begun after it
+                    self._cancel.set()
                 completion = chunk.completion or completion
                 cut = completion is not None and completion.finish_reason == "cancelled"
                 if cut and self._closing.is_set():  # a reply that ended by itself still ends
@@ -228,8 +233,11 @@ class GenerationWorker:
 
         Raises:
             ApiError: 429 when `max_queue` generations are already running or waiting.
+            ApiError: 503 once the server is stopping (`begin_shutdown`).
             ValueError, ContextLengthError: bad input, before anything is queued.
         """
+        if self._closing.is_set():
+            raise ApiError(503, SHUTTING_DOWN)
         if self.max_queue is not None and self._pending >= self.max_queue:
             raise ApiError(
                 429,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,12 @@ _BOUND_S = 5.0
 
 class _Chunk:
     completion = None
+
+
+class _Cut:
+    """The last chunk of a cancelled generation, as the Runner yields it."""
+
+    completion = SimpleNamespace(finish_reason="cancelled")
 
 
 class _Runner:
@@ -41,6 +48,7 @@ class _Runner:
             self.generating.set()
             for _ in range(3):  # bounded: a generation nobody cancels ends by itself
                 if cancel.wait(_BOUND_S / 3):
+                    yield _Cut()
                     return
                 yield _Chunk()
         finally:
@@ -93,3 +101,38 @@ def test_a_request_that_does_not_start_leaves_nothing_running(ending):
         assert not runner.generating.is_set() or runner.closed.is_set()
     else:
         assert not runner.generating.is_set()
+
+
+@pytest.mark.parametrize("stop", ["before-start", "while-built", "while-generating"])
+def test_no_generation_goes_on_after_a_stop_signal(stop):
+    """`begin_shutdown` ends what runs and refuses what comes: a request that had its worker
+    before the signal (an image fetch, a long prompt being encoded) gets the 503, and one
+    begun as the signal came (the Runner's own cancel reaching only those it had) ends at its
+    next step, never a whole reply."""
+    runner = _Runner()
+
+    async def start() -> worker.ApiError:
+        generations = worker.GenerationWorker(runner)
+        if stop == "before-start":
+            generations.begin_shutdown()
+            with pytest.raises(worker.ApiError) as refused:
+                await generations.start("hi")
+            return refused.value
+        started = asyncio.create_task(generations.start("hi"))
+        await asyncio.to_thread(runner.building.wait, _BOUND_S)
+        if stop == "while-built":
+            generations.begin_shutdown()
+        runner.release.set()
+        stream = await started
+        with pytest.raises(worker.ApiError) as ended:
+            async for _ in stream:
+                if stop == "while-generating":
+                    generations._closing.set()  # after the Runner's cancel, before its steps
+        await asyncio.wait_for(stream.finished, _BOUND_S)
+        generations.shutdown()
+        return ended.value
+
+    error = asyncio.run(start())
+    assert error.status == 503 and "shutting down" in str(error)
+    assert stop == "while-generating" or not runner.generating.is_set()
+    assert stop != "while-generating" or runner.cancelled.is_set()
