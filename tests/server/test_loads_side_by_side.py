@@ -122,3 +122,32 @@ def test_under_a_budget_for_one_the_second_load_waits_for_room(model_root):
         residency.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_under_a_budget_a_model_of_unknown_size_loads_alone(model_root):
+    """A loader with no estimate (a hub id, an Ollama name) reserves nothing: under a budget
+    such a load runs after the loads under way and none starts beside it, so each load makes
+    room against the others measured, as when every load waited for the one before."""
+    a, b = _gated(model_root, "llama", "qwen3")
+    b.open.set()
+
+    async def scenario() -> None:
+        models = [ResidentModel("a", a.loader(0)), ResidentModel("b", b.loader(0))]
+        residency = Residency(models, GenerationWorker, 1 << 40, -1.0)
+        first = asyncio.ensure_future(residency.acquire(models[0]))
+        await asyncio.to_thread(a.entered.wait, _TIMEOUT_S)
+        second = asyncio.ensure_future(residency.acquire(models[1]))
+        for _ in range(100):  # until b waits (nothing else runs on this loop)
+            if residency._room._waiters:
+                break
+            await asyncio.sleep(0)
+        assert residency._room._waiters and not b.entered.is_set(), "b loaded beside a"
+        a.open.set()
+        await first
+        await second
+        assert b.entered.is_set() and models[1].worker is not None
+        for model in models:
+            residency.release(model, None)
+        residency.shutdown()
+
+    asyncio.run(scenario())

@@ -172,6 +172,7 @@ class Residency:
         # it loads: the others', which fit beside it, go on meanwhile)
         self._room = asyncio.Lock()
         self._reserved_bytes = 0  # the estimates of the models loading now
+        self._loads_under_way = 0
         self._released = asyncio.Event()  # a request ended: memory may be free to take
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False  # a stop signal came: no request starts now
@@ -246,24 +247,24 @@ class Residency:
         async with self._room:
             self._check_fits(model)
             await self._make_room(model.name, model.footprint_bytes, wait=True)
-            reserved_bytes = model.footprint_bytes
-            self._reserved_bytes += reserved_bytes
-        logger.info("loading model=%s (%s in use)", model.name, format_bytes(self.used_bytes))
-        started = time.perf_counter()
-        try:
-            runner = await run_in_threadpool(model.loader.load)
-        except Exception as error:
-            logger.error("model=%s failed to load: %s", model.name, error)
-            raise ApiError(500, f"model '{model.name}' failed to load: {error}") from error
-        finally:  # its room is counted as loaded from here (no await before `_attach`)
-            self._reserved_bytes -= reserved_bytes
-            self._released.set()  # a failed load's room is free; a loaded one's measured
+            # under a budget, a model of unknown size (a hub id, an Ollama name) loads alone:
+            # after the loads under way, none beside it (it holds the room) till measured
+            alone = self.budget_bytes is not None and not model.footprint_bytes
+            if alone:
+                while self._loads_under_way:
+                    self._released.clear()
+                    await self._released.wait()
+                runner, load_s = await self._run_loader(model)
+            else:
+                self._reserved_bytes += model.footprint_bytes
+        if not alone:
+            runner, load_s = await self._run_loader(model)
         model._attach(runner, self._make_worker(runner))
         model.num_loads += 1
         logger.info(
             "loaded model=%s in %.1fs: %s (weights and cache budget), %s of %s in use",
             model.name,
-            time.perf_counter() - started,
+            load_s,
             format_bytes(model.footprint_bytes),
             format_bytes(self.used_bytes),
             "no limit" if self.budget_bytes is None else format_bytes(self.budget_bytes),
@@ -274,6 +275,28 @@ class Residency:
             await self._unload(model)
             raise
         await self._make_room(model.name, 0, wait=False)
+
+    async def _run_loader(self, model: ResidentModel) -> tuple[Runner, float]:
+        """`model`'s loader run on a thread, and its seconds; its reserved room (the estimate
+        `_load` added to `_reserved_bytes`) counted as loaded from the end (no await before
+        `_attach`).
+
+        Raises:
+            ApiError: 500 when it fails to load.
+        """
+        assert model.loader is not None
+        logger.info("loading model=%s (%s in use)", model.name, format_bytes(self.used_bytes))
+        self._loads_under_way += 1
+        started = time.perf_counter()
+        try:
+            return await run_in_threadpool(model.loader.load), time.perf_counter() - started
+        except Exception as error:
+            logger.error("model=%s failed to load: %s", model.name, error)
+            raise ApiError(500, f"model '{model.name}' failed to load: {error}") from error
+        finally:
+            self._loads_under_way -= 1
+            self._reserved_bytes -= model.footprint_bytes  # the estimate: not attached yet
+            self._released.set()  # a failed load's room is free; a loaded one's measured
 
     def _check_fits(self, model: ResidentModel) -> None:
         """Raises a 507 for a model that cannot fit even with every other unloaded."""
