@@ -5,6 +5,8 @@ blocks of. Deterministic: the other process's write runs from a hook between two
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from mlxkv.cache import make_cache
@@ -53,3 +55,34 @@ def test_a_record_written_during_a_scan_is_not_swept(load_tiny, tmp_path, monkey
     assert starting.stored_reply(None, "a reply") == REPLY
     writing.close()
     starting.close()
+
+
+def test_the_budget_sweep_waits_for_a_scan_under_way(load_tiny, tmp_path, monkeypatch):
+    """The writer thread's budget sweep, run while the engine thread's scan has indexed
+    another process's record but not yet its blocks, must not take that record: it waits
+    for the scan (a 2 s bound on a wait that must not end; the old code swept at once)."""
+    model, _ = load_tiny("llama")
+    local, other = _store(model, tmp_path), _store(model, tmp_path)
+    cache = make_cache(model)
+    cache.forward(model, PROMPT + REPLY)
+    other.write(cache, wait=True)
+    through = np.asarray([*PROMPT, *REPLY[:-1]], dtype=np.uint32)
+    other._run_logged(other.replies.job(through, REPLY, "a reply", None, other.block_tokens))
+    real_own_files = store_module.own_files
+    swept = threading.Event()
+
+    def budget_sweep_meanwhile(directory):
+        if not swept.is_set():  # between the records' listing and the blocks'
+            local.max_bytes = 1  # over the budget: its sweep of records runs
+            writer = threading.Thread(target=lambda: (local.enforce_budget(), swept.set()))
+            writer.start()
+            assert not swept.wait(2.0), "the sweep ran beside the scan"
+        return real_own_files(directory)
+
+    monkeypatch.setattr(store_module, "own_files", budget_sweep_meanwhile)
+    local._scanned_mtime = -1
+    local.refresh()
+    assert swept.wait(30)  # after the scan: every block it found is indexed
+    assert len(list(tmp_path.glob("*/*.reply"))) == 1, "the record was swept"
+    local.close()
+    other.close()

@@ -351,10 +351,16 @@ class DiskStore:
         """The newest `limit` reply records whose blocks are on disk; those whose blocks are
         gone are removed (`ReplyRecords.sweep`)."""
         self.refresh()
-        with self._lock:
-            records = list(self._records.values())
-        self.replies.sweep(records)
+        self._sweep_replies()
         return self.replies.newest(limit)
+
+    def _sweep_replies(self) -> None:
+        """Removes the reply records whose blocks are gone (`ReplyRecords.sweep`), not beside
+        a scan (on another thread) that has indexed a record but not yet its blocks."""
+        with self._directory_lock:
+            with self._lock:
+                records = list(self._records.values())
+            self.replies.sweep(records)
 
     def stored_reply(self, salt: str | None, text: str) -> list[int] | None:
         """The ids of `text`'s reply record in `salt`'s domain, written or queued
@@ -447,9 +453,7 @@ class DiskStore:
                     total -= size
                     logger.debug("disk cache evict file=%s bytes=%d", path.name, size)
                 self._forget(path.name)
-        with self._lock:
-            kept = list(self._records.values())
-        self.replies.sweep(kept)  # the records of the chains removed go with them
+        self._sweep_replies()  # the records of the chains removed go with them
 
     # -- reports --------------------------------------------------------------------------
 
