@@ -162,23 +162,3 @@ def test_tool_choice_none_leaves_the_call_as_text(scripted_server):
     )
     assert out.content[0].text == "Let<tool_call>" + TOOL_CALL + "</tool_call>"
     assert out.stop_reason == "end_turn"
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="not built: a final assistant message is rendered as a closed turn and a new "
-    "generation prompt, not continued (Anthropic's prefill)",
-)
-def test_a_final_assistant_message_is_continued_as_anthropic_prefills(tiny_server, fresh_runner):
-    """Anthropic's Messages API continues a last assistant message ("the response content
-    will continue immediately from the content in that message"): the reply equals a fresh
-    runner's on the rendered chat cut right after that content, with no end of turn."""
-    messages = [*QUESTION, {"role": "assistant", "content": "Sure, "}]
-    runner = fresh_runner()
-    closed = runner.tokenizer.decode(runner.encode(messages))
-    prefilled = closed[: closed.rindex("Sure, ") + len("Sure, ")]  # the turn left open
-    reference = runner.generate(prefilled, max_tokens=8, temperature=0.0)
-    out = tiny_server.anthropic().messages.create(
-        model="m", messages=messages, max_tokens=8, extra_body={"temperature": 0}
-    )
-    assert out.content[0].text == reference.text

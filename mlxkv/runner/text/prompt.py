@@ -33,6 +33,7 @@ from mlxkv.runner.text.messages import (
     Message,
     Tools,
     checked_tools,
+    continues_final,
     fold_system_reminders,
     is_messages,
     leading_system_messages,
@@ -56,6 +57,10 @@ _ACCEPTED = (
 )
 _SURROGATES = re.compile("[\ud800-\udfff]")
 _TEMPLATE_REFUSED = "the model's chat template refused the messages: {}"
+_NOT_CONTINUED = (
+    "this model's chat template does not write the last assistant message as given, so the "
+    "reply cannot continue it; end the conversation with a user message instead"
+)
 # Bytes of the system-alone renders' keys kept (`PromptEncoder.landmarks`): an agent's system
 # prompt and tools are 20-90 KB a key, so a few dozen agents'; their ids as Python lists take
 # about 10 bytes per key byte besides (measured 9.5), so at most about 20 MiB in all.
@@ -279,22 +284,23 @@ class PromptEncoder:
                 rewrites (so it cannot be located and kept as text).
         """
         messages = _checked_messages(messages)
+        continued = continues_final(messages, switches)  # its text goes on: no turn after it
         template_args: dict[str, Any] = {
             **self.template_switches(switches),
-            "add_generation_prompt": add_generation_prompt,
+            "add_generation_prompt": add_generation_prompt and not continued,
         }
         if tools:
             template_args["tools"] = checked_tools(tools)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain string")
         try:
-            return self._render(messages, parse_control_tokens, template_args, replies)
+            return self._render(messages, parse_control_tokens, template_args, replies, continued)
         except TemplateError as error:
             folded = fold_system_reminders(messages)
             if folded == messages:
                 raise ValueError(_TEMPLATE_REFUSED.format(error)) from None
         try:  # a template that wants its system message first (Gemma, Mistral)
-            return self._render(folded, parse_control_tokens, template_args, replies)
+            return self._render(folded, parse_control_tokens, template_args, replies, continued)
         except TemplateError as error:
             raise ValueError(_TEMPLATE_REFUSED.format(error)) from None
 
@@ -304,6 +310,7 @@ class PromptEncoder:
         parse_control_tokens: bool,
         template_args: dict[str, Any],
         replies: ReplyIds | None,
+        continued: bool = False,
     ) -> list[int]:
         known = {
             i: ids
@@ -318,20 +325,22 @@ class PromptEncoder:
         if known:
             try:
                 check_calls_apart(self.tokenizer, template_args, masked.messages, known)
-                return self._render_in_pieces(masked, known, template_args)
+                return self._render_in_pieces(masked, known, template_args, continued)
             except _ReplyRewritten:  # the template changed it: the reply renders as text
                 pass
             except TemplateError:  # a call reply refused without its calls (a tool message
                 if replies is None or not any(messages[i].get("tool_calls") for i in known):
                     raise  # must follow calls), or other text written from them (`CallsApart`):
                 text_replies = without_call_replies(replies)  # from the template; text: ids
-                return self._render(messages, parse_control_tokens, template_args, text_replies)
-        if not masked.tainted:
+                return self._render(
+                    messages, parse_control_tokens, template_args, text_replies, continued
+                )
+        if not masked.tainted and not continued:
             text = self.tokenizer.apply_chat_template(
                 masked.messages, tokenize=False, **template_args
             )
             return masked.encode(text)
-        return self._render_in_pieces(masked, {}, template_args)
+        return self._render_in_pieces(masked, {}, template_args, continued)
 
     def reply_ids(self, message: Message, replies: ReplyIds | None) -> Sequence[int] | None:
         """The ids the model generated for `message`, an assistant message `replies` knows
@@ -352,9 +361,12 @@ class PromptEncoder:
         prepared: MaskedMessages,
         known: dict[int, Sequence[int]],
         template_args: dict[str, Any],
+        continued: bool = False,
     ) -> list[int]:
         """Template text with control tokens parsed; tainted messages' content as plain text,
-        known replies' content as their ids, control-token text in calls as plain text.
+        known replies' content as their ids, control-token text in calls as plain text; with
+        `continued`, the ids end with the last message's content (what the template writes
+        after it, its end of turn, is left out).
 
         The template renders a random placeholder in place of each such content, so the
         content's place is where the template put it, never an earlier occurrence of the same
@@ -366,7 +378,8 @@ class PromptEncoder:
                 given (it trims or rewrites content).
         """
         messages = prepared.messages
-        slots = slot_texts(sorted([*prepared.tainted, *known]))
+        last = len(messages) - 1
+        slots = slot_texts(sorted({*prepared.tainted, *known, *([last] if continued else [])}))
         masked = [{**m, "content": slots.get(i, m["content"])} for i, m in enumerate(messages)]
         masked = [masked_reply(m, slots[i]) if i in known else m for i, m in enumerate(masked)]
         text = self.tokenizer.apply_chat_template(masked, tokenize=False, **template_args)
@@ -374,9 +387,12 @@ class PromptEncoder:
         cursor = 0
         for i, slot in slots.items():
             start = text.find(slot, cursor)
-            if start < 0 or text.count(slot) != 1 or (i not in known and not self.controls.plain):
+            tainted = i in prepared.tainted
+            if start < 0 or text.count(slot) != 1 or (tainted and not self.controls.plain):
                 if i in known:
                     raise _ReplyRewritten
+                if not tainted:  # the message continued: the template does not write it
+                    raise ValueError(_NOT_CONTINUED)
                 found = self.controls.found(messages[i]["content"])
                 raise ValueError(
                     f"message {i} contains the control token text {found!r}, which this "
@@ -386,10 +402,13 @@ class PromptEncoder:
             ids += prepared.encode(text[cursor:start])
             if i in known:
                 ids += known[i]
-            else:
+            elif tainted:
                 ids += self._plain_ids(messages[i]["content"])
+            else:
+                ids += prepared.encode(messages[i]["content"])
             cursor = start + len(slot)
-        ids += prepared.encode(text[cursor:])
+        if not continued:
+            ids += prepared.encode(text[cursor:])
         return ids
 
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from mlxkv.runner.text.messages import CONTINUE_FINAL
 from mlxkv.server.anthropic_api.diagnostics import Origin
 from mlxkv.server.anthropic_api.tool_ids import model_id
 from mlxkv.server.errors import ApiError
@@ -25,7 +26,7 @@ from mlxkv.server.images import image_part, parts_or_text
 from mlxkv.server.protocol import Lenient, nucleus
 from mlxkv.server.reply.forced_tools import ForcedCall
 from mlxkv.server.reply.structured import anthropic_grammar
-from mlxkv.server.reply.thinking_switch import anthropic_switches
+from mlxkv.server.reply.thinking_switch import anthropic_switches, merged
 
 
 class TextBlock(Lenient):
@@ -121,7 +122,9 @@ class PromptFields(Lenient):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     def template_switches(self) -> dict[str, Any] | None:
-        return anthropic_switches(self.thinking)
+        """The thinking switch, and Anthropic's prefill: a last assistant message is
+        continued, the reply its rest (a no-op for any other last message)."""
+        return merged(anthropic_switches(self.thinking), {CONTINUE_FINAL: True})
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return self.chat_messages_with_origins()[0]

@@ -20,12 +20,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxkv.runner.text.messages import CONTINUE_FINAL
 from mlxkv.server.errors import ApiError
 from mlxkv.server.images import image_part, parts_or_text
 from mlxkv.server.models.keep_alive import keep_alive_ns
 from mlxkv.server.protocol import mlx_seed, nucleus, tool_arguments
 from mlxkv.server.reply.structured import ollama_grammar
-from mlxkv.server.reply.thinking_switch import ollama_switches
+from mlxkv.server.reply.thinking_switch import merged, ollama_switches
 
 
 class Lenient(BaseModel):
@@ -128,6 +129,11 @@ class GenerationRequest(Lenient):
 class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+
+    def template_switches(self) -> dict[str, Any] | None:
+        """The thinking switch, and, as Ollama does, a last assistant message continued (the
+        reply its rest)."""
+        return merged(super().template_switches(), {CONTINUE_FINAL: True})
 
     def chat_messages(self) -> list[dict[str, Any]]:
         out = []

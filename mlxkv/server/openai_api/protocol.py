@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from mlxkv.runner.text.messages import CONTINUE_FINAL
 from mlxkv.server.errors import ApiError
 from mlxkv.server.images import image_part, parts_or_text
 from mlxkv.server.protocol import Lenient, mlx_seed, nucleus, tool_arguments
@@ -158,8 +159,12 @@ class ChatCompletionRequest(GenerationFields):
         None  # vLLM's: passed where the template reads them
     )
 
+    # vLLM's: the last assistant message is continued, the reply its rest (a "prefill")
+    continue_final_message: bool = False
+
     def template_switches(self) -> dict[str, Any] | None:
-        return merged(effort_switches(self.reasoning_effort), self.chat_template_kwargs)
+        continued = {CONTINUE_FINAL: True} if self.continue_final_message else None
+        return merged(effort_switches(self.reasoning_effort), self.chat_template_kwargs, continued)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template takes them: text content, `developer` as `system`,

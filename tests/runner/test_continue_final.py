@@ -1,0 +1,63 @@
+"""A render that continues the last assistant message (`CONTINUE_FINAL`: Anthropic's prefill)
+ends with that message's text, as Hugging Face's `continue_final_message` cuts the rendered
+chat (the independent reference here); client text in it stays text; any other last message
+renders as without the switch."""
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from mlxkv.runner.text.messages import CONTINUE_FINAL
+from mlxkv.runner.text.prompt import PromptEncoder
+from mlxkv.testing.factory import build_model
+
+CONTINUE = {CONTINUE_FINAL: True}
+QUESTION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a colour."},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(build_model("llama", tmp_path_factory.mktemp("continue") / "llama"))
+
+
+def _hf_continued(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("prefill", ["Sure, ", "{", "The colour is"])
+def test_the_render_ends_with_the_last_assistant_text(tokenizer, prefill):
+    messages = [*QUESTION, {"role": "assistant", "content": prefill}]
+    ids = PromptEncoder(tokenizer, 512).render(messages, switches=CONTINUE)
+    assert ids == _hf_continued(tokenizer, messages)
+    closed = PromptEncoder(tokenizer, 512).render(messages)  # its end of turn, a new one
+    assert closed[: len(ids)] == ids and len(closed) > len(ids)
+
+
+def test_control_token_text_in_the_prefill_stays_text(tokenizer):
+    messages = [*QUESTION, {"role": "assistant", "content": "red<|im_end|>"}]
+    ids = PromptEncoder(tokenizer, 512).render(messages, switches=CONTINUE)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    red = [*QUESTION, {"role": "assistant", "content": "red"}]
+    head = PromptEncoder(tokenizer, 512).render(red, switches=CONTINUE)
+    assert ids[: len(head)] == head and end_of_turn not in ids[len(head) :]
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        {"role": "user", "content": "And another?"},
+        {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": "x", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    ],
+    ids=["user", "empty-assistant", "assistant-with-calls"],
+)  # fmt: skip
+def test_any_other_last_message_renders_as_without_the_switch(tokenizer, last):
+    messages = [*QUESTION, last]
+    encoder = PromptEncoder(tokenizer, 512)
+    assert encoder.render(messages, switches=CONTINUE) == encoder.render(messages)
