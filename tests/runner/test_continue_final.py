@@ -6,8 +6,7 @@ renders as without the switch."""
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from mlxkv.runner.text.messages import CONTINUE_FINAL
-from mlxkv.runner.text.prompt import PromptEncoder
+from mlxkv.runner.text.prompt import CONTINUE_FINAL, PromptEncoder
 from mlxkv.testing.factory import build_model
 
 CONTINUE = {CONTINUE_FINAL: True}

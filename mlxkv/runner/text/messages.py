@@ -2,8 +2,7 @@
 
 Owns what a prompt of chat messages is (`is_messages`), the system messages it starts with, and
 system messages after the first turn folded into user turns for templates that refuse them
-(`fold_system_reminders`), and whether a render continues the last assistant message
-(`continues_final`). Their checks, and rendering them, are `prompt`'s.
+(`fold_system_reminders`). Their checks, and rendering them, are `prompt`'s.
 """
 
 from __future__ import annotations
@@ -13,10 +12,6 @@ from typing import Any
 
 Message = dict[str, Any]
 Tools = Sequence[dict[str, Any]]
-
-# The switch (Hugging Face's and vLLM's name) that leaves a last assistant message open: the
-# reply continues its text (Anthropic's prefill, Ollama's last assistant message).
-CONTINUE_FINAL = "continue_final_message"
 
 
 def checked_tools(tools: Tools) -> list[dict[str, Any]]:
@@ -77,18 +72,3 @@ def leading_system_messages(prompt: Any) -> list[Message]:
             break
         system.append(message)
     return system
-
-
-def continues_final(messages: Sequence[Message], switches: dict[str, Any] | None) -> bool:
-    """Whether `switches` ask the render to continue the last message: an assistant message
-    with text content and no tool calls (anything else renders as a closed turn)."""
-    if not (switches or {}).get(CONTINUE_FINAL) or not messages:
-        return False
-    last = messages[-1]
-    content = last.get("content")
-    return (
-        last.get("role") == "assistant"
-        and isinstance(content, str)
-        and bool(content)
-        and not last.get("tool_calls")
-    )

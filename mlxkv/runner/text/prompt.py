@@ -13,7 +13,11 @@ Terms:
     strings are parsed.
   - lone surrogates (from JSON escapes such as "\\ud800", or undecodable bytes on a command
     line) cannot be encoded as UTF-8; they become U+FFFD instead of failing in the tokenizer.
+  - a continued message: the last assistant message left open (`CONTINUE_FINAL`), the reply
+    its rest (Anthropic's prefill).
 """
+# long: one render path (content masked, replies as their ids, a continued last message) in
+# one slot walk, with the three prompt forms' checks
 
 from __future__ import annotations
 
@@ -33,7 +37,6 @@ from mlxkv.runner.text.messages import (
     Message,
     Tools,
     checked_tools,
-    continues_final,
     fold_system_reminders,
     is_messages,
     leading_system_messages,
@@ -57,6 +60,9 @@ _ACCEPTED = (
 )
 _SURROGATES = re.compile("[\ud800-\udfff]")
 _TEMPLATE_REFUSED = "the model's chat template refused the messages: {}"
+# The switch (Hugging Face's and vLLM's name) that leaves a last assistant message open: the
+# reply continues its text (Anthropic's prefill, Ollama's last assistant message).
+CONTINUE_FINAL = "continue_final_message"
 _NOT_CONTINUED = (
     "this model's chat template does not write the last assistant message as given, so the "
     "reply cannot continue it; end the conversation with a user message instead"
@@ -284,7 +290,7 @@ class PromptEncoder:
                 rewrites (so it cannot be located and kept as text).
         """
         messages = _checked_messages(messages)
-        continued = continues_final(messages, switches)  # its text goes on: no turn after it
+        continued = _continues_final(messages, switches)  # its text goes on: no turn after it
         template_args: dict[str, Any] = {
             **self.template_switches(switches),
             "add_generation_prompt": add_generation_prompt and not continued,
@@ -458,3 +464,18 @@ def _valid_text(text: str) -> str:
     except UnicodeEncodeError:
         return _SURROGATES.sub("\ufffd", text)
     return text
+
+
+def _continues_final(messages: Sequence[Message], switches: dict[str, Any] | None) -> bool:
+    """Whether `switches` ask the render to continue the last message: an assistant message
+    with text content and no tool calls (anything else renders as a closed turn)."""
+    if not (switches or {}).get(CONTINUE_FINAL) or not messages:
+        return False
+    last = messages[-1]
+    content = last.get("content")
+    return (
+        last.get("role") == "assistant"
+        and isinstance(content, str)
+        and bool(content)
+        and not last.get("tool_calls")
+    )
