@@ -260,3 +260,29 @@ def test_a_claimed_shift_moves_every_layers_k_v_exactly(loaded, arch):
         for got, expected, what in pairs:
             worst = mx.abs(got - expected).max().item() / mx.abs(expected).max().item()
             assert worst < 1e-5, f"{arch}: layer {i} {what} off by {worst:.2g} (relative)"
+
+
+@pytest.mark.parametrize("arch", SWEPT)
+def test_the_farthest_trim_the_cache_allows_is_exact(loaded, arch):
+    """`can_trim_to` reaches no further back than the held history allows: after a prefill
+    and decode steps (which move windows and drop old chunks), the cache trimmed to the
+    shortest length it allows, then fed other tokens, gives a cold cache's log-probabilities.
+    The chat above never asks for that edge (its retries go back a few tokens, its edits
+    past every window), so a reach one chunk or window too long passed it; the property
+    machines (tests/property/) check each class's reach both ways, this every model's cache."""
+    model = loaded(arch).model
+    ids = [(7 * i + 3) % 400 for i in range(40)]
+    cache = make_cache(model)
+    cache.forward(model, ids[:30])
+    for token in ids[30:]:
+        cache.forward(model, [token])
+    shortest = min(n for n in range(1, len(ids) + 1) if cache.can_trim_to(n))
+    cache.trim_to(shortest)
+    other = [(token + 5) % 400 for token in ids[shortest:]] or [11]
+    got = cache.forward(model, other)[0]
+    want = make_cache(model).forward(model, ids[:shortest] + other)[0, shortest:]
+    got, want = (x - mx.logsumexp(x, axis=-1, keepdims=True) for x in (got, want))
+    worst = mx.abs(got - want).max().item()
+    assert worst <= _LOGPROB_TOLERANCE, (
+        f"{arch}: trimmed to {shortest} of {len(ids)} tokens, log-probabilities {worst:.2g} off"
+    )

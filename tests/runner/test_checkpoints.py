@@ -1,6 +1,8 @@
 """Checkpoints for layers that cannot trim: a recurrent or hybrid model's chat comes back to the
 end of the previous prompt instead of reprocessing everything."""
 
+import logging
+
 import pytest
 
 from mlxkv.cache.checkpoints import MAX_CHECKPOINTS
@@ -46,3 +48,29 @@ def test_attention_only_models_take_no_checkpoints(make_runner):
     runner = make_runner("llama")
     runner.generate([{"role": "user", "content": "Capital of France?"}], max_tokens=4)
     assert runner.cache_info().checkpoint_bytes == 0
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+@pytest.mark.parametrize("edited", ["second-turn", "first-turn"])
+def test_a_partial_match_the_layers_cannot_reach_is_logged_with_why(
+    make_runner, caplog, arch, edited
+):
+    """Issue 3: layers that cannot trim reprocess what a partial match shares past their
+    reach, and the log says why: back to a checkpoint (the second turn edited), and also
+    with no checkpoint before the edit (the first turn edited), which was a plain miss."""
+    runner = make_runner(arch)
+    first = {"role": "user", "content": "Tell me about caches and why they matter."}
+    messages = [first]
+    if edited == "second-turn":
+        reply = runner.generate(messages, max_tokens=4).text
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
+    runner.generate(messages, max_tokens=4)
+    held = runner.cache_tokens
+    messages[-1] = {"role": "user", "content": messages[-1]["content"] + " Edited."}
+    prompt = runner.encode(messages)
+    common = next(i for i, (a, b) in enumerate(zip(held, prompt, strict=False)) if a != b)
+    with caplog.at_level(logging.INFO, logger="mlxkv"):
+        out = runner.generate(messages, max_tokens=4)
+    assert common > 0 and out.cached_tokens < common
+    assert f"cannot go back from {len(held)} to {common} tokens" in caplog.text
+    assert f"the nearest checkpoint is at {out.cached_tokens}" in caplog.text

@@ -42,6 +42,8 @@ Invariants:
     `max_bytes`, unless entries in use alone are over (they cannot be evicted); the write the
     release queues after that eviction is over it until written (about a second).
 """
+# long: a request's lookup, copy or trim, release, eviction and disk hand-off all read and
+# change the entries and their in-use marks together
 
 from __future__ import annotations
 
@@ -162,14 +164,14 @@ class CachePool:
             raise ValueError("cannot match an empty token sequence")
         query = token_array(tokens)
         limit = len(tokens) - 1
-        entry, reuse, common = self._nearest_in_memory(query, limit, salt)
-        if entry is not None and reuse < common:
+        entry, reuse, (common, restorable, held) = self._nearest_in_memory(query, limit, salt)
+        if restorable < common:  # also with no checkpoint before it: a miss, said why
             logger.info(
                 "prefix cache: cannot go back from %d to %d tokens (recurrent or sliding-window "
                 "layers no longer hold them); the nearest checkpoint is at %d",
-                entry.num_tokens,
+                held,
                 common,
-                reuse,
+                restorable,
             )
         if self.store is not None:
             entry, reuse = self._maybe_load(query, limit, entry, reuse, salt)
@@ -240,9 +242,11 @@ class CachePool:
 
     def _nearest_in_memory(
         self, query: np.ndarray, limit: int, salt: str | None
-    ) -> tuple[CacheEntry | None, int, int]:
-        """The entry to reuse, how many tokens it gives back, and how many it shares."""
-        best, best_key, best_common = None, (0, False, 0.0), 0
+    ) -> tuple[CacheEntry | None, int, tuple[int, int, int]]:
+        """The entry to reuse and how many tokens it gives back; and of the entry sharing the
+        most with `query` (reusable or not): the tokens shared, how many of them it can give
+        back, and the tokens it holds."""
+        best, best_key, most = None, (0, False, 0.0), (0, 0, 0)
         entries = [entry for entry in self._entries if entry.salt == salt]
         # An entry in use: what its cache holds now (fed since, or moved by a shift).
         helds = [e.cache.tokens if e in self._in_use else e.tokens for e in entries]
@@ -253,9 +257,10 @@ class CachePool:
                 reuse = entry.cache.nearest_restorable(reuse)
             # the longest reuse; then one that needs no trim or copy; then the most recent
             key = (reuse, reuse == len(held) and entry not in self._in_use, entry.last_used)
+            most = max(most, (common, reuse, len(held)))
             if reuse and key > best_key:
-                best, best_key, best_common = entry, key, common
-        return best, best_key[0], best_common
+                best, best_key = entry, key
+        return best, best_key[0], most
 
     def _maybe_load(
         self, query: np.ndarray, limit: int, entry: CacheEntry | None, reuse: int, salt: str | None
