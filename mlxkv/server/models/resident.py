@@ -11,7 +11,8 @@ Invariants:
   - a model loads once however many requests wait for it (the others wait for that load);
   - loads of different models run side by side (a tiny model waited 6.7 s behind a larger
     one's load); under a budget, each first makes room for its estimate and holds it
-    (`_reserved_bytes`) until it is loaded, so loads side by side never overshoot it;
+    (`_reserved_bytes`) until it is loaded, so loads side by side never overshoot it; a load
+    waiting for room is passed by at most `MOST_LOADS_FIRST` later ones that fit now;
   - unloading writes the model's cache to its disk tier (`Runner.close`) before a request can
     load it again, so a model loaded again starts warm;
   - a model loaded again (its fingerprint unchanged) knows the replies its last load
@@ -59,6 +60,11 @@ logger = logging.getLogger(__name__)
 # tiers, shared by the models loaded (a second Ctrl-C or SIGTERM stops at once; docker waits
 # 10 s before SIGKILL, systemd 90 s).
 SHUTDOWN_SAVE_S = 8.0
+
+# Loads asked after one that waits for room (for busy models' requests to end) that go first,
+# beside the loaded models, when they fit now. Each may hold room the waiting one needs for as
+# long as its requests run (idle, it is unloaded for it), so that wait grows by at most this many.
+MOST_LOADS_FIRST = 2
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,8 @@ class Residency:
         # it loads: the others', which fit beside it, go on meanwhile)
         self._room = asyncio.Lock()
         self._reserved_bytes = 0  # the estimates of the models loading now
+        self._waiting_for_room: str | None = None  # the load that holds `_room`, waiting
+        self._loads_first = 0  # loads that went before it
         self._loads_under_way = 0
         self._released = asyncio.Event()  # a request ended: memory may be free to take
         self._tasks: set[asyncio.Task] = set()
@@ -244,21 +252,18 @@ class Residency:
 
     async def _load(self, model: ResidentModel) -> None:
         assert model.loader is not None
-        async with self._room:
-            self._check_fits(model)
-            await self._make_room(model.name, model.footprint_bytes, wait=True)
-            # under a budget, a model of unknown size (a hub id, an Ollama name) loads alone:
-            # after the loads under way, none beside it (it holds the room) till measured
-            alone = self.budget_bytes is not None and not model.footprint_bytes
-            if alone:
-                while self._loads_under_way:
-                    self._released.clear()
-                    await self._released.wait()
-                runner, load_s = await self._run_loader(model)
-            else:
-                self._reserved_bytes += model.footprint_bytes
-        if not alone:
-            runner, load_s = await self._run_loader(model)
+        if self._may_go_first(model):
+            self._loads_first += 1
+            self._reserved_bytes += model.footprint_bytes
+            logger.info(
+                "model=%s loads before model=%s, which waits for room",
+                model.name,
+                self._waiting_for_room,
+            )
+            loaded = None
+        else:
+            loaded = await self._take_room(model)
+        runner, load_s = loaded or await self._run_loader(model)
         model._attach(runner, self._make_worker(runner))
         model.num_loads += 1
         logger.info(
@@ -275,6 +280,34 @@ class Residency:
             await self._unload(model)
             raise
         await self._make_room(model.name, 0, wait=False)
+
+    def _may_go_first(self, model: ResidentModel) -> bool:
+        """Whether `model`'s load goes ahead of the one waiting for room: its size is known,
+        it fits beside the loaded models and the loads under way now, and fewer than
+        `MOST_LOADS_FIRST` went first."""
+        return (
+            self._waiting_for_room is not None
+            and model.footprint_bytes > 0
+            and self._loads_first < MOST_LOADS_FIRST
+            and self.used_bytes + self._reserved_bytes + model.footprint_bytes <= self.budget_bytes
+        )
+
+    async def _take_room(self, model: ResidentModel) -> tuple[Runner, float] | None:
+        """Waits for `model`'s turn (first come first served, but for loads that go first)
+        and for room for its estimate, then reserves it (returns None); a model of unknown
+        size under a budget loads here instead (returns its Runner and seconds): after the
+        loads under way, and with none beside it (it holds the room) till measured."""
+        async with self._room:
+            self._loads_first = 0
+            self._check_fits(model)
+            await self._make_room(model.name, model.footprint_bytes, wait=True)
+            if self.budget_bytes is None or model.footprint_bytes:
+                self._reserved_bytes += model.footprint_bytes
+                return None
+            while self._loads_under_way:
+                self._released.clear()
+                await self._released.wait()
+            return await self._run_loader(model)
 
     async def _run_loader(self, model: ResidentModel) -> tuple[Runner, float]:
         """`model`'s loader run on a thread, and its seconds; its reserved room (the estimate
@@ -332,7 +365,11 @@ class Residency:
                 return
             if not idle:  # every other one is busy: wait for a request to end
                 self._released.clear()
-                await self._released.wait()
+                self._waiting_for_room = name  # later loads that fit may go first meanwhile
+                try:
+                    await self._released.wait()
+                finally:
+                    self._waiting_for_room = None
                 continue
             victim = min(idle, key=lambda m: m.last_used_s)
             async with victim._lock:  # a request waiting for it may have taken it first
