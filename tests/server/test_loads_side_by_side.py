@@ -195,3 +195,32 @@ def test_under_a_budget_later_loads_that_fit_go_before_one_waiting_for_room(mode
         residency.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_load_whose_requests_all_left_goes_on_in_its_room_and_is_kept(model_root):
+    """Every request waiting for a load leaves (their tasks cancelled) while its loader runs:
+    the load goes on, its room still reserved (its thread is still taking that memory), and
+    its model stays loaded, idle until its keep-alive ends, so the next request finds it
+    loaded instead of loading it a second time."""
+    (a,) = _gated(model_root, "llama")
+
+    async def scenario() -> None:
+        size = await _footprint_bytes(a.path)
+        model = ResidentModel("a", a.loader(size))
+        residency = Residency([model], GenerationWorker, int(size * 1.5), 300.0)
+        waiters = [asyncio.ensure_future(residency.acquire(model)) for _ in range(2)]
+        await asyncio.to_thread(a.entered.wait, _TIMEOUT_S)
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        assert residency._reserved_bytes == size, "the room was given back while it loads"
+        a.open.set()
+        await asyncio.wait_for(asyncio.shield(model._load_task), _TIMEOUT_S)
+        assert model.worker is not None and model.expires_at is not None  # idle, expiring
+        assert residency._reserved_bytes == 0 and residency.used_bytes <= residency.budget_bytes
+        worker = await residency.acquire(model)
+        assert worker is model.worker and (a.loads, model.num_loads) == (1, 1)
+        residency.release(model, None)
+        residency.shutdown()
+
+    asyncio.run(scenario())

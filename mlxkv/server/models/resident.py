@@ -8,7 +8,10 @@ weights plus its prompt cache's byte budget (`Runner.cache_info().budget_bytes`)
 
 Invariants:
   - a model with requests in flight is never unloaded;
-  - a model loads once however many requests wait for it (the others wait for that load);
+  - a model loads once however many requests wait for it (the others wait for that load), in
+    a task of its own: a load whose requests all left (their tasks cancelled) goes on in its
+    reserved room, and its model stays loaded, idle, until its keep-alive ends;
+  - a model that requests wait to take (`_waiting`) is never unloaded, as one in use;
   - loads of different models run side by side (a tiny model waited 6.7 s behind a larger
     one's load); under a budget, each first makes room for its estimate and holds it
     (`_reserved_bytes`) until it is loaded, so loads side by side never overshoot it; a load
@@ -24,6 +27,7 @@ Invariants:
 Every decision runs on the event loop (the slow parts, loading and closing, on a thread), so
 the bookkeeping needs no thread lock. Does not own which name a request means (`served.py`).
 """
+# long: one memory budget's bookkeeping (loads, their room and turns, unloads), read as one
 
 from __future__ import annotations
 
@@ -114,6 +118,8 @@ class ResidentModel:
         self.last_used_s = 0.0  # time.monotonic() of the last request's start or end
         self._given = None if self.loader else source
         self._lock = asyncio.Lock()  # held while it loads or unloads
+        self._load_task: asyncio.Task | None = None  # its load under way
+        self._waiting = 0  # requests waiting to take it (for its load, or its lock)
         self._expiry = 0  # bumped at each request's end: an older timer does nothing
         self._unload_at_end = False  # an unload asked for while requests were in flight
         self._timer: asyncio.TimerHandle | None = None
@@ -200,18 +206,39 @@ class Residency:
             ApiError: 500 when it fails to load, 507 when it cannot fit in the budget, 503
                 once the server is stopping (its load may have ended after the stop signal).
         """
-        async with model._lock:
+        model._waiting += 1  # from here it is not unloaded, as if in use
+        try:
             if model.worker is None and not self._stopping:
-                await self._load(model)
-            if self._stopping:
-                raise ApiError(503, SHUTTING_DOWN)
-            model.in_flight += 1
-            model.last_used_s = time.monotonic()
-            model.expires_at = None
-            if model._timer is not None:
-                model._timer.cancel()
-            assert model.worker is not None
-            return model.worker
+                await asyncio.shield(self._loading(model))  # left: the load goes on
+            async with model._lock:
+                if self._stopping:
+                    raise ApiError(503, SHUTTING_DOWN)
+                model.in_flight += 1
+                model.last_used_s = time.monotonic()
+                model.expires_at = None
+                if model._timer is not None:
+                    model._timer.cancel()
+                assert model.worker is not None
+                return model.worker
+        finally:
+            model._waiting -= 1
+
+    def _loading(self, model: ResidentModel) -> asyncio.Task:
+        """The model's load under way, started if none is: a task of its own, so the requests
+        waiting for it may leave (cancelled) without ending it."""
+        if model._load_task is None:
+            model._load_task = task = self._spawn(self._load_once(model))
+            task.add_done_callback(functools.partial(_load_ended, model))
+        return model._load_task
+
+    async def _load_once(self, model: ResidentModel) -> None:
+        async with model._lock:
+            if model.worker is not None or self._stopping:  # loaded, or never to serve
+                return
+            await self._load(model)
+            if not model._waiting:  # its requests all left while it loaded: kept, idle
+                logger.info("model=%s loaded after its requests left: kept idle", model.name)
+                self._expire_after(model, self.keep_alive_s)
 
     def release(self, model: ResidentModel, keep_alive_s: float | None) -> None:
         """A request's end: the model expires `keep_alive_s` (None: the server's default)
@@ -247,7 +274,7 @@ class Residency:
 
     async def _expire(self, model: ResidentModel, expiry: int) -> None:
         async with model._lock:
-            if model._expiry == expiry and not model.in_flight and model.worker is not None:
+            if model._expiry == expiry and _unloadable(model):
                 await self._unload(model)
 
     async def _load(self, model: ResidentModel) -> None:
@@ -388,10 +415,11 @@ class Residency:
         gc.collect()  # the weights' arrays go with the Runner's last reference
         mx.clear_cache()
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def begin_shutdown(self) -> None:
         """Ends every loaded model's generations, running or waiting (from any thread: a
@@ -417,7 +445,16 @@ class Residency:
 
 
 def _unloadable(model: ResidentModel) -> bool:
-    return model.worker is not None and not model.pinned and not model.in_flight
+    busy = model.in_flight or model._waiting
+    return model.worker is not None and not model.pinned and not busy
+
+
+def _load_ended(model: ResidentModel, task: asyncio.Task) -> None:
+    """A load's end: the next request starts another if this one failed. Its error was
+    raised to the requests that waited, and logged (`_run_loader`) for none."""
+    model._load_task = None
+    if not task.cancelled():
+        task.exception()  # retrieved: asyncio logs none that no request awaited
 
 
 def _close(worker: GenerationWorker, close_runner: bool, save_timeout_s: float | None = None):
