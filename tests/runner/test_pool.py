@@ -272,3 +272,37 @@ def test_a_fill_checkpoints_where_the_reply_starts_and_with_several_entries_the_
     hit = pool.fetch_nearest(list(range(1, 13)), reply_start=8, keep=3)
     assert hit.num_cached == len(cached)
     assert hit.checkpoints == expected
+
+
+def test_a_conversation_that_went_on_in_a_copy_of_its_entry_in_use_is_held_once():
+    """The chat page's Stop then send: the next turn arrives while the stopped request still
+    generates into its entry, and copies its prefix past the reply start (the same
+    conversation). Had the entry been free it would have been trimmed in place; released, it
+    goes, so the pool holds that conversation's K/V once (one entry, one panel row)."""
+    pool = CachePool(_make_entry, max_entries=4)
+    prompt = [7, 7, 1, 1]
+    stopped = pool.fetch_nearest(prompt, reply_start=3)
+    stopped.entry.cache.forward(_IdWriter(), stopped.remaining + [5, 5])  # the reply so far
+    went_on = pool.fetch_nearest(prompt + [5, 5, 9, 2], reply_start=7)  # the next turn
+    assert went_on.entry is not stopped.entry and went_on.num_cached == 6
+    stopped.entry.cache.forward(_IdWriter(), [5, 6])  # generated before the cancel landed
+    pool.release(stopped.entry)
+    went_on.entry.cache.forward(_IdWriter(), went_on.remaining + [3])
+    pool.release(went_on.entry)
+    assert [e.tokens.tolist() for e in pool.entries] == [prompt + [5, 5, 9, 2, 3]]
+    assert pool.nbytes == went_on.entry.cache.footprint().allocated_bytes
+    _check_entries(pool)
+
+
+def test_another_conversation_copied_from_an_entry_in_use_keeps_both():
+    """A copy before the entry's reply start is another conversation (a shared system
+    prompt): both stay."""
+    pool = CachePool(_make_entry, max_entries=4)
+    first = pool.fetch_nearest([7, 7, 1, 1], reply_start=3)
+    first.entry.cache.forward(_IdWriter(), first.remaining + [5])
+    other = _request(pool, [7, 7, 2, 2], [6], reply_start=3)
+    assert other.num_cached == 2
+    pool.release(first.entry)
+    held = sorted(e.tokens.tolist() for e in pool.entries)
+    assert held == [[7, 7, 1, 1, 5], [7, 7, 2, 2, 6]]
+    _check_entries(pool)

@@ -212,6 +212,21 @@ def test_switching_conversations_comes_back_and_the_panel_shows_their_entries(pa
     _screenshots(page)
 
 
+def test_a_conversation_deleted_here_is_named_so_in_the_cache_panel(page):
+    """Its entry stays in the cache until evicted: the panel's row says it is this page's
+    deleted conversation, not another client's (another browser's entries still are)."""
+    _set(page, "#max-tokens", "8")
+    _send(page, "Soon deleted")
+    (deleted_id,) = [chat["id"] for chat in _stored(page)["chats"]]
+    page.locator(f"#conversations li[data-id='{deleted_id}'] .delete").click()
+    assert page.locator("#conversations li").count() == 0
+    table = page.locator("#cache-entries tbody")
+    table.locator("tr", has_text="deleted conversation").wait_for()  # the panel's refresh
+    first_row = table.locator("tr").first.inner_text()
+    assert first_row.startswith("deleted conversation"), first_row  # the latest entry
+    assert table.locator("tr", has_text="deleted conversation").count() == 1
+
+
 def _screenshots(page) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "chat-light.png"))

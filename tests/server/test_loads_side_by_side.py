@@ -151,3 +151,76 @@ def test_under_a_budget_a_model_of_unknown_size_loads_alone(model_root):
         residency.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_under_a_budget_later_loads_that_fit_go_before_one_waiting_for_room(model_root):
+    """b waits for room (a is busy, b's estimate fits only without it): c and d, asked after
+    it, fit beside a and load at once; e, which fits too, waits behind b (at most two loads go
+    first: b's wait is bounded). Once a, c and d end their requests, b loads, then e."""
+    a, b, c, d, e = _gated(model_root, *["llama"] * 5)
+    for gated in (a, b, c, d, e):
+        gated.open.set()  # which load starts when is watched, not how long each takes
+
+    async def scenario() -> None:
+        size = await _footprint_bytes(a.path)
+        estimates = {"a": size, "b": 5 * size, "c": size, "d": size, "e": size}
+        gates = dict(zip("abcde", (a, b, c, d, e), strict=True))
+        models = {n: ResidentModel(n, gates[n].loader(estimates[n])) for n in "abcde"}
+        residency = Residency(list(models.values()), GenerationWorker, int(size * 5.5), -1.0)
+        await residency.acquire(models["a"])  # busy from here
+        waiting = asyncio.ensure_future(residency.acquire(models["b"]))
+        for _ in range(100):  # until b waits for room (nothing else runs on this loop)
+            if residency._released._waiters:
+                break
+            await asyncio.sleep(0)
+        assert residency._released._waiters and not b.entered.is_set()
+        for name in "cd":  # fit beside a: they do not wait for b
+            await asyncio.wait_for(residency.acquire(models[name]), _TIMEOUT_S)
+        last = asyncio.ensure_future(residency.acquire(models["e"]))
+        for _ in range(100):  # until e waits its turn behind b
+            if residency._room._waiters:
+                break
+            await asyncio.sleep(0)
+        assert residency._room._waiters and not e.entered.is_set(), "a third load went first"
+        assert residency.used_bytes <= residency.budget_bytes
+        for name in "acd":
+            residency.release(models[name], None)
+        await asyncio.wait_for(waiting, _TIMEOUT_S)
+        await asyncio.wait_for(last, _TIMEOUT_S)
+        assert [models[n].num_loads for n in "abcde"] == [1, 1, 1, 1, 1]
+        assert models["b"].worker is not None and models["e"].worker is not None
+        assert residency.used_bytes <= residency.budget_bytes
+        for name in "be":
+            residency.release(models[name], None)
+        residency.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_load_whose_requests_all_left_goes_on_in_its_room_and_is_kept(model_root):
+    """Every request waiting for a load leaves (their tasks cancelled) while its loader runs:
+    the load goes on, its room still reserved (its thread is still taking that memory), and
+    its model stays loaded, idle until its keep-alive ends, so the next request finds it
+    loaded instead of loading it a second time."""
+    (a,) = _gated(model_root, "llama")
+
+    async def scenario() -> None:
+        size = await _footprint_bytes(a.path)
+        model = ResidentModel("a", a.loader(size))
+        residency = Residency([model], GenerationWorker, int(size * 1.5), 300.0)
+        waiters = [asyncio.ensure_future(residency.acquire(model)) for _ in range(2)]
+        await asyncio.to_thread(a.entered.wait, _TIMEOUT_S)
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        assert residency._reserved_bytes == size, "the room was given back while it loads"
+        a.open.set()
+        await asyncio.wait_for(asyncio.shield(model._load_task), _TIMEOUT_S)
+        assert model.worker is not None and model.expires_at is not None  # idle, expiring
+        assert residency._reserved_bytes == 0 and residency.used_bytes <= residency.budget_bytes
+        worker = await residency.acquire(model)
+        assert worker is model.worker and (a.loads, model.num_loads) == (1, 1)
+        residency.release(model, None)
+        residency.shutdown()
+
+    asyncio.run(scenario())

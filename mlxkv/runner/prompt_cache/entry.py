@@ -45,7 +45,9 @@ class CacheEntry:
     cuts there again. `draft_cache` is the draft model's cache for this conversation
     (speculative decoding), counted in the entry's bytes. `salt` is the isolation domain the
     entry belongs to (a digest of a request's `cache_salt`, None for the shared one): only
-    requests of the same salt reuse it."""
+    requests of the same salt reuse it. `went_on_in` is the copy a later request of the same
+    conversation made while this entry was in use (past its reply start: the chat page's
+    Stop then send), which takes its place when its request ends (`CachePool.release`)."""
 
     cache: ModelCache
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
@@ -55,6 +57,7 @@ class CacheEntry:
     cut_start: Message | None = None
     draft_cache: ModelCache | None = None
     salt: str | None = None
+    went_on_in: CacheEntry | None = field(default=None, repr=False)
 
     # What `record` measured: the footprints of its cache and of its draft cache (None without
     # one). None while a request uses the entry (it changes as it is fed; the pool sets it)

@@ -25,6 +25,9 @@ never held twice by entries that extend each other, and lookups compare T with e
     with a copy of the first r tokens' K/V; the entry stays for the conversation that still
     needs it (evicted to disk after the request if one entry is allowed). With one entry
     allowed and no disk tier it is trimmed in place instead (today's behaviour).
+  - an entry in use is copied from, never trimmed; one copied past its reply start (the same
+    conversation: the chat page's Stop then send) is dropped when its request ends, as if
+    trimmed in place then, so the conversation's K/V are held once.
   - a disk file serving a longer prefix than any entry is loaded when reading it is expected
     to be faster than prefilling the difference (both rates measured as they run).
 
@@ -228,8 +231,10 @@ class CachePool:
         if reuse == 0:
             return self._add(self._make_entry()), "new entry"
         if entry in self._in_use:  # another request is generating into it
-            how = "copied prefix of an entry in use"
-            return self._add(entry.cache.copy_prefix(reuse), keep=entry), how
+            copy = self._add(entry.cache.copy_prefix(reuse), keep=entry)
+            if reuse >= entry.reply_start:  # its conversation goes on in the copy
+                entry.went_on_in = copy
+            return copy, "copied prefix of an entry in use"
         if reuse >= entry.num_tokens:  # not in use: its tokens are its cache's
             return entry, "extended in place"
         # one entry and nowhere to keep the other conversation: trim (today's behaviour)
@@ -308,8 +313,12 @@ class CachePool:
             What the pool holds then (`holdings`): the request's memory line reports it.
         """
         self._in_use.pop(entry, None)
+        went_on, entry.went_on_in = entry.went_on_in, None
         if entry.record() == 0 and entry in self._entries:
             self._entries.remove(entry)
+        elif went_on in self._entries and entry in self._entries:
+            # free, it would have been trimmed in place: its prefix is not held twice
+            self._drop(entry, write=False)
         if self.store is not None and entry in self._entries:
             self._write(entry)  # first: the eviction counts its pending copies in the budget
         # fitted, not dropped, when it alone is over: it is the latest only when no request

@@ -8,10 +8,14 @@ weights plus its prompt cache's byte budget (`Runner.cache_info().budget_bytes`)
 
 Invariants:
   - a model with requests in flight is never unloaded;
-  - a model loads once however many requests wait for it (the others wait for that load);
+  - a model loads once however many requests wait for it (the others wait for that load), in
+    a task of its own: a load whose requests all left (their tasks cancelled) goes on in its
+    reserved room, and its model stays loaded, idle, until its keep-alive ends;
+  - a model that requests wait to take (`_waiting`) is never unloaded, as one in use;
   - loads of different models run side by side (a tiny model waited 6.7 s behind a larger
     one's load); under a budget, each first makes room for its estimate and holds it
-    (`_reserved_bytes`) until it is loaded, so loads side by side never overshoot it;
+    (`_reserved_bytes`) until it is loaded, so loads side by side never overshoot it; a load
+    waiting for room is passed by at most `MOST_LOADS_FIRST` later ones that fit now;
   - unloading writes the model's cache to its disk tier (`Runner.close`) before a request can
     load it again, so a model loaded again starts warm;
   - a model loaded again (its fingerprint unchanged) knows the replies its last load
@@ -23,6 +27,7 @@ Invariants:
 Every decision runs on the event loop (the slow parts, loading and closing, on a thread), so
 the bookkeeping needs no thread lock. Does not own which name a request means (`served.py`).
 """
+# long: one memory budget's bookkeeping (loads, their room and turns, unloads), read as one
 
 from __future__ import annotations
 
@@ -59,6 +64,11 @@ logger = logging.getLogger(__name__)
 # tiers, shared by the models loaded (a second Ctrl-C or SIGTERM stops at once; docker waits
 # 10 s before SIGKILL, systemd 90 s).
 SHUTDOWN_SAVE_S = 8.0
+
+# Loads asked after one that waits for room (for busy models' requests to end) that go first,
+# beside the loaded models, when they fit now. Each may hold room the waiting one needs for as
+# long as its requests run (idle, it is unloaded for it), so that wait grows by at most this many.
+MOST_LOADS_FIRST = 2
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,8 @@ class ResidentModel:
         self.last_used_s = 0.0  # time.monotonic() of the last request's start or end
         self._given = None if self.loader else source
         self._lock = asyncio.Lock()  # held while it loads or unloads
+        self._load_task: asyncio.Task | None = None  # its load under way
+        self._waiting = 0  # requests waiting to take it (for its load, or its lock)
         self._expiry = 0  # bumped at each request's end: an older timer does nothing
         self._unload_at_end = False  # an unload asked for while requests were in flight
         self._timer: asyncio.TimerHandle | None = None
@@ -172,6 +184,8 @@ class Residency:
         # it loads: the others', which fit beside it, go on meanwhile)
         self._room = asyncio.Lock()
         self._reserved_bytes = 0  # the estimates of the models loading now
+        self._waiting_for_room: str | None = None  # the load that holds `_room`, waiting
+        self._loads_first = 0  # loads that went before it
         self._loads_under_way = 0
         self._released = asyncio.Event()  # a request ended: memory may be free to take
         self._tasks: set[asyncio.Task] = set()
@@ -192,18 +206,39 @@ class Residency:
             ApiError: 500 when it fails to load, 507 when it cannot fit in the budget, 503
                 once the server is stopping (its load may have ended after the stop signal).
         """
-        async with model._lock:
+        model._waiting += 1  # from here it is not unloaded, as if in use
+        try:
             if model.worker is None and not self._stopping:
-                await self._load(model)
-            if self._stopping:
-                raise ApiError(503, SHUTTING_DOWN)
-            model.in_flight += 1
-            model.last_used_s = time.monotonic()
-            model.expires_at = None
-            if model._timer is not None:
-                model._timer.cancel()
-            assert model.worker is not None
-            return model.worker
+                await asyncio.shield(self._loading(model))  # left: the load goes on
+            async with model._lock:
+                if self._stopping:
+                    raise ApiError(503, SHUTTING_DOWN)
+                model.in_flight += 1
+                model.last_used_s = time.monotonic()
+                model.expires_at = None
+                if model._timer is not None:
+                    model._timer.cancel()
+                assert model.worker is not None
+                return model.worker
+        finally:
+            model._waiting -= 1
+
+    def _loading(self, model: ResidentModel) -> asyncio.Task:
+        """The model's load under way, started if none is: a task of its own, so the requests
+        waiting for it may leave (cancelled) without ending it."""
+        if model._load_task is None:
+            model._load_task = task = self._spawn(self._load_once(model))
+            task.add_done_callback(functools.partial(_load_ended, model))
+        return model._load_task
+
+    async def _load_once(self, model: ResidentModel) -> None:
+        async with model._lock:
+            if model.worker is not None or self._stopping:  # loaded, or never to serve
+                return
+            await self._load(model)
+            if not model._waiting:  # its requests all left while it loaded: kept, idle
+                logger.info("model=%s loaded after its requests left: kept idle", model.name)
+                self._expire_after(model, self.keep_alive_s)
 
     def release(self, model: ResidentModel, keep_alive_s: float | None) -> None:
         """A request's end: the model expires `keep_alive_s` (None: the server's default)
@@ -239,26 +274,23 @@ class Residency:
 
     async def _expire(self, model: ResidentModel, expiry: int) -> None:
         async with model._lock:
-            if model._expiry == expiry and not model.in_flight and model.worker is not None:
+            if model._expiry == expiry and _unloadable(model):
                 await self._unload(model)
 
     async def _load(self, model: ResidentModel) -> None:
         assert model.loader is not None
-        async with self._room:
-            self._check_fits(model)
-            await self._make_room(model.name, model.footprint_bytes, wait=True)
-            # under a budget, a model of unknown size (a hub id, an Ollama name) loads alone:
-            # after the loads under way, none beside it (it holds the room) till measured
-            alone = self.budget_bytes is not None and not model.footprint_bytes
-            if alone:
-                while self._loads_under_way:
-                    self._released.clear()
-                    await self._released.wait()
-                runner, load_s = await self._run_loader(model)
-            else:
-                self._reserved_bytes += model.footprint_bytes
-        if not alone:
-            runner, load_s = await self._run_loader(model)
+        if self._may_go_first(model):
+            self._loads_first += 1
+            self._reserved_bytes += model.footprint_bytes
+            logger.info(
+                "model=%s loads before model=%s, which waits for room",
+                model.name,
+                self._waiting_for_room,
+            )
+            loaded = None
+        else:
+            loaded = await self._take_room(model)
+        runner, load_s = loaded or await self._run_loader(model)
         model._attach(runner, self._make_worker(runner))
         model.num_loads += 1
         logger.info(
@@ -275,6 +307,34 @@ class Residency:
             await self._unload(model)
             raise
         await self._make_room(model.name, 0, wait=False)
+
+    def _may_go_first(self, model: ResidentModel) -> bool:
+        """Whether `model`'s load goes ahead of the one waiting for room: its size is known,
+        it fits beside the loaded models and the loads under way now, and fewer than
+        `MOST_LOADS_FIRST` went first."""
+        return (
+            self._waiting_for_room is not None
+            and model.footprint_bytes > 0
+            and self._loads_first < MOST_LOADS_FIRST
+            and self.used_bytes + self._reserved_bytes + model.footprint_bytes <= self.budget_bytes
+        )
+
+    async def _take_room(self, model: ResidentModel) -> tuple[Runner, float] | None:
+        """Waits for `model`'s turn (first come first served, but for loads that go first)
+        and for room for its estimate, then reserves it (returns None); a model of unknown
+        size under a budget loads here instead (returns its Runner and seconds): after the
+        loads under way, and with none beside it (it holds the room) till measured."""
+        async with self._room:
+            self._loads_first = 0
+            self._check_fits(model)
+            await self._make_room(model.name, model.footprint_bytes, wait=True)
+            if self.budget_bytes is None or model.footprint_bytes:
+                self._reserved_bytes += model.footprint_bytes
+                return None
+            while self._loads_under_way:
+                self._released.clear()
+                await self._released.wait()
+            return await self._run_loader(model)
 
     async def _run_loader(self, model: ResidentModel) -> tuple[Runner, float]:
         """`model`'s loader run on a thread, and its seconds; its reserved room (the estimate
@@ -332,7 +392,11 @@ class Residency:
                 return
             if not idle:  # every other one is busy: wait for a request to end
                 self._released.clear()
-                await self._released.wait()
+                self._waiting_for_room = name  # later loads that fit may go first meanwhile
+                try:
+                    await self._released.wait()
+                finally:
+                    self._waiting_for_room = None
                 continue
             victim = min(idle, key=lambda m: m.last_used_s)
             async with victim._lock:  # a request waiting for it may have taken it first
@@ -351,10 +415,11 @@ class Residency:
         gc.collect()  # the weights' arrays go with the Runner's last reference
         mx.clear_cache()
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def begin_shutdown(self) -> None:
         """Ends every loaded model's generations, running or waiting (from any thread: a
@@ -380,7 +445,16 @@ class Residency:
 
 
 def _unloadable(model: ResidentModel) -> bool:
-    return model.worker is not None and not model.pinned and not model.in_flight
+    busy = model.in_flight or model._waiting
+    return model.worker is not None and not model.pinned and not busy
+
+
+def _load_ended(model: ResidentModel, task: asyncio.Task) -> None:
+    """A load's end: the next request starts another if this one failed. Its error was
+    raised to the requests that waited, and logged (`_run_loader`) for none."""
+    model._load_task = None
+    if not task.cancelled():
+        task.exception()  # retrieved: asyncio logs none that no request awaited
 
 
 def _close(worker: GenerationWorker, close_runner: bool, save_timeout_s: float | None = None):

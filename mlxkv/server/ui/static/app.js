@@ -21,6 +21,10 @@ function load(key, fallback) {
 }
 
 const store = load(CHATS_KEY, { chats: [], current: null });
+// Ids of the conversations deleted here, newest last: the cache keeps their entries until it
+// evicts them, and the panel names those rows (bounded: the cache holds few entries).
+const DELETED_KEPT = 64;
+store.deleted ??= [];
 const settings = { temperature: "", maxTokens: "512", apiKey: "", ...load(SETTINGS_KEY, {}) };
 let active = null; // the generation running: { chat, message, controller }
 let lastReport = null;
@@ -53,7 +57,10 @@ function newChat() {
 }
 
 const currentChat = () => store.chats.find((c) => c.id === store.current) || null;
-const titleOf = (id) => store.chats.find((c) => c.id === id)?.title;
+// What an entry's label names: a conversation here, one deleted here, or nothing known (the
+// panel says "another client").
+const titleOf = (id) =>
+  store.chats.find((c) => c.id === id)?.title ?? (store.deleted.includes(id) ? "deleted conversation" : undefined);
 
 // ---- rendering ---------------------------------------------------------------------------
 
@@ -165,6 +172,7 @@ function switchTo(id) {
 function deleteChat(id) {
   if (active && active.chat.id === id) active.controller.abort();
   store.chats = store.chats.filter((c) => c.id !== id);
+  store.deleted = [...store.deleted.filter((d) => d !== id), id].slice(-DELETED_KEPT);
   if (store.current === id) store.current = store.chats[0]?.id ?? null;
   save();
   renderAll();
