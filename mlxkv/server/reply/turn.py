@@ -106,6 +106,13 @@ class Turn:
         no grammar keeps them out): a stream that opens a block early opens a thinking one."""
         return self._thinking is not None
 
+    @property
+    def matched(self) -> asyncio.Future[PromptUsage | None]:
+        """The prompt's usage once the cache is matched, before the prefill (what the first
+        event's `prompt` says: known before the prompt is processed); None where the
+        generation ended before it."""
+        return self._stream.matched
+
     async def finished(self) -> Completion | None:
         """The Completion once the generation has ended, even if nobody read it (a client
         that left); None if it failed."""
