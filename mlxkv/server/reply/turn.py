@@ -33,7 +33,7 @@ from mlxkv.server.reply.thinking_split import (
     ThinkingSplitter,
     Thought,
     checked_reasoning,
-    prompt_ends_thinking,
+    output_start,
 )
 from mlxkv.server.reply.tool_calls import BareCallReader, Piece, ToolCall, ToolCallSplitter
 from mlxkv.server.worker import GenerationStream, GenerationWorker
@@ -349,15 +349,18 @@ def _thinking_splitter(
     splitter: ToolCallSplitter | BareCallReader | None,
     split: bool,
 ) -> ThinkingSplitter | None:
-    """A splitter at the model's thinking tags, which tool calls (`splitter`) also end; None
-    where the turn is not `split` or the vocabulary has no thinking tags."""
+    """A splitter at the model's thinking tags, which tool calls (`splitter`) also end, in the
+    state the prompt leaves the output (`output_start`); None where the turn is not `split` or
+    the vocabulary has no thinking tags."""
     tokenizer = runner.tokenizer
     if not split or not tokenizer.has_thinking:
         return None
+    begins = output_start(runner, prompt, switches)
     return ThinkingSplitter(
         tokenizer.think_start,
         tokenizer.think_end,
-        thinking=prompt_ends_thinking(runner, prompt, switches),
+        thinking=begins.thinking,
+        after_tag=begins.after_tag,
         exits=(tokenizer.tool_call_start,) if splitter is not None else (),
     )
 
