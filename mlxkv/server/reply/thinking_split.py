@@ -30,7 +30,7 @@ from typing import Any
 
 from mlxkv.runner.text.prompt import continues_final
 from mlxkv.runner.text.stop_strings import partial_suffix_length
-from mlxkv.runner.text.vision import has_images, with_text_content
+from mlxkv.runner.text.vision import with_text_content
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +154,7 @@ def output_start(
     if prompt and isinstance(prompt[0], dict):
         # the shortest conversation a template renders a generation prompt for
         probe = [{"role": "user", "content": "?"}]
-        # its whole text, rendered again; with images, a closed turn (the processor renders it)
-        continued = continues_final(with_text_content(prompt), switches) and not has_images(prompt)
+        continued = continues_final(with_text_content(prompt), switches)  # rendered again
         try:
             tokens = runner.encode(prompt if continued else probe, switches=switches)
         except ValueError as error:  # a template that wants more than one user message
