@@ -405,13 +405,12 @@ class PromptEncoder:
                     "model's chat template or tokenizer cannot keep as plain text; remove it "
                     "from the message"
                 )
-            ids += prepared.encode(text[cursor:start])
-            if i in known:
-                ids += known[i]
-            elif tainted:
-                ids += self._plain_ids(messages[i]["content"])
-            else:
-                ids += prepared.encode(messages[i]["content"])
+            head = text[cursor:start]
+            if i in known or tainted:
+                ids += prepared.encode(head)
+                ids += known[i] if i in known else self._plain_ids(messages[i]["content"])
+            else:  # the continued text, with the template's before it: as Hugging Face's cut
+                ids += prepared.encode(head + messages[i]["content"])
             cursor = start + len(slot)
         if not continued:
             ids += prepared.encode(text[cursor:])
