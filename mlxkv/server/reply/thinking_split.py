@@ -3,8 +3,9 @@
 Owns: `ThinkingSplitter` (streamed text in; `Thought`s and answer text out, at the model's
 thinking tags: mlx-lm's `TokenizerWrapper.think_start` / `think_end`, such as Qwen3's and
 DeepSeek-R1's `<think>` / `</think>`) and `output_start` (where the prompt leaves the output:
-inside a thinking block or not, right after a tag or not). Does not own the API formats, nor
-the thinking switches (`reply.thinking_switch`).
+inside a thinking block or not, right after a tag or not; `renders_whole`: whether it renders
+the whole prompt to say). Does not own the API formats, nor the thinking switches
+(`reply.thinking_switch`).
 
 Terms:
   - thought: text between a start tag and an end tag; the answer is the rest.
@@ -154,13 +155,20 @@ def output_start(
     if prompt and isinstance(prompt[0], dict):
         # the shortest conversation a template renders a generation prompt for
         probe = [{"role": "user", "content": "?"}]
-        continued = continues_final(with_text_content(prompt), switches)  # rendered again
+        whole = renders_whole(prompt, switches)
         try:
-            tokens = runner.encode(prompt if continued else probe, switches=switches)
+            tokens = runner.encode(prompt if whole else probe, switches=switches)
         except ValueError as error:  # a template that wants more than one user message
             logger.debug("thinking probe not rendered (%s); output read as the answer", error)
             return OutputStart(thinking=False, after_tag=False)
     return _after_tags(tokenizer, tokens)
+
+
+def renders_whole(prompt: Any, switches: dict | None) -> bool:
+    """Whether `output_start` renders the whole `prompt` again (a continued last message's:
+    a caller on the event loop runs it off the loop), not a one-message probe."""
+    chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+    return chat and continues_final(with_text_content(prompt), switches)
 
 
 def _after_tags(tokenizer: Any, tokens: Sequence[int]) -> OutputStart:

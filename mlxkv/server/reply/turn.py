@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from mlxkv.decoding.picker import TokenLogprob
@@ -34,6 +35,7 @@ from mlxkv.server.reply.thinking_split import (
     Thought,
     checked_reasoning,
     output_start,
+    renders_whole,
 )
 from mlxkv.server.reply.tool_calls import BareCallReader, Piece, ToolCall, ToolCallSplitter
 from mlxkv.server.worker import GenerationStream, GenerationWorker
@@ -295,7 +297,7 @@ async def start_turn(
         sampling = {**sampling, "grammar": call.grammar}
         splitter = splitter if call.own_format else BareCallReader()
     split_thinking &= "grammar" not in sampling  # a grammar's form has no thinking tags
-    thinking = _thinking_splitter(worker.runner, messages, switches, splitter, split_thinking)
+    thinking = await _thinking_splitter(worker.runner, messages, switches, splitter, split_thinking)
     try:
         stream = await worker.start(
             checked_reasoning(messages, tokenizer),
@@ -342,7 +344,7 @@ def _tool_splitter(
     return None
 
 
-def _thinking_splitter(
+async def _thinking_splitter(
     runner: Any,
     prompt: Any,
     switches: dict[str, Any] | None,
@@ -351,11 +353,13 @@ def _thinking_splitter(
 ) -> ThinkingSplitter | None:
     """A splitter at the model's thinking tags, which tool calls (`splitter`) also end, in the
     state the prompt leaves the output (`output_start`); None where the turn is not `split` or
-    the vocabulary has no thinking tags."""
+    the vocabulary has no thinking tags. A whole prompt rendered again (a continued message's)
+    is rendered off the event loop."""
     tokenizer = runner.tokenizer
     if not split or not tokenizer.has_thinking:
         return None
-    begins = output_start(runner, prompt, switches)
+    start = functools.partial(output_start, runner, prompt, switches)
+    begins = await run_in_threadpool(start) if renders_whole(prompt, switches) else start()
     return ThinkingSplitter(
         tokenizer.think_start,
         tokenizer.think_end,
