@@ -3,7 +3,8 @@ on a thinking model: the reply is split where the continued text leaves it, not 
 turn's generation prompt would. A prefill inside a thought (`<think>\\nLet`) goes on as
 thinking (Anthropic `thinking` blocks, OpenAI `reasoning_content`) until the model closes it;
 one after `</think>` goes on as the answer, also where the template's generation prompt opens
-a thought (which a continued message does not render). The text is a fresh Runner's on the
+a thought (which a continued message does not render); Ollama's chat (`message.thinking`)
+alike. The text is a fresh Runner's on the
 chat Hugging Face's `continue_final_message` renders. Scripted models answer
 `<think>Let think.</think>Paris`, each piece following the one before it."""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
+import ollama
 import pytest
 
 from mlxkv import Runner
@@ -102,3 +104,11 @@ def test_openai_continue_final_message_gives_the_thought_as_reasoning_content(
         reasoning = getattr(message, "reasoning_content", None) or ""
         content = message.content
     assert (reasoning, content) == (thinking, answer)
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_ollama_chat_gives_the_thought_as_thinking(case, servers, models):
+    template, messages, thinking, answer = _case(case, models)
+    client = ollama.Client(host=servers[template].url)
+    reply = client.chat(model="m", messages=messages, options={"temperature": 0})
+    assert (reply.message.thinking or "", reply.message.content) == (thinking, answer)
