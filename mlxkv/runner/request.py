@@ -8,6 +8,7 @@ call raises here, in the caller's thread, before any model work.
 
 Does not own the cut itself (`context.fit_prompt`) or prompt encoding (`prompt`).
 """
+# long: the request and its options, each field documented where it is declared, and the builder
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import ContextLengthError, check_int
 from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import chat_cut, fit_prompt
+from mlxkv.runner.results import PromptUsage
 from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
 from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
 from mlxkv.runner.text.replies import ReplyKey, StoredReplyIds, replies_for
@@ -54,6 +56,7 @@ class Request:
         header_tokens: tokens of the template's generation prompt at the end.
         params: sampling settings.
         progress: called as progress(done, total) in prompt tokens during prefill.
+        matched: called with the prompt's usage once its prefix is matched, before the prefill.
         cancelled: set by `Runner.cancel()` or by the caller that passed it.
         top_logprobs: None for no log-probabilities; else how many alternatives to report
             with each sampled token's own.
@@ -78,6 +81,7 @@ class Request:
     params: SamplingParams
     progress: ProgressCallback | None
     cancelled: threading.Event
+    matched: Callable[[PromptUsage], None] | None = None
     top_logprobs: int | None = None
     cache_key: str | None = None
     speculative: str | None = None
@@ -95,6 +99,7 @@ class RequestOptions:
 
     Attributes:
         progress: called as progress(done, total) in prompt tokens during prefill.
+        matched: called with the prompt's usage once its prefix is matched, before the prefill.
         parse_control_tokens: let control-token strings in message content and tool calls be
             control tokens.
         tools: function definitions for the chat template.
@@ -115,6 +120,7 @@ class RequestOptions:
     """
 
     progress: ProgressCallback | None = None
+    matched: Callable[[PromptUsage], None] | None = None
     parse_control_tokens: bool = False
     tools: Tools | None = None
     cancel: threading.Event | None = None
@@ -133,7 +139,7 @@ class RequestOptions:
             raise ValueError(
                 f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {self.overflow!r}"
             )
-        for name in ("progress", "reply_key"):
+        for name in ("progress", "matched", "reply_key"):
             if (value := getattr(self, name)) is not None and not callable(value):
                 raise ValueError(f"{name} must be a callable or None, got {type(value).__name__}")
         if self.cancel is not None and not isinstance(self.cancel, threading.Event):
@@ -237,6 +243,7 @@ class RequestBuilder:
             check_grammar(options.grammar, self._prompts.tokenizer)
         return Request(
             progress=options.progress,
+            matched=options.matched,
             cancelled=options.cancel or threading.Event(),
             top_logprobs=options.top_logprobs,
             cache_key=options.cache_key,

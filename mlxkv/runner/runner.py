@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from mlxkv.runner.lockstep import Lockstep, Solo
 from mlxkv.runner.prompt_cache.entry import token_array
 from mlxkv.runner.prompt_cache.report import MemoryReport
 from mlxkv.runner.request import RequestBuilder, RequestOptions, salt_digest
-from mlxkv.runner.results import Completion, GenerationChunk
+from mlxkv.runner.results import Completion, GenerationChunk, PromptUsage
 from mlxkv.runner.text.messages import Tools
 from mlxkv.runner.text.prompt import Prompt, PromptEncoder
 from mlxkv.runner.text.replies import ReplyKey
@@ -222,6 +222,7 @@ class Runner:
         prompt: Prompt,
         *,
         progress: ProgressCallback | None = None,
+        matched: Callable[[PromptUsage], None] | None = None,
         parse_control_tokens: bool = False,
         tools: Tools | None = None,
         cancel: threading.Event | None = None,
@@ -243,6 +244,9 @@ class Runner:
             prompt: a string (taken as already rendered), token ids, or chat messages
                 ([{"role": ..., "content": ...}]).
             progress: called as progress(done, total) in prompt tokens during prefill.
+            matched: called (on the engine thread) with the prompt's `PromptUsage` once the
+                prompt cache is matched, before the prefill: what the first chunk's `prompt`
+                says, unless a disk restore then turns out broken and supplies fewer tokens.
             parse_control_tokens: let control-token strings inside chat message content
                 become control tokens; only for content you wrote yourself.
             tools: function definitions ([{"type": "function", "function": {...}}]) given to
@@ -310,6 +314,7 @@ class Runner:
         mode = check_speculative(speculative, has_draft_model=self._draft is not None)
         options = RequestOptions(
             progress=progress,
+            matched=matched,
             parse_control_tokens=parse_control_tokens,
             tools=tools,
             cancel=cancel,

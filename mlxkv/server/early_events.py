@@ -6,18 +6,19 @@ long agent prompt on a slow machine, or a model loaded on demand first, can take
 the first token; a tool call (a file an agent writes) is held until it is whole, and can take
 longer to write. The client gives up and sends the request again.
 
-Owns `EARLY_EVENT_AFTER_S` and `marking_waits`, which marks where such an event is due
-(`WAITING`); each API says what it sends there (Anthropic an empty delta in the open content
-block, or in an empty text block it opens; Responses `response.in_progress` again; OpenAI chat
-and text completions a chunk of empty content). Before the first token, counted from the
-request's arrival (`AccessLog`'s stamp).
+Owns `EARLY_EVENT_AFTER_S`, `marking_waits`, which marks where such an event is due
+(`WAITING`), and `until_due` (a wait before a stream's first event, ended by then); each API
+says what it sends there (Anthropic an empty delta in the open content block, or in an empty
+text block it opens; Responses `response.in_progress` again; OpenAI chat and text completions
+a chunk of empty content). Before the first token, counted from the request's arrival
+(`AccessLog`'s stamp).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from mlxkv.server import state
 from mlxkv.server.middleware import seconds_since_arrival
@@ -28,6 +29,17 @@ from mlxkv.server.reply.turn import WAITING, Event, Turn
 # always did.
 EARLY_EVENT_AFTER_S = 60.0
 _NO_EVENT = object()
+T = TypeVar("T")
+
+
+async def until_due(future: asyncio.Future[T], scope: dict[str, Any]) -> T | None:
+    """`future`'s result, or None once the first `WAITING` of `marking_waits` would be due
+    (a wait that long must not hold back the events that mark it). Never cancels `future`."""
+    wait_s = max(0.0, EARLY_EVENT_AFTER_S - seconds_since_arrival(scope))
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), wait_s)
+    except TimeoutError:
+        return None
 
 
 async def marking_waits(turn: Turn, scope: dict[str, Any]) -> AsyncIterator[Event | object]:

@@ -60,3 +60,22 @@ def test_any_other_last_message_renders_as_without_the_switch(tokenizer, last):
     messages = [*QUESTION, last]
     encoder = PromptEncoder(tokenizer, 512)
     assert encoder.render(messages, switches=CONTINUE) == encoder.render(messages)
+
+
+# SmolVLM's and Idefics3's way (Mistral's is alike): a space between the role and the content.
+SPACED_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: "
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+@pytest.mark.parametrize("prefill", ["The colour is", "red"])
+def test_the_continued_text_tokenizes_with_the_template_text_before_it(tmp_path, prefill):
+    """The content's first word takes the space the template writes before it (` The`), as in
+    the text Hugging Face cuts, not a token of its own."""
+    path = build_model("llama", tmp_path / "spaced", chat_template=SPACED_TEMPLATE)
+    tokenizer = load_tokenizer(path)
+    messages = [*QUESTION, {"role": "assistant", "content": prefill}]
+    ids = PromptEncoder(tokenizer, 512).render(messages, switches=CONTINUE)
+    assert ids == _hf_continued(tokenizer, messages)

@@ -48,6 +48,10 @@ THINKING_TEMPLATE = TOOLS_CHAT_TEMPLATE.replace(
     "{% if enable_thinking is defined and enable_thinking is false %}<think></think>"
     "{% endif %}{% endif %}",
 )
+# DeepSeek-R1's (and Qwen3's thinking-only models'): the generation prompt opens the thought.
+OPENING_TEMPLATE = THINKING_TEMPLATE.replace(
+    "</think>{% endif %}{% endif %}", "</think>{% else %}<think>{% endif %}{% endif %}"
+)
 _START_TIMEOUT_S = 30
 
 

@@ -203,17 +203,25 @@ def _next_event(response: http.client.HTTPResponse) -> bytes:
     return b"".join(lines)
 
 
-def test_anthropic_stream_starts_and_pings_while_waiting(served, blocked_worker):
+def test_anthropic_stream_pings_while_waiting_then_starts_with_the_counts(served, blocked_worker):
+    """While the request waits for its turn, pings (the SDKs drop them, as while a model
+    loads); message_start once its prompt is matched, with the counts (Anthropic's order:
+    the usage is known when it comes)."""
     body = {
         "model": "m",
         "max_tokens": 3,
         "stream": True,
         "messages": [{"role": "user", "content": "hi"}],
     }
+    ping = b'event: ping\ndata: {"type": "ping"}\n'
     with _raw_stream(served, "/v1/messages", body) as response:
-        assert _next_event(response).startswith(b"event: message_start\n")
-        assert _next_event(response) == b'event: ping\ndata: {"type": "ping"}\n'
+        assert _next_event(response) == ping
         blocked_worker.set()  # the worker was still busy: nothing else to say until now
+        while (event := _next_event(response)) == ping:
+            pass
+        assert event.startswith(b"event: message_start\n")
+        usage = json.loads(event.split(b"data: ", 1)[1])["message"]["usage"]
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] > 0
         rest = response.read().decode()
     assert rest.rstrip().endswith('data: {"type": "message_stop"}')
 

@@ -97,7 +97,10 @@ def _kept(message) -> dict:
             block.model_dump(exclude_none=True, exclude={"id"}) for block in message.content
         ],
         "stop": (message.stop_reason, message.stop_sequence),
-        "tokens": (usage.input_tokens + usage.cache_read_input_tokens, usage.output_tokens),
+        "tokens": (
+            usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens,
+            usage.output_tokens,
+        ),
     }
 
 

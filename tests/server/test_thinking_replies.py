@@ -15,6 +15,7 @@ from mlxkv import Runner
 from mlxkv.models.loading import load_model
 from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE
 from tests.server.conftest import (
+    OPENING_TEMPLATE,
     THINKING_TEMPLATE,
     TOOL_CALL,
     WEATHER,
@@ -23,10 +24,6 @@ from tests.server.conftest import (
 )
 
 THOUGHT = ("<think>", "Hmm.", "</think>")
-# DeepSeek-R1's (and Qwen3's thinking-only models'): the generation prompt opens the thought.
-OPENING_TEMPLATE = THINKING_TEMPLATE.replace(
-    "</think>{% endif %}{% endif %}", "</think>{% else %}<think>{% endif %}{% endif %}"
-)
 ASK = [{"role": "user", "content": "Capital of France?"}]
 ANTHROPIC_TOOLS = [
     {

@@ -1,5 +1,6 @@
 """`ThinkingSplitter`: thinking and answer apart at the tags, the same however the text is cut
-into chunks, never part of a tag in either stream; and `prompt_ends_thinking`."""
+into chunks, never part of a tag in either stream; output that goes on with a continued
+message's text (`after_tag` False) keeps its whitespace."""
 
 from __future__ import annotations
 
@@ -104,6 +105,15 @@ def test_thinking_then_answer():
 def test_output_that_begins_inside_a_thought():
     assert _split(["\nHmm.", "</think>", "Yes"], thinking=True) == [Thought("Hmm."), "Yes"]
     assert _split(["Hmm. still thinking"], thinking=True) == [Thought("Hmm. still thinking")]
+
+
+def test_output_that_goes_on_with_text_keeps_its_whitespace():
+    """After a prefill such as `<think>\nLet me`: the thought goes on, its space kept."""
+    splitter = ThinkingSplitter(START, END, thinking=True, after_tag=False)
+    pieces = splitter.push(" think.") + splitter.push("</think>\n\nParis") + splitter.finish()
+    assert pieces == [Thought(" think."), "Paris"]
+    after_tag = ThinkingSplitter(START, END, thinking=False, after_tag=True)
+    assert after_tag.push("\n\nParis") + after_tag.finish() == ["Paris"]
 
 
 def test_a_tag_that_does_not_switch_is_text():

@@ -18,6 +18,7 @@ pytest.importorskip("mlx_vlm")
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
+from mlxkv.runner.text.prompt import CONTINUE_FINAL  # noqa: E402
 from mlxkv.testing.vision_factory import build_vision_model, noise_image  # noqa: E402
 from tests.server.conftest import serve  # noqa: E402
 
@@ -102,6 +103,29 @@ def test_anthropic_takes_a_base64_image_block(served):
     usage = reply.usage
     total = usage.input_tokens + (usage.cache_read_input_tokens or 0)
     assert total + (usage.cache_creation_input_tokens or 0) == want.prompt_tokens
+
+
+def test_anthropic_continues_a_prefill_after_an_image(served):
+    """The reply is the Python API's on the chat continued (`CONTINUE_FINAL`), not the one
+    on a closed turn (tests/runner/test_vision_continue_final.py checks that against
+    mlx-vlm)."""
+    prefill = {"role": "assistant", "content": "It shows"}
+    parts = [{"type": "image", "image": _png()}, {"type": "text", "text": QUESTION}]
+    messages = [{"role": "user", "content": parts}, prefill]
+    want = served.runner.generate(
+        messages, switches={CONTINUE_FINAL: True}, max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    source = {"type": "base64", "media_type": "image/png", "data": B64}
+    content = [{"type": "image", "source": source}, {"type": "text", "text": QUESTION}]
+    reply = served.anthropic().messages.create(
+        model="tiny-vl", messages=[{"role": "user", "content": content}, prefill],
+        max_tokens=MAX_TOKENS, extra_body={"temperature": 0.0},
+    )  # fmt: skip
+    assert reply.content[0].text == want.text
+    usage = reply.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == want.prompt_tokens
+    closed = served.runner.encode(messages)  # the turn closed, then a new one's header
+    assert len(closed) > want.prompt_tokens
 
 
 def test_ollama_chat_and_generate_take_images(served):

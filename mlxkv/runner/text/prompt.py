@@ -290,7 +290,7 @@ class PromptEncoder:
                 rewrites (so it cannot be located and kept as text).
         """
         messages = _checked_messages(messages)
-        continued = _continues_final(messages, switches)  # its text goes on: no turn after it
+        continued = continues_final(messages, switches)  # its text goes on: no turn after it
         template_args: dict[str, Any] = {
             **self.template_switches(switches),
             "add_generation_prompt": add_generation_prompt and not continued,
@@ -405,13 +405,12 @@ class PromptEncoder:
                     "model's chat template or tokenizer cannot keep as plain text; remove it "
                     "from the message"
                 )
-            ids += prepared.encode(text[cursor:start])
-            if i in known:
-                ids += known[i]
-            elif tainted:
-                ids += self._plain_ids(messages[i]["content"])
-            else:
-                ids += prepared.encode(messages[i]["content"])
+            head = text[cursor:start]
+            if i in known or tainted:
+                ids += prepared.encode(head)
+                ids += known[i] if i in known else self._plain_ids(messages[i]["content"])
+            else:  # the continued text, with the template's before it: as Hugging Face's cut
+                ids += prepared.encode(head + messages[i]["content"])
             cursor = start + len(slot)
         if not continued:
             ids += prepared.encode(text[cursor:])
@@ -466,7 +465,7 @@ def _valid_text(text: str) -> str:
     return text
 
 
-def _continues_final(messages: Sequence[Message], switches: dict[str, Any] | None) -> bool:
+def continues_final(messages: Sequence[Message], switches: dict[str, Any] | None) -> bool:
     """Whether `switches` ask the render to continue the last message: an assistant message
     with text content and no tool calls (anything else renders as a closed turn)."""
     if not (switches or {}).get(CONTINUE_FINAL) or not messages:

@@ -23,6 +23,9 @@ Terms:
     as text: only placeholders are images' tokens (`mlxkv.models.vision.ImagePrompt`). A
     reply with calls takes its ids only where the template writes nothing else from them
     (`replies.check_calls_apart`, as for a text prompt).
+  - Continued message: a last assistant message with `CONTINUE_FINAL` (Anthropic's prefill)
+    ends the render, cut right after its text as Hugging Face's `continue_final_message`
+    cuts it, the reply its rest (as a text prompt's, `text.prompt`).
 """
 
 from __future__ import annotations
@@ -41,10 +44,12 @@ from mlxkv.models.vision_families import ProcessedImage
 from mlxkv.runner.text.controls import MaskedMessages
 from mlxkv.runner.text.messages import Message, Tools, checked_tools
 from mlxkv.runner.text.prompt import (
+    _NOT_CONTINUED,
     _TEMPLATE_REFUSED,
     PromptEncoder,
     _ReplyRewritten,
     _valid_text,
+    continues_final,
 )
 from mlxkv.runner.text.replies import (
     ReplyIds,
@@ -157,15 +162,12 @@ class VisionPrompts:
             raise ImagesNotSupportedError(self._model_name)
         calls = self._masked_calls(messages, parse_control_tokens)
         masked, images, slots, known = self._masked(messages, calls, replies)
-        if len(images) > MAX_IMAGES_PER_PROMPT:
-            raise ValueError(
-                f"the prompt holds {len(images)} images; this model takes at most "
-                f"{MAX_IMAGES_PER_PROMPT} per prompt"
-            )
-        decoded = [decode_image(source) for source in images]
+        continued = continues_final(messages, switches)
+        cut = _cut_after_last(masked) if continued else None
+        decoded = _decoded(images)
         args: dict[str, Any] = {
             **self._prompts.template_switches(switches),
-            "add_generation_prompt": add_generation_prompt,
+            "add_generation_prompt": add_generation_prompt and not continued,
         }
         if tools:
             args["tools"] = checked_tools(tools)
@@ -181,6 +183,7 @@ class VisionPrompts:
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
             args |= {"tools": tools, "replies": without_call_replies(replies)}  # text replies: ids
             return self.encode(messages, parse_control_tokens=parse_control_tokens, **args)
+        text = text if cut is None else _cut_at(text, cut)
         recent, process = self._recent, self._support.family.process
         processed = [recent.get(i.digest) or process(i.image) for i in decoded]
         self._recent = {i.digest: p for i, p in zip(decoded, processed, strict=True)}
@@ -343,6 +346,33 @@ class VisionPrompts:
             )
             spans.append(span)
         return ImageTokens(tokens, tuple(spans))
+
+
+def _decoded(images: list[Any]) -> list[Any]:
+    """The prompt's images decoded (`decode_image`), at most `MAX_IMAGES_PER_PROMPT`."""
+    if len(images) > MAX_IMAGES_PER_PROMPT:
+        raise ValueError(
+            f"the prompt holds {len(images)} images; this model takes at most "
+            f"{MAX_IMAGES_PER_PROMPT} per prompt"
+        )
+    return [decode_image(source) for source in images]
+
+
+def _cut_after_last(masked: list[Message]) -> str:
+    """Marks the end of the last message's content (in place) with a random placeholder, for
+    a render that continues it (`_cut_at`)."""
+    cut = slot_text(secrets.token_hex(8), 0)
+    masked[-1] = {**masked[-1], "content": masked[-1]["content"] + cut}
+    return cut
+
+
+def _cut_at(text: str, cut: str) -> str:
+    """The rendered `text` up to the placeholder `cut`: it ends with the continued message's
+    content, which tokenizes with the template's text before it, as in Hugging Face's
+    `continue_final_message` cut (what the template writes after it is left out)."""
+    if text.count(cut) != 1:
+        raise ValueError(_NOT_CONTINUED)
+    return text[: text.index(cut)]
 
 
 def _parts(content: Any) -> list[Any]:

@@ -4,7 +4,8 @@ sequence) and `/v1/messages/count_tokens`.
 Owns the translation between Anthropic's bodies and a `Turn`; schemas are in
 `protocol.py`. Usage follows Anthropic's definitions: `cache_read_input_tokens` are
 the prompt tokens the prompt cache supplied, `input_tokens` the rest (computed now), and
-`cache_creation_input_tokens` is 0 (nothing is billed for writing the cache). The model's
+`cache_creation_input_tokens` is 0 (nothing is billed for writing the cache); streamed, they
+come in `message_start` as they do in `message_delta`. The model's
 thinking comes as `thinking` blocks (streamed as `thinking_delta`s) before the text, with an
 empty `signature` (nothing here signs it); sent back in a later turn, a thinking block is
 the chat template's `reasoning_content` for that turn.
@@ -21,7 +22,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from mlxkv.runner.results import Completion
+from mlxkv.runner.results import Completion, PromptUsage
 from mlxkv.server.anthropic_api.diagnostics import (
     PromptRecord,
     PromptRecords,
@@ -32,7 +33,7 @@ from mlxkv.server.anthropic_api.diagnostics import (
 )
 from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
 from mlxkv.server.anthropic_api.tool_ids import client_id
-from mlxkv.server.early_events import marking_waits
+from mlxkv.server.early_events import marking_waits, until_due
 from mlxkv.server.errors import bad_input_error
 from mlxkv.server.images import fetched_images
 from mlxkv.server.models.streams import StreamShape
@@ -80,8 +81,10 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
     head = _message_head(message_id, ctx.model_name, [])
     if body.diagnostics is not None:
         head["diagnostics"] = diagnostics
+    prewarm = body.max_tokens == 0
     if body.stream:
-        events = _message_events(turn, head, _early_kind(body, turn), request.scope)
+        early_kind = _early_kind(body, turn)
+        events = _message_events(turn, head, early_kind, request.scope, prewarm)
         return event_stream(events, turn, _error_event, keepalive=_PING)
     events, completion = await collect(turn, request)
     calls = [event for event in events if isinstance(event, ToolCall)]
@@ -90,7 +93,7 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
         **head,
         "content": content,
         **_stop(completion, calls),
-        "usage": _usage(completion, prewarm=body.max_tokens == 0),
+        "usage": _usage(completion, completion.generation_tokens, prewarm),
     }
 
 
@@ -169,17 +172,20 @@ def _stop(completion: Completion, calls: list[ToolCall]) -> dict[str, Any]:
     return {"stop_reason": reason, "stop_sequence": completion.stop_string}
 
 
-def _usage(completion: Completion | None, prewarm: bool = False) -> dict[str, int]:
-    """Anthropic's usage for a finished reply; zeros before one (message_start). A pre-warm
-    (`max_tokens: 0`) reports the prompt tokens it put in the cache as cache creation."""
-    if completion is None:
+def _usage(
+    prompt: PromptUsage | Completion | None, output_tokens: int, prewarm: bool
+) -> dict[str, int]:
+    """Anthropic's usage of a prompt (its tokens, those the cache supplied) and its reply's
+    `output_tokens`; zeros for a prompt not matched yet. A pre-warm (`max_tokens: 0`) reports
+    the prompt tokens it put in the cache as cache creation."""
+    if prompt is None:
         return dict.fromkeys(_USAGE_FIELDS, 0)
-    uncached = completion.prompt_tokens - completion.cached_tokens
+    uncached = prompt.prompt_tokens - prompt.cached_tokens
     return {
         "input_tokens": 0 if prewarm else uncached,
         "cache_creation_input_tokens": uncached if prewarm else 0,
-        "cache_read_input_tokens": completion.cached_tokens,
-        "output_tokens": completion.generation_tokens,
+        "cache_read_input_tokens": prompt.cached_tokens,
+        "output_tokens": output_tokens,
     }
 
 
@@ -226,18 +232,21 @@ def _early_kind(body: MessagesRequest, turn: Turn) -> str:
 
 
 async def _message_events(
-    turn: Turn, head: dict[str, Any], early_kind: str, scope: dict[str, Any]
+    turn: Turn, head: dict[str, Any], early_kind: str, scope: dict[str, Any], prewarm: bool
 ) -> AsyncIterator[str]:
-    """message_start at once (before the prompt is processed: a long prefill then sends pings,
-    and the client knows it was accepted; its usage is zeros, message_delta carries the
-    counts), then content blocks (start, deltas, stop), message_delta with the stop reason
-    and usage, message_stop. A first token late for Claude Code's watchdog (`early_events`:
+    """message_start once the prompt cache is matched (before the prompt is processed: a long
+    prefill then sends pings), with the prompt's usage as message_delta and a reply not
+    streamed give it (clients read it there: the SDKs' final message, Claude Code's context
+    meter); zeros where the match is later than an early event (a request waiting its turn),
+    then content blocks (start, deltas, stop), message_delta with the stop reason and usage,
+    message_stop. A first token late for Claude Code's watchdog (`early_events`:
     the request of `scope` arrived long before) finds block 0 (`early_kind`) already open,
     kept alive by empty deltas (its SDK drops `ping`); a tool call long in the writing, the
     open block kept alive so, or an empty text block opened before it."""
     index, open_kind = 0, None  # the text or thinking block being streamed, if any
     calls: list[ToolCall] = []
-    head = {**head, "stop_reason": None, "stop_sequence": None, "usage": _usage(None)}
+    usage = _usage(await until_due(turn.matched, scope), 0, prewarm)
+    head = {**head, "stop_reason": None, "stop_sequence": None, "usage": usage}
     yield sse({"type": "message_start", "message": head}, "message_start")
     async for event in marking_waits(turn, scope):
         if event is WAITING:  # an empty delta, in an empty block if none is open
@@ -271,7 +280,8 @@ async def _message_events(
         elif isinstance(event, Completion):
             if open_kind is not None:
                 yield _block_stop(index)
-            body = {"type": "message_delta", "delta": _stop(event, calls), "usage": _usage(event)}
+            usage = _usage(event, event.generation_tokens, prewarm)
+            body = {"type": "message_delta", "delta": _stop(event, calls), "usage": usage}
             yield sse(body, "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")
 

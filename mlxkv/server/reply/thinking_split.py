@@ -2,8 +2,9 @@
 
 Owns: `ThinkingSplitter` (streamed text in; `Thought`s and answer text out, at the model's
 thinking tags: mlx-lm's `TokenizerWrapper.think_start` / `think_end`, such as Qwen3's and
-DeepSeek-R1's `<think>` / `</think>`) and `prompt_ends_thinking` (whether the output begins
-inside a thinking block). Does not own the API formats, nor the thinking switches
+DeepSeek-R1's `<think>` / `</think>`) and `output_start` (where the prompt leaves the output:
+inside a thinking block or not, right after a tag or not; `renders_whole`: whether it renders
+the whole prompt to say). Does not own the API formats, nor the thinking switches
 (`reply.thinking_switch`).
 
 Terms:
@@ -16,6 +17,9 @@ Terms:
     other text passes through, a tag that does not switch included.
   - A partial tag at the end of a chunk is held back until the next chunk says what it is,
     so neither stream ever shows part of a tag.
+  - A continued last assistant message (`CONTINUE_FINAL`, Anthropic's prefill) leaves the
+    output where its text ends: inside a thought it opened (`<think>\nLet me` goes on as
+    thinking), in the answer after one it closed, mid-text (whitespace kept) or after a tag.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mlxkv.runner.text.prompt import continues_final
 from mlxkv.runner.text.stop_strings import partial_suffix_length
+from mlxkv.runner.text.vision import with_text_content
 
 logger = logging.getLogger(__name__)
 
@@ -37,21 +43,47 @@ class Thought:
     text: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class OutputStart:
+    """Where a prompt leaves its output.
+
+    Attributes:
+        thinking: inside a thought (the prompt opened one it did not close).
+        after_tag: right after a thinking tag (and whitespace): the whitespace the output
+            begins with opens the section, dropped as after a tag in the output; False: the
+            output goes on with text the prompt began (a continued message's).
+    """
+
+    thinking: bool
+    after_tag: bool
+
+
 class ThinkingSplitter:
     """Splits a stream of text into `Thought`s and answer text (`str`), in order.
 
     Args:
         start, end: the model's thinking tags.
-        thinking: whether the text begins inside a thought (`prompt_ends_thinking`).
+        thinking: whether the text begins inside a thought (`output_start`).
+        after_tag: whether it begins right after a tag (`OutputStart.after_tag`); by default
+            where it begins inside a thought.
         exits: markers that close a thought and stay in the answer (the tool-call start).
     """
 
-    def __init__(self, start: str, end: str, *, thinking: bool, exits: Sequence[str] = ()):
+    def __init__(
+        self,
+        start: str,
+        end: str,
+        *,
+        thinking: bool,
+        after_tag: bool | None = None,
+        exits: Sequence[str] = (),
+    ):
         self._start = start
         self._end = end
         self._exits = tuple(marker for marker in exits if marker)
         self._thinking = thinking
-        self._trim = thinking  # drop the whitespace that opens the next section
+        # drop the whitespace that opens the next section
+        self._trim = thinking if after_tag is None else after_tag
         self._buffer = ""
 
     @property
@@ -96,29 +128,55 @@ class ThinkingSplitter:
         return [Thought(text) if self._thinking else text]
 
 
-def prompt_ends_thinking(
-    runner: Any, prompt: Sequence[dict[str, Any]] | str | list[int], switches: dict | None
-) -> bool:
-    """Whether the output of `prompt` begins inside a thought: the prompt opens a thinking
+def output_start(
+    runner: Any,
+    prompt: Sequence[dict[str, Any]] | str | list[int],
+    switches: dict | None,
+) -> OutputStart:
+    """Where the output of `prompt` begins: inside a thought where the prompt opens a thinking
     block it does not close (templates that end the generation prompt with the start tag, as
-    DeepSeek-R1's and Qwen3's thinking-only ones do; mlx-lm's server reads it the same way).
+    DeepSeek-R1's and Qwen3's thinking-only ones do; mlx-lm's server reads it the same way, as
+    a continued message that opened one does), and whether right after a tag.
 
     Chat messages are judged by the chat template's generation prompt, rendered for a
     one-message conversation with the same `switches` (the full prompt is not rendered a
-    second time); text by its end, as Ollama does; token ids by their last tags.
+    second time); a continued last message (`continues_final`) by the whole render (its end
+    is that message's text, as the template writes it; without the tools, which render before
+    it); text by its end, as Ollama does; token ids by their last tags.
     """
     tokenizer = runner.tokenizer
     if isinstance(prompt, str):
-        return prompt.rstrip().endswith(tokenizer.think_start)
+        tail = prompt.rstrip()
+        thinking = tail.endswith(tokenizer.think_start)
+        return OutputStart(
+            thinking=thinking, after_tag=thinking or tail.endswith(tokenizer.think_end)
+        )
     tokens = prompt
     if prompt and isinstance(prompt[0], dict):
+        # the shortest conversation a template renders a generation prompt for
+        probe = [{"role": "user", "content": "?"}]
+        whole = renders_whole(prompt, switches)
         try:
-            # the shortest conversation a template renders a generation prompt for
-            tokens = runner.encode([{"role": "user", "content": "?"}], switches=switches)
+            tokens = runner.encode(prompt if whole else probe, switches=switches)
         except ValueError as error:  # a template that wants more than one user message
             logger.debug("thinking probe not rendered (%s); output read as the answer", error)
-            return False
-    return tokenizer.rfind_think_start(tokens) > tokenizer.rfind_think_end(tokens)
+            return OutputStart(thinking=False, after_tag=False)
+    return _after_tags(tokenizer, tokens)
+
+
+def renders_whole(prompt: Any, switches: dict | None) -> bool:
+    """Whether `output_start` renders the whole `prompt` again (a continued last message's:
+    a caller on the event loop runs it off the loop), not a one-message probe."""
+    chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+    return chat and continues_final(with_text_content(prompt), switches)
+
+
+def _after_tags(tokenizer: Any, tokens: Sequence[int]) -> OutputStart:
+    """Where output after `tokens` begins, by their last thinking tag."""
+    opened, closed = tokenizer.rfind_think_start(tokens), tokenizer.rfind_think_end(tokens)
+    last = max(opened, closed)
+    after_tag = last >= 0 and not tokenizer.decode(list(tokens[last + 1 :])).strip()
+    return OutputStart(thinking=opened > closed, after_tag=after_tag)
 
 
 def checked_reasoning(messages: Any, tokenizer: Any) -> Any:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from mlxkv.decoding.picker import TokenLogprob
@@ -33,7 +34,8 @@ from mlxkv.server.reply.thinking_split import (
     ThinkingSplitter,
     Thought,
     checked_reasoning,
-    prompt_ends_thinking,
+    output_start,
+    renders_whole,
 )
 from mlxkv.server.reply.tool_calls import BareCallReader, Piece, ToolCall, ToolCallSplitter
 from mlxkv.server.worker import GenerationStream, GenerationWorker
@@ -105,6 +107,13 @@ class Turn:
         """Whether thinking can come before the answer (the vocabulary has thinking tags and
         no grammar keeps them out): a stream that opens a block early opens a thinking one."""
         return self._thinking is not None
+
+    @property
+    def matched(self) -> asyncio.Future[PromptUsage | None]:
+        """The prompt's usage once the cache is matched, before the prefill (what the first
+        event's `prompt` says: known before the prompt is processed); None where the
+        generation ended before it."""
+        return self._stream.matched
 
     async def finished(self) -> Completion | None:
         """The Completion once the generation has ended, even if nobody read it (a client
@@ -288,7 +297,7 @@ async def start_turn(
         sampling = {**sampling, "grammar": call.grammar}
         splitter = splitter if call.own_format else BareCallReader()
     split_thinking &= "grammar" not in sampling  # a grammar's form has no thinking tags
-    thinking = _thinking_splitter(worker.runner, messages, switches, splitter, split_thinking)
+    thinking = await _thinking_splitter(worker.runner, messages, switches, splitter, split_thinking)
     try:
         stream = await worker.start(
             checked_reasoning(messages, tokenizer),
@@ -335,22 +344,27 @@ def _tool_splitter(
     return None
 
 
-def _thinking_splitter(
+async def _thinking_splitter(
     runner: Any,
     prompt: Any,
     switches: dict[str, Any] | None,
     splitter: ToolCallSplitter | BareCallReader | None,
     split: bool,
 ) -> ThinkingSplitter | None:
-    """A splitter at the model's thinking tags, which tool calls (`splitter`) also end; None
-    where the turn is not `split` or the vocabulary has no thinking tags."""
+    """A splitter at the model's thinking tags, which tool calls (`splitter`) also end, in the
+    state the prompt leaves the output (`output_start`); None where the turn is not `split` or
+    the vocabulary has no thinking tags. A whole prompt rendered again (a continued message's)
+    is rendered off the event loop."""
     tokenizer = runner.tokenizer
     if not split or not tokenizer.has_thinking:
         return None
+    start = functools.partial(output_start, runner, prompt, switches)
+    begins = await run_in_threadpool(start) if renders_whole(prompt, switches) else start()
     return ThinkingSplitter(
         tokenizer.think_start,
         tokenizer.think_end,
-        thinking=prompt_ends_thinking(runner, prompt, switches),
+        thinking=begins.thinking,
+        after_tag=begins.after_tag,
         exits=(tokenizer.tool_call_start,) if splitter is not None else (),
     )
 
