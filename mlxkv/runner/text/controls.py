@@ -1,9 +1,10 @@
 """Control-token text a client sent, kept as text wherever the chat template writes it.
 
 Owns `ControlText` (a tokenizer's control-token strings, their ids as plain text, and one
-render's messages masked: `masked`, which content holds such text, the tool calls with it
-behind placeholders) and `MaskedMessages`. Does not own rendering (`prompt.PromptEncoder`,
-`vision.VisionPrompts`), which puts a tainted message's whole content behind a slot.
+render's messages masked: `masked`, which content holds such text, the tool calls, tool
+definitions and template variables with it behind placeholders) and `MaskedMessages`. Does
+not own rendering (`prompt.PromptEncoder`, `vision.VisionPrompts`), which puts a tainted
+message's whole content behind a slot.
 
 Terms:
   - tainted message: one whose content holds control-token text; the renders put its whole
@@ -22,7 +23,7 @@ import functools
 import re
 import secrets
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlxkv.runner.text.messages import Message
@@ -56,20 +57,26 @@ class ControlText:
         enabled: bool,
         encode: Callable[[str], list[int]],
         known: Container[int] = (),
+        template_args: dict[str, Any] | None = None,
     ) -> MaskedMessages:
-        """`messages` as one render takes them: their tool calls' control-token text behind
-        call placeholders, which `encode` (rendered text to ids) then reads as plain text.
+        """`messages` and `template_args` as one render takes them: the control-token text
+        of their tool calls, and of the tool definitions and template variables (vLLM's
+        `chat_template_kwargs`) in `template_args`, behind call placeholders, which `encode`
+        (rendered text to ids) then reads as plain text.
 
         Args:
             enabled: whether to mask at all (not the caller's `parse_control_tokens`).
             encode: the ids of text the template wrote, without placeholders.
             known: indices of known replies (their ids stand for them: never tainted).
+            template_args: the other variables the render passes the template.
 
         Raises:
-            ValueError: control-token text in calls, and no tokenizer that keeps it as text.
+            ValueError: control-token text in calls, tools or template variables, and no
+                tokenizer that keeps it as text.
         """
+        args = dict(template_args or {})
         if not enabled or self.pattern is None:
-            return MaskedMessages(list(messages), [], encode, enabled=False)
+            return MaskedMessages(list(messages), [], encode, enabled=False, template_args=args)
         tainted = [
             i for i, m in enumerate(messages) if i not in known and self.found(_field(m, "content"))
         ]
@@ -91,10 +98,27 @@ class ControlText:
                     "which this model's tokenizer cannot keep as plain text; remove it"
                 )
             out.append({**message, "tool_calls": _replaced(calls, self.pattern, placeholder)})
+        args = self._masked_args(args, placeholder)
         if keys:
             strings = {key: control for control, key in keys.items()}
             encode = functools.partial(self._encode, strings, encode)
-        return MaskedMessages(out, tainted, encode, enabled=True)
+        return MaskedMessages(out, tainted, encode, enabled=True, template_args=args)
+
+    def _masked_args(
+        self, args: dict[str, Any], placeholder: Callable[[re.Match[str]], str]
+    ) -> dict[str, Any]:
+        """Tool definitions and template variables with their control-token text behind
+        call placeholders: they reach the template as they are (tools through `tojson`, which
+        leaves `<|...|>` as it is), so a tool description forged a system turn."""
+        found = next(filter(None, map(self.found, _strings(args))), None)
+        if found is None:
+            return args
+        if self.plain is None:
+            raise ValueError(
+                f"the tools or template variables contain the control token text {found!r}, "
+                "which this model's tokenizer cannot keep as plain text; remove it"
+            )
+        return _replaced(args, self.pattern, placeholder)
 
     def _encode(
         self, strings: dict[str, str], encode: Callable[[str], list[int]], text: str
@@ -120,12 +144,15 @@ class MaskedMessages:
             which the render puts behind a slot and tokenizes whole as plain text.
         encode: text the template wrote to ids, each placeholder as its plain text.
         enabled: whether control-token text is masked (not `parse_control_tokens`).
+        template_args: the render's other template variables (tools, switches), their
+            control-token text behind placeholders; none by default.
     """
 
     messages: list[Message]
     tainted: list[int]
     encode: Callable[[str], list[int]]
     enabled: bool
+    template_args: dict[str, Any] = field(default_factory=dict)
 
 
 def _replaced(value: Any, pattern: re.Pattern[str], by: Callable[[re.Match[str]], str]) -> Any:

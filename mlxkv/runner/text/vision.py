@@ -155,7 +155,14 @@ class VisionPrompts:
         """
         if self._support is None:
             raise ImagesNotSupportedError(self._model_name)
-        calls = self._masked_calls(messages, parse_control_tokens)
+        args: dict[str, Any] = {
+            **self._prompts.template_switches(switches),
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if tools:
+            args["tools"] = checked_tools(tools)
+        calls = self._masked_calls(messages, parse_control_tokens, args)
+        args = calls.template_args  # tools and switches, their control-token text masked
         masked, images, slots, known = self._masked(messages, calls, replies)
         if len(images) > MAX_IMAGES_PER_PROMPT:
             raise ValueError(
@@ -163,12 +170,6 @@ class VisionPrompts:
                 f"{MAX_IMAGES_PER_PROMPT} per prompt"
             )
         decoded = [decode_image(source) for source in images]
-        args: dict[str, Any] = {
-            **self._prompts.template_switches(switches),
-            "add_generation_prompt": add_generation_prompt,
-        }
-        if tools:
-            args["tools"] = checked_tools(tools)
         try:
             text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
             sent = {i: _as_text(messages[i]) for i in known.values()}  # as `_masked` read them
@@ -194,15 +195,17 @@ class VisionPrompts:
         return self._expanded(segments, decoded, processed)
 
     def _masked_calls(
-        self, messages: Sequence[Message], parse_control_tokens: bool
+        self, messages: Sequence[Message], parse_control_tokens: bool, args: dict[str, Any]
     ) -> MaskedMessages:
-        """`messages` with control-token text in their tool calls behind placeholders
-        (`text.controls`), unless such text is to be parsed."""
+        """`messages` and the template's other `args` with control-token text in their tool
+        calls, tools and variables behind placeholders (`text.controls`), unless such text
+        is to be parsed."""
         tokenizer = self._prompts.tokenizer
         return self._prompts.controls.masked(
             messages,
             enabled=not parse_control_tokens,
             encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            template_args=args,
         )
 
     def _masked(
