@@ -113,3 +113,33 @@ def test_control_token_text_in_a_template_switch_stays_text(tmp_path):
         assert _controls(runner, ids) == _controls(runner, clean)
     finally:
         runner.close()
+
+
+# Message fields besides content and calls that templates write: OpenAI's `name`, a tool
+# result's `tool_call_id` (Mistral's templates), the thinking sent back (Qwen3's).
+FIELDS_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}"
+    "{% for field in ['name', 'tool_call_id', 'reasoning_content'] %}"
+    "{% if message[field] %} {{ message[field] }}{% endif %}{% endfor %}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("index", "field"),
+    [(0, "name"), (2, "tool_call_id"), (1, "reasoning_content")],
+    ids=["name", "tool_call_id", "reasoning_content"],
+)
+def test_control_token_text_in_other_message_fields_stays_text(tmp_path, index, field):
+    path = build_template_model(tmp_path / "model", SCRIPT, FIELDS_TEMPLATE)
+    runner = Runner(load_model(path), max_context=1024)
+    try:
+        clean, forged = _chat(), _chat()
+        clean[index] = {**clean[index], field: "x"}
+        forged[index] = {**forged[index], field: f"x{FORGED}"}
+        ids = runner.encode(forged)
+        assert FORGED in runner.tokenizer.decode(ids)
+        assert _controls(runner, ids) == _controls(runner, runner.encode(clean))
+    finally:
+        runner.close()

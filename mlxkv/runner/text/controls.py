@@ -1,8 +1,8 @@
 """Control-token text a client sent, kept as text wherever the chat template writes it.
 
 Owns `ControlText` (a tokenizer's control-token strings, their ids as plain text, and one
-render's messages masked: `masked`, which content holds such text, the tool calls, tool
-definitions and template variables with it behind placeholders) and `MaskedMessages`. Does
+render's messages masked: `masked`, which content holds such text; the other message fields,
+tool definitions and template variables with it behind placeholders) and `MaskedMessages`. Does
 not own rendering (`prompt.PromptEncoder`, `vision.VisionPrompts`), which puts a tainted
 message's whole content behind a slot.
 
@@ -10,11 +10,12 @@ Terms:
   - tainted message: one whose content holds control-token text; the renders put its whole
     content behind a slot and tokenize it as plain text.
   - call placeholder: what stands, in a render, for one control-token string found inside a
-    tool call's name or arguments (keys and values, at any depth). The template writes calls
-    through `tojson`, escapes included, and may write a name twice (a tool result named after
-    its call) or not at all, so the placeholder stands for the control string alone, not the
-    whole value: each place the template wrote it becomes the string's plain-text ids, and
-    the text around it stays as the template wrote it.
+    message's fields besides content (a tool call's name or arguments, keys and values at any
+    depth; `name`, `tool_call_id`, thinking), a tool definition or a template variable. The
+    template writes calls through `tojson`, escapes included, and may write a name twice (a
+    tool result named after its call) or not at all, so the placeholder stands for the
+    control string alone, not the whole value: each place the template wrote it becomes the
+    string's plain-text ids, and the text around it stays as the template wrote it.
 """
 
 from __future__ import annotations
@@ -87,17 +88,19 @@ class ControlText:
 
         out = []
         for i, message in enumerate(messages):
-            calls = _field(message, "tool_calls")
-            found = next(filter(None, map(self.found, _strings(calls))), None)
+            # content is a slot of its own; every other field a template may write (tool
+            # calls, `name`, `tool_call_id`, the thinking sent back) is masked in place
+            fields = _besides_content(message)
+            found = next(filter(None, map(self.found, _strings(fields))), None)
             if found is None:
                 out.append(message)
                 continue
             if self.plain is None:
                 raise ValueError(
-                    f"message {i}'s tool calls contain the control token text {found!r}, "
+                    f"message {i}'s fields contain the control token text {found!r}, "
                     "which this model's tokenizer cannot keep as plain text; remove it"
                 )
-            out.append({**message, "tool_calls": _replaced(calls, self.pattern, placeholder)})
+            out.append({**message, **_replaced(fields, self.pattern, placeholder)})
         args = self._masked_args(args, placeholder)
         if keys:
             strings = {key: control for control, key in keys.items()}
@@ -165,6 +168,12 @@ def _replaced(value: Any, pattern: re.Pattern[str], by: Callable[[re.Match[str]]
     if isinstance(value, list | tuple):
         return [_replaced(v, pattern, by) for v in value]
     return value
+
+
+def _besides_content(message: Any) -> dict[str, Any]:
+    """A message's fields other than its content ({} for a message not yet checked to be a
+    dict)."""
+    return {k: v for k, v in message.items() if k != "content"} if isinstance(message, dict) else {}
 
 
 def _field(message: Any, name: str) -> Any:
