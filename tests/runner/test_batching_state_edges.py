@@ -249,6 +249,7 @@ def test_a_grammar_that_gives_up_mid_reply_ends_its_own_stream_only(loaded_tiny)
     alternatives: "Current row has 3000 items; max is 2000"), raising in that row's pick after
     the forward pass; the other streams of the batch go on and answer as alone (one client's
     schema ended every client's reply in the batch)."""
+    from mlxkv import GrammarError
     from mlxkv.decoding.grammar import json_schema_grammar
 
     loaded = loaded_tiny("llama")
@@ -268,7 +269,7 @@ def test_a_grammar_that_gives_up_mid_reply_ends_its_own_stream_only(loaded_tiny)
     def hostile():
         try:
             list(runner.stream(_tokens(62, 8), batched=True, grammar=grammar, **OPTIONS))
-        except RuntimeError as error:
+        except GrammarError as error:
             errors.append(error)
 
     _queued_then_run(runner, [lambda: normal(0), lambda: normal(1), hostile])
