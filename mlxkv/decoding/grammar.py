@@ -95,8 +95,9 @@ def grammar_processor(
 
 
 def _shortened(problem: Any, max_chars: int = 300) -> str:
-    """llguidance's message, bounded: it quotes the schema's values (a 300-digit bound)."""
-    text = str(problem)
+    """llguidance's message, bounded: it quotes the schema's values (a 300-digit bound) and
+    may append its parser's state (`<state>`: its counters, of no use to a client)."""
+    text = str(problem).split("\n<state>")[0]
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
