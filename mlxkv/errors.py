@@ -107,6 +107,12 @@ class ContextLengthError(MlxkvError, ValueError):
         self.max_context = max_context
 
 
+class GrammarError(MlxkvError, ValueError):
+    """A grammar (or JSON schema) the grammar engine cannot follow: one it cannot convert, or
+    one it gives up on mid-reply (llguidance's limits on what it builds, reached only once
+    tokens come). Bad input: the request that asked for it ends, and no other."""
+
+
 class RunnerBusyError(MlxkvError, RuntimeError):
     """A Runner call that would wait forever: this thread holds an unfinished `stream()`."""
 

@@ -181,6 +181,8 @@ class DecodeBatch:
             if row not in self._rows:
                 return None
             self._step()
+            if row.failure is not None:  # its own pick failed: the stand-in is not its token
+                raise row.failure
         picked, index, _ = row.out.popleft()
         if not row.out and row in self._rows:
             self._step()  # queued before this token is read back
@@ -217,7 +219,7 @@ class DecodeBatch:
             picked = _Picked(_pick(rows, logits))
             snapshots = self._snapshots(rows)
             mx.async_eval(picked.tokens, [arrays_of(s) for snap in snapshots for s in snap if s])
-        except BaseException as error:  # the model, or one row's processors (a grammar)
+        except BaseException as error:  # the model, or the picking as a whole
             self._fail(error)
             raise
         marks = self._kv.state_marks() if self._has_state else None
@@ -227,7 +229,7 @@ class DecodeBatch:
             row.next_input = (picked, i)
             row.out.append((picked, i, marks))
             row.left -= 1
-        for row in [row for row in rows if row.left <= 0]:
+        for row in [row for row in rows if row.left <= 0 or row.failure is not None]:
             self._part(row)
         self._steps += 1
         if self._steps % _CLEAR_CACHE_EVERY_STEPS == 0:
@@ -259,9 +261,10 @@ class DecodeBatch:
         row.snapshots = {}
 
     def _fail(self, error: BaseException) -> None:
-        """A step failed (the model, or one row's processors: a grammar that refused a token):
-        every row leaves with its entry as it was at its join (their K/V in the batch may be
-        half updated); each request hears the error at its next token."""
+        """A step failed (the model, or the picking as a whole; one row's own processors
+        failing end that row alone: `_own_pick`): every row leaves with its entry as it was
+        at its join (their K/V in the batch may be half updated); each request hears the
+        error at its next token."""
         logger.error("a batched decode step failed; its %d requests end", len(self._rows))
         for row in self._rows:
             row.failure = error
@@ -322,8 +325,24 @@ def _pick(rows: list[_Row], logits: mx.array) -> mx.array:
     if bare:
         tokens = mx.argmax(logits[mx.array(bare)], axis=-1)
         picked = {i: tokens[j : j + 1] for j, i in enumerate(bare)}
-    own = [picked[i] if i in picked else row.pick(logits[i : i + 1]) for i, row in enumerate(rows)]
+    own = [
+        picked[i] if i in picked else _own_pick(row, logits[i : i + 1])
+        for i, row in enumerate(rows)
+    ]
     return mx.concatenate(own)
+
+
+def _own_pick(row: _Row, logits: mx.array) -> mx.array:
+    """A row's token from its own picker. Its processors failing (a grammar the engine gives
+    up on mid-reply: a client's schema) end that row alone: it takes the greedy token as a
+    stand-in, never read, and leaves the batch after this step with what it was fed, while
+    the other rows go on (a failure here ended every client's reply in the batch)."""
+    try:
+        return row.pick(logits)
+    except Exception as error:
+        logger.warning("a batched request's picking failed; it ends alone: %s", error)
+        row.failure = error
+        return mx.argmax(logits, axis=-1)
 
 
 def batched_tokens(

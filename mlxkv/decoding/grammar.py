@@ -19,6 +19,7 @@ import numpy as np
 
 from mlxkv.decoding.sampling import LogitsProcessor
 from mlxkv.decoding.schema_recursion import check_finite_schema
+from mlxkv.errors import GrammarError
 
 # OpenAI's `{"type": "json_object"}`: any JSON object.
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
@@ -26,11 +27,18 @@ JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """The grammar of JSON text that validates against `schema`, compact (no free whitespace
-    between tokens: a small model cannot wander into pages of spaces)."""
+    between tokens: a small model cannot wander into pages of spaces).
+
+    Raises:
+        GrammarError: a schema llguidance cannot convert (a bound past 64-bit integers).
+    """
     from llguidance import LLMatcher
 
     options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    except ValueError as error:
+        raise GrammarError(f"the JSON schema cannot be used: {_shortened(error)}") from None
 
 
 def check_grammar(grammar: str, tokenizer: Any) -> None:
@@ -73,13 +81,24 @@ def grammar_processor(
         # A stopped matcher has seen the grammar's end (EOS): decoding computes one step past
         # the last token before it sees the end, and that step's token is never kept.
         if new and not matcher.is_stopped() and not matcher.consume_tokens(new):
-            raise RuntimeError(f"the grammar refused a generated token: {matcher.get_error()}")
+            # the mask allowed the token: the engine gave up (its limits, reached mid-reply)
+            raise GrammarError(
+                "the grammar (or JSON schema) cannot be followed: "
+                f"{_shortened(matcher.get_error())}; simplify it"
+            )
         fill_next_token_bitmask(matcher, words)
         allowed = np.zeros(vocab_size, dtype=bool)
         allowed[:width] = np.unpackbits(words.view(np.uint8), bitorder="little")[:width]
         return mx.where(mx.array(allowed), logits, -mx.inf)
 
     return constrain
+
+
+def _shortened(problem: Any, max_chars: int = 300) -> str:
+    """llguidance's message, bounded: it quotes the schema's values (a 300-digit bound) and
+    may append its parser's state (`<state>`: its counters, of no use to a client)."""
+    text = str(problem).split("\n<state>")[0]
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
 def _json_schemas(grammar: str) -> list[Any]:

@@ -120,7 +120,9 @@ def _load_directory(
         return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
     try:
         model, tokenizer, config = load(str(path), return_config=True, lazy=group is not None)
-    except (ValueError, FileNotFoundError, KeyError, OSError, RuntimeError) as error:
+    # mlx-lm builds the model from whatever config.json and tokenizer.json say: a zero, a
+    # string or a huge number there fails inside it as a TypeError or an ArithmeticError
+    except (ValueError, KeyError, OSError, RuntimeError, TypeError, ArithmeticError) as error:
         raise ModelLoadError(f"could not load a model from {path}: {error}") from error
     if group is not None:
         kind = shard_model(model, group, config.get("model_type", "?"), config)
@@ -136,9 +138,15 @@ def _load_directory(
 
 def _read_config(path: Path) -> dict[str, Any]:
     try:
-        return json.loads((path / "config.json").read_text())
+        config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return {}  # mlx-lm's load says what is missing
+    if not isinstance(config, dict):  # UnsupportedFormatError: a server lists its other models
+        raise UnsupportedFormatError(
+            f"could not load a model from {path}: its config.json holds a JSON"
+            f" {type(config).__name__}, not an object"
+        )
+    return config
 
 
 def _load_vision(path: Path, config: dict[str, Any]) -> LoadedModel:
@@ -178,8 +186,8 @@ def expected_weights_bytes(model: str | Path | None) -> int:
     directory (a repo id, an Ollama name: unknown until it loads).
 
     Raises:
-        UnsupportedFormatError: a GGUF file whose tensor table, or a safetensors file whose
-            header, cannot be read.
+        UnsupportedFormatError: a GGUF file whose tensor table, a safetensors file whose
+            header, or a config.json that is not a JSON object, cannot be read.
     """
     path = Path(model).expanduser() if model else None
     if path is None or not path.exists():

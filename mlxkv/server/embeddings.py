@@ -23,6 +23,12 @@ from mlxkv.models.embedding import EmbeddingInput, Embeddings
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models.served import request_context
 
+# Most inputs one request embeds, OpenAI's limit
+# (https://platform.openai.com/docs/api-reference/embeddings/create).
+# Each vector is answered as JSON floats: unbounded, a 760 KB body of 190,000 one-letter
+# inputs took a 64-wide tiny model's server from 0.1 to 7.9 GiB.
+MAX_EMBEDDING_INPUTS = 2048
+
 
 async def embed(
     request: Request,
@@ -35,9 +41,19 @@ async def embed(
     passes take a while; the model work itself interleaves with running generations).
 
     Raises:
-        ApiError: 400 for bad input, an input over the window (unless `truncate`), or a model
-            that cannot compute embeddings (the message names it).
+        ApiError: 400 for bad input, more than `MAX_EMBEDDING_INPUTS` inputs, an input over
+            the window (unless `truncate`), or a model that cannot compute embeddings (the
+            message names it).
     """
+    listed = isinstance(inputs, list) and inputs and not isinstance(inputs[0], int)
+    num_inputs = len(inputs) if listed else 1
+    if num_inputs > MAX_EMBEDDING_INPUTS:
+        raise ApiError(
+            400,
+            f"the request holds {num_inputs:,} inputs; this server embeds at most"
+            f" {MAX_EMBEDDING_INPUTS:,} per request; send them in several requests",
+            param="input",
+        )
     context = await request_context(request)
     runner = context.worker.runner
     try:

@@ -23,6 +23,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from mlxkv.errors import GrammarError
 from mlxkv.runner.results import Completion, GenerationChunk, PromptUsage
 from mlxkv.runner.runner import Runner
 from mlxkv.server.errors import ApiError
@@ -129,6 +130,10 @@ class GenerationStream:
         except ApiError as error:
             with contextlib.suppress(_LoopClosed):
                 self._deliver(error)
+        except GrammarError as error:  # the client's schema, given up on mid-reply: a 400
+            logger.warning("a request's grammar could not be followed: %s", error)
+            with contextlib.suppress(_LoopClosed):
+                self._deliver(ApiError(400, str(error)))
         except Exception as error:
             logger.exception("generation failed")
             with contextlib.suppress(_LoopClosed):

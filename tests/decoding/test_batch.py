@@ -218,21 +218,27 @@ def _raising(*args, **kwargs):
     raise RuntimeError("broken step")
 
 
-def test_a_row_whose_processors_fail_fails_the_step_and_leaves_entries_as_joined(
-    model_of_a_kind,
-):
-    """A grammar that refuses a token raises inside one row's pick, after the forward pass
-    updated every row's layers in the batch: no entry may keep that half step."""
+def test_a_row_whose_processors_fail_ends_alone_and_the_other_goes_on(model_of_a_kind):
+    """A grammar the engine gives up on raises inside one row's pick, after the forward pass
+    fed every row: that row ends with the error, its entry holding exactly what it was fed;
+    the other row goes on to its end as alone (one client's grammar ended every reply in the
+    batch)."""
     model = model_of_a_kind
-    batch, caches, streams = _two_started(model)
-    next(streams[0]), next(streams[1])  # both rows joined, one step taken
+    alone = [_alone(model, PROMPTS[i], MAX_TOKENS[i])[0] for i in (0, 2)]
+    batch, caches, streams = _two_started(model)  # each stream's first token read
+    read = [[alone[0][0], next(streams[0])], [alone[1][0], next(streams[1])]]
     batch._rows[1].pick = TokenPicker(_raising, [_raising], [])  # a processor that fails
     with pytest.raises(RuntimeError, match="broken step"):
-        for _ in range(MAX_TOKENS[0]):
-            next(streams[0])
-    for stream in streams:
-        stream.close()
-    _assert_as_joined(model, caches)
+        for _ in range(MAX_TOKENS[2]):
+            read[1].append(next(streams[1]))
+    read[0] += list(streams[0])
+    streams[1].close()
+    assert read[0] == alone[0] and read[1] == alone[1][: len(read[1])]
+    for cache, prompt, streamed, own in zip(
+        caches, (PROMPTS[0], PROMPTS[2]), read, alone, strict=True
+    ):
+        _assert_holds_what_it_fed(model, cache, prompt, streamed, own)
+    assert batch.num_rows == 0
 
 
 def test_windows_with_sinks_cannot_batch(loaded_tiny):

@@ -1,6 +1,7 @@
 """Where models come from: repo ids offline, an Ollama store, the default model."""
 
 import json
+import shutil
 
 import pytest
 
@@ -60,6 +61,38 @@ def test_a_file_that_is_not_a_model_says_so_without_an_errno(tmp_path):
     with pytest.raises(ModelLoadError, match="it is a file, neither a model directory") as raised:
         load_model(file)
     assert "Errno" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("file", "text"),
+    [
+        ("config.json", "[]"),  # mlx-lm: AttributeError
+        ("config.json", '{"num_attention_heads": 0}'),  # ZeroDivisionError
+        ("config.json", '{"hidden_size": "64"}'),  # TypeError
+        ("config.json", '{"vocab_size": 1000000000000}'),  # OverflowError
+        ("tokenizer.json", "null"),  # TypeError
+    ],
+    ids=[
+        "config-list",
+        "config-zero-heads",
+        "config-string-size",
+        "config-huge-vocab",
+        "tokenizer-null",
+    ],
+)
+def test_a_broken_config_or_tokenizer_is_one_line_naming_the_directory(
+    model_root, tmp_path, file, text
+):
+    """mlx-lm builds the model from whatever config.json says; what it raises is reported as
+    the directory's problem (the CLI prints one line), not a traceback."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir("llama", model_root), broken)
+    path = broken / file
+    if text.startswith("{"):
+        text = json.dumps({**json.loads(path.read_text()), **json.loads(text)})
+    path.write_text(text)
+    with pytest.raises(ModelLoadError, match=f"could not load a model from {broken}"):
+        load_model(broken)
 
 
 def test_missing_default_model_says_how_to_install(monkeypatch):

@@ -242,3 +242,37 @@ def test_a_speculative_stream_left_behind_in_the_batch_then_closed(loaded_tiny, 
     turn = prompts[0] + read + _tokens(72, 6)
     got = _answer(runner.stream(turn, batched=True, **OPTIONS))
     _assert_same_answers([got], [_alone(loaded, turn)])
+
+
+def test_a_grammar_that_gives_up_mid_reply_ends_its_own_stream_only(loaded_tiny):
+    """llguidance gives up on some grammars only once tokens come (a JSON schema of 3,000
+    alternatives: "Current row has 3000 items; max is 2000"), raising in that row's pick after
+    the forward pass; the other streams of the batch go on and answer as alone (one client's
+    schema ended every client's reply in the batch)."""
+    from mlxkv import GrammarError
+    from mlxkv.decoding.grammar import json_schema_grammar
+
+    loaded = loaded_tiny("llama")
+    prompts = [_tokens(60, 20), _tokens(61, 12)]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    branches = [
+        {"type": "object", "properties": {f"k{i}": {"type": "string"}}, "required": [f"k{i}"]}
+        for i in range(3000)
+    ]
+    grammar = json_schema_grammar({"anyOf": branches})
+    results: list = [None, None]
+    errors: list = []
+
+    def normal(i):
+        results[i] = _answer(runner.stream(prompts[i], batched=True, **OPTIONS))
+
+    def hostile():
+        try:
+            list(runner.stream(_tokens(62, 8), batched=True, grammar=grammar, **OPTIONS))
+        except GrammarError as error:
+            errors.append(error)
+
+    _queued_then_run(runner, [lambda: normal(0), lambda: normal(1), hostile])
+    assert len(errors) == 1 and "grammar" in str(errors[0]), errors
+    _assert_same_answers(results, [_alone(loaded, p) for p in prompts])
+    assert not runner._pool._in_use and runner._dispatch._batching.batch.num_rows == 0

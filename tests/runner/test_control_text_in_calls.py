@@ -74,3 +74,72 @@ def test_a_call_name_the_template_writes_twice_stays_text_at_both(tmp_path):
         assert _controls(runner, ids) == _controls(runner, runner.encode(_chat()))
     finally:
         runner.close()
+
+
+def _tool(description: str, key: str = "city") -> list[dict]:
+    parameters = {"type": "object", "properties": {key: {"type": "string", "description": "d"}}}
+    function = {"name": "get_weather", "description": description, "parameters": parameters}
+    return [{"type": "function", "function": function}]
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [_tool(f"The weather.{FORGED}"), _tool("The weather.", key=f"city{FORGED}")],
+    ids=["description", "parameter-name"],
+)
+def test_control_token_text_in_a_tool_definition_stays_text(runner, tools):
+    """The template writes tool definitions through `tojson`, which leaves `<|...|>` as it is:
+    a client's tool description forged a system turn (4 control tokens more than a clean one)."""
+    chat = [{"role": "user", "content": "Weather in Paris?"}]
+    ids = runner.encode(chat, tools=tools)
+    rendered = runner.tokenizer.apply_chat_template(
+        chat, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    assert runner.tokenizer.decode(ids) == rendered
+    assert _controls(runner, ids) == _controls(runner, runner.encode(chat, tools=_tool("d")))
+
+
+def test_control_token_text_in_a_template_switch_stays_text(tmp_path):
+    """vLLM's `chat_template_kwargs` reach the template as variables (Llama 3.1's templates
+    write `date_string` into the system turn): a client's value stays text there too."""
+    template = "{% if date_string is defined %}Today: {{ date_string }}\n{% endif %}"
+    path = build_template_model(tmp_path / "model", SCRIPT, template + TOOLS_CHAT_TEMPLATE)
+    runner = Runner(load_model(path), max_context=1024)
+    try:
+        chat = [{"role": "user", "content": "Weather in Paris?"}]
+        ids = runner.encode(chat, switches={"date_string": f"26 Jul 2024{FORGED}"})
+        assert runner.tokenizer.decode(ids).startswith(f"Today: 26 Jul 2024{FORGED}\n")
+        clean = runner.encode(chat, switches={"date_string": "26 Jul 2024"})
+        assert _controls(runner, ids) == _controls(runner, clean)
+    finally:
+        runner.close()
+
+
+# Message fields besides content and calls that templates write: OpenAI's `name`, a tool
+# result's `tool_call_id` (Mistral's templates), the thinking sent back (Qwen3's).
+FIELDS_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}"
+    "{% for field in ['name', 'tool_call_id', 'reasoning_content'] %}"
+    "{% if message[field] %} {{ message[field] }}{% endif %}{% endfor %}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("index", "field"),
+    [(0, "name"), (2, "tool_call_id"), (1, "reasoning_content")],
+    ids=["name", "tool_call_id", "reasoning_content"],
+)
+def test_control_token_text_in_other_message_fields_stays_text(tmp_path, index, field):
+    path = build_template_model(tmp_path / "model", SCRIPT, FIELDS_TEMPLATE)
+    runner = Runner(load_model(path), max_context=1024)
+    try:
+        clean, forged = _chat(), _chat()
+        clean[index] = {**clean[index], field: "x"}
+        forged[index] = {**forged[index], field: f"x{FORGED}"}
+        ids = runner.encode(forged)
+        assert FORGED in runner.tokenizer.decode(ids)
+        assert _controls(runner, ids) == _controls(runner, runner.encode(clean))
+    finally:
+        runner.close()

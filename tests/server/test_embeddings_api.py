@@ -88,6 +88,17 @@ def test_bad_openai_input_is_a_400_naming_the_field(served, body, mentions):
     assert status == 400 and mentions in reply["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/api/embed"])
+def test_more_inputs_than_the_limit_is_a_400_before_any_work(served, path):
+    """190,000 one-letter inputs (a 760 KB body) took the server to 7.9 GiB: refused by
+    count, in each API's shape; as many as the limit are embedded."""
+    status, reply = served.post(path, {"model": "tiny", "input": ["a"] * 2049})
+    message = reply["error"]["message"] if path.startswith("/v1/") else reply["error"]
+    assert status == 400 and "2,049 inputs" in message and "at most 2,048" in message
+    status, reply = served.post(path, {"model": "tiny", "input": ["a"] * 2048})
+    assert status == 200 and len(reply["data" if path.startswith("/v1/") else "embeddings"]) == 2048
+
+
 def test_a_model_that_cannot_embed_is_a_400_naming_it(loaded_tiny):
     """Named as the client names it (served as "notes"), not by its directory ("mamba")."""
     with serve(Runner(loaded_tiny("mamba"), max_context=32), model_name="notes") as served:

@@ -142,3 +142,35 @@ def test_a_recursion_that_cannot_end_is_a_400_naming_the_ref(served, schema):
         served.openai().chat.completions.create(
             model="m", messages=ASK, max_tokens=20, response_format=fmt
         )
+
+
+# 3,000 alternatives compile, but llguidance gives up once tokens come ("Current row has 3000
+# items; max is 2000"); a bound past 64-bit integers does not convert at all.
+_ALTERNATIVES = [
+    {"type": "object", "properties": {f"k{i}": {"type": "string"}}, "required": [f"k{i}"]}
+    for i in range(3000)
+]
+
+
+@pytest.mark.parametrize(
+    ("schema", "mentions"),
+    [
+        ({"anyOf": _ALTERNATIVES}, "max is 2000"),
+        ({"type": "integer", "minimum": -(10**300)}, "not JSON serializable"),
+    ],
+    ids=["given-up-mid-reply", "bound-past-int64"],
+)
+def test_a_schema_the_engine_cannot_follow_is_a_400_in_each_shape(served, schema, mentions):
+    """Both were a 500 "internal error" with the traceback logged twice."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    status, body = served.post(
+        "/v1/chat/completions", {"messages": ASK, "max_tokens": 8, "response_format": fmt}
+    )
+    assert status == 400 and mentions in body["error"]["message"], body
+    output = {"format": {"type": "json_schema", "schema": schema}}
+    status, body = served.post(
+        "/v1/messages", {"messages": ASK, "max_tokens": 8, "output_config": output}
+    )
+    assert status == 400 and mentions in body["error"]["message"], body
+    status, body = served.post("/api/chat", {"messages": ASK, "stream": False, "format": schema})
+    assert status == 400 and mentions in body["error"], body

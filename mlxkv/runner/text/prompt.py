@@ -326,12 +326,17 @@ class PromptEncoder:
         # a client's control-token text stays text: in content (the whole content as plain
         # text) and in tool calls (a known reply's calls are its ids, masked or not)
         masked = self.controls.masked(
-            messages, enabled=not parse_control_tokens, encode=self._segments.encode, known=known
+            messages,
+            enabled=not parse_control_tokens,
+            encode=self._segments.encode,
+            known=known,
+            template_args=template_args,
         )
+        args = masked.template_args  # tools and switches, their control-token text masked
         if known:
             try:
-                check_calls_apart(self.tokenizer, template_args, masked.messages, known)
-                return self._render_in_pieces(masked, known, template_args, continued)
+                check_calls_apart(self.tokenizer, args, masked.messages, known)
+                return self._render_in_pieces(masked, known, args, continued)
             except _ReplyRewritten:  # the template changed it: the reply renders as text
                 pass
             except TemplateError:  # a call reply refused without its calls (a tool message
@@ -342,11 +347,9 @@ class PromptEncoder:
                     messages, parse_control_tokens, template_args, text_replies, continued
                 )
         if not masked.tainted and not continued:
-            text = self.tokenizer.apply_chat_template(
-                masked.messages, tokenize=False, **template_args
-            )
+            text = self.tokenizer.apply_chat_template(masked.messages, tokenize=False, **args)
             return masked.encode(text)
-        return self._render_in_pieces(masked, {}, template_args, continued)
+        return self._render_in_pieces(masked, {}, args, continued)
 
     def reply_ids(self, message: Message, replies: ReplyIds | None) -> Sequence[int] | None:
         """The ids the model generated for `message`, an assistant message `replies` knows

@@ -160,17 +160,18 @@ class VisionPrompts:
         """
         if self._support is None:
             raise ImagesNotSupportedError(self._model_name)
-        calls = self._masked_calls(messages, parse_control_tokens)
-        masked, images, slots, known = self._masked(messages, calls, replies)
         continued = continues_final(messages, switches)
-        cut = _cut_after_last(masked) if continued else None
-        decoded = _decoded(images)
         args: dict[str, Any] = {
             **self._prompts.template_switches(switches),
             "add_generation_prompt": add_generation_prompt and not continued,
         }
         if tools:
             args["tools"] = checked_tools(tools)
+        calls = self._masked_calls(messages, parse_control_tokens, args)
+        args = calls.template_args  # tools and switches, their control-token text masked
+        masked, images, slots, known = self._masked(messages, calls, replies)
+        cut = _cut_after_last(masked) if continued else None
+        decoded = _decoded(images)
         try:
             text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
             sent = {i: _as_text(messages[i]) for i in known.values()}  # as `_masked` read them
@@ -197,15 +198,17 @@ class VisionPrompts:
         return self._expanded(segments, decoded, processed)
 
     def _masked_calls(
-        self, messages: Sequence[Message], parse_control_tokens: bool
+        self, messages: Sequence[Message], parse_control_tokens: bool, args: dict[str, Any]
     ) -> MaskedMessages:
-        """`messages` with control-token text in their tool calls behind placeholders
-        (`text.controls`), unless such text is to be parsed."""
+        """`messages` and the template's other `args` with control-token text in their tool
+        calls, tools and variables behind placeholders (`text.controls`), unless such text
+        is to be parsed."""
         tokenizer = self._prompts.tokenizer
         return self._prompts.controls.masked(
             messages,
             enabled=not parse_control_tokens,
             encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            template_args=args,
         )
 
     def _masked(

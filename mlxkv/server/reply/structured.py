@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlxkv.decoding.grammar import JSON_OBJECT_SCHEMA, json_schema_grammar
+from mlxkv.errors import GrammarError
 from mlxkv.server.errors import ApiError
 
 
@@ -23,7 +24,7 @@ def openai_grammar(response_format: dict[str, Any] | None, param: str) -> str | 
     if kind == "json_schema":
         nested = response_format.get("json_schema")  # chat's form; Responses' is flat
         schema = nested.get("schema") if isinstance(nested, dict) else response_format.get("schema")
-        return json_schema_grammar(_schema(schema, param))
+        return _grammar(_schema(schema, param), param)
     raise ApiError(
         400, f"{param}.type {kind!r} is not one of text, json_object, json_schema", param=param
     )
@@ -36,7 +37,8 @@ def anthropic_grammar(output_config: dict[str, Any] | None) -> str | None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
         raise ApiError(400, "output_config.format.type must be 'json_schema'")
-    return json_schema_grammar(_schema(fmt.get("schema"), "output_config.format.schema"))
+    param = "output_config.format.schema"
+    return _grammar(_schema(fmt.get("schema"), param), param)
 
 
 def ollama_grammar(fmt: str | dict[str, Any] | None) -> str | None:
@@ -46,8 +48,16 @@ def ollama_grammar(fmt: str | dict[str, Any] | None) -> str | None:
     if fmt == "json":
         return json_schema_grammar(JSON_OBJECT_SCHEMA)
     if isinstance(fmt, dict):
-        return json_schema_grammar(fmt)
+        return _grammar(fmt, "format")
     raise ApiError(400, f'format must be "json" or a JSON schema, got {fmt!r}')
+
+
+def _grammar(schema: dict[str, Any], param: str) -> str:
+    """A client's schema as a grammar; one the engine cannot convert is a 400."""
+    try:
+        return json_schema_grammar(schema)
+    except GrammarError as error:
+        raise ApiError(400, str(error), param=param) from error
 
 
 def _schema(schema: Any, param: str) -> dict[str, Any]:
