@@ -23,6 +23,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from mlxkv.errors import RanksOutOfStepError
 from mlxkv.runner.results import Completion, GenerationChunk
 from mlxkv.runner.runner import Runner
 from mlxkv.server.errors import ApiError
@@ -126,6 +127,9 @@ class GenerationStream:
         except ApiError as error:
             with contextlib.suppress(_LoopClosed):
                 self._deliver(error)
+        except RanksOutOfStepError as error:  # said in the log once, where it happened
+            with contextlib.suppress(_LoopClosed):
+                self._deliver(ApiError(503, str(error)))
         except Exception as error:
             logger.exception("generation failed")
             with contextlib.suppress(_LoopClosed):

@@ -1,9 +1,11 @@
-"""A follower that freezes while rank 0 is inside a forward pass (the sharded layers' own
-all_sum) must fail the request within MLXKV_RANK_TIMEOUT_S, as the README says. It does not:
-rank 0 waits in MLX's ring all_reduce (the engine thread in `mx.synchronize`), the stream
-stays open with keep-alives, every later request hangs, and /health answers "ok"
-(`Lockstep._sum` bounds only its own collectives; see its comment). Strict xfail until a
-wait inside a forward pass can be bounded."""
+"""A rank that freezes while the others are inside a forward pass (waiting in the sharded
+layers' own all_sum, where MLX's wait has no deadline) fails the server in bounded time:
+rank 0's open streams end with the API's error event naming MLXKV_RANK_TIMEOUT_S, /health
+stops saying ok, and the rank still running exits with status 1, `mlx.launch` saying so.
+It used to hang: rank 0 waited in MLX's ring all_reduce (its engine thread in
+`mx.synchronize`), the stream open with keep-alives, every later request hung, /health "ok";
+a follower whose rank 0 froze lingered likewise. The steps are timed, not the request: the
+reply streams for over twice the timeout before the freeze."""
 
 from __future__ import annotations
 
@@ -12,18 +14,22 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
-from tests.factories import tiny_model_dir
+from tests.factories import tiny_model_dir, wait_until
 from tests.processes import ready_url
 
 from .test_sharded import ROOT, launcher
 
 _RANK_TIMEOUT_S = 3
-_GRACE_S = 30  # far above the rank timeout: the stream must have ended by then
+_GRACE_S = 30  # far above the rank timeout: the rank still running has exited by then
+_LOG_LINE = f"ran past MLXKV_RANK_TIMEOUT_S={_RANK_TIMEOUT_S} s"
+_CHAT = [{"role": "user", "content": "Tell me a long story"}]
 
 
 def _rank_pids(group: int) -> dict[int, int]:
@@ -42,37 +48,105 @@ def _rank_pids(group: int) -> dict[int, int]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="a freeze inside a forward pass is not bounded")
-def test_a_follower_frozen_mid_stream_ends_the_stream_in_bounded_time(model_root):
-    model = tiny_model_dir("llama", model_root)
-    process = subprocess.Popen(
-        [launcher(), "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "mlxkv.cli",
-         "serve", "-m", str(model), "--port", "0", "--no-cache-dir", "--max-context", "8192"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        start_new_session=True,
-        env={**os.environ, "MLXKV_RANK_TIMEOUT_S": str(_RANK_TIMEOUT_S)},
-    )  # fmt: skip
-    ended, frozen = threading.Event(), threading.Event()
+class _Sharded:
+    """`mlxkv serve` on a tiny model under `mlx.launch -n 2`, in a process group of its own;
+    `said` holds what every rank and mlx.launch said on stderr."""
+
+    def __init__(self, model_root):
+        model = tiny_model_dir("llama", model_root)
+        self.process = subprocess.Popen(
+            [launcher(), "-n", "2", "--backend", "ring", "--", sys.executable, "-m",
+             "mlxkv.cli", "serve", "-m", str(model), "--port", "0", "--no-cache-dir",
+             "--max-context", "8192"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            start_new_session=True,
+            env={**os.environ, "MLXKV_RANK_TIMEOUT_S": str(_RANK_TIMEOUT_S)},
+        )  # fmt: skip
+        try:
+            self.url = ready_url(self.process, 120)
+        except BaseException:
+            self.stop()
+            raise
+        self.said: list[str] = []  # every rank's stderr lines, and mlx.launch's
+        self._reader = threading.Thread(target=self._read_stderr)
+        self._reader.start()
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0)
+        self.pids = _rank_pids(self.process.pid)
+
+    def _read_stderr(self) -> None:
+        for line in self.process.stderr:  # until every process of the group has ended
+            self.said.append(line)
+
+    def stream_then_freeze(self, rank: int) -> openai.Stream:
+        """A long reply, read until it has streamed for over twice the rank timeout (many
+        steps, none of them slow), then `rank` is frozen (SIGSTOP); the rest unread."""
+        stream = self.client.chat.completions.create(
+            model="m", messages=_CHAT, max_tokens=6000, stream=True
+        )
+        start = time.monotonic()
+        for n, _ in enumerate(stream):
+            if n >= 5 and time.monotonic() - start > 2 * _RANK_TIMEOUT_S:
+                os.kill(self.pids[rank], signal.SIGSTOP)
+                return stream
+        raise AssertionError("the reply ended before the freeze")
+
+    def exited(self, rank: int) -> None:
+        """Waits until `rank` has exited with status 1 (its exit seen by mlx.launch)."""
+        said = f"Node with rank {rank} exited with code 1"
+        wait_until(lambda: any(said in line for line in self.said), _GRACE_S, said)
+
+    def stop(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)  # SIGKILL ends stopped processes too
+        self.process.wait()
+        if hasattr(self, "_reader"):
+            self._reader.join()
+
+
+def _error_event(stream: openai.Stream) -> str:
+    """The message of the error event `stream` ends with (its chunks read to the end)."""
+    with pytest.raises(openai.APIError) as raised:
+        for _ in stream:
+            pass
+    return str(raised.value)
+
+
+def test_a_follower_frozen_mid_stream_fails_the_streams_and_rank_0_exits(model_root):
+    server = _Sharded(model_root)
     try:
-        client = openai.OpenAI(base_url=ready_url(process, 120) + "/v1", api_key="x", max_retries=0)
-
-        def read() -> None:
-            chat = [{"role": "user", "content": "Tell me a long story"}]
-            try:
-                stream = client.chat.completions.create(
-                    model="m", messages=chat, max_tokens=6000, stream=True
-                )
-                for n, _ in enumerate(stream):
-                    if n == 5:  # mid-reply: rank 1 freezes
-                        os.kill(_rank_pids(process.pid)[1], signal.SIGSTOP)
-                        frozen.set()
-            except openai.APIError:
-                pass  # the error the stream should end with
-            ended.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        assert frozen.wait(120), "the reply never streamed 6 chunks"
+        stream = server.stream_then_freeze(1)
+        # queued behind it (sharded, one generation at a time): its headers are sent
+        waiting = server.client.chat.completions.create(
+            model="m", messages=_CHAT, max_tokens=8, stream=True
+        )
+        ended = threading.Event()
+        errors: list[str] = []
+        threading.Thread(
+            target=lambda: errors.append(_error_event(stream)) or ended.set(), daemon=True
+        ).start()
         assert ended.wait(_GRACE_S), f"the stream still open {_GRACE_S} s after rank 1 froze"
+        assert _LOG_LINE in errors[0] and "restart every rank" in errors[0]
+        assert _LOG_LINE in _error_event(waiting)
+        try:  # 503 until the server has stopped listening
+            health = httpx.get(server.url + "/health", timeout=_GRACE_S)
+            assert health.status_code == 503 and _LOG_LINE in health.json()["error"]
+        except httpx.ConnectError:
+            pass
+        server.exited(0)
     finally:
-        os.killpg(process.pid, signal.SIGKILL)  # SIGKILL ends stopped processes too
-        process.communicate()
+        server.stop()
+    said = "".join(server.said)
+    assert said.count(_LOG_LINE) == 1, said[-3000:]
+
+
+def test_rank_0_frozen_mid_stream_ends_the_follower(model_root):
+    server = _Sharded(model_root)
+    try:
+        server.stream_then_freeze(0)  # the rest of the reply is never read
+        server.exited(1)
+    finally:
+        server.stop()
+    said = "".join(server.said)
+    assert (
+        f"rank 1: one step of the sharded model (a prefill chunk or a decode step) {_LOG_LINE}"
+        in said
+    ), said[-3000:]
