@@ -99,24 +99,29 @@ class Lockstep:
         # must all be done before this one starts on another thread, or the two interleave on
         # the wire. (A rank that freezes inside a forward pass is bounded by the watchdog.)
         mx.synchronize()
+        stepping = self._watchdog.pause()  # the step ends here: this wait has its own bound
         try:
             summed = self._collectives.call(
                 collective, timeout_s=self._timeout_s if bounded else None
             )
         except TimeoutError:
-            self._collectives.abandon()
-            self._fail(
-                f"the other ranks did not answer within {self._timeout_s:g} s (one froze or "
-                "died); the sharded model cannot serve any more: restart every rank "
-                "(MLXKV_RANK_TIMEOUT_S sets the wait)"
+            error = RanksOutOfStepError(
+                self._record(
+                    f"the other ranks did not answer within {self._timeout_s:g} s (one froze "
+                    "or died); the sharded model cannot serve any more: restart every rank "
+                    "(MLXKV_RANK_TIMEOUT_S sets the wait)"
+                )
             )
+            self._collectives.abandon(error)
+            raise error from None
         except RuntimeError as error:  # MLX's ring: "connection to a peer was lost", or any
             # other failure of the collective: either way the ranks are out of step for good
             self._fail(
                 f"a collective with the other ranks failed ({error}; a rank died or the link "
                 "broke); the sharded model cannot serve any more: restart every rank"
             )
-        self._watchdog.met()
+        if stepping:
+            self._watchdog.begin()
         return summed
 
     def _fail(self, why: str) -> NoReturn:
@@ -329,8 +334,9 @@ class StepWatchdog:
     given a deadline, so the thread that waits cannot time itself out. A step is the work
     between two meetings of the ranks (a request's announcement, the cancel check every rank
     makes together after each prefill chunk and decode step), less the time the request's
-    reader takes between two chunks. `begin`, `met` and `pause` are called from one thread
-    (the engine); the watching thread, started with the first step, only reads.
+    reader takes between two chunks; the meetings have bounds of their own. `begin` and
+    `pause` are called from one thread (the engine); the watching thread, started with the
+    first step, only reads.
 
     Args:
         timeout_s: the longest a step may run (seconds).
@@ -347,7 +353,8 @@ class StepWatchdog:
         self._watcher: threading.Thread | None = None
 
     def begin(self) -> None:
-        """A step begins now (a request's first, or one after its reader took a chunk)."""
+        """A step begins now (a request's first, one after the ranks met, or after its reader
+        took a chunk)."""
         with self._armed:
             self._began = time.monotonic()
             if self._watcher is None:
@@ -355,14 +362,12 @@ class StepWatchdog:
                 self._watcher.start()
             self._armed.notify()
 
-    def met(self) -> None:
-        """The ranks have just met: the step under way (if any) ended, the next begins."""
-        if self._began is not None:  # the watcher finds the later start when it wakes
-            self._began = time.monotonic()
-
-    def pause(self) -> None:
-        """No step runs now (the request ended, or its reader has a chunk to take)."""
-        self._began = None
+    def pause(self) -> bool:
+        """No step runs now (the request ended, its reader has a chunk to take, or the ranks
+        are meeting); returns whether one was running. The watcher, woken at that step's
+        deadline, finds none (or a later one)."""
+        stepping, self._began = self._began is not None, None
+        return stepping
 
     def _watch(self) -> None:
         """Waits until a step has run past the bound, then calls `expired`."""

@@ -24,7 +24,8 @@ def _watchdog() -> tuple[StepWatchdog, threading.Event, list[str]]:
 def test_a_step_past_the_bound_calls_expired_once_from_the_watcher():
     watchdog, fired, threads = _watchdog()
     watchdog.begin()
-    watchdog.met()  # the next step: never ends either
+    assert watchdog.pause()  # the ranks meet: the step ended
+    watchdog.begin()  # the next one never does
     assert fired.wait(30)
     watchdog._watcher.join(30)  # it ends after calling `expired`
     assert threads == ["test-watchdog"]
@@ -34,7 +35,7 @@ def test_a_paused_watchdog_never_expires_and_a_step_after_it_does():
     watchdog, fired, _ = _watchdog()
     watchdog.begin()
     watchdog.pause()
-    watchdog.met()  # a meeting outside a step (an idle follower's wait) starts none
+    assert not watchdog.pause()  # a meeting outside a step (an idle follower's wait)
     assert not fired.wait(3 * _BOUND_S)
     watchdog.begin()
     assert fired.wait(30)
@@ -42,6 +43,5 @@ def test_a_paused_watchdog_never_expires_and_a_step_after_it_does():
 
 def test_no_thread_before_the_first_step():
     watchdog, _, _ = _watchdog()
-    watchdog.met()
-    watchdog.pause()
+    assert not watchdog.pause()
     assert watchdog._watcher is None
