@@ -1,11 +1,12 @@
-"""A rank that freezes while the others are inside a forward pass (waiting in the sharded
-layers' own all_sum, where MLX's wait has no deadline) fails the server in bounded time:
-rank 0's open streams end with the API's error event naming MLXKV_RANK_TIMEOUT_S, /health
-stops saying ok, and the rank still running exits with status 1, `mlx.launch` saying so.
-It used to hang: rank 0 waited in MLX's ring all_reduce (its engine thread in
-`mx.synchronize`), the stream open with keep-alives, every later request hung, /health "ok";
-a follower whose rank 0 froze lingered likewise. The steps are timed, not the request: the
-reply streams for over twice the timeout before the freeze."""
+"""A rank frozen (SIGSTOP) mid-reply, most often while the others are inside a forward pass
+(waiting in the sharded layers' own all_sum, where MLX's wait has no deadline), fails the
+server in bounded time: rank 0's open streams end with the API's error event naming
+MLXKV_RANK_TIMEOUT_S, /health stops saying ok, and the rank still running exits with status
+1, `mlx.launch` saying so. It used to hang: rank 0 waited in MLX's ring all_reduce (its
+engine thread in `mx.synchronize`), the stream open with keep-alives, every later request
+hung, /health "ok"; a follower whose rank 0 froze lingered likewise. The steps are timed, not
+the request: the reply streams for over twice the timeout before the freeze. (A rank stuck
+inside its forward pass for certain: `test_rank_faults.py`, `stall`.)"""
 
 from __future__ import annotations
 
