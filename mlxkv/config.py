@@ -38,8 +38,9 @@ ENVIRONMENT = {
     "MLXKV_CACHE_DIR": "where converted GGUF models (gguf/) and the server's disk tier (kv/) go; "
     "default $XDG_CACHE_HOME/mlxkv, else ~/.cache/mlxkv",
     "MLXKV_API_KEY": "mlxkv serve's --api-key when the flag is not given",
-    "MLXKV_RANK_TIMEOUT_S": "seconds a rank of a sharded Runner waits for the others during a "
-    f"request before failing it (default {DEFAULT_RANK_TIMEOUT_S:g}); read when the Runner is made",
+    "MLXKV_RANK_TIMEOUT_S": "seconds a rank of a sharded Runner waits for the others during one "
+    "step of a request (a prefill chunk or a decode step) before failing it (default "
+    f"{DEFAULT_RANK_TIMEOUT_S:g}); read when the Runner is made",
 }
 
 DEFAULT_DISK_BYTES = 16 * 2**30

@@ -9,8 +9,11 @@ import sys
 from collections.abc import Callable
 
 from mlxkv.config import RunnerConfig
+from mlxkv.errors import RanksOutOfStepError
 from mlxkv.models.sharding import world
 from mlxkv.runner.runner import Runner
+
+EXIT_OUT_OF_STEP = 1  # a sharded model's ranks fell out of step for good (`Runner.health`)
 
 # The logger of the memory line each request ends with (`Runner.memory_line`).
 MEMORY_LOGGER = "mlxkv.runner.prompt_cache.report"
@@ -83,6 +86,9 @@ def follow(runner: Runner) -> int:
     rank 0 prints (its memory line adds up the ranks' bytes)."""
     for handler in logging.getLogger("mlxkv").handlers:
         handler.setLevel(logging.WARNING)
-    for _ in runner.follow():
-        pass
+    try:
+        for _ in runner.follow():
+            pass
+    except RanksOutOfStepError:  # said in the log when it happened
+        return EXIT_OUT_OF_STEP
     return 0

@@ -10,10 +10,11 @@ import os
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlxkv.cli.common import MEMORY_LOGGER, follow, load_runner, runner_config
+from mlxkv.cli.common import EXIT_OUT_OF_STEP, MEMORY_LOGGER, follow, load_runner, runner_config
 from mlxkv.config import ServerConfig, env, format_bytes
 from mlxkv.errors import UnsupportedFormatError
 from mlxkv.models.loading import expected_weights_bytes
@@ -22,6 +23,7 @@ from mlxkv.models.sources import find_models
 from mlxkv.runner.runner import Runner
 
 if TYPE_CHECKING:  # the server's modules load when it starts (other commands start faster)
+    from mlxkv.server.connections import Server
     from mlxkv.server.models.resident import ModelLoader
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -48,13 +50,30 @@ def serve_command(args: argparse.Namespace) -> int:
         names = ", ".join(sources)
         print(f"mlxkv: serving {names} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True)
         server = Server(uvicorn_config(app, config, timeout_graceful_shutdown=5))
+        if world() is not None:
+            _stop_when_out_of_step(loaded[0], server)
         server.run(sockets=[sock])  # models loaded on demand are closed as it stops
     finally:  # on the way out, the caches go to their disk tiers (if any)
         _close(loaded)
+    if loaded and loaded[0].health is not None:  # said in the log when it happened
+        return EXIT_OUT_OF_STEP
     if signal.SIGTERM in server.signals:  # die by it, as a process stopped by SIGTERM does
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
     return 130 if signal.SIGINT in server.signals else 0
+
+
+def _stop_when_out_of_step(runner: Runner, server: Server) -> None:
+    """Stops the server once the sharded model's ranks fall out of step: they never recover
+    (a rank's ring cannot be rejoined), so the process exits (`EXIT_OUT_OF_STEP`) for its
+    supervisor, and `mlx.launch`, which then stops the other ranks, to see; the requests
+    open then are answered 503 first, within the server's graceful shutdown."""
+
+    def stop() -> None:
+        runner.wait_unhealthy()
+        server.should_exit = True
+
+    threading.Thread(target=stop, name="mlxkv-out-of-step", daemon=True).start()
 
 
 def _listen(

@@ -23,6 +23,8 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import contextlib
+import copy
 import logging
 import os
 import queue
@@ -60,6 +62,10 @@ class EngineThread:
         self._start_lock = threading.Lock()  # guards starting a run, and `_wakeups`
         self._wakeups = 0  # `_run_ahead` wake-ups in `_jobs`
         self._relays: weakref.WeakSet[Relay] = weakref.WeakSet()  # `iterate`'s, for `_stop_all`
+        # What `abandon` fails: the streams being read and the calls not answered yet.
+        self._interleaved: weakref.WeakSet[Interleaved] = weakref.WeakSet()
+        self._calls: set[concurrent.futures.Future[Any]] = set()
+        self._abandoned: BaseException | None = None  # what every later job raises
 
     @property
     def is_current(self) -> bool:
@@ -87,6 +93,7 @@ class EngineThread:
         Raises:
             TimeoutError: the result did not come within `timeout_s` (None: wait for it);
                 the job still runs, or waits its turn.
+            BaseException: `abandon`'s error, once the thread is abandoned.
         """
         if self.is_current:
             return fn(*args)
@@ -95,12 +102,22 @@ class EngineThread:
         def job() -> None:
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(*args))
+                    outcome = fn(*args)
                 except BaseException as error:  # handed to the caller, who raises it
-                    future.set_exception(error)
+                    _settle(future.set_exception, error)
+                else:
+                    _settle(future.set_result, outcome)
 
-        self._submit(job)
-        return future.result(timeout_s)
+        with self._start_lock:
+            self._calls.add(future)
+        try:
+            self._submit(job)
+            return future.result(timeout_s)
+        except concurrent.futures.CancelledError:  # by `abandon`, before it ran
+            raise self._abandoned_error() from None
+        finally:
+            with self._start_lock:
+                self._calls.discard(future)
 
     def iterate(self, make: Callable[[], Iterator[T]]) -> Relay:
         """The items of the generator `make()` returns, each computed on the engine thread
@@ -120,7 +137,9 @@ class EngineThread:
         chunks); the caller never sees a pause. The first item's job goes ahead of those
         waiting (at most one per interleaved generator: a decode step each), so a new
         request's prefill starts at the next turn, not after a round of them."""
-        return Interleaved(self, make)
+        interleaved = Interleaved(self, make)
+        self._interleaved.add(interleaved)
+        return interleaved
 
     def stop(self, wait: bool = True) -> None:
         """Ends the thread after the jobs already given (it starts again on the next job).
@@ -137,14 +156,34 @@ class EngineThread:
         if wait and run.thread is not threading.current_thread():
             run.ended.wait()
 
-    def abandon(self) -> None:
+    def abandon(self, error: BaseException) -> None:
         """Gives up on the thread, stuck in a job that will never end (a collective whose
-        peer is gone): it is not waited for at exit."""
-        _running.discard(self)
+        peer froze or is gone): it is not waited for at exit, and every caller waiting on it
+        (a stream's reader, a `call`, the stuck job's own included) and every later one
+        raises a copy of `error` instead of waiting without end. The thread stays stuck."""
+        with self._start_lock:
+            self._abandoned = error
+            _running.discard(self)
+            calls = list(self._calls)
+        for reader in [*self._relays, *self._interleaved]:
+            reader.fail(copy.copy(error))
+        for future in calls:
+            if not future.cancel():  # running (or just done): answered here instead
+                _settle(future.set_exception, copy.copy(error))
+
+    def _abandoned_error(self) -> BaseException:
+        assert self._abandoned is not None  # futures are cancelled by `abandon` alone
+        return copy.copy(self._abandoned)
 
     def _submit(self, job: Callable[[], None], *, ahead: bool = False) -> None:
-        """Queues `job` after the others, or with `ahead` before those not started yet."""
+        """Queues `job` after the others, or with `ahead` before those not started yet.
+
+        Raises:
+            BaseException: `abandon`'s error, once the thread is abandoned.
+        """
         with self._start_lock:
+            if self._abandoned is not None:
+                raise self._abandoned_error()
             if self._run is None or not self._run.thread.is_alive():
                 self._run = run_on_kept_thread(self._loop, self._name)
                 _running.add(self)
@@ -246,6 +285,11 @@ class Relay:
         stream a script left open: its job waits for an ask that never comes)."""
         self._asks.put(("close", None))
 
+    def fail(self, error: BaseException) -> None:
+        """Consumer side, from any thread: its next item (or the one it waits for) raises
+        `error` (the engine is stuck and will never answer)."""
+        self._answers.put(("error", error))
+
 
 class Interleaved:
     """A generator advanced one item per engine job (see `EngineThread.interleave`), iterated
@@ -280,6 +324,10 @@ class Interleaved:
     def call(self, fn: Callable[[], T]) -> T:
         """Consumer side, between two items: runs `fn()` on the engine thread."""
         return self._engine.call(fn)
+
+    def fail(self, error: BaseException) -> None:
+        """As `Relay.fail`."""
+        self._answers.put(("error", error))
 
     def __iter__(self) -> Iterator[Any]:
         """Consumer side: the items."""
@@ -319,6 +367,13 @@ def _consumed(
 
 def _run_ahead() -> None:
     """The place in the queue of a job run ahead: it ran already."""
+
+
+def _settle(answer: Callable[[Any], None], value: Any) -> None:
+    """`answer(value)` (a future's `set_result` or `set_exception`), unless `abandon` has
+    answered the future already."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        answer(value)
 
 
 def _outcome(fn: Callable[[], Any]) -> tuple[str, Any]:

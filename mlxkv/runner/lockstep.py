@@ -1,9 +1,10 @@
 """Every rank's cache in step when one model is sharded over several processes (`mlx.launch`).
 
-Owns `Lockstep`: rank 0 decides and the other ranks replay. Does not own finding the process
-group or sharding the model (`mlxkv.models.sharding`). Does not own any cache policy: every
-rank runs the same Runner code on the same inputs, so prefix matching, trims, checkpoint
-restores, context cuts and shifts, and eviction come out the same on every rank.
+Owns `Lockstep`: rank 0 decides and the other ranks replay; and `StepWatchdog`, the bound on
+one step of theirs. Does not own finding the process group or sharding the model
+(`mlxkv.models.sharding`). Does not own any cache policy: every rank runs the same Runner code
+on the same inputs, so prefix matching, trims, checkpoint restores, context cuts and shifts,
+and eviction come out the same on every rank.
 
 How the ranks stay in step:
   - rank 0 (the leader) broadcasts each operation before running it: a request (its fitted
@@ -14,6 +15,11 @@ How the ranks stay in step:
   - a cancel is decided together: at every point where a request checks its cancel flag, all
     ranks sum rank 0's flag (one tiny all_sum), so every rank stops at the same token;
   - a leader whose caller stops reading a stream cancels it and runs it to that agreed stop.
+A rank that stops answering fails every rank still waiting for it within MLXKV_RANK_TIMEOUT_S:
+this module's own collectives are bounded; the sharded layers' collectives inside a forward
+pass (a wait MLX cannot bound) are watched step by step (`StepWatchdog`: a prefill chunk or a
+decode step, not a whole request), and a step that outlives the bound abandons the engine
+thread stuck in it.
 Decisions that read clocks (the disk tier weighing loads against prefill speed) are not
 taken: the disk tier is refused when sharded.
 """
@@ -25,6 +31,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -46,9 +53,11 @@ class Lockstep:
 
     Args:
         group: the process group (size > 1).
+        engine: the Runner's engine thread, which runs the forward passes (abandoned when
+            one of their steps outlives the timeout).
     """
 
-    def __init__(self, group: mx.distributed.Group):
+    def __init__(self, group: mx.distributed.Group, engine: EngineThread):
         self._timeout_s = rank_timeout_s()  # checked before anything starts
         self.group = group
         self.rank = group.rank()
@@ -56,7 +65,13 @@ class Lockstep:
         # Collectives run one at a time on a thread of their own, so a wait for a rank that
         # froze or died is bounded (MLX's own wait cannot be interrupted).
         self._collectives = EngineThread(f"mlxkv-collectives-{self.rank}")
+        self._engine = engine
+        self._watchdog = StepWatchdog(
+            self._timeout_s, self._step_expired, f"mlxkv-watchdog-{self.rank}"
+        )
         self.failure: str | None = None  # why the ranks are out of step, once they are
+        self.failed = threading.Event()  # set with `failure`
+        self._failing = threading.Lock()  # the engine's and the watchdog's threads may both
 
     sharded = True
 
@@ -82,31 +97,57 @@ class Lockstep:
 
         # The model's own collectives (sharded layers) run on the engine thread's stream: they
         # must all be done before this one starts on another thread, or the two interleave on
-        # the wire. (A rank that freezes inside a forward pass is therefore not bounded here.)
+        # the wire. (A rank that freezes inside a forward pass is bounded by the watchdog.)
         mx.synchronize()
+        stepping = self._watchdog.pause()  # the step ends here: this wait has its own bound
         try:
-            return self._collectives.call(
+            summed = self._collectives.call(
                 collective, timeout_s=self._timeout_s if bounded else None
             )
         except TimeoutError:
-            self._collectives.abandon()
-            self._fail(
-                f"the other ranks did not answer within {self._timeout_s:g} s (one froze or "
-                "died); the sharded model cannot serve any more: restart every rank "
-                "(MLXKV_RANK_TIMEOUT_S sets the wait)"
+            error = RanksOutOfStepError(
+                self._record(
+                    f"the other ranks did not answer within {self._timeout_s:g} s (one froze "
+                    "or died); the sharded model cannot serve any more: restart every rank "
+                    "(MLXKV_RANK_TIMEOUT_S sets the wait)"
+                )
             )
+            self._collectives.abandon(error)
+            raise error from None
         except RuntimeError as error:  # MLX's ring: "connection to a peer was lost", or any
             # other failure of the collective: either way the ranks are out of step for good
             self._fail(
                 f"a collective with the other ranks failed ({error}; a rank died or the link "
                 "broke); the sharded model cannot serve any more: restart every rank"
             )
+        if stepping:
+            self._watchdog.begin()
+        return summed
 
     def _fail(self, why: str) -> NoReturn:
-        """Every later request fails at once with `why`: the ranks are out of step for good."""
-        self.failure = f"rank {self.rank}: {why}"
-        logger.error("%s", self.failure)
-        raise RanksOutOfStepError(self.failure) from None
+        """Every later request fails at once: the ranks are out of step for good."""
+        raise RanksOutOfStepError(self._record(why)) from None
+
+    def _record(self, why: str) -> str:
+        """Keeps (and logs) the first reason the ranks fell out of step; returns the kept
+        one (a step's watchdog and a collective's timeout may both see one freeze)."""
+        with self._failing:
+            if self.failure is None:
+                self.failure = f"rank {self.rank}: {why}"
+                logger.error("%s", self.failure)
+                self.failed.set()
+        return self.failure
+
+    def _step_expired(self) -> None:
+        """The watchdog's thread: a step outlived the timeout, its engine thread stuck in a
+        forward pass's collective for good; every reader and later request fails now."""
+        failure = self._record(
+            f"one step of the sharded model (a prefill chunk or a decode step) ran past "
+            f"MLXKV_RANK_TIMEOUT_S={self._timeout_s:g} s: another rank froze or died inside "
+            "the forward pass; the sharded model cannot serve any more: restart every rank "
+            "(or raise MLXKV_RANK_TIMEOUT_S if one step is that slow)"
+        )
+        self._engine.abandon(RanksOutOfStepError(failure))
 
     def broadcast(self, message: dict[str, Any] | None, *, bounded: bool = True) -> dict[str, Any]:
         """Rank 0's `message` (JSON-able), on every rank; the others pass None. A follower
@@ -156,10 +197,15 @@ class Lockstep:
         self, request: Request, run: Callable[[Request], Iterator[GenerationChunk]]
     ) -> Iterator[GenerationChunk]:
         """Runs a request in step: the leader announces it first and, if its caller stops
-        reading, runs it to the agreed cancel (`drain`); followers just run it."""
-        if self.leads:
-            self.announce_request(request)
-        yield from drain(run(request), request.cancelled)
+        reading, runs it to the agreed cancel (`drain`); followers just run it. Each of its
+        steps is watched, the time its reader takes between two chunks left out."""
+        self._watchdog.begin()
+        try:
+            if self.leads:
+                self.announce_request(request)
+            yield from drain(run(request), request.cancelled, self._watchdog)
+        finally:
+            self._watchdog.pause()
 
     def leaders_settings(self, config: RunnerConfig) -> RunnerConfig:
         """`config` with rank 0's context window (tokens) and cache settings, on every rank:
@@ -256,6 +302,7 @@ class Solo:
     leads = True
     sharded = False
     failure: str | None = None
+    failed = threading.Event()  # never set: one process cannot fall out of step
 
     def check_can_lead(self) -> None:
         pass
@@ -278,6 +325,59 @@ class Solo:
         pass
 
 
+class StepWatchdog:
+    """Calls `expired()` (on its own thread, once) when a step has run `timeout_s` seconds.
+
+    Why a thread: a rank that freezes while the others are inside a forward pass leaves them
+    waiting in the sharded layers' own collectives (MLX's ring all_reduce, reached from
+    `mx.synchronize` or `.item()` on the engine thread); MLX's wait cannot be interrupted or
+    given a deadline, so the thread that waits cannot time itself out. A step is the work
+    between two meetings of the ranks (a request's announcement, the cancel check every rank
+    makes together after each prefill chunk and decode step), less the time the request's
+    reader takes between two chunks; the meetings have bounds of their own. `begin` and
+    `pause` are called from one thread (the engine); the watching thread, started with the
+    first step, only reads.
+
+    Args:
+        timeout_s: the longest a step may run (seconds).
+        expired: what to do when one runs longer (it must not wait for the stuck thread).
+        name: the watching thread's name.
+    """
+
+    def __init__(self, timeout_s: float, expired: Callable[[], None], name: str):
+        self._timeout_s = timeout_s
+        self._expired = expired
+        self._name = name
+        self._began: float | None = None  # when the step under way began (monotonic s)
+        self._armed = threading.Condition()  # wakes the watcher when a step starts
+        self._watcher: threading.Thread | None = None
+
+    def begin(self) -> None:
+        """A step begins now (a request's first, one after the ranks met, or after its reader
+        took a chunk)."""
+        with self._armed:
+            self._began = time.monotonic()
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name=self._name, daemon=True)
+                self._watcher.start()
+            self._armed.notify()
+
+    def pause(self) -> bool:
+        """No step runs now (the request ended, its reader has a chunk to take, or the ranks
+        are meeting); returns whether one was running. The watcher, woken at that step's
+        deadline, finds none (or a later one)."""
+        stepping, self._began = self._began is not None, None
+        return stepping
+
+    def _watch(self) -> None:
+        """Waits until a step has run past the bound, then calls `expired`."""
+        with self._armed:
+            while (began := self._began) is None or time.monotonic() - began < self._timeout_s:
+                wait_s = None if began is None else began + self._timeout_s - time.monotonic()
+                self._armed.wait(wait_s)
+        self._expired()
+
+
 class AgreedCancel:
     """A request's cancel flag as every rank sees it: set on rank 0 (by `Runner.cancel`, the
     caller's Event or a client that left), and read together at every check.
@@ -297,13 +397,17 @@ class AgreedCancel:
         return self._lockstep.agree(self._event.is_set())
 
 
-def drain(chunks: Iterator[Any], cancelled: AgreedCancel) -> Iterator[Any]:
+def drain(chunks: Iterator[Any], cancelled: AgreedCancel, watchdog: StepWatchdog) -> Iterator[Any]:
     """Yields `chunks`; if the caller stops reading, cancels and runs them to the agreed stop
-    (the followers are still running the same request and must reach the same end)."""
+    (the followers are still running the same request and must reach the same end). The
+    `watchdog` is paused while the caller holds a chunk."""
     try:
-        for chunk in chunks:  # noqa: UP028 (`yield from` would close `chunks` with this)
+        for chunk in chunks:
+            watchdog.pause()
             yield chunk
+            watchdog.begin()
     except GeneratorExit:
+        watchdog.begin()
         cancelled.set()
         for _ in chunks:
             pass

@@ -80,13 +80,13 @@ class Runner:
         config = RunnerConfig.of(config, options)
         if draft is None and config.draft_model is not None:
             draft = load_model(config.draft_model)
-        self._lockstep = Solo() if group is None else Lockstep(group)
-        self.speculative = check_speculative(config.speculative, has_draft_model=draft is not None)
-        self.loaded = loaded
-        self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
         # Every model call runs on this thread (see `engine`); it ends with the Runner.
         self._engine = EngineThread(f"mlxkv-engine-{id(self):x}")
         weakref.finalize(self, self._engine.stop, False)
+        self._lockstep = Solo() if group is None else Lockstep(group, self._engine)
+        self.speculative = check_speculative(config.speculative, has_draft_model=draft is not None)
+        self.loaded = loaded
+        self._prompts = PromptEncoder(loaded.tokenizer, loaded.vocab_size)
         config, snaps = size_window(loaded, config, self._engine, self._lockstep)
         self.config = config
         self.max_context = config.max_context
@@ -174,6 +174,13 @@ class Runner:
         """None while the Runner can serve; else why it cannot (the ranks of a sharded
         Runner out of step: every request fails until every rank is restarted)."""
         return self._lockstep.failure
+
+    def wait_unhealthy(self, timeout_s: float | None = None) -> str | None:
+        """Waits until `health` is set, at most `timeout_s` seconds (None: without end; a
+        Runner that is not sharded never falls out of step), and returns it: a server
+        waits for it to stop, since the ranks cannot recover."""
+        self._lockstep.failed.wait(timeout_s)
+        return self.health
 
     @property
     def rank(self) -> int:
@@ -430,7 +437,8 @@ class Runner:
         starts writing after that many seconds (the most recently used go first). Batched
         streams running meanwhile go on; their entries are saved as they were when they
         joined the batch. The Runner stays usable, except when sharded: rank 0's close ends
-        the other ranks' `follow()`.
+        the other ranks' `follow()`; once the ranks are out of step (`health`), it returns
+        at once.
 
         Raises:
             RunnerBusyError: called from inside this thread's own unfinished `stream()`.
@@ -439,6 +447,8 @@ class Runner:
             raise RunnerBusyError(
                 "cannot close the Runner inside its own stream(); finish it first"
             )
+        if self.health is not None:  # sharded (no disk tier), no rank to tell: nothing to do
+            return
         self._engine.call(self._close_now, save_timeout_s)
 
     def _close_now(self, save_timeout_s: float | None = None) -> None:

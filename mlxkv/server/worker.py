@@ -23,7 +23,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from mlxkv.errors import GrammarError
+from mlxkv.errors import GrammarError, RanksOutOfStepError
 from mlxkv.runner.results import Completion, GenerationChunk, PromptUsage
 from mlxkv.runner.runner import Runner
 from mlxkv.server.errors import ApiError
@@ -134,6 +134,9 @@ class GenerationStream:
             logger.warning("a request's grammar could not be followed: %s", error)
             with contextlib.suppress(_LoopClosed):
                 self._deliver(ApiError(400, str(error)))
+        except RanksOutOfStepError as error:  # said in the log once, where it happened
+            with contextlib.suppress(_LoopClosed):
+                self._deliver(ApiError(503, str(error)))
         except Exception as error:
             logger.exception("generation failed")
             with contextlib.suppress(_LoopClosed):

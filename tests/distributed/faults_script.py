@@ -1,13 +1,17 @@
 """Run by `test_rank_faults.py` under `mlx.launch -n 2 --backend ring`: rank 1 first calls
 generate() (which must raise at once), then follows one request of rank 0 and freezes (or,
-with `die`, exits); rank 0 must get a clear error within MLXKV_RANK_TIMEOUT_S instead of
-hanging or an internal error. Each rank writes what it saw to OUT_DIR/rank<r>.json.
+with `die`, exits; with `stall`, freezes inside its forward pass of rank 0's next request,
+before the sharded layers' collectives, where rank 0 then waits); rank 0 must get a clear
+error within MLXKV_RANK_TIMEOUT_S instead of hanging or an internal error. Each rank writes
+what it saw to OUT_DIR/rank<r>.json.
 
-    python tests/distributed/faults_script.py MODEL_DIR OUT_DIR [freeze|die]
+    python tests/distributed/faults_script.py MODEL_DIR OUT_DIR [freeze|die|stall]
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -17,6 +21,8 @@ from pathlib import Path
 
 from mlxkv import Runner
 from mlxkv.errors import NotSupportedError, RanksOutOfStepError
+from mlxkv.models.loading import load_model
+from mlxkv.models.sharding import world
 
 
 def report(out: Path, seen: dict) -> None:
@@ -27,8 +33,28 @@ def report(out: Path, seen: dict) -> None:
     os.replace(partial, out)
 
 
+class Stalling:
+    """A model whose forward passes never return once `stall` is set (a rank frozen inside
+    one), before the sharded layers' collectives."""
+
+    def __init__(self, model):
+        self._model = model
+        self.stall = False
+
+    def __call__(self, *args, **kwargs):
+        if self.stall:
+            threading.Event().wait()
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
 def main(model_dir: str, out_dir: str, fault: str = "freeze") -> None:
-    runner = Runner.load(model_dir, max_context=256)
+    group = world()
+    loaded = load_model(model_dir, group=group)
+    model = Stalling(loaded.model)
+    runner = Runner(dataclasses.replace(loaded, model=model), group=group, max_context=256)
     out = Path(out_dir, f"rank{runner.rank}.json")
     if runner.rank != 0:
         try:
@@ -36,10 +62,15 @@ def main(model_dir: str, out_dir: str, fault: str = "freeze") -> None:
             refused = None
         except NotSupportedError as error:
             refused = str(error)
-        next(iter(runner.follow()))  # rank 0's first request, in step
+        follow = runner.follow()
+        next(follow)  # rank 0's first request, in step
         report(out, {"refused": refused})
         if fault == "die":
             os._exit(0)  # gone: its sockets close under rank 0
+        if fault == "stall":
+            model.stall = True
+            with contextlib.suppress(RanksOutOfStepError):  # its own watchdog gives up
+                next(follow)  # rank 0's next request: announced, then its forward pass
         threading.Event().wait()  # frozen: never answers rank 0 again
     runner.generate("Hello", max_tokens=4)
     start = time.monotonic()

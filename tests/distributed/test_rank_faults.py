@@ -20,7 +20,17 @@ from .test_sharded import ROOT, launcher
 SCRIPT = Path(__file__).with_name("faults_script.py")
 
 
-@pytest.mark.parametrize("fault", ["freeze", "die"])
+# Where rank 0 waits for rank 1, and so which bound fails it: its own collective's, or the
+# watchdog of the step inside a forward pass.
+_WAITED_IN = {
+    "freeze": "the other ranks did not answer within 3 s",
+    "die": "a collective with the other ranks failed",
+    "stall": "one step of the sharded model (a prefill chunk or a decode step) ran past "
+    "MLXKV_RANK_TIMEOUT_S=3 s",
+}
+
+
+@pytest.mark.parametrize("fault", list(_WAITED_IN))
 def test_follower_generate_raises_and_a_lost_follower_fails_rank_0_in_bounded_time(
     fault, model_root, tmp_path
 ):
@@ -44,5 +54,6 @@ def test_follower_generate_raises_and_a_lost_follower_fails_rank_0_in_bounded_ti
     assert refused and "ranks other than 0 call runner.follow()" in refused, output[-3000:]
     seen = json.loads(leader.read_text())
     assert seen["error"] and "restart every rank" in seen["error"], output[-3000:]
+    assert _WAITED_IN[fault] in seen["error"]
     assert seen["waited_s"] < 60
     assert seen["again"] == seen["error"] == seen["health"]
