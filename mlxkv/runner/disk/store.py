@@ -63,7 +63,6 @@ from mlxkv.runner.disk.files import (
     remove_orphaned_temporaries,
     remove_own_file,
     token_key,
-    touch,
     write_file,
 )
 from mlxkv.runner.disk.reading import warn_unreadable
@@ -214,9 +213,8 @@ class DiskStore:
         prefills the rest): None when they restore none. `streamed` (None: the store's): a
         layer that fails its checks once used breaks the restore (`RestoreBroken`;
         `prompt_cache.restore_again`)."""
-        started = time.perf_counter()
         streamed = self.streamed if streamed is None else streamed
-        restored = restore_chain(
+        return restore_chain(
             chain,
             empty,
             trimmable=self.trimmable,
@@ -225,29 +223,6 @@ class DiskStore:
             discard=self._discard,
             measured=self._measured,
         )
-        if restored is None:
-            return None
-        cache, restore = restored
-        seconds = max(time.perf_counter() - started, 1e-6)
-        if not streamed:
-            self._measured(restore.nbytes, seconds)
-        for block in restore.blocks:
-            touch(block.path)
-        if restore is not chain:
-            logger.info(
-                "disk cache: restored %d of %d tokens (the blocks before the unreadable one)",
-                restore.num_tokens,
-                chain.num_tokens,
-            )
-        logger.debug(
-            "disk cache load tokens=%d blocks=%d bytes=%d seconds=%.3f streamed=%s",
-            restore.num_tokens,
-            len(restore.blocks),
-            restore.nbytes,
-            seconds,
-            streamed,
-        )
-        return cache
 
     def _measured(self, nbytes: int, seconds: float) -> None:
         """A load of `nbytes` took `seconds` (streamed: its checks): `cheapest_restore`'s rate."""
