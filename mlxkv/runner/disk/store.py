@@ -20,8 +20,10 @@ Invariants:
     last first (a process killed between two removals leaves a shorter chain, never a
     block without its parent), but for a block a queued write follows, and those before it;
   - a block is written only while its parent is indexed or queued (a removal between a
-    request's check and its put leaves the blocks after it unwritten, not orphaned); one
-    job runs at a time, the writer's or a close's (`_run_logged`);
+    request's check and its put leaves the blocks after it unwritten, not orphaned), and is
+    indexed only while its parent is on disk or queued (checked after its rename: another
+    process's budget may have taken the parent meanwhile); one job runs at a time, the
+    writer's or a close's (`_run_logged`);
   - two processes sharing the directory write identical content under identical names, and
     each picks up the other's new files when the directory changes;
   - a scan of the directory and this process's own renames and removals (each with its index
@@ -374,16 +376,26 @@ class DiskStore:
             return
         parent = job.metadata.get("parent")
         if parent is not None and not self._written_or_queued(parent + SUFFIX):
+            record = None  # removed here since the job was put
+        else:
+            record = write_file(self.directory, job, self._directory_lock, self._indexed)
+        if record is None:
             logger.debug("disk cache: %s not saved: the block before it is gone", job.name)
             return
-        record = write_file(self.directory, job, self._directory_lock, self._indexed)
         self._remove_superseded(record)
         took_s, size = time.perf_counter() - start, (record.num_tokens, record.nbytes)
         logger.debug("disk cache write tokens=%d bytes=%d seconds=%.3f", *size, took_s)
         self.enforce_budget(keep=record.path)
 
-    def _indexed(self, path: Path) -> StoredEntry:  # a block just renamed in, as read at start
+    def _indexed(self, path: Path) -> StoredEntry | None:
+        """The record of a block just renamed in (under the directory lock), as read at start;
+        None, the block removed again, when the block before it is neither on disk nor queued:
+        another process's budget, which cannot see this one's queue, removed it."""
         record = read_record(path, self.fingerprint, self.signature)
+        parent = None if record.parent is None else record.parent + SUFFIX
+        if parent and not (self._writer.is_queued(parent) or (self.directory / parent).exists()):
+            remove_own_file(path)
+            return None
         with self._lock:
             self._records[path.name] = record
             return record
