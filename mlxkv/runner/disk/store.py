@@ -27,7 +27,9 @@ Invariants:
   - two processes sharing the directory write identical content under identical names, and
     each picks up the other's new files when the directory changes;
   - a scan of the directory and this process's own renames and removals (each with its index
-    change) exclude each other, so the index never drops a file written while a scan ran.
+    change) exclude each other, so the index never drops a file written while a scan ran;
+  - a scan removes the blocks whose parent is gone (`_remove_broken`): a process sees
+    another's files at its scans only, so it may remove a parent of a block it has not seen.
 """
 # long: the index and every path that changes it (scan, load, write, budget), under its 2 locks
 
@@ -51,6 +53,7 @@ from mlxkv.runner.disk.chains import (
     BLOCK_TOKENS,
     StoredChain,
     block_ranges,
+    broken,
     longest_chain,
     superseded_by,
 )
@@ -170,8 +173,21 @@ class DiskStore:
         with self._lock:
             for name in set(self._records) - present - self._writer.queued_names():
                 del self._records[name]
+        self._remove_broken()
         if complete:
             self._scanned_mtime = mtime
+
+    def _remove_broken(self) -> None:
+        """Removes the blocks indexed whose parent is gone (`chains.broken`): another process
+        removed it before its scan saw them (its budget, a superseding write), it was corrupt,
+        or a process died before removing a block it found without it (`_indexed`)."""
+        with self._lock:
+            records = list(self._records.values())
+        queued = {name.removesuffix(SUFFIX) for name in self._writer.queued_names()}
+        for record in broken(records, lambda key: key in queued or self._on_disk(key)):
+            if remove_own_file(record.path):
+                logger.debug("disk cache removed file=%s: the block before it is gone", record.key)
+            self._forget(record.path.name)
 
     def best(
         self, tokens: np.ndarray, limit: int, salt: str | None = None, *, rescan: bool = True
@@ -269,7 +285,7 @@ class DiskStore:
         last = keys[-1] + SUFFIX
         if self._written_or_queued(last):
             return  # its last block is written or queued: so are the blocks before it
-        if not wait and self._queued_over_budget():
+        if not wait and self.pending_writes.over(self.max_pending_bytes):
             return  # its disk snapshots go with it: they were kept for this write only
         try:
             arrays, layout = cache_to_arrays(cache, snapshots)
@@ -304,19 +320,6 @@ class DiskStore:
             )
             job = WriteJob(block, metadata, key + SUFFIX, nbytes)
             self._run_logged(job) if wait else self._writer.put(job)
-
-    def _queued_over_budget(self) -> bool:
-        """Whether the writes queued hold over `max_pending_bytes` (said, when they do)."""
-        pending = self.pending_writes.nbytes
-        if self.max_pending_bytes is None or pending <= self.max_pending_bytes:
-            return False
-        logger.warning(
-            "disk cache: entry not saved: %d bytes queued for disk are over the memory budget "
-            "of %d (the disk is slower than the requests)",
-            pending,
-            self.max_pending_bytes,
-        )
-        return True
 
     def write_reply(self, prompt: list[int], ids: list[int], text: str, salt: str | None) -> None:
         """Saves, behind the blocks queued before it, the record of reply `ids` (`text`) to
@@ -392,8 +395,8 @@ class DiskStore:
         None, the block removed again, when the block before it is neither on disk nor queued:
         another process's budget, which cannot see this one's queue, removed it."""
         record = read_record(path, self.fingerprint, self.signature)
-        parent = None if record.parent is None else record.parent + SUFFIX
-        if parent and not (self._writer.is_queued(parent) or (self.directory / parent).exists()):
+        parent = record.parent
+        if parent and not (self._writer.is_queued(parent + SUFFIX) or self._on_disk(parent)):
             remove_own_file(path)
             return None
         with self._lock:
@@ -458,6 +461,9 @@ class DiskStore:
         with self._lock:
             blocks = sum(record.nbytes for record in self._records.values())
         return blocks + self.replies.nbytes
+
+    def _on_disk(self, key: str) -> bool:  # whoever wrote it, indexed or not
+        return (self.directory / (key + SUFFIX)).exists()
 
     def _forget(self, name: str) -> None:
         with self._lock:
