@@ -86,3 +86,31 @@ def test_the_budget_sweep_waits_for_a_scan_under_way(load_tiny, tmp_path, monkey
     assert len(list(tmp_path.glob("*/*.reply"))) == 1, "the record was swept"
     local.close()
     other.close()
+
+
+def test_a_record_another_process_swept_is_written_again_behind_the_turn_holding_it(
+    load_tiny, tmp_path
+):
+    """Another process's budget removes a turn's blocks and its reply's record (it cannot see
+    this process's conversation going on); the next turn, which renders the reply as its ids,
+    writes a chain that holds it: the record, seen gone at this process's scan, is written
+    again behind that chain (before, it stayed gone, and a restart rendered the reply from its
+    text)."""
+    model, _ = load_tiny("llama")
+    ours, theirs = _store(model, tmp_path), _store(model, tmp_path)
+    through = [*PROMPT, *REPLY[:-1]]
+    first, second = make_cache(model), make_cache(model)
+    first.forward(model, through)
+    second.forward(model, [*PROMPT, *REPLY, 50, 51])
+    ours.write(first, wait=True)
+    ours._run_logged(ours.replies.job(np.asarray(through), REPLY, "a reply", None, 256))
+    theirs.refresh()
+    theirs.max_bytes = 1
+    theirs.enforce_budget()  # the turn's block, then its record
+    assert not list(tmp_path.glob("*/*.reply")) and not list(tmp_path.glob("*/*.safetensors"))
+    ours.refresh()  # the next request's scan sees them gone
+    ours.write(second, wait=True)
+    restarted = _store(model, tmp_path)
+    assert [r.ids for r in restarted.stored_replies(256)] == [REPLY]
+    for store in (ours, theirs, restarted):
+        store.close()

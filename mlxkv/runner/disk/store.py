@@ -181,8 +181,7 @@ class DiskStore:
         """Removes the blocks indexed whose parent is gone (`chains.broken`): another process
         removed it before its scan saw them (its budget, a superseding write), it was corrupt,
         or a process died before removing a block it found without it (`_indexed`)."""
-        with self._lock:
-            records = list(self._records.values())
+        records = self._indexed_records()
         queued = {name.removesuffix(SUFFIX) for name in self._writer.queued_names()}
         for record in broken(records, lambda key: key in queued or self._on_disk(key)):
             if remove_own_file(record.path):
@@ -338,8 +337,7 @@ class DiskStore:
         """Removes the reply records whose blocks are gone (`ReplyRecords.sweep`), not beside
         a scan (on another thread) that has indexed a record but not yet its blocks."""
         with self._directory_lock:
-            with self._lock:
-                records = list(self._records.values())
+            records = self._indexed_records()
             self.replies.sweep(records)
 
     def stored_reply(self, salt: str | None, text: str) -> list[int] | None:
@@ -386,6 +384,8 @@ class DiskStore:
             logger.debug("disk cache: %s not saved: the block before it is gone", job.name)
             return
         self._remove_superseded(record)
+        for again in self.replies.held_again(record, self._indexed_records()):
+            write_file(self.directory, again, self._directory_lock, self.replies.written)
         took_s, size = time.perf_counter() - start, (record.num_tokens, record.nbytes)
         logger.debug("disk cache write tokens=%d bytes=%d seconds=%.3f", *size, took_s)
         self.enforce_budget(keep=record.path)
@@ -406,8 +406,7 @@ class DiskStore:
     def _remove_superseded(self, record: StoredEntry) -> None:
         """Removes the blocks `record` supersedes (`chains.superseded_by`): a conversation
         written behind turn after turn keeps one chain, not one per turn."""
-        with self._lock:
-            records = list(self._records.values())
+        records = self._indexed_records()
         followed = self._queued_parents()
         for other in superseded_by(record, records, trimmable=self.trimmable, followed=followed):
             with self._directory_lock:
@@ -461,6 +460,10 @@ class DiskStore:
         with self._lock:
             blocks = sum(record.nbytes for record in self._records.values())
         return blocks + self.replies.nbytes
+
+    def _indexed_records(self) -> list[StoredEntry]:
+        with self._lock:
+            return list(self._records.values())
 
     def _on_disk(self, key: str) -> bool:  # whoever wrote it, indexed or not
         return (self.directory / (key + SUFFIX)).exists()
