@@ -269,6 +269,9 @@ class ReplyRecords:
             self._read(self.directory / name, present[name])
 
     def _read(self, path: Path, stamp: tuple[int, int] | None) -> None:
+        """Indexes the record at `path` as listed with `stamp`: not when it is gone or another
+        file by the time its read ends (another process's sweep or write may run between the
+        listing, the read and the index; the next scan looks at it again)."""
         try:
             reply = read_reply(path, self.fingerprint, self.signature)
         except BadFile as why:
@@ -280,17 +283,22 @@ class ReplyRecords:
                 why,
             )
             reply = None
+        except FileNotFoundError:  # removed since listed: another process's sweep
+            reply = None
         except OSError as error:  # looked at again at the next scan
             logger.warning("disk cache: could not read %s now (%s)", path.name, error)
             return
         with self._lock:
-            self._known.pop(path.name, None)
+            old = self._known.pop(path.name, None)
             self._stamps.pop(path.name, None)
-            self._gone.pop(path.name, None)
-            if stamp is not None:
-                self._stamps[path.name] = stamp
-                if reply is not None:
-                    self._known[path.name] = reply
+            if stamp is None or (now := _stamp(path)) != stamp:
+                if stamp is None or now is None:  # gone, not rewritten
+                    self._went(old)
+                return
+            self._stamps[path.name] = stamp
+            if reply is not None:
+                self._known[path.name] = reply
+                self._gone.pop(path.name, None)
 
     def newest(self, limit: int) -> list[StoredReply]:
         """The newest `limit` records (by their files' times), oldest first: what a starting
