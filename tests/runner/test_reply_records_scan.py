@@ -113,6 +113,7 @@ def test_a_record_another_process_swept_is_written_again_behind_the_turn_holding
     assert not list(tmp_path.glob("*/*.reply")) and not list(tmp_path.glob("*/*.safetensors"))
     ours.refresh()  # the next request's scan sees them gone
     ours.write(second, wait=True)
+    ours.flush()  # the record is written behind the block
     restarted = _store(model, tmp_path)
     assert [r.ids for r in restarted.stored_replies(256)] == [REPLY]
     for store in (ours, theirs, restarted):

@@ -5,8 +5,8 @@ Owns `StoredChain` (the blocks that rebuild one prefix), `longest_chain` (which 
 longest prefix of a prompt), `partial_restores` and `cheapest_restore` (which of a chain's first
 blocks a load reads: all, the prefix that pays, or none), `superseded_by` (which blocks a new
 one makes redundant), `broken` (which blocks lost a block before them) and `block_ranges`
-(where a cache is cut). Does not own files, names or
-the index (`files`, `store`), nor a block's arrays (`blocks`).
+(where a cache is cut). Does not own files, names or the index (`files`, `store`), nor a
+block's arrays (`blocks`).
 
 Terms:
   block   one file: the K/V of the tokens from its `start` to its end, for every layer, and

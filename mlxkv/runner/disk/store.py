@@ -385,7 +385,7 @@ class DiskStore:
             return
         self._remove_superseded(record)
         for again in self.replies.held_again(record, self._indexed_records()):
-            write_file(self.directory, again, self._directory_lock, self.replies.written)
+            self._writer.put(again)  # behind this block, and its budget check after it
         took_s, size = time.perf_counter() - start, (record.num_tokens, record.nbytes)
         logger.debug("disk cache write tokens=%d bytes=%d seconds=%.3f", *size, took_s)
         self.enforce_budget(keep=record.path)
