@@ -5,12 +5,15 @@ blocks of. Deterministic: the other process's write runs from a hook between two
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
+import pytest
 
 from mlxkv.cache import make_cache
 from mlxkv.cache.serialize import layout_signature
+from mlxkv.runner.disk import replies as replies_module
 from mlxkv.runner.disk import store as store_module
 
 PROMPT = list(range(10, 30))
@@ -86,3 +89,69 @@ def test_the_budget_sweep_waits_for_a_scan_under_way(load_tiny, tmp_path, monkey
     assert len(list(tmp_path.glob("*/*.reply"))) == 1, "the record was swept"
     local.close()
     other.close()
+
+
+def test_a_record_another_process_swept_is_written_again_behind_the_turn_holding_it(
+    load_tiny, tmp_path
+):
+    """Another process's budget removes a turn's blocks and its reply's record (it cannot see
+    this process's conversation going on); the next turn, which renders the reply as its ids,
+    writes a chain that holds it: the record, seen gone at this process's scan, is written
+    again behind that chain (before, it stayed gone, and a restart rendered the reply from its
+    text)."""
+    model, _ = load_tiny("llama")
+    ours, theirs = _store(model, tmp_path), _store(model, tmp_path)
+    through = [*PROMPT, *REPLY[:-1]]
+    first, second = make_cache(model), make_cache(model)
+    first.forward(model, through)
+    second.forward(model, [*PROMPT, *REPLY, 50, 51])
+    ours.write(first, wait=True)
+    ours._run_logged(ours.replies.job(np.asarray(through), REPLY, "a reply", None, 256))
+    theirs.refresh()
+    theirs.max_bytes = 1
+    theirs.enforce_budget()  # the turn's block, then its record
+    assert not list(tmp_path.glob("*/*.reply")) and not list(tmp_path.glob("*/*.safetensors"))
+    ours.refresh()  # the next request's scan sees them gone
+    ours.write(second, wait=True)
+    ours.flush()  # the record is written behind the block
+    restarted = _store(model, tmp_path)
+    assert [r.ids for r in restarted.stored_replies(256)] == [REPLY]
+    for store in (ours, theirs, restarted):
+        store.close()
+
+
+@pytest.mark.parametrize("when", ["before-its-read", "after-its-read"])
+def test_a_record_another_process_removes_during_a_scan_is_not_indexed(
+    load_tiny, tmp_path, monkeypatch, caplog, when
+):
+    """Another process's sweep removes a record this scan has listed, before or after its
+    header is read (a hook): the scan neither indexes it (before, one read before the removal
+    stayed indexed, counted in the budget, until the next scan) nor warns (before, one gone
+    before its read was a warning that it could not be read)."""
+    model, _ = load_tiny("llama")
+    ours, theirs = _store(model, tmp_path), _store(model, tmp_path)
+    cache = make_cache(model)
+    cache.forward(model, PROMPT + REPLY)
+    theirs.write(cache, wait=True)
+    through = np.asarray([*PROMPT, *REPLY[:-1]], dtype=np.uint32)
+    theirs._run_logged(theirs.replies.job(through, REPLY, "a reply", None, theirs.block_tokens))
+    (record,) = tmp_path.glob("*/*.reply")
+    real_read = replies_module.read_reply
+
+    def their_sweep_meanwhile(path, *args):
+        if when == "before-its-read":
+            path.unlink()
+        reply = real_read(path, *args)
+        path.unlink()
+        return reply
+
+    monkeypatch.setattr(replies_module, "read_reply", their_sweep_meanwhile)
+    caplog.set_level(logging.WARNING)
+    ours._scanned_mtime = -1
+    ours.refresh()
+    assert not record.exists()
+    assert ours.stored_reply(None, "a reply") is None
+    assert ours.replies.nbytes == 0
+    assert record.name not in caplog.text
+    ours.close()
+    theirs.close()

@@ -286,3 +286,27 @@ def test_records_another_process_writes_count_in_the_budget(scripted_path, tmp_p
     assert sum(p.stat().st_size for p in on_disk) <= store.max_bytes
     writing.close()
     counting.close()
+
+
+def test_a_record_swept_before_the_turn_that_renders_it_is_written_again(scripted_path, tmp_path):
+    """Under budget pressure a turn's blocks, and its reply's record with them, go while the
+    conversation goes on in memory: its next turn renders the reply as its ids and writes a
+    chain that holds them, so the record is written again behind it, and a restart renders
+    the reply as those ids and reuses that turn (before, the record stayed gone: the restart
+    rendered the reply from its text, 2 tokens fewer, and its reuse stopped there)."""
+    runner = _runner(scripted_path, tmp_path)
+    text, _, want_ids = _turn_one(runner)
+    store = runner._pool.store
+    store.flush()
+    store.max_bytes = 1
+    store.enforce_budget()  # as another conversation's turns would: every file goes
+    assert _records(tmp_path) == [] and not list(tmp_path.glob(f"*/*{SUFFIX}"))
+    store.max_bytes = 1 << 30
+    second = runner.generate(_next_turn(text), max_tokens=2, temperature=0)
+    assert second.cached_tokens > 0  # the conversation went on in memory
+    assert second.text != text  # its own record is another
+    runner.close()
+    restarted = _runner(scripted_path, tmp_path)
+    assert restarted.encode(_next_turn(text)) == want_ids
+    got, _ = _answer(restarted, _next_turn(text))
+    assert got.cached_tokens == len(want_ids) - 1  # all but the token a request runs

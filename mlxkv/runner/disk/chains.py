@@ -4,8 +4,9 @@ before it, so a prefix that conversations share is stored once.
 Owns `StoredChain` (the blocks that rebuild one prefix), `longest_chain` (which chain serves the
 longest prefix of a prompt), `partial_restores` and `cheapest_restore` (which of a chain's first
 blocks a load reads: all, the prefix that pays, or none), `superseded_by` (which blocks a new
-one makes redundant) and `block_ranges` (where a cache is cut). Does not own files, names or
-the index (`files`, `store`), nor a block's arrays (`blocks`).
+one makes redundant), `broken` (which blocks lost a block before them) and `block_ranges`
+(where a cache is cut). Does not own files, names or the index (`files`, `store`), nor a
+block's arrays (`blocks`).
 
 Terms:
   block   one file: the K/V of the tokens from its `start` to its end, for every layer, and
@@ -23,7 +24,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,6 +148,19 @@ def block_ranges(num_tokens: int, block_tokens: int) -> list[tuple[int, int]]:
         (start, min(start + block_tokens, num_tokens))
         for start in range(0, num_tokens, block_tokens)
     ]
+
+
+def broken(records: Iterable[StoredEntry], kept: Callable[[str], bool]) -> list[StoredEntry]:
+    """The blocks of `records` that lost a block before them, never loadable again: whose
+    parent is neither among `records` nor `kept` (asked by key: on disk though not indexed,
+    or about to be written), or is one of them; last first."""
+    by_key = {record.key: record for record in records}
+    gone: set[str] = set()
+    for record in sorted(by_key.values(), key=lambda r: r.start):  # parents first
+        parent = record.parent
+        if parent is not None and (parent in gone or parent not in by_key and not kept(parent)):
+            gone.add(record.key)
+    return sorted((by_key[key] for key in gone), key=lambda r: r.start, reverse=True)
 
 
 def superseded_by(

@@ -7,7 +7,8 @@ known by, `text.replies.call_reply_key`) and ids, where in a chain it ends, and 
 every block's), reading and checking one (`read_reply`), whether the blocks
 on disk still hold its reply (`is_held`, over `IndexedBlocks`), and the records of one model
 (`ReplyRecords`: made into write jobs, every one on disk indexed whoever wrote it, so the budget
-counts them all, removed with their chains). Does not own the
+counts them all, removed with their chains, written again when a block written holds their
+reply again: `held_again`). Does not own the
 in-memory reply memory (`mlxkv.runner.text.replies`) or the writer (`store`, `writer`).
 
 Terms: a record's `anchor` is the key of the last whole block of the tokens through its
@@ -25,6 +26,7 @@ import logging
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 REPLY_FORMAT = f"{FORMAT_FAMILY}reply-1"
 REPLY_SUFFIX = ".reply"
+# Records gone kept in memory, to write again should a block hold their replies again: as
+# many as the reply memory keeps (`mlxkv.runner.text.replies.MAX_REPLIES`).
+MAX_GONE = 256
 _NAME = re.compile(r"[0-9a-f]{32}\.reply")
 
 
@@ -180,6 +185,9 @@ class ReplyRecords:
         self._known: dict[str, StoredReply] = {}  # by file name: the good records on disk
         # (bytes, mtime in ns) of each record file as last read, bad ones too (read once)
         self._stamps: dict[str, tuple[int, int]] = {}
+        # the newest records removed (by any process) since indexed: a block written here
+        # may hold their replies again (`held_again`)
+        self._gone: OrderedDict[str, StoredReply] = OrderedDict()
 
     def job(
         self, through: np.ndarray, ids: list[int], text: str, salt: str | None, block_tokens: int
@@ -191,17 +199,50 @@ class ReplyRecords:
         anchor = None
         for start in range(0, whole, block_tokens):
             anchor = token_key(through[start : start + block_tokens], salt, anchor)
-        metadata = reply_metadata(
-            self.fingerprint,
-            self.signature,
+        reply = StoredReply(
+            path=self.directory / reply_name(salt, text),
             salt=salt,
             text=text,
-            ids=np.asarray(ids),
+            ids=list(ids),
             anchor=anchor,
             tail=through[whole:],
             tail_start=whole,
         )
-        return WriteJob({}, metadata, reply_name(salt, text), 0)
+        return self._job_of(reply)
+
+    def _job_of(self, reply: StoredReply) -> WriteJob:
+        metadata = reply_metadata(
+            self.fingerprint,
+            self.signature,
+            salt=reply.salt,
+            text=reply.text,
+            ids=np.asarray(reply.ids),
+            anchor=reply.anchor,
+            tail=reply.tail,
+            tail_start=reply.tail_start,
+        )
+        return WriteJob({}, metadata, reply.path.name, 0)
+
+    def held_again(self, block: StoredEntry, records: list[StoredEntry]) -> list[WriteJob]:
+        """The writes of the records gone (`_gone`) whose replies `block`, just written, holds
+        again with the blocks `records` (a turn that rendered the reply as its ids, written
+        after the record went under budget pressure): written again behind it, a restart
+        renders the reply as those ids, as this process does."""
+        with self._lock:
+            candidates = [
+                reply
+                for reply in self._gone.values()
+                if reply.anchor == block.key
+                or (reply.anchor, reply.tail_start) == (block.parent, block.start)
+            ]
+        if not candidates:
+            return []
+        blocks = IndexedBlocks.of(records)
+        held = [reply for reply in candidates if is_held(reply, blocks)]
+        with self._lock:
+            for reply in held:
+                self._gone.pop(reply.path.name, None)
+        return [self._job_of(reply) for reply in held]
 
     def written(self, path: Path) -> None:
         """Indexes the record just renamed into place (`files.write_file`)."""
@@ -222,12 +263,15 @@ class ReplyRecords:
         with self._lock:
             for name in set(self._stamps) - set(present):
                 self._stamps.pop(name)
-                self._known.pop(name, None)
+                self._went(self._known.pop(name, None))
             changed = [n for n, stamp in present.items() if self._stamps.get(n) != stamp]
         for name in changed:
             self._read(self.directory / name, present[name])
 
     def _read(self, path: Path, stamp: tuple[int, int] | None) -> None:
+        """Indexes the record at `path` as listed with `stamp`: not when it is gone or another
+        file by the time its read ends (another process's sweep or write may run between the
+        listing, the read and the index; the next scan looks at it again)."""
         try:
             reply = read_reply(path, self.fingerprint, self.signature)
         except BadFile as why:
@@ -239,16 +283,22 @@ class ReplyRecords:
                 why,
             )
             reply = None
+        except FileNotFoundError:  # removed since listed: another process's sweep
+            reply = None
         except OSError as error:  # looked at again at the next scan
             logger.warning("disk cache: could not read %s now (%s)", path.name, error)
             return
         with self._lock:
-            self._known.pop(path.name, None)
+            old = self._known.pop(path.name, None)
             self._stamps.pop(path.name, None)
-            if stamp is not None:
-                self._stamps[path.name] = stamp
-                if reply is not None:
-                    self._known[path.name] = reply
+            if stamp is None or (now := _stamp(path)) != stamp:
+                if stamp is None or now is None:  # gone, not rewritten
+                    self._went(old)
+                return
+            self._stamps[path.name] = stamp
+            if reply is not None:
+                self._known[path.name] = reply
+                self._gone.pop(path.name, None)
 
     def newest(self, limit: int) -> list[StoredReply]:
         """The newest `limit` records (by their files' times), oldest first: what a starting
@@ -280,8 +330,14 @@ class ReplyRecords:
                 remove_own_file(reply.path)
                 logger.debug("disk cache: reply record %s went with its chain", reply.path.name)
                 with self._lock:
-                    self._known.pop(reply.path.name, None)
                     self._stamps.pop(reply.path.name, None)
+                    self._went(self._known.pop(reply.path.name, None))
+
+    def _went(self, reply: StoredReply | None) -> None:  # under the lock
+        if reply is not None:
+            self._gone[reply.path.name] = reply
+            while len(self._gone) > MAX_GONE:
+                self._gone.popitem(last=False)
 
     @property
     def nbytes(self) -> int:

@@ -2,7 +2,8 @@
 their arrays joined, and either checked whole before use or handed to the model layer by layer
 as their checks pass.
 
-Owns `restore_chain`. Does not own reading and checking the files (`reading`), joining one
+Owns `restore_chain`, with what a load leaves: its blocks marked used (the budget's order),
+its read rate measured. Does not own reading and checking the files (`reading`), joining one
 block's arrays to the next (`blocks`), which prefixes a chain can restore (`chains`), or what
 a bad file does to the index (`store`, through the callbacks it passes).
 """
@@ -10,6 +11,8 @@ a bad file does to the index (`store`, through the callbacks it passes).
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,8 +23,10 @@ from mlxkv.cache.serialize import arrays_to_cache
 from mlxkv.errors import CacheStateError
 from mlxkv.runner.disk.blocks import join_blocks
 from mlxkv.runner.disk.chains import StoredChain, partial_restores
-from mlxkv.runner.disk.files import StoredEntry
+from mlxkv.runner.disk.files import StoredEntry, touch
 from mlxkv.runner.disk.reading import LayerStream, read_blocks, warn_unreadable
+
+logger = logging.getLogger(__name__)
 
 
 def restore_chain(
@@ -33,13 +38,15 @@ def restore_chain(
     reject: Callable[[StoredEntry, Exception], None],
     discard: Callable[[Path, Exception], None],
     measured: Callable[[int, float], None],
-) -> tuple[ModelCache, StoredChain] | None:
-    """`empty` filled with the longest prefix of `chain` its readable blocks restore, and that
-    prefix's chain; None when they restore none. A block that fails its read is `reject`ed
+) -> ModelCache | None:
+    """`empty` filled with the longest prefix of `chain` its readable blocks restore (their
+    files marked used); None when they restore none. A block that fails its read is `reject`ed
     (the read ends there); one whose arrays do not make a cache is `discard`ed; an error that
     says nothing about the file (out of memory, a read error) keeps it. `streamed`: the
     headers alone checked here, each layer handed to the model once its sections passed
-    (`reading.LayerStream`, which reports the checks' seconds to `measured`)."""
+    (`reading.LayerStream`, which reports the checks' seconds to `measured`; checked whole,
+    the load's seconds are)."""
+    started = time.perf_counter()
     read = read_blocks(chain.blocks, reject, streamed=streamed)
     restores = partial_restores(chain, trimmable=trimmable)
     restores = [r for r in restores if len(r.blocks) <= len(read)]
@@ -62,4 +69,35 @@ def restore_chain(
     except (OSError, RuntimeError, MemoryError) as error:  # says nothing about the file
         warn_unreadable(restore.blocks[-1], error)
         return None
-    return cache, restore
+    _loaded(chain, restore, streamed, time.perf_counter() - started, measured)
+    return cache
+
+
+def _loaded(
+    chain: StoredChain,
+    restore: StoredChain,
+    streamed: bool,
+    seconds: float,
+    measured: Callable[[int, float], None],
+) -> None:
+    """What a load of `restore` (of `chain`) in `seconds` leaves: its rate measured (checked
+    whole), its blocks marked used, a line when it is shorter than the chain."""
+    seconds = max(seconds, 1e-6)
+    if not streamed:
+        measured(restore.nbytes, seconds)
+    for block in restore.blocks:
+        touch(block.path)
+    if restore is not chain:
+        logger.info(
+            "disk cache: restored %d of %d tokens (the blocks before the unreadable one)",
+            restore.num_tokens,
+            chain.num_tokens,
+        )
+    logger.debug(
+        "disk cache load tokens=%d blocks=%d bytes=%d seconds=%.3f streamed=%s",
+        restore.num_tokens,
+        len(restore.blocks),
+        restore.nbytes,
+        seconds,
+        streamed,
+    )

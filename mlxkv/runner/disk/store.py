@@ -20,12 +20,16 @@ Invariants:
     last first (a process killed between two removals leaves a shorter chain, never a
     block without its parent), but for a block a queued write follows, and those before it;
   - a block is written only while its parent is indexed or queued (a removal between a
-    request's check and its put leaves the blocks after it unwritten, not orphaned); one
-    job runs at a time, the writer's or a close's (`_run_logged`);
+    request's check and its put leaves the blocks after it unwritten, not orphaned), and is
+    indexed only while its parent is on disk or queued (checked after its rename: another
+    process's budget may have taken the parent meanwhile); one job runs at a time, the
+    writer's or a close's (`_run_logged`);
   - two processes sharing the directory write identical content under identical names, and
     each picks up the other's new files when the directory changes;
   - a scan of the directory and this process's own renames and removals (each with its index
-    change) exclude each other, so the index never drops a file written while a scan ran.
+    change) exclude each other, so the index never drops a file written while a scan ran;
+  - a scan removes the blocks whose parent is gone (`_remove_broken`): a process sees
+    another's files at its scans only, so it may remove a parent of a block it has not seen.
 """
 # long: the index and every path that changes it (scan, load, write, budget), under its 2 locks
 
@@ -49,6 +53,7 @@ from mlxkv.runner.disk.chains import (
     BLOCK_TOKENS,
     StoredChain,
     block_ranges,
+    broken,
     longest_chain,
     superseded_by,
 )
@@ -63,7 +68,6 @@ from mlxkv.runner.disk.files import (
     remove_orphaned_temporaries,
     remove_own_file,
     token_key,
-    touch,
     write_file,
 )
 from mlxkv.runner.disk.reading import warn_unreadable
@@ -169,8 +173,20 @@ class DiskStore:
         with self._lock:
             for name in set(self._records) - present - self._writer.queued_names():
                 del self._records[name]
+        self._remove_broken()
         if complete:
             self._scanned_mtime = mtime
+
+    def _remove_broken(self) -> None:
+        """Removes the blocks indexed whose parent is gone (`chains.broken`): another process
+        removed it before its scan saw them (its budget, a superseding write), it was corrupt,
+        or a process died before removing a block it found without it (`_indexed`)."""
+        records = self._indexed_records()
+        queued = {name.removesuffix(SUFFIX) for name in self._writer.queued_names()}
+        for record in broken(records, lambda key: key in queued or self._on_disk(key)):
+            if remove_own_file(record.path):
+                logger.debug("disk cache removed file=%s: the block before it is gone", record.key)
+            self._forget(record.path.name)
 
     def best(
         self, tokens: np.ndarray, limit: int, salt: str | None = None, *, rescan: bool = True
@@ -214,9 +230,8 @@ class DiskStore:
         prefills the rest): None when they restore none. `streamed` (None: the store's): a
         layer that fails its checks once used breaks the restore (`RestoreBroken`;
         `prompt_cache.restore_again`)."""
-        started = time.perf_counter()
         streamed = self.streamed if streamed is None else streamed
-        restored = restore_chain(
+        return restore_chain(
             chain,
             empty,
             trimmable=self.trimmable,
@@ -225,29 +240,6 @@ class DiskStore:
             discard=self._discard,
             measured=self._measured,
         )
-        if restored is None:
-            return None
-        cache, restore = restored
-        seconds = max(time.perf_counter() - started, 1e-6)
-        if not streamed:
-            self._measured(restore.nbytes, seconds)
-        for block in restore.blocks:
-            touch(block.path)
-        if restore is not chain:
-            logger.info(
-                "disk cache: restored %d of %d tokens (the blocks before the unreadable one)",
-                restore.num_tokens,
-                chain.num_tokens,
-            )
-        logger.debug(
-            "disk cache load tokens=%d blocks=%d bytes=%d seconds=%.3f streamed=%s",
-            restore.num_tokens,
-            len(restore.blocks),
-            restore.nbytes,
-            seconds,
-            streamed,
-        )
-        return cache
 
     def _measured(self, nbytes: int, seconds: float) -> None:
         """A load of `nbytes` took `seconds` (streamed: its checks): `cheapest_restore`'s rate."""
@@ -292,7 +284,7 @@ class DiskStore:
         last = keys[-1] + SUFFIX
         if self._written_or_queued(last):
             return  # its last block is written or queued: so are the blocks before it
-        if not wait and self._queued_over_budget():
+        if not wait and self.pending_writes.over(self.max_pending_bytes):
             return  # its disk snapshots go with it: they were kept for this write only
         try:
             arrays, layout = cache_to_arrays(cache, snapshots)
@@ -328,19 +320,6 @@ class DiskStore:
             job = WriteJob(block, metadata, key + SUFFIX, nbytes)
             self._run_logged(job) if wait else self._writer.put(job)
 
-    def _queued_over_budget(self) -> bool:
-        """Whether the writes queued hold over `max_pending_bytes` (said, when they do)."""
-        pending = self.pending_writes.nbytes
-        if self.max_pending_bytes is None or pending <= self.max_pending_bytes:
-            return False
-        logger.warning(
-            "disk cache: entry not saved: %d bytes queued for disk are over the memory budget "
-            "of %d (the disk is slower than the requests)",
-            pending,
-            self.max_pending_bytes,
-        )
-        return True
-
     def write_reply(self, prompt: list[int], ids: list[int], text: str, salt: str | None) -> None:
         """Saves, behind the blocks queued before it, the record of reply `ids` (`text`) to
         `prompt` in `salt`'s domain (`replies`), so a restart renders the reply as those ids."""
@@ -358,8 +337,7 @@ class DiskStore:
         """Removes the reply records whose blocks are gone (`ReplyRecords.sweep`), not beside
         a scan (on another thread) that has indexed a record but not yet its blocks."""
         with self._directory_lock:
-            with self._lock:
-                records = list(self._records.values())
+            records = self._indexed_records()
             self.replies.sweep(records)
 
     def stored_reply(self, salt: str | None, text: str) -> list[int] | None:
@@ -399,16 +377,28 @@ class DiskStore:
             return
         parent = job.metadata.get("parent")
         if parent is not None and not self._written_or_queued(parent + SUFFIX):
+            record = None  # removed here since the job was put
+        else:
+            record = write_file(self.directory, job, self._directory_lock, self._indexed)
+        if record is None:
             logger.debug("disk cache: %s not saved: the block before it is gone", job.name)
             return
-        record = write_file(self.directory, job, self._directory_lock, self._indexed)
         self._remove_superseded(record)
+        for again in self.replies.held_again(record, self._indexed_records()):
+            self._writer.put(again)  # behind this block, and its budget check after it
         took_s, size = time.perf_counter() - start, (record.num_tokens, record.nbytes)
         logger.debug("disk cache write tokens=%d bytes=%d seconds=%.3f", *size, took_s)
         self.enforce_budget(keep=record.path)
 
-    def _indexed(self, path: Path) -> StoredEntry:  # a block just renamed in, as read at start
+    def _indexed(self, path: Path) -> StoredEntry | None:
+        """The record of a block just renamed in (under the directory lock), as read at start;
+        None, the block removed again, when the block before it is neither on disk nor queued:
+        another process's budget, which cannot see this one's queue, removed it."""
         record = read_record(path, self.fingerprint, self.signature)
+        parent = record.parent
+        if parent and not (self._writer.is_queued(parent + SUFFIX) or self._on_disk(parent)):
+            remove_own_file(path)
+            return None
         with self._lock:
             self._records[path.name] = record
             return record
@@ -416,8 +406,7 @@ class DiskStore:
     def _remove_superseded(self, record: StoredEntry) -> None:
         """Removes the blocks `record` supersedes (`chains.superseded_by`): a conversation
         written behind turn after turn keeps one chain, not one per turn."""
-        with self._lock:
-            records = list(self._records.values())
+        records = self._indexed_records()
         followed = self._queued_parents()
         for other in superseded_by(record, records, trimmable=self.trimmable, followed=followed):
             with self._directory_lock:
@@ -471,6 +460,13 @@ class DiskStore:
         with self._lock:
             blocks = sum(record.nbytes for record in self._records.values())
         return blocks + self.replies.nbytes
+
+    def _indexed_records(self) -> list[StoredEntry]:
+        with self._lock:
+            return list(self._records.values())
+
+    def _on_disk(self, key: str) -> bool:  # whoever wrote it, indexed or not
+        return (self.directory / (key + SUFFIX)).exists()
 
     def _forget(self, name: str) -> None:
         with self._lock:

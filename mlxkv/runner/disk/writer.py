@@ -9,6 +9,7 @@ what a job writes or how (`store.DiskStore`).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import weakref
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxkv.platform.threads import KeptRun, before_kept_threads_end, run_on_kept_thread
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +47,19 @@ class PendingWrites:
 
     num_jobs: int
     nbytes: int
+
+    def over(self, max_bytes: int | None) -> bool:
+        """Whether they hold over `max_bytes` (None: no bound), said in a warning: the store
+        then skips the entry it was about to queue."""
+        if max_bytes is None or self.nbytes <= max_bytes:
+            return False
+        logger.warning(
+            "disk cache: entry not saved: %d bytes queued for disk are over the memory budget "
+            "of %d (the disk is slower than the requests)",
+            self.nbytes,
+            max_bytes,
+        )
+        return True
 
 
 class BackgroundWriter:
