@@ -26,23 +26,17 @@ from mlxkv.decoding import decoders  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.runner import request_run  # noqa: E402
 from mlxkv.testing.factory import ARCHITECTURES  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
+from mlxkv.testing.vision_factory import build_vision_model, noise_images  # noqa: E402
 from tests.factories import recorded  # noqa: E402
-from tests.runner.test_vision_batch_edges import (  # noqa: E402
+from tests.runner.vision.test_vision_batch_edges import (  # noqa: E402
     GREEDY,
     _alone,
     _assert_same,
     _result,
     _user,
 )
-from tests.runner.test_vision_window import _ReplyDrafter  # noqa: E402
+from tests.runner.vision.test_vision_window import _ReplyDrafter  # noqa: E402
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def loaded(tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("vlm") / request.param
-    return load_model(build_vision_model(out, family=request.param))
 
 
 @pytest.fixture(scope="module")
@@ -350,7 +344,7 @@ def test_a_drafted_reply_that_cuts_twice_then_finds_no_room_ends_as_plain(loaded
     """A reply with images that reaches the window, cuts, reaches it again, cuts again and then
     has no whole message left to drop (`ImageWindow.make_room` False), drafted wholly right:
     plain decoding's tokens and log-probabilities, ending where it ends ("length")."""
-    from tests.runner.test_vision_window import ROOM, _short_conversation
+    from tests.runner.vision.test_vision_window import ROOM, _short_conversation
 
     messages = _short_conversation(Runner(loaded))
     full = len(Runner(loaded).encode(messages))

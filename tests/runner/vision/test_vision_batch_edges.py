@@ -23,21 +23,14 @@ from mlxkv import Runner, json_schema_grammar  # noqa: E402
 from mlxkv.cache.batched import can_batch  # noqa: E402
 from mlxkv.cache.building import make_cache  # noqa: E402
 from mlxkv.decoding import decoders  # noqa: E402
-from mlxkv.models.loading import load_model  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
+from mlxkv.testing.vision_factory import noise_images  # noqa: E402
 from tests.factories import recorded, wait_until  # noqa: E402
 from tests.runner.conftest import record_batch_steps  # noqa: E402
 from tests.runner.test_batching import _queued_then_run  # noqa: E402
-from tests.runner.test_vision_batch import _two_in_step  # noqa: E402
+from tests.runner.vision.test_vision_batch import _two_in_step  # noqa: E402
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 GREEDY = {"temperature": 0.0}
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def loaded(tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("vlm") / request.param
-    return load_model(build_vision_model(out, family=request.param))
 
 
 @pytest.fixture(scope="module")
