@@ -17,6 +17,7 @@ from mlxkv import Runner  # noqa: E402
 from mlxkv.decoding.sampling import SamplingParams  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
 from mlxkv.testing.vision_factory import noise_images  # noqa: E402
+from tests.runner.vision.test_vision_replies import _user  # noqa: E402
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 REPLY_TOKENS = 12
@@ -25,14 +26,6 @@ REPLY_TOKENS = 12
 @pytest.fixture(scope="module")
 def images():
     return noise_images(5, [(56, 56, 3), (84, 56, 3)])
-
-
-def _user(text: str, image=None) -> dict:
-    parts = [{"type": "text", "text": text}]
-    return {
-        "role": "user",
-        "content": parts if image is None else [{"type": "image", "image": image}, *parts],
-    }
 
 
 def _forcing(monkeypatch, forced: dict[int, int]) -> None:

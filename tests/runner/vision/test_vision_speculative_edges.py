@@ -33,6 +33,7 @@ from tests.runner.vision.test_vision_batch_edges import (  # noqa: E402
     _alone,
     _assert_same,
     _result,
+    _speculating_then_joined,
     _user,
 )
 from tests.runner.vision.test_vision_window import _ReplyDrafter  # noqa: E402
@@ -63,34 +64,10 @@ def test_an_image_request_speculating_alone_then_joined_and_left_stays_exact(
     _drafting(monkeypatch, [*want_first[0], *loaded.tokenizer.eos_token_ids])
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
     rejoined = recorded(monkeypatch, decoders, "joined_tokens", lambda *a, **k: k["position_shift"])
-    got: list = [None] * 3
-    joined = threading.Event()
-    started = threading.Barrier(3)
-
-    def first():
-        stream = runner.stream(
-            first_msgs, batched=True, max_tokens=48, logprobs=3, speculative="ngram", **GREEDY
-        )
-        chunks = []
-        for chunk in stream:
-            chunks.append(chunk)
-            if len(chunks) == 6:
-                joined.set()
-                started.wait(60)
-        got[0] = _result(chunks)
-
-    def later(i):
-        assert joined.wait(60)
-        stream = runner.stream(others[i], batched=True, max_tokens=10, logprobs=0, **GREEDY)
-        chunks = [next(stream)]
-        started.wait(60)
-        got[1 + i] = _result(chunks + list(stream))
-
-    threads = [threading.Thread(target=t) for t in (first, lambda: later(0), lambda: later(1))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(180)
+    first_options = {"max_tokens": 48, "logprobs": 3}
+    got = _speculating_then_joined(
+        runner, first_msgs, others, first_options=first_options, later_tokens=10, join_s=180
+    )
     _assert_same(got[0], want_first)
     for g, w in zip(got[1:3], want, strict=True):
         _assert_same(g, w)
