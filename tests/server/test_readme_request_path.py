@@ -13,6 +13,7 @@ import threading
 import types
 
 from mlxkv import Runner
+from mlxkv.runner.hooks import request_ends
 from tests.server.conftest import serve
 from tests.test_doc_references import ROOT
 
@@ -42,47 +43,53 @@ def _named_code(section: str) -> dict[types.CodeType, str]:
     return named
 
 
-def _calls_while(named: dict[types.CodeType, str], serve_one) -> set[str]:
-    """The names of `named` whose code runs, on any thread started meanwhile or this one,
-    while `serve_one()` runs (the Runner and the server are started inside it)."""
-    seen: set[str] = set()
-    done = threading.Event()
+class _StepsRun:
+    """Which of `named` (code -> name) run, on this thread and on every thread started while
+    it is entered (`threading.setprofile`), and on a thread started before where `install`
+    runs: the Runner's engine thread may be one kept from an earlier Runner."""
 
-    def profile(frame, event, _arg):
-        if done.is_set():  # a thread kept for later Runners (the engine's) drops it itself
+    def __init__(self, named: dict[types.CodeType, str]):
+        self.named = named
+        self.seen: set[str] = set()
+        self._done = threading.Event()
+
+    def __call__(self, frame, event, _arg):
+        if self._done.is_set():  # a thread kept for later Runners drops it itself
             sys.setprofile(None)
-        elif event == "call" and frame.f_code in named:
-            seen.add(named[frame.f_code])
+        elif event == "call" and frame.f_code in self.named:
+            self.seen.add(self.named[frame.f_code])
 
-    threading.setprofile(profile)
-    sys.setprofile(profile)
-    try:
-        serve_one()
-    finally:
-        done.set()
+    def install(self, *_) -> None:
+        sys.setprofile(self)
+
+    def __enter__(self) -> _StepsRun:
+        threading.setprofile(self)
+        sys.setprofile(self)
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._done.set()
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]
-    return set(seen)
 
 
 def test_a_streamed_chat_runs_every_step_the_readme_names(loaded_tiny):
     named = _named_code(_path_section())
     assert len(named) >= 12, f"the section names too few steps to check: {sorted(named.values())}"
-    chunks = []
-
-    def serve_one():
-        runner = Runner(loaded_tiny("llama"), max_context=1024, warmup=False)
-        with runner, serve(runner) as served:
-            stream = served.openai().chat.completions.create(
-                model="any",
-                messages=[{"role": "user", "content": "Where does a request go?"}],
-                max_tokens=4,
-                temperature=0.0,
-                stream=True,
-            )
-            chunks.extend(stream)
-
-    seen = _calls_while(named, serve_one)
+    runner = Runner(loaded_tiny("llama"), max_context=1024, warmup=False)
+    with _StepsRun(named) as steps, runner, serve(runner) as served:
+        with request_ends(steps.install):  # on the engine thread, as each request ends
+            runner.generate("Hello", max_tokens=1)
+        steps.seen.clear()
+        stream = served.openai().chat.completions.create(
+            model="any",
+            messages=[{"role": "user", "content": "Where does a request go?"}],
+            max_tokens=4,
+            temperature=0.0,
+            stream=True,
+        )
+        chunks = list(stream)
+        seen = set(steps.seen)
     assert chunks and chunks[-1].choices[0].finish_reason is not None
     missing = sorted(set(named.values()) - seen)
     assert not missing, f"named in the README's request path, never run by a request: {missing}"
