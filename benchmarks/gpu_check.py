@@ -10,7 +10,7 @@ parts before it left unused. One that fails or runs out of time is recorded, sto
 process group: SIGINT, then SIGKILL) and the check goes on:
   models      a ~1B factory llama (16 x 2048) in bf16 and 4-bit, the 64k-window agent llama
               (built offline with mlxkv.testing.factory and mlx-lm's convert; kept in --work)
-  tests       the suite's GPU-relevant part: tests/cache, decoding, runner (or engine),
+  tests       the suite's GPU-relevant part: tests/cache, decoding, runner,
               property, every test_batching*.py and every file using the `gpu` marker; per-test
               durations, a per-test timeout, Hypothesis capped at a few examples per test
   throughput  prefill tok/s at each size and decode tok/s, bf16 then 4-bit, mlxkv vs mlx-lm
@@ -116,9 +116,7 @@ def test_paths(root: Path) -> list[str]:
     """The suite's folders that matter on a GPU, then the batching tests and the files using
     the `gpu` marker that lie outside them."""
     tests = root / "tests"
-    folders = [
-        f for f in ("cache", "decoding", "engine", "runner", "property") if (tests / f).is_dir()
-    ]
+    folders = [f for f in ("cache", "decoding", "runner", "property") if (tests / f).is_dir()]
     files = {p for p in tests.rglob("test_batching*.py")}
     files |= {p for p in tests.rglob("test_*.py") if _GPU_MARK.search(p.read_text())}
     outside = sorted(p for p in files if p.relative_to(tests).parts[0] not in folders)

@@ -63,6 +63,8 @@ DEFAULT_MAX_BATCH = 8
 # this share of the server's default budget (SERVER_MEMORY_FRACTION of memory).
 ENCODER_CACHE_FRACTION = 0.125
 
+# "auto": drafts (from the draft model if one is loaded, else n-grams) only while they pay;
+# "ngram" / "draft": always that drafter; None: plain decoding.
 SPECULATIVE_MODES = ("auto", "ngram", "draft", None)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}

@@ -11,12 +11,14 @@ from collections.abc import Callable
 from mlxkv.config import RunnerConfig
 from mlxkv.errors import RanksOutOfStepError
 from mlxkv.models.sharding import world
+from mlxkv.runner.prompt_cache import report
 from mlxkv.runner.runner import Runner
 
 EXIT_OUT_OF_STEP = 1  # a sharded model's ranks fell out of step for good (`Runner.health`)
 
-# The logger of the memory line each request ends with (`Runner.memory_line`).
-MEMORY_LOGGER = "mlxkv.runner.prompt_cache.report"
+# The logger of the memory line each request ends with (`Runner.memory_line`): its module's,
+# named from the module so that a move cannot leave the CLI quieting a logger nobody uses.
+MEMORY_LOGGER = report.logger.name
 
 
 def setup_logging(verbose: bool) -> None:

@@ -1,11 +1,11 @@
 """Speculative decoding: drafted tokens verified by the model in one forward pass, rejected ones
 rolled back with an O(1) trim.
 
-Owns: the modes (`MODES`, checked by `config.check_speculative`), the decode loop that
-drafts, verifies and yields (`speculative_tokens`), how many tokens to draft (`DraftLength`:
-the adaptive length, and for "auto" the gate that stops drafting while drafts do not pay), and
-the acceptance rule. Does not own where drafts come from (`drafts`) or the plain loop it
-falls back to between drafts (`plain.decode_tokens`).
+Owns: the decode loop that drafts, verifies and yields (`speculative_tokens`), how many tokens
+to draft (`DraftLength`: the adaptive length, and for "auto" the gate that stops drafting while
+drafts do not pay), and the acceptance rule. Does not own the modes a request may ask for
+(`mlxkv.config.SPECULATIVE_MODES`, checked by `mlxkv.config.check_speculative`), where drafts
+come from (`drafts`) or the plain loop it falls back to between drafts (`plain.decode_tokens`).
 
 The acceptance rule (speculative sampling: Leviathan et al. 2023, "Fast Inference from
 Transformers via Speculative Decoding"; Chen et al. 2023): at a drafted position the model's
@@ -35,14 +35,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.config import SPECULATIVE_MODES
 from mlxkv.decoding.drafts import Draft, DraftCounts, ModelDrafter, NgramDrafter
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.plain import decode_tokens
-
-# "auto": drafts (from the draft model if one is loaded, else n-grams) only while they pay;
-# "ngram" / "draft": always that drafter; None: plain decoding.
-MODES = SPECULATIVE_MODES
 
 Drafter = NgramDrafter | ModelDrafter
 Distribution = Callable[[mx.array], mx.array]

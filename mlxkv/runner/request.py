@@ -62,7 +62,8 @@ class Request:
             with each sampled token's own.
         cache_key: a label for the cache entry the request generates into (None: keep its
             label).
-        speculative: the speculative decoding mode (`speculative.MODES`); None with a grammar.
+        speculative: the speculative decoding mode (`mlxkv.config.SPECULATIVE_MODES`); None
+            with a grammar.
         grammar: an llguidance grammar every generated token must keep to (checked), or None.
         cache_salt: the isolation domain of the cache entries it may reuse (a digest), or None.
         cut_start: the first message kept when a chat was cut to the window (None: not cut);

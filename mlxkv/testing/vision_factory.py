@@ -134,7 +134,7 @@ _TILED = {
 FAMILIES = (*_QWEN, "qwen3_vl", "gemma3", *_TILED)
 
 # Larger than the text factory's scale: the image must change the greedy answer
-# (tests/runner/test_vision.py checks two images give two answers).
+# (tests/runner/vision/test_vision.py checks two images give two answers).
 WEIGHT_SCALE = 2.0
 # Weights mlx-vlm initializes to a constant, drawn at random instead (as a trained model's
 # are): Gemma 3's projection is ones, which sums each image row's LayerNorm'd (zero-mean)

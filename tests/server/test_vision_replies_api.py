@@ -2,7 +2,7 @@
 messages with the reply as text blocks, as Claude Code sends it) takes the ids the model
 generated: the next turn reuses the whole first turn where the reply's text encodes
 otherwise, and answers as the Python API does on the same messages (whose answer the runner
-tests compare with mlx-vlm's own model: `tests/runner/test_vision_replies.py`)."""
+tests compare with mlx-vlm's own model: `tests/runner/vision/test_vision_replies.py`)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.errors import RestoreBroken
+from mlxkv.platform.machine import cpu_cores
 from mlxkv.runner.disk.files import (
     BadFile,
     Header,
@@ -41,7 +41,7 @@ from mlxkv.runner.disk.files import (
 logger = logging.getLogger(__name__)
 
 # Files checked at once: one per core, at most 4 (beyond that the disk, not the CRC, limits).
-CHECK_THREADS = max(1, min(4, os.cpu_count() or 1))
+CHECK_THREADS = min(4, cpu_cores())
 
 # What a check or MLX's read may raise: `on_error` sorts them (the file's fault, or not).
 READ_ERRORS = (BadFile, OSError, ValueError, KeyError, TypeError, RuntimeError, MemoryError)

@@ -26,23 +26,18 @@ from mlxkv.decoding import decoders  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.runner import request_run  # noqa: E402
 from mlxkv.testing.factory import ARCHITECTURES  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
+from mlxkv.testing.vision_factory import build_vision_model, noise_images  # noqa: E402
 from tests.factories import recorded  # noqa: E402
-from tests.runner.test_vision_batch_edges import (  # noqa: E402
+from tests.runner.vision.test_vision_batch_edges import (  # noqa: E402
     GREEDY,
     _alone,
     _assert_same,
     _result,
+    _speculating_then_joined,
     _user,
 )
-from tests.runner.test_vision_window import _ReplyDrafter  # noqa: E402
+from tests.runner.vision.test_vision_window import _ReplyDrafter  # noqa: E402
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def loaded(tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("vlm") / request.param
-    return load_model(build_vision_model(out, family=request.param))
 
 
 @pytest.fixture(scope="module")
@@ -69,34 +64,10 @@ def test_an_image_request_speculating_alone_then_joined_and_left_stays_exact(
     _drafting(monkeypatch, [*want_first[0], *loaded.tokenizer.eos_token_ids])
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4)
     rejoined = recorded(monkeypatch, decoders, "joined_tokens", lambda *a, **k: k["position_shift"])
-    got: list = [None] * 3
-    joined = threading.Event()
-    started = threading.Barrier(3)
-
-    def first():
-        stream = runner.stream(
-            first_msgs, batched=True, max_tokens=48, logprobs=3, speculative="ngram", **GREEDY
-        )
-        chunks = []
-        for chunk in stream:
-            chunks.append(chunk)
-            if len(chunks) == 6:
-                joined.set()
-                started.wait(60)
-        got[0] = _result(chunks)
-
-    def later(i):
-        assert joined.wait(60)
-        stream = runner.stream(others[i], batched=True, max_tokens=10, logprobs=0, **GREEDY)
-        chunks = [next(stream)]
-        started.wait(60)
-        got[1 + i] = _result(chunks + list(stream))
-
-    threads = [threading.Thread(target=t) for t in (first, lambda: later(0), lambda: later(1))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(180)
+    first_options = {"max_tokens": 48, "logprobs": 3}
+    got = _speculating_then_joined(
+        runner, first_msgs, others, first_options=first_options, later_tokens=10, join_s=180
+    )
     _assert_same(got[0], want_first)
     for g, w in zip(got[1:3], want, strict=True):
         _assert_same(g, w)
@@ -350,7 +321,7 @@ def test_a_drafted_reply_that_cuts_twice_then_finds_no_room_ends_as_plain(loaded
     """A reply with images that reaches the window, cuts, reaches it again, cuts again and then
     has no whole message left to drop (`ImageWindow.make_room` False), drafted wholly right:
     plain decoding's tokens and log-probabilities, ending where it ends ("length")."""
-    from tests.runner.test_vision_window import ROOM, _short_conversation
+    from tests.runner.vision.test_vision_window import ROOM, _short_conversation
 
     messages = _short_conversation(Runner(loaded))
     full = len(Runner(loaded).encode(messages))

@@ -23,10 +23,9 @@ pytest.importorskip("mlx_vlm")
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.decoding.sampling import SamplingParams  # noqa: E402
-from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
-from tests.runner.test_vision import _processed, _reference_steps  # noqa: E402
+from mlxkv.testing.vision_factory import noise_images  # noqa: E402
+from tests.runner.vision.test_vision import _processed, _reference_steps  # noqa: E402
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 # Templates that write a reply sent back right after the generation prompt of its turn, so
@@ -36,12 +35,6 @@ WHOLE_TURN = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"}
 # Long enough that the random model's reply encodes otherwise in every family (asserted).
 REPLY_TOKENS = 12
 QUESTION = "Describe it."
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def loaded(tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("vlm") / request.param
-    return load_model(build_vision_model(out, family=request.param))
 
 
 @pytest.fixture(scope="module")

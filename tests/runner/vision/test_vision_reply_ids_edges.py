@@ -15,31 +15,17 @@ pytest.importorskip("mlx_vlm")
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.decoding.sampling import SamplingParams  # noqa: E402
-from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
+from mlxkv.testing.vision_factory import noise_images  # noqa: E402
+from tests.runner.vision.test_vision_replies import _user  # noqa: E402
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 REPLY_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def loaded(tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("vlm") / request.param
-    return load_model(build_vision_model(out, family=request.param))
-
-
 @pytest.fixture(scope="module")
 def images():
     return noise_images(5, [(56, 56, 3), (84, 56, 3)])
-
-
-def _user(text: str, image=None) -> dict:
-    parts = [{"type": "text", "text": text}]
-    return {
-        "role": "user",
-        "content": parts if image is None else [{"type": "image", "image": image}, *parts],
-    }
 
 
 def _forcing(monkeypatch, forced: dict[int, int]) -> None:

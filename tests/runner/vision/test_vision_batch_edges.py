@@ -17,27 +17,17 @@ import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from PIL import Image  # noqa: E402
-
 from mlxkv import Runner, json_schema_grammar  # noqa: E402
-from mlxkv.cache.batched import can_batch  # noqa: E402
 from mlxkv.cache.building import make_cache  # noqa: E402
 from mlxkv.decoding import decoders  # noqa: E402
-from mlxkv.models.loading import load_model  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
+from mlxkv.testing.vision_factory import noise_images  # noqa: E402
 from tests.factories import recorded, wait_until  # noqa: E402
 from tests.runner.conftest import record_batch_steps  # noqa: E402
 from tests.runner.test_batching import _queued_then_run  # noqa: E402
-from tests.runner.test_vision_batch import _two_in_step  # noqa: E402
+from tests.runner.vision.test_vision_batch import _batches, _two_in_step, _user  # noqa: E402
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 GREEDY = {"temperature": 0.0}
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def loaded(tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("vlm") / request.param
-    return load_model(build_vision_model(out, family=request.param))
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +43,6 @@ def steps(monkeypatch):
         monkeypatch,
         lambda batch: (batch.num_rows, None if batch._shifts is None else batch._shifts.tolist()),
     )
-
-
-def _batches(loaded) -> bool:
-    """Whether the model's cache layers batch (`can_batch`)."""
-    return can_batch(make_cache(loaded.model))
-
-
-def _user(*parts) -> dict:
-    content = [
-        {"type": "image", "image": p} if isinstance(p, Image.Image) else {"type": "text", "text": p}
-        for p in parts
-    ]
-    return {"role": "user", "content": content}
 
 
 def _result(chunks):
@@ -96,6 +73,43 @@ def _assert_same(got, want) -> None:
         assert top == pytest.approx(w_top, abs=LOGPROB_ABS)
 
 
+def _speculating_then_joined(
+    runner, first, others, *, first_options: dict, later_tokens: int, join_s: float = 120
+) -> list:
+    """`first` streamed speculating (n-gram) while alone; after its 6th chunk the two `others`
+    are streamed, and it reads on once each has its first token (so that they share the
+    batch): the `_result` of each, `first`'s first."""
+    got: list = [None] * 3
+    joined = threading.Event()
+    started = threading.Barrier(3)  # the first reader waits for the others' first token
+
+    def read_first():
+        stream = runner.stream(first, batched=True, speculative="ngram", **first_options, **GREEDY)
+        chunks = []
+        for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 6:
+                joined.set()
+                started.wait(60)
+        got[0] = _result(chunks)
+
+    def later(i):
+        assert joined.wait(60)
+        options = {"max_tokens": later_tokens, "logprobs": 0, **GREEDY}
+        stream = runner.stream(others[i], batched=True, **options)
+        chunks = [next(stream)]
+        started.wait(60)
+        got[1 + i] = _result(chunks + list(stream))
+
+    readers = (read_first, lambda: later(0), lambda: later(1))
+    threads = [threading.Thread(target=reader) for reader in readers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(join_s)
+    return got
+
+
 def test_a_text_request_speculating_alone_then_joined_by_image_rows_stays_exact(
     loaded, images, steps, monkeypatch
 ):
@@ -110,34 +124,9 @@ def test_a_text_request_speculating_alone_then_joined_by_image_rows_stays_exact(
     speculated = recorded(monkeypatch, decoders, "speculative_tokens", lambda *a, **k: k["after"])
     # a row joined from speculation (`_alone_or_batched`): its position shift
     rejoined = recorded(monkeypatch, decoders, "joined_tokens", lambda *a, **k: k["position_shift"])
-    got: list = [None] * 3
-    joined = threading.Event()
-    started = threading.Barrier(3)  # the text reader waits for the image streams' first token
-
-    def first():
-        stream = runner.stream(
-            text, batched=True, max_tokens=64, logprobs=0, speculative="ngram", **GREEDY
-        )
-        chunks = []
-        for chunk in stream:
-            chunks.append(chunk)
-            if len(chunks) == 6:
-                joined.set()
-                started.wait(60)
-        got[0] = _result(chunks)
-
-    def later(i):
-        assert joined.wait(60)
-        stream = runner.stream(others[i], batched=True, max_tokens=12, logprobs=0, **GREEDY)
-        chunks = [next(stream)]
-        started.wait(60)
-        got[1 + i] = _result(chunks + list(stream))
-
-    threads = [threading.Thread(target=t) for t in (first, lambda: later(0), lambda: later(1))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    got = _speculating_then_joined(
+        runner, text, others, first_options={"max_tokens": 64, "logprobs": 0}, later_tokens=12
+    )
     _assert_same(got[0], want_text)
     for g, w in zip(got[1:3], want, strict=True):
         _assert_same(g, w)
@@ -192,33 +181,41 @@ def test_grammar_stop_and_top_logprobs_rows_beside_image_rows(loaded, images, st
     assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
 
 
-def test_a_prompt_cut_to_the_window_decodes_in_the_batch_at_its_kept_shift(loaded, images, steps):
-    """The oldest image message is dropped to fit the window; the kept prompt (one image)
-    decodes beside another image request, as it does alone on a Runner of that window."""
+def _over_the_window(image, last: dict) -> list[dict]:
+    """A chat whose second message (`image` and a long text) is dropped to fit the window
+    `_cut_beside` sets, the third with it; the system prompt and `last` are kept."""
     long = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 12
-    cut = [
+    return [
         {"role": "system", "content": "Be brief."},
-        _user(images[1], long),
+        _user(image, long),
         {"role": "assistant", "content": "A fox."},
-        _user(images[0], "And this?"),
+        last,
     ]
+
+
+def _cut_beside(loaded, steps, cut: list[dict], other: list[dict]) -> None:
+    """`cut` (`_over_the_window`) and `other` decode together on a Runner whose window holds
+    twice what the cut keeps, each as alone on a Runner of that window, the cut one as its
+    kept messages alone; two rows share a step where the family batches."""
     kept = cut[:1] + cut[3:]
     probe = Runner(loaded, max_context=4096)
     window = 2 * len(probe.encode(kept)) + 16 + 2
     assert len(probe.encode(cut)) > window
-    other = [_user(images[2], "What is this?")]
-    want = [
-        _alone(loaded, cut, max_context=window, max_tokens=16, **GREEDY),
-        _alone(loaded, other, max_context=window, max_tokens=16, **GREEDY),
-    ]
-    reference = _alone(loaded, kept, max_context=window, max_tokens=16, **GREEDY)
-    assert want[0][0] == reference[0]
+    want = [_alone(loaded, m, max_context=window, max_tokens=16, **GREEDY) for m in (cut, other)]
+    assert want[0][0] == _alone(loaded, kept, max_context=window, max_tokens=16, **GREEDY)[0]
     runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4, speculative=None)
     options = {"max_tokens": 16, "logprobs": 0, **GREEDY}
     got = [_result(chunks) for chunks in _two_in_step(runner, [cut, other], **options)]
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+
+
+def test_a_prompt_cut_to_the_window_decodes_in_the_batch_at_its_kept_shift(loaded, images, steps):
+    """The oldest image message is dropped to fit the window; the kept prompt (one image)
+    decodes beside another image request, as it does alone on a Runner of that window."""
+    cut = _over_the_window(images[1], _user(images[0], "And this?"))
+    _cut_beside(loaded, steps, cut, [_user(images[2], "What is this?")])
 
 
 def test_prefix_hits_ending_after_and_inside_an_image_decode_in_the_batch(loaded, images, steps):
@@ -556,29 +553,8 @@ def test_the_next_turn_after_a_reply_cut_decodes_in_the_batch_at_the_cut_shift(
 def test_a_cut_that_drops_every_image_decodes_unshifted_in_the_batch(loaded, images, steps):
     """The prompt cut to the window keeps no image (the image message dropped): its row has
     no shift, beside an image row that has one."""
-    long = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 12
-    cut = [
-        {"role": "system", "content": "Be brief."},
-        _user(images[1], long),
-        {"role": "assistant", "content": "A fox."},
-        {"role": "user", "content": "Tell me about caches instead."},
-    ]
-    kept = cut[:1] + cut[3:]
-    probe = Runner(loaded, max_context=4096)
-    window = 2 * len(probe.encode(kept)) + 16 + 2
-    assert len(probe.encode(cut)) > window
-    other = [_user(images[3], "What is this?")]
-    want = [
-        _alone(loaded, cut, max_context=window, max_tokens=16, **GREEDY),
-        _alone(loaded, other, max_context=window, max_tokens=16, **GREEDY),
-    ]
-    assert want[0][0] == _alone(loaded, kept, max_context=window, max_tokens=16, **GREEDY)[0]
-    runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4, speculative=None)
-    options = {"max_tokens": 16, "logprobs": 0, **GREEDY}
-    got = [_result(chunks) for chunks in _two_in_step(runner, [cut, other], **options)]
-    for g, w in zip(got, want, strict=True):
-        _assert_same(g, w)
-    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+    cut = _over_the_window(images[1], {"role": "user", "content": "Tell me about caches instead."})
+    _cut_beside(loaded, steps, cut, [_user(images[3], "What is this?")])
 
 
 def test_batched_image_turns_written_to_the_disk_tier_serve_a_restart_as_fresh(

@@ -16,17 +16,16 @@ import pytest
 pytest.importorskip("mlx_vlm")
 
 from mlxkv import Runner  # noqa: E402
-from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
 from mlxkv.runner.prefill import group as group_module  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
+from mlxkv.testing.vision_factory import noise_images  # noqa: E402
 from tests.factories import recorded, wait_until  # noqa: E402
 from tests.runner.test_batching import (  # noqa: E402
     _assert_same_answers,
     _first_jobs_queued_then_run,
     _tokens_and_logprobs,
 )
-from tests.runner.test_vision_batch import _user  # noqa: E402
+from tests.runner.vision.test_vision_batch import _user  # noqa: E402
 
 OPTIONS = {"max_tokens": 8, "temperature": 0.0, "logprobs": 0}
 QUESTIONS = [
@@ -35,12 +34,6 @@ QUESTIONS = [
     "Hi there.",
     "Because of the rain?",
 ]
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def loaded(tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("vlm") / request.param
-    return load_model(build_vision_model(out, family=request.param))
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,8 @@ from mlxkv import Runner  # noqa: E402
 from mlxkv.cache.batched import can_batch, can_prefill_together  # noqa: E402
 from mlxkv.cache.building import make_cache  # noqa: E402
 from mlxkv.decoding import batch as batch_module  # noqa: E402
-from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.runner import assembly  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
+from mlxkv.testing.vision_factory import noise_images  # noqa: E402
 from tests.factories import recorded, wait_until  # noqa: E402
 from tests.runner.conftest import record_batch_steps  # noqa: E402
 from tests.runner.test_batching import _queued_then_run, _tokens_and_logprobs  # noqa: E402
@@ -31,12 +30,6 @@ from tests.tolerances import LOGPROB_ABS  # noqa: E402
 # M-RoPE families: a prompt with images shifts the positions of the tokens after it.
 SHIFTING = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 GREEDY = {"temperature": 0.0, "logprobs": 0}
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def loaded(tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("vlm") / request.param
-    return load_model(build_vision_model(out, family=request.param))
 
 
 @pytest.fixture(scope="module")

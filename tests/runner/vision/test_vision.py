@@ -19,17 +19,11 @@ from mlxkv.config import ENCODER_CACHE_FRACTION  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
 from mlxkv.runner import request_run  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
+from mlxkv.testing.vision_factory import build_vision_model, noise_images  # noqa: E402
 from tests.runner.test_multiturn_drafting import _IntermittentDrafter  # noqa: E402
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def loaded(tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("vlm") / request.param
-    return load_model(build_vision_model(out, family=request.param))
 
 
 @pytest.fixture(scope="module")

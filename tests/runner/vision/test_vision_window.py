@@ -17,21 +17,14 @@ pytest.importorskip("mlx_vlm")
 from mlxkv import Runner  # noqa: E402
 from mlxkv.decoding.drafts import Draft  # noqa: E402
 from mlxkv.errors import ContextLengthError  # noqa: E402
-from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.runner import request_run  # noqa: E402
 from mlxkv.runner.hooks import request_ends  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_image  # noqa: E402
+from mlxkv.testing.vision_factory import noise_image  # noqa: E402
 from tests.runner.test_multiturn_drafting import _IntermittentDrafter  # noqa: E402
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 MAX_TOKENS = 6
 _LONG = "Describe the picture: the quick brown fox jumps over the lazy dog. " * 16
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def loaded(tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("vlm") / request.param
-    return load_model(build_vision_model(out, family=request.param))
 
 
 def _conversation() -> list[dict]:
