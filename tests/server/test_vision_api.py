@@ -107,7 +107,7 @@ def test_anthropic_takes_a_base64_image_block(served):
 
 def test_anthropic_continues_a_prefill_after_an_image(served):
     """The reply is the Python API's on the chat continued (`CONTINUE_FINAL`), not the one
-    on a closed turn (tests/runner/test_vision_continue_final.py checks that against
+    on a closed turn (tests/runner/vision/test_vision_continue_final.py checks that against
     mlx-vlm)."""
     prefill = {"role": "assistant", "content": "It shows"}
     parts = [{"type": "image", "image": _png()}, {"type": "text", "text": QUESTION}]

@@ -12,21 +12,14 @@ import pytest
 pytest.importorskip("mlx_vlm")
 
 from mlxkv import Runner  # noqa: E402
-from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
 from mlxkv.runner.text.prompt import CONTINUE_FINAL  # noqa: E402
-from mlxkv.testing.vision_factory import FAMILIES, build_vision_model, noise_images  # noqa: E402
-from tests.runner.test_vision import _ask, _reference, _without_pixels  # noqa: E402
+from mlxkv.testing.vision_factory import noise_images  # noqa: E402
+from tests.runner.vision.test_vision import _ask, _reference, _without_pixels  # noqa: E402
 
 CONTINUE = {CONTINUE_FINAL: True}
 PREFILL = "The picture shows"
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def loaded(tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("vlm") / request.param
-    return load_model(build_vision_model(out, family=request.param))
 
 
 @pytest.fixture(scope="module")
