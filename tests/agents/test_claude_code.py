@@ -5,7 +5,7 @@ billing header is not part of the prompt)."""
 from __future__ import annotations
 
 from mlxkv import Runner
-from tests.agents.conftest import _WINDOW_TOKENS, agent_cli, run_agent
+from tests.agents.conftest import WINDOW_TOKENS, agent_cli, run_agent
 from tests.server.conftest import serve
 
 ACCESS = r"POST /v1/messages 200 .* prompt=(\d+) cached=(\d+) "
@@ -63,13 +63,13 @@ def test_claude_code_continues_after_a_restart_from_the_disk_tier(
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_AUTOUPDATER": "1",
     }
-    before = Runner(agent_model, max_context=_WINDOW_TOKENS, cache_dir=disk)
+    before = Runner(agent_model, max_context=WINDOW_TOKENS, cache_dir=disk)
     with serve(before) as served:
         run_agent([claude, "-p", "say hello"], {**env, "ANTHROPIC_BASE_URL": served.url}, work)
         first = access_log(ACCESS, count=1)
     before.close()  # the disk writes end here, as when `mlxkv serve` stops
 
-    restarted = Runner(agent_model, max_context=_WINDOW_TOKENS, cache_dir=disk)
+    restarted = Runner(agent_model, max_context=WINDOW_TOKENS, cache_dir=disk)
     with serve(restarted) as served:
         url = {"ANTHROPIC_BASE_URL": served.url}
         run_agent([claude, "-p", "--continue", "and again"], {**env, **url}, work)
