@@ -16,7 +16,7 @@ from mlxkv.testing.factory import build_model
 from tests.server.conftest import serve
 
 _AGENT_TIMEOUT_S = 300
-_WINDOW_TOKENS = 65536
+WINDOW_TOKENS = 65536
 
 
 def agent_cli(name: str) -> str:
@@ -51,12 +51,12 @@ def agent_model(tmp_path_factory):
     path = build_model(
         "llama",
         tmp_path_factory.mktemp("agent-model") / "llama",
-        config_overrides={"max_position_embeddings": 2 * _WINDOW_TOKENS},
+        config_overrides={"max_position_embeddings": 2 * WINDOW_TOKENS},
     )
     return load_model(path)
 
 
 @pytest.fixture
 def agent_server(agent_model):
-    with serve(Runner(agent_model, max_context=_WINDOW_TOKENS)) as served:
+    with serve(Runner(agent_model, max_context=WINDOW_TOKENS)) as served:
         yield served

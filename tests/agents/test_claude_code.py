@@ -4,7 +4,9 @@ billing header is not part of the prompt)."""
 
 from __future__ import annotations
 
-from tests.agents.conftest import agent_cli, run_agent
+from mlxkv import Runner
+from tests.agents.conftest import WINDOW_TOKENS, agent_cli, run_agent
+from tests.server.conftest import serve
 
 ACCESS = r"POST /v1/messages 200 .* prompt=(\d+) cached=(\d+) "
 
@@ -43,3 +45,33 @@ def test_claude_code_answers_continues_and_shares_the_system_prompt(
     assert system["role"] == "system" and "x-anthropic-billing-header" not in system["content"]
     system_tokens = len(agent_server.runner.encode([system]))
     assert int(access_log(ACCESS, count=3).group(2)) >= 0.8 * system_tokens
+
+
+def test_claude_code_continues_after_a_restart_from_the_disk_tier(
+    agent_model, access_log, tmp_path
+):
+    """`mlxkv serve` keeps a disk tier by default: a session continued after the server
+    restarts on the same cache directory reuses the whole first turn from disk, as the
+    process that served it would."""
+    claude = agent_cli("claude")
+    work = tmp_path / "work"
+    work.mkdir()
+    disk = tmp_path / "kv"
+    env = {
+        "HOME": str(tmp_path),
+        "ANTHROPIC_API_KEY": "unused",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+    before = Runner(agent_model, max_context=WINDOW_TOKENS, cache_dir=disk)
+    with serve(before) as served:
+        run_agent([claude, "-p", "say hello"], {**env, "ANTHROPIC_BASE_URL": served.url}, work)
+        first = access_log(ACCESS, count=1)
+    before.close()  # the disk writes end here, as when `mlxkv serve` stops
+
+    restarted = Runner(agent_model, max_context=WINDOW_TOKENS, cache_dir=disk)
+    with serve(restarted) as served:
+        url = {"ANTHROPIC_BASE_URL": served.url}
+        run_agent([claude, "-p", "--continue", "and again"], {**env, **url}, work)
+        assert int(access_log(ACCESS, count=2).group(2)) >= int(first.group(1))  # all of turn 1
+    restarted.close()
