@@ -61,7 +61,7 @@ def test_rows_of_every_layer_kind_decode_as_alone_and_a_slow_reader_leaves_exact
     want = [_alone(loaded, prompt, settings) for prompt in prompts]
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4, **settings)
     results: list = [None] * len(prompts)
-    ahead = threading.Event()
+    ahead, slow_left = threading.Event(), threading.Event()
 
     def slow():  # falls behind while another stream reads on, then goes away
         stream = runner.stream(prompts[0], batched=True, **OPTIONS)
@@ -69,14 +69,19 @@ def test_rows_of_every_layer_kind_decode_as_alone_and_a_slow_reader_leaves_exact
         assert ahead.wait(30)
         chunks.append(next(stream))
         stream.close()
+        slow_left.set()
         results[0] = _answer(chunks)
 
     def reader(i):
         chunks = []
         for chunk in runner.stream(prompts[i], batched=True, **OPTIONS):
             chunks.append(chunk)
-            if i == 1 and len(chunks) == READ_FIRST + READ_AHEAD:
-                ahead.set()
+            if len(chunks) == READ_FIRST + READ_AHEAD:
+                if i == 1:
+                    ahead.set()
+                # every reader waits here till the slow one has left: the tokens it is fed
+                # ahead (which a full window keeps) are bounded by the steps, not the clock
+                assert slow_left.wait(30)
         results[i] = _answer(chunks)
 
     _queued_then_run(runner, [slow, *(lambda i=i: reader(i) for i in (1, 2, 3))])
