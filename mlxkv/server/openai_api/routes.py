@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 
 from mlxkv.runner.results import Completion
 from mlxkv.server.early_events import marking_waits
-from mlxkv.server.errors import ApiError
+from mlxkv.server.errors import ApiError, openai_error
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.reply.tool_calls import ToolCall
@@ -197,8 +197,8 @@ async def _completion_events(
     yield sse("[DONE]")
 
 
-def _error_event(message: str) -> str:
-    return sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+def _error_event(error: ApiError) -> str:
+    return sse({"error": openai_error(error)})
 
 
 def _text(events: list[Event]) -> str:
