@@ -30,6 +30,9 @@ from mlxkv.platform.machine import on_gpu
 
 logger = logging.getLogger(__name__)
 
+# Most layers a config may say: the deepest released models have under 200.
+MAX_LAYERS = 4096
+
 
 @dataclass
 class LoadedModel:
@@ -113,6 +116,7 @@ def _load_directory(
             "(config.json and weights) nor a .gguf file"
         )
     config = _read_config(path)
+    _check_depth(path, config)
     if group is None and is_vision_model(config):
         return _load_vision(path, config)
     if is_encoder_model(config):
@@ -134,6 +138,18 @@ def _load_directory(
     return LoadedModel(
         model=model, tokenizer=tokenizer, config=config, path=path, source_name=source_name
     )
+
+
+def _check_depth(path: Path, config: dict[str, Any]) -> None:
+    """Refuse a layer count no model has: mlx-lm builds every layer's module before it reads
+    a weight, so `num_hidden_layers: 10**9` would hang the load (and `mlxkv info`) for ever."""
+    for where in (config, config.get("text_config") or {}):
+        layers = where.get("num_hidden_layers") if isinstance(where, dict) else None
+        if isinstance(layers, int) and layers > MAX_LAYERS:
+            raise ModelLoadError(
+                f"could not load a model from {path}: its config.json says num_hidden_layers="
+                f"{layers:,}, more than any model has ({MAX_LAYERS:,}); fix the config"
+            )
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -121,13 +121,25 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """The error in the shape of the API that `path` belongs to."""
+    error = ApiError(status, message, code=code, param=param)
     body: dict[str, Any]
     if is_ollama_path(path):
         body = {"error": message}
     elif is_anthropic_path(path):
-        kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error")
-        body = {"type": "error", "error": {"type": kind, "message": message}}
+        body = {"type": "error", "error": anthropic_error(error)}
     else:
-        kind = _OPENAI_TYPES.get(status, "invalid_request_error")
-        body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+        body = {"error": openai_error(error)}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def openai_error(error: ApiError) -> dict[str, Any]:
+    """OpenAI's error object for `error`: its type from the status, in a response body and in
+    a stream's error event alike."""
+    kind = _OPENAI_TYPES.get(error.status, "invalid_request_error")
+    return {"message": error.message, "type": kind, "param": error.param, "code": error.code}
+
+
+def anthropic_error(error: ApiError) -> dict[str, Any]:
+    """Anthropic's error object for `error` (the inner `error` of its body and stream event)."""
+    kind = _ANTHROPIC_TYPES.get(error.status, "invalid_request_error")
+    return {"type": kind, "message": error.message}

@@ -128,7 +128,7 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
 def event_stream(
     events: AsyncIterator[str],
     turn: Turn,
-    error_event: Callable[[str], str],
+    error_event: Callable[[ApiError], str],
     keepalive: str | None = ": keep-alive\n\n",
     media_type: str = "text/event-stream",
 ) -> StreamingResponse:
@@ -137,7 +137,8 @@ def event_stream(
     (an SSE comment unless the API has its own ping event) goes out after every
     `KEEPALIVE_INTERVAL_S` without an event. A client that leaves cancels the turn at once; a
     generation that fails after the response has started ends the stream with
-    `error_event(message)` (the API's own error event) instead of a cut connection."""
+    `error_event(error)` (the API's own error event, typed as its status is) instead of a cut
+    connection."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
@@ -145,10 +146,11 @@ def event_stream(
             async for event in paced:
                 yield event
         except ApiError as error:  # refused once started (waited too long in the queue)
-            yield error_event(error.message)
+            yield error_event(error)
         except Exception as error:  # the status line is sent: say it in the stream
             logger.error("stream failed: %s", error)
-            yield error_event(f"generation failed ({type(error).__name__}); see the server log")
+            message = f"generation failed ({type(error).__name__}); see the server log"
+            yield error_event(ApiError(500, message))
         finally:  # harmless after the end: the turn's cancel flag is its own
             turn.cancel()
 

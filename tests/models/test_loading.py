@@ -135,3 +135,20 @@ def test_find_models_lists_a_hub_cache_by_repo_id_and_a_folder_by_name(model_roo
     assert sorted(sources.find_models(folder)) == ["llama", "small"]
     with pytest.raises(ModelLoadError, match="no models directory"):
         sources.find_models(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_a_layer_count_no_model_has_is_refused_at_once(tmp_path, model_root, where):
+    """`num_hidden_layers: 10**9` hung the load (mlx-lm builds each layer's module first)
+    for over a minute; now one line names the number."""
+    model = tmp_path / "huge"
+    shutil.copytree(tiny_model_dir("llama", model_root), model)
+    config = json.loads((model / "config.json").read_text())
+    if where == "top":
+        config["num_hidden_layers"] = 10**9
+    else:
+        config["text_config"] = {"num_hidden_layers": 10**9}
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="num_hidden_layers=1,000,000,000") as raised:
+        load_model(str(model))
+    assert "\n" not in str(raised.value)

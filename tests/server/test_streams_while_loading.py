@@ -258,3 +258,37 @@ def test_an_anthropic_stream_counts_its_models_load_toward_the_early_block(gated
     }
     assert deltas[0] == {"type": "text_delta", "text": ""}  # the early block's keep-alive
     assert spec.streamed_text([f"data: {json.dumps(e)}" for e in events])
+
+
+# What each API's stream error event says of a 400 (as its non-streamed answer does).
+_REFUSED_TYPES = {
+    "openai": lambda event: (event["error"]["type"], event["error"]["code"]),
+    "anthropic": lambda event: (event["error"]["type"], None),
+    "responses": lambda event: (event["code"], event["code"]),
+}
+
+
+@pytest.mark.parametrize("api", list(_REFUSED_TYPES), ids=list(_REFUSED_TYPES))
+def test_a_400_after_the_load_ends_the_stream_typed_as_a_400(gated, api):
+    """A prompt over the window, found once the model has loaded, ends the started stream
+    with the type (and OpenAI's code) the same request gets without streaming (was:
+    server_error / api_error, as for a crash)."""
+    spec = APIS[api]
+    over = [{"role": "user", "content": "once upon a time " * 600}]
+    key = "input" if api == "responses" else "messages"
+    body = {"model": "tiny", **spec.body, key: over}
+    with httpx.Client(base_url=gated.url, timeout=_TIMEOUT_S) as client:
+        with client.stream("POST", spec.path, json=body) as response:
+            assert response.status_code == 200
+            gated.gate.open.set()
+            lines = response.read().decode().splitlines()
+        refused = client.post(spec.path, json={**body, "stream": False})
+    assert refused.status_code == 400
+    event = _data(lines)[-1]
+    kind, code = _REFUSED_TYPES[api](event)
+    if api == "anthropic":
+        assert kind == refused.json()["error"]["type"] == "invalid_request_error"
+    else:
+        error = refused.json()["error"]
+        assert code == error["code"] == "context_length_exceeded"
+        assert api == "responses" or kind == error["type"] == "invalid_request_error"

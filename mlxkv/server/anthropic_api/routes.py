@@ -34,7 +34,7 @@ from mlxkv.server.anthropic_api.diagnostics import (
 from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
 from mlxkv.server.anthropic_api.tool_ids import client_id
 from mlxkv.server.early_events import marking_waits, until_due
-from mlxkv.server.errors import bad_input_error
+from mlxkv.server.errors import ApiError, anthropic_error, bad_input_error
 from mlxkv.server.images import fetched_images
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.reply.tool_calls import ToolCall
@@ -292,8 +292,8 @@ def _text_delta(index: int, kind: str, text: str) -> str:
     return sse(body, "content_block_delta")
 
 
-def _error_event(message: str) -> str:
-    return sse({"type": "error", "error": {"type": "api_error", "message": message}}, "error")
+def _error_event(error: ApiError) -> str:
+    return sse({"type": "error", "error": anthropic_error(error)}, "error")
 
 
 def _block_start(index: int, block: dict[str, Any]) -> str:

@@ -89,15 +89,24 @@ class ServedModels:
         """
         if len(self.resident) == 1 or not name:
             return next(iter(self.resident))
+        found = self.find(name)
+        if found is None:
+            raise ApiError(
+                404, f"model '{name}' not found; this server serves: {self.listed}", param="model"
+            )
+        return found
+
+    def find(self, name: str) -> str | None:
+        """The served model `name` names (its own name, an Ollama name or tag, an alias), or
+        None. Unlike `resolve`, a lone served model does not answer to every name: a lookup
+        by name (`/v1/models/{id}`) says whether that name is served."""
         for candidate in (name, name.removesuffix(_OLLAMA_TAG), ollama_name(name)):
             if candidate in self.resident:
                 return candidate
         for pattern, target in self.aliases:
             if fnmatch.fnmatchcase(name, pattern):
                 return target
-        raise ApiError(
-            404, f"model '{name}' not found; this server serves: {self.listed}", param="model"
-        )
+        return None
 
 
 async def request_context(request: Request) -> Any:

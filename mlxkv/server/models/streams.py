@@ -32,13 +32,13 @@ from mlxkv.server.state import KEEPALIVE_INTERVAL_S, SSE_HEADERS
 @dataclass(frozen=True)
 class StreamShape:
     """Attributes:
-    error_event: the API's stream error event for a message.
+    error_event: the API's stream error event for an error.
     keepalive: what the API sends while nothing else comes (None: nothing, Ollama's NDJSON).
     media_type: the stream's content type.
     streams_by_default: a body without `stream` streams (Ollama's chat and generate).
     """
 
-    error_event: Callable[[str], str]
+    error_event: Callable[[ApiError], str]
     keepalive: str | None = ": keep-alive\n\n"
     media_type: str = "text/event-stream"
     streams_by_default: bool = False
@@ -88,6 +88,7 @@ class _Early:
         self._lock = asyncio.Lock()  # a keep-alive is never cut by the route's first bytes
         self._pacer: asyncio.Task | None = None
         self._error: bytearray | None = None  # the route's error body, as it arrives
+        self._error_status = 500  # the route's error status
         self._ended = False
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
@@ -103,12 +104,14 @@ class _Early:
             await self._stop_pacing()
             if self._ended:
                 raise
-            await self._end(SHUTTING_DOWN)  # ended whole: no traceback of the cancel to log
+            await self._end(
+                ApiError(503, SHUTTING_DOWN)
+            )  # ended whole: no traceback of the cancel to log
         except Exception as error:  # the status line is sent: say it in the stream
             await self._stop_pacing()
             if not self._ended:
                 name = type(error).__name__
-                await self._end(f"the request failed ({name}); see the server log")
+                await self._end(ApiError(500, f"the request failed ({name}); see the server log"))
             raise
         finally:
             await self._stop_pacing()
@@ -132,6 +135,7 @@ class _Early:
             await self._stop_pacing()
             if message["status"] >= 400:
                 self._error = bytearray()
+                self._error_status = message["status"]
             return
         if message["type"] != "http.response.body":
             await self._send(message)
@@ -142,23 +146,25 @@ class _Early:
             return
         self._error += message.get("body", b"")
         if not message.get("more_body", False):
-            await self._end(_error_message(bytes(self._error)))
+            await self._end(_parsed_error(self._error_status, bytes(self._error)))
 
-    async def _end(self, message: str) -> None:
+    async def _end(self, error: ApiError) -> None:
         self._ended = True
-        await self._body(self.shape.error_event(message).encode(), more=False)
+        await self._body(self.shape.error_event(error).encode(), more=False)
 
     async def _body(self, data: bytes, more: bool = True) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
 
-def _error_message(body: bytes) -> str:
-    """The message of an error response in any API's shape (`errors.error_response`)."""
+def _parsed_error(status: int, body: bytes) -> ApiError:
+    """The error of a response in any API's shape (`errors.error_response`), with its status
+    (and OpenAI's code and param), so the stream's event is typed as the response was."""
     try:
         parsed = json.loads(body)
     except ValueError:
-        return body.decode(errors="replace")
+        return ApiError(status, body.decode(errors="replace"))
     error = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
-    if isinstance(error, dict):
-        return str(error.get("message", error))
-    return str(error)
+    if not isinstance(error, dict):
+        return ApiError(status, str(error))
+    code, param = error.get("code"), error.get("param")
+    return ApiError(status, str(error.get("message", error)), code=code, param=param)

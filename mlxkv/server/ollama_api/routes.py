@@ -270,8 +270,8 @@ def _line(body: dict[str, Any]) -> str:
     return json.dumps(body, ensure_ascii=False) + "\n"
 
 
-def _error_line(message: str) -> str:
-    return _line({"error": message})
+def _error_line(error: ApiError) -> str:
+    return _line({"error": error.message})
 
 
 def _name(ctx: ServerContext) -> str:

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 
 from mlxkv.runner.results import Completion
 from mlxkv.server.early_events import marking_waits
+from mlxkv.server.errors import ApiError, openai_error
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.reply.tool_calls import ToolCall
@@ -32,22 +33,34 @@ from mlxkv.server.reply.turn import (
     collect,
     start_turn,
 )
-from mlxkv.server.state import Context, event_stream, sse
+from mlxkv.server.state import Context, ServerContext, event_stream, sse
 
 router = APIRouter()
 
 
 @router.get("/v1/models")
 async def list_models(ctx: Context) -> dict[str, Any]:
-    models = []
-    for each in ctx.each_model():
-        model = {"id": each.model_name, "object": "model", "created": ctx.created}
-        model["owned_by"] = "mlxkv"
-        # beyond OpenAI's fields, as vLLM adds `max_model_len`: what clients may ask of it
-        model["capabilities"] = each.capabilities.names()
-        model["tool_call_format"] = each.capabilities.tool_call_format
-        models.append(model)
-    return {"object": "list", "data": models}
+    return {"object": "list", "data": [_model_object(each) for each in ctx.each_model()]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, ctx: Context) -> dict[str, Any]:
+    """The listed object of the model `model_id` names, as a request's `model` may name it
+    (an Ollama name, an alias): the object has the served name, as OpenAI's has the model's."""
+    name = ctx.models.find(model_id)
+    if name is None:
+        message = f"model '{model_id}' not found; this server serves: {ctx.models.listed}"
+        raise ApiError(404, message, code="model_not_found", param="model")
+    return next(_model_object(each) for each in ctx.each_model() if each.model_name == name)
+
+
+def _model_object(each: ServerContext) -> dict[str, Any]:
+    model = {"id": each.model_name, "object": "model", "created": each.created}
+    model["owned_by"] = "mlxkv"
+    # beyond OpenAI's fields, as vLLM adds `max_model_len`: what clients may ask of it
+    model["capabilities"] = each.capabilities.names()
+    model["tool_call_format"] = each.capabilities.tool_call_format
+    return model
 
 
 @router.post("/v1/chat/completions")
@@ -184,8 +197,8 @@ async def _completion_events(
     yield sse("[DONE]")
 
 
-def _error_event(message: str) -> str:
-    return sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+def _error_event(error: ApiError) -> str:
+    return sse({"error": openai_error(error)})
 
 
 def _text(events: list[Event]) -> str:

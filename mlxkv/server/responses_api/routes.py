@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 
 from mlxkv.runner.results import Completion
 from mlxkv.server.early_events import marking_waits
-from mlxkv.server.errors import ApiError
+from mlxkv.server.errors import ApiError, openai_error
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
@@ -138,9 +138,9 @@ class _Response:
         self._sequence += 1
         return sse({"type": kind, "sequence_number": self._sequence, **fields}, kind)
 
-    def failed_event(self, message: str) -> str:
+    def failed_event(self, error: ApiError) -> str:
         failed = self.body([], None, status="failed")
-        failed["error"] = {"code": "server_error", "message": message}
+        failed["error"] = {"code": _error_code(error), "message": error.message}
         return self.event("response.failed", response=failed)
 
 
@@ -349,10 +349,15 @@ def _usage(completion: Completion, reasoning_tokens: int = 0) -> dict[str, Any]:
     }
 
 
-def _early_error_event(message: str) -> str:
+def _early_error_event(error: ApiError) -> str:
     """OpenAI's stream `error` event, for a stream that fails before its response exists."""
-    error = {"type": "error", "code": "server_error", "message": message, "param": None}
-    return sse({**error, "sequence_number": 0}, "error")
+    event = {"type": "error", "code": _error_code(error), "message": error.message}
+    return sse({**event, "param": error.param, "sequence_number": 0}, "error")
+
+
+def _error_code(error: ApiError) -> str:
+    """A Responses error's `code`: the error's own, else the type its status gets."""
+    return error.code or openai_error(error)["type"]
 
 
 # What a stream sends while its model loads (`models.streams`).
