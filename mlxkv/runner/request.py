@@ -56,7 +56,7 @@ class Request:
         header_tokens: tokens of the template's generation prompt at the end.
         params: sampling settings.
         progress: called as progress(done, total) in prompt tokens during prefill.
-        matched: called with the prompt's usage once its prefix is matched, before the prefill.
+        matched: called with the prompt's usage once its match is final, before the prefill.
         cancelled: set by `Runner.cancel()` or by the caller that passed it.
         top_logprobs: None for no log-probabilities; else how many alternatives to report
             with each sampled token's own.
@@ -100,7 +100,7 @@ class RequestOptions:
 
     Attributes:
         progress: called as progress(done, total) in prompt tokens during prefill.
-        matched: called with the prompt's usage once its prefix is matched, before the prefill.
+        matched: called with the prompt's usage once its match is final, before the prefill.
         parse_control_tokens: let control-token strings in message content and tool calls be
             control tokens.
         tools: function definitions for the chat template.

@@ -158,8 +158,6 @@ def _generate(
     loaded, plan, pool = context.loaded, context.plan, context.pool
     max_context = context.config.max_context
     model = loaded.model
-    if request.matched is not None:  # here, inside the entry's claim: one that raises fails it
-        request.matched(stats.usage())
     start = time.perf_counter()
     try:
         together = _prefilled_with(request, batching)

@@ -252,8 +252,9 @@ class Runner:
                 ([{"role": ..., "content": ...}]).
             progress: called as progress(done, total) in prompt tokens during prefill.
             matched: called (on the engine thread) with the prompt's `PromptUsage` once the
-                prompt cache is matched, before the prefill: what the first chunk's `prompt`
-                says, unless a disk restore then turns out broken and supplies fewer tokens.
+                prompt cache's match is final, before the prefill (a streamed disk restore:
+                after its first chunk, once every layer passed its check): what the
+                completion's usage says too.
             parse_control_tokens: let control-token strings inside chat message content
                 become control tokens; only for content you wrote yourself.
             tools: function definitions ([{"type": "function", "function": {...}}]) given to

@@ -30,25 +30,33 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(store_module, "BLOCK_TOKENS", BLOCK_TOKENS)
 
 
+def _flip_a_middle_block(restarted, follow_up):
+    """Flips a byte in the last layer holding arrays of a block in the middle of the chain
+    `follow_up` restores (blocks on both sides); returns the restore that stops before it, the
+    block's path, that layer and the damaged bytes."""
+    chain = _full_chain(restarted, follow_up)
+    restores = partial_restores(chain, trimmable=restarted._pool.store.trimmable)
+    assert len(chain.blocks) >= 3
+    j = len(chain.blocks) - 2
+    before = [r for r in restores if len(r.blocks) <= j][-1]
+    bad = chain.blocks[j].path
+    sections = read_header(bad).sections
+    k = max(i for i, spans in enumerate(sections) if spans)
+    assert k > 0  # the layers before it pass their checks
+    start, end = sections[k][0]
+    data = bytearray(bad.read_bytes())
+    data[(start + end) // 2] ^= 0x40
+    bad.write_bytes(bytes(data))
+    return before, bad, k, data
+
+
 @pytest.mark.parametrize("arch", ["llama", "lfm2"])
 def test_a_flipped_byte_in_one_layer_of_one_block_keeps_the_blocks_before_it(
     make_runner, tmp_path, caplog, arch
 ):
     follow_up = _stored_conversation(make_runner, arch, tmp_path)
     restarted = make_runner(arch, cache_dir=tmp_path)  # the directory indexed whole
-    chain = _full_chain(restarted, follow_up)
-    restores = partial_restores(chain, trimmable=restarted._pool.store.trimmable)
-    assert len(chain.blocks) >= 3
-    j = len(chain.blocks) - 2  # a block in the middle of the chain, blocks on both sides
-    before = [r for r in restores if len(r.blocks) <= j][-1]
-    bad = chain.blocks[j].path
-    sections = read_header(bad).sections
-    k = max(i for i, spans in enumerate(sections) if spans)  # its last layer holding arrays
-    assert k > 0  # the layers before it pass their checks
-    start, end = sections[k][0]
-    data = bytearray(bad.read_bytes())
-    data[(start + end) // 2] ^= 0x40
-    bad.write_bytes(bytes(data))
+    before, bad, k, data = _flip_a_middle_block(restarted, follow_up)
     warnings = _answers_as_fresh(restarted, make_runner, arch, follow_up, before.num_tokens, caplog)
     assert [w for w in warnings if bad.name in w and f"layer {k} " in w] == warnings
     assert len(warnings) == 1
@@ -124,3 +132,24 @@ def test_a_restore_written_back_before_its_checks_pass_writes_no_unchecked_layer
         for name in files_before
         if name != bad.name  # the corrupt block is removed
     ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_the_usage_matched_reports_is_the_replys_when_a_streamed_restore_breaks(
+    make_runner, tmp_path, arch
+):
+    """`matched` (Anthropic's `message_start`) reports the usage once the restore's checks
+    passed or it was loaded again: what the reply's usage says, never the tokens the broken
+    block would have supplied (was 157 cached against the reply's 128 on llama)."""
+    follow_up = _stored_conversation(make_runner, arch, tmp_path)
+    restarted = make_runner(arch, cache_dir=tmp_path)
+    before, _, _, _ = _flip_a_middle_block(restarted, follow_up)
+    seen = []
+    chunks = list(restarted.stream(follow_up, max_tokens=2, temperature=0, matched=seen.append))
+    done = chunks[-1].completion
+    assert len(seen) == 1
+    assert (seen[0].prompt_tokens, seen[0].cached_tokens) == (
+        done.prompt_tokens,
+        done.cached_tokens,
+    )
+    assert 0 < done.cached_tokens <= before.num_tokens

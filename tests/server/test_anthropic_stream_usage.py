@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from mlxkv import Runner
-from mlxkv.runner import request_run
+from mlxkv.runner.prefill import fill
 from tests.server.conftest import serve
 
 SYSTEM = "You are terse."
@@ -71,13 +71,17 @@ def test_message_start_comes_before_the_prefill_ends(served, monkeypatch):
     only after the prefill (or the first token) would hold the prefill `HOLD_S`."""
     read_start = threading.Event()
     waits: list[bool] = []
-    fill_prompt = request_run.fill_prompt
 
-    def held_fill(*args, **kwargs):
-        waits.append(read_start.wait(HOLD_S))
-        return (yield from fill_prompt(*args, **kwargs))
+    def held(steps):
+        def first_chunk_held(*args, **kwargs):
+            if not waits:
+                waits.append(read_start.wait(HOLD_S))
+            return steps(*args, **kwargs)
 
-    monkeypatch.setattr(request_run, "fill_prompt", held_fill)
+        return first_chunk_held
+
+    for name in ("fill_steps", "prefill_steps"):  # the model's first prefill chunk
+        monkeypatch.setattr(fill, name, held(getattr(fill, name)))
     client = served.anthropic()
     messages = [*QUESTION, {"role": "user", "content": "A long story, please."}]
     with client.messages.stream(model="m", messages=messages, max_tokens=4) as stream:

@@ -1,7 +1,8 @@
 """Feeding a request's uncached prompt tokens, with checkpoints where messages end.
 
 Owns `fill_prompt`: prefill in chunks (a pause between chunks, where requests interleaved with
-this one run), progress and cancel between chunks, and checkpoints of the layers that cannot
+this one run), progress and cancel between chunks, the usage reported once the match is final
+(`Request.matched`), and checkpoints of the layers that cannot
 trim (recurrent, sliding window) where the pool asks for them (`PrefixHit.checkpoints`), and
 a chunk's end at each of their snapshots for the disk tier (`PrefixHit.disk_snapshots`, which
 the cache takes as it reaches them, `ModelCache.snapshot_every_tokens`). Does
@@ -17,6 +18,7 @@ from typing import TypeVar
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.prefill.batched import Stops
 from mlxkv.decoding.prefill.chunks import PrefillPlan, fill_steps, prefill_steps
@@ -53,14 +55,18 @@ def fill_prompt(
             its checkpoints and disk snapshots taken as alone, when other requests reach
             their prefill at the same moment (None: alone).
 
+    Calls `request.matched` once the match is final (`_match_reporter`).
+
     Raises:
         PrefillCancelled: the request's cancel flag was set; the chunks fed stay cached.
     """
     cache, remaining = hit.entry.cache, hit.remaining
     total, offset = len(remaining), 0
+    report_match = _match_reporter(request, stats, cache)
 
     def fed(done: int) -> None:
         stats.processed = done
+        report_match()
         if request.progress:
             request.progress(done, total)
         if request.cancelled.is_set():
@@ -88,6 +94,26 @@ def fill_prompt(
     logits = yield from _paced(steps, fed, offset, last_pause)
     fed(total)
     return logits
+
+
+def _match_reporter(
+    request: Request, stats: CompletionStats, cache: ModelCache
+) -> Callable[[], None]:
+    """Hands `request.matched` the prompt's usage once the match is final, never again: at
+    once, or, on a streamed disk restore (`ModelCache.gate`), when the returned call first
+    runs after a chunk, its forward having passed every layer's check (one that fails raises
+    `RestoreBroken` before, and the caller loads what the disk holds again and feeds anew).
+    So Anthropic's `message_start` never counts tokens the reply's usage then lacks. It is
+    called inside the entry's claim: one that raises fails the request."""
+    left = [] if request.matched is None else [request.matched]
+
+    def report() -> None:
+        while left:
+            left.pop()(stats.usage())
+
+    if cache.gate is None:
+        report()
+    return report
 
 
 def _paced(
