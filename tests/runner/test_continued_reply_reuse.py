@@ -53,14 +53,12 @@ def _check_turn_two(runner: Runner, reference: Runner, reply: str, held: list[in
     np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason="a continued reply is known by its generated text alone")
 def test_a_continued_reply_sent_back_whole_is_reused_in_full(loaded_tiny):
     runner = Runner(loaded_tiny("llama"), max_context=1024)
     first, held = _continued(runner)
     _check_turn_two(runner, Runner(loaded_tiny("llama"), max_context=1024), first.text, held)
 
 
-@pytest.mark.xfail(strict=True, reason="a continued reply is known by its generated text alone")
 def test_a_continued_reply_is_reused_in_full_after_a_restart(tmp_path_factory, tmp_path):
     """Models loaded afresh (a new tokenizer: a new reply memory, what the disk kept)."""
     path = build_model("llama", tmp_path_factory.mktemp("restart") / "llama")

@@ -18,10 +18,6 @@ PREFILL = "Once upon"
 MAX_TOKENS = 8
 GREEDY = {"temperature": 0}  # this anthropic client takes no temperature of its own
 
-pytestmark = pytest.mark.xfail(
-    strict=True, reason="a continued reply is known by its generated text alone"
-)
-
 
 @pytest.fixture(scope="module")
 def served(loaded_tiny):
