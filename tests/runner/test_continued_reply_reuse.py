@@ -27,14 +27,21 @@ def _sent_back(reply: str) -> list[dict]:
     return [*QUESTION, whole, {"role": "user", "content": "And then?"}]
 
 
+def encodes_otherwise(runner: Runner, asked: list[dict], text: str, held: list[int]) -> bool:
+    """Whether the assistant `text` after the chat `asked`, encoded as text, differs from
+    the ids the cache holds for it (`held`, the turn that continued it): the case at hand."""
+    start = len(runner.encode(asked))  # the prompt through the generation prompt
+    as_text = runner.tokenizer.encode(text, add_special_tokens=False)
+    return held[start:] != as_text[: len(held) - start]
+
+
 def _continued(runner: Runner):
     """Turn 1: the prefill continued; its reply and the ids the cache holds after it."""
     prefilled = [*QUESTION, {"role": "assistant", "content": PREFILL}]
     first = runner.generate(prefilled, max_tokens=8, temperature=0, switches=CONTINUE)
     assert first.text and first.finish_reason == "length"
     held = runner.cache_tokens
-    as_text = runner.tokenizer.encode(PREFILL + first.text, add_special_tokens=False)
-    assert as_text != held[-len(as_text) :]  # the case at hand: its text encodes otherwise
+    assert encodes_otherwise(runner, QUESTION, PREFILL + first.text, held)
     return first, held
 
 

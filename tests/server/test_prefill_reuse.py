@@ -12,6 +12,7 @@ import pytest
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
 from mlxkv.testing.factory import build_model
+from tests.runner.test_continued_reply_reuse import encodes_otherwise
 from tests.server.conftest import serve
 
 PREFILL = "Once upon"
@@ -43,11 +44,11 @@ def _reference(loaded, messages: list[dict]):
     return chunks[-1].completion.text, [c.logprob.logprob for c in chunks if c.logprob]
 
 
-def _check_the_case(served, reply: str) -> list[int]:
+def _check_the_case(served, question: str, reply: str) -> list[int]:
     """The ids the cache holds after turn 1, checked to differ from the text encoded."""
     held = list(served.runner.cache_tokens)
-    as_text = served.runner.tokenizer.encode(PREFILL + reply, add_special_tokens=False)
-    assert as_text != held[-len(as_text) :]  # the case at hand
+    asked = [{"role": "user", "content": question}]
+    assert encodes_otherwise(served.runner, asked, PREFILL + reply, held)
     return held
 
 
@@ -58,7 +59,7 @@ def test_anthropic_prefill_sent_back_is_reused_in_full(served, loaded_tiny):
         model="m", messages=_prefilled(question), max_tokens=MAX_TOKENS, extra_body=GREEDY
     )
     reply = first.content[0].text
-    held = _check_the_case(served, reply)
+    held = _check_the_case(served, question, reply)
     messages = _sent_back(question, reply)
     with client.messages.stream(model="m", messages=messages, max_tokens=4, extra_body=GREEDY) as s:
         second = s.get_final_message()
@@ -77,7 +78,7 @@ def test_openai_continue_final_message_sent_back_is_reused_in_full(served, loade
         extra_body={"continue_final_message": True},
     )
     reply = first.choices[0].message.content
-    held = _check_the_case(served, reply)
+    held = _check_the_case(served, question, reply)
     messages = _sent_back(question, reply)
     second = client.chat.completions.create(
         model="m", messages=messages, max_tokens=4, temperature=0, logprobs=True
@@ -95,7 +96,7 @@ def test_ollama_chat_prefill_sent_back_is_reused_in_full(served, loaded_tiny):
     options = {"temperature": 0, "num_predict": MAX_TOKENS}
     first = client.chat(model="m", messages=_prefilled(question), options=options)
     reply = first.message.content
-    held = _check_the_case(served, reply)
+    held = _check_the_case(served, question, reply)
     messages = _sent_back(question, reply)
     second = client.chat(model="m", messages=messages, options={**options, "num_predict": 4})
     # Ollama reports no cached count: the second prompt starts with all the first turn held
@@ -114,7 +115,7 @@ def test_after_a_restart_a_prefill_sent_back_is_reused_in_full(tmp_path_factory,
             model="m", messages=_prefilled(question), max_tokens=MAX_TOKENS, extra_body=GREEDY
         )
         reply = first.content[0].text
-        held = _check_the_case(s, reply)
+        held = _check_the_case(s, question, reply)
     before.close()
     messages = _sent_back(question, reply)
     restarted = Runner(load_model(path), max_context=1024, cache_dir=tmp_path, cache_entries=2)
