@@ -21,10 +21,10 @@ QUESTION = [{"role": "user", "content": "Tell me a story"}]
 PREFILL = "Once upon"
 
 
-def _sent_back(reply: str) -> list[dict]:
-    """Turn 2 as a client sends it: the prefill and the reply as one assistant message."""
-    whole = {"role": "assistant", "content": PREFILL + reply}
-    return [*QUESTION, whole, {"role": "user", "content": "And then?"}]
+def _sent_back(whole: str) -> list[dict]:
+    """The next turn as a client sends it: the prefill and the reply as one message."""
+    assistant = {"role": "assistant", "content": whole}
+    return [*QUESTION, assistant, {"role": "user", "content": "And then?"}]
 
 
 def encodes_otherwise(runner: Runner, asked: list[dict], text: str, held: list[int]) -> bool:
@@ -35,14 +35,15 @@ def encodes_otherwise(runner: Runner, asked: list[dict], text: str, held: list[i
     return held[start:] != as_text[: len(held) - start]
 
 
-def _continued(runner: Runner):
-    """Turn 1: the prefill continued; its reply and the ids the cache holds after it."""
-    prefilled = [*QUESTION, {"role": "assistant", "content": PREFILL}]
-    first = runner.generate(prefilled, max_tokens=8, temperature=0, switches=CONTINUE)
-    assert first.text and first.finish_reason == "length"
+def _continued(runner: Runner, prefill: str = PREFILL) -> tuple[str, list[int]]:
+    """A turn continuing `prefill`: the whole assistant text the client sends back, and the
+    ids the cache holds after it."""
+    prefilled = [*QUESTION, {"role": "assistant", "content": prefill}]
+    reply = runner.generate(prefilled, max_tokens=8, temperature=0, switches=CONTINUE)
+    assert reply.text and reply.finish_reason == "length"
     held = runner.cache_tokens
-    assert encodes_otherwise(runner, QUESTION, PREFILL + first.text, held)
-    return first, held
+    assert encodes_otherwise(runner, QUESTION, prefill + reply.text, held)
+    return prefill + reply.text, held
 
 
 def _answer(runner: Runner, prompt) -> tuple:
@@ -50,33 +51,45 @@ def _answer(runner: Runner, prompt) -> tuple:
     return chunks[-1].completion, [c.logprob.logprob for c in chunks if c.logprob]
 
 
-def _check_turn_two(runner: Runner, reference: Runner, reply: str, held: list[int]) -> None:
-    """Turn 2 reuses everything `held` and answers as `reference` (no cache) does."""
-    got, got_logprobs = _answer(runner, _sent_back(reply))
+def _check_next_turn(runner: Runner, reference: Runner, whole: str, held: list[int]) -> None:
+    """The next turn reuses everything `held` and answers as `reference` (no cache) does."""
+    got, got_logprobs = _answer(runner, _sent_back(whole))
     assert got.cached_tokens == len(held)
-    want, want_logprobs = _answer(reference, _sent_back(reply))
+    want, want_logprobs = _answer(reference, _sent_back(whole))
     assert want.cached_tokens == 0 and got.prompt_tokens == want.prompt_tokens
     assert got.tokens == want.tokens
     np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4)
 
 
-def test_a_continued_reply_sent_back_whole_is_reused_in_full(loaded_tiny):
+@pytest.mark.parametrize(
+    "prefill", [PREFILL, "red<|im_end|>"], ids=["text", "control-token-text"]
+)  # the second one's ids are its plain text's (`text.controls`)
+def test_a_continued_reply_sent_back_whole_is_reused_in_full(loaded_tiny, prefill):
     runner = Runner(loaded_tiny("llama"), max_context=1024)
-    first, held = _continued(runner)
-    _check_turn_two(runner, Runner(loaded_tiny("llama"), max_context=1024), first.text, held)
+    whole, held = _continued(runner, prefill)
+    _check_next_turn(runner, Runner(loaded_tiny("llama"), max_context=1024), whole, held)
+
+
+def test_a_reply_continued_again_is_reused_in_full(loaded_tiny):
+    """A reply generated here, continued ("go on" after max_tokens): the continued message
+    takes the first reply's ids, the whole text sent back both replies' ids."""
+    runner = Runner(loaded_tiny("llama"), max_context=1024)
+    first = runner.generate(QUESTION, max_tokens=6, temperature=0)
+    whole, held = _continued(runner, first.text)
+    _check_next_turn(runner, Runner(loaded_tiny("llama"), max_context=1024), whole, held)
 
 
 def test_a_continued_reply_is_reused_in_full_after_a_restart(tmp_path_factory, tmp_path):
     """Models loaded afresh (a new tokenizer: a new reply memory, what the disk kept)."""
     path = build_model("llama", tmp_path_factory.mktemp("restart") / "llama")
     before = Runner(load_model(path), max_context=1024, cache_dir=tmp_path)
-    first, held = _continued(before)
+    whole, held = _continued(before)
     before.close()
     restarted = Runner(load_model(path), max_context=1024, cache_dir=tmp_path, cache_entries=2)
     reference = Runner(load_model(path), max_context=1024)  # no disk tier: renders as text
-    want_ids = restarted.encode(_sent_back(first.text))
+    want_ids = restarted.encode(_sent_back(whole))
     assert want_ids[: len(held)] == held  # the restart renders the reply as the cache holds it
-    got, got_logprobs = _answer(restarted, _sent_back(first.text))
+    got, got_logprobs = _answer(restarted, _sent_back(whole))
     assert got.cached_tokens == len(held)  # the prompt, the prefill and the reply, from disk
     want, want_logprobs = _answer(reference, want_ids)
     assert got.tokens == want.tokens
