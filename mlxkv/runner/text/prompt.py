@@ -302,11 +302,12 @@ class PromptEncoder:
         replies: ReplyIds | None = None,
     ) -> RenderedChat:
         """Token ids of chat messages (and tools, and the `switches` the template reads)
-        through the chat template; content stays text, except an assistant message whose
-        content `replies` knows, which takes the ids the model generated for it (so the
-        prompt is what the cache holds). A template that refuses system messages after the
-        first turn (clients such as Claude Code send them as reminders) gets them folded into
-        a user message instead.
+        through the chat template, with the start of the reply of a continued last message
+        (`RenderedChat`); content stays text, except an assistant message whose content
+        `replies` knows, which takes the ids the model generated for it (so the prompt is what
+        the cache holds). A template that refuses system messages after the first turn
+        (clients such as Claude Code send them as reminders) gets them folded into a user
+        message instead.
 
         Raises:
             ValueError: malformed messages or tools, no chat template, a template that refuses
