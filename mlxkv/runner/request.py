@@ -32,7 +32,7 @@ from mlxkv.runner.context import chat_cut, fit_prompt
 from mlxkv.runner.results import PromptUsage
 from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
 from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
-from mlxkv.runner.text.replies import ReplyKey, StoredReplyIds, replies_for
+from mlxkv.runner.text.replies import ReplyKey, ReplyStart, StoredReplyIds, replies_for
 from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images, with_text_content
 from mlxkv.runner.text.vision_cuts import ImageChat
 
@@ -74,6 +74,9 @@ class Request:
             prompt's messages, cut at message boundaries when the reply reaches the window
             (`text.vision_cuts.ImageWindow`); None: nothing to cut, the reply stops there.
         reply_key: what the reply is known by when sent back, if not its text (`ReplyKey`).
+        reply_start: where the prompt continues a last message (Anthropic's prefill), its text
+            and the ids `tokens` end with for it: the reply is known by that text and its own
+            together, as the client sends them back (`text.replies`); None: not continued.
     """
 
     tokens: list[int]
@@ -92,6 +95,7 @@ class Request:
     images: tuple[ImageSpan, ...] = ()
     reply_cuts: ImageChat | None = None
     reply_key: ReplyKey | None = None
+    reply_start: ReplyStart | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,6 +239,7 @@ class RequestBuilder:
             header_tokens=marks.header_tokens,
             params=params,
             cut_start=cut_start,
+            reply_start=_held_start(marks.reply_start, fitted.tokens),
         )
 
     def _request(self, options: RequestOptions, salt: str | None, **prompt: Any) -> Request:
@@ -419,6 +424,13 @@ class RequestBuilder:
         if not marks.system:
             return min(DEFAULT_KEEP_TOKENS, len(tokens))
         return marks.system_tokens
+
+
+def _held_start(start: ReplyStart | None, tokens: list[int]) -> ReplyStart | None:
+    """`start` where the prompt's `tokens` (cut to the window) still end with its ids."""
+    if start is None or len(tokens) < len(start.ids) or tokens[-len(start.ids) :] != start.ids:
+        return None
+    return start
 
 
 def _no_shift(overflow: str) -> str:

@@ -4,6 +4,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
+from tests.runner.test_continued_reply_reuse import encodes_otherwise
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,30 @@ def test_a_reply_that_encodes_otherwise_is_reused_in_full(smollm2):
     assert second.cached_tokens == len(held)
     fresh = Runner(smollm2).generate(runner.cache_tokens[: second.prompt_tokens], max_tokens=4)
     assert second.tokens == fresh.tokens
+
+
+def test_a_prefilled_reply_sent_back_whole_is_reused_in_full(smollm2):
+    """A continued reply (Anthropic's prefill) comes back as one message, the prefill and the
+    reply: the next turn reuses all the cache holds, where their text encodes otherwise (the
+    first such reply among a few sampled) as where it does not (greedy)."""
+    runner = Runner(smollm2, max_context=2048)
+    ask = [{"role": "user", "content": "Introduce yourself."}]
+    prefilled = [*ask, {"role": "assistant", "content": "Hello! I am"}]
+    options = {"max_tokens": 24, "switches": {"continue_final_message": True}}
+    for seed in [None, *range(16)]:
+        sampling = {"temperature": 0.0} if seed is None else {"temperature": 1.0, "seed": seed}
+        first = runner.generate(prefilled, **options, **sampling)
+        held = runner.cache_tokens
+        whole = "Hello! I am" + first.text
+        turn = [*ask, {"role": "assistant", "content": whole}, {"role": "user", "content": "Hi"}]
+        second = runner.generate(turn, max_tokens=4, temperature=0)
+        assert second.cached_tokens == len(held), f"seed {seed}"
+        fresh = Runner(smollm2).generate(runner.cache_tokens[: second.prompt_tokens], max_tokens=4)
+        assert second.tokens == fresh.tokens, f"seed {seed}"
+        if encodes_otherwise(runner, ask, whole, held):
+            break
+    else:
+        pytest.fail("no sampled prefilled reply encodes otherwise; sample more")
 
 
 def test_messages_name_the_gguf_file_not_its_converted_folder(smollm2):

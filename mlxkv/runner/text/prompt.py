@@ -21,7 +21,6 @@ Terms:
 
 from __future__ import annotations
 
-import numbers
 import pickle
 import re
 import secrets
@@ -39,11 +38,14 @@ from mlxkv.runner.text.messages import (
     checked_tools,
     fold_system_reminders,
     is_messages,
+    is_token_ids,
     leading_system_messages,
 )
 from mlxkv.runner.text.replies import (
     ReplyIds,
+    ReplyStart,
     check_calls_apart,
+    continued_ids,
     known_reply,
     masked_reply,
     slot_texts,
@@ -83,12 +85,24 @@ class Landmarks:
         system_tokens: the leading tokens that hold `system` (0 when empty or not asked for).
         header_tokens: tokens of the chat template's generation prompt at the end (at least
             1; 1 for text and token prompts).
+        reply_start: where a chat continues its last message, that message's text and ids
+            (`RenderedChat`); None: not continued.
     """
 
     chat: bool
     system: list[Message]
     system_tokens: int
     header_tokens: int
+    reply_start: ReplyStart | None = None
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A chat's token ids, and where they continue its last message (`CONTINUE_FINAL`), the
+    start of its reply (`replies.ReplyStart`): the reply memory keeps the reply with it."""
+
+    tokens: list[int]
+    reply_start: ReplyStart | None = None
 
 
 class PromptEncoder:
@@ -194,7 +208,7 @@ class PromptEncoder:
                 replies=replies,
             )
             return self._checked(tokens, rendered=True)
-        elif _all_token_ids(prompt):
+        elif is_token_ids(prompt):
             tokens = [int(t) for t in prompt]
         else:
             kinds = sorted({type(x).__name__ for x in prompt})
@@ -231,17 +245,23 @@ class PromptEncoder:
     ) -> Landmarks:
         """Where the parts of `prompt` (encoded as `tokens` by `encode(prompt, **template)`)
         end: the system messages (rendered alone only if `system_tokens`) and the generation
-        prompt, where the next turn re-renders from (so where a checkpoint is most useful)."""
+        prompt, where the next turn re-renders from (so where a checkpoint is most useful);
+        where a continued last message's reply starts."""
         if not is_messages(prompt):
             return Landmarks(chat=False, system=[], system_tokens=0, header_tokens=1)
         system = leading_system_messages(prompt)
-        rendered = [self.render(prompt, add_generation_prompt=False, **template)]
+        whole = self.render_prompt(prompt, add_generation_prompt=False, **template)
+        rendered = [whole.tokens]
         if system and system_tokens:
             rendered.append(self._system_alone(system, template))
         ends = common_prefix_lengths(tokens, rendered)
-        system_end = ends[1] if len(ends) > 1 else 0
-        header = max(1, len(tokens) - ends[0])
-        return Landmarks(chat=True, system=system, system_tokens=system_end, header_tokens=header)
+        return Landmarks(
+            chat=True,
+            system=system,
+            system_tokens=ends[1] if len(ends) > 1 else 0,
+            header_tokens=max(1, len(tokens) - ends[0]),
+            reply_start=whole.reply_start,
+        )
 
     def _system_alone(self, system: list[Message], template: dict[str, Any]) -> list[int]:
         """The ids of the system messages rendered alone (kept ones: not to be changed)."""
@@ -267,7 +287,11 @@ class PromptEncoder:
             return render()
         return self._system_renders.kept(key, render)
 
-    def render(
+    def render(self, messages: Sequence[Message], **options: Any) -> list[int]:
+        """`render_prompt`'s token ids."""
+        return self.render_prompt(messages, **options).tokens
+
+    def render_prompt(
         self,
         messages: Sequence[Message],
         *,
@@ -276,13 +300,14 @@ class PromptEncoder:
         tools: Tools | None = None,
         switches: dict[str, Any] | None = None,
         replies: ReplyIds | None = None,
-    ) -> list[int]:
+    ) -> RenderedChat:
         """Token ids of chat messages (and tools, and the `switches` the template reads)
-        through the chat template; content stays text, except an assistant message whose
-        content `replies` knows, which takes the ids the model generated for it (so the
-        prompt is what the cache holds). A template that refuses system messages after the
-        first turn (clients such as Claude Code send them as reminders) gets them folded into
-        a user message instead.
+        through the chat template, with the start of the reply of a continued last message
+        (`RenderedChat`); content stays text, except an assistant message whose content
+        `replies` knows, which takes the ids the model generated for it (so the prompt is what
+        the cache holds). A template that refuses system messages after the first turn
+        (clients such as Claude Code send them as reminders) gets them folded into a user
+        message instead.
 
         Raises:
             ValueError: malformed messages or tools, no chat template, a template that refuses
@@ -317,7 +342,7 @@ class PromptEncoder:
         template_args: dict[str, Any],
         replies: ReplyIds | None,
         continued: bool = False,
-    ) -> list[int]:
+    ) -> RenderedChat:
         known = {
             i: ids
             for i, m in enumerate(messages)
@@ -348,7 +373,7 @@ class PromptEncoder:
                 )
         if not masked.tainted and not continued:
             text = self.tokenizer.apply_chat_template(masked.messages, tokenize=False, **args)
-            return masked.encode(text)
+            return RenderedChat(masked.encode(text))
         return self._render_in_pieces(masked, {}, args, continued)
 
     def reply_ids(self, message: Message, replies: ReplyIds | None) -> Sequence[int] | None:
@@ -371,11 +396,11 @@ class PromptEncoder:
         known: dict[int, Sequence[int]],
         template_args: dict[str, Any],
         continued: bool = False,
-    ) -> list[int]:
+    ) -> RenderedChat:
         """Template text with control tokens parsed; tainted messages' content as plain text,
         known replies' content as their ids, control-token text in calls as plain text; with
         `continued`, the ids end with the last message's content (what the template writes
-        after it, its end of turn, is left out).
+        after it, its end of turn, is left out), the start of the reply.
 
         The template renders a random placeholder in place of each such content, so the
         content's place is where the template put it, never an earlier occurrence of the same
@@ -393,7 +418,7 @@ class PromptEncoder:
         masked = [masked_reply(m, slots[i]) if i in known else m for i, m in enumerate(masked)]
         text = self.tokenizer.apply_chat_template(masked, tokenize=False, **template_args)
         ids: list[int] = []
-        cursor = 0
+        cursor, reply_start = 0, None
         for i, slot in slots.items():
             start = text.find(slot, cursor)
             tainted = i in prepared.tainted
@@ -408,16 +433,17 @@ class PromptEncoder:
                     "model's chat template or tokenizer cannot keep as plain text; remove it "
                     "from the message"
                 )
-            head = text[cursor:start]
+            head, content = text[cursor:start], messages[i]["content"]
             if i in known or tainted:
-                ids += prepared.encode(head)
-                ids += known[i] if i in known else self._plain_ids(messages[i]["content"])
+                own = list(known[i]) if i in known else self._plain_ids(content)
+                ids += prepared.encode(head) + own
+                reply_start = ReplyStart(content, own) if continued and i == last else None
             else:  # the continued text, with the template's before it: as Hugging Face's cut
-                ids += prepared.encode(head + messages[i]["content"])
+                piece, reply_start = continued_ids(prepared.encode, head, content)
+                ids += piece
             cursor = start + len(slot)
-        if not continued:
-            ids += prepared.encode(text[cursor:])
-        return ids
+        ids += [] if continued else prepared.encode(text[cursor:])  # a continued turn: no end
+        return RenderedChat(ids, reply_start)
 
 
 class _ReplyRewritten(Exception):
@@ -426,15 +452,6 @@ class _ReplyRewritten(Exception):
 
 # What `render` passes itself; a switch of the same name is dropped.
 _RENDER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize"})
-
-
-def _all_token_ids(prompt: Sequence[Any]) -> bool:
-    """Whether every item is an integer (numpy's too), never a bool. Plain ints are checked by
-    type first: the `numbers.Integral` check costs about 1.4 us an item, 46 ms of a
-    32k-token prompt's time to first token on this repository's CPU."""
-    return all(type(t) is int for t in prompt) or all(
-        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt
-    )
 
 
 def _checked_messages(messages: Sequence[Message]) -> list[Message]:

@@ -20,6 +20,12 @@ restarted process, or a model loaded again, renders them as their ids too; a rep
 dropped is looked up among those records (`known_in`'s `stored`), so the process that
 generated it renders it as a restarted one does.
 
+A continued reply (the last assistant message left open, `prompt.CONTINUE_FINAL`: Anthropic's
+prefill) comes back as one assistant message, the prefill and the reply's text together: it is
+remembered by that text, with the ids the prompt ended with for the prefill (`ReplyStart`, as
+the render tokenized them after the template's text) and then the generated ids, so the next
+turn renders the whole message as the ids the cache holds.
+
 A reply that called tools comes back as its text before the calls plus the parsed calls
 (`tool_calls`), which the template renders in its own form (spacing, key order, escapes), not
 as the model wrote them: the server, which parses the calls, has the Runner remember such a
@@ -39,6 +45,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -64,14 +71,42 @@ _BY_TOKENIZER: weakref.WeakKeyDictionary[Any, ReplyTokens] = weakref.WeakKeyDict
 _BY_TOKENIZER_LOCK = threading.Lock()
 
 
+@dataclass(frozen=True)
+class ReplyStart:
+    """A continued last message's text and the ids its prompt ends with for it (`continued_ids`):
+    the start of its reply, which the client sends back with the reply as one message."""
+
+    text: str
+    ids: list[int]
+
+
+def continued_ids(
+    encode: Callable[[str], list[int]], head: str, text: str
+) -> tuple[list[int], ReplyStart | None]:
+    """The ids of `text` continued after the template's `head` (encoded together, as Hugging
+    Face's cut is) and the reply start they end with: `text`'s own ids where `head`'s alone
+    begin them, None where a token spans both (a template's `: ` and ` The`): the next turn
+    encodes `head` alone before a known reply's ids, so it could not hold those."""
+    ids, head_ids = encode(head + text), encode(head)
+    own = ids[len(head_ids) :]
+    if ids[: len(head_ids)] != head_ids or not own:
+        return ids, None
+    return ids, ReplyStart(text, own)
+
+
 def remember_reply(
-    tokenizer: Any, completion: Completion, salt: str | None, key: str | None = None
+    tokenizer: Any,
+    completion: Completion,
+    salt: str | None,
+    key: str | None = None,
+    ids: Sequence[int] | None = None,
 ) -> bool:
     """Keeps the ids of a reply `tokenizer`'s model generated, in the domain `salt`, if its
     text is exactly theirs (at the end of a generation, before its last chunk is handed on:
-    the next turn may follow at once), by its text or `key` (`call_reply_key`). Returns
-    whether it did (`is_rememberable`)."""
-    return replies_for(tokenizer).remember(completion, salt, key)
+    the next turn may follow at once), by its text or `key` (`call_reply_key`, or a continued
+    reply's whole text), as its ids or `ids` (a continued reply's: its `ReplyStart`'s first).
+    Returns whether it did (`is_rememberable`)."""
+    return replies_for(tokenizer).remember(completion, salt, key, ids)
 
 
 def is_rememberable(completion: Completion) -> bool:
@@ -222,13 +257,20 @@ class ReplyTokens:
         self._ids: OrderedDict[tuple[str | None, str], np.ndarray] = OrderedDict()
         self._num_tokens = 0
 
-    def remember(self, completion: Completion, salt: str | None, key: str | None = None) -> bool:
-        """Keeps the ids of a finished reply, if its text is exactly theirs, by its text or
-        `key` (`call_reply_key`); returns whether it did."""
-        if not is_rememberable(completion):
+    def remember(
+        self,
+        completion: Completion,
+        salt: str | None,
+        key: str | None = None,
+        ids: Sequence[int] | None = None,
+    ) -> bool:
+        """Keeps the ids of a finished reply (or `ids`), if its text is exactly theirs, by its
+        text or `key` (`remember_reply`); returns whether it did."""
+        ids = completion.tokens if ids is None else ids
+        if not is_rememberable(completion) or len(ids) > MAX_REPLY_TOKENS:
             return False
         with self._lock:
-            self._keep(salt, completion.text if key is None else key, completion.tokens)
+            self._keep(salt, completion.text if key is None else key, ids)
             self._trim()
         return True
 

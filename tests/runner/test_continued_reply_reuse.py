@@ -1,0 +1,117 @@
+"""A continued reply (the last assistant message left open: Anthropic's prefill) comes back as
+one assistant message, the prefill and the reply's text together; the next turn reuses all
+that the cache holds (the prompt, the prefill's ids as the turn fed them, the reply's ids),
+also after a restart on the same disk tier, and answers as a Runner with no cache does on the
+same messages (log-probabilities). A reply continued after a template text that shares a
+token with the prefill renders from the template, as before."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlxkv import Runner
+from mlxkv.models.loading import load_model
+from mlxkv.runner.text.prompt import CONTINUE_FINAL
+from mlxkv.testing.factory import build_model
+from tests.runner.test_continue_final import SPACED_TEMPLATE
+
+CONTINUE = {CONTINUE_FINAL: True}
+QUESTION = [{"role": "user", "content": "Tell me a story"}]
+PREFILL = "Once upon"
+
+
+def _sent_back(whole: str) -> list[dict]:
+    """The next turn as a client sends it: the prefill and the reply as one message."""
+    assistant = {"role": "assistant", "content": whole}
+    return [*QUESTION, assistant, {"role": "user", "content": "And then?"}]
+
+
+def encodes_otherwise(runner: Runner, asked: list[dict], text: str, held: list[int]) -> bool:
+    """Whether the assistant `text` after the chat `asked`, encoded as text, differs from
+    the ids the cache holds for it (`held`, the turn that continued it): the case at hand."""
+    start = len(runner.encode(asked))  # the prompt through the generation prompt
+    as_text = runner.tokenizer.encode(text, add_special_tokens=False)
+    return held[start:] != as_text[: len(held) - start]
+
+
+def _continued(runner: Runner, prefill: str = PREFILL) -> tuple[str, list[int]]:
+    """A turn continuing `prefill`: the whole assistant text the client sends back, and the
+    ids the cache holds after it."""
+    prefilled = [*QUESTION, {"role": "assistant", "content": prefill}]
+    reply = runner.generate(prefilled, max_tokens=8, temperature=0, switches=CONTINUE)
+    assert reply.text and reply.finish_reason == "length"
+    held = runner.cache_tokens
+    assert encodes_otherwise(runner, QUESTION, prefill + reply.text, held)
+    return prefill + reply.text, held
+
+
+def _answer(runner: Runner, prompt) -> tuple:
+    chunks = list(runner.stream(prompt, max_tokens=4, temperature=0, logprobs=0))
+    return chunks[-1].completion, [c.logprob.logprob for c in chunks if c.logprob]
+
+
+def _check_next_turn(runner: Runner, reference: Runner, whole: str, held: list[int]) -> None:
+    """The next turn reuses everything `held` and answers as `reference` (no cache) does."""
+    got, got_logprobs = _answer(runner, _sent_back(whole))
+    assert got.cached_tokens == len(held)
+    want, want_logprobs = _answer(reference, _sent_back(whole))
+    assert want.cached_tokens == 0 and got.prompt_tokens == want.prompt_tokens
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "prefill", [PREFILL, "red<|im_end|>"], ids=["text", "control-token-text"]
+)  # the second one's ids are its plain text's (`text.controls`)
+def test_a_continued_reply_sent_back_whole_is_reused_in_full(loaded_tiny, prefill):
+    runner = Runner(loaded_tiny("llama"), max_context=1024)
+    whole, held = _continued(runner, prefill)
+    _check_next_turn(runner, Runner(loaded_tiny("llama"), max_context=1024), whole, held)
+
+
+def test_a_reply_continued_again_is_reused_in_full(loaded_tiny):
+    """A reply generated here, continued ("go on" after max_tokens): the continued message
+    takes the first reply's ids, the whole text sent back both replies' ids."""
+    runner = Runner(loaded_tiny("llama"), max_context=1024)
+    first = runner.generate(QUESTION, max_tokens=6, temperature=0)
+    whole, held = _continued(runner, first.text)
+    _check_next_turn(runner, Runner(loaded_tiny("llama"), max_context=1024), whole, held)
+
+
+def test_a_continued_reply_is_reused_in_full_after_a_restart(tmp_path_factory, tmp_path):
+    """Models loaded afresh (a new tokenizer: a new reply memory, what the disk kept)."""
+    path = build_model("llama", tmp_path_factory.mktemp("restart") / "llama")
+    before = Runner(load_model(path), max_context=1024, cache_dir=tmp_path)
+    whole, held = _continued(before)
+    before.close()
+    restarted = Runner(load_model(path), max_context=1024, cache_dir=tmp_path, cache_entries=2)
+    reference = Runner(load_model(path), max_context=1024)  # no disk tier: renders as text
+    want_ids = restarted.encode(_sent_back(whole))
+    assert want_ids[: len(held)] == held  # the restart renders the reply as the cache holds it
+    got, got_logprobs = _answer(restarted, _sent_back(whole))
+    assert got.cached_tokens == len(held)  # the prompt, the prefill and the reply, from disk
+    want, want_logprobs = _answer(reference, want_ids)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("prefill", ["The colour is", "red"])
+def test_a_prefill_sharing_a_token_with_the_template_renders_as_text(tmp_path, prefill):
+    """After `Assistant: ` the prefill's first word takes the space (` The`): its ids cannot
+    follow the template text encoded alone, so the reply sent back renders from the template
+    (the text the client sent, not a space twice) and answers as a fresh Runner does."""
+    path = build_model("llama", tmp_path / "spaced", chat_template=SPACED_TEMPLATE)
+    runner = Runner(load_model(path), max_context=1024)
+    prefilled = [*QUESTION, {"role": "assistant", "content": prefill}]
+    first = runner.generate(prefilled, max_tokens=8, temperature=0, switches=CONTINUE)
+    whole = {"role": "assistant", "content": prefill + first.text}
+    messages = [*QUESTION, whole, {"role": "user", "content": "And then?"}]
+    text = runner.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert runner.tokenizer.decode(runner.encode(messages)) == text
+    got, got_logprobs = _answer(runner, messages)
+    want, want_logprobs = _answer(Runner(load_model(path), max_context=1024), messages)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4)
