@@ -43,6 +43,7 @@ from mlxkv.runner.text.messages import (
 )
 from mlxkv.runner.text.replies import (
     ReplyIds,
+    before_reply,
     check_calls_apart,
     known_reply,
     masked_reply,
@@ -409,6 +410,8 @@ class PromptEncoder:
                     "from the message"
                 )
             head = text[cursor:start]
+            if i in known:
+                head = before_reply(head, known[i], messages[i]["content"], self.tokenizer.decode)
             if i in known or tainted:
                 ids += prepared.encode(head)
                 ids += known[i] if i in known else self._plain_ids(messages[i]["content"])
