@@ -183,3 +183,26 @@ def test_required_without_tools_is_a_400(texter):
         texter.openai().chat.completions.create(
             model="m", messages=ASK, tool_choice="required", max_tokens=5
         )
+
+
+# A tool without parameters, and one whose schema says nothing of other keys (JSON Schema
+# allows them): the model may write only the listed ones, so the call ends.
+OPEN_CITY = {key: value for key, value in CITY.items() if key != "additionalProperties"}
+OPEN_FUNCTIONS = [("now", {"type": "object", "properties": {}}), ("get_weather", OPEN_CITY)]
+OPEN_TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": p}} for n, p in OPEN_FUNCTIONS
+]
+OPEN_VALID = {"now": ({},), "get_weather": VALID["get_weather"]}
+
+
+@pytest.mark.parametrize("name", ["now", "get_weather"])
+def test_a_forced_call_writes_only_the_listed_arguments(no_format, name):
+    """Else a small model adds keys (or, without parameters, nests the call again) until
+    `max_tokens` and the call comes back as text (seen with SmolLM2)."""
+    reply = no_format.openai().chat.completions.create(
+        model="m", messages=ASK, tools=OPEN_TOOLS, max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": name}},
+    )  # fmt: skip
+    (call,) = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == name
+    assert json.loads(call.function.arguments) in OPEN_VALID[name]

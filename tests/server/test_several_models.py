@@ -83,8 +83,9 @@ def test_an_alias_pattern_reaches_its_model(served, alone):
 
 
 def test_an_unknown_name_is_a_404_in_each_apis_shape(served):
-    with pytest.raises(openai.NotFoundError, match="serves: a, b"):
+    with pytest.raises(openai.NotFoundError, match="serves: a, b") as unknown:
         served.openai().chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert unknown.value.code == "model_not_found"  # OpenAI's code, as models.retrieve's
     with pytest.raises(ollama.ResponseError, match="serves: a, b") as missing:
         ollama.Client(host=served.url).chat(model="llama3.2", messages=QUESTION)
     assert missing.value.status_code == 404

@@ -44,6 +44,7 @@ from mlxkv.runner.text.messages import (
 from mlxkv.runner.text.replies import (
     ReplyIds,
     ReplyStart,
+    before_reply,
     check_calls_apart,
     continued_ids,
     known_reply,
@@ -434,6 +435,8 @@ class PromptEncoder:
                     "from the message"
                 )
             head, content = text[cursor:start], messages[i]["content"]
+            if i in known:
+                head = before_reply(head, known[i], content, self.tokenizer.decode)
             if i in known or tainted:
                 own = list(known[i]) if i in known else self._plain_ids(content)
                 ids += prepared.encode(head) + own
@@ -491,10 +494,5 @@ def continues_final(messages: Sequence[Message], switches: dict[str, Any] | None
     if not (switches or {}).get(CONTINUE_FINAL) or not messages:
         return False
     last = messages[-1]
-    content = last.get("content")
-    return (
-        last.get("role") == "assistant"
-        and isinstance(content, str)
-        and bool(content)
-        and not last.get("tool_calls")
-    )
+    plain = isinstance(text := last.get("content"), str) and bool(text)
+    return plain and last.get("role") == "assistant" and not last.get("tool_calls")

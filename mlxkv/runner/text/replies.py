@@ -6,7 +6,8 @@ prompt would then differ from the cache at the reply's first such token, and eve
 it would be computed again. When an assistant message's content equals a reply generated
 here, the prompt takes that reply's ids (`PromptEncoder.render`; with images,
 `VisionPrompts.encode`, both through `PromptEncoder.reply_ids`); the rest of the prompt still
-comes from the chat template (and the images from the model's processor).
+comes from the chat template (and the images from the model's processor), less a space the
+template writes before a reply whose ids begin with it (`before_reply`).
 
 Owns `ReplyTokens`: a bounded, thread-safe memory of replies by (isolation domain, text), one
 per tokenizer (`replies_for`): every Runner of a loaded model in a process renders the same
@@ -236,6 +237,23 @@ def masked_reply(message: Message, slot: str) -> Message:
     """A known reply as the template renders it around `slot`, which its ids replace: its
     calls are part of those ids."""
     return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": slot}
+
+
+def before_reply(head: str, ids: Sequence[int], content: Any, decode: Callable) -> str:
+    """`head`, the template's text before a known reply's `ids`, without the whitespace those
+    ids begin with and its `content` does not, where `head` ends with it.
+
+    A model that wrote ` than` after a generation prompt ending `Assistant:` returns the text
+    `than` (the detokenizer drops a reply's leading space); a template that renders a reply
+    sent back as `Assistant: {content}` (SmolVLM's, Idefics3's, Vicuna's) writes that space
+    itself, and with the ids after it the prompt would read `Assistant:  than`: neither what
+    the cache holds (the whole reply computed again every turn) nor the template's text."""
+    first = decode(list(ids[:1]))
+    lead = first[: len(first) - len(first.lstrip())]
+    text = content if isinstance(content, str) else ""
+    if lead and not text.startswith(lead) and head.endswith(lead):
+        return head[: -len(lead)]
+    return head
 
 
 def replies_for(tokenizer: Any) -> ReplyTokens:

@@ -53,6 +53,7 @@ from mlxkv.runner.text.prompt import (
 )
 from mlxkv.runner.text.replies import (
     ReplyIds,
+    before_reply,
     check_calls_apart,
     masked_reply,
     slot_text,
@@ -189,7 +190,8 @@ class VisionPrompts:
         processed = [recent.get(i.digest) or process(i.image) for i in decoded]
         self._recent = {i.digest: p for i, p in zip(decoded, processed, strict=True)}
         try:
-            segments = self._ids(text, slots, known, [p.text for p in processed], calls.encode)
+            replied = {slot: sent[i]["content"] for slot, i in known.items()}
+            segments = self._ids(text, slots, replied, [p.text for p in processed], calls.encode)
         except _ReplyRewritten:  # the template changed a reply: every reply renders as text
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
             return self.encode(
@@ -267,14 +269,16 @@ class VisionPrompts:
         self,
         text: str,
         slots: dict[str, list[int]],
-        known: dict[str, int],
+        replied: dict[str, Any],
         expansions: list[str],
         encode: Callable[[str], list[int]],
     ) -> list[tuple[list[int], bool]]:
         """The rendered text's ids in segments: (ids, from the template) pairs. Each image
         marker the template wrote is replaced, in the text, by its image's expansion (as the
         processor does), so the text around it tokenizes as in the model's own pipeline (by
-        `encode`); each slot by the ids it stands for.
+        `encode`); each slot by the ids it stands for, a reply's (`replied`: its slot -> its
+        content as sent) after the template's text less the space its ids hold
+        (`before_reply`).
 
         Raises:
             _ReplyRewritten: a reply's slot is not in the text once, as given."""
@@ -291,11 +295,14 @@ class VisionPrompts:
 
         for slot, ids in slots.items():
             start = text.find(slot, cursor)
-            if slot in known and (start < 0 or text.count(slot) != 1):
+            if slot in replied and (start < 0 or text.count(slot) != 1):
                 raise _ReplyRewritten
             if start < 0:
                 raise ValueError("the chat template rewrote a message's text; it cannot be kept")
-            segments.append((template(text[cursor:start]), True))
+            head = text[cursor:start]
+            if slot in replied:
+                head = before_reply(head, ids, replied[slot], self._prompts.tokenizer.decode)
+            segments.append((template(head), True))
             segments.append((ids, False))
             cursor = start + len(slot)
         segments.append((template(text[cursor:]), True))

@@ -91,9 +91,8 @@ class ServedModels:
             return next(iter(self.resident))
         found = self.find(name)
         if found is None:
-            raise ApiError(
-                404, f"model '{name}' not found; this server serves: {self.listed}", param="model"
-            )
+            message = f"model '{name}' not found; this server serves: {self.listed}"
+            raise ApiError(404, message, code="model_not_found", param="model")
         return found
 
     def find(self, name: str) -> str | None:

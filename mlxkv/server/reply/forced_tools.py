@@ -156,7 +156,35 @@ def _json(schema: dict[str, Any]) -> str:
 
 
 def _arguments(function: dict[str, Any]) -> str:
-    return _json(function.get("parameters") or {"type": "object"})
+    return _json(_parameters(function))
+
+
+def _parameters(function: dict[str, Any]) -> Any:
+    """The tool's parameters with every object that lists its `properties` and says nothing
+    of others closed to them (`additionalProperties: false`, as llama.cpp's grammars and
+    OpenAI's strict mode take it): JSON Schema allows any other key there, and a small model
+    adds keys (or nests the call again in a tool without parameters) until `max_tokens`, so
+    the call never ends; arguments of the listed keys validate all the same. Not where
+    `allOf` joins objects, whose keys each part would refuse to the others."""
+    parameters = function.get("parameters") or {"type": "object"}
+    return parameters if "allOf" in json.dumps(parameters) else _closed(parameters)
+
+
+def _closed(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {}
+    for key, value in schema.items():
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):
+            closed[key] = {name: _closed(sub) for name, sub in value.items()}
+        else:
+            closed[key] = value if key in _DATA_KEYWORDS else _closed(value)
+    others = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
+    if isinstance(schema.get("properties"), dict) and not others & schema.keys():
+        closed["additionalProperties"] = False
+    return closed
 
 
 # The id Mistral 7B v0.3 and Nemo write after a call's arguments (their templates render it so).
@@ -177,7 +205,7 @@ def _one_call(
     defs, calls = {}, []
     for index, function in enumerate(functions):
         key = f"{_ARGUMENTS}{index}"
-        defs[key] = _rebased(function.get("parameters") or {"type": "object"}, f"#/$defs/{key}")
+        defs[key] = _rebased(_parameters(function), f"#/$defs/{key}")
         calls.append(_call_schema(function["name"], {"$ref": f"#/$defs/{key}"}, extra))
     return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "$defs": defs}
 

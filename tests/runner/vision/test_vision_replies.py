@@ -30,7 +30,8 @@ from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 # Templates that write a reply sent back right after the generation prompt of its turn, so
 # that the next turn can reuse the whole first one; SmolVLM's and Idefics3's write a space
-# between "Assistant:" and the reply, where the model generated its first token instead.
+# between "Assistant:" and the reply, where the model generated its first token instead (a
+# first token that holds that space is reused in full: the last test).
 WHOLE_TURN = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3"}
 # Long enough that the random model's reply encodes otherwise in every family (asserted).
 REPLY_TOKENS = 12
@@ -238,3 +239,24 @@ def test_a_template_that_rewrites_the_reply_renders_it_from_its_text(loaded, ima
     assert all(record[i : i + n] != first.tokens for i in range(len(record)))
     second = _greedy(runner, turn2, **parsed)
     assert second.prompt_tokens == len(record)
+
+
+def test_a_reply_that_begins_with_a_spaced_token_is_reused_in_full(loaded, images):
+    """A reply whose first token holds a space, as a trained model's often does (the text sent
+    back lacks it: the detokenizer drops it): SmolVLM's and Idefics3's templates write their
+    own space after "Assistant:", which the ids already hold (`text.replies.before_reply`),
+    so every family reuses the whole first turn. (The random model: such a reply is found
+    among a few questions, not assumed.)"""
+    runner, tokenizer = Runner(loaded), loaded.tokenizer
+    for i in range(20):
+        turn1 = [_user(f"Tell me {i} things.", images[0])]
+        first = runner.generate(turn1, max_tokens=6, temperature=0.0)
+        lead = tokenizer.decode(first.tokens[:1])
+        if lead.startswith(" ") and lead.strip() and not first.text.startswith(" "):
+            break
+    else:
+        raise AssertionError("no reply of the first 20 questions began with a spaced token")
+    held = runner.encode(turn1) + first.tokens[:-1]  # the last reply token was never fed
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, _user("More.")]
+    assert runner.encode(turn2)[: len(held)] == held
+    assert runner.generate(turn2, max_tokens=2, temperature=0.0).cached_tokens >= len(held)
