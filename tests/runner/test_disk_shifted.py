@@ -28,11 +28,11 @@ def test_a_shifted_entry_restored_from_disk_stays_marked_shifted(
     after = make_runner("llama", max_context=64, cache_dir=tmp_path)
     ends = []
     with request_ends(ends.append):
-        prompt = held[:40] + [7, 8]  # past the kept 4: shifted K/V reused
+        prompt = held + [7, 8]  # goes on from all it held: shifted K/V reused
         out = after.generate(prompt, max_tokens=2, logit_bias=NO_EOS)
     (end,) = ends
-    assert out.cached_tokens == 40
-    assert end.entry.cache.tokens[:42] == prompt and end.entry.cache.shifted
+    assert out.cached_tokens == len(held)
+    assert end.entry.cache.tokens[: len(prompt)] == prompt and end.entry.cache.shifted
 
     exact = make_runner("llama", max_context=64, cache_dir=tmp_path)
     ends.clear()

@@ -13,7 +13,9 @@ Terms:
   superseded   an entry whose tokens are a strict prefix of another entry's.
 
 For a request's tokens T, r is the longest prefix of T an entry can return to exactly (by
-trimming, or from a checkpoint for layers that cannot trim), at most len(T) - 1. The entries
+trimming, or from a checkpoint for layers that cannot trim), at most len(T) - 1; of an entry
+a context shift approximated in place, past the tokens it kept only when T goes on from all
+it holds (`_exact_part`). The entries
 work as a prefix tree whose nodes are the entries' divergence points: one shared prefix is
 never held twice by entries that extend each other, and lookups compare T with each entry
 (vectorised). Then:
@@ -256,10 +258,11 @@ class CachePool:
         # An entry in use: what its cache holds now (fed since, or moved by a shift).
         helds = [e.cache.tokens if e in self._in_use else e.tokens for e in entries]
         shared = common_prefix_lengths(query, helds)
-        for entry, held, common in zip(entries, helds, shared, strict=True):
-            reuse = common = min(common, limit)
+        for entry, held, whole in zip(entries, helds, shared, strict=True):
+            reuse = common = min(whole, limit)
             if self._checkpointed and 0 < reuse < len(held):  # else it trims back to any
                 reuse = entry.cache.nearest_restorable(reuse)
+            reuse = _exact_part(entry.cache, reuse, goes_on=whole == len(held))
             # the longest reuse; then one that needs no trim or copy; then the most recent
             key = (reuse, reuse == len(held) and entry not in self._in_use, entry.last_used)
             most = max(most, (common, reuse, len(held)))
@@ -282,10 +285,11 @@ class CachePool:
             logger.debug("disk cache: prefilling %d tokens beats loading", disk_reuse - reuse)
             return entry, reuse
         cache = self.store.load(restore, self._make_entry())
-        if (
-            cache is None
-            or (restored := cache.nearest_restorable(min(disk_reuse, cache.num_tokens))) <= reuse
-        ):
+        if cache is None:
+            return entry, reuse
+        restored = cache.nearest_restorable(min(disk_reuse, cache.num_tokens))
+        restored = _exact_part(cache, restored, goes_on=disk_reuse >= cache.num_tokens)
+        if restored <= reuse:
             return entry, reuse
         logger.info("disk cache: loaded an entry of %d tokens", cache.num_tokens)
         if cache.gate is not None:  # still being checked: used in place (a copy would wait)
@@ -462,3 +466,13 @@ def _log_lookup(num_tokens: int, reuse: int, how: str) -> None:
         )
     else:
         logger.info("prefix cache miss total=%d left=%d", num_tokens, num_tokens)
+
+
+def _exact_part(cache: ModelCache, reuse: int, *, goes_on: bool) -> int:
+    """What a request reuses of `reuse` tokens of `cache`. An in-place shift approximated the
+    K/V past the tokens it kept (`exact_tokens`): a prompt that goes on from all the cache
+    holds continues that text (as llama.cpp's shift does) and reuses it; one that parts from
+    it earlier matches those tokens by chance (a chat's message marker right after the dropped
+    ones) and would carry the approximation into every later turn, so it reuses the kept ones."""
+    exact = cache.exact_tokens
+    return reuse if goes_on or exact is None or reuse <= exact else exact

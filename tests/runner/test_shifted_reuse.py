@@ -1,0 +1,48 @@
+"""What a request reuses of an entry an in-place shift approximated (issue 6 recheck): the
+K/V past the shift's kept tokens were computed with the dropped tokens in context."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxkv import Runner
+from mlxkv.runner.hooks import request_ends
+from tests.runner.test_batching import _tokens_and_logprobs
+from tests.tolerances import LOGPROB_ABS
+
+KEEP_TOKENS = 4
+NO_EOS = {0: -100.0, 1: -100.0, 2: -100.0}  # the factory's special tokens
+
+
+def _shifted_runner(loaded, **options) -> Runner:
+    runner = Runner(loaded, max_context=64, keep=KEEP_TOKENS, speculative=None, **options)
+    runner.generate(list(range(3, 43)), max_tokens=40, logit_bias=NO_EOS)
+    assert runner._pool.latest.cache.exact_tokens == KEEP_TOKENS  # shifted in place
+    return runner
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["memory", "disk-tier"])
+def test_a_prompt_parting_past_the_kept_tokens_reuses_only_the_exact_ones(
+    loaded_tiny, tmp_path, disk
+):
+    loaded = loaded_tiny("llama")
+    runner = _shifted_runner(loaded, cache_dir=tmp_path if disk else None)
+    if disk:
+        runner._pool.store.flush()
+    prompt = runner.cache_tokens[: KEEP_TOKENS + 1] + [7, 8, 9, 10]
+    options = {"max_tokens": 8, "logprobs": 0, "logit_bias": NO_EOS}
+    ends = []
+    with request_ends(ends.append):
+        got = _tokens_and_logprobs(runner.stream(prompt, **options))
+    want = _tokens_and_logprobs(Runner(loaded, speculative=None).stream(prompt, **options))
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], abs=LOGPROB_ABS)
+    assert not ends[0].entry.cache.shifted
+
+
+def test_a_prompt_going_on_from_all_a_shifted_entry_holds_reuses_it_all(loaded_tiny):
+    """Continuing the shifted text itself reuses everything (as llama.cpp's shift does)."""
+    runner = _shifted_runner(loaded_tiny("llama"))
+    held = runner.cache_tokens
+    out = runner.generate(held + [7, 8], max_tokens=2, speculative=None)
+    assert out.cached_tokens == len(held)
