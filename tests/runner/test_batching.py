@@ -236,9 +236,22 @@ def test_close_mid_batch_saves_what_each_entry_held_and_the_streams_finish(
     want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:2]]
     config = {"max_context": 512, "cache_entries": 8, "max_batch": 4, "cache_dir": tmp_path}
     runner = Runner(loaded, **config)
-    got = _paused_mid_batch(runner, PROMPTS[:2], options, runner.close)
+    prompts = [runner.encode(p) for p in PROMPTS[:2]]
+    stored: list[int] = []
+
+    def close_then_look():
+        """What the close wrote, seen by a Runner started once it returned (the streams
+        paused): each entry as it joined the batch, its prompt."""
+        runner.close()
+        stored.extend(Runner(loaded, **config).stored_prefix_tokens(p) for p in prompts)
+
+    got = _paused_mid_batch(runner, PROMPTS[:2], options, close_then_look)
     _assert_same_answers(got, want)
     assert max(rows) == 2
+    assert stored == [len(p) for p in prompts]
+    # the streams' ends wrote their entries behind (superseding the close's files): a restart
+    # comes after they landed, as a process's exit waits for them, not beside them
+    runner.close()
     restarted = Runner(loaded, **config)
     again = list(restarted.stream(PROMPTS[0], **options))
     _assert_same_answers([_tokens_and_logprobs(again)], want[:1])

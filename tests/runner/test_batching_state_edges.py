@@ -90,10 +90,13 @@ def test_a_reader_behind_past_a_block_boundary_then_a_restart(loaded_tiny, tmp_p
     assert max(rows) == 2 and read == reply[:5]
     before.close()
     short = {"max_tokens": 6, "temperature": 0.0, "logprobs": 0}
-    # diverging past the boundary first: a turn diverging before it supersedes the block
+    # diverging past the boundary first: a turn diverging before it supersedes the block.
+    # Each restart closes (its entry's writes landed) before the next one starts: a block
+    # the previous one supersedes between the next one's look-up and load restores less
     for cut, window_reuse in ((20, 2 * BLOCK_TOKENS), (3, len(stored) - 1)):
         prompt = stored + reply[:cut] + _tokens(32 + cut, 30)
-        after = list(Runner(loaded, **config).stream(prompt, **short))
+        with Runner(loaded, **config) as restarted:
+            after = list(restarted.stream(prompt, **short))
         fresh = Runner(loaded, max_context=2048, speculative=None)
         _assert_same_answers([_answer(after)], [_answer(fresh.stream(prompt, **short))])
         # a window kept the tokens past its reader (its end past the boundary); recurrent

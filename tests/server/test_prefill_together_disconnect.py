@@ -66,14 +66,17 @@ def _leave_during_the_pass(loaded, want, monkeypatch) -> list[tuple[int, bool, b
     leaving = list(runner.encode(_messages(QUESTIONS[LEAVES])))
     leave_now = threading.Event()  # the pass is about to run: the client leaves
 
+    def a_client_left() -> bool:
+        return any(event.is_set() for event in list(runner._dispatch._requests))
+
     def held_until_a_client_left(*args, **kwargs):
         leave_now.set()
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline and not any(
-            event.is_set() for event in list(runner._dispatch._requests)
-        ):
-            time.sleep(0.02)
-        left = any(event.is_set() for event in list(runner._dispatch._requests))
+        # until the server saw the client leave; the bound only keeps a broken leave from
+        # hanging the engine (the others' clients read for 60 s), said by `left` below
+        tick, deadline = threading.Event(), time.monotonic() + 30
+        while not a_client_left() and time.monotonic() < deadline:
+            tick.wait(0.01)
+        left = a_client_left()
         member = any(leaving[-len(p) :] == list(p) for p in args[2])  # its prompt is fed
         passes.append((len(args[2]), left, member))
         return original(*args, **kwargs)
@@ -84,6 +87,9 @@ def _leave_during_the_pass(loaded, want, monkeypatch) -> list[tuple[int, bool, b
         served.openai().chat.completions.create(
             model="tiny", messages=_messages(WARM_UP), max_tokens=1, temperature=0.0
         )
+        # its reply came with its last chunk; its stream ends (its place in the batch freed)
+        # on the engine after it: held before that, the fourth question would find no place
+        wait_until(lambda: runner._dispatch._slots.taken == 0, what="the warm-up's place freed")
         # the engine held until every first job is queued, so that their prompts are fed together
         holding, gate = threading.Event(), threading.Event()
         runner._engine._submit(lambda: (holding.set(), gate.wait(30)))
