@@ -90,6 +90,14 @@ def wait_until(condition, timeout_s: float = 30.0, what: str = "the condition") 
         tick.wait(0.01)
 
 
+def joined(*threads: threading.Thread, timeout_s: float = 60.0) -> None:
+    """Joins `threads`, failing (naming the first still alive) after `timeout_s` each instead
+    of letting a stuck one pass unnoticed to a confusing failure later."""
+    for thread in threads:
+        thread.join(timeout_s)
+        assert not thread.is_alive(), f"thread {thread.name} still running after {timeout_s} s"
+
+
 class GatedModel:
     """A model held at a chosen forward pass until the test releases it: the generation is
     certainly still running when the test acts (disconnects, cancels), with no race against

@@ -17,7 +17,7 @@ from mlxkv.errors import RunnerBusyError
 from mlxkv.runner import request_run
 from mlxkv.runner.prefill import group as prefill_group
 from mlxkv.testing.factory import ARCHITECTURES
-from tests.factories import recorded, wait_until
+from tests.factories import joined, recorded, wait_until
 from tests.tolerances import LOGPROB_ABS, logprob_rel
 
 PROMPTS = [
@@ -62,8 +62,7 @@ def _queued_then_run(runner, targets) -> None:
         thread.start()
     wait_until(lambda: runner._dispatch._slots.taken == len(targets), what="every stream queued")
     gate.set()
-    for thread in threads:
-        thread.join(60)
+    joined(*threads)
 
 
 def _assert_same_answers(got, want, kv_bits=None):
@@ -158,7 +157,7 @@ def test_more_streams_than_places_wait_and_a_cancelled_waiter_gives_up(loaded_ti
     waiting = list(runner.stream(PROMPTS[1], batched=True, max_tokens=4, cancel=cancel))
     assert waiting[-1].completion.finish_reason == "cancelled"
     gate.set()
-    holder.join(60)
+    joined(holder)
     assert runner._dispatch._slots.taken == 0
 
 
@@ -210,8 +209,7 @@ def _paused_mid_batch(runner, prompts, options, during):
         assert event.wait(30)
     during()
     go.set()
-    for thread in threads:
-        thread.join(60)
+    joined(*threads)
     return results
 
 
@@ -277,7 +275,7 @@ def test_the_next_turn_started_at_the_last_chunk_finds_the_entry_released(loaded
             target=lambda: reply.setdefault("c", runner.generate(turn, batched=True, **options))
         )
         second.start()
-        second.join(60)
+        joined(second)
         first.close()
         return reply["c"].cached_tokens, len(runner._pool.entries)
 
@@ -312,7 +310,7 @@ def _joined_mid_reply(runner, first_options, second_prompt, second_options):
     assert started.wait(30)
     head += [next(first) for _ in range(3)]
     resumed.set()
-    second.join(60)
+    joined(second)
     return _tokens_and_logprobs([*head, *first]), results[0]
 
 
@@ -400,8 +398,7 @@ def _first_jobs_queued_then_run(runner, prompts, options) -> list:
         thread.start()
     wait_until(lambda: len(runner._engine._urgent) == len(prompts), what="every first job queued")
     gate.set()
-    for thread in threads:
-        thread.join(60)
+    joined(*threads)
     return results
 
 

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from mlxkv import Runner
+from tests.factories import joined
 from tests.runner.test_batching import _assert_same_answers, _queued_then_run
 from tests.runner.test_batching_layer_kinds import OPTIONS, _answer, _prefix, _tokens
 
@@ -236,7 +237,7 @@ def test_a_speculative_stream_left_behind_in_the_batch_then_closed(loaded_tiny, 
     in_batch = runner._dispatch._batching.batch.num_rows
     a_joined.set()
     assert b_done.wait(60)
-    other.join(60)
+    joined(other)
     read.append(next(first).token)  # the other is done: out of the batch, tokens queued
     first.close()
     assert in_batch == 2 and max(rows) == 2, (in_batch, rows)

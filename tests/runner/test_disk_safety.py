@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from mlxkv.runner.disk import reading as reading_module
 from mlxkv.runner.disk import store as store_module
 from mlxkv.runner.disk.replies import REPLY_SUFFIX
+from tests.factories import joined
 from tests.runner.test_disk_tier import SYSTEM, _chat, _files
 
 
@@ -240,6 +241,6 @@ def test_refresh_and_reports_from_two_threads(make_runner, tmp_path):
     for i in range(3):
         _chat(runner, 1, start=[{"role": "system", "content": f"Assistant {i}."}])
     stop.set()
-    thread.join(timeout=60)
+    joined(thread)
     runner.close()
     assert not errors

@@ -16,6 +16,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.decoding.drafts import ModelDrafter
+from tests.factories import joined
 from tests.runner.test_batching import PROMPTS
 
 MESSAGES = [{"role": "user", "content": "Count the colors: red blue green red blue green."}]
@@ -99,7 +100,7 @@ def test_every_draft_is_accepted_alone_again_after_the_batch(loaded_tiny, name, 
         if max(rows, default=0) == 2:
             break
     resumed.set()
-    second.join(60)
+    joined(second)
     assert max(rows) == 2, "the first stream never joined the batch"
     chunks += list(first)
     completion = chunks[-1].completion

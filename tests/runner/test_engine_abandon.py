@@ -11,7 +11,7 @@ import pytest
 
 from mlxkv.errors import RanksOutOfStepError
 from mlxkv.runner.engine import EngineThread, Relay
-from tests.factories import wait_until
+from tests.factories import joined, wait_until
 
 
 def _outcome(fn: Callable[[], object]) -> str:
@@ -50,8 +50,8 @@ def test_abandon_fails_the_stuck_jobs_caller_the_one_behind_it_and_every_later_o
         second.start()
         wait_until(lambda: engine._jobs.qsize() == 1, what="the job behind queued")
         engine.abandon(RanksOutOfStepError("rank 0: frozen"))
-        first.join(30)
-        second.join(30)
+        joined(first, timeout_s=30)
+        joined(second, timeout_s=30)
         assert outcomes == {"stuck": "raised rank 0: frozen", "behind": "raised rank 0: frozen"}
         assert _outcome(lambda: engine.call(int)) == "raised rank 0: frozen"
         assert _outcome(lambda: first_item(lambda: iter([1]))) == "raised rank 0: frozen"

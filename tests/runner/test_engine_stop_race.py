@@ -6,6 +6,7 @@ import queue
 import threading
 
 from mlxkv.runner.engine import EngineThread
+from tests.factories import joined
 
 # The longest a lagging put waits for the loop to look at the queue: where `_submit` holds its
 # lock through the put (as it must), the loop cannot look until the put is done, so the put
@@ -58,7 +59,7 @@ def test_a_job_submitted_as_the_engine_takes_a_stop_still_runs():
     submitter.start()  # checks the running thread under the lock, then puts late
     assert jobs.putting.wait(30)  # past the check: the thread it saw is still running
     gate.set()  # the loop takes the stop and looks whether a job came after it
-    submitter.join(30)
+    joined(submitter, timeout_s=30)
     try:
         assert ran.wait(5), "the job given while the stop was taken never ran"
     finally:

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from mlxkv.runner.engine import EngineThread
-from tests.factories import wait_until
+from tests.factories import joined, wait_until
 
 
 def _ask_while_held(engine: EngineThread, stream, order: list[str]) -> None:
@@ -23,7 +23,7 @@ def _ask_while_held(engine: EngineThread, stream, order: list[str]) -> None:
     reader.start()
     wait_until(lambda: engine._jobs.qsize() == 2, what="the item's job queued")
     gate.set()
-    reader.join(30)
+    joined(reader, timeout_s=30)
     engine.call(lambda: None)  # after the waiting job
 
 
@@ -72,7 +72,7 @@ def test_jobs_waiting_counts_jobs_not_the_wake_up_a_job_run_ahead_leaves(real_jo
         if real_job_behind:
             engine._submit(lambda: None)
         gate.set()
-        reader.join(30)
+        joined(reader, timeout_s=30)
         engine.call(lambda: None)
         assert seen == [real_job_behind] * 2
     finally:

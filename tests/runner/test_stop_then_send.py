@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from mlxkv import Runner
+from tests.factories import joined
 from tests.tolerances import LOGPROB_ABS, logprob_rel
 
 QUESTION = [{"role": "user", "content": "Once upon a time there was"}]
@@ -50,7 +51,7 @@ def test_a_turn_sent_while_its_stopped_reply_still_decodes_leaves_one_entry(load
         if started.is_set():
             break
     stopped.close()  # the cancel lands
-    sender.join(60)
+    joined(sender)
     (entry,) = runner.cache_info().entries  # before: the stopped reply's entry stayed too
     fresh = Runner(loaded, max_context=512, speculative=None)
     want_tokens, want_logprobs = _tokens_and_logprobs(
