@@ -11,14 +11,21 @@ from collections.abc import Callable
 from mlxkv.config import RunnerConfig
 from mlxkv.errors import RanksOutOfStepError
 from mlxkv.models.sharding import world
+from mlxkv.runner import context, request
 from mlxkv.runner.prompt_cache import report
 from mlxkv.runner.runner import Runner
+from mlxkv.runner.text import vision_cuts
 
 EXIT_OUT_OF_STEP = 1  # a sharded model's ranks fell out of step for good (`Runner.health`)
 
 # The logger of the memory line each request ends with (`Runner.memory_line`): its module's,
 # named from the module so that a move cannot leave the CLI quieting a logger nobody uses.
 MEMORY_LOGGER = report.logger.name
+# The loggers whose INFO lines are shown without --verbose: each says that the model sees
+# less than it was sent (a prompt cut to the window, with images or not; a reply with images
+# whose max_tokens was lowered or whose prompt was cut mid-reply; a context shift), at most a
+# line per request or shift. Named from their modules, as MEMORY_LOGGER is.
+NOTICE_LOGGERS = (context.logger.name, request.logger.name, vision_cuts.logger.name)
 
 
 def setup_logging(verbose: bool) -> None:
@@ -27,8 +34,8 @@ def setup_logging(verbose: bool) -> None:
     root = logging.getLogger("mlxkv")
     root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
-    # Cutting a prompt to the window or shifting the cache changes what the model sees: say so.
-    logging.getLogger("mlxkv.runner.context").setLevel(logging.INFO)
+    for name in NOTICE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 

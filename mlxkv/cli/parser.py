@@ -23,7 +23,6 @@ from mlxkv.decoding.sampling import SamplingParams
 
 _MODEL_HELP = "model directory, .gguf file, Ollama name or Hugging Face repo (default: SmolLM2)"
 _MAX_CONTEXT_HELP = "tokens the cache holds (None: model's)"
-_KV_BITS_HELP = "quantize K/V (None: off)"
 _RUNNER = RunnerConfig()
 _SERVER = ServerConfig()
 
@@ -82,7 +81,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default=_SERVER.host, help="address to listen on")
     serve.add_argument("--port", type=_port, default=_SERVER.port, help="port (0: any free one)")
     serve.add_argument("--max-context", type=int, default=None, help=_MAX_CONTEXT_HELP)
-    serve.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
+    _add_kv_bits_option(serve)
     serve.add_argument(
         "--api-key",
         default=None,
@@ -282,11 +281,21 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     parser.add_argument("--max-context", type=int, default=None, help=_MAX_CONTEXT_HELP)
-    parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help=_KV_BITS_HELP)
+    _add_kv_bits_option(parser)
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="statistics and the cache log on stderr"
     )
     _add_warmup_option(parser)
+
+
+def _add_kv_bits_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="quantize the K/V cache to this many bits (default: the model's dtype)",
+    )
 
 
 def _add_warmup_option(parser: argparse.ArgumentParser) -> None:

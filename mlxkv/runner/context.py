@@ -120,7 +120,7 @@ def fit_prompt(
             "context: dropped %d tokens after the first %d to fit %d tokens", cut, keep, budget
         )
         return Fitted(tokens[:keep] + tokens[keep + cut :])
-    first, chosen = _chat_cut(chat, budget, cached_prefix, len(tokens))
+    first, chosen = choose_cut(chat, budget, cached_prefix, len(tokens))
     logger.info(
         "context: dropped the messages before message %d (%d tokens) to fit %d tokens",
         first,
@@ -130,11 +130,12 @@ def fit_prompt(
     return Fitted(chosen, first)
 
 
-def _chat_cut(
+def choose_cut(
     chat: ChatCut, budget: int, cached_prefix: Callable[[Sequence[int]], int], num_tokens: int
 ) -> tuple[int, list[int]]:
-    """The first message kept and the render from it; `num_tokens`: the whole prompt's, which
-    is the shortest render when no message can be dropped."""
+    """The first message kept and the render from it, as `fit_prompt` cuts a chat longer than
+    `budget`, unlogged (a prompt with images logs its own cut, once); `num_tokens`: the whole
+    prompt's, which is the shortest render when no message can be dropped."""
     if chat.preferred is not None:
         candidate = chat.render_from(chat.preferred)
         if len(candidate) <= budget and cached_prefix(candidate) >= budget // 4:

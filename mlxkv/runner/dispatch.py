@@ -141,10 +141,10 @@ class Dispatcher:
             return relay.call(fn)
         return self._engine.call(fn)
 
-    def follow(self, reset: Callable[[], None]) -> Iterator[Completion]:
-        """Runs the leading rank's requests and resets (`reset`) in step with it (see
-        `Runner.follow`)."""
-        return self._relay(lambda: self._lockstep.follow(self._serve, reset))
+    def follow(self, reset: Callable[[], None], drop: Callable[[str], int]) -> Iterator[Completion]:
+        """Runs the leading rank's requests, resets (`reset`) and dropped entries (`drop`) in
+        step with it (see `Runner.follow`)."""
+        return self._relay(lambda: self._lockstep.follow(self._serve, reset, drop))
 
     def _consume(self, request: Request) -> Iterator[GenerationChunk]:
         """The caller's side of a request: its chunks, computed on the engine thread."""

@@ -9,7 +9,8 @@ and eviction come out the same on every rank.
 How the ranks stay in step:
   - rank 0 (the leader) broadcasts each operation before running it: a request (its fitted
     prompt tokens, sampling settings with a seed drawn by the leader when none was given, and
-    the other options), a reset, or the end; the others (followers) replay it in `follow`;
+    the other options), a reset, entries dropped by their cache key, or the end; the others
+    (followers) replay it in `follow`;
   - the settings that decide the cache's behaviour (context window, entries, byte budget) are
     the leader's, broadcast when the Runner is built;
   - a cancel is decided together: at every point where a request checks its cancel flag, all
@@ -252,29 +253,34 @@ class Lockstep:
             }
         )
 
-    def announce(self, op: str) -> None:
-        """Leader: sends an operation without arguments ("reset", "stop")."""
-        self.broadcast({"op": op})
+    def announce(self, op: str, **fields: Any) -> None:
+        """Leader: sends an operation other than a request ("reset", "drop" with its
+        `cache_key`, "stop")."""
+        self.broadcast({"op": op, **fields})
 
     def follow(
         self,
         stream: Callable[[Request], Iterator[GenerationChunk]],
         reset: Callable[[], None],
+        drop: Callable[[str], int],
     ) -> Iterator[Completion]:
         """Follower: runs the leader's operations until "stop", yielding each request's
-        Completion (`stream` and `reset` are the Runner's)."""
+        Completion (`stream`, `reset` and `drop` are the Runner's)."""
         while (received := self.receive())[0] != "stop":
-            op, request = received
+            op, payload = received
             if op == "reset":
                 reset()
+            elif op == "drop":
+                drop(payload["cache_key"])
             else:
-                yield list(stream(request))[-1].completion
+                yield list(stream(payload))[-1].completion
 
-    def receive(self) -> tuple[str, Request | None]:
-        """Follower: the leader's next operation, and its request for "request"."""
+    def receive(self) -> tuple[str, Any]:
+        """Follower: the leader's next operation, with its request for "request" and the
+        message itself for any other."""
         message = self.broadcast(None, bounded=False)
         if message["op"] != "request":
-            return message["op"], None
+            return message["op"], message
         params = message["params"]
         request = Request(
             tokens=message["tokens"],
@@ -321,7 +327,7 @@ class Solo:
     def ranks_line(self, report: MemoryReport) -> str:
         return ""
 
-    def announce(self, op: str) -> None:
+    def announce(self, op: str, **fields: Any) -> None:
         pass
 
 

@@ -432,6 +432,26 @@ class Runner:
             self._lockstep.announce("reset")
         self._pool.clear()
 
+    def drop_cache_entries(self, cache_key: str) -> int:
+        """Frees from memory the prompt-cache entries whose last request gave `cache_key` (a
+        conversation its client deleted) and returns how many; entries of a `cache_salt` are
+        never dropped. The disk tier keeps its blocks (shared by content) until its budget
+        evicts them. Waits as `reset` does (an entry in use goes when its request ends).
+
+        Raises:
+            RunnerBusyError: called from inside this thread's own unfinished `stream()`.
+        """
+        if self._dispatch.inside_stream:
+            raise RunnerBusyError("cannot drop entries inside its own stream(); close it first")
+        return self._engine.call(lambda: self._drop_now(cache_key))
+
+    def _drop_now(self, cache_key: str) -> int:
+        if self._lockstep.leads:
+            self._lockstep.announce("drop", cache_key=cache_key)
+        dropped = self._pool.drop_labelled(cache_key)
+        logger.info("prefix cache: dropped %d entries of %r", dropped, cache_key)
+        return dropped
+
     def close(self, save_timeout_s: float | None = None) -> None:
         """Writes the entries to the disk tier (when there is one) and waits for every write,
         so a new Runner on the same `cache_dir` starts warm; with `save_timeout_s`, no entry
@@ -460,15 +480,16 @@ class Runner:
             self._pool.store.close()
 
     def follow(self) -> Iterator[Completion]:
-        """On ranks other than 0 of a sharded Runner: runs rank 0's requests and resets in
-        step with it, yielding each request's Completion, until rank 0 closes its Runner.
+        """On ranks other than 0 of a sharded Runner: runs rank 0's requests, resets and
+        dropped entries in step with it, yielding each request's Completion, until rank 0
+        closes its Runner.
 
         Raises:
             ValueError: this Runner is not sharded, or is rank 0.
         """
         if self._lockstep.leads:
             raise ValueError("follow() is for ranks other than 0 of a Runner under mlx.launch")
-        return self._dispatch.follow(self._reset_now)
+        return self._dispatch.follow(self._reset_now, self._drop_now)
 
     def __enter__(self) -> Runner:
         return self

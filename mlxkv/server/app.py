@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from mlxkv.config import ServerConfig
 from mlxkv.errors import RanksOutOfStepError
 from mlxkv.runner.runner import Runner
+from mlxkv.server.anthropic_api import models as anthropic_models
 from mlxkv.server.anthropic_api import routes as anthropic
 from mlxkv.server.anthropic_api.diagnostics import keep_prompt_records
 from mlxkv.server.browsers import HostCheck, OriginCheck
@@ -107,6 +108,7 @@ def _memory_line(scope: Any) -> str:
 
 def _add_routes(app: FastAPI) -> None:
     """Every API's routes, /health, the chat page, and the errors in each API's shape."""
+    app.include_router(anthropic_models.router)  # before OpenAI's: the same paths
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(responses.router)
@@ -172,7 +174,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
         return error_response(
-            request.url.path,
+            request.scope,
             error.status,
             error.message,
             code=error.code,
@@ -183,17 +185,17 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError):
         message, param = _describe(error.errors())
-        return error_response(request.url.path, 400, message, param=param)
+        return error_response(request.scope, 400, message, param=param)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
         return error_response(
-            request.url.path, error.status_code, str(error.detail), headers=error.headers
+            request.scope, error.status_code, str(error.detail), headers=error.headers
         )
 
     @app.exception_handler(RanksOutOfStepError)
     async def cannot_serve(request: Request, error: RanksOutOfStepError):
-        return error_response(request.url.path, 503, str(error))
+        return error_response(request.scope, 503, str(error))
 
 
 def _describe(errors: Sequence[Any]) -> tuple[str, str | None]:

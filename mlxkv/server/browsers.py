@@ -53,7 +53,7 @@ class HostCheck:
             await self.app(scope, receive, send)
             return
         response = error_response(
-            scope["path"],
+            scope,
             403,
             f"this server does not answer to the host {printable(host)[:100]!r}; add it with "
             "--allowed-host if it is yours",
@@ -81,7 +81,7 @@ class OriginCheck:
             await self.app(scope, receive, send)
             return
         response = error_response(
-            scope["path"],
+            scope,
             403,
             f"requests from the web page {printable(origin)[:100]!r} are not allowed; if you "
             "trust it, start the server with --allowed-origin ORIGIN",

@@ -116,7 +116,7 @@ class GuardedH11Protocol(H11Protocol):
             f"{RETRY_AFTER_S} s"
         )
         headers = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}
-        await error_response(scope["path"], 503, message, headers=headers)(scope, receive, send)
+        await error_response(scope, 503, message, headers=headers)(scope, receive, send)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -168,7 +168,9 @@ class GuardedH11Protocol(H11Protocol):
             f"over {MAX_WAITING_CONNECTIONS} connections were waiting for their request "
             f"headers; retry in {RETRY_AFTER_S} s"
         )
-        busy = error_response(path, 503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+        busy = error_response(
+            {"path": path}, 503, message, headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
         head = b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\n"
         head += b"".join(name + b": " + value + b"\r\n" for name, value in busy.raw_headers)
         self._answer_and_linger(head + b"\r\n" + busy.body)

@@ -3,12 +3,14 @@
 Owns: `ApiError` (raised by routes for a request that cannot be served) and the three bodies:
 OpenAI's `{"error": {"message", "type", "param", "code"}}`, Anthropic's
 `{"type": "error", "error": {"type", "message"}}` and Ollama's `{"error": "message"}`. Which
-one a response uses depends only on the path (`/v1/messages...` is Anthropic's, `/api/...`
-Ollama's).
+one a response uses depends on the path (`/v1/messages...` is Anthropic's, `/api/...`
+Ollama's) and, on a path two APIs share (`/v1/models...`), on the client: Anthropic's send
+`anthropic-version`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -111,8 +113,19 @@ def is_ollama_path(path: str) -> bool:
     return path.startswith("/api/")
 
 
+def is_anthropic_request(scope: Mapping[str, Any]) -> bool:
+    """Whether the request (an ASGI scope: its `path`, and its `headers` where known) is
+    Anthropic's: on its paths, or on the models listing (a path OpenAI's clients call too)
+    from a client that sends `anthropic-version`, as Anthropic's SDKs do."""
+    path = scope["path"]
+    if is_anthropic_path(path):
+        return True
+    headers = scope.get("headers", ())
+    return path.startswith("/v1/models") and any(n == b"anthropic-version" for n, _ in headers)
+
+
 def error_response(
-    path: str,
+    scope: Mapping[str, Any],
     status: int,
     message: str,
     *,
@@ -120,12 +133,12 @@ def error_response(
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    """The error in the shape of the API that `path` belongs to."""
+    """The error in the shape of the API the request (an ASGI scope) belongs to."""
     error = ApiError(status, message, code=code, param=param)
     body: dict[str, Any]
-    if is_ollama_path(path):
+    if is_ollama_path(scope["path"]):
         body = {"error": message}
-    elif is_anthropic_path(path):
+    elif is_anthropic_request(scope):
         body = {"type": "error", "error": anthropic_error(error)}
     else:
         body = {"error": openai_error(error)}

@@ -172,14 +172,14 @@ class ServerErrors:
         except asyncio.CancelledError:
             if started:
                 raise
-            await error_response(scope["path"], 503, SHUTTING_DOWN)(scope, receive, send)
+            await error_response(scope, 503, SHUTTING_DOWN)(scope, receive, send)
         except Exception as error:
             _errors.exception(
                 "request failed: %s %s", printable(scope["method"]), printable(scope["path"])
             )
             if not started:  # else the client sees the connection end
                 message = f"internal error ({type(error).__name__}); the server log has the details"
-                await error_response(scope["path"], 500, message)(scope, receive, send)
+                await error_response(scope, 500, message)(scope, receive, send)
 
 
 class ApiKeyCheck:
@@ -201,7 +201,7 @@ class ApiKeyCheck:
             await self.app(scope, receive, send)
             return
         response = error_response(
-            scope["path"],
+            scope,
             401,
             "missing or wrong API key; send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
             code="invalid_api_key",
@@ -322,7 +322,7 @@ class BodyLimit:
                     break
         except TimeoutError:
             message = f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s"
-            await error_response(scope["path"], 408, message)(scope, receive, send)
+            await error_response(scope, 408, message)(scope, receive, send)
             return
         body = b"".join(parts)
         # tens of milliseconds per MB of structure: off the event loop for a large body
@@ -333,7 +333,7 @@ class BodyLimit:
         elif shape.values > MAX_JSON_VALUES:
             problem = too_many_message(shape.values)
         if problem is not None:
-            await error_response(scope["path"], 400, problem)(scope, receive, send)
+            await error_response(scope, 400, problem)(scope, receive, send)
             return
         await self.app(_as_json(scope, body), replay(body, receive), send)
 
@@ -343,9 +343,9 @@ class BodyLimit:
                 f"request body is larger than this server's limit of {self.max_bytes:,} bytes;"
                 " send less, or start the server with a larger --max-body-bytes"
             )
-            response = error_response(scope["path"], 413, message)
+            response = error_response(scope, 413, message)
         else:
-            response = error_response(scope["path"], 400, "Content-Length is not a number")
+            response = error_response(scope, 400, "Content-Length is not a number")
         await response(scope, receive, send)
 
 

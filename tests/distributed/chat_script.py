@@ -1,7 +1,7 @@
 """Run by the tests under `mlx.launch -n 2 --backend ring` (and alone, as the reference): a
 3-turn greedy chat, then a request that forces a trim, one that forces a miss, and two
-cancelled generations (a caller that stops reading, and `Runner.cancel()`), and a sampled
-one with no seed. After each
+cancelled generations (a caller that stops reading, and `Runner.cancel()`), a sampled
+one with no seed, and its prompt again after its entry was dropped by its cache key. After each
 request every rank writes down what its entry holds, to OUT_DIR/rank<r>.json.
 
     python tests/distributed/chat_script.py MODEL_DIR OUT_DIR
@@ -57,7 +57,11 @@ def main(model_dir: str, out_dir: str) -> None:
             last = chunk
         record(last.completion)
         # Sampled with no seed: rank 0 draws one for every rank, or their answers part.
-        record(runner.generate("Once upon a time", max_tokens=12, temperature=1.0))
+        story = runner.generate("Once upon a time", max_tokens=12, temperature=1.0, cache_key="s")
+        record(story)
+        # Its entry dropped on every rank by its cache key: the same prompt reuses nothing.
+        assert runner.drop_cache_entries("s") == 1
+        record(runner.generate("Once upon a time", max_tokens=4))
         runner.close()  # ends the other ranks' follow()
     else:
         for completion in runner.follow():

@@ -186,16 +186,18 @@ def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, ar
     assert max(rows) == 2, "the speculative stream never joined the batch"
 
 
-def _paused_mid_batch(runner, prompts, options, during):
-    """Each prompt's batched stream on its own thread; once every stream has read 4 chunks
-    (all of them decoding in the batch), `during()` runs; then the streams finish."""
+def _paused_mid_batch(runner, prompts, options, during, cache_keys=None):
+    """Each prompt's batched stream on its own thread (with its key of `cache_keys`, if
+    given); once every stream has read 4 chunks (all of them decoding in the batch),
+    `during()` runs; then the streams finish."""
     results: list = [None] * len(prompts)
     halfway = [threading.Event() for _ in prompts]
     go = threading.Event()
+    keys = cache_keys or [None] * len(prompts)
 
     def run(i):
         chunks = []
-        for chunk in runner.stream(prompts[i], batched=True, **options):
+        for chunk in runner.stream(prompts[i], batched=True, cache_key=keys[i], **options):
             chunks.append(chunk)
             if len(chunks) == 4:
                 halfway[i].set()
@@ -223,6 +225,26 @@ def test_reset_mid_batch_lets_the_streams_finish_then_drops_their_entries(loaded
     _assert_same_answers(got, want)
     assert max(rows) == 2
     assert runner._pool.entries == [] and runner.cache_info().entries == ()
+
+
+def test_dropping_a_key_mid_batch_frees_its_entry_when_its_stream_ends_and_no_other(
+    loaded_tiny, rows
+):
+    loaded = loaded_tiny("llama")
+    options = {"max_tokens": 16, "temperature": 0.0, "logprobs": 0}
+    alone = Runner(loaded, max_context=512, speculative=None)
+    want = [_tokens_and_logprobs(alone.stream(p, **options)) for p in PROMPTS[:2]]
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4, speculative=None)
+    dropped = []
+
+    def drop() -> None:
+        dropped.append(runner.drop_cache_entries("dropped"))
+
+    got = _paused_mid_batch(runner, PROMPTS[:2], options, drop, ["dropped", "kept"])
+    _assert_same_answers(got, want)
+    assert max(rows) == 2 and dropped == [1]
+    assert [entry.label for entry in runner.cache_info().entries] == ["kept"]
+    assert runner.cached_prefix_tokens(alone.encode(PROMPTS[0])) < len(alone.encode(PROMPTS[0]))
 
 
 def test_close_mid_batch_saves_what_each_entry_held_and_the_streams_finish(

@@ -212,19 +212,63 @@ def test_switching_conversations_comes_back_and_the_panel_shows_their_entries(pa
     _screenshots(page)
 
 
-def test_a_conversation_deleted_here_is_named_so_in_the_cache_panel(page):
-    """Its entry stays in the cache until evicted: the panel's row says it is this page's
-    deleted conversation, not another client's (another browser's entries still are)."""
+def _labels(runner: Runner) -> list[str | None]:
+    """The labels of the entries the page's report lists (no `cache_salt` tenant's)."""
+    return [entry.label for entry in runner.cache_info().entries if not entry.isolated]
+
+
+def test_a_conversation_deleted_here_frees_its_cache_entry_and_no_other(page, page_server):
+    """No later request reuses a deleted conversation's entry: the page has the server free
+    it (its `prompt_cache_key` labels it), and the other conversation's entry stays."""
     _set(page, "#max-tokens", "8")
+    _send(page, "Kept conversation")
+    kept_id = _stored(page)["current"]
+    page.click("#new-chat")
     _send(page, "Soon deleted")
-    (deleted_id,) = [chat["id"] for chat in _stored(page)["chats"]]
-    page.locator(f"#conversations li[data-id='{deleted_id}'] .delete").click()
-    assert page.locator("#conversations li").count() == 0
+    deleted_id = _stored(page)["current"]
+    _wait_until_idle(page_server.runner)
+    assert {kept_id, deleted_id} <= set(_labels(page_server.runner))
+
+    with page.expect_response(lambda response: response.request.method == "DELETE") as done:
+        page.locator(f"#conversations li[data-id='{deleted_id}'] .delete").click()
+    assert done.value.json() == {"cache_key": deleted_id, "dropped_entries": 1}
+    labels = _labels(page_server.runner)
+    assert deleted_id not in labels and kept_id in labels
     table = page.locator("#cache-entries tbody")
-    table.locator("tr", has_text="deleted conversation").wait_for()  # the panel's refresh
-    first_row = table.locator("tr").first.inner_text()
-    assert first_row.startswith("deleted conversation"), first_row  # the latest entry
-    assert table.locator("tr", has_text="deleted conversation").count() == 1
+    table.locator("tr", has_text="Kept conversation").wait_for()  # the panel's refresh
+    assert table.locator("tr", has_text="Soon deleted").count() == 0
+
+
+def test_dropping_a_cache_key_frees_its_entries_alone(page_server):
+    """At the endpoint the page calls: the key's entries go (what the cache holds of its
+    prompt falls to what another entry shares with it), another key's stay and are reused,
+    and so does a `cache_salt` tenant's of the same key."""
+    client, runner = page_server.openai(), page_server.runner
+    salted = {"cache_salt": "tenant"}
+    prompts = {
+        text: [{"role": "user", "content": f"Conversation {text} says hi"}] for text in "ABC"
+    }
+    for key, text, extra in [("drop-me", "A", {}), ("keep-me", "B", {}), ("drop-me", "C", salted)]:
+        body = {"prompt_cache_key": key, **extra}
+        client.chat.completions.create(
+            model="any", messages=prompts[text], max_tokens=4, extra_body=body
+        )
+    _wait_until_idle(runner)
+    tokens = {text: runner.encode(prompt) for text, prompt in prompts.items()}
+    salted_tokens = runner.encode(prompts["C"], cache_salt="tenant")
+    held = {text: runner.cached_prefix_tokens(tokens[text]) for text in "AB"}
+    assert held == {"A": len(tokens["A"]), "B": len(tokens["B"])}
+
+    status, body = page_server.request("DELETE", "/v1/mlxkv/cache/drop-me")
+    assert (status, body) == (200, {"cache_key": "drop-me", "dropped_entries": 1})
+    assert "drop-me" not in _labels(runner)
+    pairs = zip(tokens["A"], tokens["B"], strict=False)
+    shared = next(i for i, (a, b) in enumerate(pairs) if a != b)
+    assert runner.cached_prefix_tokens(tokens["A"]) == shared
+    assert runner.cached_prefix_tokens(tokens["B"]) == len(tokens["B"])
+    assert runner.cached_prefix_tokens(salted_tokens, "tenant") == len(salted_tokens)
+    status, body = page_server.request("DELETE", "/v1/mlxkv/cache/nonesuch")
+    assert (status, body) == (200, {"cache_key": "nonesuch", "dropped_entries": 0})
 
 
 def _screenshots(page) -> None:

@@ -451,6 +451,20 @@ class CachePool:
             self._write(entry, wait=True)
         self.store.flush()
 
+    def drop_labelled(self, label: str) -> int:
+        """Drops the entries of the shared domain (no salt) whose last request was labelled
+        `label` (a conversation its client deleted), without writing them to the disk tier:
+        an entry is freed only when asked for by its own label. One in use is dropped when
+        its request ends (as `clear` drops it).
+
+        Returns:
+            The number of entries dropped.
+        """
+        dropped = [e for e in self._entries if e.label == label and e.salt is None]
+        for entry in dropped:
+            self._drop(entry, write=False)
+        return len(dropped)
+
     def clear(self) -> None:
         """Drops every entry and its memory (the disk tier keeps its files); entries in use
         stay with their requests and are dropped when released."""

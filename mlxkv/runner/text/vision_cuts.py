@@ -3,7 +3,7 @@ window (before anything runs) and a reply that reaches the window (mid-reply).
 
 Owns: `ImageChat` (a chat with images, its renders by first kept message and its cut to a
 budget) and `ImageWindow` (the `make_room` of a reply with images). Does not own choosing the
-cut (`mlxkv.runner.context.fit_prompt`), rendering (`VisionPrompts`) nor the text model's
+cut (`mlxkv.runner.context.choose_cut`), rendering (`VisionPrompts`) nor the text model's
 shift (`mlxkv.runner.context.ContextWindow`).
 
 Why a reply with images is not shifted in place: a text model's shift rotates the kept keys
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.errors import ContextLengthError
 from mlxkv.models.vision import ImagePrompt
-from mlxkv.runner.context import chat_cut, fit_prompt
+from mlxkv.runner.context import chat_cut, check_keep, choose_cut
 from mlxkv.runner.prompt_cache.entry import CacheEntry
 from mlxkv.runner.text.messages import Message, leading_system_messages
 from mlxkv.runner.text.vision import ImageTokens
@@ -76,16 +76,15 @@ class ImageChat:
         cached_prefix: Callable[[Sequence[int]], int] = lambda tokens: 0,
     ) -> tuple[int, ImageTokens]:
         """The first message kept and the render of the chat `tokens` (longer than `budget`)
-        cut to at most `budget` tokens, as `fit_prompt` cuts a chat. Renders shrink as the cut
-        moves later, so a reply's second cut, its prompt longer than the budget, falls past
-        its first.
+        cut to at most `budget` tokens, as `fit_prompt` cuts a chat (`choose_cut`; the caller
+        logs it). Renders shrink as the cut moves later, so a reply's second cut, its prompt
+        longer than the budget, falls past its first.
 
         Raises:
             ContextLengthError: no cut fits.
         """
-        fitted = fit_prompt(tokens, budget, 1, cached_prefix=cached_prefix, chat=self._chat)
-        first = fitted.first_message
-        assert first is not None, "a chat longer than the budget is always cut"
+        check_keep(1, budget)
+        first, _ = choose_cut(self._chat, budget, cached_prefix, len(tokens))
         return first, self._renders[first]
 
 

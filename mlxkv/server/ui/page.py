@@ -1,9 +1,10 @@
-"""The chat page and the JSON it reads: `GET /` (the page), `/static/...` (its files) and
-`GET /v1/mlxkv/cache` (the prompt cache, live).
+"""The chat page and the JSON it reads: `GET /` (the page), `/static/...` (its files),
+`GET /v1/mlxkv/cache` (the prompt cache, live) and `DELETE /v1/mlxkv/cache/{cache_key}` (the
+entries of a conversation the page deleted).
 
 Owns the routes; the page itself is plain HTML, CSS and JavaScript in `static/`, shipped in
 the package (no build step, nothing fetched at run time). Cache policy stays in the Runner:
-this only reports `Runner.cache_info()`.
+this only reports `Runner.cache_info()` and passes a deletion on.
 
 `GET /v1/mlxkv/cache` returns every field of `MemoryReport` under the same name (bytes as
 integers, `last_used` in Unix seconds, entries least recently used first, each with the
@@ -20,6 +21,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models.served import named_context
@@ -63,6 +65,18 @@ async def cache_report(request: Request, model: str | None = None) -> dict[str, 
     # (the totals still count them).
     report["entries"] = [e for e in report["entries"] if not e.pop("isolated")]
     return {**report, "model": ctx.model_name, "max_context": runner.max_context}
+
+
+@router.delete("/v1/mlxkv/cache/{cache_key:path}")
+async def drop_entries(request: Request, cache_key: str, model: str | None = None):
+    """Frees the entries of the served model `model` names (the default one without it) whose
+    last request gave `cache_key` as its `prompt_cache_key`: the page's conversation it
+    deleted (`Runner.drop_cache_entries`). A model not loaded holds none."""
+    ctx = named_context(request, model)
+    if ctx.worker is None:
+        return {"cache_key": cache_key, "dropped_entries": 0}
+    dropped = await run_in_threadpool(ctx.worker.runner.drop_cache_entries, cache_key)
+    return {"cache_key": cache_key, "dropped_entries": dropped}
 
 
 def add_page(app: FastAPI) -> None:

@@ -15,6 +15,7 @@ pytest.importorskip("mlx_vlm")
 
 
 from mlxkv import Runner  # noqa: E402
+from mlxkv.cli.common import setup_logging  # noqa: E402
 from mlxkv.decoding.drafts import Draft  # noqa: E402
 from mlxkv.errors import ContextLengthError  # noqa: E402
 from mlxkv.runner import request_run  # noqa: E402
@@ -170,6 +171,25 @@ def test_a_reply_past_the_window_cuts_whole_messages_and_goes_on(loaded, caplog)
     want = _teacher_forced(loaded, cut, noise_image(2), got.tokens)
     after = slice(fed_again + 1, None)  # token fed_again was drawn before the cut
     assert got.logprobs[after] == pytest.approx(want[after], abs=1e-3)
+
+
+@pytest.mark.parametrize("where", ["prompt", "reply"])
+def test_a_cut_is_said_on_the_console_without_verbose_once_and_alone(loaded, capsys, where):
+    """The CLI's logging (`setup_logging`, no --verbose): an image cut, before the reply or
+    mid-reply, is the one line its request shows (as a text chat's cut is); the cache's own
+    lines stay quiet."""
+    messages = _conversation()
+    if where == "prompt":  # as the first test cuts it
+        kept = len(Runner(loaded).encode(messages[:1] + messages[3:]))
+        window, said = 2 * kept + MAX_TOKENS + 2, "prompt with images cut"
+    else:  # as the reply tests cut it
+        window, said = len(Runner(loaded).encode(messages)) + ROOM, "reply with images reached"
+    runner = Runner(loaded, max_context=window)
+    capsys.readouterr()
+    setup_logging(verbose=False)
+    _reply(runner, messages)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and said in lines[0], lines
 
 
 def test_the_next_turn_after_a_reply_cut_reuses_it(loaded):

@@ -21,10 +21,6 @@ function load(key, fallback) {
 }
 
 const store = load(CHATS_KEY, { chats: [], current: null });
-// Ids of the conversations deleted here, newest last: the cache keeps their entries until it
-// evicts them, and the panel names those rows (bounded: the cache holds few entries).
-const DELETED_KEPT = 64;
-store.deleted ??= [];
 const settings = { temperature: "", maxTokens: "512", apiKey: "", ...load(SETTINGS_KEY, {}) };
 let active = null; // the generation running: { chat, message, controller }
 let lastReport = null;
@@ -57,10 +53,9 @@ function newChat() {
 }
 
 const currentChat = () => store.chats.find((c) => c.id === store.current) || null;
-// What an entry's label names: a conversation here, one deleted here, or nothing known (the
-// panel says "another client").
-const titleOf = (id) =>
-  store.chats.find((c) => c.id === id)?.title ?? (store.deleted.includes(id) ? "deleted conversation" : undefined);
+// What an entry's label names: a conversation here, or nothing known (the panel says "another
+// client"; a conversation deleted here has its entries freed).
+const titleOf = (id) => store.chats.find((c) => c.id === id)?.title;
 
 // ---- rendering ---------------------------------------------------------------------------
 
@@ -169,13 +164,19 @@ function switchTo(id) {
   closeDrawers();
 }
 
-function deleteChat(id) {
+async function deleteChat(id) {
   if (active && active.chat.id === id) active.controller.abort();
   store.chats = store.chats.filter((c) => c.id !== id);
-  store.deleted = [...store.deleted.filter((d) => d !== id), id].slice(-DELETED_KEPT);
   if (store.current === id) store.current = store.chats[0]?.id ?? null;
   save();
   renderAll();
+  // No later request will reuse its cache entries: the server frees them (those its
+  // prompt_cache_key labels, no other conversation's), then the panel shows what is left.
+  try {
+    await fetch(`v1/mlxkv/cache/${encodeURIComponent(id)}`, { method: "DELETE", headers: headers() });
+  } catch {
+    /* the server is gone: it holds nothing to free */
+  }
   refreshCache();
 }
 
