@@ -225,8 +225,9 @@ class Residency:
 
     def _loading(self, model: ResidentModel) -> asyncio.Task:
         """The model's load under way, started if none is: a task of its own, so the requests
-        waiting for it may leave (cancelled) without ending it."""
-        if model._load_task is None:
+        waiting for it may leave (cancelled) without ending it. One that ended counts as none:
+        its done callback (`_load_ended`) runs a turn later, after a request queued before it."""
+        if model._load_task is None or model._load_task.done():
             model._load_task = task = self._spawn(self._load_once(model))
             task.add_done_callback(functools.partial(_load_ended, model))
         return model._load_task
@@ -452,7 +453,8 @@ def _unloadable(model: ResidentModel) -> bool:
 def _load_ended(model: ResidentModel, task: asyncio.Task) -> None:
     """A load's end: the next request starts another if this one failed. Its error was
     raised to the requests that waited, and logged (`_run_loader`) for none."""
-    model._load_task = None
+    if model._load_task is task:  # not the one a request started since (`_loading`)
+        model._load_task = None
     if not task.cancelled():
         task.exception()  # retrieved: asyncio logs none that no request awaited
 
