@@ -342,7 +342,7 @@ class StepWatchdog:
     makes together after each prefill chunk and decode step), less the time the request's
     reader takes between two chunks; the meetings have bounds of their own. `begin` and
     `pause` are called from one thread (the engine); the watching thread, started with the
-    first step, only reads.
+    first step, only reads (under the same lock: its check is one with their writes).
 
     Args:
         timeout_s: the longest a step may run (seconds).
@@ -371,8 +371,10 @@ class StepWatchdog:
     def pause(self) -> bool:
         """No step runs now (the request ended, its reader has a chunk to take, or the ranks
         are meeting); returns whether one was running. The watcher, woken at that step's
-        deadline, finds none (or a later one)."""
-        stepping, self._began = self._began is not None, None
+        deadline, finds none (or a later one). Under the lock: the watcher reads a step's
+        start and then the clock, and a pause between the two would count as a step past it."""
+        with self._armed:
+            stepping, self._began = self._began is not None, None
         return stepping
 
     def _watch(self) -> None:

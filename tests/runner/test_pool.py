@@ -306,3 +306,20 @@ def test_another_conversation_copied_from_an_entry_in_use_keeps_both():
     held = sorted(e.tokens.tolist() for e in pool.entries)
     assert held == [[7, 7, 1, 1, 5], [7, 7, 2, 2, 6]]
     _check_entries(pool)
+
+
+def test_two_requests_with_one_prompt_at_once_keep_both_replies():
+    """The second copies the first's entry in use short of its prompt's end (a prompt leaves
+    one token to feed): not the same conversation going on, so the first's entry, holding the
+    reply its client sends back, stays when its request ends after the second's."""
+    pool = CachePool(_make_entry, max_entries=4)
+    prompt = [7, 7, 1, 1]
+    first = pool.fetch_nearest(prompt, reply_start=3)
+    first.entry.cache.forward(_IdWriter(), first.remaining + [5])
+    second = _request(pool, prompt, [6], reply_start=3)
+    assert second.num_cached == 3
+    first.entry.cache.forward(_IdWriter(), [5, 5])
+    pool.release(first.entry)
+    held = sorted(e.tokens.tolist() for e in pool.entries)
+    assert held == [[7, 7, 1, 1, 5, 5, 5], [7, 7, 1, 1, 6]]
+    _check_entries(pool)

@@ -9,7 +9,10 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
+import pytest
+
 from mlxkv import Runner
+from mlxkv.server.errors import ApiError
 from mlxkv.server.models.resident import ModelLoader, Residency, ResidentModel
 from mlxkv.server.worker import GenerationWorker
 from tests.factories import tiny_model_dir
@@ -177,11 +180,12 @@ def test_under_a_budget_later_loads_that_fit_go_before_one_waiting_for_room(mode
         for name in "cd":  # fit beside a: they do not wait for b
             await asyncio.wait_for(residency.acquire(models[name]), _TIMEOUT_S)
         last = asyncio.ensure_future(residency.acquire(models["e"]))
-        for _ in range(100):  # until e waits its turn behind b
-            if residency._room._waiters:
+        for _ in range(100):  # until e waits its turn behind b (b's wait and its own)
+            if len(residency._released._waiters) == 2:
                 break
             await asyncio.sleep(0)
-        assert residency._room._waiters and not e.entered.is_set(), "a third load went first"
+        assert len(residency._released._waiters) == 2, "e did not wait"
+        assert not e.entered.is_set(), "a third load went first"
         assert residency.used_bytes <= residency.budget_bytes
         for name in "acd":
             residency.release(models[name], None)
@@ -221,6 +225,58 @@ def test_a_load_whose_requests_all_left_goes_on_in_its_room_and_is_kept(model_ro
         worker = await residency.acquire(model)
         assert worker is model.worker and (a.loads, model.num_loads) == (1, 1)
         residency.release(model, None)
+        residency.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_load_that_fits_once_one_gone_first_failed_goes_first_then(model_root):
+    """b waits for room (a is busy); c fits beside a and goes first; d, asked while c loads,
+    does not fit beside both and waits. c's load fails: its room frees and d fits beside a,
+    so d goes first then, instead of waiting for a's request and then b's."""
+    a, b, d = _gated(model_root, "llama", "llama", "llama")
+    for gated in (a, b, d):
+        gated.open.set()
+    c_entered, c_may_fail = threading.Event(), threading.Event()
+
+    def c_load() -> Runner:
+        c_entered.set()
+        assert c_may_fail.wait(60)
+        raise OSError("c broke")
+
+    async def scenario() -> None:
+        size = await _footprint_bytes(a.path)
+        models = {
+            "a": ResidentModel("a", a.loader(size)),
+            "b": ResidentModel("b", b.loader(5 * size)),
+            "c": ResidentModel("c", ModelLoader(c_load, size)),
+            "d": ResidentModel("d", d.loader(4 * size)),
+        }
+        residency = Residency(list(models.values()), GenerationWorker, int(size * 5.5), -1.0)
+        await residency.acquire(models["a"])  # busy from here
+        waiting = asyncio.ensure_future(residency.acquire(models["b"]))
+        for _ in range(100):  # until b waits for room (nothing else runs on this loop)
+            if residency._waiting_for_room == "b":
+                break
+            await asyncio.sleep(0)
+        assert residency._waiting_for_room == "b"
+        failing = asyncio.ensure_future(residency.acquire(models["c"]))
+        await asyncio.to_thread(c_entered.wait, _TIMEOUT_S)
+        later = asyncio.ensure_future(residency.acquire(models["d"]))
+        for _ in range(100):  # until d waits (it does not fit beside a and c's room)
+            await asyncio.sleep(0)
+        assert not d.entered.is_set()
+        c_may_fail.set()
+        with pytest.raises(ApiError, match="failed to load: c broke"):
+            await failing
+        # before: d waited for a's request and then b's to end
+        await asyncio.wait_for(later, _TIMEOUT_S)
+        assert not waiting.done() and models["a"].in_flight == 1
+        assert residency.used_bytes + residency._reserved_bytes <= residency.budget_bytes
+        for name in "ad":
+            residency.release(models[name], None)
+        await asyncio.wait_for(waiting, _TIMEOUT_S)
+        residency.release(models["b"], None)
         residency.shutdown()
 
     asyncio.run(scenario())

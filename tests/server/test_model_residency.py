@@ -223,6 +223,42 @@ def test_a_model_that_fails_to_load_is_a_500_naming_it(tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_request_right_after_a_failed_load_loads_again(loads):
+    """A load's end is seen by its done callbacks, which run at the loop's next turns: a
+    request whose step was queued before them starts in between. It must start a fresh load,
+    not get the failed one's error (the watcher below runs in that window, as such a step)."""
+    working = loads.loader("llama")
+    failures = ["disk gone"]
+
+    def load() -> Runner:
+        if failures:
+            raise OSError(failures.pop())
+        return working.load()
+
+    async def scenario():
+        residency = _residency({"a": ModelLoader(load)})
+        (model,) = residency.models
+        spawn, between = residency._spawn, []
+
+        def spawn_watched(coroutine):
+            task = spawn(coroutine)
+            if not between:  # the failing load: ahead of its own end's callback
+                task.add_done_callback(lambda _: between.append(residency._loading(model)))
+            return task
+
+        residency._spawn = spawn_watched
+        with pytest.raises(ApiError, match="failed to load: disk gone"):
+            await residency.acquire(model)
+        (started,) = between
+        await asyncio.wait_for(asyncio.shield(started), 60)  # before: the old error
+        worker = await residency.acquire(model)
+        assert worker is model.worker and model.num_loads == 1 and loads.events == ["load"]
+        residency.release(model, None)
+        residency.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_one_model_failing_to_close_does_not_keep_the_others_from_saving(loads, monkeypatch):
     async def scenario():
         residency = _residency({arch: loads.loader(arch) for arch in ARCHS[:2]})

@@ -46,8 +46,9 @@ class CacheEntry:
     (speculative decoding), counted in the entry's bytes. `salt` is the isolation domain the
     entry belongs to (a digest of a request's `cache_salt`, None for the shared one): only
     requests of the same salt reuse it. `went_on_in` is the copy a later request of the same
-    conversation made while this entry was in use (past its reply start: the chat page's
-    Stop then send), which takes its place when its request ends (`CachePool.release`)."""
+    conversation made while this entry was in use (of its whole prompt, a reply after it: the
+    chat page's Stop then send), which takes its place when its request ends
+    (`CachePool.release`)."""
 
     cache: ModelCache
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))

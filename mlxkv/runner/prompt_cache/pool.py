@@ -27,9 +27,10 @@ never held twice by entries that extend each other, and lookups compare T with e
     with a copy of the first r tokens' K/V; the entry stays for the conversation that still
     needs it (evicted to disk after the request if one entry is allowed). With one entry
     allowed and no disk tier it is trimmed in place instead (today's behaviour).
-  - an entry in use is copied from, never trimmed; one copied past its reply start (the same
-    conversation: the chat page's Stop then send) is dropped when its request ends, as if
-    trimmed in place then, so the conversation's K/V are held once.
+  - an entry in use is copied from, never trimmed; one copied as far as its whole prompt (the
+    same conversation, a reply after it: the chat page's Stop then send) is dropped when its
+    request ends, as if trimmed in place then, so the conversation's K/V are held once. Two
+    requests with one prompt at once (a copy of less than it) keep both: both replies go back.
   - a disk file serving a longer prefix than any entry is loaded when reading it is expected
     to be faster than prefilling the difference (both rates measured as they run).
 
@@ -234,7 +235,10 @@ class CachePool:
             return self._add(self._make_entry()), "new entry"
         if entry in self._in_use:  # another request is generating into it
             copy = self._add(entry.cache.copy_prefix(reuse), keep=entry)
-            if reuse >= entry.reply_start:  # its conversation goes on in the copy
+            # Its conversation goes on in the copy when the copy took all of its prompt (the
+            # new one renders a reply after it); a copy that stops inside it is a request
+            # with the same prompt at once, and both replies go back to their clients.
+            if reuse >= self._in_use[entry].size:
                 entry.went_on_in = copy
             return copy, "copied prefix of an entry in use"
         if reuse >= entry.num_tokens:  # not in use: its tokens are its cache's

@@ -15,7 +15,8 @@ Invariants:
   - loads of different models run side by side (a tiny model waited 6.7 s behind a larger
     one's load); under a budget, each first makes room for its estimate and holds it
     (`_reserved_bytes`) until it is loaded, so loads side by side never overshoot it; a load
-    waiting for room is passed by at most `MOST_LOADS_FIRST` later ones that fit now;
+    waiting for room is passed by at most `MOST_LOADS_FIRST` later ones that fit while it waits
+    (as they come, or once memory frees);
   - unloading writes the model's cache to its disk tier (`Runner.close`) before a request can
     load it again, so a model loaded again starts warm;
   - a model loaded again (its fingerprint unchanged) knows the replies its last load
@@ -225,8 +226,9 @@ class Residency:
 
     def _loading(self, model: ResidentModel) -> asyncio.Task:
         """The model's load under way, started if none is: a task of its own, so the requests
-        waiting for it may leave (cancelled) without ending it."""
-        if model._load_task is None:
+        waiting for it may leave (cancelled) without ending it. One that ended counts as none:
+        its done callback (`_load_ended`) runs a turn later, after a request queued before it."""
+        if model._load_task is None or model._load_task.done():
             model._load_task = task = self._spawn(self._load_once(model))
             task.add_done_callback(functools.partial(_load_ended, model))
         return model._load_task
@@ -279,7 +281,7 @@ class Residency:
 
     async def _load(self, model: ResidentModel) -> None:
         assert model.loader is not None
-        if self._may_go_first(model):
+        if await self._goes_first(model):
             self._loads_first += 1
             self._reserved_bytes += model.footprint_bytes
             logger.info(
@@ -308,10 +310,23 @@ class Residency:
             raise
         await self._make_room(model.name, 0, wait=False)
 
+    async def _goes_first(self, model: ResidentModel) -> bool:
+        """Whether `model`'s load goes ahead of the one waiting for room (`_may_go_first`),
+        asked again each time memory may have freed while that one waits (a request or a
+        load ended: one that went first failed), not only as it comes; False once none waits
+        (its turn then comes in order, `_take_room`)."""
+        while self._waiting_for_room is not None:
+            if self._may_go_first(model):
+                return True
+            self._released.clear()
+            await self._released.wait()
+        return False
+
     def _may_go_first(self, model: ResidentModel) -> bool:
         """Whether `model`'s load goes ahead of the one waiting for room: its size is known,
         it fits beside the loaded models and the loads under way now, and fewer than
-        `MOST_LOADS_FIRST` went first."""
+        `MOST_LOADS_FIRST` went first (only under a budget: without one, no load waits for
+        room)."""
         return (
             self._waiting_for_room is not None
             and model.footprint_bytes > 0
@@ -397,6 +412,7 @@ class Residency:
                     await self._released.wait()
                 finally:
                     self._waiting_for_room = None
+                    self._released.set()  # loads waiting to go first take their turn now
                 continue
             victim = min(idle, key=lambda m: m.last_used_s)
             async with victim._lock:  # a request waiting for it may have taken it first
@@ -452,7 +468,8 @@ def _unloadable(model: ResidentModel) -> bool:
 def _load_ended(model: ResidentModel, task: asyncio.Task) -> None:
     """A load's end: the next request starts another if this one failed. Its error was
     raised to the requests that waited, and logged (`_run_loader`) for none."""
-    model._load_task = None
+    if model._load_task is task:  # not the one a request started since (`_loading`)
+        model._load_task = None
     if not task.cancelled():
         task.exception()  # retrieved: asyncio logs none that no request awaited
 
