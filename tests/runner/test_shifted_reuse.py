@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mlxkv import Runner
+from mlxkv.runner.disk import store as store_module
 from mlxkv.runner.hooks import request_ends
 from tests.runner.test_batching import _tokens_and_logprobs
 from tests.tolerances import LOGPROB_ABS
@@ -46,3 +47,34 @@ def test_a_prompt_going_on_from_all_a_shifted_entry_holds_reuses_it_all(loaded_t
     held = runner.cache_tokens
     out = runner.generate(held + [7, 8], max_tokens=2, speculative=None)
     assert out.cached_tokens == len(held)
+
+
+@pytest.mark.parametrize(
+    ("parting_at", "read_bytes_per_s"),
+    [(32, None), (34, 1e6)],
+    ids=["at-a-block-end", "past-a-partial-restore"],
+)
+def test_a_prompt_parting_from_a_stored_shifted_entry_reuses_only_the_exact_tokens(
+    loaded_tiny, tmp_path, monkeypatch, parting_at, read_bytes_per_s
+):
+    """On the disk tier (16-token blocks), "goes on from all it holds" is judged against the
+    whole stored line: a prompt parting where a block ends (its chain stops there), or past
+    the blocks a partial restore loads (reading slowly), parts from the shifted text."""
+    monkeypatch.setattr(store_module, "BLOCK_TOKENS", 16)
+    loaded = loaded_tiny("llama")
+    runner = _shifted_runner(loaded, cache_dir=tmp_path)
+    held = runner.cache_tokens
+    runner._pool.store.flush()
+    runner.reset()  # only the disk holds it now
+    if read_bytes_per_s is not None:
+        runner._pool.prefill_tokens_per_s = 1000.0
+        runner._pool.store.read_bytes_per_s = read_bytes_per_s
+    prompt = held[:parting_at] + [t for t in (7, 8, 9, 10, 11) if t != held[parting_at]][:4]
+    options = {"max_tokens": 8, "logprobs": 0, "logit_bias": NO_EOS}
+    ends = []
+    with request_ends(ends.append):
+        got = _tokens_and_logprobs(runner.stream(prompt, **options))
+    want = _tokens_and_logprobs(Runner(loaded, speculative=None).stream(prompt, **options))
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], abs=LOGPROB_ABS)
+    assert not ends[0].entry.cache.shifted

@@ -44,6 +44,9 @@ class StoredChain:
 
     blocks: tuple[StoredEntry, ...]
     num_tokens: int
+    # The query it serves goes on from all its stored line holds: every block matched whole,
+    # none stored after the last (a shifted entry's approximated K/V serve only such a query).
+    goes_on: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +75,8 @@ def longest_chain(
     best_blocks, best_tokens = 0, 0
     while True:
         best, best_key = None, (0, 0, 0)
-        for block in children.get(parent, ()):
+        followers = children.get(parent, ())
+        for block in followers:
             if block.start != matched:
                 continue
             shared = common_prefix_length(block.tokens, query[matched:])
@@ -95,7 +99,8 @@ def longest_chain(
     # every layer trims: the whole last block, read anyway, stays (it may serve its own
     # conversation's next turn); else the state layers exist only at `best_tokens`
     end = chain[-1].start + chain[-1].num_tokens if trimmable else best_tokens
-    return StoredChain(chain, end), best_tokens
+    goes_on = best is None and not followers and best_blocks == len(blocks)
+    return StoredChain(chain, end, goes_on), best_tokens
 
 
 def partial_restores(chain: StoredChain, *, trimmable: bool) -> list[StoredChain]:

@@ -292,7 +292,7 @@ class CachePool:
         if cache is None:
             return entry, reuse
         restored = cache.nearest_restorable(min(disk_reuse, cache.num_tokens))
-        restored = _exact_part(cache, restored, goes_on=disk_reuse >= cache.num_tokens)
+        restored = _exact_part(cache, restored, goes_on=restore.goes_on)
         if restored <= reuse:
             return entry, reuse
         logger.info("disk cache: loaded an entry of %d tokens", cache.num_tokens)
