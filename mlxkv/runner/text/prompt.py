@@ -47,6 +47,7 @@ from mlxkv.runner.text.replies import (
     before_reply,
     check_calls_apart,
     continued_ids,
+    generation_prompt_of,
     known_reply,
     masked_reply,
     slot_texts,
@@ -420,6 +421,7 @@ class PromptEncoder:
         text = self.tokenizer.apply_chat_template(masked, tokenize=False, **template_args)
         ids: list[int] = []
         cursor, reply_start = 0, None
+        opened = generation_prompt_of(self.tokenizer, template_args, "Hi")
         for i, slot in slots.items():
             start = text.find(slot, cursor)
             tainted = i in prepared.tainted
@@ -436,7 +438,7 @@ class PromptEncoder:
                 )
             head, content = text[cursor:start], messages[i]["content"]
             if i in known:
-                head = before_reply(head, known[i], content, self.tokenizer.decode)
+                head = before_reply(head, known[i], content, self.tokenizer.decode, opened)
             if i in known or tainted:
                 own = list(known[i]) if i in known else self._plain_ids(content)
                 ids += prepared.encode(head) + own

@@ -239,21 +239,56 @@ def masked_reply(message: Message, slot: str) -> Message:
     return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": slot}
 
 
-def before_reply(head: str, ids: Sequence[int], content: Any, decode: Callable) -> str:
+def before_reply(
+    head: str,
+    ids: Sequence[int],
+    content: Any,
+    decode: Callable,
+    generation_prompt: Callable[[], str | None],
+) -> str:
     """`head`, the template's text before a known reply's `ids`, without the whitespace those
-    ids begin with and its `content` does not, where `head` ends with it.
+    ids begin with and its `content` does not, where `head` ends with it and the template's
+    generation prompt (`generation_prompt()`, the text the reply was generated after; None:
+    unknown) did not.
 
     A model that wrote ` than` after a generation prompt ending `Assistant:` returns the text
     `than` (the detokenizer drops a reply's leading space); a template that renders a reply
     sent back as `Assistant: {content}` (SmolVLM's, Idefics3's, Vicuna's) writes that space
     itself, and with the ids after it the prompt would read `Assistant:  than`: neither what
-    the cache holds (the whole reply computed again every turn) nor the template's text."""
+    the cache holds (the whole reply computed again every turn) nor the template's text. A
+    generation prompt that ends `Assistant: ` itself held the space before the ids: kept."""
     first = decode(list(ids[:1]))
     lead = first[: len(first) - len(first.lstrip())]
     text = content if isinstance(content, str) else ""
     if lead and not text.startswith(lead) and head.endswith(lead):
-        return head[: -len(lead)]
+        opened = generation_prompt()
+        if opened is not None and not opened.endswith(lead):
+            return head[: -len(lead)]
     return head
+
+
+def generation_prompt_of(
+    tokenizer: Any, template_args: dict[str, Any], user_content: Any
+) -> Callable[[], str | None]:
+    """A call giving, rendered once when first asked, the text `tokenizer`'s chat template
+    writes for a generation prompt after one user message of `user_content` (a string, or
+    parts for a template that reads them), with `template_args`'s switches and tools; None
+    where the template refuses that message or renders it otherwise with the prompt."""
+
+    @functools.cache
+    def text() -> str | None:
+        args = {k: v for k, v in template_args.items() if k != "add_generation_prompt"}
+        user = [{"role": "user", "content": user_content}]
+        try:
+            closed = tokenizer.apply_chat_template(user, tokenize=False, **args)
+            opened = tokenizer.apply_chat_template(
+                user, tokenize=False, add_generation_prompt=True, **args
+            )
+        except TemplateError:
+            return None
+        return opened[len(closed) :] if opened.startswith(closed) else None
+
+    return text
 
 
 def replies_for(tokenizer: Any) -> ReplyTokens:

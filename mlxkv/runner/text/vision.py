@@ -55,10 +55,14 @@ from mlxkv.runner.text.replies import (
     ReplyIds,
     before_reply,
     check_calls_apart,
+    generation_prompt_of,
     masked_reply,
     slot_text,
     without_call_replies,
 )
+
+# A user message's text part, for the generation prompt the template writes after one.
+_HI = {"type": "text", "text": "Hi"}
 
 
 @dataclass(frozen=True)
@@ -191,7 +195,8 @@ class VisionPrompts:
         self._recent = {i.digest: p for i, p in zip(decoded, processed, strict=True)}
         try:
             replied = {slot: sent[i]["content"] for slot, i in known.items()}
-            segments = self._ids(text, slots, replied, [p.text for p in processed], calls.encode)
+            expansions = [p.text for p in processed]
+            segments = self._ids(text, slots, replied, expansions, calls.encode, args)
         except _ReplyRewritten:  # the template changed a reply: every reply renders as text
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
             return self.encode(
@@ -272,18 +277,20 @@ class VisionPrompts:
         replied: dict[str, Any],
         expansions: list[str],
         encode: Callable[[str], list[int]],
+        template_args: dict[str, Any],
     ) -> list[tuple[list[int], bool]]:
         """The rendered text's ids in segments: (ids, from the template) pairs. Each image
         marker the template wrote is replaced, in the text, by its image's expansion (as the
         processor does), so the text around it tokenizes as in the model's own pipeline (by
         `encode`); each slot by the ids it stands for, a reply's (`replied`: its slot -> its
-        content as sent) after the template's text less the space its ids hold
-        (`before_reply`).
+        content as sent) after the template's text less the space its ids hold and the
+        generation prompt (with `template_args`) did not (`before_reply`).
 
         Raises:
             _ReplyRewritten: a reply's slot is not in the text once, as given."""
         segments, cursor = [], 0
         pending = list(reversed(expansions))
+        opened = generation_prompt_of(self._prompts.tokenizer, template_args, [_HI])
 
         def template(piece: str) -> list[int]:
             marker = self._support.family.marker
@@ -301,7 +308,8 @@ class VisionPrompts:
                 raise ValueError("the chat template rewrote a message's text; it cannot be kept")
             head = text[cursor:start]
             if slot in replied:
-                head = before_reply(head, ids, replied[slot], self._prompts.tokenizer.decode)
+                decode = self._prompts.tokenizer.decode
+                head = before_reply(head, ids, replied[slot], decode, opened)
             segments.append((template(head), True))
             segments.append((ids, False))
             cursor = start + len(slot)
