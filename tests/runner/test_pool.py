@@ -323,3 +323,24 @@ def test_two_requests_with_one_prompt_at_once_keep_both_replies():
     held = sorted(e.tokens.tolist() for e in pool.entries)
     assert held == [[7, 7, 1, 1, 5, 5, 5], [7, 7, 1, 1, 6]]
     _check_entries(pool)
+
+
+@pytest.mark.parametrize("max_entries", [1, 4])
+def test_a_deleted_conversation_frees_only_entries_its_own_key_last_took(max_entries):
+    """A client sending no key that goes on from (or trims in place) an entry the page's
+    conversation labelled keeps it when the page deletes that conversation; the page's own
+    entry, its last request keyed, is freed."""
+    pool = CachePool(_make_entry, max_entries=max_entries)
+    hit = pool.fetch_nearest([1, 2, 3, 4], reply_start=4, label="chatA")
+    hit.entry.cache.forward(_IdWriter(), [*hit.remaining, 5])
+    pool.release(hit.entry)
+    other = [1, 2, 3, 4, 5, 6, 7] if max_entries == 4 else [1, 2, 8, 8]
+    hit = pool.fetch_nearest(other, reply_start=len(other), label=None)
+    hit.entry.cache.forward(_IdWriter(), [*hit.remaining, 9])
+    pool.release(hit.entry)
+    assert pool.drop_labelled("chatA") == 0
+    assert [e.tokens.tolist()[: len(other)] for e in pool.entries] == [other]
+    hit = pool.fetch_nearest([5, 5, 5], reply_start=3, label="chatB")
+    hit.entry.cache.forward(_IdWriter(), [*hit.remaining, 1])
+    pool.release(hit.entry)
+    assert pool.drop_labelled("chatB") == 1

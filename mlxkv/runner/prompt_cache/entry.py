@@ -37,12 +37,13 @@ def token_array(tokens: Sequence[int]) -> np.ndarray:
 
 @dataclass(eq=False)
 class CacheEntry:
-    """One entry: a conversation's state. `tokens` is read at the end of each request (safe
-    to read from any thread; `cache.tokens` is not while a generation runs). `label` names
-    what the entry serves (a conversation id a client sent); it is shown, never matched:
-    lookup is by tokens alone. `cut_start` is the first message kept when the conversation
-    was cut to the window (the request builder matches it), so its next turn
-    cuts there again. `draft_cache` is the draft model's cache for this conversation
+    """One entry: a conversation's state. `tokens` is read at the end of each request (safe to
+    read from any thread; `cache.tokens` is not while a generation runs). `label` names what the
+    entry serves (a conversation id a client sent), shown; `keyed_by` is the label its last
+    request gave (None: none), which a client deleting that conversation frees it by
+    (`CachePool.drop_labelled`): lookup is by tokens alone. `cut_start` is the first message
+    kept when the conversation was cut to the window (the request builder matches it), so its
+    next turn cuts there again. `draft_cache` is the draft model's cache for this conversation
     (speculative decoding), counted in the entry's bytes. `salt` is the isolation domain the
     entry belongs to (a digest of a request's `cache_salt`, None for the shared one): only
     requests of the same salt reuse it. `went_on_in` is the copy a later request of the same
@@ -55,6 +56,7 @@ class CacheEntry:
     reply_start: int = 0
     last_used: float = field(default_factory=time.time)
     label: str | None = None
+    keyed_by: str | None = None
     cut_start: Message | None = None
     draft_cache: ModelCache | None = None
     salt: str | None = None

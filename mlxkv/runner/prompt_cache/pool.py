@@ -190,6 +190,7 @@ class CachePool:
         entry.last_used = time.time()
         entry.cut_start = cut_start
         entry.label = label if label is not None else entry.label
+        entry.keyed_by = label
         self.latest = entry
         self._in_use[entry] = query
         points = self._checkpoints(len(tokens), reuse, reply_start, keep)
@@ -464,7 +465,7 @@ class CachePool:
         Returns:
             The number of entries dropped.
         """
-        dropped = [e for e in self._entries if e.label == label and e.salt is None]
+        dropped = [e for e in self._entries if e.keyed_by == label and e.salt is None]
         for entry in dropped:
             self._drop(entry, write=False)
         return len(dropped)
