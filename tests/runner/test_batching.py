@@ -54,13 +54,17 @@ def _together(runner, prompts, **options):
 
 def _queued_then_run(runner, targets) -> None:
     """Each target (reading one batched stream) on a thread of its own, the engine held until
-    every stream has taken its place; returns when all have ended."""
-    gate = threading.Event()
-    runner._engine._submit(lambda: gate.wait(30))
+    every stream's first job is queued on it; returns when all have ended. A place taken in
+    the batch is not enough: under load a thread can wait between its place and its first
+    job while the others prefill and decode without it. The engine takes the holding job
+    first, so that no first job goes ahead of it."""
+    holding, gate = threading.Event(), threading.Event()
+    runner._engine._submit(lambda: (holding.set(), gate.wait(30)))
+    assert holding.wait(30), "the engine never took the holding job"
     threads = [threading.Thread(target=target) for target in targets]
     for thread in threads:
         thread.start()
-    wait_until(lambda: runner._dispatch._slots.taken == len(targets), what="every stream queued")
+    wait_until(lambda: len(runner._engine._urgent) == len(targets), what="every first job queued")
     gate.set()
     joined(*threads)
 
@@ -412,15 +416,7 @@ def _first_jobs_queued_then_run(runner, prompts, options) -> list:
         chunks = runner.stream(prompts[i], batched=True, **options[i])
         results[i] = _tokens_and_logprobs(chunks)
 
-    holding, gate = threading.Event(), threading.Event()
-    runner._engine._submit(lambda: (holding.set(), gate.wait(30)))
-    assert holding.wait(30), "the engine never took the holding job"  # no first job before it
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    wait_until(lambda: len(runner._engine._urgent) == len(prompts), what="every first job queued")
-    gate.set()
-    joined(*threads)
+    _queued_then_run(runner, [lambda i=i: run(i) for i in range(len(prompts))])
     return results
 
 

@@ -216,7 +216,7 @@ def test_warm_up_runs_a_batched_step_where_the_vision_model_batches(loaded, monk
 
 def test_streams_sent_at_once_about_one_image_feed_it_once(loaded, images, steps):
     """The second waits for the first to feed the image and the shared text, copies them,
-    and both decode together, as each would alone."""
+    and both decode together (read in step: `_two_in_step`), as each would alone."""
     shared = "Look closely at this picture and think about it for a while. " * 4
     conversations = [[_user(images[0], shared + ending)] for ending in ("Colors?", "Shapes?")]
     want = [_alone(loaded, messages, 12) for messages in conversations]
@@ -229,13 +229,9 @@ def test_streams_sent_at_once_about_one_image_feed_it_once(loaded, images, steps
         prefill_step_size=8,
         speculative=None,
     )
-    got: list = [None, None]
-
-    def run(i):
-        got[i] = list(runner.stream(conversations[i], batched=True, max_tokens=12, **GREEDY))
-
     runs = loaded.vision.encoder_runs
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(2)])
+    # read in step: the first could otherwise decode all its tokens before the second joins
+    got = _two_in_step(runner, conversations, max_tokens=12, **GREEDY)
     _assert_same([_tokens_and_logprobs(chunks) for chunks in got], want)
     cached = sorted(chunks[-1].completion.cached_tokens for chunks in got)
     image_end = max(i for i, t in enumerate(runner.encode(conversations[0])) if t >= 1 << 31)
