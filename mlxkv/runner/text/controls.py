@@ -45,6 +45,12 @@ class ControlText:
         # None also for a tokenizer without a `tokenizers` backend: such text is refused
         self.plain = plain_text_tokenizer(tokenizer) if controls else None
 
+    def plain_ids(self, text: str) -> list[int]:
+        """`text`'s ids, its control-token strings as plain text (`plain` must be set); by the
+        batch call, which releases the GIL while it runs (`encode` held it: a long message
+        stopped every other thread, the server's event loop too)."""
+        return self.plain.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
     def found(self, text: Any) -> str | None:
         """The first control-token string in `text` (a str), or None."""
         if self.pattern is None or not isinstance(text, str):
@@ -132,7 +138,7 @@ class ControlText:
         pieces = re.split(f"({'|'.join(strings)})", text)
         ids = list(encode(pieces[0]))
         for key, piece in zip(pieces[1::2], pieces[2::2], strict=True):
-            ids += self.plain.encode(strings[key], add_special_tokens=False).ids
+            ids += self.plain_ids(strings[key])
             ids += encode(piece)
         return ids
 

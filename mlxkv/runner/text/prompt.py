@@ -122,9 +122,7 @@ class PromptEncoder:
         # Rendered text to ids, segments seen in an earlier turn taking their ids from then;
         # so does content tokenized as plain text (an agent's replies sent back each turn).
         self._segments = SegmentEncoder(tokenizer)
-        self._plain_ids = KeptIds(
-            lambda text: self.controls.plain.encode(text, add_special_tokens=False).ids
-        )
+        self._plain_ids = KeptIds(self.controls.plain_ids)
         # Variables the chat template reads: only those are passed as switches.
         self.template_variables = template_variables(getattr(tokenizer, "chat_template", None))
         # Every id the tokenizer can give is in the model's vocabulary: its output needs no

@@ -236,7 +236,7 @@ class VisionPrompts:
             if not calls.enabled or not controls.found(value):
                 return value
             slot = slot_text(nonce, len(slots))
-            slots[slot] = controls.plain.encode(value, add_special_tokens=False).ids
+            slots[slot] = controls.plain_ids(value)
             return slot
 
         def reply(message: Message) -> list[int] | None:  # sent back as text parts too
