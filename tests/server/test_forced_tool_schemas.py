@@ -2,7 +2,8 @@
 model adds keys until `max_tokens`), but an object whose keys also come from a sibling
 keyword (`anyOf`, `oneOf`, `$ref`, `patternProperties`, `if`/`then`, ...) stays open, and so do
 the branches that add them: closed, each part would refuse the others' keys and no call could
-be written. Checked by the grammar itself (llguidance, through `json_schema_grammar`)."""
+be written. A plain object's plain `anyOf`/`oneOf` branches take its keys and are closed.
+Checked by the grammar itself (llguidance, through `json_schema_grammar`)."""
 
 from __future__ import annotations
 
@@ -63,8 +64,13 @@ PLAIN = {
         {"at": {"city": "Rome", "x": 1}},
         {"at": {"city": "Rome"}},
     ),
+    "anyOf-branches-take-the-parent-keys": (
+        {"type": "object", "properties": KIND, "required": ["kind"], "anyOf": X_OR_Y},
+        {"kind": "a", "x": 1, "z": 2},
+        {"kind": "a", "x": 1},
+    ),
     "object-inside-an-open-one": (
-        {"type": "object", "properties": {"at": PLACE}, "anyOf": X_OR_Y},
+        {"type": "object", "properties": {"at": PLACE}, "anyOf": X_OR_Y, "minProperties": 1},
         {"at": {"city": "Rome", "x": 1}, "x": 1},
         {"at": {"city": "Rome"}, "x": 1},
     ),

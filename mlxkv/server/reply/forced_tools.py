@@ -202,6 +202,7 @@ def _closed(schema: Any, pointer: str, extended: bool, opened: set[str]) -> Any:
         return [_closed(item, f"{pointer}/{i}", extended, opened) for i, item in enumerate(schema)]
     if not isinstance(schema, dict):
         return schema
+    schema = _distributed(schema)
     extended = extended or pointer in opened
     closed = {}
     for key, value in schema.items():
@@ -224,6 +225,42 @@ def _closed(schema: Any, pointer: str, extended: bool, opened: set[str]) -> Any:
     if isinstance(schema.get("properties"), dict) and not (extended or _OPENERS & schema.keys()):
         closed["additionalProperties"] = False
     return closed
+
+
+# Keywords of a plain object: its keys, the ones it requires, and notes.
+_PLAIN = frozenset({"type", "properties", "required", "title", "description"})
+
+
+def _distributed(schema: dict[str, Any]) -> dict[str, Any]:
+    """A plain object with an `anyOf`/`oneOf` of plain branches as the same alternatives
+    with its keys copied into each branch, which can then be closed: each takes its own keys
+    and the parent's, which a small model would otherwise extend until `max_tokens` (the same
+    calls validate). Else `schema` as given."""
+    combinators = schema.keys() & _ALTERNATIVES
+    if len(combinators) != 1 or not schema.keys() - combinators <= _PLAIN:
+        return schema
+    (combinator,) = combinators
+    names = schema.get("properties", {})
+    branches = schema[combinator]
+    if not isinstance(names, dict) or not isinstance(branches, list) or not names:
+        return schema
+    if not all(isinstance(b, dict) and b.keys() <= _PLAIN for b in branches):
+        return schema
+    if any(names.keys() & b.get("properties", {}).keys() for b in branches):
+        return schema  # one key typed by both: left as sent
+    required = list(schema.get("required", []))
+    parent = {k: v for k, v in schema.items() if k not in ("properties", "required", combinator)}
+    return {
+        **parent,
+        combinator: [
+            {
+                **b,
+                "properties": {**names, **b.get("properties", {})},
+                "required": required + list(b.get("required", [])),
+            }
+            for b in branches
+        ],
+    }
 
 
 def _escaped(name: str) -> str:
