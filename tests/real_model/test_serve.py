@@ -116,3 +116,38 @@ def test_langchain_chat_anthropic_structured_output(server_url):
     (block,) = out.content
     assert block.type == "tool_use" and out.stop_reason == "tool_use"
     CityInfo.model_validate(block.input)
+
+
+# A tool without parameters, and one whose keys come from `properties` and an `anyOf` beside
+# it, each with the arguments SmolLM2 may write: only the listed keys, and the call ends.
+_FORCED = {
+    "now": ({"type": "object", "properties": {}}, lambda arguments: arguments == {}),
+    "move": (
+        {
+            "type": "object",
+            "properties": {"unit": {"enum": ["m", "km"]}},
+            "required": ["unit"],
+            "anyOf": [
+                {"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                {"properties": {"y": {"type": "integer"}}, "required": ["y"]},
+            ],
+        },
+        lambda arguments: arguments.get("unit") in ("m", "km") and {"x", "y"} & arguments.keys(),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_FORCED))
+def test_a_forced_call_ends_with_arguments_of_its_schema(server_url, name):
+    """Closed to unlisted keys where nothing else brings keys in (else SmolLM2 adds keys until
+    `max_tokens`); open where `anyOf` does (else no call could be written)."""
+    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0)
+    parameters, valid = _FORCED[name]
+    tool = {"type": "function", "function": {"name": name, "parameters": parameters}}
+    out = client.chat.completions.create(
+        model="gpt-4o-mini", messages=QUESTION, tools=[tool], max_tokens=120,
+        tool_choice={"type": "function", "function": {"name": name}},
+    )  # fmt: skip
+    assert out.choices[0].finish_reason == "tool_calls", out.choices[0].message
+    (call,) = out.choices[0].message.tool_calls
+    assert valid(json.loads(call.function.arguments)), call.function.arguments

@@ -160,31 +160,112 @@ def _arguments(function: dict[str, Any]) -> str:
 
 
 def _parameters(function: dict[str, Any]) -> Any:
-    """The tool's parameters with every object that lists its `properties` and says nothing
-    of others closed to them (`additionalProperties: false`, as llama.cpp's grammars and
-    OpenAI's strict mode take it): JSON Schema allows any other key there, and a small model
-    adds keys (or nests the call again in a tool without parameters) until `max_tokens`, so
-    the call never ends; arguments of the listed keys validate all the same. Not where
-    `allOf` joins objects, whose keys each part would refuse to the others."""
+    """The tool's parameters with every object that lists its `properties` and that nothing
+    else brings keys into closed to others (`additionalProperties: false`, as llama.cpp's
+    grammars and OpenAI's strict mode take it): JSON Schema allows any other key there, and a
+    small model adds keys (or nests the call again in a tool without parameters) until
+    `max_tokens`, so the call never ends; arguments of the listed keys validate all the same.
+    Not where a sibling keyword (`anyOf`, `$ref`, `if`, ...) adds keys to the same object:
+    each part, closed, would refuse the others' keys and no call could be written. Runs until
+    the `$ref` targets found in such places stop growing (a target may be walked before the
+    `$ref` that opens it)."""
     parameters = function.get("parameters") or {"type": "object"}
-    return parameters if "allOf" in json.dumps(parameters) else _closed(parameters)
+    opened: set[str] = set()
+    for _ in range(json.dumps(parameters).count('"$ref"') + 1):  # a pass opens one or stops
+        num_opened = len(opened)
+        closed = _closed(parameters, "#", False, opened)
+        if len(opened) == num_opened:
+            break
+    return closed
 
 
-def _closed(schema: Any) -> Any:
+# Keywords whose schemas apply to the object they sit on.
+_IN_PLACE = frozenset(
+    {"allOf", "anyOf", "oneOf", "if", "then", "else", "not", "$ref", "$dynamicRef"}
+    | {"dependentSchemas", "dependencies"}
+)
+# Keywords that bring keys into the object they sit on, besides its own `properties`.
+_OPENERS = (
+    _IN_PLACE - {"not"} | {"additionalProperties", "patternProperties"} | {"unevaluatedProperties"}
+)
+# Keywords of an object's keys: the branches of its combinators must leave room for them.
+_OWN_KEYS = _OPENERS | {"properties", "required", "dependentRequired"}
+# Keywords whose one schema may stand alone for the object (one branch of several, a pointer).
+_ALTERNATIVES = frozenset({"anyOf", "oneOf", "$ref"})
+
+
+def _closed(schema: Any, pointer: str, extended: bool, opened: set[str]) -> Any:
+    """`schema` (at JSON pointer `pointer`) with its plain objects closed; `extended`: keys of
+    this object may come from a sibling schema, so it stays open. Adds to `opened` the
+    `$ref` targets that sit in such a place (walked open on the next pass)."""
     if isinstance(schema, list):
-        return [_closed(item) for item in schema]
+        return [_closed(item, f"{pointer}/{i}", extended, opened) for i, item in enumerate(schema)]
     if not isinstance(schema, dict):
         return schema
+    schema = _distributed(schema)
+    extended = extended or pointer in opened
     closed = {}
     for key, value in schema.items():
-        if key in _NAMED_SCHEMAS and isinstance(value, dict):
-            closed[key] = {name: _closed(sub) for name, sub in value.items()}
+        at = f"{pointer}/{_escaped(key)}"
+        # A branch is alone only in an anyOf/oneOf/$ref of a parent with no keys of its own.
+        in_place = key in _IN_PLACE
+        shared = extended or key not in _ALTERNATIVES or bool((_OWN_KEYS - {key}) & schema.keys())
+        if key == "$ref" and isinstance(value, str) and shared:
+            opened.add(value)
+        if key in _DATA_KEYWORDS or key == "$ref":
+            closed[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            branch = in_place and shared
+            closed[key] = {
+                name: _closed(sub, f"{at}/{_escaped(name)}", branch, opened)
+                for name, sub in value.items()
+            }
         else:
-            closed[key] = value if key in _DATA_KEYWORDS else _closed(value)
-    others = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
-    if isinstance(schema.get("properties"), dict) and not others & schema.keys():
+            closed[key] = _closed(value, at, in_place and shared, opened)
+    if isinstance(schema.get("properties"), dict) and not (extended or _OPENERS & schema.keys()):
         closed["additionalProperties"] = False
     return closed
+
+
+# Keywords of a plain object: its keys, the ones it requires, and notes.
+_PLAIN = frozenset({"type", "properties", "required", "title", "description"})
+
+
+def _distributed(schema: dict[str, Any]) -> dict[str, Any]:
+    """A plain object with an `anyOf`/`oneOf` of plain branches as the same alternatives
+    with its keys copied into each branch, which can then be closed: each takes its own keys
+    and the parent's, which a small model would otherwise extend until `max_tokens` (the same
+    calls validate). Else `schema` as given."""
+    combinators = schema.keys() & _ALTERNATIVES
+    if len(combinators) != 1 or not schema.keys() - combinators <= _PLAIN:
+        return schema
+    (combinator,) = combinators
+    names = schema.get("properties", {})
+    branches = schema[combinator]
+    if not isinstance(names, dict) or not isinstance(branches, list) or not names:
+        return schema
+    if not all(isinstance(b, dict) and b.keys() <= _PLAIN for b in branches):
+        return schema
+    if any(names.keys() & b.get("properties", {}).keys() for b in branches):
+        return schema  # one key typed by both: left as sent
+    required = list(schema.get("required", []))
+    parent = {k: v for k, v in schema.items() if k not in ("properties", "required", combinator)}
+    return {
+        **parent,
+        combinator: [
+            {
+                **b,
+                "properties": {**names, **b.get("properties", {})},
+                "required": required + list(b.get("required", [])),
+            }
+            for b in branches
+        ],
+    }
+
+
+def _escaped(name: str) -> str:
+    """`name` as one JSON pointer step."""
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 # The id Mistral 7B v0.3 and Nemo write after a call's arguments (their templates render it so).
@@ -213,7 +294,9 @@ def _one_call(
 # Keywords whose values are JSON data, not schemas: a "$ref" in them is not a pointer.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # Keywords whose values name schemas: a name ("default", "$ref") is not a keyword.
-_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+_NAMED_SCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
 
 
 def _rebased(schema: Any, root: str) -> Any:
