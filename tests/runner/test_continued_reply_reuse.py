@@ -115,3 +115,23 @@ def test_a_prefill_sharing_a_token_with_the_template_renders_as_text(tmp_path, p
     want, want_logprobs = _answer(Runner(load_model(path), max_context=1024), messages)
     assert got.tokens == want.tokens
     np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_continued_replys_text_keeps_its_first_tokens_space(loaded_tiny, arch):
+    """A reply continuing a message begins with its first token's text as the whole decodes it
+    after the prefill (the independent reference): ` time` after `Once upon` reads ` time`, not
+    `time` (a client shows the prefill and the reply joined: `Once upontime`)."""
+    runner = Runner(loaded_tiny(arch), max_context=512)
+    tokenizer = runner.tokenizer
+    for i in range(30):
+        prefilled = [*QUESTION, {"role": "assistant", "content": f"Once upon {i}"}]
+        reply = runner.generate(prefilled, max_tokens=6, temperature=0, switches=CONTINUE)
+        prompt = runner.encode(prefilled, switches=CONTINUE)
+        before = tokenizer.decode(prompt)
+        first = tokenizer.decode(prompt + reply.tokens[:1])[len(before) :]
+        if first[:1].isspace() and first.strip() and "\ufffd" not in first:
+            break
+    else:
+        pytest.skip("no continued reply of 30 began with a spaced token")
+    assert reply.text.startswith(first)

@@ -30,8 +30,7 @@ def emit_chunks(
     string, and the request's cancel flag end it (the generator `decoded` is then left, which
     stops the model)."""
     stops = StopStrings(request.params.stop)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
+    detokenizer = _detokenizer(tokenizer, continues=request.reply_start is not None)
     finish, cut_by_stop_string = "length", False
     for token in decoded:
         if token is PAUSE:  # batched decoding lets other work run first
@@ -61,3 +60,17 @@ def emit_chunks(
             finish = "stop"
         stats.text.append(tail)
     yield stats.final_chunk(tail, finish, stops.matched)
+
+
+def _detokenizer(tokenizer: Any, *, continues: bool) -> Any:
+    """mlx-lm's streaming detokenizer, which drops the space a reply's first token holds (a
+    reply begins a message); for a reply that continues one (Anthropic's prefill, where the
+    request knows its start: `Request.reply_start`) it is primed with a letter first, so the
+    space stays: "France is" + " Paris", not "isParis"."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    if continues:
+        detokenizer.add_token(tokenizer.encode("a", add_special_tokens=False)[-1])
+        detokenizer.finalize()
+        _ = detokenizer.last_segment  # the letter's: read, not the reply's
+    return detokenizer
