@@ -22,6 +22,19 @@ def _shifted_runner(loaded, **options) -> Runner:
     return runner
 
 
+def _answers_as_fresh_and_unshifted(runner: Runner, loaded, prompt: list[int]) -> None:
+    """`runner` answers `prompt` as a fresh Runner does (log-probabilities), on an entry that
+    holds no approximated K/V after it."""
+    options = {"max_tokens": 8, "logprobs": 0, "logit_bias": NO_EOS}
+    ends = []
+    with request_ends(ends.append):
+        got = _tokens_and_logprobs(runner.stream(prompt, **options))
+    want = _tokens_and_logprobs(Runner(loaded, speculative=None).stream(prompt, **options))
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], abs=LOGPROB_ABS)
+    assert not ends[0].entry.cache.shifted
+
+
 @pytest.mark.parametrize("disk", [False, True], ids=["memory", "disk-tier"])
 def test_a_prompt_parting_past_the_kept_tokens_reuses_only_the_exact_ones(
     loaded_tiny, tmp_path, disk
@@ -31,14 +44,7 @@ def test_a_prompt_parting_past_the_kept_tokens_reuses_only_the_exact_ones(
     if disk:
         runner._pool.store.flush()
     prompt = runner.cache_tokens[: KEEP_TOKENS + 1] + [7, 8, 9, 10]
-    options = {"max_tokens": 8, "logprobs": 0, "logit_bias": NO_EOS}
-    ends = []
-    with request_ends(ends.append):
-        got = _tokens_and_logprobs(runner.stream(prompt, **options))
-    want = _tokens_and_logprobs(Runner(loaded, speculative=None).stream(prompt, **options))
-    assert got[0] == want[0]
-    assert got[1] == pytest.approx(want[1], abs=LOGPROB_ABS)
-    assert not ends[0].entry.cache.shifted
+    _answers_as_fresh_and_unshifted(runner, loaded, prompt)
 
 
 def test_a_prompt_going_on_from_all_a_shifted_entry_holds_reuses_it_all(loaded_tiny):
@@ -70,11 +76,4 @@ def test_a_prompt_parting_from_a_stored_shifted_entry_reuses_only_the_exact_toke
         runner._pool.prefill_tokens_per_s = 1000.0
         runner._pool.store.read_bytes_per_s = read_bytes_per_s
     prompt = held[:parting_at] + [t for t in (7, 8, 9, 10, 11) if t != held[parting_at]][:4]
-    options = {"max_tokens": 8, "logprobs": 0, "logit_bias": NO_EOS}
-    ends = []
-    with request_ends(ends.append):
-        got = _tokens_and_logprobs(runner.stream(prompt, **options))
-    want = _tokens_and_logprobs(Runner(loaded, speculative=None).stream(prompt, **options))
-    assert got[0] == want[0]
-    assert got[1] == pytest.approx(want[1], abs=LOGPROB_ABS)
-    assert not ends[0].entry.cache.shifted
+    _answers_as_fresh_and_unshifted(runner, loaded, prompt)
