@@ -19,14 +19,24 @@ from mlxkv.runner.prompt_cache.pool import PrefixHit
 from mlxkv.runner.results import CompletionStats
 
 
+def _request(ids: list[int]) -> SimpleNamespace:
+    """What `fill_prompt` reads of a request."""
+    return SimpleNamespace(
+        tokens=ids,
+        header_tokens=0,
+        keep=0,
+        progress=None,
+        matched=None,
+        cancelled=threading.Event(),
+    )
+
+
 @pytest.mark.parametrize(("tokens", "pauses"), [(1, 0), (33, 0), (34, 1), (97, 2)])
 def test_a_prefill_pauses_between_chunks_not_after_the_last(loaded_tiny, tokens, pauses):
     loaded = loaded_tiny("llama")
     cache = make_cache(loaded.model)
     ids = list(range(1, tokens + 1))
-    request = SimpleNamespace(
-        tokens=ids, header_tokens=0, keep=0, progress=None, cancelled=threading.Event()
-    )
+    request = _request(ids)
     stats = CompletionStats(time.perf_counter(), prompt_tokens=tokens, cached=0)
     steps = fill_prompt(
         loaded.model, request, PrefixHit(CacheEntry(cache), 0, ids), stats, plan=PrefillPlan(32, 1)
@@ -50,9 +60,7 @@ def test_a_pause_where_a_checkpoint_falls_comes_after_it(loaded_tiny):
     loaded = loaded_tiny("lfm2")
     cache = make_cache(loaded.model)
     ids = list(range(1, 98))
-    request = SimpleNamespace(
-        tokens=ids, header_tokens=0, keep=0, progress=None, cancelled=threading.Event()
-    )
+    request = _request(ids)
     stats = CompletionStats(time.perf_counter(), prompt_tokens=len(ids), cached=0)
     hit = PrefixHit(CacheEntry(cache), 0, ids, checkpoints=(40,))
     steps = fill_prompt(loaded.model, request, hit, stats, plan=PrefillPlan(32, 1))
