@@ -17,7 +17,7 @@ from mlxkv.errors import RunnerBusyError
 from mlxkv.runner import request_run
 from mlxkv.runner.prefill import group as prefill_group
 from mlxkv.testing.factory import ARCHITECTURES
-from tests.factories import joined, recorded, wait_until
+from tests.factories import InStep, joined, recorded, wait_until
 from tests.tolerances import LOGPROB_ABS, logprob_rel
 
 PROMPTS = [
@@ -41,15 +41,22 @@ def _tokens_and_logprobs(chunks):
 
 
 def _together(runner, prompts, **options):
-    """Each prompt's batched stream on a thread of its own, all started before any runs (the
-    engine held meanwhile): (tokens, logprobs) per prompt, and the batch's row counts."""
-    results: list = [None] * len(prompts)
+    """(tokens, logprobs) of each prompt's batched stream, read as `_in_step` reads them."""
+    return [_tokens_and_logprobs(chunks) for chunks in _in_step(runner, prompts, **options)]
 
-    def run(i):
-        results[i] = _tokens_and_logprobs(runner.stream(prompts[i], batched=True, **options))
 
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(len(prompts))])
-    return results
+def _in_step(runner, requests, **options) -> list[list]:
+    """The chunks of each request's batched stream, on a thread of its own, all queued before
+    any runs (`_queued_then_run`) and read in step over their first two chunks (`InStep`):
+    every stream that can batch decodes in one step with all the others that can, whatever
+    the threads' timing."""
+    step, got = InStep(len(requests)), [None] * len(requests)
+
+    def read(i):
+        got[i] = list(step.read(i, runner.stream(requests[i], batched=True, **options)))
+
+    _queued_then_run(runner, [lambda i=i: read(i) for i in range(len(requests))])
+    return got
 
 
 def _queued_then_run(runner, targets) -> None:
@@ -88,7 +95,7 @@ def test_batched_streams_answer_as_one_at_a_time(loaded_tiny, arch, rows, caplog
     passes = recorded(monkeypatch, prefill_group, "prefill_together", lambda *a, **_: len(a[1]))
     got = _together(runner, PROMPTS, **options)
     _assert_same_answers(got, want)
-    assert max(rows) >= 2, "the streams never decoded together"
+    assert max(rows) == len(PROMPTS), "the streams never decoded all together"
     prefilled_alone = "prompts are prefilled alone" in caplog.text
     assert prefilled_alone == (arch not in PREFILLED_TOGETHER)
     assert bool(passes) == (arch in PREFILLED_TOGETHER), passes
@@ -102,9 +109,10 @@ def test_a_stream_that_leaves_mid_batch_leaves_the_others_exact(loaded_tiny, row
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
     left = threading.Event()
     results: list = [None] * 3
+    step = InStep(3)  # all three decode in the batch before the leaver's third chunk
 
     def leaver():
-        stream = runner.stream(PROMPTS[0], batched=True, **options)
+        stream = step.read(0, runner.stream(PROMPTS[0], batched=True, **options))
         for n, _ in enumerate(stream, 1):
             if n == 3:
                 stream.close()  # a client that went away
@@ -112,7 +120,8 @@ def test_a_stream_that_leaves_mid_batch_leaves_the_others_exact(loaded_tiny, row
                 return
 
     def stayer(i):
-        results[i] = _tokens_and_logprobs(runner.stream(PROMPTS[i], batched=True, **options))
+        chunks = step.read(i, runner.stream(PROMPTS[i], batched=True, **options))
+        results[i] = _tokens_and_logprobs(chunks)
 
     _queued_then_run(runner, [leaver, lambda: stayer(1), lambda: stayer(2)])
     assert left.is_set() and max(rows) == 3
@@ -128,10 +137,11 @@ def test_a_seeded_stream_among_batched_ones_draws_as_alone(loaded_tiny, rows):
     want = [c.token for c in alone.stream(PROMPTS[0], **seeded) if c.token is not None]
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
     results: list = [None] * 3
+    step = InStep(3)  # the two others decode in the batch together before either's third
 
     def run(i):
         options = seeded if i == 0 else {"max_tokens": 16, "temperature": 1.0}
-        stream = runner.stream(PROMPTS[i], batched=True, **options)
+        stream = step.read(i, runner.stream(PROMPTS[i], batched=True, **options))
         results[i] = [c.token for c in stream if c.token is not None]
 
     _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
