@@ -45,15 +45,17 @@ def _together(runner, prompts, **options):
     return [_tokens_and_logprobs(chunks) for chunks in _in_step(runner, prompts, **options)]
 
 
-def _in_step(runner, requests, **options) -> list[list]:
-    """The chunks of each request's batched stream, on a thread of its own, all queued before
-    any runs (`_queued_then_run`) and read in step over their first two chunks (`InStep`):
-    every stream that can batch decodes in one step with all the others that can, whatever
-    the threads' timing."""
+def _in_step(runner, requests, *, each: list[dict] | None = None, **options) -> list[list]:
+    """The chunks of each request's batched stream (with `options`, and its own of `each`
+    over them), on a thread of its own, all queued before any runs (`_queued_then_run`) and
+    read in step over their first two chunks (`InStep`): every stream that can batch
+    decodes in one step with all the others that can, whatever the threads' timing."""
     step, got = InStep(len(requests)), [None] * len(requests)
+    each = each or [{}] * len(requests)
 
     def read(i):
-        got[i] = list(step.read(i, runner.stream(requests[i], batched=True, **options)))
+        stream = runner.stream(requests[i], batched=True, **{**options, **each[i]})
+        got[i] = list(step.read(i, stream))
 
     _queued_then_run(runner, [lambda i=i: read(i) for i in range(len(requests))])
     return got
@@ -202,16 +204,19 @@ def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, ar
 
 def _paused_mid_batch(runner, prompts, options, during, cache_keys=None):
     """Each prompt's batched stream on its own thread (with its key of `cache_keys`, if
-    given); once every stream has read 4 chunks (all of them decoding in the batch),
-    `during()` runs; then the streams finish."""
+    given); once every stream has read 4 chunks (all of them decoding in the batch: read in
+    step over the first two, `InStep`, even those that began speculating alone), `during()`
+    runs; then the streams finish."""
     results: list = [None] * len(prompts)
     halfway = [threading.Event() for _ in prompts]
     go = threading.Event()
     keys = cache_keys or [None] * len(prompts)
+    step = InStep(len(prompts))
 
     def run(i):
         chunks = []
-        for chunk in runner.stream(prompts[i], batched=True, cache_key=keys[i], **options):
+        stream = runner.stream(prompts[i], batched=True, cache_key=keys[i], **options)
+        for chunk in step.read(i, stream):
             chunks.append(chunk)
             if len(chunks) == 4:
                 halfway[i].set()
@@ -535,15 +540,9 @@ def test_greedy_rows_reporting_no_logprobs_pick_together_and_answer_as_alone(
         return call(self, logits)
 
     monkeypatch.setattr(TokenPicker, "__call__", counting)
-    results: list = [None] * 3
-
-    def run(i):
-        logprobs = {"logprobs": 0} if i == 2 else {}
-        results[i] = _tokens_and_logprobs(
-            runner.stream(PROMPTS[i], batched=True, **logprobs, **options)
-        )
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    each = [{}, {}, {"logprobs": 0}]
+    chunks = _in_step(runner, PROMPTS[:3], each=each, **options)
+    results = [_tokens_and_logprobs(c) for c in chunks]
     assert max(rows) == 3
     assert [tokens for tokens, _ in results] == [tokens for tokens, _ in want]
     _assert_same_answers(results[2:], want[2:])
