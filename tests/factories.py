@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -96,6 +96,63 @@ def joined(*threads: threading.Thread, timeout_s: float = 60.0) -> None:
     for thread in threads:
         thread.join(timeout_s)
         assert not thread.is_alive(), f"thread {thread.name} still running after {timeout_s} s"
+
+
+class InStep:
+    """Readers of several streams, one thread each, kept in step over their first `items`
+    items: each waits after its k-th (k <= `items`) until every other reader has its k-th
+    too or has ended. Events, not the threads' timing, decide how the streams overlap.
+
+    Why, for batched streams (`Runner.stream(batched=True)`): each item is computed when
+    its reader asks for it, so a reader the OS leaves waiting lets the others decode their
+    whole replies without it. With `items=2`, every request is decoding (counted from its
+    first chunk) before any asks for its second, and every row has joined the batch before
+    any reader takes a third: the last row to join gets its second token from a step with
+    all the others.
+
+    Args:
+        readers: how many streams are read.
+        items: how many first items of each are read in step.
+    """
+
+    _WAIT_S = 30.0  # a reader that never comes fails here instead of hanging the others
+
+    def __init__(self, readers: int, items: int = 2):
+        self._items = items
+        self._taken = [0] * readers
+        self._ended = [False] * readers
+        self._changed = threading.Condition()
+
+    def read(self, reader: int, stream: Iterable) -> Iterator:
+        """The items of `stream`, for reader number `reader`; closing this closes it."""
+        items = iter(stream)
+        try:
+            for item in items:
+                self._took(reader)
+                yield item
+        finally:
+            with self._changed:
+                self._ended[reader] = True
+                self._changed.notify_all()
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    def _took(self, reader: int) -> None:
+        with self._changed:
+            self._taken[reader] += 1
+            self._changed.notify_all()
+            k = self._taken[reader]
+            if k > self._items:
+                return
+            in_step = self._changed.wait_for(
+                lambda: all(
+                    taken >= k or ended
+                    for taken, ended in zip(self._taken, self._ended, strict=True)
+                ),
+                self._WAIT_S,
+            )
+            assert in_step, f"reader {reader} waited {self._WAIT_S} s for the others' item {k}"
 
 
 class GatedModel:

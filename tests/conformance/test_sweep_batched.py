@@ -16,7 +16,7 @@ from mlxkv.cache.batched import can_batch
 from mlxkv.models.loading import load_model
 from mlxkv.testing.factory import build_model
 from tests.runner.conftest import record_batch_steps
-from tests.runner.test_batching import _queued_then_run
+from tests.runner.test_batching import _in_step
 from tests.tolerances import LOGPROB_ABS
 
 _ARCHS = [
@@ -83,8 +83,8 @@ def test_two_streams_in_a_batch_answer_as_alone(arch, tmp_path, monkeypatch):
     runs = [lambda i=i: run(i) for i in range(2)]
     # AFM's KV-reuse queries sit at the key length, which a batch's padding moves: one place
     assert (runner.max_batch == 1) == (arch == "afm7")
-    if runner.max_batch > 1:
-        _queued_then_run(runner, runs)
+    if runner.max_batch > 1:  # read in step: one reader lagging would leave the other alone
+        got = [_tokens_and_logprobs(c) for c in _in_step(runner, follow_ups, **_GREEDY)]
     else:  # one place: the second stream waits for the first to end
         threads = [threading.Thread(target=one) for one in runs]
         for thread in threads:

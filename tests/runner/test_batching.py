@@ -17,7 +17,7 @@ from mlxkv.errors import RunnerBusyError
 from mlxkv.runner import request_run
 from mlxkv.runner.prefill import group as prefill_group
 from mlxkv.testing.factory import ARCHITECTURES
-from tests.factories import joined, recorded, wait_until
+from tests.factories import InStep, joined, recorded, wait_until
 from tests.tolerances import LOGPROB_ABS, logprob_rel
 
 PROMPTS = [
@@ -41,15 +41,24 @@ def _tokens_and_logprobs(chunks):
 
 
 def _together(runner, prompts, **options):
-    """Each prompt's batched stream on a thread of its own, all started before any runs (the
-    engine held meanwhile): (tokens, logprobs) per prompt, and the batch's row counts."""
-    results: list = [None] * len(prompts)
+    """(tokens, logprobs) of each prompt's batched stream, read as `_in_step` reads them."""
+    return [_tokens_and_logprobs(chunks) for chunks in _in_step(runner, prompts, **options)]
 
-    def run(i):
-        results[i] = _tokens_and_logprobs(runner.stream(prompts[i], batched=True, **options))
 
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(len(prompts))])
-    return results
+def _in_step(runner, requests, *, each: list[dict] | None = None, **options) -> list[list]:
+    """The chunks of each request's batched stream (with `options`, and its own of `each`
+    over them), on a thread of its own, all queued before any runs (`_queued_then_run`) and
+    read in step over their first two chunks (`InStep`): every stream that can batch
+    decodes in one step with all the others that can, whatever the threads' timing."""
+    step, got = InStep(len(requests)), [None] * len(requests)
+    each = each or [{}] * len(requests)
+
+    def read(i):
+        stream = runner.stream(requests[i], batched=True, **{**options, **each[i]})
+        got[i] = list(step.read(i, stream))
+
+    _queued_then_run(runner, [lambda i=i: read(i) for i in range(len(requests))])
+    return got
 
 
 def _queued_then_run(runner, targets) -> None:
@@ -88,7 +97,7 @@ def test_batched_streams_answer_as_one_at_a_time(loaded_tiny, arch, rows, caplog
     passes = recorded(monkeypatch, prefill_group, "prefill_together", lambda *a, **_: len(a[1]))
     got = _together(runner, PROMPTS, **options)
     _assert_same_answers(got, want)
-    assert max(rows) >= 2, "the streams never decoded together"
+    assert max(rows) == len(PROMPTS), "the streams never decoded all together"
     prefilled_alone = "prompts are prefilled alone" in caplog.text
     assert prefilled_alone == (arch not in PREFILLED_TOGETHER)
     assert bool(passes) == (arch in PREFILLED_TOGETHER), passes
@@ -102,9 +111,10 @@ def test_a_stream_that_leaves_mid_batch_leaves_the_others_exact(loaded_tiny, row
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
     left = threading.Event()
     results: list = [None] * 3
+    step = InStep(3)  # all three decode in the batch before the leaver's third chunk
 
     def leaver():
-        stream = runner.stream(PROMPTS[0], batched=True, **options)
+        stream = step.read(0, runner.stream(PROMPTS[0], batched=True, **options))
         for n, _ in enumerate(stream, 1):
             if n == 3:
                 stream.close()  # a client that went away
@@ -112,7 +122,8 @@ def test_a_stream_that_leaves_mid_batch_leaves_the_others_exact(loaded_tiny, row
                 return
 
     def stayer(i):
-        results[i] = _tokens_and_logprobs(runner.stream(PROMPTS[i], batched=True, **options))
+        chunks = step.read(i, runner.stream(PROMPTS[i], batched=True, **options))
+        results[i] = _tokens_and_logprobs(chunks)
 
     _queued_then_run(runner, [leaver, lambda: stayer(1), lambda: stayer(2)])
     assert left.is_set() and max(rows) == 3
@@ -128,10 +139,11 @@ def test_a_seeded_stream_among_batched_ones_draws_as_alone(loaded_tiny, rows):
     want = [c.token for c in alone.stream(PROMPTS[0], **seeded) if c.token is not None]
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
     results: list = [None] * 3
+    step = InStep(3)  # the two others decode in the batch together before either's third
 
     def run(i):
         options = seeded if i == 0 else {"max_tokens": 16, "temperature": 1.0}
-        stream = runner.stream(PROMPTS[i], batched=True, **options)
+        stream = step.read(i, runner.stream(PROMPTS[i], batched=True, **options))
         results[i] = [c.token for c in stream if c.token is not None]
 
     _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
@@ -192,16 +204,19 @@ def test_a_speculative_stream_joins_the_batch_when_another_comes(loaded_tiny, ar
 
 def _paused_mid_batch(runner, prompts, options, during, cache_keys=None):
     """Each prompt's batched stream on its own thread (with its key of `cache_keys`, if
-    given); once every stream has read 4 chunks (all of them decoding in the batch),
-    `during()` runs; then the streams finish."""
+    given); once every stream has read 4 chunks (all of them decoding in the batch: read in
+    step over the first two, `InStep`, even those that began speculating alone), `during()`
+    runs; then the streams finish."""
     results: list = [None] * len(prompts)
     halfway = [threading.Event() for _ in prompts]
     go = threading.Event()
     keys = cache_keys or [None] * len(prompts)
+    step = InStep(len(prompts))
 
     def run(i):
         chunks = []
-        for chunk in runner.stream(prompts[i], batched=True, cache_key=keys[i], **options):
+        stream = runner.stream(prompts[i], batched=True, cache_key=keys[i], **options)
+        for chunk in step.read(i, stream):
             chunks.append(chunk)
             if len(chunks) == 4:
                 halfway[i].set()
@@ -525,15 +540,9 @@ def test_greedy_rows_reporting_no_logprobs_pick_together_and_answer_as_alone(
         return call(self, logits)
 
     monkeypatch.setattr(TokenPicker, "__call__", counting)
-    results: list = [None] * 3
-
-    def run(i):
-        logprobs = {"logprobs": 0} if i == 2 else {}
-        results[i] = _tokens_and_logprobs(
-            runner.stream(PROMPTS[i], batched=True, **logprobs, **options)
-        )
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    each = [{}, {}, {"logprobs": 0}]
+    chunks = _in_step(runner, PROMPTS[:3], each=each, **options)
+    results = [_tokens_and_logprobs(c) for c in chunks]
     assert max(rows) == 3
     assert [tokens for tokens, _ in results] == [tokens for tokens, _ in want]
     _assert_same_answers(results[2:], want[2:])

@@ -18,7 +18,8 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.runner.disk.chains import BLOCK_TOKENS
-from tests.runner.test_batching import _assert_same_answers, _queued_then_run
+from tests.factories import InStep
+from tests.runner.test_batching import _assert_same_answers, _in_step, _queued_then_run
 
 OPTIONS = {"max_tokens": 24, "temperature": 0.0, "logprobs": 0}
 LENGTHS = (20, 45, 9, 70)  # prompt tokens of the four streams
@@ -62,9 +63,10 @@ def test_rows_of_every_layer_kind_decode_as_alone_and_a_slow_reader_leaves_exact
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4, **settings)
     results: list = [None] * len(prompts)
     ahead, slow_left = threading.Event(), threading.Event()
+    step = InStep(len(prompts))  # all four rows in the batch before the slow one falls behind
 
     def slow():  # falls behind while another stream reads on, then goes away
-        stream = runner.stream(prompts[0], batched=True, **OPTIONS)
+        stream = step.read(0, runner.stream(prompts[0], batched=True, **OPTIONS))
         chunks = [next(stream) for _ in range(READ_FIRST)]
         assert ahead.wait(30)
         chunks.append(next(stream))
@@ -74,7 +76,7 @@ def test_rows_of_every_layer_kind_decode_as_alone_and_a_slow_reader_leaves_exact
 
     def reader(i):
         chunks = []
-        for chunk in runner.stream(prompts[i], batched=True, **OPTIONS):
+        for chunk in step.read(i, runner.stream(prompts[i], batched=True, **OPTIONS)):
             chunks.append(chunk)
             if len(chunks) == READ_FIRST + READ_AHEAD:
                 if i == 1:
@@ -85,7 +87,7 @@ def test_rows_of_every_layer_kind_decode_as_alone_and_a_slow_reader_leaves_exact
         results[i] = _answer(chunks)
 
     _queued_then_run(runner, [slow, *(lambda i=i: reader(i) for i in (1, 2, 3))])
-    assert max(rows) >= 3, "the streams never decoded together"
+    assert max(rows) == len(prompts), "the streams never decoded all together"
     _assert_same_answers(results[1:], want[1:], bits)
     slow_tokens, slow_logprobs = results[0]
     assert len(slow_tokens) == READ_FIRST + 1
@@ -120,12 +122,8 @@ def test_a_batched_reply_that_crosses_a_boundary_is_snapshotted_there(
     options = {"max_tokens": 30, "temperature": 0.0}
     config = {"max_context": 2048, "cache_entries": 8, "max_batch": 4, "cache_dir": tmp_path}
     before = Runner(loaded, **config)
-    replies: list = [None, None]
-
-    def run(i, prompt):
-        replies[i] = runner_tokens(before.stream(prompt, batched=True, **options))
-
-    _queued_then_run(before, [lambda: run(0, stored), lambda: run(1, _tokens(5, 12))])
+    read = _in_step(before, [stored, _tokens(5, 12)], **options)
+    replies = [runner_tokens(chunks) for chunks in read]
     assert max(rows) == 2
     before.close()
     prompt = stored + replies[0][:20] + _tokens(10, 30)  # diverges 8 tokens past the boundary

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from mlxkv import Runner
-from tests.factories import joined
-from tests.runner.test_batching import _assert_same_answers, _queued_then_run
+from tests.factories import InStep, joined
+from tests.runner.test_batching import _assert_same_answers, _in_step, _queued_then_run
 from tests.runner.test_batching_layer_kinds import OPTIONS, _answer, _prefix, _tokens
 
 
@@ -34,9 +34,10 @@ def test_a_reader_far_behind_stops_and_its_entry_holds_what_it_streamed(loaded_t
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
     results: list = [None, None]
     ahead = threading.Event()
+    step = InStep(2)  # both rows in the batch before the slow one falls behind
 
     def slow():
-        stream = runner.stream(prompts[0], batched=True, **options)
+        stream = step.read(0, runner.stream(prompts[0], batched=True, **options))
         chunks = [next(stream) for _ in range(3)]
         assert ahead.wait(30)
         stream.close()
@@ -44,7 +45,7 @@ def test_a_reader_far_behind_stops_and_its_entry_holds_what_it_streamed(loaded_t
 
     def fast():
         chunks = []
-        for chunk in runner.stream(prompts[1], batched=True, **options):
+        for chunk in step.read(1, runner.stream(prompts[1], batched=True, **options)):
             chunks.append(chunk)
             if len(chunks) == 33:
                 ahead.set()
@@ -75,15 +76,17 @@ def test_a_reader_behind_past_a_block_boundary_then_a_restart(loaded_tiny, tmp_p
     before = Runner(loaded, **config)
     ahead = threading.Event()
     read: list = []
+    step = InStep(2)  # both rows in the batch before the slow one falls behind
 
     def slow():
-        stream = before.stream(stored, batched=True, **options)
+        stream = step.read(0, before.stream(stored, batched=True, **options))
         read.extend(next(stream).token for _ in range(5))
         assert ahead.wait(30)
         stream.close()
 
     def fast():
-        for n, _ in enumerate(before.stream(_tokens(31, 20), batched=True, **options)):
+        stream = step.read(1, before.stream(_tokens(31, 20), batched=True, **options))
+        for n, _ in enumerate(stream):
             if n == 16:  # the slow row 12 to 17 tokens past its reader: past the boundary
                 ahead.set()
 
@@ -120,13 +123,7 @@ def test_rows_gone_back_to_a_checkpoint_join_the_batch_as_alone(loaded_tiny, arc
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
 
     def together(prompts):
-        results: list = [None] * len(prompts)
-
-        def run(i):
-            results[i] = _answer(runner.stream(prompts[i], batched=True, **options))
-
-        _queued_then_run(runner, [lambda i=i: run(i) for i in range(len(prompts))])
-        return results
+        return [_answer(chunks) for chunks in _in_step(runner, prompts, **options)]
 
     one = together([first, second])
     rounds = [

@@ -15,7 +15,7 @@ from mlxkv.models.loading import load_model
 from mlxkv.runner.disk.chains import BLOCK_TOKENS
 from mlxkv.testing.factory import build_model
 from mlxkv.testing.tiny_recurrent import QWEN3_NEXT_LARGE_STATE
-from tests.runner.test_batching import _queued_then_run
+from tests.runner.test_batching import _in_step
 from tests.runner.test_disk_snapshots import _answer, _assert_same, _tokens
 
 
@@ -72,12 +72,8 @@ def test_batched_replies_across_a_boundary_restore_after_a_restart(runner_of, tm
     crossing its boundary (10 to 12 tokens into its reply) at a step of its own."""
     runner = runner_of("lfm2", cache_dir=tmp_path, max_batch=4, speculative=None)
     prompts = [_tokens(30 + i, 2 * BLOCK_TOKENS - 10 - i) for i in range(3)]
-    replies: list[list[int]] = [[] for _ in prompts]
-
-    def serve(i: int) -> None:
-        replies[i] = runner.generate(prompts[i], max_tokens=24, temperature=0, batched=True).tokens
-
-    _queued_then_run(runner, [lambda i=i: serve(i) for i in range(len(prompts))])
+    read = _in_step(runner, prompts, max_tokens=24, temperature=0)
+    replies = [[c.token for c in chunks if c.token is not None] for chunks in read]
     assert max(rows) == 3
     runner.close()
     for i, stored in enumerate(prompts):

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from mlxkv import Runner
-from tests.runner.test_batching import _queued_then_run, _tokens_and_logprobs
+from tests.runner.test_batching import _in_step, _queued_then_run, _tokens_and_logprobs
 from tests.tolerances import LOGPROB_ABS
 
 PROMPT = "one two three four five six seven eight nine ten. " * 6
@@ -94,12 +94,8 @@ def test_batched_rows_each_with_their_own_settings_answer_as_alone(loaded_tiny, 
         for (p, _), o in zip(ROWS, options, strict=True)
     ]
     runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=len(ROWS))
-    got: list = [None] * len(ROWS)
-
-    def run(i):
-        got[i] = _answer(runner, ROWS[i][0], batched=True, **options[i])
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(len(ROWS))])
+    read = _in_step(runner, [p for p, _ in ROWS], each=options, temperature=0.0, logprobs=0)
+    got = [(_tokens_and_logprobs(chunks), chunks[-1].completion) for chunks in read]
     for (answer, completion), (want_answer, want_completion) in zip(got, want, strict=True):
         _assert_same(answer, want_answer)
         assert completion.finish_reason == want_completion.finish_reason

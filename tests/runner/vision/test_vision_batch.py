@@ -24,7 +24,11 @@ from mlxkv.runner import assembly  # noqa: E402
 from mlxkv.testing.vision_factory import noise_images  # noqa: E402
 from tests.factories import recorded, wait_until  # noqa: E402
 from tests.runner.conftest import record_batch_steps  # noqa: E402
-from tests.runner.test_batching import _queued_then_run, _tokens_and_logprobs  # noqa: E402
+from tests.runner.test_batching import (  # noqa: E402
+    _in_step,
+    _queued_then_run,
+    _tokens_and_logprobs,
+)
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 # M-RoPE families: a prompt with images shifts the positions of the tokens after it.
@@ -88,14 +92,8 @@ def test_streams_with_and_without_images_decode_together_as_alone(loaded, images
     conversations = _conversations(images)
     want = [_alone(loaded, messages, 16) for messages in conversations]
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4, speculative=None)
-    got: list = [None] * len(conversations)
-
-    def run(i):
-        stream = runner.stream(conversations[i], batched=True, max_tokens=16, **GREEDY)
-        got[i] = _tokens_and_logprobs(stream)
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(len(conversations))])
-    _assert_same(got, want)
+    got = _in_step(runner, conversations, max_tokens=16, **GREEDY)
+    _assert_same([_tokens_and_logprobs(chunks) for chunks in got], want)
     assert len({tuple(tokens) for tokens, _ in want}) == 3, "the model must tell them apart"
     if not _batches(loaded):
         assert not steps, "streams on layers that do not batch take turns"
@@ -162,7 +160,7 @@ def test_next_turn_of_an_image_conversation_reuses_its_entry_in_the_batch(loaded
     ]
     want = _alone(loaded, second, 12)
     del steps[:]
-    got = _two_in_step(runner, [second, other], max_tokens=12, **GREEDY)
+    got = _in_step(runner, [second, other], max_tokens=12, **GREEDY)
     completion = got[0][-1].completion
     # what the same two turns reuse one at a time: the first's prompt (its image) at least,
     # and its reply where its text renders back to its tokens; a model with sliding windows
@@ -174,33 +172,6 @@ def test_next_turn_of_an_image_conversation_reuses_its_entry_in_the_batch(loaded
     assert completion.cached_tokens == reused >= (1 if windows else turn_one.prompt_tokens)
     _assert_same([_tokens_and_logprobs(got[0])], [want])
     assert max(rows for rows, _ in steps) == 2
-
-
-def _two_in_step(runner, conversations, **options) -> list[list]:
-    """Two batched streams' chunks, read so that they decode together whatever the order of
-    their prefills (together or one after the other): the first waits after its
-    second chunk (its row in the batch) until the second has its second chunk, which a step
-    of both rows gives; the second waits after its first chunk until then. Events, not the
-    threads' timing, decide the overlap."""
-    joined, both = threading.Event(), threading.Event()
-    got: list = [None, None]
-
-    def read(i):
-        chunks = []
-        for chunk in runner.stream(conversations[i], batched=True, **options):
-            chunks.append(chunk)
-            if i == 0 and len(chunks) == 2:
-                joined.set()
-                assert both.wait(30)
-            elif i == 1 and len(chunks) == 1:
-                assert joined.wait(30)
-            elif i == 1 and len(chunks) == 2:
-                both.set()
-        joined.set(), both.set()  # a reply of one chunk: nothing to wait for
-        got[i] = chunks
-
-    _queued_then_run(runner, [lambda i=i: read(i) for i in range(2)])
-    return got
 
 
 def test_warm_up_runs_a_batched_step_where_the_vision_model_batches(loaded, monkeypatch):
@@ -216,7 +187,7 @@ def test_warm_up_runs_a_batched_step_where_the_vision_model_batches(loaded, monk
 
 def test_streams_sent_at_once_about_one_image_feed_it_once(loaded, images, steps):
     """The second waits for the first to feed the image and the shared text, copies them,
-    and both decode together (read in step: `_two_in_step`), as each would alone."""
+    and both decode together (read in step: `_in_step`), as each would alone."""
     shared = "Look closely at this picture and think about it for a while. " * 4
     conversations = [[_user(images[0], shared + ending)] for ending in ("Colors?", "Shapes?")]
     want = [_alone(loaded, messages, 12) for messages in conversations]
@@ -231,7 +202,7 @@ def test_streams_sent_at_once_about_one_image_feed_it_once(loaded, images, steps
     )
     runs = loaded.vision.encoder_runs
     # read in step: the first could otherwise decode all its tokens before the second joins
-    got = _two_in_step(runner, conversations, max_tokens=12, **GREEDY)
+    got = _in_step(runner, conversations, max_tokens=12, **GREEDY)
     _assert_same([_tokens_and_logprobs(chunks) for chunks in got], want)
     cached = sorted(chunks[-1].completion.cached_tokens for chunks in got)
     image_end = max(i for i, t in enumerate(runner.encode(conversations[0])) if t >= 1 << 31)

@@ -23,8 +23,8 @@ from mlxkv.decoding import decoders  # noqa: E402
 from mlxkv.testing.vision_factory import noise_images  # noqa: E402
 from tests.factories import recorded, wait_until  # noqa: E402
 from tests.runner.conftest import record_batch_steps  # noqa: E402
-from tests.runner.test_batching import _queued_then_run  # noqa: E402
-from tests.runner.vision.test_vision_batch import _batches, _two_in_step, _user  # noqa: E402
+from tests.runner.test_batching import _in_step, _queued_then_run  # noqa: E402
+from tests.runner.vision.test_vision_batch import _batches, _user  # noqa: E402
 from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 GREEDY = {"temperature": 0.0}
@@ -205,7 +205,7 @@ def _cut_beside(loaded, steps, cut: list[dict], other: list[dict]) -> None:
     assert want[0][0] == _alone(loaded, kept, max_context=window, max_tokens=16, **GREEDY)[0]
     runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4, speculative=None)
     options = {"max_tokens": 16, "logprobs": 0, **GREEDY}
-    got = [_result(chunks) for chunks in _two_in_step(runner, [cut, other], **options)]
+    got = [_result(chunks) for chunks in _in_step(runner, [cut, other], **options)]
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
@@ -246,7 +246,7 @@ def test_prefix_hits_ending_after_and_inside_an_image_decode_in_the_batch(loaded
     done = list(runner.stream(partial, max_tokens=4, cancel=cancel, progress=progress))
     assert done[-1].completion.finish_reason == "cancelled"
     assert image_tokens[0] < max(fed) < image_tokens[-1], "the cancel must cut the image"
-    read = _two_in_step(runner, [second, partial], max_tokens=12, logprobs=0, **GREEDY)
+    read = _in_step(runner, [second, partial], max_tokens=12, logprobs=0, **GREEDY)
     got = [_result(chunks) for chunks in read]
     cached = [chunks[-1].completion.cached_tokens for chunks in read]
     for g, w in zip(got, want, strict=True):
@@ -419,7 +419,7 @@ def test_the_same_image_prompt_again_in_the_batch_reuses_all_of_it(loaded, image
     want = [_alone(loaded, m, max_tokens=16, **GREEDY) for m in (again, other)]
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4, speculative=None)
     runner.generate(again, max_tokens=0 + 1, **GREEDY)
-    read = _two_in_step(runner, [again, other], max_tokens=16, logprobs=0, **GREEDY)
+    read = _in_step(runner, [again, other], max_tokens=16, logprobs=0, **GREEDY)
     got = [_result(chunks) for chunks in read]
     cached = [chunks[-1].completion.cached_tokens for chunks in read]
     for g, w in zip(got, want, strict=True):
@@ -543,7 +543,7 @@ def test_the_next_turn_after_a_reply_cut_decodes_in_the_batch_at_the_cut_shift(
     reference.generate(messages, max_tokens=room, **GREEDY)
     want = [_result(reference.stream(turn2, max_tokens=12, logprobs=0, **GREEDY))]
     want.append(_alone(loaded, other, max_context=window, max_tokens=12, **GREEDY))
-    read = _two_in_step(runner, [turn2, other], max_tokens=12, logprobs=0, **GREEDY)
+    read = _in_step(runner, [turn2, other], max_tokens=12, logprobs=0, **GREEDY)
     got = [_result(chunks) for chunks in read]
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
