@@ -6,6 +6,8 @@ Owns:
   - `ENVIRONMENT`: each `MLXKV_*` variable and what it sets, read through `env` and nowhere
     else;
   - `check_speculative`: the speculative decoding modes, for a config and for a request;
+  - `check_kv_quantization`: the widths and groups quantized K/V takes (`KV_BITS`,
+    `KV_GROUP_SIZES`), for a config and for a cache built without one;
   - `parse_bytes` ("4GiB" -> bytes) and `format_bytes` (bytes -> "4.0 GiB").
 
 Defaults that depend on the machine (memory, device) are resolved from `platform.machine`
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -47,6 +50,10 @@ DEFAULT_DISK_BYTES = 16 * 2**30
 # What `keep` None keeps of a prompt without a system prompt: as llama.cpp's attention sinks.
 DEFAULT_KEEP_TOKENS = 4
 DISK_KV_BITS = (4, 8)  # what `cache_dir_kv_bits` accepts (mx.quantize's affine bits)
+# What `kv_bits` and `kv_group_size` accept: the widths and groups of `mx.quantize` that
+# mlxkv's quantized K/V layer (`cache.layers.quantized`) and mlx-lm's quantized attention run.
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
 # `mlxkv serve`'s defaults: a few conversations and their side requests, a quarter of the
 # machine's memory, and a disk tier that survives restarts.
 SERVER_CACHE_ENTRIES = 8
@@ -80,6 +87,25 @@ def encoder_cache_bytes(cache_bytes: int | None) -> int:
 
         cache_bytes = int(memory_bytes() * SERVER_MEMORY_FRACTION)
     return int(cache_bytes * ENCODER_CACHE_FRACTION)
+
+
+def check_kv_quantization(bits: object, group_size: object) -> None:
+    """Raises ValueError, naming the allowed values, unless `bits` is None (K/V kept in the
+    model's dtype) or one of `KV_BITS`, and `group_size` one of `KV_GROUP_SIZES`: checked
+    when a config is made, not when a model has loaded and its first cache is built."""
+    if bits is not None and (not _is_int(bits) or bits not in KV_BITS):
+        raise ValueError(
+            f"kv_bits={bits!r} is not supported; use one of {KV_BITS} or None (the model's dtype)"
+        )
+    if not _is_int(group_size) or group_size not in KV_GROUP_SIZES:
+        raise ValueError(
+            f"kv_group_size={group_size!r} is not supported; use one of {KV_GROUP_SIZES}"
+        )
+
+
+def _is_int(value: object) -> bool:
+    """An int of any kind but bool (True would pass as 1, 4.0 as 4)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_speculative(mode: object, *, has_draft_model: bool = True) -> str | None:
@@ -262,9 +288,7 @@ class RunnerConfig(_Options):
             check_int("max_context (tokens)", self.max_context, low=2)
         if self.keep is not None:
             check_int("keep (tokens)", self.keep, low=0)
-        if self.kv_bits is not None:
-            check_int("kv_bits", self.kv_bits, low=1)
-        check_int("kv_group_size", self.kv_group_size, low=1)
+        check_kv_quantization(self.kv_bits, self.kv_group_size)
         if self.prefill_step_size is not None:
             check_int("prefill_step_size (tokens)", self.prefill_step_size, low=1)
         if self.prefill_lanes is not None:

@@ -13,9 +13,10 @@ from mlx_lm.models import cache as mlx_cache
 from mlxkv.cache.layer_ops import is_model_state
 from mlxkv.cache.layers.chunked import ChunkedKVCache
 from mlxkv.cache.layers.kv import KVCache
-from mlxkv.cache.layers.quantized import QuantizedKVCache, check_quantization
+from mlxkv.cache.layers.quantized import QuantizedKVCache
 from mlxkv.cache.layers.window import SlidingWindowCache
 from mlxkv.cache.model_cache import ModelCache
+from mlxkv.config import check_kv_quantization
 from mlxkv.errors import NotSupportedError
 
 # What mlxkv does with each of mlx-lm's cache classes (`mlx_lm.models.cache`): converted to
@@ -54,7 +55,7 @@ def make_cache(
         NotSupportedError: a layer cache class mlxkv does not know (`MLX_LM_CACHE_CLASSES`).
     """
     if kv_bits is not None:
-        check_quantization(kv_bits, kv_group_size)
+        check_kv_quantization(kv_bits, kv_group_size)
 
     def convert(layer: Any) -> Any:
         if type(layer) in (

@@ -13,6 +13,7 @@ from mlxkv.cli.serve import serve_command
 from mlxkv.config import (
     DEFAULT_DISK_BYTES,
     DISK_KV_BITS,
+    KV_BITS,
     SERVER_CACHE_ENTRIES,
     SPECULATIVE_MODES,
     RunnerConfig,
@@ -292,7 +293,7 @@ def _add_kv_bits_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-bits",
         type=int,
-        choices=(4, 8),
+        choices=KV_BITS,
         default=None,
         help="quantize the K/V cache to this many bits (default: the model's dtype)",
     )

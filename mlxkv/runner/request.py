@@ -33,6 +33,7 @@ from mlxkv.runner.results import PromptUsage
 from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
 from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
 from mlxkv.runner.text.replies import ReplyKey, ReplyStart, StoredReplyIds, replies_for
+from mlxkv.runner.text.token_floor import TokenFloor
 from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images, with_text_content
 from mlxkv.runner.text.vision_cuts import ImageChat
 
@@ -186,6 +187,7 @@ class RequestBuilder:
         self._vision = vision
         # recent replies' ids, which assistant messages sent back take (`text.replies`)
         self._replies = replies_for(prompts.tokenizer)
+        self._floor = TokenFloor(prompts.tokenizer)
         self._stored_reply = stored_reply
 
     def build(
@@ -212,6 +214,8 @@ class RequestBuilder:
             return self._image_request(prompt, params, options, salt, cached_prefix, cut_starts)
         prompt = with_text_content(prompt)
         template = self._template_args(prompt, options, salt)
+        if not options.truncate:
+            self._refuse_far_past_the_window(prompt, options)
         tokens = self._prompts.encode(prompt, **template)
         render = functools.partial(self._prompts.render, **template)
         if not options.truncate and len(tokens) >= self._max_context:
@@ -390,9 +394,23 @@ class RequestBuilder:
             "replies": self._replies.known_in(prompt, salt, self._stored_reply).get,
         }
 
-    def _refuse_too_long(self, prompt_tokens: int) -> NoReturn:
+    def _refuse_far_past_the_window(self, prompt: Prompt, options: RequestOptions) -> None:
+        """Refuses, before its text is tokenized, a prompt that its length alone puts at least
+        twice over the window (`text.token_floor`: no template's few tokens more or less
+        bridge that), counted as the fewest tokens it can take."""
+        past = 2 * self._max_context
+        switches = self._prompts.template_switches(options.switches)
+        at_least = self._floor.prompt_tokens_at_least(
+            self._prompts.tokenizer, prompt, past, tools=options.tools, **switches
+        )
+        if at_least >= past:
+            logger.info("prompt refused untokenized: at least %d tokens", at_least)
+            self._refuse_too_long(at_least, qualifier="at least ")
+
+    def _refuse_too_long(self, prompt_tokens: int, qualifier: str = "") -> NoReturn:
         raise ContextLengthError(
-            f"the prompt is {prompt_tokens:,} tokens and the context holds {self._max_context:,}"
+            f"the prompt is {qualifier}{prompt_tokens:,} tokens and the context holds "
+            f"{self._max_context:,}"
             " (at least 1 must stay free for the answer); shorten the prompt or raise "
             "max_context",
             prompt_tokens=prompt_tokens,

@@ -266,9 +266,9 @@ class Runner:
             truncate: cut a prompt longer than `max_context` (chats at user turns, keeping
                 the system prompt); False raises ContextLengthError instead.
             overflow: when the prompt (as given) plus `max_tokens` is over `max_context`:
-                "shift" drops early tokens mid-reply to go on, "stop" ends the reply with
-                "length" when the window is full, "refuse" raises ContextLengthError first
-                (the server's choices: a client's history is the client's to cut).
+                "shift" drops early tokens to feed the next (the last, never fed, may end
+                one past the window), "stop" ends with "length" when prompt and reply fill
+                it, "refuse" raises ContextLengthError first (the server's choices).
             grammar: an llguidance grammar the output keeps to, token by token (from a JSON
                 schema: `mlxkv.json_schema_grammar(schema)`); turns speculative decoding off
                 for this request. The output parses unless `max_tokens` cuts it.

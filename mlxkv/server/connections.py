@@ -160,16 +160,15 @@ class GuardedH11Protocol(H11Protocol):
                 oldest._turn_away()
 
     def _turn_away(self) -> None:
-        """Answers 503 (Retry-After; in the shape of the API whose path the request line
-        named, if it came) and closes once the client has closed or `LINGER_S` has passed."""
+        """Answers 503 (Retry-After; in the shape of the API of the request line and header
+        lines that came, if any) and closes once the client has closed or `LINGER_S` passed."""
         received, _ = self.conn.trailing_data
-        path = match.group(1).decode("ascii") if (match := _REQUEST_LINE.match(received)) else "/"
         message = (
             f"over {MAX_WAITING_CONNECTIONS} connections were waiting for their request "
             f"headers; retry in {RETRY_AFTER_S} s"
         )
         busy = error_response(
-            {"path": path}, 503, message, headers={"Retry-After": str(RETRY_AFTER_S)}
+            _partial_scope(received), 503, message, headers={"Retry-After": str(RETRY_AFTER_S)}
         )
         head = b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\n"
         head += b"".join(name + b": " + value + b"\r\n" for name, value in busy.raw_headers)
@@ -224,6 +223,21 @@ class GuardedH11Protocol(H11Protocol):
             b"content-type: text/plain; charset=utf-8\r\n"
             b"content-length: %d\r\n\r\n%s" % (len(message), message.encode())
         )
+
+
+def _partial_scope(received: bytes) -> dict[str, Any]:
+    """The path and the whole header lines of a request whose headers have not all arrived,
+    as an ASGI scope has them (names lower-cased): enough for `error_response` to choose the
+    API's shape as it does for a request read whole (`anthropic-version` on `/v1/models`)."""
+    request_line, *lines = received.split(b"\r\n")
+    match = _REQUEST_LINE.match(request_line)
+    complete = lines[:-1]  # the line after the last CRLF may be cut short
+    headers = [
+        (name.strip().lower(), value.strip())
+        for name, sep, value in (line.partition(b":") for line in complete)
+        if sep
+    ]
+    return {"path": match.group(1).decode("ascii") if match else "/", "headers": headers}
 
 
 def _lingering(state: Any) -> set[GuardedH11Protocol]:

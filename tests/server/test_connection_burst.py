@@ -9,10 +9,13 @@ import concurrent.futures
 import contextlib
 import json
 import socket
+import threading
+
+import anthropic
 
 from mlxkv import Runner
 from mlxkv.server import connections
-from tests.factories import wait_until
+from tests.factories import joined, wait_until
 from tests.server.conftest import serve
 
 MAX_WAITING = 4
@@ -78,3 +81,54 @@ def test_a_burst_of_100_requests_at_once_is_answered_without_a_reset(loaded_tiny
     ):
         answers = list(pool.map(ask, range(100)))
     assert all(a.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 503 ")) for a in answers)
+
+
+def _relay_holding_back_the_blank_line(listener: socket.socket, server: tuple) -> None:
+    """Relays one client's request to `server` without the blank line that ends its headers
+    (the request waits for them, as one cut between packets would), then the answer back."""
+    client, _ = listener.accept()
+    with client, socket.create_connection(server, timeout=30) as upstream:
+        request = b""
+        while b"\r\n\r\n" not in request and (chunk := client.recv(65536)):
+            request += chunk
+        upstream.sendall(request[: request.index(b"\r\n\r\n") + 2])
+        client.sendall(_answer(upstream))
+
+
+def test_a_turned_away_anthropic_client_reads_the_503_in_its_api_shape(loaded_tiny, monkeypatch):
+    """`/v1/models` is OpenAI's path too: a client whose header lines that came carry
+    `anthropic-version` is answered in Anthropic's shape, as requests read whole are (was
+    OpenAI's, chosen from the path alone). Through the real SDK: its own typed error."""
+    monkeypatch.setattr(connections, "MAX_WAITING_CONNECTIONS", 1)
+    refused: list[Exception] = []
+
+    def list_models(url: str) -> None:
+        client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+        try:
+            client.models.list()
+        except anthropic.APIError as error:
+            refused.append(error)
+
+    with (
+        serve(Runner(loaded_tiny("llama"))) as served,
+        socket.create_server(("127.0.0.1", 0)) as listener,
+        contextlib.ExitStack() as held,
+    ):
+        server = (served.host, served.port)
+        relay = threading.Thread(target=_relay_holding_back_the_blank_line, args=(listener, server))
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        sdk = threading.Thread(target=list_models, args=(url,))
+        relay.start()
+        sdk.start()
+        wait_until(
+            lambda: any(b"anthropic-version" in c.conn.trailing_data[0] for c in _waiting(served))
+        )
+        held.enter_context(socket.create_connection(server, timeout=30))  # one waiting too many
+        joined(relay, sdk)
+    assert len(refused) == 1, "the listing was not refused"
+    error = refused[0]
+    assert isinstance(error, anthropic.ServiceUnavailableError), error
+    assert error.body["type"] == "error"
+    assert error.body["error"]["type"] == "overloaded_error"
+    assert error.body["error"]["message"].startswith("over 1 connections were waiting")
+    assert error.response.headers["retry-after"] == str(connections.RETRY_AFTER_S)

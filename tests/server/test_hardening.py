@@ -3,8 +3,11 @@ site), forged access-log lines, and framing or third-party content in the chat p
 
 from __future__ import annotations
 
+import re
 import threading
 
+import anthropic
+import openai
 import pytest
 
 from mlxkv import Runner
@@ -63,51 +66,83 @@ def test_the_page_forbids_framing_and_other_origins(guarded):
     assert connection_headers["x-content-type-options"] == "nosniff"
 
 
-def test_a_long_message_being_tokenized_holds_up_no_other_request(guarded, monkeypatch):
+# A window that a 2 MB message is not far over by its length alone (`token_floor`): it is
+# tokenized, then refused.
+WIDE_WINDOW = 2**17
+
+
+def test_a_long_message_being_tokenized_holds_up_no_other_request(loaded_tiny, monkeypatch):
     """A 16 MB message (under the 32 MiB body limit) held the whole server for 34 s before its
     400: `tokenizers`' `encode` holds the GIL while it runs, so every other request, /health
     too, waited. Tokenized off the event loop by a call that releases the GIL, it holds up
     nobody: /health answers again and again while a 2 MB message is tokenized."""
-    segments = guarded.runner._prompts._segments
-    encode, tokenizing, tokenized = segments.encode, threading.Event(), threading.Event()
+    with serve(Runner(loaded_tiny("llama"), max_context=WIDE_WINDOW)) as served:
+        segments = served.runner._prompts._segments
+        encode, tokenizing, tokenized = segments.encode, threading.Event(), threading.Event()
 
-    def watched(text: str) -> list[int]:
-        long = len(text) > 1_000_000
-        if long:
-            tokenizing.set()
-        try:
-            return encode(text)
-        finally:
+        def watched(text: str) -> list[int]:
+            long = len(text) > 1_000_000
             if long:
-                tokenized.set()
+                tokenizing.set()
+            try:
+                return encode(text)
+            finally:
+                if long:
+                    tokenized.set()
 
-    monkeypatch.setattr(segments, "encode", watched)
-    body = {"max_tokens": 1, "messages": [{"role": "user", "content": "a " * 1_000_000}]}
-    answers = []
-    sender = threading.Thread(
-        target=lambda: answers.append(guarded.post("/v1/chat/completions", body))
-    )
-    sender.start()
-    assert tokenizing.wait(60)
-    answered_meanwhile = 0  # /health answers that came back before the tokenizing ended
-    while not tokenized.is_set() and answered_meanwhile < 5:
-        assert guarded.request("GET", "/health")[0] == 200
-        answered_meanwhile += not tokenized.is_set()
-    joined(sender, timeout_s=120)
+        monkeypatch.setattr(segments, "encode", watched)
+        body = {"max_tokens": 1, "messages": [{"role": "user", "content": "a " * 1_000_000}]}
+        answers = []
+        sender = threading.Thread(
+            target=lambda: answers.append(served.post("/v1/chat/completions", body))
+        )
+        sender.start()
+        assert tokenizing.wait(60)
+        answered_meanwhile = 0  # /health answers that came back before the tokenizing ended
+        while not tokenized.is_set() and answered_meanwhile < 5:
+            assert served.request("GET", "/health")[0] == 200
+            answered_meanwhile += not tokenized.is_set()
+        joined(sender, timeout_s=120)
     assert answers[0][0] == 400  # over the window, once tokenized
     assert answered_meanwhile == 5  # a stalled server answers once, when the tokenizing ended
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="not fixed: a text past the window is tokenized whole before its 400 (recheck_r)",
+FAR_OVER = [{"role": "user", "content": "a " * 200_000}]
+
+
+def _refusal(guarded, api: str) -> tuple[str, dict]:
+    """The message and body of the real client's error for `FAR_OVER`."""
+    if api == "openai":
+        with pytest.raises(openai.BadRequestError) as refused:
+            guarded.openai().chat.completions.create(model="tiny", messages=FAR_OVER, max_tokens=1)
+        assert refused.value.code == "context_length_exceeded"
+        return refused.value.body["message"], refused.value.body
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        guarded.anthropic().messages.create(model="tiny", messages=FAR_OVER, max_tokens=1)
+    assert refused.value.body["type"] == "error"
+    assert refused.value.body["error"]["type"] == "invalid_request_error"
+    return refused.value.body["error"]["message"], refused.value.body
+
+
+@pytest.mark.parametrize(
+    ("api", "wording"),
+    [
+        (
+            "openai",
+            r"This model's maximum context length is 256 tokens\. However, your "
+            r"messages resulted in (\d+) tokens\. Please reduce the length of the messages\.",
+        ),
+        ("anthropic", r"prompt is too long: (\d+) tokens > 256 maximum"),
+    ],
+    ids=["openai", "anthropic"],
 )
-def test_a_message_far_over_the_window_is_refused_before_it_is_tokenized(guarded, monkeypatch):
-    """A message far over the window is still tokenized whole before its 400 (seconds of CPU
-    for megabytes; no longer a stall of the server, see the test above). No token can be
-    longer than the vocabulary's longest, so text over the window times that many bytes
-    cannot fit and needs no tokenizing."""
+def test_a_message_far_over_the_window_is_refused_before_it_is_tokenized(
+    guarded, monkeypatch, api, wording
+):
+    """A message far over the window was tokenized whole before its 400 (seconds of CPU for
+    megabytes). No token stands for more text than the vocabulary's longest, so a text over
+    twice the window times that many bytes cannot fit: refused untokenized, in each API's
+    wording and shape, counted as the fewest tokens it can take (no more than it takes)."""
     segments = guarded.runner._prompts._segments
     encode, lengths = segments.encode, []
 
@@ -116,7 +151,9 @@ def test_a_message_far_over_the_window_is_refused_before_it_is_tokenized(guarded
         return encode(text)
 
     monkeypatch.setattr(segments, "encode", recorded)
-    body = {"max_tokens": 1, "messages": [{"role": "user", "content": "a " * 200_000}]}
-    status, reply = guarded.post("/v1/chat/completions", body)
-    assert status == 400, reply
-    assert max(lengths, default=0) < 100_000  # 256 tokens of any length fit in far less
+    message, _ = _refusal(guarded, api)
+    assert lengths == []  # nothing tokenized (256 tokens of any length fit in far less)
+    counted = int(re.fullmatch(wording, message).group(1))
+    monkeypatch.undo()
+    takes = len(guarded.runner.encode(FAR_OVER))
+    assert 2 * 256 <= counted <= takes

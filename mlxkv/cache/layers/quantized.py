@@ -17,21 +17,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.cache.layers.base import DEFAULT_STEP_TOKENS, ContiguousCache, resized_buffer, round_up
-
-SUPPORTED_BITS = (4, 8)
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
+from mlxkv.config import check_kv_quantization
 
 Triple = tuple[mx.array, mx.array, mx.array]
-
-
-def check_quantization(bits: int, group_size: int) -> None:
-    """Raises ValueError, naming the allowed values, for settings `mx.quantize` cannot use."""
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"kv_bits={bits} is not supported; use one of {SUPPORTED_BITS}")
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(
-            f"kv_group_size={group_size} is not supported; use one of {SUPPORTED_GROUP_SIZES}"
-        )
 
 
 class QuantizedKVCache(ContiguousCache):
@@ -44,7 +32,7 @@ class QuantizedKVCache(ContiguousCache):
     """
 
     def __init__(self, group_size: int = 64, bits: int = 8, step: int = DEFAULT_STEP_TOKENS):
-        check_quantization(bits, group_size)
+        check_kv_quantization(bits, group_size)
         self.group_size = group_size
         self.bits = bits
         self.step = step
