@@ -14,8 +14,8 @@ Terms:
 
 For a request's tokens T, r is the longest prefix of T an entry can return to exactly (by
 trimming, or from a checkpoint for layers that cannot trim), at most len(T) - 1; of an entry
-a context shift approximated in place, past the tokens it kept only when T goes on from all
-it holds (`_exact_part`). The entries
+a context shift approximated in place, past the tokens it kept only when T goes on past all
+it holds (`_exact_part`; an exact retry does not, as on the disk tier). The entries
 work as a prefix tree whose nodes are the entries' divergence points: one shared prefix is
 never held twice by entries that extend each other, and lookups compare T with each entry
 (vectorised). Then:
@@ -267,7 +267,8 @@ class CachePool:
             reuse = common = min(whole, limit)
             if self._checkpointed and 0 < reuse < len(held):  # else it trims back to any
                 reuse = entry.cache.nearest_restorable(reuse)
-            reuse = _exact_part(entry.cache, reuse, goes_on=whole == len(held))
+            goes_on = whole == len(held) < query.size  # past all it holds: not a retry
+            reuse = _exact_part(entry.cache, reuse, goes_on=goes_on)
             # the longest reuse; then one that needs no trim or copy; then the most recent
             key = (reuse, reuse == len(held) and entry not in self._in_use, entry.last_used)
             most = max(most, (common, reuse, len(held)))
@@ -489,9 +490,11 @@ def _log_lookup(num_tokens: int, reuse: int, how: str) -> None:
 
 def _exact_part(cache: ModelCache, reuse: int, *, goes_on: bool) -> int:
     """What a request reuses of `reuse` tokens of `cache`. An in-place shift approximated the
-    K/V past the tokens it kept (`exact_tokens`): a prompt that goes on from all the cache
+    K/V past the tokens it kept (`exact_tokens`): a prompt that goes on past all the cache
     holds continues that text (as llama.cpp's shift does) and reuses it; one that parts from
     it earlier matches those tokens by chance (a chat's message marker right after the dropped
-    ones) and would carry the approximation into every later turn, so it reuses the kept ones."""
+    ones) and would carry the approximation into every later turn, so it reuses the kept ones.
+    A prompt equal to all it holds (a retry) continues nothing and asks for the reply to that
+    text: the kept ones too, as a fresh Runner answers it (`StoredChain.goes_on` agrees)."""
     exact = cache.exact_tokens
     return reuse if goes_on or exact is None or reuse <= exact else exact
