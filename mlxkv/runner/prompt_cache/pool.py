@@ -15,7 +15,7 @@ Terms:
 For a request's tokens T, r is the longest prefix of T an entry can return to exactly (by
 trimming, or from a checkpoint for layers that cannot trim), at most len(T) - 1; of an entry
 a context shift approximated in place, past the tokens it kept only when T goes on past all
-it holds (`_exact_part`; an exact retry does not, as on the disk tier). The entries
+it holds (`reuse.exact_part`; an exact retry does not, as on the disk tier). The entries
 work as a prefix tree whose nodes are the entries' divergence points: one shared prefix is
 never held twice by entries that extend each other, and lookups compare T with each entry
 (vectorised). Then:
@@ -62,12 +62,12 @@ import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths
-from mlxkv.runner.disk.chains import cheapest_restore, partial_restores
 from mlxkv.runner.disk.snapshots import boundaries
 from mlxkv.runner.disk.store import DiskStore
 from mlxkv.runner.prompt_cache.entry import CacheEntry, token_array
 from mlxkv.runner.prompt_cache.fit import fit_to_budget
 from mlxkv.runner.prompt_cache.holdings import Holdings, Sized, holdings
+from mlxkv.runner.prompt_cache.reuse import exact_part, load_nearest
 from mlxkv.runner.text.messages import Message
 
 logger = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class CachePool:
             if self._checkpointed and 0 < reuse < len(held):  # else it trims back to any
                 reuse = entry.cache.nearest_restorable(reuse)
             goes_on = whole == len(held) < query.size  # past all it holds: not a retry
-            reuse = _exact_part(entry.cache, reuse, goes_on=goes_on)
+            reuse = exact_part(entry.cache, reuse, goes_on=goes_on)
             # the longest reuse; then one that needs no trim or copy; then the most recent
             key = (reuse, reuse == len(held) and entry not in self._in_use, entry.last_used)
             most = max(most, (common, reuse, len(held)))
@@ -280,30 +280,26 @@ class CachePool:
         self, query: np.ndarray, limit: int, entry: CacheEntry | None, reuse: int, salt: str | None
     ) -> tuple[CacheEntry | None, int]:
         """The entry and reuse after loading what pays of the chain on disk that serves the
-        longest prefix of `query`: all of it, its first blocks (the rest prefilled) or none
-        (`cheapest_restore`, by the measured read and prefill rates)."""
-        chain, disk_reuse = self.store.best(query, limit, salt)
-        if chain is None or disk_reuse <= reuse:
+        longest prefix of `query` (`reuse.load_nearest`), added as an idle entry."""
+        loaded = load_nearest(
+            self.store,
+            query,
+            limit=limit,
+            reuse=reuse,
+            salt=salt,
+            make_entry=self._make_entry,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+        )
+        if loaded is None:
             return entry, reuse
-        restores = partial_restores(chain, trimmable=self.store.trimmable)
-        rates = self.store.read_bytes_per_s, self.prefill_tokens_per_s
-        if (restore := cheapest_restore(restores, reuse, disk_reuse, *rates)) is None:
-            logger.debug("disk cache: prefilling %d tokens beats loading", disk_reuse - reuse)
-            return entry, reuse
-        cache = self.store.load(restore, self._make_entry())
-        if cache is None:
-            return entry, reuse
-        restored = cache.nearest_restorable(min(disk_reuse, cache.num_tokens))
-        restored = _exact_part(cache, restored, goes_on=restore.goes_on)
-        if restored <= reuse:
-            return entry, reuse
+        cache, restored = loaded
         logger.info("disk cache: loaded an entry of %d tokens", cache.num_tokens)
         if cache.gate is not None:  # still being checked: used in place (a copy would wait)
             cache.rewind_to(restored)
-        loaded = self._add(cache)
-        loaded.record()  # idle until a request takes it (it may only be copied from)
-        loaded.reply_start = cache.num_tokens  # a reply rendered back is the same conversation
-        return loaded, restored
+        loaded_entry = self._add(cache)
+        loaded_entry.record()  # idle until a request takes it (it may only be copied from)
+        loaded_entry.reply_start = cache.num_tokens  # a reply rendered back: the same chat
+        return loaded_entry, restored
 
     def _add(self, cache: ModelCache, keep: CacheEntry | None = None) -> CacheEntry:
         """Adds an entry for `cache`, first evicting one if the pool is full (never `keep`,
@@ -486,15 +482,3 @@ def _log_lookup(num_tokens: int, reuse: int, how: str) -> None:
         )
     else:
         logger.info("prefix cache miss total=%d left=%d", num_tokens, num_tokens)
-
-
-def _exact_part(cache: ModelCache, reuse: int, *, goes_on: bool) -> int:
-    """What a request reuses of `reuse` tokens of `cache`. An in-place shift approximated the
-    K/V past the tokens it kept (`exact_tokens`): a prompt that goes on past all the cache
-    holds continues that text (as llama.cpp's shift does) and reuses it; one that parts from
-    it earlier matches those tokens by chance (a chat's message marker right after the dropped
-    ones) and would carry the approximation into every later turn, so it reuses the kept ones.
-    A prompt equal to all it holds (a retry) continues nothing and asks for the reply to that
-    text: the kept ones too, as a fresh Runner answers it (`StoredChain.goes_on` agrees)."""
-    exact = cache.exact_tokens
-    return reuse if goes_on or exact is None or reuse <= exact else exact
