@@ -64,6 +64,7 @@ from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths
 from mlxkv.runner.disk.snapshots import boundaries
 from mlxkv.runner.disk.store import DiskStore
+from mlxkv.runner.prompt_cache.deletions import Deletions
 from mlxkv.runner.prompt_cache.entry import CacheEntry, token_array
 from mlxkv.runner.prompt_cache.fit import fit_to_budget
 from mlxkv.runner.prompt_cache.holdings import Holdings, Sized, holdings
@@ -131,6 +132,7 @@ class CachePool:
         # A vision model's encoder outputs by image digest (`EncoderCache`): counted in the
         # budget like `working` (the entries make room for it), bounded by its own share.
         self.encoder: Sized | None = None
+        self.deletions = Deletions()  # labels deleted (`drop_labelled`), counted
 
     @property
     def entries(self) -> list[CacheEntry]:
@@ -146,6 +148,7 @@ class CachePool:
         keep: int = 0,
         label: str | None = None,
         cut_start: Message | None = None,
+        drops_before: int | None = None,
     ) -> PrefixHit:
         """Claims the entry for `tokens` (reused, copied or new), prepared to receive the rest
         of them.
@@ -159,6 +162,8 @@ class CachePool:
             keep: the leading tokens every cut of the prompt keeps (its system prompt).
             label: what the entry serves (a conversation id a client sent), if known.
             cut_start: the first message kept when the chat was cut to the window, if cut.
+            drops_before: `deletions.count` when the request was made (None: now); its entry
+                is freed when it ends if `label` was deleted since, as one in use then is.
 
         The entry (`PrefixHit.entry`) is in use until `release(entry)`: other requests
         meanwhile copy from it.
@@ -172,13 +177,7 @@ class CachePool:
         limit = len(tokens) - 1
         entry, reuse, (common, restorable, held) = self._nearest_in_memory(query, limit, salt)
         if restorable < common:  # also with no checkpoint before it: a miss, said why
-            logger.info(
-                "prefix cache: cannot go back from %d to %d tokens (recurrent or sliding-window "
-                "layers no longer hold them); the nearest checkpoint is at %d",
-                held,
-                common,
-                restorable,
-            )
+            _log_unreachable(held, common, restorable)
         if self.store is not None:
             entry, reuse = self._maybe_load(query, limit, entry, reuse, salt)
         entry, how = self._prepare(entry, reuse)
@@ -193,6 +192,8 @@ class CachePool:
         entry.keyed_by = label
         self.latest = entry
         self._in_use[entry] = query
+        if salt is None and drops_before is not None and self.deletions.since(label, drops_before):
+            self._drop(entry, write=False)  # its conversation deleted while it waited its turn
         points = self._checkpoints(len(tokens), reuse, reply_start, keep)
         every = None if self.store is None else self.store.snapshot_every_tokens
         snaps = tuple(p - reuse for p in boundaries(reuse, len(tokens), every))
@@ -457,7 +458,8 @@ class CachePool:
         """Drops the entries of the shared domain (no salt) whose last request was labelled
         `label` (a conversation its client deleted), without writing them to the disk tier:
         an entry is freed only when asked for by its own label. One in use is dropped when
-        its request ends (as `clear` drops it).
+        its request ends (as `clear` drops it), and so is the entry of a request made before
+        and run after (`fetch_nearest`'s `drops_before`).
 
         Returns:
             The number of entries dropped.
@@ -465,6 +467,7 @@ class CachePool:
         dropped = [e for e in self._entries if e.keyed_by == label and e.salt is None]
         for entry in dropped:
             self._drop(entry, write=False)
+        self.deletions.add(label)
         return len(dropped)
 
     def clear(self) -> None:
@@ -472,6 +475,16 @@ class CachePool:
         stay with their requests and are dropped when released."""
         self._entries.clear()
         self.latest = None
+
+
+def _log_unreachable(held: int, common: int, restorable: int) -> None:
+    logger.info(
+        "prefix cache: cannot go back from %d to %d tokens (recurrent or sliding-window "
+        "layers no longer hold them); the nearest checkpoint is at %d",
+        held,
+        common,
+        restorable,
+    )
 
 
 def _log_lookup(num_tokens: int, reuse: int, how: str) -> None:
