@@ -63,6 +63,8 @@ class Request:
             with each sampled token's own.
         cache_key: a label for the cache entry the request generates into (None: keep its
             label).
+        drops_before: the prompt cache's deletions counted when it was made
+            (`CachePool.deletions`): a deletion of `cache_key` since frees its entry at its end.
         speculative: the speculative decoding mode (`mlxkv.config.SPECULATIVE_MODES`); None
             with a grammar.
         grammar: an llguidance grammar every generated token must keep to (checked), or None.
@@ -89,6 +91,7 @@ class Request:
     matched: Callable[[PromptUsage], None] | None = None
     top_logprobs: int | None = None
     cache_key: str | None = None
+    drops_before: int | None = None
     speculative: str | None = None
     cut_start: Message | None = None
     grammar: str | None = None
@@ -116,6 +119,7 @@ class RequestOptions:
             (the context shifts mid-reply), "stop" (the reply ends with "length" when the window
             is full) or "refuse" (ContextLengthError before anything runs).
         cache_key: a label for the cache entry this request generates into.
+        drops_before: the prompt cache's deletions counted now (`Request.drops_before`).
         speculative: the speculative decoding mode, already checked.
         grammar: an llguidance grammar (`decoding.grammar`) the output must keep to, or None.
         cache_salt: the caller's salt, a secret the request keeps only as its digest
@@ -133,6 +137,7 @@ class RequestOptions:
     top_logprobs: int | None = None
     truncate: bool = True
     cache_key: str | None = None
+    drops_before: int | None = None
     speculative: str | None = None
     overflow: str = "shift"
     grammar: str | None = None
@@ -257,6 +262,7 @@ class RequestBuilder:
             cancelled=options.cancel or threading.Event(),
             top_logprobs=options.top_logprobs,
             cache_key=options.cache_key,
+            drops_before=options.drops_before,
             # drafts verified k at a time would each need the grammar's state: off (a prompt
             # with images drafts n-grams, verified on the bound model: the draft model cannot
             # read images)

@@ -106,6 +106,7 @@ def run_request(
         keep=request.keep,
         label=request.cache_key,
         cut_start=request.cut_start,
+        drops_before=request.drops_before,
     )
     stats.cached = hit.num_cached
     final = None

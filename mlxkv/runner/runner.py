@@ -329,6 +329,7 @@ class Runner:
             top_logprobs=logprobs,
             truncate=truncate,
             cache_key=cache_key,
+            drops_before=self._pool.deletions.count,  # a deletion after it frees its entry
             speculative=mode,
             overflow=overflow,
             grammar=grammar,
@@ -436,7 +437,8 @@ class Runner:
         """Frees from memory the prompt-cache entries whose last request gave `cache_key` (a
         conversation its client deleted) and returns how many; entries of a `cache_salt` are
         never dropped. The disk tier keeps its blocks (shared by content) until its budget
-        evicts them. Waits as `reset` does (an entry in use goes when its request ends).
+        evicts them. Waits as `reset` does (an entry in use goes when its request ends, as
+        does one of a request made before the call and run after it).
 
         Raises:
             RunnerBusyError: called from inside this thread's own unfinished `stream()`.

@@ -1,7 +1,8 @@
 """Run by the tests under `mlx.launch -n 2 --backend ring` (and alone, as the reference): a
 3-turn greedy chat, then a request that forces a trim, one that forces a miss, and two
 cancelled generations (a caller that stops reading, and `Runner.cancel()`), a sampled
-one with no seed, and its prompt again after its entry was dropped by its cache key. After each
+one with no seed, its prompt again after its entry was dropped by its cache key, and once more
+by a request made before its key was dropped and run after. After each
 request every rank writes down what its entry holds, to OUT_DIR/rank<r>.json.
 
     python tests/distributed/chat_script.py MODEL_DIR OUT_DIR
@@ -62,6 +63,10 @@ def main(model_dir: str, out_dir: str) -> None:
         # Its entry dropped on every rank by its cache key: the same prompt reuses nothing.
         assert runner.drop_cache_entries("s") == 1
         record(runner.generate("Once upon a time", max_tokens=4))
+        # Made before its key was dropped, run after: its entry freed at its end on every rank.
+        made = runner.stream("Once upon a time", max_tokens=4, cache_key="q")
+        assert runner.drop_cache_entries("q") == 0
+        record(list(made)[-1].completion)
         runner.close()  # ends the other ranks' follow()
     else:
         for completion in runner.follow():

@@ -15,7 +15,7 @@ from mlxkv.runner.disk import reading
 from mlxkv.runner.disk import store as store_module
 from mlxkv.runner.disk.chains import StoredChain, cheapest_restore, partial_restores
 from mlxkv.runner.disk.files import StoredEntry
-from mlxkv.runner.prompt_cache import pool as pool_module
+from mlxkv.runner.prompt_cache import reuse as reuse_module
 from tests.runner.test_disk_tier import _chat
 from tests.tolerances import LOGPROB_ABS
 
@@ -117,7 +117,7 @@ def test_a_partial_restore_by_the_rule_answers_as_a_fresh_runner(
     def dear_tail(*_):
         return part
 
-    monkeypatch.setattr(pool_module, "cheapest_restore", dear_tail)
+    monkeypatch.setattr(reuse_module, "cheapest_restore", dear_tail)
     read = []
     real_check = reading.checked_header  # runs on worker threads: the order is not kept
 

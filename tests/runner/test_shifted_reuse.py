@@ -47,6 +47,22 @@ def test_a_prompt_parting_past_the_kept_tokens_reuses_only_the_exact_ones(
     _answers_as_fresh_and_unshifted(runner, loaded, prompt)
 
 
+@pytest.mark.parametrize("disk", [False, True], ids=["memory", "disk-tier"])
+def test_an_exact_retry_of_a_shifted_entry_reuses_only_the_exact_tokens(
+    loaded_tiny, tmp_path, disk
+):
+    """A prompt equal to all a shifted entry holds continues nothing: it asks for the reply
+    to that text, so it answers as a fresh Runner, in memory and from the disk tier alike
+    (memory reused the approximated K/V, the disk tier the kept tokens alone)."""
+    loaded = loaded_tiny("llama")
+    runner = _shifted_runner(loaded, cache_dir=tmp_path if disk else None)
+    held = runner.cache_tokens
+    if disk:
+        runner._pool.store.flush()
+        runner.reset()  # only the disk holds it now
+    _answers_as_fresh_and_unshifted(runner, loaded, held)
+
+
 def test_a_prompt_going_on_from_all_a_shifted_entry_holds_reuses_it_all(loaded_tiny):
     """Continuing the shifted text itself reuses everything (as llama.cpp's shift does)."""
     runner = _shifted_runner(loaded_tiny("llama"))

@@ -1,20 +1,25 @@
 """The disk tier's budget: which files count against it and which go first.
 
 Owns `tier_files` (every file under the cache root this tier wrote, any model's, proven by its
-header: blocks, and other models' reply records) and `removal_order` (superseded files first,
-then the least recently used). Does not remove anything (`store.DiskStore.enforce_budget`
+header: blocks, and other models' reply records), `temporary_bytes` (its temporary files, which
+count but are never removed here) and `removal_order` (superseded files first, then the least
+recently used). Does not remove anything (`store.DiskStore.enforce_budget`
 does, through `store_files.remove_own_file`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import os
+import stat
 from collections import Counter
 from pathlib import Path
 
 from mlxkv.cache.prefix import common_prefix_length
 from mlxkv.runner.disk.files import (
     SUFFIX,
+    TEMPORARY_NAME,
     BadFile,
     StoredEntry,
     model_directories,
@@ -47,6 +52,25 @@ def tier_files(
             if ours and entry.name in indexed or not ours and _is_tier_file(key, proven):
                 found.append((Path(entry.path), info.st_size, info.st_mtime_ns))
     return found
+
+
+def temporary_bytes(directories: list[Path], proven: dict[tuple[str, int, int], bool]) -> int:
+    """Bytes of the temporary files in `directories` whose header says this tier wrote them: a
+    write in flight, or one a process killed mid-write left, removed only when provably
+    orphaned (`files.remove_if_orphaned`, an hour on). They take disk as blocks do, so the
+    budget counts them; it never removes one (its writer may live in another container)."""
+    total = 0
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(directory):
+                if not TEMPORARY_NAME.fullmatch(entry.name):
+                    continue
+                with contextlib.suppress(OSError):  # renamed or removed meanwhile
+                    info = entry.stat(follow_symlinks=False)
+                    key = (entry.path, info.st_size, info.st_mtime_ns)
+                    if stat.S_ISREG(info.st_mode) and _is_tier_file(key, proven):
+                        total += info.st_size
+    return total
 
 
 def _is_tier_file(key: tuple[str, int, int], proven: dict[tuple[str, int, int], bool]) -> bool:

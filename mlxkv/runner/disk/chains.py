@@ -45,7 +45,8 @@ class StoredChain:
     blocks: tuple[StoredEntry, ...]
     num_tokens: int
     # The query it serves goes on from all its stored line holds: every block matched whole,
-    # none stored after the last (a shifted entry's approximated K/V serve only such a query).
+    # none stored after the last (a shifted entry's approximated K/V serve only such a query;
+    # it is the prompt less its last token, so a retry of exactly the stored line is not one).
     goes_on: bool = False
 
     @property

@@ -14,7 +14,7 @@ Invariants:
     error that proves nothing about the file, such as out of memory, keeps it: a prefill);
   - a file appears under its final name only complete (temporary name, CRCs patched in,
     fsync, atomic rename, directory fsync): an interrupted write leaves at most a temporary
-    file, which indexing ignores and removes once its process is gone;
+    file, which indexing ignores, the budget counts, and a scan removes once its writer is gone;
   - a block is removed once a newer one beside it holds its tokens and serves them (a
     conversation written behind turn after turn keeps one chain), with the blocks after it,
     last first (a process killed between two removals leaves a shorter chain, never a
@@ -48,7 +48,7 @@ from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.serialize import cache_to_arrays
 from mlxkv.errors import NotSupportedError
 from mlxkv.runner.disk.blocks import cut_block
-from mlxkv.runner.disk.budget import removal_order, tier_files
+from mlxkv.runner.disk.budget import removal_order, temporary_bytes, tier_files
 from mlxkv.runner.disk.chains import (
     BLOCK_TOKENS,
     StoredChain,
@@ -63,6 +63,7 @@ from mlxkv.runner.disk.files import (
     StoredEntry,
     check_writable,
     entry_metadata,
+    model_directories,
     own_files,
     read_record,
     remove_orphaned_temporaries,
@@ -423,13 +424,16 @@ class DiskStore:
     # -- budget ---------------------------------------------------------------------------
 
     def enforce_budget(self, keep: Path | None = None) -> None:
-        """Removes this tier's files (of any model under `root`) until they and this model's
-        reply records fit in `max_bytes`: files another file supersedes first, then the least
-        recently used (the records of the chains removed go with them)."""
+        """Removes this tier's files (of any model under `root`) until they, this model's
+        reply records and the temporary files (`temporary_bytes`: never removed here) fit in
+        `max_bytes`: files another file supersedes first, then the least recently used (the
+        records of the chains removed go with them)."""
         with self._lock:
             records = dict(self._records)
         files = tier_files(self.root, self.directory, set(records), self._theirs)
-        if (total := sum(size for _, size, _ in files) + self.replies.nbytes) <= self.max_bytes:
+        total = sum(size for _, size, _ in files) + self.replies.nbytes
+        total += temporary_bytes(model_directories(self.root), self._theirs)
+        if total <= self.max_bytes:
             return  # the order below costs more than this sum
         queued_after = self._queued_parents()
         for path, size, _ in removal_order(
@@ -454,12 +458,12 @@ class DiskStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this model's files on disk now: its blocks and its reply records, as the
-        budget counts them (`enforce_budget`)."""
+        """Bytes of this model's files on disk now: its blocks, its reply records and its
+        temporary files, as the budget counts them (`enforce_budget`)."""
         self.refresh()
         with self._lock:
             blocks = sum(record.nbytes for record in self._records.values())
-        return blocks + self.replies.nbytes
+        return blocks + self.replies.nbytes + temporary_bytes([self.directory], self._theirs)
 
     def _indexed_records(self) -> list[StoredEntry]:
         with self._lock:

@@ -14,8 +14,8 @@ Terms:
 
 For a request's tokens T, r is the longest prefix of T an entry can return to exactly (by
 trimming, or from a checkpoint for layers that cannot trim), at most len(T) - 1; of an entry
-a context shift approximated in place, past the tokens it kept only when T goes on from all
-it holds (`_exact_part`). The entries
+a context shift approximated in place, past the tokens it kept only when T goes on past all
+it holds (`reuse.exact_part`; an exact retry does not, as on the disk tier). The entries
 work as a prefix tree whose nodes are the entries' divergence points: one shared prefix is
 never held twice by entries that extend each other, and lookups compare T with each entry
 (vectorised). Then:
@@ -62,12 +62,13 @@ import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths
-from mlxkv.runner.disk.chains import cheapest_restore, partial_restores
 from mlxkv.runner.disk.snapshots import boundaries
 from mlxkv.runner.disk.store import DiskStore
+from mlxkv.runner.prompt_cache.deletions import Deletions
 from mlxkv.runner.prompt_cache.entry import CacheEntry, token_array
 from mlxkv.runner.prompt_cache.fit import fit_to_budget
 from mlxkv.runner.prompt_cache.holdings import Holdings, Sized, holdings
+from mlxkv.runner.prompt_cache.reuse import exact_part, load_nearest
 from mlxkv.runner.text.messages import Message
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class CachePool:
         # A vision model's encoder outputs by image digest (`EncoderCache`): counted in the
         # budget like `working` (the entries make room for it), bounded by its own share.
         self.encoder: Sized | None = None
+        self.deletions = Deletions()  # labels deleted (`drop_labelled`), counted
 
     @property
     def entries(self) -> list[CacheEntry]:
@@ -146,6 +148,7 @@ class CachePool:
         keep: int = 0,
         label: str | None = None,
         cut_start: Message | None = None,
+        drops_before: int | None = None,
     ) -> PrefixHit:
         """Claims the entry for `tokens` (reused, copied or new), prepared to receive the rest
         of them.
@@ -159,6 +162,8 @@ class CachePool:
             keep: the leading tokens every cut of the prompt keeps (its system prompt).
             label: what the entry serves (a conversation id a client sent), if known.
             cut_start: the first message kept when the chat was cut to the window, if cut.
+            drops_before: `deletions.count` when the request was made (None: now); its entry
+                is freed when it ends if `label` was deleted since, as one in use then is.
 
         The entry (`PrefixHit.entry`) is in use until `release(entry)`: other requests
         meanwhile copy from it.
@@ -172,13 +177,7 @@ class CachePool:
         limit = len(tokens) - 1
         entry, reuse, (common, restorable, held) = self._nearest_in_memory(query, limit, salt)
         if restorable < common:  # also with no checkpoint before it: a miss, said why
-            logger.info(
-                "prefix cache: cannot go back from %d to %d tokens (recurrent or sliding-window "
-                "layers no longer hold them); the nearest checkpoint is at %d",
-                held,
-                common,
-                restorable,
-            )
+            _log_unreachable(held, common, restorable)
         if self.store is not None:
             entry, reuse = self._maybe_load(query, limit, entry, reuse, salt)
         entry, how = self._prepare(entry, reuse)
@@ -193,6 +192,8 @@ class CachePool:
         entry.keyed_by = label
         self.latest = entry
         self._in_use[entry] = query
+        if salt is None and drops_before is not None and self.deletions.since(label, drops_before):
+            self._drop(entry, write=False)  # its conversation deleted while it waited its turn
         points = self._checkpoints(len(tokens), reuse, reply_start, keep)
         every = None if self.store is None else self.store.snapshot_every_tokens
         snaps = tuple(p - reuse for p in boundaries(reuse, len(tokens), every))
@@ -267,7 +268,8 @@ class CachePool:
             reuse = common = min(whole, limit)
             if self._checkpointed and 0 < reuse < len(held):  # else it trims back to any
                 reuse = entry.cache.nearest_restorable(reuse)
-            reuse = _exact_part(entry.cache, reuse, goes_on=whole == len(held))
+            goes_on = whole == len(held) < query.size  # past all it holds: not a retry
+            reuse = exact_part(entry.cache, reuse, goes_on=goes_on)
             # the longest reuse; then one that needs no trim or copy; then the most recent
             key = (reuse, reuse == len(held) and entry not in self._in_use, entry.last_used)
             most = max(most, (common, reuse, len(held)))
@@ -279,30 +281,26 @@ class CachePool:
         self, query: np.ndarray, limit: int, entry: CacheEntry | None, reuse: int, salt: str | None
     ) -> tuple[CacheEntry | None, int]:
         """The entry and reuse after loading what pays of the chain on disk that serves the
-        longest prefix of `query`: all of it, its first blocks (the rest prefilled) or none
-        (`cheapest_restore`, by the measured read and prefill rates)."""
-        chain, disk_reuse = self.store.best(query, limit, salt)
-        if chain is None or disk_reuse <= reuse:
+        longest prefix of `query` (`reuse.load_nearest`), added as an idle entry."""
+        loaded = load_nearest(
+            self.store,
+            query,
+            limit=limit,
+            reuse=reuse,
+            salt=salt,
+            make_entry=self._make_entry,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+        )
+        if loaded is None:
             return entry, reuse
-        restores = partial_restores(chain, trimmable=self.store.trimmable)
-        rates = self.store.read_bytes_per_s, self.prefill_tokens_per_s
-        if (restore := cheapest_restore(restores, reuse, disk_reuse, *rates)) is None:
-            logger.debug("disk cache: prefilling %d tokens beats loading", disk_reuse - reuse)
-            return entry, reuse
-        cache = self.store.load(restore, self._make_entry())
-        if cache is None:
-            return entry, reuse
-        restored = cache.nearest_restorable(min(disk_reuse, cache.num_tokens))
-        restored = _exact_part(cache, restored, goes_on=restore.goes_on)
-        if restored <= reuse:
-            return entry, reuse
+        cache, restored = loaded
         logger.info("disk cache: loaded an entry of %d tokens", cache.num_tokens)
         if cache.gate is not None:  # still being checked: used in place (a copy would wait)
             cache.rewind_to(restored)
-        loaded = self._add(cache)
-        loaded.record()  # idle until a request takes it (it may only be copied from)
-        loaded.reply_start = cache.num_tokens  # a reply rendered back is the same conversation
-        return loaded, restored
+        loaded_entry = self._add(cache)
+        loaded_entry.record()  # idle until a request takes it (it may only be copied from)
+        loaded_entry.reply_start = cache.num_tokens  # a reply rendered back: the same chat
+        return loaded_entry, restored
 
     def _add(self, cache: ModelCache, keep: CacheEntry | None = None) -> CacheEntry:
         """Adds an entry for `cache`, first evicting one if the pool is full (never `keep`,
@@ -460,7 +458,8 @@ class CachePool:
         """Drops the entries of the shared domain (no salt) whose last request was labelled
         `label` (a conversation its client deleted), without writing them to the disk tier:
         an entry is freed only when asked for by its own label. One in use is dropped when
-        its request ends (as `clear` drops it).
+        its request ends (as `clear` drops it), and so is the entry of a request made before
+        and run after (`fetch_nearest`'s `drops_before`).
 
         Returns:
             The number of entries dropped.
@@ -468,6 +467,7 @@ class CachePool:
         dropped = [e for e in self._entries if e.keyed_by == label and e.salt is None]
         for entry in dropped:
             self._drop(entry, write=False)
+        self.deletions.add(label)
         return len(dropped)
 
     def clear(self) -> None:
@@ -475,6 +475,16 @@ class CachePool:
         stay with their requests and are dropped when released."""
         self._entries.clear()
         self.latest = None
+
+
+def _log_unreachable(held: int, common: int, restorable: int) -> None:
+    logger.info(
+        "prefix cache: cannot go back from %d to %d tokens (recurrent or sliding-window "
+        "layers no longer hold them); the nearest checkpoint is at %d",
+        held,
+        common,
+        restorable,
+    )
 
 
 def _log_lookup(num_tokens: int, reuse: int, how: str) -> None:
@@ -485,13 +495,3 @@ def _log_lookup(num_tokens: int, reuse: int, how: str) -> None:
         )
     else:
         logger.info("prefix cache miss total=%d left=%d", num_tokens, num_tokens)
-
-
-def _exact_part(cache: ModelCache, reuse: int, *, goes_on: bool) -> int:
-    """What a request reuses of `reuse` tokens of `cache`. An in-place shift approximated the
-    K/V past the tokens it kept (`exact_tokens`): a prompt that goes on from all the cache
-    holds continues that text (as llama.cpp's shift does) and reuses it; one that parts from
-    it earlier matches those tokens by chance (a chat's message marker right after the dropped
-    ones) and would carry the approximation into every later turn, so it reuses the kept ones."""
-    exact = cache.exact_tokens
-    return reuse if goes_on or exact is None or reuse <= exact else exact
