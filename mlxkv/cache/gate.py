@@ -45,12 +45,20 @@ class GatedLayers(Sequence):
     """`layers` as the model indexes and iterates them, each handed out only once `gate`
     says it is ready; while waiting, what the layers before it were given is computed."""
 
-    def __init__(self, layers: list[Any], gate: LayerGate):
+    def __init__(self, layers: list[Any], gate: LayerGate, num_gated: int | None = None):
         self._layers = layers
         self._gate = gate
+        self._num_gated = len(layers) if num_gated is None else num_gated  # the rest: padding
 
     def __len__(self) -> int:
         return len(self._layers)
+
+    def __add__(self, other: list[Any]) -> GatedLayers:
+        """The layers, still gated, then `other`'s items as they are: Gemma 4 pads the cache
+        list it is given for its KV-shared layers (`cache + [None] * k`), as a list allows."""
+        if not isinstance(other, list):
+            return NotImplemented
+        return GatedLayers(self._layers + other, self._gate, self._num_gated)
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
@@ -58,6 +66,8 @@ class GatedLayers(Sequence):
         if not -len(self._layers) <= index < len(self._layers):
             raise IndexError(index)  # ends iteration (Sequence.__iter__)
         index %= len(self._layers)
+        if index >= self._num_gated:
+            return self._layers[index]
         if index > 0 and not self._gate.ready(index):
             mx.async_eval(arrays_of(self._layers[index - 1]))
         self._gate.wait(index)

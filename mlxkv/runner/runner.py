@@ -343,8 +343,8 @@ class Runner:
             prompt,
             sampling,
             options,
-            cached_prefix=self._pool.longest_prefix,
-            cut_starts=self._pool.cut_starts,
+            cached_prefix=self._pool.cuts.held_prefix,
+            cut_starts=self._pool.cuts.starts,
         )
         request = self._lockstep.prepare(request)  # ranks agree on a cancel and a seed
         return self._dispatch.stream(request, batched=batched)

@@ -1,4 +1,4 @@
-"""Blocks for every layer kind the cache holds: a conversation of a hybrid (recurrent),
+"""Blocks for every layer kind the cache holds: a conversation of a hybrid (recurrent), KV-shared,
 sliding-window, chunked-attention or quantized-K/V model (or K/V quantized on disk only) is
 written as blocks like a plain one, comes back in a new Runner answering as a fresh Runner does
 (by log-probabilities) and reusing as many tokens as a cache that never left memory, and two
@@ -22,6 +22,7 @@ KINDS = {
     "hybrid": ("lfm2", {}),  # recurrent conv layers beside K/V
     "sliding-window": ("gemma3_text", {}),  # a window of 8 tokens
     "chunked": ("llama4", {}),  # chunked attention beside a global layer
+    "kv-shared": ("gemma4_text", {}),  # its cache list padded for layers reading another's
     "quantized": ("llama-hd32", {"kv_bits": 8, "kv_group_size": 32}),
     "quantized-on-disk": ("llama-hd32", {"cache_dir_kv_bits": 8}),  # float K/V in memory
 }

@@ -129,30 +129,52 @@ def test_a_conversation_over_the_budget_keeps_its_longest_prefix_that_fits(make_
     assert system_tokens <= held < out.prompt_tokens, "the conversation never went over the budget"
 
 
-def test_two_long_chats_interleaved_in_a_small_window_each_reuse_their_own_cut(make_runner):
-    """Each conversation's cut to the window lives on its own entry: interleaved, each turn
-    of each still reuses its previous prompt (one cut remembered per Runner made every turn of
-    one conversation forget the other's cut: a new cut, and a miss, on every turn)."""
-    runner = make_runner("llama", max_context=320, cache_entries=4)
+def _turns_reusing_their_cut(runner, names: str, turns: int) -> tuple[int, int]:
+    """Long chats `names` interleaved on `runner` (a window smaller than each): of the turns
+    after a chat's first cut, how many reused its whole previous prompt, and how many there
+    were. A disk tier's writes end before the next request (turns come seconds apart)."""
     chats = {
         name: [{"role": "system", "content": f"You are assistant {name}. {SYSTEM}"}]
-        for name in ("a", "b")
+        for name in names
     }
     reused, turns_after_cut = 0, 0
     previous = {}
-    for turn in range(12):
+    for turn in range(turns):
         for name, messages in chats.items():
             messages.append(
                 {"role": "user", "content": f"Turn {turn} of chat {name}: {QUESTIONS[turn % 3]}"}
             )
             out = runner.generate(messages, max_tokens=8)
             messages.append({"role": "assistant", "content": out.text})
+            if runner._pool.store is not None:  # written between turns, as seconds apart
+                runner._pool.store.flush()
             full = len(runner.encode(messages[:-1]))
             if name in previous and full > runner.max_context:
                 turns_after_cut += 1
                 reused += out.cached_tokens >= previous[name]
             previous[name] = out.prompt_tokens
+    return reused, turns_after_cut
+
+
+def test_two_long_chats_interleaved_in_a_small_window_each_reuse_their_own_cut(make_runner):
+    """Each conversation's cut to the window lives on its own entry: interleaved, each turn
+    of each still reuses its previous prompt (one cut remembered per Runner made every turn of
+    one conversation forget the other's cut: a new cut, and a miss, on every turn)."""
+    runner = make_runner("llama", max_context=320, cache_entries=4)
+    reused, turns_after_cut = _turns_reusing_their_cut(runner, "ab", turns=12)
     assert turns_after_cut >= 8
+    assert reused >= turns_after_cut * 0.6, f"{reused} of {turns_after_cut} turns reused"
+
+
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_long_chats_past_the_entry_budget_reuse_their_cut_from_disk(make_runner, tmp_path, arch):
+    """Three long chats through two entries (the server's disk tier on): each turn's entry
+    goes to disk while the others run, and its cut with it, so the next turn cuts where its
+    blocks start and loads them (the cut was kept only on entries in memory: every turn cut
+    afresh elsewhere and missed most of the window)."""
+    runner = make_runner(arch, max_context=320, cache_entries=2, cache_dir=tmp_path)
+    reused, turns_after_cut = _turns_reusing_their_cut(runner, "abc", turns=12)
+    assert turns_after_cut >= 12
     assert reused >= turns_after_cut * 0.6, f"{reused} of {turns_after_cut} turns reused"
 
 

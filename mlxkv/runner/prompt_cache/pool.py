@@ -64,6 +64,7 @@ from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths
 from mlxkv.runner.disk.snapshots import boundaries
 from mlxkv.runner.disk.store import DiskStore
+from mlxkv.runner.prompt_cache.cuts import ChatCuts
 from mlxkv.runner.prompt_cache.deletions import Deletions
 from mlxkv.runner.prompt_cache.entry import CacheEntry, token_array
 from mlxkv.runner.prompt_cache.fit import fit_to_budget
@@ -133,6 +134,7 @@ class CachePool:
         # budget like `working` (the entries make room for it), bounded by its own share.
         self.encoder: Sized | None = None
         self.deletions = Deletions()  # labels deleted (`drop_labelled`), counted
+        self.cuts = ChatCuts(self)  # where its chats were cut, for the next turns
 
     @property
     def entries(self) -> list[CacheEntry]:
@@ -378,6 +380,8 @@ class CachePool:
             self.latest = None
         held = holdings([entry]).held_bytes
         logger.debug("prefix cache evict tokens=%d bytes=%d", entry.num_tokens, held)
+        if self.store is not None:  # written here, or by `fit_to_budget` before
+            self.cuts.evicted(entry)
         if write and self.store is not None:
             self.store.write(entry.cache, salt=entry.salt, reply_start=entry.reply_start)
 
@@ -403,12 +407,6 @@ class CachePool:
             and common_prefix_length(other.tokens, entry.tokens) == entry.num_tokens
             for other in self._entries
         )
-
-    def cut_starts(self, salt: str | None = None) -> list[Message]:
-        """The chat cuts (`CacheEntry.cut_start`) of the entries of `salt`, most recently
-        used first (safe from any thread)."""
-        entries = sorted(list(self._entries), key=lambda e: e.last_used, reverse=True)
-        return [e.cut_start for e in entries if e.cut_start is not None and e.salt == salt]
 
     def longest_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """The most tokens of `tokens` some entry of `salt` held at the end of its last
