@@ -5,10 +5,12 @@ run in one process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +38,39 @@ def launcher() -> str:
     if not Path(found).exists():
         pytest.skip("mlx.launch is not installed")
     return found
+
+
+def ring(ranks: int) -> list[str]:
+    """`mlx.launch` over the ring backend on ports free now: its default ports (32323 on) are
+    every run's, so a sharded run beside another on this machine failed ("Couldn't bind
+    socket"), with exit status 0."""
+    return [
+        launcher(),
+        "-n",
+        str(ranks),
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(_free_ports(ranks)),
+    ]
+
+
+def _free_ports(count: int) -> int:
+    """The first of `count` consecutive loopback ports that are free now."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count > 65536:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(first, first + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free loopback ports")
 
 
 def _run(command: list[str], model: Path, out_dir: Path, ranks: int) -> list[list[dict]]:
@@ -68,7 +103,7 @@ def runs(request, model_root, tmp_path_factory):
     else:
         model = tiny_model_dir(request.param, model_root)
     single = _run([sys.executable], model, tmp_path / "single", ranks=1)
-    launched = [launcher(), "-n", "2", "--backend", "ring", sys.executable]
+    launched = [*ring(2), sys.executable]
     sharded = _run(launched, model, tmp_path / "sharded", ranks=2)
     return single[0], sharded
 
