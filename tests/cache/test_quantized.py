@@ -46,3 +46,18 @@ def test_head_dim_not_divisible_by_group_is_a_clear_error():
     cache = QuantizedKVCache(group_size=64, bits=8)
     with pytest.raises(ValueError, match="head dimension 16 is not a multiple"):
         cache.update_and_fetch(mx.zeros((1, 1, 2, 16)), mx.zeros((1, 1, 2, 16)))
+
+
+def test_keys_reassigned_as_a_list_keep_updating_as_before():
+    """mlx-lm's pipeline-parallel models, on every rank but the last, reassign the last
+    layer's keys to `mx.depends(cache.keys, h)`: a list for a quantized cache. The next update
+    (a sharded `--kv-bits` run's second forward pass) raised a TypeError on it."""
+    mx.random.seed(2)
+    chunks = [(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64))) for n in (5, 3)]
+    reassigned, plain = QuantizedKVCache(group_size=64), QuantizedKVCache(group_size=64)
+    for keys, values in chunks:
+        plain.update_and_fetch(keys, values)
+        reassigned.update_and_fetch(keys, values)
+        reassigned.keys = mx.depends(reassigned.keys, keys)
+    for got, want in zip(reassigned.dequantized(), plain.dequantized(), strict=True):
+        assert mx.array_equal(got, want)

@@ -1,9 +1,10 @@
 """Run by the tests under `mlx.launch -n 2 --backend ring` (and alone, as the reference): a
-3-turn greedy chat, then a request that forces a trim, one that forces a miss, and two
-cancelled generations (a caller that stops reading, and `Runner.cancel()`), a sampled
-one with no seed, its prompt again after its entry was dropped by its cache key, and once more
-by a request made before its key was dropped and run after. After each
-request every rank writes down what its entry holds, to OUT_DIR/rank<r>.json.
+3-turn greedy chat (rank 0 writes each token's log-probability and its 3 likeliest), then a
+request that forces a trim, one that forces a miss, and two cancelled generations (a caller
+that stops reading, and `Runner.cancel()`), a sampled one with no seed, its prompt again after
+its entry was dropped by its cache key, and once more by a request made before its key was
+dropped and run after. After each request every rank writes down what its entry holds, to
+OUT_DIR/rank<r>.json.
 
     python tests/distributed/chat_script.py MODEL_DIR OUT_DIR
 """
@@ -23,10 +24,12 @@ def main(model_dir: str, out_dir: str) -> None:
     runner = Runner.load(model_dir, max_context=1024)
     records = []
 
-    def record(completion) -> None:
+    def record(completion, logprobs: list | None = None) -> None:
         info = runner.cache_info()
         records.append(
             {
+                "logprobs": logprobs,
+                "layers": len(runner.loaded.model.layers),  # this rank's: pipeline splits them
                 "tokens": None if completion is None else completion.tokens,
                 "cached": None if completion is None else completion.cached_tokens,
                 "finish": None if completion is None else completion.finish_reason,
@@ -39,8 +42,9 @@ def main(model_dir: str, out_dir: str) -> None:
         chat = []
         for question in QUESTIONS:
             chat.append({"role": "user", "content": question})
-            out = runner.generate(chat, max_tokens=12)
-            record(out)
+            chunks = list(runner.stream(chat, max_tokens=12, logprobs=3))
+            out = chunks[-1].completion
+            record(out, [[c.logprob.logprob, c.logprob.top] for c in chunks if c.logprob])
             chat.append({"role": "assistant", "content": out.text})
         # A trim: the first question again, answered differently: the entry goes back.
         record(runner.generate([{"role": "user", "content": QUESTIONS[0]}], max_tokens=6))

@@ -17,13 +17,13 @@ from mlxkv.models.loading import load_model
 from tests.factories import tiny_model_dir
 from tests.processes import ready_url
 
-from .test_sharded import ROOT, launcher
+from .test_sharded import ROOT, ring
 
 _TIMEOUT_S = 120
 
 
 def _cli(args: list[str], *, ranks: int, stdin: str | None = None) -> subprocess.CompletedProcess:
-    prefix = [launcher(), "-n", str(ranks), "--backend", "ring", "--"] if ranks > 1 else []
+    prefix = [*ring(ranks), "--"] if ranks > 1 else []
     return subprocess.run(
         [*prefix, sys.executable, "-m", "mlxkv.cli", *args],
         input=stdin, capture_output=True, text=True, timeout=_TIMEOUT_S, cwd=ROOT,
@@ -58,7 +58,7 @@ def test_chat_through_a_pipe_answers_as_one_process(model):
 
 def test_serve_answers_on_rank_0_as_one_process(model):
     process = subprocess.Popen(
-        [launcher(), "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "mlxkv.cli",
+        [*ring(2), "--", sys.executable, "-m", "mlxkv.cli",
          "serve", "-m", model, "--port", "0", "--no-cache-dir"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         start_new_session=True,

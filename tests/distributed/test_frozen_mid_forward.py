@@ -27,7 +27,7 @@ from mlxkv.models.loading import load_model
 from tests.factories import tiny_model_dir, wait_until
 from tests.processes import ready_url
 
-from .test_sharded import ROOT, launcher
+from .test_sharded import ROOT, ring
 
 _RANK_TIMEOUT_S = 3
 _GRACE_S = 30  # far above the rank timeout: the rank still running has exited by then
@@ -67,7 +67,7 @@ class _Sharded:
         model = tiny_model_dir("llama", model_root)
         self.eos_token_ids = load_model(model).tokenizer.eos_token_ids
         self.process = subprocess.Popen(
-            [launcher(), "-n", "2", "--backend", "ring", "--", sys.executable, "-m",
+            [*ring(2), "--", sys.executable, "-m",
              "mlxkv.cli", "serve", "-m", str(model), "--port", "0", "--no-cache-dir",
              "--max-context", "8192"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,

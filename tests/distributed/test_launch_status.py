@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from .test_sharded import ROOT, launcher
+from .test_sharded import ROOT, ring
 
 RANK_1_FAILS = """
 import sys
@@ -19,7 +19,7 @@ sys.exit(3 if mx.distributed.init().rank() == 1 else 0)
 
 
 def test_a_failed_rank_is_a_warning_and_the_launch_exits_0():
-    command = [launcher(), "-n", "2", "--backend", "ring", sys.executable, "-c", RANK_1_FAILS]
+    command = [*ring(2), sys.executable, "-c", RANK_1_FAILS]
     ended = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert "Node with rank 1 exited with code 3" in ended.stderr, ended.stderr
     assert ended.returncode == 0

@@ -15,7 +15,7 @@ import pytest
 
 from tests.factories import tiny_model_dir, wait_until
 
-from .test_sharded import ROOT, launcher
+from .test_sharded import ROOT, ring
 
 SCRIPT = Path(__file__).with_name("faults_script.py")
 
@@ -35,7 +35,7 @@ def test_follower_generate_raises_and_a_lost_follower_fails_rank_0_in_bounded_ti
     fault, model_root, tmp_path
 ):
     model = tiny_model_dir("llama", model_root)
-    command = [launcher(), "-n", "2", "--backend", "ring", sys.executable, str(SCRIPT)]
+    command = [*ring(2), sys.executable, str(SCRIPT)]
     process = subprocess.Popen(
         [*command, str(model), str(tmp_path), fault],
         stdout=subprocess.PIPE,

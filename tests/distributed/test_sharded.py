@@ -1,13 +1,16 @@
-"""A model sharded over 2 processes (`mlx.launch --backend ring` on this machine) answers a
-chat like one process, and both ranks' cache entries stay equal through trims, misses and
-cancels. Reference: the same script run in one process."""
+"""A model sharded over 2 processes (`mlx.launch --backend ring` on this machine), tensor
+parallel or pipeline, answers a chat like one process (tokens and log-probabilities), and both
+ranks' cache entries stay equal through trims, misses and cancels. Reference: the same script
+run in one process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +21,16 @@ import pytest
 
 from mlxkv.errors import NotSupportedError
 from mlxkv.models.sharding import shard_model
+from mlxkv.testing.factory import build_model
 from tests.factories import tiny_model_dir
 
 SCRIPT = Path(__file__).with_name("chat_script.py")
 ROOT = Path(__file__).resolve().parents[2]
 CHAT_TURNS = 3
 _TIMEOUT_S = 120
+_LOGPROB_RTOL = 1e-4  # CPU float32's bound on logits (tests/tolerances.py); seen 4.8e-6
+# A Qwen2 whose 3 KV heads do not split over 2 ranks: sharded as a pipeline, a layer a rank.
+_PIPELINE = {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}
 
 
 def launcher() -> str:
@@ -33,7 +40,40 @@ def launcher() -> str:
     return found
 
 
-def _run(command: list[str], model: Path, out_dir: Path) -> list[list[dict]]:
+def ring(ranks: int) -> list[str]:
+    """`mlx.launch` over the ring backend on ports free now: its default ports (32323 on) are
+    every run's, so a sharded run beside another on this machine failed ("Couldn't bind
+    socket"), with exit status 0."""
+    return [
+        launcher(),
+        "-n",
+        str(ranks),
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(_free_ports(ranks)),
+    ]
+
+
+def _free_ports(count: int) -> int:
+    """The first of `count` consecutive loopback ports that are free now."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count > 65536:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(first, first + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free loopback ports")
+
+
+def _run(command: list[str], model: Path, out_dir: Path, ranks: int) -> list[list[dict]]:
     out_dir.mkdir()
     process = subprocess.Popen(
         [*command, str(SCRIPT), str(model), str(out_dir)],
@@ -51,17 +91,33 @@ def _run(command: list[str], model: Path, out_dir: Path) -> list[list[dict]]:
         pytest.fail(f"ranks out of step: no end in {_TIMEOUT_S} s\n{output}")
     assert process.returncode == 0, output
     files = sorted(out_dir.glob("rank*.json"))
+    assert len(files) == ranks, output  # mlx.launch exits 0 also when a rank failed
     return [json.loads(f.read_text()) for f in files]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2_pipeline"])
 def runs(request, model_root, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp(request.param)
-    model = tiny_model_dir(request.param, model_root)
-    single = _run([sys.executable], model, tmp_path / "single")
-    launched = [launcher(), "-n", "2", "--backend", "ring", sys.executable]
-    sharded = _run(launched, model, tmp_path / "sharded")
+    if request.param == "qwen2_pipeline":
+        model = build_model("qwen2", tmp_path / "model", config_overrides=_PIPELINE)
+    else:
+        model = tiny_model_dir(request.param, model_root)
+    single = _run([sys.executable], model, tmp_path / "single", ranks=1)
+    launched = [*ring(2), sys.executable]
+    sharded = _run(launched, model, tmp_path / "sharded", ranks=2)
     return single[0], sharded
+
+
+def _assert_logprobs_close(got: list, want: list, what: str) -> None:
+    """Each token's log-probability and its likeliest alternatives (ids equal, values within
+    `_LOGPROB_RTOL`)."""
+    assert len(got) == len(want), what
+    for (logprob, top), (want_logprob, want_top) in zip(got, want, strict=True):
+        assert [t for t, _ in top] == [t for t, _ in want_top], what
+        alternatives = zip(top, want_top, strict=True)
+        pairs = [(logprob, want_logprob), *((v, w) for (_, v), (_, w) in alternatives)]
+        for value, expected in pairs:
+            assert abs(value - expected) <= _LOGPROB_RTOL * max(1.0, abs(expected)), what
 
 
 def test_two_ranks_answer_the_chat_as_one_process_does(runs):
@@ -69,7 +125,12 @@ def test_two_ranks_answer_the_chat_as_one_process_does(runs):
     for turn in range(CHAT_TURNS):
         assert rank0[turn]["tokens"] == single[turn]["tokens"], f"turn {turn}"
         assert rank0[turn]["cached"] == single[turn]["cached"], f"turn {turn}"
+        assert len(single[turn]["logprobs"]) == len(single[turn]["tokens"])
+        _assert_logprobs_close(rank0[turn]["logprobs"], single[turn]["logprobs"], f"turn {turn}")
     assert single[1]["cached"] > 0 and single[2]["cached"] > single[1]["cached"]
+    # tensor parallel: every rank has every layer; pipeline: its own of them
+    layers = [single[0]["layers"], rank0[0]["layers"], rank1[0]["layers"]]
+    assert layers in ([2, 2, 2], [2, 1, 1])
 
 
 def test_both_ranks_hold_the_same_tokens_and_half_the_bytes_after_every_request(runs):

@@ -305,6 +305,21 @@ def test_server_errors_are_shown_in_the_page(page):
     assert page.locator(".message.assistant .bubble").count() == 0
 
 
+def test_a_refused_turn_is_left_out_of_the_next_request(page, loaded_tiny):
+    """A message the server refused (too long here) is not sent again: before, it stayed in
+    the history, so every later message of the conversation was refused as too long."""
+    _set(page, "#max-tokens", "8")
+    _send(page, "word " * (MAX_CONTEXT + 100))
+    assert "context" in page.locator(".message.assistant [role=alert]").inner_text()
+    _send(page, "Hello there")
+    reply = _current(page)["messages"][-1]
+    assert "error" not in reply
+    expected = _fresh(loaded_tiny).generate(
+        [{"role": "user", "content": "Hello there"}], max_tokens=8
+    )
+    assert (reply["content"], reply["stats"]["prompt"]) == (expected.text, expected.prompt_tokens)
+
+
 def test_an_error_after_some_text_keeps_the_text_above_the_alert(page):
     """A stream that fails after its first words (the server's error event) keeps them."""
     chunk = {"choices": [{"index": 0, "delta": {"content": "Partial words"}}]}

@@ -40,6 +40,16 @@ class QuantizedKVCache(ContiguousCache):
         self.values: Triple | None = None
         self.offset = 0
 
+    # mlx-lm's pipeline-parallel models reassign the keys to `mx.depends(cache.keys, h)`,
+    # which gives a list: kept as a triple, so they go on as any other.
+    @property
+    def keys(self) -> Triple | None:
+        return self._keys
+
+    @keys.setter
+    def keys(self, triple) -> None:
+        self._keys = None if triple is None else tuple(triple)
+
     @property
     def capacity_tokens(self) -> int:
         return 0 if self.keys is None else self.keys[0].shape[2]

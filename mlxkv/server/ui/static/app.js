@@ -215,10 +215,13 @@ function attach(files) {
 function requestBody(chat) {
   const messages = [];
   if (chat.system.trim()) messages.push({ role: "system", content: chat.system });
-  for (const m of chat.messages) {
-    if (m.pending || (m.role === "assistant" && m.error && !m.content)) continue;
+  // A turn refused before its first token (too long, bad settings, server unreachable) is
+  // left out whole: its message sent again would be refused again, every later turn with it.
+  const refused = (m) => m?.role === "assistant" && m.error && !m.content;
+  chat.messages.forEach((m, i) => {
+    if (m.pending || refused(m) || (m.role === "user" && refused(chat.messages[i + 1]))) return;
     messages.push({ role: m.role, content: m.images?.length ? contentParts(m) : m.content });
-  }
+  });
   const body = {
     model: "mlxkv",
     messages,
