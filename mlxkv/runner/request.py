@@ -30,8 +30,9 @@ from mlxkv.errors import ContextLengthError, check_int
 from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import chat_cut, fit_prompt
 from mlxkv.runner.results import PromptUsage
+from mlxkv.runner.text.landmarks import Landmarks
 from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
-from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
+from mlxkv.runner.text.prompt import Prompt, PromptEncoder
 from mlxkv.runner.text.replies import ReplyKey, ReplyStart, StoredReplyIds, replies_for
 from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images, with_text_content
 from mlxkv.runner.text.vision_cuts import ImageChat
@@ -213,11 +214,11 @@ class RequestBuilder:
         prompt = with_text_content(prompt)
         template = self._template_args(prompt, options, salt)
         tokens = self._prompts.encode(prompt, **template)
-        render = functools.partial(self._prompts.render, **template)
+        render = functools.partial(self._prompts.chat.render, **template)
         if not options.truncate and len(tokens) >= self._max_context:
             self._refuse_too_long(len(tokens))
         params = self._fit_max_tokens(params, len(tokens), options.overflow)
-        marks = self._prompts.landmarks(
+        marks = self._prompts.landmarks.find(
             prompt, tokens, system_tokens=self._keep is None, **template
         )
         keep = self._keep_for(tokens, marks)

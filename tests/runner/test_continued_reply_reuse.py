@@ -12,7 +12,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
-from mlxkv.runner.text.prompt import CONTINUE_FINAL
+from mlxkv.runner.text.chat import CONTINUE_FINAL
 from mlxkv.testing.factory import build_model
 from tests.runner.test_continue_final import SPACED_TEMPLATE
 

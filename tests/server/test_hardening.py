@@ -68,7 +68,7 @@ def test_a_long_message_being_tokenized_holds_up_no_other_request(guarded, monke
     400: `tokenizers`' `encode` holds the GIL while it runs, so every other request, /health
     too, waited. Tokenized off the event loop by a call that releases the GIL, it holds up
     nobody: /health answers again and again while a 2 MB message is tokenized."""
-    segments = guarded.runner._prompts._segments
+    segments = guarded.runner._prompts.chat._segments
     encode, tokenizing, tokenized = segments.encode, threading.Event(), threading.Event()
 
     def watched(text: str) -> list[int]:
@@ -108,7 +108,7 @@ def test_a_message_far_over_the_window_is_refused_before_it_is_tokenized(guarded
     for megabytes; no longer a stall of the server, see the test above). No token can be
     longer than the vocabulary's longest, so text over the window times that many bytes
     cannot fit and needs no tokenizing."""
-    segments = guarded.runner._prompts._segments
+    segments = guarded.runner._prompts.chat._segments
     encode, lengths = segments.encode, []
 
     def recorded(text: str) -> list[int]:

@@ -4,8 +4,8 @@ A model's reply is a sequence of token ids; its text, encoded again, is often an
 (SmolLM2 wrote "SmolLAM" as `S|m|ol|L|AM`, which encodes as `Sm|ol|L|AM`). The next turn's
 prompt would then differ from the cache at the reply's first such token, and everything after
 it would be computed again. When an assistant message's content equals a reply generated
-here, the prompt takes that reply's ids (`PromptEncoder.render`; with images,
-`VisionPrompts.encode`, both through `PromptEncoder.reply_ids`); the rest of the prompt still
+here, the prompt takes that reply's ids (`ChatTemplate.render`; with images,
+`VisionPrompts.encode`, both through `ChatTemplate.reply_ids`); the rest of the prompt still
 comes from the chat template (and the images from the model's processor), less a space the
 template writes before a reply whose ids begin with it (`before_reply`).
 

@@ -2,8 +2,8 @@
 tokens, a copy of the tokenizer that reads their text as text, the variables the template
 reads, and the largest id the tokenizer gives.
 
-Owns `control_tokens`, `plain_text_tokenizer`, `template_variables` and `largest_id` (`prompt`
-uses them).
+Owns `control_tokens`, `plain_text_tokenizer`, `template_variables` and `largest_id` (`chat` and
+`prompt` use them).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Terms:
     text in a tool call (`text.controls`).
   - Reply sent back: an assistant message whose content the reply memory knows
     (`text.replies`) takes the ids the model generated, as in a text prompt
-    (`PromptEncoder.reply_ids`), so the next turn matches what the cache holds even where the
+    (`ChatTemplate.reply_ids`), so the next turn matches what the cache holds even where the
     reply's text encodes otherwise. The images' spans are found in the record after that
     substitution, so an image after the reply gets its place (and, from the record, its
     M-RoPE positions) in the ids actually fed. A reply holding the image token's id keeps it
@@ -25,7 +25,7 @@ Terms:
     (`replies.check_calls_apart`, as for a text prompt).
   - Continued message: a last assistant message with `CONTINUE_FINAL` (Anthropic's prefill)
     ends the render, cut right after its text as Hugging Face's `continue_final_message`
-    cuts it, the reply its rest (as a text prompt's, `text.prompt`).
+    cuts it, the reply its rest (as a text prompt's, `text.chat`).
 """
 
 from __future__ import annotations
@@ -41,16 +41,16 @@ from mlxkv.errors import ImagesNotSupportedError
 from mlxkv.models.images import decode_image
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
 from mlxkv.models.vision_families import ProcessedImage
+from mlxkv.runner.text.chat import (
+    NOT_CONTINUED,
+    TEMPLATE_REFUSED,
+    ChatTemplate,
+    ReplyRewritten,
+    continues_final,
+    valid_text,
+)
 from mlxkv.runner.text.controls import MaskedMessages
 from mlxkv.runner.text.messages import Message, Tools, checked_tools
-from mlxkv.runner.text.prompt import (
-    _NOT_CONTINUED,
-    _TEMPLATE_REFUSED,
-    PromptEncoder,
-    _ReplyRewritten,
-    _valid_text,
-    continues_final,
-)
 from mlxkv.runner.text.replies import (
     ReplyIds,
     before_reply,
@@ -129,13 +129,13 @@ class VisionPrompts:
     """Messages with images to `ImageTokens` for one model.
 
     Args:
-        prompts: the model's text prompt encoder (its tokenizer and control tokens).
+        chat: the model's chat template (its tokenizer and control tokens).
         support: the model's vision support; None for a text-only model (every image refused).
         model_name: how errors name the model.
     """
 
-    def __init__(self, prompts: PromptEncoder, support: VisionSupport | None, model_name: str):
-        self._prompts = prompts
+    def __init__(self, chat: ChatTemplate, support: VisionSupport | None, model_name: str):
+        self._chat = chat
         self._support = support
         self._model_name = model_name
         # The last prompt's images through the processor, by digest: a request renders its
@@ -154,7 +154,7 @@ class VisionPrompts:
         replies: ReplyIds | None = None,
     ) -> ImageTokens:
         """Renders `messages` and their images; an assistant message whose content `replies`
-        knows takes its generated ids (`PromptEncoder.reply_ids`), unless the template does
+        knows takes its generated ids (`ChatTemplate.reply_ids`), unless the template does
         not render that content once, as given (then all render as text, as a text prompt's).
 
         Raises:
@@ -167,7 +167,7 @@ class VisionPrompts:
             raise ImagesNotSupportedError(self._model_name)
         continued = continues_final(messages, switches)
         args: dict[str, Any] = {
-            **self._prompts.template_switches(switches),
+            **self._chat.template_switches(switches),
             "add_generation_prompt": add_generation_prompt and not continued,
         }
         if tools:
@@ -178,14 +178,14 @@ class VisionPrompts:
         cut = _cut_after_last(masked) if continued else None
         decoded = _decoded(images)
         try:
-            text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
+            text = self._chat.tokenizer.apply_chat_template(masked, tokenize=False, **args)
             sent = {i: _as_text(messages[i]) for i in known.values()}  # as `_masked` read them
             as_sent = [sent.get(i, m) for i, m in enumerate(masked)]
-            check_calls_apart(self._prompts.tokenizer, args, as_sent, sent)
+            check_calls_apart(self._chat.tokenizer, args, as_sent, sent)
         except TemplateError as error:  # a call reply refused without its calls, or other
             # text written from them (`CallsApart`): it renders from the template
             if replies is None or _num_with_calls(masked) == _num_with_calls(messages):
-                raise ValueError(_TEMPLATE_REFUSED.format(error)) from None
+                raise ValueError(TEMPLATE_REFUSED.format(error)) from None
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
             args |= {"tools": tools, "replies": without_call_replies(replies)}  # text replies: ids
             return self.encode(messages, parse_control_tokens=parse_control_tokens, **args)
@@ -197,7 +197,7 @@ class VisionPrompts:
             replied = {slot: sent[i]["content"] for slot, i in known.items()}
             expansions = [p.text for p in processed]
             segments = self._ids(text, slots, replied, expansions, calls.encode, args)
-        except _ReplyRewritten:  # the template changed a reply: every reply renders as text
+        except ReplyRewritten:  # the template changed a reply: every reply renders as text
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
             return self.encode(
                 messages, parse_control_tokens=parse_control_tokens, tools=tools, **args
@@ -210,8 +210,8 @@ class VisionPrompts:
         """`messages` and the template's other `args` with control-token text in their tool
         calls, tools and variables behind placeholders (`text.controls`), unless such text
         is to be parsed."""
-        tokenizer = self._prompts.tokenizer
-        return self._prompts.controls.masked(
+        tokenizer = self._chat.tokenizer
+        return self._chat.controls.masked(
             messages,
             enabled=not parse_control_tokens,
             encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
@@ -226,13 +226,13 @@ class VisionPrompts:
         placeholders), the image sources in order, slot -> the ids it stands for (tainted
         text's plain ids, a reply's generated ids), and the replies' slots -> their messages'
         indices."""
-        nonce, controls = secrets.token_hex(8), self._prompts.controls
+        nonce, controls = secrets.token_hex(8), self._chat.controls
         masked, images, slots, known = [], [], {}, {}
 
         def text(value: Any, where: str) -> str:
             if not isinstance(value, str):
                 raise ValueError(f"{where} needs a string text, got {type(value).__name__}")
-            value = _valid_text(value)
+            value = valid_text(value)
             if not calls.enabled or not controls.found(value):
                 return value
             slot = slot_text(nonce, len(slots))
@@ -240,7 +240,7 @@ class VisionPrompts:
             return slot
 
         def reply(message: Message) -> list[int] | None:  # sent back as text parts too
-            ids = self._prompts.reply_ids(_as_text(message), replies)
+            ids = self._chat.reply_ids(_as_text(message), replies)
             return None if ids is None else list(ids)
 
         for i, (message, rendered) in enumerate(zip(messages, calls.messages, strict=True)):
@@ -287,10 +287,10 @@ class VisionPrompts:
         generation prompt (with `template_args`) did not (`before_reply`).
 
         Raises:
-            _ReplyRewritten: a reply's slot is not in the text once, as given."""
+            ReplyRewritten: a reply's slot is not in the text once, as given."""
         segments, cursor = [], 0
         pending = list(reversed(expansions))
-        opened = generation_prompt_of(self._prompts.tokenizer, template_args, [_HI])
+        opened = generation_prompt_of(self._chat.tokenizer, template_args, [_HI])
 
         def template(piece: str) -> list[int]:
             marker = self._support.family.marker
@@ -303,12 +303,12 @@ class VisionPrompts:
         for slot, ids in slots.items():
             start = text.find(slot, cursor)
             if slot in replied and (start < 0 or text.count(slot) != 1):
-                raise _ReplyRewritten
+                raise ReplyRewritten
             if start < 0:
                 raise ValueError("the chat template rewrote a message's text; it cannot be kept")
             head = text[cursor:start]
             if slot in replied:
-                decode = self._prompts.tokenizer.decode
+                decode = self._chat.tokenizer.decode
                 head = before_reply(head, ids, replied[slot], decode, opened)
             segments.append((template(head), True))
             segments.append((ids, False))
@@ -389,7 +389,7 @@ def _cut_at(text: str, cut: str) -> str:
     content, which tokenizes with the template's text before it, as in Hugging Face's
     `continue_final_message` cut (what the template writes after it is left out)."""
     if text.count(cut) != 1:
-        raise ValueError(_NOT_CONTINUED)
+        raise ValueError(NOT_CONTINUED)
     return text[: text.index(cut)]
 
 

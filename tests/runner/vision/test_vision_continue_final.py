@@ -13,7 +13,7 @@ pytest.importorskip("mlx_vlm")
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
-from mlxkv.runner.text.prompt import CONTINUE_FINAL  # noqa: E402
+from mlxkv.runner.text.chat import CONTINUE_FINAL  # noqa: E402
 from mlxkv.testing.vision_factory import noise_images  # noqa: E402
 from tests.runner.vision.test_vision import _ask, _reference, _without_pixels  # noqa: E402
 
