@@ -257,7 +257,8 @@ class ChatTemplate:
                 ids += prepared.encode(head) + own
                 reply_start = ReplyStart(content, own) if continued and i == last else None
             else:  # the continued text, with the template's before it: as Hugging Face's cut
-                piece, reply_start = continued_ids(prepared.encode, head, content)
+                decode = self.tokenizer.decode
+                piece, reply_start = continued_ids(prepared.encode, head, content, decode, opened)
                 ids += piece
             cursor = start + len(slot)
         ids += [] if continued else prepared.encode(text[cursor:])  # a continued turn: no end
