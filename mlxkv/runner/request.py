@@ -309,6 +309,7 @@ class RequestBuilder:
             cut_start=cut_start,
             images=encoded.spans,
             reply_cuts=reply_cuts,
+            reply_start=_held_start(encoded.reply_start, tokens),
         )
 
     def _reply_window(

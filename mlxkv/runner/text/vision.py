@@ -53,8 +53,10 @@ from mlxkv.runner.text.controls import MaskedMessages
 from mlxkv.runner.text.messages import Message, Tools, checked_tools
 from mlxkv.runner.text.replies import (
     ReplyIds,
+    ReplyStart,
     before_reply,
     check_calls_apart,
+    continued_ids,
     generation_prompt_of,
     masked_reply,
     slot_text,
@@ -72,10 +74,14 @@ class ImageTokens:
     Attributes:
         tokens: the token record: text ids, and each image's placeholder id once per token.
         spans: the images' places, in order.
+        reply_start: where the record continues its last message (`CONTINUE_FINAL`), that
+            message's text and the ids it ends with, as a text prompt's (`chat.RenderedChat`);
+            None: not continued, or the template wrote it otherwise.
     """
 
     tokens: list[int]
     spans: tuple[ImageSpan, ...]
+    reply_start: ReplyStart | None = None
 
 
 def has_images(prompt: Any) -> bool:
@@ -165,17 +171,17 @@ class VisionPrompts:
         """
         if self._support is None:
             raise ImagesNotSupportedError(self._model_name)
-        continued = continues_final(messages, switches)
+        last = valid_text(messages[-1]["content"]) if continues_final(messages, switches) else None
         args: dict[str, Any] = {
             **self._chat.template_switches(switches),
-            "add_generation_prompt": add_generation_prompt and not continued,
+            "add_generation_prompt": add_generation_prompt and last is None,
         }
         if tools:
             args["tools"] = checked_tools(tools)
         calls = self._masked_calls(messages, parse_control_tokens, args)
         args = calls.template_args  # tools and switches, their control-token text masked
         masked, images, slots, known = self._masked(messages, calls, replies)
-        cut = _cut_after_last(masked) if continued else None
+        cut = None if last is None else _cut_after_last(masked)
         decoded = _decoded(images)
         try:
             text = self._chat.tokenizer.apply_chat_template(masked, tokenize=False, **args)
@@ -196,13 +202,13 @@ class VisionPrompts:
         try:
             replied = {slot: sent[i]["content"] for slot, i in known.items()}
             expansions = [p.text for p in processed]
-            segments = self._ids(text, slots, replied, expansions, calls.encode, args)
+            segments, start = self._ids(text, slots, replied, expansions, calls.encode, args, last)
         except ReplyRewritten:  # the template changed a reply: every reply renders as text
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
             return self.encode(
                 messages, parse_control_tokens=parse_control_tokens, tools=tools, **args
             )
-        return self._expanded(segments, decoded, processed)
+        return self._expanded(segments, decoded, processed, start)
 
     def _masked_calls(
         self, messages: Sequence[Message], parse_control_tokens: bool, args: dict[str, Any]
@@ -278,13 +284,15 @@ class VisionPrompts:
         expansions: list[str],
         encode: Callable[[str], list[int]],
         template_args: dict[str, Any],
-    ) -> list[tuple[list[int], bool]]:
+        continued: str | None,
+    ) -> tuple[list[tuple[list[int], bool]], ReplyStart | None]:
         """The rendered text's ids in segments: (ids, from the template) pairs. Each image
         marker the template wrote is replaced, in the text, by its image's expansion (as the
         processor does), so the text around it tokenizes as in the model's own pipeline (by
         `encode`); each slot by the ids it stands for, a reply's (`replied`: its slot -> its
         content as sent) after the template's text less the space its ids hold and the
-        generation prompt (with `template_args`) did not (`before_reply`).
+        generation prompt (with `template_args`) did not (`before_reply`). With the text of
+        a `continued` last message (the text is cut after it), the reply start it ends with.
 
         Raises:
             ReplyRewritten: a reply's slot is not in the text once, as given."""
@@ -292,13 +300,12 @@ class VisionPrompts:
         pending = list(reversed(expansions))
         opened = generation_prompt_of(self._chat.tokenizer, template_args, [_HI])
 
-        def template(piece: str) -> list[int]:
+        def expanded(piece: str) -> str:
             marker = self._support.family.marker
             pieces = piece.split(marker)
             if len(pieces) - 1 > len(pending):
                 raise ValueError("the chat template wrote more image markers than images")
-            joined = pieces[0] + "".join(pending.pop() + p for p in pieces[1:])
-            return encode(joined)
+            return pieces[0] + "".join(pending.pop() + p for p in pieces[1:])
 
         for slot, ids in slots.items():
             start = text.find(slot, cursor)
@@ -310,22 +317,32 @@ class VisionPrompts:
             if slot in replied:
                 decode = self._chat.tokenizer.decode
                 head = before_reply(head, ids, replied[slot], decode, opened)
-            segments.append((template(head), True))
+            segments.append((encode(expanded(head)), True))
             segments.append((ids, False))
             cursor = start + len(slot)
-        segments.append((template(text[cursor:]), True))
+        tail, reply_start = expanded(text[cursor:]), None
+        if continued is not None and not tail and segments:  # the message is a slot: its ids
+            reply_start = ReplyStart(continued, list(segments[-1][0]))
+        if continued is not None and tail.endswith(continued):  # as a text prompt's
+            decode = self._chat.tokenizer.decode
+            head = tail[: len(tail) - len(continued)]
+            ids, reply_start = continued_ids(encode, head, continued, decode, opened)
+            segments.append((ids, True))
+        else:
+            segments.append((encode(tail), True))
         if pending:
             raise ValueError(
                 f"the chat template placed {len(expansions) - len(pending)} image markers for "
                 f"{len(expansions)} images"
             )
-        return segments
+        return segments, reply_start
 
     def _expanded(
         self,
         segments: list[tuple[list[int], bool]],
         decoded: list[Any],
         processed: list[ProcessedImage],
+        reply_start: ReplyStart | None,
     ) -> ImageTokens:
         """The token record: each image's feature tokens (the template's, in order, as many
         as its encoder gives rows) carry its placeholder id; the text between its runs stays."""
@@ -363,7 +380,7 @@ class VisionPrompts:
                 runs=tuple(image_runs),
             )
             spans.append(span)
-        return ImageTokens(tokens, tuple(spans))
+        return ImageTokens(tokens, tuple(spans), reply_start)
 
 
 def _decoded(images: list[Any]) -> list[Any]:
