@@ -85,6 +85,7 @@ def serve(out: Path, argv: list[str]) -> int:
     from mlxkv.runner.engine import EngineThread, Interleaved
     from mlxkv.runner.prompt_cache.pool import CachePool
     from mlxkv.runner.runner import Runner
+    from mlxkv.runner.text.landmarks import LandmarkFinder
     from mlxkv.runner.text.prompt import PromptEncoder
     from mlxkv.server import worker
 
@@ -92,7 +93,7 @@ def serve(out: Path, argv: list[str]) -> int:
     _wrap(worker.GenerationWorker, "start", before="route hands over to the worker")
     _wrap(Runner, "stream", before="Runner.stream starts", after="request built")
     _wrap(PromptEncoder, "encode", after="prompt encoded")
-    _wrap(PromptEncoder, "landmarks", after="landmarks found")
+    _wrap(LandmarkFinder, "find", after="landmarks found")
     _wrap(worker.GenerationStream, "pump", before="the stream's thread starts")
     _wrap(EngineThread, "_submit", before="handed to the engine")
     _wrap(Interleaved, "_advance", before="engine starts it", after="engine's first chunk out")

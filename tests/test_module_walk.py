@@ -79,11 +79,12 @@ _OVER_BUDGET = {
         "the entry a request claims, the request's ids converted to the array entries hold "
         "(`token_array`, for the pool's lookup), and the entry recorded when it ends",
     ),
-    "mlxkv.runner.text.prompt": (
-        (3, 0),
-        "the prompt encoded, its landmarks found, and the system messages' render made when "
-        "it is not kept yet (a new Runner's walk): the keeping (`segments.KeptIds`) calls "
-        "back for it",
+    "mlxkv.runner.text.chat": (
+        (4, 0),
+        "the chat prompt is rendered three times (as for `segments`: the prompt, and for the "
+        "landmarks its render without the generation prompt and the system messages' alone, "
+        "made only when not kept yet: a new Runner's walk), and the system render's key asks "
+        "which switches the template reads (`template_switches`)",
     ),
     "mlxkv.runner.text.replies": (
         (4, 0),

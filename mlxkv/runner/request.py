@@ -30,10 +30,11 @@ from mlxkv.errors import ContextLengthError, check_int
 from mlxkv.models.vision import ImageSpan
 from mlxkv.runner.context import chat_cut, fit_prompt
 from mlxkv.runner.results import PromptUsage
+from mlxkv.runner.text.landmarks import Landmarks
 from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
-from mlxkv.runner.text.prompt import Landmarks, Prompt, PromptEncoder
+from mlxkv.runner.text.prompt import Prompt, PromptEncoder
 from mlxkv.runner.text.replies import ReplyKey, ReplyStart, StoredReplyIds, replies_for
-from mlxkv.runner.text.token_floor import TokenFloor
+from mlxkv.runner.text.tokenizer_facts import TokenFloor
 from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images, with_text_content
 from mlxkv.runner.text.vision_cuts import ImageChat
 
@@ -222,11 +223,11 @@ class RequestBuilder:
         if not options.truncate:
             self._refuse_far_past_the_window(prompt, options)
         tokens = self._prompts.encode(prompt, **template)
-        render = functools.partial(self._prompts.render, **template)
+        render = functools.partial(self._prompts.chat.render, **template)
         if not options.truncate and len(tokens) >= self._max_context:
             self._refuse_too_long(len(tokens))
         params = self._fit_max_tokens(params, len(tokens), options.overflow)
-        marks = self._prompts.landmarks(
+        marks = self._prompts.landmarks.find(
             prompt, tokens, system_tokens=self._keep is None, **template
         )
         keep = self._keep_for(tokens, marks)
@@ -318,6 +319,7 @@ class RequestBuilder:
             cut_start=cut_start,
             images=encoded.spans,
             reply_cuts=reply_cuts,
+            reply_start=_held_start(encoded.reply_start, tokens),
         )
 
     def _reply_window(
@@ -402,10 +404,10 @@ class RequestBuilder:
 
     def _refuse_far_past_the_window(self, prompt: Prompt, options: RequestOptions) -> None:
         """Refuses, before its text is tokenized, a prompt that its length alone puts at least
-        twice over the window (`text.token_floor`: no template's few tokens more or less
+        twice over the window (`TokenFloor`: no template's few tokens more or less
         bridge that), counted as the fewest tokens it can take."""
         past = 2 * self._max_context
-        switches = self._prompts.template_switches(options.switches)
+        switches = self._prompts.chat.template_switches(options.switches)
         at_least = self._floor.prompt_tokens_at_least(
             self._prompts.tokenizer, prompt, past, tools=options.tools, **switches
         )

@@ -139,13 +139,16 @@ def _remember_reply(request: Request, context: RunContext, done: Completion) -> 
     the caller knows it by (`Request.reply_key`: a call reply's calls), before its last chunk
     is handed on (the next turn may follow at once): in the model's reply memory, and on disk
     behind the turn's blocks (released first), so a restart renders it sent back as its ids
-    too (`text.replies`). A continued text reply (`Request.reply_start`) comes back with its
-    start as one message: known by both texts, as the ids of both."""
-    key = None if request.reply_key is None else request.reply_key(done)
+    too (`text.replies`). A continued reply (`Request.reply_start`) comes back with its start
+    as one message: known by both texts (or by what the caller reads in them: the calls of a
+    prefilled reply that made some), as the ids of both."""
     prompt, ids, start = request.tokens, done.tokens, request.reply_start
-    if key is None and start is not None:
-        key, ids, prompt = start.text + done.text, start.ids + ids, prompt[: -len(start.ids)]
-    key = key or done.text
+    whole = done
+    if start is not None:
+        whole = dataclasses.replace(done, text=start.text + done.text)
+        ids, prompt = start.ids + ids, prompt[: -len(start.ids)]
+    key = None if request.reply_key is None else request.reply_key(whole)
+    key = key or whole.text
     kept = remember_reply(context.loaded.tokenizer, done, request.cache_salt, key, ids)
     if kept and (store := context.pool.store) is not None:
         store.write_reply(prompt, ids, key, request.cache_salt)

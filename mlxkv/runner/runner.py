@@ -113,7 +113,7 @@ class Runner:
             lockstep=self._lockstep,
             max_batch=self.max_batch,
         )
-        vision = VisionPrompts(self._prompts, loaded.vision, loaded.name)
+        vision = VisionPrompts(self._prompts.chat, loaded.vision, loaded.name)
         store = self._pool.store
         stored_reply = None if store is None else store.stored_reply
         self._builder = RequestBuilder(

@@ -4,7 +4,7 @@ sessions, rendered with its own chat template, a segment at a time exactly as wh
 import pytest
 
 from mlxkv.models.loading import load_model
-from mlxkv.runner.text.prompt import PromptEncoder
+from mlxkv.runner.text.chat import ChatTemplate
 from mlxkv.runner.text.segments import SegmentEncoder
 from tests.runner.test_prompt_segments import SESSIONS, _turns, _whole, _WholeText
 
@@ -21,7 +21,7 @@ def test_the_default_tokenizer_is_cut_into_segments(tokenizer):
 @pytest.mark.parametrize("session", SESSIONS)
 def test_recorded_turns_tokenize_as_their_whole_text(tokenizer, session):
     vocab = len(tokenizer.get_vocab())
-    encoder, reference = PromptEncoder(tokenizer, vocab), PromptEncoder(tokenizer, vocab)
+    encoder, reference = ChatTemplate(tokenizer, vocab), ChatTemplate(tokenizer, vocab)
     reference._segments = _WholeText(tokenizer)
     reference._plain_ids = lambda text: reference.controls.plain.encode(text).ids
     for messages, tools in _turns(session):

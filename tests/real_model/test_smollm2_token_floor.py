@@ -1,12 +1,12 @@
 """The default model's tokenizer (a digit-splitting byte-level BPE) has a floor
-(`text.token_floor`), and the recorded agent sessions, rendered with its chat template, take
+(`TokenFloor`), and the recorded agent sessions, rendered with its chat template, take
 at least it; a message far over the window is refused untokenized, counted no higher."""
 
 import pytest
 
 from mlxkv import ContextLengthError, Runner
 from mlxkv.models.loading import load_model
-from mlxkv.runner.text.token_floor import TokenFloor
+from mlxkv.runner.text.tokenizer_facts import TokenFloor
 from tests.runner.test_prompt_segments import SESSIONS, _turns
 
 
@@ -29,7 +29,7 @@ def test_recorded_turns_take_at_least_their_floor(loaded, session):
 def test_a_message_far_over_the_window_is_refused_untokenized(loaded, monkeypatch):
     runner = Runner(loaded, max_context=512, warmup=False)
     messages = [{"role": "user", "content": "The capital of France is Paris. " * 20_000}]
-    segments = runner._prompts._segments
+    segments = runner._prompts.chat._segments
     monkeypatch.setattr(segments, "encode", lambda text: pytest.fail("tokenized"))
     with pytest.raises(ContextLengthError, match="the prompt is at least") as refused:
         runner.generate(messages, max_tokens=1, truncate=False)

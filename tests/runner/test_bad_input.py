@@ -183,8 +183,12 @@ def test_splitting_at_content_changes_no_token_of_a_clean_chat(make_runner):
         {"role": "assistant", "content": "Paris.\n\nIt is big."},
         {"role": "user", "content": "And Italy?"},
     ]
-    every = MaskedMessages(messages, [0, 1, 2, 3], runner._prompts._segments.encode, enabled=True)
-    split = runner._prompts._render_in_pieces(every, {}, {"add_generation_prompt": True}).tokens
+    every = MaskedMessages(
+        messages, [0, 1, 2, 3], runner._prompts.chat._segments.encode, enabled=True
+    )
+    split = runner._prompts.chat._render_in_pieces(
+        every, {}, {"add_generation_prompt": True}
+    ).tokens
     assert split == runner.encode(messages)
 
 

@@ -4,8 +4,8 @@ template allows, folded into a user turn where it refuses them."""
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from mlxkv.runner.text.chat import ChatTemplate
 from mlxkv.runner.text.messages import fold_system_reminders
-from mlxkv.runner.text.prompt import PromptEncoder
 from mlxkv.testing.factory import CHAT_TEMPLATE, build_model
 
 # Gemma's and Mistral's templates raise like this for a system message that is not first.
@@ -26,9 +26,9 @@ CHAT = [
 ]
 
 
-def _encoder(tmp_path, template: str) -> PromptEncoder:
+def _encoder(tmp_path, template: str) -> ChatTemplate:
     path = build_model("llama", tmp_path / "model", chat_template=template)
-    return PromptEncoder(load_tokenizer(path), 512)
+    return ChatTemplate(load_tokenizer(path), 512)
 
 
 def test_a_template_that_allows_it_renders_the_system_message_in_place(tmp_path):

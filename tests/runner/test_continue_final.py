@@ -6,7 +6,7 @@ renders as without the switch."""
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from mlxkv.runner.text.prompt import CONTINUE_FINAL, PromptEncoder
+from mlxkv.runner.text.chat import CONTINUE_FINAL, ChatTemplate
 from mlxkv.testing.factory import build_model
 
 CONTINUE = {CONTINUE_FINAL: True}
@@ -31,18 +31,18 @@ def _hf_continued(tokenizer, messages) -> list[int]:
 @pytest.mark.parametrize("prefill", ["Sure, ", "{", "The colour is"])
 def test_the_render_ends_with_the_last_assistant_text(tokenizer, prefill):
     messages = [*QUESTION, {"role": "assistant", "content": prefill}]
-    ids = PromptEncoder(tokenizer, 512).render(messages, switches=CONTINUE)
+    ids = ChatTemplate(tokenizer, 512).render(messages, switches=CONTINUE)
     assert ids == _hf_continued(tokenizer, messages)
-    closed = PromptEncoder(tokenizer, 512).render(messages)  # its end of turn, a new one
+    closed = ChatTemplate(tokenizer, 512).render(messages)  # its end of turn, a new one
     assert closed[: len(ids)] == ids and len(closed) > len(ids)
 
 
 def test_control_token_text_in_the_prefill_stays_text(tokenizer):
     messages = [*QUESTION, {"role": "assistant", "content": "red<|im_end|>"}]
-    ids = PromptEncoder(tokenizer, 512).render(messages, switches=CONTINUE)
+    ids = ChatTemplate(tokenizer, 512).render(messages, switches=CONTINUE)
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     red = [*QUESTION, {"role": "assistant", "content": "red"}]
-    head = PromptEncoder(tokenizer, 512).render(red, switches=CONTINUE)
+    head = ChatTemplate(tokenizer, 512).render(red, switches=CONTINUE)
     assert ids[: len(head)] == head and end_of_turn not in ids[len(head) :]
 
 
@@ -58,8 +58,8 @@ def test_control_token_text_in_the_prefill_stays_text(tokenizer):
 )  # fmt: skip
 def test_any_other_last_message_renders_as_without_the_switch(tokenizer, last):
     messages = [*QUESTION, last]
-    encoder = PromptEncoder(tokenizer, 512)
-    assert encoder.render(messages, switches=CONTINUE) == encoder.render(messages)
+    chat = ChatTemplate(tokenizer, 512)
+    assert chat.render(messages, switches=CONTINUE) == chat.render(messages)
 
 
 # SmolVLM's and Idefics3's way (Mistral's is alike): a space between the role and the content.
@@ -77,5 +77,5 @@ def test_the_continued_text_tokenizes_with_the_template_text_before_it(tmp_path,
     path = build_model("llama", tmp_path / "spaced", chat_template=SPACED_TEMPLATE)
     tokenizer = load_tokenizer(path)
     messages = [*QUESTION, {"role": "assistant", "content": prefill}]
-    ids = PromptEncoder(tokenizer, 512).render(messages, switches=CONTINUE)
+    ids = ChatTemplate(tokenizer, 512).render(messages, switches=CONTINUE)
     assert ids == _hf_continued(tokenizer, messages)

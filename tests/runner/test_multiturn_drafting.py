@@ -91,7 +91,7 @@ def test_drafted_replies_keep_the_next_turns_reuse_and_answers(loaded_tiny, arch
 def _generation_prompt_tokens(runner, messages) -> int:
     """Tokens the chat template adds to open the assistant's turn."""
     with_prompt = runner.encode(messages)
-    without = runner._prompts.render(messages, add_generation_prompt=False)
+    without = runner._prompts.chat.render(messages, add_generation_prompt=False)
     return len(with_prompt) - common_prefix_length(with_prompt, without)
 
 

@@ -1,4 +1,4 @@
-"""Review probes of the kept system render (`PromptEncoder._system_alone`), the skipped
+"""Review probes of the kept system render (`LandmarkFinder._system_alone`), the skipped
 vocabulary scan and `token_array`: each against a fresh encoder (nothing kept) or numpy."""
 
 from __future__ import annotations
@@ -78,14 +78,14 @@ def tokenizer(request, tmp_path_factory):
 def _outcome(encoder: PromptEncoder, messages, template):
     try:
         tokens = encoder.encode(messages, **template)
-        return tokens, encoder.landmarks(messages, tokens, system_tokens=True, **template)
+        return tokens, encoder.landmarks.find(messages, tokens, system_tokens=True, **template)
     except ValueError as error:
         return str(error)
 
 
 def test_landmarks_equal_a_fresh_encoders(tokenizer):
     kept = PromptEncoder(tokenizer, 512)
-    assert kept._system_renders is not None
+    assert kept.landmarks._system_renders is not None
     for i, (messages, template) in enumerate(REQUESTS * 2):
         expected = _outcome(PromptEncoder(tokenizer, 512), messages, template)
         assert _outcome(kept, messages, template) == expected, f"request {i}"
@@ -121,9 +121,9 @@ def test_the_kept_ids_are_not_changed_by_a_request(tmp_path):
     encoder = PromptEncoder(load_tokenizer(build_model("llama", tmp_path / "m")), 512)
     tokens, marks = _outcome(encoder, CHAT, {})
     tokens.append(1)  # the caller's list, not one kept
-    kept = [list(ids) for ids in encoder._system_renders._kept.values()]
+    kept = [list(ids) for ids in encoder.landmarks._system_renders._kept.values()]
     assert _outcome(encoder, CHAT, {}) == _outcome(PromptEncoder(encoder.tokenizer, 512), CHAT, {})
-    assert kept == [list(ids) for ids in encoder._system_renders._kept.values()]
+    assert kept == [list(ids) for ids in encoder.landmarks._system_renders._kept.values()]
 
 
 # Qwen3.5's and other strict templates: no user message, no render.
@@ -147,7 +147,7 @@ def test_a_template_that_needs_a_user_message_still_answers_a_chat_with_a_system
     # the next turn's header besides (none of the user's text)
     encoder = PromptEncoder(load_tokenizer(path), 512)
     tokens = encoder.encode(CHAT)
-    marks = encoder.landmarks(CHAT, tokens, system_tokens=True)
+    marks = encoder.landmarks.find(CHAT, tokens, system_tokens=True)
     kept = encoder.tokenizer.decode(tokens[: marks.system_tokens])
     assert SYSTEM["content"] in kept and "list" not in kept
 
@@ -199,7 +199,7 @@ def test_follow_up_turns_equal_a_runner_that_renders_the_system_messages_each_ti
     """Two agents' conversations interleaved (two system prompts, tools switched): the
     kept render's Runner reuses what one rendering each time reuses, and answers alike."""
     kept, rendering = make_runner(cache_entries=4), make_runner(cache_entries=4)
-    rendering._prompts._system_renders = None
+    rendering._prompts.landmarks._system_renders = None
     agents = {
         "a": [{"role": "system", "content": "You are agent A. " * 8}],
         "b": [{"role": "system", "content": "You are agent B. " * 8}],

@@ -78,7 +78,7 @@ def template_path(request, tmp_path_factory):
 
 def _landmarks(encoder: PromptEncoder, messages: list[dict], template: dict):
     tokens = encoder.encode(messages, **template)
-    return tokens, encoder.landmarks(messages, tokens, system_tokens=True, **template)
+    return tokens, encoder.landmarks.find(messages, tokens, system_tokens=True, **template)
 
 
 def _outcome(encoder: PromptEncoder, messages: list[dict], template: dict):
@@ -100,8 +100,8 @@ def test_landmarks_equal_a_fresh_encoders_for_each_request(template_path):
 def test_the_system_messages_are_rendered_once_for_the_same_input(tmp_path):
     encoder = PromptEncoder(load_tokenizer(build_model("llama", tmp_path / "m")), 512)
     rendered = []
-    render = encoder.render_prompt  # every render: `render` and `landmarks` both call it
-    encoder.render_prompt = lambda messages, **kwargs: (
+    render = encoder.chat.render_prompt  # every render: `render` and `landmarks` both call it
+    encoder.chat.render_prompt = lambda messages, **kwargs: (
         rendered.append(messages) or render(messages, **kwargs)
     )
     for _ in range(3):

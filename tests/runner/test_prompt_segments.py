@@ -10,7 +10,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from mlxkv.runner.text.prompt import PromptEncoder
+from mlxkv.runner.text.chat import ChatTemplate
 from mlxkv.runner.text.segments import KeptIds, SegmentEncoder
 from mlxkv.server.anthropic_api.protocol import MessagesRequest
 from mlxkv.server.responses_api.protocol import ResponsesRequest, chat_messages
@@ -53,7 +53,7 @@ class _WholeText:
 
 @pytest.mark.parametrize("session", SESSIONS)
 def test_each_recorded_turn_renders_to_the_ids_of_its_whole_text(tokenizer, session):
-    encoder, reference = PromptEncoder(tokenizer, 512), PromptEncoder(tokenizer, 512)
+    encoder, reference = ChatTemplate(tokenizer, 512), ChatTemplate(tokenizer, 512)
     reference._segments = _WholeText(tokenizer)
     reference._plain_ids = lambda text: reference.controls.plain.encode(text).ids  # content as text
     for messages, tools in _turns(session):  # in order: later turns reuse earlier segments

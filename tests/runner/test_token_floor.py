@@ -1,4 +1,4 @@
-"""The fewest tokens a text can take, known from its length (`text.token_floor`): never more
+"""The fewest tokens a text can take, known from its length (`TokenFloor`): never more
 than the tokens it takes, on texts built to come close (the longest token repeated) and to
 shrink under a normal form, and no floor for a tokenizer where a token may stand for a run of
 unknown text or a step may take text away."""
@@ -10,7 +10,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from mlxkv.runner.text.token_floor import TokenFloor
+from mlxkv.runner.text.tokenizer_facts import TokenFloor
 from mlxkv.testing.factory import build_model
 from tests.runner.test_prompt_segments import SESSIONS, _turns
 

@@ -66,7 +66,7 @@ def test_the_page_forbids_framing_and_other_origins(guarded):
     assert connection_headers["x-content-type-options"] == "nosniff"
 
 
-# A window that a 2 MB message is not far over by its length alone (`token_floor`): it is
+# A window that a 2 MB message is not far over by its length alone (`tokenizer_facts`): it is
 # tokenized, then refused.
 WIDE_WINDOW = 2**17
 
@@ -77,7 +77,7 @@ def test_a_long_message_being_tokenized_holds_up_no_other_request(loaded_tiny, m
     too, waited. Tokenized off the event loop by a call that releases the GIL, it holds up
     nobody: /health answers again and again while a 2 MB message is tokenized."""
     with serve(Runner(loaded_tiny("llama"), max_context=WIDE_WINDOW)) as served:
-        segments = served.runner._prompts._segments
+        segments = served.runner._prompts.chat._segments
         encode, tokenizing, tokenized = segments.encode, threading.Event(), threading.Event()
 
         def watched(text: str) -> list[int]:
@@ -143,7 +143,7 @@ def test_a_message_far_over_the_window_is_refused_before_it_is_tokenized(
     megabytes). No token stands for more text than the vocabulary's longest, so a text over
     twice the window times that many bytes cannot fit: refused untokenized, in each API's
     wording and shape, counted as the fewest tokens it can take (no more than it takes)."""
-    segments = guarded.runner._prompts._segments
+    segments = guarded.runner._prompts.chat._segments
     encode, lengths = segments.encode, []
 
     def recorded(text: str) -> list[int]:

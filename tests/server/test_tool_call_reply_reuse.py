@@ -124,3 +124,25 @@ def test_a_template_that_wants_tool_results_after_calls_renders_the_reply_from_i
             model="m", messages=messages, tools=[WEATHER], max_tokens=2
         )
     assert 0 < second.usage.prompt_tokens_details.cached_tokens < held
+
+
+def test_anthropic_prefilled_tool_call_reply_sent_back_is_reused_in_full(served):
+    """A prefill the model continues with a call (`Let`, then the scripted call): the client
+    sends back the prefill's text and the call, which take the prefill's and the reply's ids."""
+    client = served.anthropic()
+    prefilled = [*ASK, {"role": "assistant", "content": "Let"}]
+    first = client.messages.create(
+        model="m", messages=prefilled, tools=ANTHROPIC_TOOLS, max_tokens=40
+    )
+    assert first.stop_reason == "tool_use"
+    held = len(served.runner.cache_tokens)
+    blocks = [b.model_dump() for b in first.content]
+    call = next(block for block in blocks if block["type"] == "tool_use")
+    texts = [block["text"] for block in blocks if block["type"] == "text"]
+    sent = [{"type": "text", "text": "Let" + "".join(texts)}, call]
+    result = {"type": "tool_result", "tool_use_id": call["id"], "content": RESULT}
+    messages = [*ASK, {"role": "assistant", "content": sent}, {"role": "user", "content": [result]}]
+    second = client.messages.create(
+        model="m", messages=messages, tools=ANTHROPIC_TOOLS, max_tokens=2
+    )
+    assert second.usage.cache_read_input_tokens == held

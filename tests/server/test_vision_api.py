@@ -18,7 +18,7 @@ pytest.importorskip("mlx_vlm")
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
-from mlxkv.runner.text.prompt import CONTINUE_FINAL  # noqa: E402
+from mlxkv.runner.text.chat import CONTINUE_FINAL  # noqa: E402
 from mlxkv.testing.vision_factory import build_vision_model, noise_image  # noqa: E402
 from tests.server.conftest import serve  # noqa: E402
 

@@ -3,7 +3,7 @@
 Owns `ControlText` (a tokenizer's control-token strings, their ids as plain text, and one
 render's messages masked: `masked`, which content holds such text; the other message fields,
 tool definitions and template variables with it behind placeholders) and `MaskedMessages`. Does
-not own rendering (`prompt.PromptEncoder`, `vision.VisionPrompts`), which puts a tainted
+not own rendering (`chat.ChatTemplate`, `vision.VisionPrompts`), which puts a tainted
 message's whole content behind a slot.
 
 Terms:

@@ -1,9 +1,9 @@
 """Chat messages and tools as a chat template takes them.
 
-Owns what a prompt of chat messages is (`is_messages`; of token ids: `is_token_ids`), the
-system messages it starts with, and system messages after the first turn folded into user turns
-for templates that refuse them (`fold_system_reminders`). Their checks, and rendering them,
-are `prompt`'s.
+Owns the prompt forms (`Prompt`), what a prompt of chat messages is (`is_messages`; of token
+ids: `is_token_ids`), the system messages it starts with, and system messages after the first
+turn folded into user turns for templates that refuse them (`fold_system_reminders`). Their
+checks, and rendering them, are `chat`'s; the checks of the other forms, `prompt`'s.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 
 Message = dict[str, Any]
 Tools = Sequence[dict[str, Any]]
+# The three prompt forms: text (taken as rendered), token ids, chat messages.
+Prompt = str | Sequence[int] | Sequence[Message]
 
 
 def checked_tools(tools: Tools) -> list[dict[str, Any]]:

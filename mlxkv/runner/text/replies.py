@@ -4,8 +4,8 @@ A model's reply is a sequence of token ids; its text, encoded again, is often an
 (SmolLM2 wrote "SmolLAM" as `S|m|ol|L|AM`, which encodes as `Sm|ol|L|AM`). The next turn's
 prompt would then differ from the cache at the reply's first such token, and everything after
 it would be computed again. When an assistant message's content equals a reply generated
-here, the prompt takes that reply's ids (`PromptEncoder.render`; with images,
-`VisionPrompts.encode`, both through `PromptEncoder.reply_ids`); the rest of the prompt still
+here, the prompt takes that reply's ids (`ChatTemplate.render`; with images,
+`VisionPrompts.encode`, both through `ChatTemplate.reply_ids`); the rest of the prompt still
 comes from the chat template (and the images from the model's processor), less a space the
 template writes before a reply whose ids begin with it (`before_reply`).
 
@@ -82,17 +82,27 @@ class ReplyStart:
 
 
 def continued_ids(
-    encode: Callable[[str], list[int]], head: str, text: str
+    encode: Callable[[str], list[int]],
+    head: str,
+    text: str,
+    decode: Callable,
+    generation_prompt: Callable[[], str | None],
 ) -> tuple[list[int], ReplyStart | None]:
     """The ids of `text` continued after the template's `head` (encoded together, as Hugging
-    Face's cut is) and the reply start they end with: `text`'s own ids where `head`'s alone
-    begin them, None where a token spans both (a template's `: ` and ` The`): the next turn
-    encodes `head` alone before a known reply's ids, so it could not hold those."""
-    ids, head_ids = encode(head + text), encode(head)
-    own = ids[len(head_ids) :]
-    if ids[: len(head_ids)] != head_ids or not own:
-        return ids, None
-    return ids, ReplyStart(text, own)
+    Face's cut is) and the reply start they end with: the ids after those of the text the next
+    turn encodes before a known reply's ids (`head`, less the space those ids begin with where
+    `before_reply` drops it: a template that writes `Assistant: {content}` after a generation
+    prompt `Assistant:`, whose space the prefill's first word takes, ` The`). None where the
+    joined ids do not begin with that text's: a token spans the template's text and the
+    prefill otherwise, which no known reply's ids could reproduce."""
+    ids = encode(head + text)
+    for cut in dict.fromkeys((len(head), len(head.rstrip()))):  # as is; less its space
+        head_ids = encode(head[:cut])
+        own = ids[len(head_ids) :]
+        kept = before_reply(head, own, text, decode, generation_prompt) if own else None
+        if kept == head[:cut] and ids[: len(head_ids)] == head_ids:
+            return ids, ReplyStart(text, own)
+    return ids, None
 
 
 def remember_reply(

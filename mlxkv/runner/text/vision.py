@@ -16,7 +16,7 @@ Terms:
     text in a tool call (`text.controls`).
   - Reply sent back: an assistant message whose content the reply memory knows
     (`text.replies`) takes the ids the model generated, as in a text prompt
-    (`PromptEncoder.reply_ids`), so the next turn matches what the cache holds even where the
+    (`ChatTemplate.reply_ids`), so the next turn matches what the cache holds even where the
     reply's text encodes otherwise. The images' spans are found in the record after that
     substitution, so an image after the reply gets its place (and, from the record, its
     M-RoPE positions) in the ids actually fed. A reply holding the image token's id keeps it
@@ -25,7 +25,7 @@ Terms:
     (`replies.check_calls_apart`, as for a text prompt).
   - Continued message: a last assistant message with `CONTINUE_FINAL` (Anthropic's prefill)
     ends the render, cut right after its text as Hugging Face's `continue_final_message`
-    cuts it, the reply its rest (as a text prompt's, `text.prompt`).
+    cuts it, the reply its rest (as a text prompt's, `text.chat`).
 """
 
 from __future__ import annotations
@@ -41,20 +41,22 @@ from mlxkv.errors import ImagesNotSupportedError
 from mlxkv.models.images import decode_image
 from mlxkv.models.vision import MAX_IMAGES_PER_PROMPT, ImageSpan, VisionSupport, placeholder_id
 from mlxkv.models.vision_families import ProcessedImage
+from mlxkv.runner.text.chat import (
+    NOT_CONTINUED,
+    TEMPLATE_REFUSED,
+    ChatTemplate,
+    ReplyRewritten,
+    continues_final,
+    valid_text,
+)
 from mlxkv.runner.text.controls import MaskedMessages
 from mlxkv.runner.text.messages import Message, Tools, checked_tools
-from mlxkv.runner.text.prompt import (
-    _NOT_CONTINUED,
-    _TEMPLATE_REFUSED,
-    PromptEncoder,
-    _ReplyRewritten,
-    _valid_text,
-    continues_final,
-)
 from mlxkv.runner.text.replies import (
     ReplyIds,
+    ReplyStart,
     before_reply,
     check_calls_apart,
+    continued_ids,
     generation_prompt_of,
     masked_reply,
     slot_text,
@@ -72,10 +74,14 @@ class ImageTokens:
     Attributes:
         tokens: the token record: text ids, and each image's placeholder id once per token.
         spans: the images' places, in order.
+        reply_start: where the record continues its last message (`CONTINUE_FINAL`), that
+            message's text and the ids it ends with, as a text prompt's (`chat.RenderedChat`);
+            None: not continued, or the template wrote it otherwise.
     """
 
     tokens: list[int]
     spans: tuple[ImageSpan, ...]
+    reply_start: ReplyStart | None = None
 
 
 def has_images(prompt: Any) -> bool:
@@ -129,13 +135,13 @@ class VisionPrompts:
     """Messages with images to `ImageTokens` for one model.
 
     Args:
-        prompts: the model's text prompt encoder (its tokenizer and control tokens).
+        chat: the model's chat template (its tokenizer and control tokens).
         support: the model's vision support; None for a text-only model (every image refused).
         model_name: how errors name the model.
     """
 
-    def __init__(self, prompts: PromptEncoder, support: VisionSupport | None, model_name: str):
-        self._prompts = prompts
+    def __init__(self, chat: ChatTemplate, support: VisionSupport | None, model_name: str):
+        self._chat = chat
         self._support = support
         self._model_name = model_name
         # The last prompt's images through the processor, by digest: a request renders its
@@ -154,7 +160,7 @@ class VisionPrompts:
         replies: ReplyIds | None = None,
     ) -> ImageTokens:
         """Renders `messages` and their images; an assistant message whose content `replies`
-        knows takes its generated ids (`PromptEncoder.reply_ids`), unless the template does
+        knows takes its generated ids (`ChatTemplate.reply_ids`), unless the template does
         not render that content once, as given (then all render as text, as a text prompt's).
 
         Raises:
@@ -165,27 +171,27 @@ class VisionPrompts:
         """
         if self._support is None:
             raise ImagesNotSupportedError(self._model_name)
-        continued = continues_final(messages, switches)
+        last = valid_text(messages[-1]["content"]) if continues_final(messages, switches) else None
         args: dict[str, Any] = {
-            **self._prompts.template_switches(switches),
-            "add_generation_prompt": add_generation_prompt and not continued,
+            **self._chat.template_switches(switches),
+            "add_generation_prompt": add_generation_prompt and last is None,
         }
         if tools:
             args["tools"] = checked_tools(tools)
         calls = self._masked_calls(messages, parse_control_tokens, args)
         args = calls.template_args  # tools and switches, their control-token text masked
         masked, images, slots, known = self._masked(messages, calls, replies)
-        cut = _cut_after_last(masked) if continued else None
+        cut = None if last is None else _cut_after_last(masked)
         decoded = _decoded(images)
         try:
-            text = self._prompts.tokenizer.apply_chat_template(masked, tokenize=False, **args)
+            text = self._chat.tokenizer.apply_chat_template(masked, tokenize=False, **args)
             sent = {i: _as_text(messages[i]) for i in known.values()}  # as `_masked` read them
             as_sent = [sent.get(i, m) for i, m in enumerate(masked)]
-            check_calls_apart(self._prompts.tokenizer, args, as_sent, sent)
+            check_calls_apart(self._chat.tokenizer, args, as_sent, sent)
         except TemplateError as error:  # a call reply refused without its calls, or other
             # text written from them (`CallsApart`): it renders from the template
             if replies is None or _num_with_calls(masked) == _num_with_calls(messages):
-                raise ValueError(_TEMPLATE_REFUSED.format(error)) from None
+                raise ValueError(TEMPLATE_REFUSED.format(error)) from None
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
             args |= {"tools": tools, "replies": without_call_replies(replies)}  # text replies: ids
             return self.encode(messages, parse_control_tokens=parse_control_tokens, **args)
@@ -196,13 +202,13 @@ class VisionPrompts:
         try:
             replied = {slot: sent[i]["content"] for slot, i in known.items()}
             expansions = [p.text for p in processed]
-            segments = self._ids(text, slots, replied, expansions, calls.encode, args)
-        except _ReplyRewritten:  # the template changed a reply: every reply renders as text
+            segments, start = self._ids(text, slots, replied, expansions, calls.encode, args, last)
+        except ReplyRewritten:  # the template changed a reply: every reply renders as text
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
             return self.encode(
                 messages, parse_control_tokens=parse_control_tokens, tools=tools, **args
             )
-        return self._expanded(segments, decoded, processed)
+        return self._expanded(segments, decoded, processed, start)
 
     def _masked_calls(
         self, messages: Sequence[Message], parse_control_tokens: bool, args: dict[str, Any]
@@ -210,8 +216,8 @@ class VisionPrompts:
         """`messages` and the template's other `args` with control-token text in their tool
         calls, tools and variables behind placeholders (`text.controls`), unless such text
         is to be parsed."""
-        tokenizer = self._prompts.tokenizer
-        return self._prompts.controls.masked(
+        tokenizer = self._chat.tokenizer
+        return self._chat.controls.masked(
             messages,
             enabled=not parse_control_tokens,
             encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
@@ -226,13 +232,13 @@ class VisionPrompts:
         placeholders), the image sources in order, slot -> the ids it stands for (tainted
         text's plain ids, a reply's generated ids), and the replies' slots -> their messages'
         indices."""
-        nonce, controls = secrets.token_hex(8), self._prompts.controls
+        nonce, controls = secrets.token_hex(8), self._chat.controls
         masked, images, slots, known = [], [], {}, {}
 
         def text(value: Any, where: str) -> str:
             if not isinstance(value, str):
                 raise ValueError(f"{where} needs a string text, got {type(value).__name__}")
-            value = _valid_text(value)
+            value = valid_text(value)
             if not calls.enabled or not controls.found(value):
                 return value
             slot = slot_text(nonce, len(slots))
@@ -240,7 +246,7 @@ class VisionPrompts:
             return slot
 
         def reply(message: Message) -> list[int] | None:  # sent back as text parts too
-            ids = self._prompts.reply_ids(_as_text(message), replies)
+            ids = self._chat.reply_ids(_as_text(message), replies)
             return None if ids is None else list(ids)
 
         for i, (message, rendered) in enumerate(zip(messages, calls.messages, strict=True)):
@@ -278,54 +284,65 @@ class VisionPrompts:
         expansions: list[str],
         encode: Callable[[str], list[int]],
         template_args: dict[str, Any],
-    ) -> list[tuple[list[int], bool]]:
+        continued: str | None,
+    ) -> tuple[list[tuple[list[int], bool]], ReplyStart | None]:
         """The rendered text's ids in segments: (ids, from the template) pairs. Each image
         marker the template wrote is replaced, in the text, by its image's expansion (as the
         processor does), so the text around it tokenizes as in the model's own pipeline (by
         `encode`); each slot by the ids it stands for, a reply's (`replied`: its slot -> its
         content as sent) after the template's text less the space its ids hold and the
-        generation prompt (with `template_args`) did not (`before_reply`).
+        generation prompt (with `template_args`) did not (`before_reply`). With the text of
+        a `continued` last message (the text is cut after it), the reply start it ends with.
 
         Raises:
-            _ReplyRewritten: a reply's slot is not in the text once, as given."""
+            ReplyRewritten: a reply's slot is not in the text once, as given."""
         segments, cursor = [], 0
         pending = list(reversed(expansions))
-        opened = generation_prompt_of(self._prompts.tokenizer, template_args, [_HI])
+        opened = generation_prompt_of(self._chat.tokenizer, template_args, [_HI])
 
-        def template(piece: str) -> list[int]:
+        def expanded(piece: str) -> str:
             marker = self._support.family.marker
             pieces = piece.split(marker)
             if len(pieces) - 1 > len(pending):
                 raise ValueError("the chat template wrote more image markers than images")
-            joined = pieces[0] + "".join(pending.pop() + p for p in pieces[1:])
-            return encode(joined)
+            return pieces[0] + "".join(pending.pop() + p for p in pieces[1:])
 
         for slot, ids in slots.items():
             start = text.find(slot, cursor)
             if slot in replied and (start < 0 or text.count(slot) != 1):
-                raise _ReplyRewritten
+                raise ReplyRewritten
             if start < 0:
                 raise ValueError("the chat template rewrote a message's text; it cannot be kept")
             head = text[cursor:start]
             if slot in replied:
-                decode = self._prompts.tokenizer.decode
+                decode = self._chat.tokenizer.decode
                 head = before_reply(head, ids, replied[slot], decode, opened)
-            segments.append((template(head), True))
+            segments.append((encode(expanded(head)), True))
             segments.append((ids, False))
             cursor = start + len(slot)
-        segments.append((template(text[cursor:]), True))
+        tail, reply_start = expanded(text[cursor:]), None
+        if continued is not None and not tail and segments:  # the message is a slot: its ids
+            reply_start = ReplyStart(continued, list(segments[-1][0]))
+        if continued is not None and tail.endswith(continued):  # as a text prompt's
+            decode = self._chat.tokenizer.decode
+            head = tail[: len(tail) - len(continued)]
+            ids, reply_start = continued_ids(encode, head, continued, decode, opened)
+            segments.append((ids, True))
+        else:
+            segments.append((encode(tail), True))
         if pending:
             raise ValueError(
                 f"the chat template placed {len(expansions) - len(pending)} image markers for "
                 f"{len(expansions)} images"
             )
-        return segments
+        return segments, reply_start
 
     def _expanded(
         self,
         segments: list[tuple[list[int], bool]],
         decoded: list[Any],
         processed: list[ProcessedImage],
+        reply_start: ReplyStart | None,
     ) -> ImageTokens:
         """The token record: each image's feature tokens (the template's, in order, as many
         as its encoder gives rows) carry its placeholder id; the text between its runs stays."""
@@ -363,7 +380,7 @@ class VisionPrompts:
                 runs=tuple(image_runs),
             )
             spans.append(span)
-        return ImageTokens(tokens, tuple(spans))
+        return ImageTokens(tokens, tuple(spans), reply_start)
 
 
 def _decoded(images: list[Any]) -> list[Any]:
@@ -389,7 +406,7 @@ def _cut_at(text: str, cut: str) -> str:
     content, which tokenizes with the template's text before it, as in Hugging Face's
     `continue_final_message` cut (what the template writes after it is left out)."""
     if text.count(cut) != 1:
-        raise ValueError(_NOT_CONTINUED)
+        raise ValueError(NOT_CONTINUED)
     return text[: text.index(cut)]
 
 

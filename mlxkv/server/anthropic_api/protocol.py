@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from mlxkv.runner.text.prompt import CONTINUE_FINAL
+from mlxkv.runner.text.chat import CONTINUE_FINAL
 from mlxkv.server.anthropic_api.diagnostics import Origin
 from mlxkv.server.anthropic_api.tool_ids import model_id
 from mlxkv.server.errors import ApiError

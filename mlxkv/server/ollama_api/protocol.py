@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxkv.runner.text.prompt import CONTINUE_FINAL
+from mlxkv.runner.text.chat import CONTINUE_FINAL
 from mlxkv.server.errors import ApiError
 from mlxkv.server.images import image_part, parts_or_text
 from mlxkv.server.models.keep_alive import keep_alive_ns

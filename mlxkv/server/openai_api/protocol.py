@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from mlxkv.runner.text.prompt import CONTINUE_FINAL
+from mlxkv.runner.text.chat import CONTINUE_FINAL
 from mlxkv.server.errors import ApiError
 from mlxkv.server.images import image_part, parts_or_text
 from mlxkv.server.protocol import Lenient, mlx_seed, nucleus, tool_arguments

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxkv.runner.text.prompt import continues_final
+from mlxkv.runner.text.chat import continues_final
 from mlxkv.runner.text.stop_strings import partial_suffix_length
 from mlxkv.runner.text.vision import with_text_content
 

@@ -13,7 +13,7 @@ pytest.importorskip("mlx_vlm")
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.models.vision import PLACEHOLDER_BASE  # noqa: E402
-from mlxkv.runner.text.prompt import CONTINUE_FINAL  # noqa: E402
+from mlxkv.runner.text.chat import CONTINUE_FINAL  # noqa: E402
 from mlxkv.testing.vision_factory import noise_images  # noqa: E402
 from tests.runner.vision.test_vision import _ask, _reference, _without_pixels  # noqa: E402
 
@@ -57,3 +57,25 @@ def test_the_reply_continues_the_last_assistant_message_as_mlx_vlm_does(loaded, 
     assert completion.prompt_tokens == len(record)
     assert completion.tokens == want_tokens
     assert chunks[0].logprob.logprob == pytest.approx(want_logprob, abs=1e-3)
+
+
+def test_a_continued_reply_with_an_image_sent_back_whole_is_reused_in_full(loaded, image):
+    """The prefill's ids are the reply's start, as in a text prompt (`ImageTokens.reply_start`):
+    the prefill and the reply sent back as one message take the ids the cache holds, and the
+    next turn answers as a Runner with no cache does on the same messages."""
+    asked = _ask(image)
+    runner = Runner(loaded)
+    prefilled = [*asked, {"role": "assistant", "content": PREFILL}]
+    reply = runner.generate(prefilled, switches=CONTINUE, max_tokens=MAX_TOKENS, temperature=0.0)
+    held = runner.cache_tokens
+    sent_back = [*asked, {"role": "assistant", "content": PREFILL + reply.text}]
+    sent_back.append({"role": "user", "content": "And then?"})
+    answers = []
+    for fresh in (runner, Runner(loaded)):
+        chunks = list(fresh.stream(sent_back, max_tokens=3, temperature=0.0, logprobs=0))
+        answers.append((chunks[-1].completion, [c.logprob.logprob for c in chunks if c.logprob]))
+    (got, got_logprobs), (want, want_logprobs) = answers
+    assert got.cached_tokens == len(held)
+    assert want.cached_tokens == 0 and got.prompt_tokens == want.prompt_tokens
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got_logprobs, want_logprobs, atol=1e-3)
