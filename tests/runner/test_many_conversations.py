@@ -207,3 +207,19 @@ def test_faults_leave_every_entry_consistent(make_runner, monkeypatch, arch, see
         if arch == "llama":  # layers that trim reach every token some entry holds
             assert out.cached_tokens == best
         _check_pool(runner)
+
+
+def test_a_deleted_chat_leaves_no_cut_behind(make_runner, tmp_path):
+    """A chat its client deleted (`drop_cache_entries`) is dropped, not evicted: its cut, the
+    client's message itself, is not kept for later prompts as an evicted chat's is."""
+    runner = make_runner("llama", max_context=128, cache_dir=tmp_path)
+    messages = [{"role": "system", "content": "sys"}]
+    for turn in range(8):
+        messages += [
+            {"role": "user", "content": f"turn {turn}: {QUESTIONS[turn % 3]}"},
+            {"role": "assistant", "content": "ok " * 10},
+        ]
+    runner.generate([*messages, {"role": "user", "content": "last"}], max_tokens=1, cache_key="a")
+    assert runner._pool.cuts.starts(), "the chat was never cut"
+    assert runner.drop_cache_entries("a") == 1
+    assert runner._pool.cuts.starts() == []

@@ -368,19 +368,21 @@ class CachePool:
             if victim is fit and len(candidates) == 1 and not over_count:
                 room = max(0, max_bytes - self._in_use_bytes())
                 if not fit_to_budget(victim, room, self.store):
-                    self._drop(victim, write=False)  # written to the disk tier, or broken
+                    self._drop(victim, write=False, evicted=True)  # written, or broken
                     evicted += 1
                 return evicted
-            self._drop(victim)
+            self._drop(victim, evicted=True)
             evicted += 1
 
-    def _drop(self, entry: CacheEntry, *, write: bool = True) -> None:
+    def _drop(self, entry: CacheEntry, *, write: bool = True, evicted: bool = False) -> None:
+        """Drops `entry`; `evicted`: for room (written to the disk tier here, or by
+        `fit_to_budget` before), so its chat's cut is remembered, unlike a deleted one's."""
         self._entries.remove(entry)
         if entry is self.latest:
             self.latest = None
         held = holdings([entry]).held_bytes
         logger.debug("prefix cache evict tokens=%d bytes=%d", entry.num_tokens, held)
-        if self.store is not None:  # written here, or by `fit_to_budget` before
+        if evicted and self.store is not None:
             self.cuts.evicted(entry)
         if write and self.store is not None:
             self.store.write(entry.cache, salt=entry.salt, reply_start=entry.reply_start)
