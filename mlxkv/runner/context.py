@@ -48,13 +48,13 @@ class ChatCut:
         render_from: token ids of the chat keeping the system messages and messages[i:].
         cut_points: ascending message indices a cut may start at (chat templates expect the
             kept history to start with a user message).
-        preferred: the cut the cache probably holds (the last one taken); used only when the
-            cache really shares a quarter of the budget with it.
+        preferred: the cuts the cache probably holds (ones taken before, newest first); the
+            one the cache shares most with is used, only when that is a quarter of the budget.
     """
 
     render_from: Callable[[int], list[int]]
     cut_points: Sequence[int]
-    preferred: int | None = None
+    preferred: Sequence[int] = ()
 
 
 def chat_cut(
@@ -64,12 +64,13 @@ def chat_cut(
     cut_starts: Sequence[Message],
 ) -> ChatCut:
     """How a chat may be cut: at user messages after the first, keeping the system prompt
-    (`system`, rendered with the kept messages by `render`); a cut an entry holds is preferred
-    (found by its first message; the latest such point, for the newest entry first)."""
+    (`system`, rendered with the kept messages by `render`); the cuts entries hold are
+    preferred."""
     points = [i for i in range(len(system) + 1, len(prompt)) if prompt[i].get("role") == "user"]
-    preferred = next(
-        (i for start in cut_starts for i in reversed(points) if prompt[i] == start), None
-    )
+    # each cut an entry holds, found by its first message (its latest such point), once: an
+    # equal message of another chat ("continue") must not hide this chat's own cut
+    found = (next((i for i in reversed(points) if prompt[i] == s), None) for s in cut_starts)
+    preferred = list(dict.fromkeys(i for i in found if i is not None))
     return ChatCut(
         render_from=lambda first: render(system + list(prompt[first:])),
         cut_points=points,
@@ -136,10 +137,12 @@ def choose_cut(
     """The first message kept and the render from it, as `fit_prompt` cuts a chat longer than
     `budget`, unlogged (a prompt with images logs its own cut, once); `num_tokens`: the whole
     prompt's, which is the shortest render when no message can be dropped."""
-    if chat.preferred is not None:
-        candidate = chat.render_from(chat.preferred)
-        if len(candidate) <= budget and cached_prefix(candidate) >= budget // 4:
-            return chat.preferred, candidate
+    renders = [(first, chat.render_from(first)) for first in chat.preferred]
+    fitting = [(cached_prefix(ids), first, ids) for first, ids in renders if len(ids) <= budget]
+    if fitting:
+        most, first, candidate = max(fitting, key=lambda held: held[0])
+        if most >= budget // 4:
+            return first, candidate
     points = list(chat.cut_points)
     for limit in (budget // 2, budget):
         found = _first_fitting(points, chat.render_from, limit)

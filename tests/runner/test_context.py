@@ -11,6 +11,7 @@ from mlxkv import ContextLengthError, Runner
 from mlxkv.cache import make_cache
 from mlxkv.models.loading import load_model
 from mlxkv.models.rope import rope_rotations
+from mlxkv.runner.context import chat_cut, choose_cut
 from mlxkv.runner.hooks import request_ends
 from mlxkv.testing.factory import build_model
 from tests.tolerances import assert_logits_close
@@ -236,3 +237,28 @@ def test_a_shifted_entry_extended_in_the_batch_stays_marked_shifted(loaded_tiny)
         list(runner.stream(prompt, batched=True, speculative=None, max_tokens=3))
     (end,) = ends
     assert end.entry.cache.tokens[: len(prompt)] == prompt and end.entry.cache.shifted
+
+
+def test_a_cut_another_chat_shares_a_message_with_does_not_hide_this_chats_own():
+    """Cut starts come from every entry (and evicted ones): another chat's cut at an equal
+    message ("continue"), listed first, must not hide the cut this chat's cache holds."""
+    system = [{"role": "system", "content": "S"}]
+    chat = [
+        *system,
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a" * 40},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "b" * 40},
+        {"role": "user", "content": "continue"},
+        {"role": "assistant", "content": "c" * 40},
+        {"role": "user", "content": "q4"},
+    ]
+
+    def render(messages):  # a token a character
+        return [ord(c) for m in messages for c in m["content"]]
+
+    held = render(system + chat[3:])  # this chat's entry: cut at "q2"
+    cached = lambda ids: len(held) if ids[: len(held)] == held else 0  # noqa: E731
+    for starts in ([chat[3]], [chat[5], chat[3]]):
+        first, ids = choose_cut(chat_cut(chat, system, render, starts), 100, cached, 200)
+        assert (first, cached(ids)) == (3, len(held)), [s["content"] for s in starts]
