@@ -98,8 +98,9 @@ def test_a_normal_form_that_shrinks_the_text_is_applied_first(tokenizer, form):
             }
         },
         "unknown token",
+        "stripping added token",
     ],
-    ids=["lowercase", "strip", "whitespace", "split-removed", "unknown-token"],
+    ids=["lowercase", "strip", "whitespace", "split-removed", "unknown-token", "added-lstrip"],
 )
 def test_no_floor_where_text_may_go_untokenized(tokenizer, steps):
     described = _described(tokenizer)
@@ -114,6 +115,11 @@ def test_no_floor_where_text_may_go_untokenized(tokenizer, steps):
         model = {**described["model"], "unk_token": "<|endoftext|>"}
         metaspace = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always"}
         steps = {"pre_tokenizer": {**metaspace, "split": True}, "model": model}
+    elif steps == "stripping added token":  # Phi-3's `<|end|>` takes the spaces after it
+        added = [{**t, "lstrip": True} for t in described["added_tokens"]]
+        spaced = _with(described, added_tokens=added)
+        assert _takes(spaced, "hi" + " " * 3000 + "<|im_end|>") < 5  # 3,000 spaces in one
+        steps = {"added_tokens": added}
     assert TokenFloor(_with(described, **steps)).longest_bytes is None
 
 

@@ -17,7 +17,8 @@ Terms:
 It holds only where no token stands for a run of unknown text and nothing but the normalizer
 takes text away: a BPE in which every byte has a token (a byte-level alphabet, or byte
 fallback), whose pre-tokenizers only split (no `Removed` behaviour, no whitespace splitter
-that drops the spaces), whose normalizer is none, or one that only adds (Prepend, a Replace by
+that drops the spaces), whose added tokens take no spaces beside them (no `lstrip`,
+`rstrip`), whose normalizer is none, or one that only adds (Prepend, a Replace by
 no shorter text) or a Unicode normal form (computed here by `unicodedata`: `tokenizers`' own
 took 18 s on 16 MB). Elsewhere (WordPiece, Unigram, a BPE with an unknown token, another
 normalizer, a tokenizer without a `tokenizers` backend) the floor is 0: the prompt is
@@ -102,10 +103,14 @@ class TokenFloor:
         vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else {}
         forms = _normal_forms(described.get("normalizer"))
         untokenized = _untokenized_bytes(described, vocab)
+        added = described.get("added_tokens", ())
         bounded = (
             forms is not None
             and untokenized is not None
             and all(_only_splits(step) for step in _steps(described.get("pre_tokenizer")))
+            # an added token that strips the spaces beside it (Phi-3's `<|end|>`) stands for
+            # more text than its string: any run of them
+            and not any(t.get("lstrip") or t.get("rstrip") for t in added)
         )
         self._forms: list[str] = forms or []
         self._untokenized = untokenized or b""
