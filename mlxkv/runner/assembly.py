@@ -4,7 +4,8 @@ subdirectory), and the warm-up.
 
 Owns `fit_window`, `choose_max_batch`, `make_layers` (and the measures behind them), `make_pool`
 (with the disk tier's snapshot interval), `probe_padded_state` (whether a model's recurrent
-state is exact when prompts are prefilled together) and `warm_up`. Does not own
+state is exact when prompts are prefilled together), `probe_batched_decode` (whether its own
+code decodes exactly in a batch) and `warm_up`. Does not own
 the pool's policy (`mlxkv.runner.prompt_cache.pool`), the file format
 (`mlxkv.runner.disk.store`) or the settings (`mlxkv.config.RunnerConfig`).
 """
