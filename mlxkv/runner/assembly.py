@@ -4,7 +4,8 @@ subdirectory), and the warm-up.
 
 Owns `fit_window`, `choose_max_batch`, `make_layers` (and the measures behind them), `make_pool`
 (with the disk tier's snapshot interval), `probe_padded_state` (whether a model's recurrent
-state is exact when prompts are prefilled together) and `warm_up`. Does not own
+state is exact when prompts are prefilled together), `probe_batched_decode` (whether its own
+code decodes exactly in a batch) and `warm_up`. Does not own
 the pool's policy (`mlxkv.runner.prompt_cache.pool`), the file format
 (`mlxkv.runner.disk.store`) or the settings (`mlxkv.config.RunnerConfig`).
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxkv.cache.batched import can_batch, can_prefill_together, layer_batches
+from mlxkv.cache.batched import BatchedKV, can_batch, can_prefill_together, layer_batches
 from mlxkv.cache.building import make_cache
 from mlxkv.cache.checkpoints import MAX_CHECKPOINTS
 from mlxkv.cache.footprint import SnapshotCost, snapshot_cost
@@ -69,6 +70,11 @@ _PROBE_STOPS = (Stops(checkpoints=(4,)), Stops(checkpoints=(1,)), Stops())
 # for Mamba, Jamba, OLMo hybrid, RWKV-7, Bailing linear). A model too close to call stays
 # alone, which is exact.
 _PROBE_RTOL = 0.05
+# The batched-decode probe's prompts: rows far apart in length, so that where a model applies
+# one row's left padding to another (mlx-lm's gemma2 broadcasts a (B, 1, L, S) mask over its
+# (B, kv heads, repeats, L, S) scores: row b's mask on KV head b), most of a row is masked.
+_DECODE_PROBE_PROMPTS = (list(range(1, 13)), [13, 14])
+_DECODE_PROBE_TOKEN = 15
 
 
 def make_pool(
@@ -214,15 +220,22 @@ def default_max_batch(window_tokens: int, cost: SnapshotCost, memory_bytes: int)
 
 
 def choose_max_batch(
-    model: nn.Module, config: RunnerConfig, cost: SnapshotCost, empty: ModelCache
+    loaded: LoadedModel,
+    config: RunnerConfig,
+    cost: SnapshotCost,
+    engine: EngineThread,
+    lockstep: Lockstep | Solo,
 ) -> int:
     """`config.max_batch`, else the rows that fit (`default_max_batch`, from `cost`, what
     `measure_one_token` read of one token's layers); 1 for a model whose KV-reuse layers
     place their queries at the key length (mlx-lm's AFM: `offset=S - L`), which a batch's
     left padding moves, so a shorter row would answer otherwise. Logs when the model's cache
-    layers (those of `empty`, an unused entry) do not batch (naming those that do not), or
+    layers (an empty cache of them) do not batch (naming those that do not), or
     decode in the batch but prefill alone (`can_prefill_together`; recurrent state: the
-    probe at load, `probe_padded_state`, logs its own outcome)."""
+    probe at load, `probe_padded_state`, logs its own outcome); 1 for a model whose own code
+    cannot decode in a batch (`probe_batched_decode`, on the engine thread; not where ranks are
+    sharded: their requests never batch, `dispatch`)."""
+    model, empty = loaded.model, make_layers(loaded.model, config)
     max_batch = config.max_batch or default_max_batch(config.max_context, cost, memory_bytes())
     if max_batch > 1 and getattr(getattr(model, "model", None), "kv_reuse_layers", None):
         logger.info(
@@ -241,6 +254,8 @@ def choose_max_batch(
             "this model's cache layers (%s) decode in the batch; prompts are prefilled alone",
             ", ".join(sorted({type(layer).__name__ for layer in empty})),
         )
+    if max_batch > 1 and not lockstep.sharded and not loaded.is_encoder:
+        return engine.call(probe_batched_decode, loaded, config, max_batch)
     return max_batch
 
 
@@ -277,6 +292,47 @@ def probe_padded_state(loaded: LoadedModel, config: RunnerConfig, max_batch: int
         "together" if exact else "alone (its recurrent layers read the padding)",
     )
     return exact
+
+
+def probe_batched_decode(loaded: LoadedModel, config: RunnerConfig, max_batch: int) -> int:
+    """`max_batch`, or 1 where this model cannot decode in a batch: two prompts of different
+    lengths (`_DECODE_PROBE_PROMPTS`) prefilled alone, joined, one batched step, the rows
+    parted, their logits against each alone (`_PROBE_RTOL`). A model whose own code reads the
+    batch wrongly (gemma2's mask on the wrong rows; gpt_bigcode's `cache[0].offset` read as one
+    number) or whose layers a batch cannot part answers otherwise or raises; it decodes alone,
+    exact, and the log says why. Runs only where the cache's layers batch and `max_batch` > 1."""
+    model = loaded.model
+    caches = [make_layers(model, config) for _ in _DECODE_PROBE_PROMPTS]
+    if max_batch < 2 or not can_batch(caches[0]):
+        return max_batch
+    prompts = zip(caches, _DECODE_PROBE_PROMPTS, strict=True)
+    mx.eval([cache.forward(model, prompt) for cache, prompt in prompts])
+    batched, step = BatchedKV(), mx.array([[_DECODE_PROBE_TOKEN]] * len(caches))
+    try:
+        for cache in caches:
+            batched.join(cache)
+        together = model(step, cache=batched.layers)[:, -1, :]
+        mx.eval(together, [batched.part(0, cache.layers) for cache in caches])
+    except Exception as error:  # the model's own code or mlx-lm's batched classes
+        return _decodes_alone(loaded, f"{type(error).__name__}: {error}")
+    worst = 0.0
+    for row, cache in enumerate(caches):
+        alone = cache.forward(model, [_DECODE_PROBE_TOKEN])[:, -1, :]
+        scale = max(1.0, mx.abs(alone).max().item())
+        worst = max(worst, mx.abs(together[row] - alone[0]).max().item() / scale)
+    if worst > _PROBE_RTOL:
+        return _decodes_alone(loaded, f"max_rel_diff={worst:.2g}")
+    return max_batch
+
+
+def _decodes_alone(loaded: LoadedModel, why: str) -> int:
+    logger.info(
+        "batched decode probe: model_type=%s %s: batched streams take turns, decoding one at "
+        "a time",
+        loaded.config.get("model_type"),
+        why,
+    )
+    return 1
 
 
 def make_layers(model: nn.Module, config: RunnerConfig) -> ModelCache:

@@ -97,7 +97,7 @@ class Runner:
         self._pool = make_pool(loaded, self._make_entry, config, snaps)
         if self._pool.store is not None:  # a Runner dropped without close() stops its writer
             weakref.finalize(self, self._pool.store.close, False)
-        self.max_batch = choose_max_batch(loaded.model, config, snaps, self._make_entry())
+        self.max_batch = choose_max_batch(loaded, config, snaps, self._engine, self._lockstep)
         if config.warmup:
             # sharded, requests never batch (`dispatch`), and ranks may size batches apart
             batch_rows = 1 if self._lockstep.sharded else self.max_batch
