@@ -234,7 +234,7 @@ def choose_max_batch(
     decode in the batch but prefill alone (`can_prefill_together`; recurrent state: the
     probe at load, `probe_padded_state`, logs its own outcome); 1 for a model whose own code
     cannot decode in a batch (`probe_batched_decode`, on the engine thread; not where ranks are
-    sharded: their requests never batch, `dispatch`)."""
+    sharded: their requests never batch, `dispatch`; not for a vision model)."""
     model, empty = loaded.model, make_layers(loaded.model, config)
     max_batch = config.max_batch or default_max_batch(config.max_context, cost, memory_bytes())
     if max_batch > 1 and getattr(getattr(model, "model", None), "kv_reuse_layers", None):
@@ -254,7 +254,10 @@ def choose_max_batch(
             "this model's cache layers (%s) decode in the batch; prompts are prefilled alone",
             ", ".join(sorted({type(layer).__name__ for layer in empty})),
         )
-    if max_batch > 1 and not lockstep.sharded and not loaded.is_encoder:
+    # not a vision model: the probe's bare step raised in every family (an int32 overflow
+    # inside mlx-vlm's call, cause not found), where the decode batch's own steps are exact
+    # (tests/runner/vision/test_vision_batch.py)
+    if max_batch > 1 and not lockstep.sharded and not loaded.is_encoder and not loaded.vision:
         return engine.call(probe_batched_decode, loaded, config, max_batch)
     return max_batch
 
