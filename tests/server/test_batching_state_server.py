@@ -12,7 +12,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.decoding import batch as batch_module
-from tests.factories import wait_until
+from tests.factories import joined, wait_until
 from tests.server.conftest import serve
 
 ASKS = [  # (question, max_tokens, chunks read before leaving, or None)
@@ -63,8 +63,7 @@ def test_concurrent_chats_with_disconnects_answer_as_alone(loaded_tiny, arch, mo
         threads = [threading.Thread(target=lambda i=i: ask(i)) for i in range(len(ASKS))]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join(120)
+        joined(*threads, timeout_s=120)
         for i, (_, _, leave_after) in enumerate(ASKS):
             if leave_after is None:
                 assert got[i] == want[i], i

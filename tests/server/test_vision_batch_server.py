@@ -20,7 +20,7 @@ from mlxkv import Runner  # noqa: E402
 from mlxkv.decoding import batch as batch_module  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.testing.vision_factory import build_vision_model, noise_image  # noqa: E402
-from tests.factories import wait_until  # noqa: E402
+from tests.factories import joined, wait_until  # noqa: E402
 from tests.server.conftest import serve  # noqa: E402
 
 
@@ -102,8 +102,7 @@ def test_concurrent_clients_on_a_vision_model_answer_as_alone(loaded, monkeypatc
         threads = [threading.Thread(target=lambda i=i: ask(i)) for i in range(len(asks))]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join(120)
+        joined(*threads, timeout_s=120)
         for i in range(3):
             assert got[i] == want[i].text, i
         assert want[3].text.startswith(got[3])

@@ -22,7 +22,7 @@ from mlxkv.cache.building import make_cache  # noqa: E402
 from mlxkv.decoding import batch as batch_module  # noqa: E402
 from mlxkv.runner import assembly  # noqa: E402
 from mlxkv.testing.vision_factory import noise_images  # noqa: E402
-from tests.factories import recorded, wait_until  # noqa: E402
+from tests.factories import joined, recorded, wait_until  # noqa: E402
 from tests.runner.conftest import record_batch_steps  # noqa: E402
 from tests.runner.test_batching import (  # noqa: E402
     _in_step,
@@ -135,8 +135,7 @@ def test_rows_joining_and_leaving_at_other_steps_stay_exact(loaded, images, step
     threads = [threading.Thread(target=t) for t in (lambda: early(0), lambda: early(1), late)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(120)
+    joined(*threads, timeout_s=120)
     _assert_same(got, want)
     counts = [rows for rows, _ in steps]
     assert 3 in counts and counts[-1] == 1, "the third joined the two; the longest ended alone"

@@ -21,7 +21,7 @@ from mlxkv import Runner, json_schema_grammar  # noqa: E402
 from mlxkv.cache.building import make_cache  # noqa: E402
 from mlxkv.decoding import decoders  # noqa: E402
 from mlxkv.testing.vision_factory import noise_images  # noqa: E402
-from tests.factories import recorded, wait_until  # noqa: E402
+from tests.factories import joined, recorded, wait_until  # noqa: E402
 from tests.runner.conftest import record_batch_steps  # noqa: E402
 from tests.runner.test_batching import _in_step, _queued_then_run  # noqa: E402
 from tests.runner.vision.test_vision_batch import _batches, _user  # noqa: E402
@@ -305,8 +305,7 @@ def test_max_batch_one_takes_turns_as_alone(loaded, images, steps):
     threads = [threading.Thread(target=lambda i=i: run(i)) for i in range(3)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(120)
+    joined(*threads, timeout_s=120)
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert all(rows == 1 for rows, _ in steps)
@@ -462,8 +461,7 @@ def test_a_request_about_an_image_a_decoding_row_holds_copies_it_and_joins(loade
     threads = [threading.Thread(target=lambda: run(0)), threading.Thread(target=late)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(120)
+    joined(*threads, timeout_s=120)
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     image_end = max(i for i, t in enumerate(runner.encode(second)) if t >= 1 << 31)
@@ -505,8 +503,7 @@ def test_more_streams_than_rows_with_staggered_starts_each_as_alone(loaded, imag
     threads = [threading.Thread(target=lambda i=i: run(i)) for i in range(len(asks))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(120)
+    joined(*threads, timeout_s=120)
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
