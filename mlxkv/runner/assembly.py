@@ -234,7 +234,7 @@ def choose_max_batch(
     decode in the batch but prefill alone (`can_prefill_together`; recurrent state: the
     probe at load, `probe_padded_state`, logs its own outcome); 1 for a model whose own code
     cannot decode in a batch (`probe_batched_decode`, on the engine thread; not where ranks are
-    sharded: their requests never batch, `dispatch`; not for a vision model)."""
+    sharded: their requests never batch, `dispatch`)."""
     model, empty = loaded.model, make_layers(loaded.model, config)
     max_batch = config.max_batch or default_max_batch(config.max_context, cost, memory_bytes())
     if max_batch > 1 and getattr(getattr(model, "model", None), "kv_reuse_layers", None):
@@ -254,10 +254,7 @@ def choose_max_batch(
             "this model's cache layers (%s) decode in the batch; prompts are prefilled alone",
             ", ".join(sorted({type(layer).__name__ for layer in empty})),
         )
-    # not a vision model: the probe's bare step raised in every family (an int32 overflow
-    # inside mlx-vlm's call, cause not found), where the decode batch's own steps are exact
-    # (tests/runner/vision/test_vision_batch.py)
-    if max_batch > 1 and not lockstep.sharded and not loaded.is_encoder and not loaded.vision:
+    if max_batch > 1 and not lockstep.sharded and not loaded.is_encoder:
         return engine.call(probe_batched_decode, loaded, config, max_batch)
     return max_batch
 
@@ -310,7 +307,10 @@ def probe_batched_decode(loaded: LoadedModel, config: RunnerConfig, max_batch: i
         return max_batch
     prompts = zip(caches, _DECODE_PROBE_PROMPTS, strict=True)
     mx.eval([cache.forward(model, prompt) for cache, prompt in prompts])
-    batched, step = BatchedKV(), mx.array([[_DECODE_PROBE_TOKEN]] * len(caches))
+    # uint32, as every step feeds: a vision model's ids are compared with its placeholders'
+    # (from 2**31), which int32 ids cannot be compared with
+    step = mx.array([[_DECODE_PROBE_TOKEN]] * len(caches), dtype=mx.uint32)
+    batched = BatchedKV()
     try:
         for cache in caches:
             batched.join(cache)

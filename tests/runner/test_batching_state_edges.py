@@ -74,7 +74,7 @@ def test_a_reader_behind_past_a_block_boundary_then_a_restart(loaded_tiny, tmp_p
     reply = _alone(loaded, stored, **options)[0]
     config = {"max_context": 2048, "cache_entries": 8, "max_batch": 4, "cache_dir": tmp_path}
     before = Runner(loaded, **config)
-    ahead = threading.Event()
+    ahead, closed = threading.Event(), threading.Event()
     read: list = []
     step = InStep(2)  # both rows in the batch before the slow one falls behind
 
@@ -83,12 +83,15 @@ def test_a_reader_behind_past_a_block_boundary_then_a_restart(loaded_tiny, tmp_p
         read.extend(next(stream).token for _ in range(5))
         assert ahead.wait(30)
         stream.close()
+        closed.set()
 
     def fast():
         stream = step.read(1, before.stream(_tokens(31, 20), batched=True, **options))
         for n, _ in enumerate(stream):
             if n == 16:  # the slow row 12 to 17 tokens past its reader: past the boundary
                 ahead.set()
+                # until its close: reading on meanwhile, a loaded machine fed it 34 (17 allowed)
+                assert closed.wait(30)
 
     _queued_then_run(before, [slow, fast])
     assert max(rows) == 2 and read == reply[:5]

@@ -184,6 +184,17 @@ def test_warm_up_runs_a_batched_step_where_the_vision_model_batches(loaded, monk
     assert runner.cache_info().num_tokens == 0
 
 
+def test_the_batched_decode_probe_at_load_keeps_the_vision_models_batch(loaded, monkeypatch):
+    """The probe at load (`probe_batched_decode`) runs for a vision model as for a text one
+    and finds its rows exact: its step feeds uint32 ids, as every step does (int32 ones
+    cannot be compared with the placeholders' ids, from 2**31: the probe raised in every
+    family and sent each to decode alone)."""
+    probed = recorded(monkeypatch, assembly, "probe_batched_decode", lambda *args: args[2])
+    runner = Runner(loaded, max_context=256, max_batch=4, speculative=None, warmup=False)
+    assert probed == ([4] if _batches(loaded) else [])
+    assert runner.max_batch == 4
+
+
 def test_streams_sent_at_once_about_one_image_feed_it_once(loaded, images, steps):
     """The second waits for the first to feed the image and the shared text, copies them,
     and both decode together (read in step: `_in_step`), as each would alone."""
