@@ -112,3 +112,28 @@ def test_the_logger_check_sees_a_stale_name(tmp_path):
     )
     wrong = _loggers_named([script])
     assert wrong == ["script.py:4: mlxkv.cache.gone", "script.py:5: mlxkv.cache.prefix"]
+
+
+CITED_PATH = re.compile(r"(?<![\w/.])((?:mlxkv|tests|benchmarks|examples)/[\w/]+\.py)\b")
+
+
+def _missing_paths(sources: list[Path]) -> list[str]:
+    """Each repository file path (`mlxkv/platform/blas.py`) cited that no file has."""
+    return [
+        f"{path.name}:{number}: {cited}"
+        for path in sources
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for cited in CITED_PATH.findall(line)
+        if not (ROOT / cited).is_file()
+    ]
+
+
+def test_every_cited_file_path_exists():
+    missing = _missing_paths([*_sources(), ROOT / ".ci" / "run"])
+    assert not missing, "cited paths with no file:\n" + "\n".join(missing)
+
+
+def test_the_path_check_sees_a_stale_path(tmp_path):
+    doc = tmp_path / "run"
+    doc.write_text("see mlxkv/platform/blas.py\n(see mlxkv/_blas.py); https://x.org/mlxkv/y.py\n")
+    assert _missing_paths([doc]) == ["run:2: mlxkv/_blas.py"]
