@@ -15,7 +15,7 @@ SETTINGS = {"float": {}, "kv_bits=8": {"kv_bits": 8}, "max_context=160": {"max_c
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="  [%(name)s] %(message)s")
-    logging.getLogger("mlxkv.cache.prefix").setLevel(logging.WARNING)
+    logging.getLogger("mlxkv.runner.prompt_cache.pool").setLevel(logging.WARNING)  # hits, misses
     loaded = load_model(sys.argv[1] if len(sys.argv) > 1 else None)  # shared by all runners
     for name, settings in SETTINGS.items():
         print(f"== {name}")

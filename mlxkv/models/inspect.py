@@ -48,7 +48,11 @@ def describe(loaded: LoadedModel) -> dict[str, str]:
         "kv bytes per token": f"{per_token:,} ({format_bytes(per_token)})"
         + (" while under the window" if windowed else ""),
         "recurrent state": format_bytes(state_bytes) if state_bytes else "none",
-        "max context": f"{loaded.max_position_embeddings or 'unknown'} tokens",
+        "max context": (
+            f"{loaded.max_position_embeddings} tokens"
+            if loaded.max_position_embeddings
+            else "unknown"
+        ),
         "images": _images(loaded),
         "capabilities": ", ".join(capabilities.names()),
         "tool-call format": capabilities.tool_call_format or "none known (calls come back as text)",

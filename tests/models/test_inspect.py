@@ -32,3 +32,8 @@ def test_info_names_layer_kinds_and_what_the_cache_can_do(loaded_tiny, arch):
     cache.forward(loaded.model, [1, 2, 3])
     assert ("restore checkpoints" in facts["cache can"]) == cache.needs_checkpoints
     assert ("shift in place" in facts["cache can"]) == cache.can_shift(rope_rotations(loaded.model))
+
+
+@pytest.mark.parametrize(("arch", "shown"), [("llama", "4096 tokens"), ("mamba", "unknown")])
+def test_info_max_context_has_a_unit_only_when_known(loaded_tiny, arch, shown):
+    assert describe(loaded_tiny(arch))["max context"] == shown
