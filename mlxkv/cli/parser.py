@@ -58,14 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_command(commands)
 
     convert = commands.add_parser("convert", help="convert a GGUF file to an mlx-lm directory")
-    convert.add_argument("gguf", type=Path)
-    convert.add_argument("out_dir", type=Path)
-    convert.add_argument("-v", "--verbose", action="store_true")
+    convert.add_argument("gguf", type=Path, help="the .gguf file to convert")
+    convert.add_argument(
+        "out_dir",
+        type=Path,
+        help="where the mlx-lm directory goes: new, empty, or an earlier conversion",
+    )
+    convert.add_argument("-v", "--verbose", action="store_true", help="the log on stderr")
     convert.set_defaults(run=convert_command)
 
     info = commands.add_parser("info", help="architecture, layers and KV bytes per token")
-    info.add_argument("model", nargs="?", default=None, help="default: the bundled SmolLM2")
-    info.add_argument("-v", "--verbose", action="store_true")
+    info.add_argument("model", nargs="?", default=None, help=_MODEL_HELP)
+    info.add_argument("-v", "--verbose", action="store_true", help="the log on stderr")
     info.set_defaults(run=info_command)
     return parser
 

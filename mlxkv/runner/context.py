@@ -35,8 +35,9 @@ def check_keep(keep: int, budget: int) -> None:
     """Raises ContextLengthError when `keep` leaves no room in a window of `budget` tokens."""
     if keep >= budget:
         raise ContextLengthError(
-            f"keep is {keep} tokens but only {budget} fit in the context; "
-            "lower keep (or shorten the system prompt) or raise max_context"
+            f"keep is {keep} tokens (the first tokens every cut keeps) but only {budget} fit "
+            "in the context; raise max_context (--max-context on the command line) or lower "
+            "keep (or shorten the system prompt)"
         )
 
 
