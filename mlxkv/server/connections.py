@@ -144,20 +144,23 @@ class GuardedH11Protocol(H11Protocol):
         return state.mlxkv_waiting
 
     def _arm(self) -> None:
+        """Starts the header deadline, and bounds the connections waiting: also each time a
+        waiting one is read (those skipped for their unread bytes are counted again then: a
+        burst accepted before any was read left hundreds waiting)."""
+        waiting = self._waiting()
         if self._header_deadline is None:
             self._header_deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._too_slow)
-            waiting = self._waiting()
             waiting[self] = None
-            while len(waiting) > MAX_WAITING_CONNECTIONS:
-                # one whose request has arrived but is not read yet is about to be served
-                oldest = next((c for c in waiting if not c._has_unread_bytes()), None)
-                if oldest is None:
-                    break
-                logger.warning(
-                    "turned away a connection waiting for its headers: over %d waited at once",
-                    MAX_WAITING_CONNECTIONS,
-                )
-                oldest._turn_away()
+        while len(waiting) > MAX_WAITING_CONNECTIONS:
+            # one whose request has arrived but is not read yet is about to be served
+            oldest = next((c for c in waiting if not c._has_unread_bytes()), None)
+            if oldest is None:
+                break
+            logger.warning(
+                "turned away a connection waiting for its headers: over %d waited at once",
+                MAX_WAITING_CONNECTIONS,
+            )
+            oldest._turn_away()
 
     def _turn_away(self) -> None:
         """Answers 503 (Retry-After; in the shape of the API of the request line and header
