@@ -10,6 +10,7 @@ so piping stays clean.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from mlxkv.cli.common import setup_logging
@@ -19,13 +20,28 @@ from mlxkv.errors import MlxkvError
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE
 
 
+class _Terminated(BaseException):
+    """SIGTERM (`kill`, systemd, `docker stop`), raised where the program is, as Ctrl-C is,
+    so that cleanups run: Python's default ends the process at once, which left a
+    conversion's 257 MB temporary directory behind."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     _reopen_closed_standard_streams()
     argv = [_as_text(a) for a in (sys.argv[1:] if argv is None else argv)]
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # `serve`: uvicorn's own
     try:
         return args.run(args)
+    except _Terminated:  # cleaned up: now die by the signal, as the caller expects
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+        raise
     except (MlxkvError, ValueError) as error:
         print(f"mlxkv: error: {error}", file=sys.stderr)
         return 2
@@ -38,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _reopen_closed_standard_streams() -> None:

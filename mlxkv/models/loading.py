@@ -101,7 +101,12 @@ def load_model(
             "gguf: conversion at %s does not load (%s); converting again", converted, error
         )
         gguf.drop_conversion(converted)
-        return _load_directory(gguf.converted_dir(path, progress=progress), group, source_name)
+        again = gguf.converted_dir(path, progress=progress)
+        try:
+            return _load_directory(again, group, source_name)
+        except ModelLoadError:  # the file itself converts to no model: keep nothing of it
+            gguf.drop_conversion(again)
+            raise
 
 
 def _load_directory(
@@ -127,7 +132,7 @@ def _load_directory(
     # mlx-lm builds the model from whatever config.json and tokenizer.json say: a zero, a
     # string or a huge number there fails inside it as a TypeError or an ArithmeticError
     except (ValueError, KeyError, OSError, RuntimeError, TypeError, ArithmeticError) as error:
-        raise ModelLoadError(f"could not load a model from {path}: {error}") from error
+        raise ModelLoadError(f"could not load a model from {path}: {_one_line(error)}") from error
     if group is not None:
         kind = shard_model(model, group, config.get("model_type", "?"), config)
         logger.info("sharded model kind=%s ranks=%d rank=%d", kind, group.size(), group.rank())
@@ -138,6 +143,13 @@ def _load_directory(
     return LoadedModel(
         model=model, tokenizer=tokenizer, config=config, path=path, source_name=source_name
     )
+
+
+def _one_line(error: Exception, max_chars: int = 300) -> str:
+    """mlx-lm's error on one line and cut short: its "Missing 269 parameters" lists every
+    name on a line of its own."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
 def _check_depth(path: Path, config: dict[str, Any]) -> None:

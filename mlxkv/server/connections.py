@@ -2,7 +2,8 @@
 
 Owns `uvicorn_config` (the one place the server's uvicorn settings are chosen), `Server`
 (uvicorn's server, stopping generations when told to stop), `GuardedH11Protocol` (uvicorn's
-HTTP/1.1 protocol with a deadline for request headers) and `OncePerKind` (a log filter).
+HTTP/1.1 protocol with a deadline for request headers), `OncePerKind` and `WithoutTraceback`
+(log filters).
 Seen before: ~2,100 sockets opened and left idle made the server unreachable (uvicorn waits
 for headers forever) while the log grew 530 MB in 50 s, one line per failed accept.
 
@@ -144,20 +145,23 @@ class GuardedH11Protocol(H11Protocol):
         return state.mlxkv_waiting
 
     def _arm(self) -> None:
+        """Starts the header deadline, and bounds the connections waiting: also each time a
+        waiting one is read (those skipped for their unread bytes are counted again then: a
+        burst accepted before any was read left hundreds waiting)."""
+        waiting = self._waiting()
         if self._header_deadline is None:
             self._header_deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._too_slow)
-            waiting = self._waiting()
             waiting[self] = None
-            while len(waiting) > MAX_WAITING_CONNECTIONS:
-                # one whose request has arrived but is not read yet is about to be served
-                oldest = next((c for c in waiting if not c._has_unread_bytes()), None)
-                if oldest is None:
-                    break
-                logger.warning(
-                    "turned away a connection waiting for its headers: over %d waited at once",
-                    MAX_WAITING_CONNECTIONS,
-                )
-                oldest._turn_away()
+        while len(waiting) > MAX_WAITING_CONNECTIONS:
+            # one whose request has arrived but is not read yet is about to be served
+            oldest = next((c for c in waiting if not c._has_unread_bytes()), None)
+            if oldest is None:
+                break
+            logger.warning(
+                "turned away a connection waiting for its headers: over %d waited at once",
+                MAX_WAITING_CONNECTIONS,
+            )
+            oldest._turn_away()
 
     def _turn_away(self) -> None:
         """Answers 503 (Retry-After; in the shape of the API of the request line and header
@@ -270,11 +274,25 @@ class OncePerKind(logging.Filter):
         return True
 
 
+class WithoutTraceback(logging.Filter):
+    """asyncio's record of an OSError on the event loop (an accept that failed at the
+    open-file limit, which it retries a second later) as one line naming the error, not a
+    traceback through asyncio's own code."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, OSError):
+            record.msg = f"{record.getMessage().splitlines()[0]}: {error}"
+            record.args, record.exc_info, record.exc_text = (), None, None
+        return True
+
+
 def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> uvicorn.Config:
     """uvicorn's settings for `app`: the guarded protocol, `config.max_connections` open at
     once besides those still waiting for their headers (more get 503), a short keep-alive,
     and repeated lines of uvicorn's and asyncio's logs shown once per kind."""
     once = OncePerKind()
+    logging.getLogger("asyncio").addFilter(WithoutTraceback())
     for name in ("uvicorn.error", "asyncio", __name__):
         logging.getLogger(name).addFilter(once)
     settings: dict[str, Any] = {

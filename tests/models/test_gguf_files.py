@@ -14,7 +14,7 @@ from mlxkv import ModelLoadError, UnsupportedFormatError
 from mlxkv.models.gguf.convert import convert_gguf, converted_dir, is_conversion
 from mlxkv.models.loading import load_model
 from tests.factories import tiny_model_dir
-from tests.models.test_gguf import write_gguf
+from tests.models.test_gguf import llama_cpp_metadata, llama_cpp_tensors, write_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -231,3 +231,23 @@ def test_blas_setting_that_is_not_a_library_warns_and_imports(tmp_path):
     )
     assert result.returncode == 0 and result.stdout.strip() == "imported", result.stderr
     assert "could not load /etc/hostname" in result.stderr
+
+
+def test_a_gguf_without_most_weights_is_one_line_and_leaves_no_conversion(
+    model_root, tmp_path, monkeypatch
+):
+    """A GGUF whose tensor table lists 3 of a model's tensors (a hostile or broken file passes
+    the header checks: each tensor it lists is in bounds) was converted, failed to load, was
+    converted again and failed again with mlx-lm's error, one line per missing weight (270
+    lines for SmolLM2), and the broken conversion stayed in the cache for every later run."""
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
+    model_dir = tiny_model_dir("llama", model_root)
+    tensors = dict(list(llama_cpp_tensors(model_dir).items())[:3])
+    path = tmp_path / "few.gguf"
+    mx.save_gguf(str(path), tensors, llama_cpp_metadata(model_dir, architecture="llama"))
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(path)
+    message = str(refused.value)
+    assert "\n" not in message and len(message) < 600, message
+    assert "Missing" in message
+    assert [p for p in (tmp_path / "gguf").iterdir() if p.is_dir()] == []

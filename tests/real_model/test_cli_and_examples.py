@@ -1,8 +1,11 @@
 """The command line and the examples, run as a user would (subprocesses, default model)."""
 
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +142,24 @@ def test_readme_python_api_snippet_runs_and_its_second_turn_hits(converted_cache
     cached = [int(n) for n in re.findall(r": cached (\d+) of \d+ prompt tokens", result.stdout)]
     assert len(cached) == 2 and cached[0] == 0 and cached[1] > 0, result.stdout
     assert "MemoryReport(num_tokens=" in result.stdout
+
+
+def test_sigterm_mid_conversion_leaves_no_partial_directory(tmp_path):
+    """`kill` (SIGTERM: systemd, `docker stop`, `timeout`) during a GGUF conversion ended the
+    process without its cleanups: a 257 MB `.out.partial-*` directory stayed beside the output
+    (and in the conversion cache, on a first `generate`/`serve` of a .gguf), never removed.
+    SIGTERM now unwinds as Ctrl-C does, and the process still dies by SIGTERM."""
+    from mlxkv.models.sources import default_model_path
+
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "mlxkv.cli", "convert", default_model_path(), str(out)]
+    with subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True) as process:
+        deadline = time.monotonic() + 120
+        while not any(p.name.startswith(".out.partial-") for p in tmp_path.iterdir()):
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "the conversion did not start writing"
+            threading.Event().wait(0.01)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    assert process.returncode == -signal.SIGTERM
+    assert [p.name for p in tmp_path.iterdir()] == []

@@ -67,6 +67,48 @@ def test_every_connection_of_a_burst_gets_an_answer(loaded_tiny, monkeypatch):
     assert json.loads(body)["error"]["type"] == "overloaded_error"  # Anthropic's shape
 
 
+def test_a_burst_whose_headers_arrive_before_it_is_accepted_is_bounded(loaded_tiny, monkeypatch):
+    """Sockets that sent their partial headers before the server accepted them all were
+    skipped as "a request already sent" when the bound was checked, and never checked again
+    once read: 140 of a burst of 300 waited, and 2,100 took the server to its open-file limit
+    (accept failed with EMFILE). Here the server's event loop is held while the burst
+    connects and sends, so every one of them is accepted with its bytes unread."""
+    monkeypatch.setattr(connections, "MAX_WAITING_CONNECTIONS", MAX_WAITING)
+    with (
+        serve(Runner(loaded_tiny("llama"))) as served,
+        contextlib.ExitStack() as held,
+    ):
+        address = (served.host, served.port)
+        first = held.enter_context(socket.create_connection(address, timeout=30))
+        wait_until(lambda: _waiting(served), what="the first connection waiting")
+        entered, release = threading.Event(), threading.Event()
+        held.callback(release.set)
+
+        def hold_the_loop() -> None:
+            entered.set()
+            release.wait(30)
+
+        _waiting(served)[0].loop.call_soon_threadsafe(hold_the_loop)
+        assert entered.wait(30), "the server's event loop was not held"
+        rest = [
+            held.enter_context(socket.create_connection(address, timeout=30))
+            for _ in range(NUM_SOCKETS - 1)
+        ]
+        for sock in [first, *rest]:
+            sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n")  # headers begun
+        release.set()
+        # each one read: waiting with its bytes, or turned away (lingering)
+        wait_until(
+            lambda: (
+                sum(bool(c.conn.trailing_data[0]) for c in _waiting(served))
+                + len(getattr(served.server.server_state, "mlxkv_lingering", ()))
+                >= NUM_SOCKETS
+            ),
+            what="every connection of the burst read",
+        )
+        assert len(_waiting(served)) <= MAX_WAITING, len(_waiting(served))
+
+
 def test_a_burst_of_100_requests_at_once_is_answered_without_a_reset(loaded_tiny):
     """As measured: 100 clients at once, each opening and sending at its own pace."""
 

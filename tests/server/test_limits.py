@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import http.client
 import json
 import socket
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from mlxkv import Runner
+from mlxkv.config import ServerConfig
 from mlxkv.server import connections, middleware, worker
 from tests.factories import wait_until
 from tests.server.conftest import held_worker, serve
@@ -269,3 +271,23 @@ def test_a_request_sent_before_a_burst_of_idle_sockets_is_answered(loaded_tiny, 
                     held.enter_context(socket.create_connection((served.host, served.port)))
                 assert connection.getresponse().status == 400
             connection.close()
+
+
+def test_running_out_of_open_files_is_one_log_line(caplog):
+    """A burst of ~2,100 sockets took the server to its open-file limit, and asyncio logged
+    the failed accept with a traceback (once a minute); the server's log says it in one line."""
+    connections.uvicorn_config(object(), ServerConfig.of(None, {}))
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level("ERROR", logger="asyncio"):
+            loop.call_exception_handler(
+                {
+                    "message": "socket.accept() out of system resource",
+                    "exception": OSError(errno.EMFILE, "Too many open files"),
+                }
+            )
+    finally:
+        loop.close()
+    [record] = [r for r in caplog.records if r.name == "asyncio"]
+    assert record.exc_info is None and "\n" not in record.getMessage(), record.getMessage()
+    assert "Too many open files" in record.getMessage()

@@ -277,20 +277,27 @@ def _checked_messages(messages: Sequence[Message]) -> list[Message]:
     """`messages` as a list, each a dict of a chat role with text content (`valid_text`)."""
     checked = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise ValueError(f"message {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}")
-        content = message.get("content")
-        if not isinstance(content, str):
-            raise ValueError(
-                f"message {i} needs a string 'content' or a list of text parts "
-                "({'type': 'text', 'text': ...}; images need a vision model), got "
-                f"{type(content).__name__}"
-            )
-        checked.append({**message, "content": valid_text(content)})
+        check_message(i, message, str)
+        checked.append({**message, "content": valid_text(message["content"])})
     return checked
+
+
+def check_message(i: int, message: Any, content_types: type | tuple[type, ...]) -> None:
+    """Raises ValueError unless message `i` is a dict of a chat role whose content is one of
+    `content_types` (a str; with images, a list of parts too). Prompts with and without
+    images check their messages here alike."""
+    if not isinstance(message, dict):
+        raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise ValueError(f"message {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}")
+    content = message.get("content")
+    if not isinstance(content, content_types):
+        raise ValueError(
+            f"message {i} needs a string 'content' or a list of text parts "
+            "({'type': 'text', 'text': ...}; images need a vision model), got "
+            f"{type(content).__name__}"
+        )
 
 
 def valid_text(text: str) -> str:

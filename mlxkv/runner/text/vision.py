@@ -46,6 +46,7 @@ from mlxkv.runner.text.chat import (
     TEMPLATE_REFUSED,
     ChatTemplate,
     ReplyRewritten,
+    check_message,
     continues_final,
     valid_text,
 )
@@ -250,8 +251,7 @@ class VisionPrompts:
             return None if ids is None else list(ids)
 
         for i, (message, rendered) in enumerate(zip(messages, calls.messages, strict=True)):
-            if not isinstance(message, dict):
-                raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
+            check_message(i, message, (str, list, tuple))
             content = message.get("content")
             if (ids := reply(message)) is not None:  # its calls are in its ids
                 slot = slot_text(nonce, len(slots))

@@ -168,3 +168,21 @@ def test_messages_with_an_image_the_template_refuses_are_a_value_error(runner, m
     with pytest.raises(ValueError, match="chat template refused the messages: roles must"):
         runner.generate(_ask(_png(56, 56)), max_tokens=2)
     assert runner.cache_tokens == before
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([{"role": "bad", "content": _ask(noise_image(1))[0]["content"]}], "has role 'bad'"),
+        ([{"role": "system"}, *_ask(noise_image(1))], "message 0 needs a string 'content'"),
+        ([{"role": "user", "content": 5}, *_ask(noise_image(1))], "got int"),
+    ],
+    ids=["unknown-role", "no-content", "int-content"],
+)
+def test_messages_beside_an_image_are_checked_as_text_ones_are(runner, messages, message):
+    """A prompt with images rendered a role no chat has and dropped missing or non-text
+    content without a word, where the same messages without images are refused."""
+    held = runner.cache_tokens
+    with pytest.raises(ValueError, match=message):
+        runner.generate(messages, max_tokens=2)
+    assert runner.cache_tokens == held
