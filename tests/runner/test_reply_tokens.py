@@ -12,7 +12,7 @@ import pytest
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
 from mlxkv.runner.results import Completion
-from mlxkv.runner.text.replies import MAX_REPLIES, ReplyTokens, replies_for
+from mlxkv.runner.text.replies import MAX_REPLIES, ReplyTokens
 from mlxkv.testing.factory import build_scripted_model
 from tests.tolerances import logits_tolerance
 
@@ -129,29 +129,3 @@ def test_the_newest_replies_are_kept():
         replies.remember(_completion(f"reply {i}", [i]), None)
     sent_back = [{"role": "assistant", "content": f"reply {i}"} for i in (0, MAX_REPLIES)]
     assert replies.known_in(sent_back, None) == {f"reply {MAX_REPLIES}": [MAX_REPLIES]}
-
-
-def test_a_text_two_replies_decode_to_renders_from_its_text(loaded_tiny):
-    """Replies whose ids hold bytes no character takes decode to U+FFFD, as other ids do (the
-    random model writes such bytes): the newest reply with that text stood for every message
-    with it, so a Runner rendered the same messages to other ids from one moment to the next
-    (a fresh Runner's reference then answered otherwise than the Runner it checked). Once two
-    replies' different ids share a text, it renders from the text, whatever comes after."""
-    loaded = loaded_tiny("llama")
-    tokenizer = loaded.tokenizer
-    lossy = _lossy(tokenizer)
-    assert len(lossy) >= 2, "the factory's byte-level vocabulary has lone bytes"
-    runner = Runner(loaded, max_context=512)
-    messages = _next_turn("\ufffd\ufffd")
-    as_text = runner.encode(messages)
-    first, other = [lossy[0], lossy[1]], [lossy[1], lossy[0]]
-    assert replies_for(tokenizer).remember(_completion("\ufffd\ufffd", first), None)
-    assert runner.encode(messages) != as_text  # one reply with that text: its ids
-    for ids in (other, first):
-        assert not replies_for(tokenizer).remember(_completion("\ufffd\ufffd", ids), None)
-        assert runner.encode(messages) == as_text
-
-
-def _lossy(tokenizer) -> list[int]:
-    """The ids that decode alone to U+FFFD (lone bytes of the byte-level vocabulary)."""
-    return [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"]

@@ -13,8 +13,7 @@ Owns `ReplyTokens`: a bounded, thread-safe memory of replies by (isolation domai
 per tokenizer (`replies_for`): every Runner of a loaded model in a process renders the same
 messages to the same ids (a fresh Runner compared with a used one sees the same prompt). A
 reply is remembered only when its text is exactly what its ids decode to: not one cut by a stop
-string (its ids go past the text), nor a cancelled one; a text two replies' different ids
-decode to (U+FFFD, a lossy decode) renders from its text. Keyed by the request's cache salt
+string (its ids go past the text), nor a cancelled one. Keyed by the request's cache salt
 digest, so one tenant's prompt never takes another's reply ids (its token count would tell).
 With a disk tier, the replies are also kept on disk (`mlxkv.runner.disk.replies`, written
 behind with their turns' blocks) and read back when a Runner starts (`ReplyTokens.restore`): a
@@ -60,8 +59,6 @@ from mlxkv.runner.text.messages import Message
 MAX_REPLIES = 256
 MAX_REPLY_TOKENS = 1 << 20  # all remembered replies together: 4 MiB of uint32
 _CALLS = "\0calls"  # how a call reply's key starts (`call_reply_key`): no text content does
-# What a text two replies' different ids decode to stands for (`ReplyTokens._keep`): no ids.
-_AMBIGUOUS = np.zeros(0, dtype=np.uint32)
 
 # A request's known replies' ids by their text (`ReplyTokens.known_in(...).get`).
 ReplyIds = Callable[[str], Sequence[int] | None]
@@ -336,9 +333,9 @@ class ReplyTokens:
         if not is_rememberable(completion) or len(ids) > MAX_REPLY_TOKENS:
             return False
         with self._lock:
-            kept = self._keep(salt, completion.text if key is None else key, ids)
+            self._keep(salt, completion.text if key is None else key, ids)
             self._trim()
-        return kept
+        return True
 
     def restore(self, stored: Iterable[tuple[str | None, str, Sequence[int]]]) -> None:
         """Takes the (salt, text, ids) of replies kept on disk (`DiskStore.stored_replies`) or
@@ -354,25 +351,14 @@ class ReplyTokens:
     def items(self) -> list[tuple[str | None, str, list[int]]]:
         """Every remembered reply as (salt, text, ids), oldest first (`restore` takes them)."""
         with self._lock:
-            return [(s, text, ids.tolist()) for (s, text), ids in self._ids.items() if ids.size]
+            return [(salt, text, ids.tolist()) for (salt, text), ids in self._ids.items()]
 
-    def _keep(self, salt: str | None, text: str, tokens: Sequence[int]) -> bool:
-        """Keeps `tokens` for `text`, or marks the text ambiguous where other ids were kept
-        for it (`_AMBIGUOUS`, for as long as it stays among the newest): lossy decodes (a
-        byte no character takes, a character cut short: U+FFFD) give one text to different
-        ids, and the newest reply would otherwise stand for every message with that text, so
-        that the same messages rendered to other ids from one moment to the next. Returns
-        whether the ids are kept."""
+    def _keep(self, salt: str | None, text: str, tokens: Sequence[int]) -> None:
         key = (salt, text)
-        new = np.asarray(tokens, dtype=np.uint32)
         old = self._ids.pop(key, None)
-        if old is not None:
-            self._num_tokens -= old.size
-            if not np.array_equal(old, new):
-                new = _AMBIGUOUS
-        self._ids[key] = new
-        self._num_tokens += new.size
-        return new.size > 0
+        self._num_tokens -= 0 if old is None else old.size
+        self._ids[key] = np.asarray(tokens, dtype=np.uint32)
+        self._num_tokens += len(tokens)
 
     def _trim(self) -> None:  # the oldest go first
         while len(self._ids) > MAX_REPLIES or self._num_tokens > MAX_REPLY_TOKENS:
@@ -391,17 +377,13 @@ class ReplyTokens:
         # a reply sent back as content parts renders from its parts' text
         texts = {key for m in prompt for key in reply_keys(m)}
         known: dict[str, list[int]] = {}
-        ambiguous = set()  # render from their text, and are not looked up on disk either
         with self._lock:
             for text in texts:
                 found = self._ids.get((salt, text))
                 if found is not None:
                     self._ids.move_to_end((salt, text))
-                    if found.size:
-                        known[text] = found.tolist()
-                    else:
-                        ambiguous.add(text)
-        if stored is not None and (missing := texts - set(known) - ambiguous):
+                    known[text] = found.tolist()
+        if stored is not None and (missing := texts - set(known)):
             found_stored = {t: list(ids) for t in missing if (ids := stored(salt, t)) is not None}
             with self._lock:
                 for text, ids in found_stored.items():
