@@ -7,6 +7,7 @@ CPU backend, floating-point weights are cast to float32, the fast dtype there.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -95,6 +96,8 @@ def load_model(
     try:
         return _load_directory(converted, group, source_name)
     except ModelLoadError as error:
+        if _machine_failed(error.__cause__):  # nothing wrong with the conversion: keep it
+            raise
         # its files have their sizes but not their bytes (changed in place): the conversion
         # cache is ours, so convert again once rather than fail on every run from now on
         logger.warning(
@@ -107,6 +110,20 @@ def load_model(
         except ModelLoadError:  # the file itself converts to no model: keep nothing of it
             gguf.drop_conversion(again)
             raise
+
+
+# A load that fails for these says nothing about the files (out of memory, of open files,
+# of disk): a conversion is kept for them, not converted again.
+_MACHINE_ERRNOS = frozenset({errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
+
+
+def _machine_failed(error: BaseException | None) -> bool:
+    """True for a load failure of the machine, not of the model's files: an OSError of
+    `_MACHINE_ERRNOS`, or MLX's allocation failure (a RuntimeError "[malloc] Unable to
+    allocate ...", as a corrupt safetensors header is a RuntimeError too)."""
+    if isinstance(error, OSError):
+        return error.errno in _MACHINE_ERRNOS
+    return isinstance(error, RuntimeError) and "alloc" in str(error)
 
 
 def _load_directory(

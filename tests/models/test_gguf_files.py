@@ -132,6 +132,36 @@ def test_conversion_changed_in_place_is_converted_again(
     assert _leftovers(tmp_path) == [] and [p.name for p in first.parent.iterdir()] == [first.name]
 
 
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RuntimeError("[malloc] Unable to allocate 1073741824 bytes"),
+        OSError(24, "Too many open files"),
+    ],
+    ids=["out_of_memory", "open_files"],
+)
+def test_a_machine_that_fails_the_load_keeps_the_conversion(
+    good_gguf, tmp_path, caplog, monkeypatch, failure
+):
+    """Out of memory or of open files says nothing about the conversion: it was dropped and
+    converted again (minutes for a large GGUF), then dropped too, so every run under memory
+    pressure converted twice and kept nothing. The load fails, the conversion stays."""
+    import mlx_lm.utils
+
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
+    first = load_model(good_gguf).path
+    assert is_conversion(first)
+
+    def failing(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(mlx_lm.utils, "load", failing)
+    with caplog.at_level("WARNING", logger="mlxkv"), pytest.raises(ModelLoadError):
+        load_model(good_gguf)
+    assert is_conversion(first)
+    assert not any("converting again" in r.getMessage() for r in caplog.records)
+
+
 # Each process waits, with its weights written, until both are there: the two conversions
 # overlap for certain, however fast the machine.
 _CONVERT_TOGETHER = """
