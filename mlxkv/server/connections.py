@@ -275,16 +275,19 @@ class OncePerKind(logging.Filter):
 
 
 class WithoutTraceback(logging.Filter):
-    """asyncio's record of an OSError on the event loop (an accept that failed at the
-    open-file limit, which it retries a second later) as one line naming the error, not a
-    traceback through asyncio's own code."""
+    """asyncio's record of an accept that failed at the open-file limit (which it retries a
+    second later) as one line naming the error, not a traceback through asyncio's own code.
+    Other records keep their traceback (an OSError of our own code is a bug to read)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, OSError):
+        if isinstance(error, OSError) and str(record.msg).startswith("socket.accept()"):
             record.msg = f"{record.getMessage().splitlines()[0]}: {error}"
             record.args, record.exc_info, record.exc_text = (), None, None
         return True
+
+
+_WITHOUT_TRACEBACK = WithoutTraceback()
 
 
 def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> uvicorn.Config:
@@ -292,7 +295,7 @@ def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> uvicorn.Co
     once besides those still waiting for their headers (more get 503), a short keep-alive,
     and repeated lines of uvicorn's and asyncio's logs shown once per kind."""
     once = OncePerKind()
-    logging.getLogger("asyncio").addFilter(WithoutTraceback())
+    logging.getLogger("asyncio").addFilter(_WITHOUT_TRACEBACK)  # once however many servers
     for name in ("uvicorn.error", "asyncio", __name__):
         logging.getLogger(name).addFilter(once)
     settings: dict[str, Any] = {

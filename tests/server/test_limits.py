@@ -291,3 +291,19 @@ def test_running_out_of_open_files_is_one_log_line(caplog):
     [record] = [r for r in caplog.records if r.name == "asyncio"]
     assert record.exc_info is None and "\n" not in record.getMessage(), record.getMessage()
     assert "Too many open files" in record.getMessage()
+
+
+def test_other_os_errors_on_the_loop_keep_their_traceback(caplog):
+    """Only the failed accept is shortened: an OSError raised by our own callbacks is a bug
+    whose traceback is the one thing to read."""
+    connections.uvicorn_config(object(), ServerConfig.of(None, {}))
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level("ERROR", logger="asyncio"):
+            loop.call_exception_handler(
+                {"message": "Exception in callback", "exception": OSError(errno.EBADF, "x")}
+            )
+    finally:
+        loop.close()
+    [record] = [r for r in caplog.records if r.name == "asyncio"]
+    assert record.exc_info is not None
