@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -153,6 +154,21 @@ class InStep:
                 self._WAIT_S,
             )
             assert in_step, f"reader {reader} waited {self._WAIT_S} s for the others' item {k}"
+
+
+def read_in_step(monkeypatch, runner, readers: int, items: int = 2) -> InStep:
+    """Makes the next `readers` streams of `runner` read in step over their first `items`
+    items (`InStep`) by whichever thread reads each; later ones as before. For the server,
+    whose worker reads each request's stream on a thread of its own: a client's pace does
+    not reach it (the server queues the chunks), so holding the clients holds nothing."""
+    in_step, stream, started = InStep(readers, items), runner.stream, itertools.count()
+
+    def stepped(*args, **kwargs):
+        chunks, reader = stream(*args, **kwargs), next(started)
+        return in_step.read(reader, chunks) if reader < readers else chunks
+
+    monkeypatch.setattr(runner, "stream", stepped)
+    return in_step
 
 
 class GatedModel:

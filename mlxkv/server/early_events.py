@@ -52,6 +52,9 @@ async def marking_waits(turn: Turn, scope: dict[str, Any]) -> AsyncIterator[Even
     first = asyncio.ensure_future(anext(events, _NO_EVENT))
     try:
         wait_s = max(0.0, EARLY_EVENT_AFTER_S - seconds_since_arrival(scope))
+        if wait_s == 0.0:  # due already (a long load): marked whether or not the first
+            yield WAITING  # event is in by now, which is the generation thread's race
+            wait_s = state.KEEPALIVE_INTERVAL_S
         while not (await asyncio.wait({first}, timeout=wait_s))[0]:
             yield WAITING
             wait_s = state.KEEPALIVE_INTERVAL_S

@@ -15,6 +15,7 @@ from mlxkv.cache import make_cache
 from mlxkv.cache.batched import can_batch
 from mlxkv.models.loading import load_model
 from mlxkv.testing.factory import build_model
+from tests.factories import joined
 from tests.runner.conftest import record_batch_steps
 from tests.runner.test_batching import _in_step
 from tests.tolerances import LOGPROB_ABS
@@ -89,8 +90,7 @@ def test_two_streams_in_a_batch_answer_as_alone(arch, tmp_path, monkeypatch):
         threads = [threading.Thread(target=one) for one in runs]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
+        joined(*threads, timeout_s=120)
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=LOGPROB_ABS)

@@ -15,6 +15,7 @@ from mlxkv.decoding.prefill.chunks import PrefillPlan, fill
 from mlxkv.models.loading import load_model
 from mlxkv.runner.context import ContextWindow
 from mlxkv.testing.factory import build_model
+from tests.factories import joined
 from tests.tolerances import LOGPROB_ABS
 
 SYSTEM = {"role": "system", "content": "You are brief and count colors."}
@@ -209,8 +210,7 @@ def test_a_shifting_drafted_reply_beside_batched_requests_equals_plain(
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(timeout=120)
+        joined(*threads, timeout_s=120)
         assert [g.tokens for g in got] == want
         assert shifts["rooms"] >= 1
 

@@ -18,6 +18,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.cache.building import make_cache
+from tests.factories import joined
 from tests.tolerances import assert_logits_close, logits_tolerance
 
 STEPS = 24
@@ -143,8 +144,7 @@ def test_every_entry_holds_what_it_records_through_a_random_mix_of_requests(
             threads = [threading.Thread(target=_run, args=(soak, m, n, failures)) for m, n in asked]
             for thread in threads:
                 thread.start()
-            for thread in threads:
-                thread.join(timeout=120)
+            joined(*threads, timeout_s=120)
             assert not failures, f"step {step}: {failures[0]!r}"
         else:
             soak.request(*asked[0][:1], op, asked[0][1])

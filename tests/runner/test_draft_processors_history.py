@@ -95,13 +95,14 @@ def test_every_draft_is_accepted_alone_again_after_the_batch(loaded_tiny, name, 
     second = threading.Thread(target=read_second)
     second.start()
     assert started.wait(30)
-    for _ in range(40):  # read on until it has decoded in the batch beside the second
+    # The second is decoding (its first token read), so the first hands over to the batch;
+    # the second's row joins only when its reader asks for its second token.
+    while not rows:  # bounded by its max_tokens: the stream would end
         chunks.append(next(first))
-        if max(rows, default=0) == 2:
-            break
-    resumed.set()
+    assert max(rows) == 1  # the first, in the batch
+    resumed.set()  # the second joins it there
     joined(second)
-    assert max(rows) == 2, "the first stream never joined the batch"
+    assert max(rows) == 2, "the first stream never decoded in the batch beside the second"
     chunks += list(first)
     completion = chunks[-1].completion
     assert _all_accepted(completion), completion

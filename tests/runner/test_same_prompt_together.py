@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from mlxkv import Runner
+from tests.factories import joined
 from tests.tolerances import LOGPROB_ABS, logprob_rel
 
 QUESTION = [{"role": "user", "content": "Once upon a time there was"}]
@@ -54,7 +55,7 @@ def test_two_requests_with_one_prompt_at_once_keep_both_replies(loaded_tiny):
         )
     )
     second.start()
-    second.join(60)
+    joined(second)
     chunks += list(first)  # ends after the second: the second's copy is released first
     reply_a, reply_b = chunks[-1].completion, got[0][-1].completion
     assert reply_b.cached_tokens == reply_b.prompt_tokens - 1  # it copied the first's entry

@@ -15,6 +15,7 @@ import pytest
 from mlxkv import Runner
 from mlxkv.runner import context as context_module
 from mlxkv.runner.hooks import request_ends
+from tests.factories import joined
 from tests.runner.test_batching import _tokens_and_logprobs
 from tests.tolerances import LOGPROB_ABS
 
@@ -89,6 +90,6 @@ def test_each_turn_equals_a_fresh_runner_fed_what_it_kept(loaded_tiny, keeps, ar
     finally:
         stop.set()
         if side is not None:
-            side.join(120)
+            joined(side, timeout_s=120)
     assert compared >= 3
     assert keeps, "no reply reached the window's edge"

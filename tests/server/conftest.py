@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,6 +157,31 @@ def held_worker(served: Served) -> Iterator[threading.Event]:
         yield release
     finally:
         release.set()
+
+
+def held_until_left(monkeypatch, runner, leaves_after: Callable[[dict], int | None]) -> None:
+    """A server stream whose client leaves after reading some pieces (`leaves_after` of its
+    `Runner.stream` options: how many; None for a client that reads to the end) waits after
+    its chunk with that many texts until the client has left (its cancel set): the client
+    leaves mid-reply, not after a reply the server's worker read to its end meanwhile (it
+    reads on, whatever the client's pace)."""
+    stream = runner.stream
+
+    def held(*args, **kwargs):
+        chunks, shown = stream(*args, **kwargs), leaves_after(kwargs)
+        return chunks if shown is None else _until_cancelled(chunks, kwargs["cancel"], shown)
+
+    monkeypatch.setattr(runner, "stream", held)
+
+
+def _until_cancelled(chunks: Iterable, cancel: threading.Event, shown: int) -> Iterator:
+    with contextlib.closing(iter(chunks)) as items:
+        texts = 0
+        for chunk in items:
+            yield chunk
+            texts += bool(chunk.text)
+            if texts == shown:
+                assert cancel.wait(60), f"the client did not leave after {shown} pieces"
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,8 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.decoding import batch as batch_module
-from tests.factories import joined, wait_until
-from tests.server.conftest import serve
+from tests.factories import joined, read_in_step, wait_until
+from tests.server.conftest import held_until_left, serve
 
 ASKS = [  # (question, max_tokens, chunks read before leaving, or None)
     ("Tell me about caches and their keys.", 30, None),
@@ -36,11 +36,17 @@ def test_concurrent_chats_with_disconnects_answer_as_alone(loaded_tiny, arch, mo
     def alone(question, n):
         fresh = Runner(loaded, max_context=1024, speculative=None)
         messages = [{"role": "user", "content": question}]
-        return fresh.generate(messages, max_tokens=n, temperature=0.0).text
+        return fresh.generate(messages, max_tokens=n, temperature=0.0)
 
-    want = [alone(q, n) for q, n, _ in ASKS]
+    alone_replies = [alone(q, n) for q, n, _ in ASKS]
+    want = [reply.text for reply in alone_replies]
     runner = Runner(loaded, max_context=1024, max_batch=4)
     monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
+    # the server's worker reads each stream: all four decode in one step before any third
+    # chunk, and the two leaving ones wait for their clients to leave
+    read_in_step(monkeypatch, runner, len(ASKS))
+    leaves_after = {n: leave_after for _, n, leave_after in ASKS}
+    held_until_left(monkeypatch, runner, lambda options: leaves_after.get(options["max_tokens"]))
     got: list = [None] * len(ASKS)
     with serve(runner, model_name="tiny") as served:
         client = served.openai()
@@ -85,4 +91,5 @@ def test_concurrent_chats_with_disconnects_answer_as_alone(loaded_tiny, arch, mo
             fresh = Runner(loaded, max_context=1024, speculative=None)
             expected = fresh.generate(messages, max_tokens=16, temperature=0.0).text
             assert again.choices[0].message.content == expected, i
-    assert max(rows) >= 2, rows
+    assert min(len(reply.tokens) for reply in alone_replies) >= 2  # each decodes past its first
+    assert max(rows) == len(ASKS), rows

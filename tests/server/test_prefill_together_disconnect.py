@@ -15,7 +15,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.runner.prefill import group as prefill_group
-from tests.factories import wait_until
+from tests.factories import joined, wait_until
 from tests.server.conftest import serve
 
 # Their prompts share only the chat template's opening with one another and with WARM_UP, whose
@@ -115,8 +115,7 @@ def _leave_during_the_pass(loaded, want, monkeypatch) -> list[tuple[int, bool, b
             thread.start()
         wait_until(lambda: len(runner._engine._urgent) == len(QUESTIONS), what="jobs queued")
         gate.set()
-        for thread in threads:
-            thread.join(120)
+        joined(*threads, timeout_s=120)
         monkeypatch.setattr(prefill_group, "prefill_together", original)
         for i, text in enumerate(got):
             if i != LEAVES:

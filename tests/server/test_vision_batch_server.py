@@ -20,8 +20,8 @@ from mlxkv import Runner  # noqa: E402
 from mlxkv.decoding import batch as batch_module  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.testing.vision_factory import build_vision_model, noise_image  # noqa: E402
-from tests.factories import joined, wait_until  # noqa: E402
-from tests.server.conftest import serve  # noqa: E402
+from tests.factories import joined, read_in_step, wait_until  # noqa: E402
+from tests.server.conftest import held_until_left, serve  # noqa: E402
 
 
 def _png(shape, seed) -> bytes:
@@ -74,10 +74,16 @@ def test_concurrent_clients_on_a_vision_model_answer_as_alone(loaded, monkeypatc
         )
         for png, text, n, _ in asks
     ]
-    runner = Runner(loaded, max_context=1024, max_batch=4, speculative=None)  # rows overlap
+    runner = Runner(loaded, max_context=1024, max_batch=4, speculative=None)
     monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
     got: list = [None] * len(asks)
     left_after = 4
+    # the server's worker reads each stream: all four decode in one step before any third
+    # chunk, and the one left waits for its client to leave
+    read_in_step(monkeypatch, runner, len(asks))
+    held_until_left(
+        monkeypatch, runner, lambda options: {200: left_after}.get(options["max_tokens"])
+    )
     with serve(runner, model_name="tiny-vl") as served:
         client = served.openai()
 
@@ -121,4 +127,5 @@ def test_concurrent_clients_on_a_vision_model_answer_as_alone(loaded, monkeypatc
             _runner_messages(PNGS[2], "And this one, at length?"), max_tokens=24, temperature=0.0
         )
         assert again.choices[0].message.content == fresh.text
-    assert max(rows) >= 2, rows  # how many overlap depends on timing
+    assert min(len(reply.tokens) for reply in want) >= 2  # each decodes past its first
+    assert max(rows) == len(asks), rows

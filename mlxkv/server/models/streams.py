@@ -23,10 +23,11 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mlxkv.server import state
 from mlxkv.server.errors import ApiError
 from mlxkv.server.middleware import SHUTTING_DOWN, replay
 from mlxkv.server.models.served import ServedModels, body_object, named_model
-from mlxkv.server.state import KEEPALIVE_INTERVAL_S, SSE_HEADERS
+from mlxkv.server.state import SSE_HEADERS
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class StreamShape:
 class StartStreams:
     """ASGI middleware: a streaming request (`shapes` by path) for a served model not loaded
     yet starts its response before the route waits for the load (`served.request_context`).
-    Its keep-alive goes out at once and every `KEEPALIVE_INTERVAL_S` until the route starts
-    its own stream."""
+    Its keep-alive goes out at once and every `state.KEEPALIVE_INTERVAL_S` (read each time, as
+    the route's own pacing reads it) until the route starts its own stream."""
 
     def __init__(self, app: ASGIApp, models: ServedModels, shapes: Mapping[str, StreamShape]):
         self.app = app
@@ -118,7 +119,7 @@ class _Early:
 
     async def _pace(self, keepalive: bytes) -> None:
         while True:
-            await asyncio.sleep(KEEPALIVE_INTERVAL_S)
+            await asyncio.sleep(state.KEEPALIVE_INTERVAL_S)
             async with self._lock:
                 await self._body(keepalive)
 
