@@ -37,7 +37,7 @@ from mlxkv.config import RunnerConfig, ServerConfig
 from mlxkv.models.loading import load_model
 from mlxkv.server import create_app
 from mlxkv.server.connections import Server, uvicorn_config
-from mlxkv.server.models.resident import ModelLoader
+from mlxkv.server.models.model import ModelLoader
 from mlxkv.testing.factory import build_model
 
 CACHE_BYTES = 256 * 2**20

@@ -24,7 +24,7 @@ from mlxkv.runner.runner import Runner
 
 if TYPE_CHECKING:  # the server's modules load when it starts (other commands start faster)
     from mlxkv.server.connections import Server
-    from mlxkv.server.models.resident import ModelLoader
+    from mlxkv.server.models.model import ModelLoader
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -137,7 +137,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 def _model_sources(args: argparse.Namespace) -> dict[str, Runner | ModelLoader] | None:
     """The served models by name: one model is loaded now, and stays; several load on their
     first request (`ModelLoader`). None (said on stderr) for several under `mlx.launch`."""
-    from mlxkv.server.models.resident import ModelLoader
+    from mlxkv.server.models.model import ModelLoader
 
     models = _named_models(args.model, args.models_dir)
     if len(models) > 1 and world() is not None:

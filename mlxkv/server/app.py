@@ -34,7 +34,8 @@ from mlxkv.server.middleware import (
     BodyLimit,
     ServerErrors,
 )
-from mlxkv.server.models.resident import SHUTDOWN_SAVE_S, ModelLoader
+from mlxkv.server.models.model import ModelLoader
+from mlxkv.server.models.resident import SHUTDOWN_SAVE_S
 from mlxkv.server.models.served import ReleaseModels, ServedModels
 from mlxkv.server.models.streams import StartStreams
 from mlxkv.server.ollama_api import embed as ollama_embed

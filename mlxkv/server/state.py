@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from mlxkv.models.capabilities import Capabilities
 from mlxkv.server.errors import ApiError
-from mlxkv.server.models.resident import ResidentModel
+from mlxkv.server.models.model import ResidentModel
 from mlxkv.server.models.served import ServedModels, request_context
 from mlxkv.server.reply.turn import Turn
 from mlxkv.server.worker import GenerationWorker

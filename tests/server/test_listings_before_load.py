@@ -13,7 +13,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.models.loading import expected_weights_bytes
-from mlxkv.server.models.resident import ModelLoader
+from mlxkv.server.models.model import ModelLoader
 from tests.factories import tiny_model_dir
 from tests.server.conftest import serve
 

@@ -16,7 +16,8 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.server.errors import ApiError
-from mlxkv.server.models.resident import ModelLoader, Residency, ResidentModel
+from mlxkv.server.models.model import ModelLoader, ResidentModel
+from mlxkv.server.models.resident import Residency
 from mlxkv.server.worker import GenerationWorker
 from tests.factories import tiny_model_dir, wait_until
 

@@ -15,7 +15,7 @@ import ollama
 import pytest
 
 from mlxkv import Runner
-from mlxkv.server.models.resident import ModelLoader
+from mlxkv.server.models.model import ModelLoader
 from tests.factories import tiny_model_dir, wait_until
 from tests.server.conftest import serve
 

@@ -28,7 +28,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlxkv.runner.runner import Runner
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models.keep_alive import FOREVER, keep_alive_ns
-from mlxkv.server.models.resident import ModelLoader, Residency, ResidentModel
+from mlxkv.server.models.model import ModelLoader, ResidentModel
+from mlxkv.server.models.resident import Residency
 from mlxkv.server.worker import GenerationWorker
 
 _OLLAMA_TAG = ":latest"
