@@ -13,8 +13,9 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx.core as mx
+
 from mlxkv.runner.disk import reading as reading_module
-from mlxkv.runner.disk import store as store_module
 from mlxkv.runner.disk.replies import REPLY_SUFFIX
 from tests.factories import joined
 from tests.runner.test_disk_tier import SYSTEM, _chat, _files
@@ -156,7 +157,7 @@ def test_a_full_disk_is_one_line_per_write_and_a_cold_prefill(
     make_runner, tmp_path, monkeypatch, caplog
 ):
     runner = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
-    monkeypatch.setattr(store_module.mx, "save_safetensors", _full_disk_save)
+    monkeypatch.setattr(mx, "save_safetensors", _full_disk_save)
     monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(free=10))
     with caplog.at_level(logging.WARNING, logger="mlxkv"):
         messages, _ = _chat(runner, 1)  # its turn, written behind, fails
@@ -194,7 +195,7 @@ def test_a_full_disk_says_what_is_free_once_the_failed_write_is_removed(
     def usage(_):
         return SimpleNamespace(free=0 if list(directory.glob(".tmp-*")) else 5000)
 
-    monkeypatch.setattr(store_module.mx, "save_safetensors", _full_disk_save)
+    monkeypatch.setattr(mx, "save_safetensors", _full_disk_save)
     monkeypatch.setattr(shutil, "disk_usage", usage)
     with caplog.at_level(logging.WARNING, logger="mlxkv.runner.disk"):
         _chat(runner, 1)

@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from mlxkv.runner.disk import files as store_files
@@ -138,12 +139,12 @@ def test_keyboard_interrupt_during_a_write_leaves_no_file_that_loads(
     make_runner, tmp_path, monkeypatch
 ):
     runner = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
-    real_save = store_module.mx.save_safetensors
+    real_save = mx.save_safetensors
 
     def failing(path, arrays, metadata):  # the turn's write behind fails: saved at close
         raise RuntimeError("[save_safetensors] Unable to write 100 bytes")
 
-    monkeypatch.setattr(store_module.mx, "save_safetensors", failing)
+    monkeypatch.setattr(mx, "save_safetensors", failing)
     messages, _ = _chat(runner, 1)
     runner._pool.store.flush()
 
@@ -152,7 +153,7 @@ def test_keyboard_interrupt_during_a_write_leaves_no_file_that_loads(
         Path(path).write_bytes(Path(path).read_bytes()[: os.path.getsize(path) // 2])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(store_module.mx, "save_safetensors", interrupted)
+    monkeypatch.setattr(mx, "save_safetensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
         runner.close()
     monkeypatch.undo()

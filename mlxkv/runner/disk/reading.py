@@ -5,7 +5,7 @@ Owns `read_blocks` (every file checked whole before its block is used), `LayerSt
 streamed restore: the blocks' layer sections checked in layer order while the model already
 uses the layers checked; `mlxkv.cache.gate.LayerGate`) and how many checks run at once
 (`CHECK_THREADS`). Does not own the
-checks themselves (`files`), what a failed check does to the index (`store`) or joining the
+checks themselves (`files`), what a failed check does to the index (`bad_files`) or joining the
 blocks into a cache (`blocks`).
 
 Why threads: a load's largest share was the CRC pass (measured in docs/disk.md), one file after

@@ -5,7 +5,7 @@ as their checks pass.
 Owns `restore_chain`, with what a load leaves: its blocks marked used (the budget's order),
 its read rate measured. Does not own reading and checking the files (`reading`), joining one
 block's arrays to the next (`blocks`), which prefixes a chain can restore (`chains`), or what
-a bad file does to the index (`store`, through the callbacks it passes).
+a bad file does to the index (`bad_files`, through the callbacks the store passes).
 """
 
 from __future__ import annotations

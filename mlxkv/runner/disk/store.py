@@ -1,10 +1,11 @@
 """The disk tier: cache entries as chains of safetensors blocks in a directory with its own
 byte budget (a prefix conversations share is one chain of blocks, stored once).
 
-Owns: the index of blocks, cutting an entry into blocks for the writer, loading a chain back
-into a ModelCache, and the directory's budget. Does not own the file format (`files`), chains
-(`chains`), the writer thread (`writer`), which files count against the budget and go first
-(`budget`), or which entry goes to disk or when a load pays (see `pool`).
+Owns: the index of blocks, which entries go to the writer, loading a chain back into a
+ModelCache, and the directory's budget. Does not own the file format (`files`), chains
+(`chains`), cutting an entry into write jobs (`jobs`), the writer thread (`writer`), which
+files count against the budget and go first (`budget`), what a file that fails a check leaves
+(`bad_files`), or which entry goes to disk or when a load pays (see `pool`).
 
 Invariants:
   - only files this tier wrote are ever removed: regular files named as it names them, whose
@@ -31,7 +32,6 @@ Invariants:
   - a scan removes the blocks whose parent is gone (`_remove_broken`): a process sees
     another's files at its scans only, so it may remove a parent of a block it has not seen.
 """
-# long: the index and every path that changes it (scan, load, write, budget), under its 2 locks
 
 from __future__ import annotations
 
@@ -41,13 +41,10 @@ import threading
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.serialize import cache_to_arrays
-from mlxkv.errors import NotSupportedError
-from mlxkv.runner.disk.blocks import cut_block
+from mlxkv.runner.disk.bad_files import BadFiles
 from mlxkv.runner.disk.budget import removal_order, temporary_bytes, tier_files
 from mlxkv.runner.disk.chains import (
     BLOCK_TOKENS,
@@ -62,7 +59,6 @@ from mlxkv.runner.disk.files import (
     BadFile,
     StoredEntry,
     check_writable,
-    entry_metadata,
     model_directories,
     own_files,
     read_record,
@@ -71,7 +67,7 @@ from mlxkv.runner.disk.files import (
     token_key,
     write_file,
 )
-from mlxkv.runner.disk.reading import warn_unreadable
+from mlxkv.runner.disk.jobs import block_jobs
 from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply, reply_name
 from mlxkv.runner.disk.restore import restore_chain
 from mlxkv.runner.disk.writer import BackgroundWriter, PendingWrites, WriteJob
@@ -128,12 +124,12 @@ class DiskStore:
         # held while a scan compares the directory with the index, and while this process
         # adds or removes a file and its record: a scan never sees one without the other
         self._directory_lock = threading.RLock()
+        self._bad = BadFiles(self._forget, self._directory_lock)  # files that must not load
         self._writer = BackgroundWriter(self._run_logged)
         self._job_lock = threading.Lock()  # one job at a time: the writer's, or a close's
         self._scanned_mtime = -1
         # other models' files proven this tier's, by (path, size, mtime): read once
         self._theirs: dict[tuple[str, int, int], bool] = {}
-        self._strangers: set[str] = set()  # files here it did not write, warned about once
         self.replies = ReplyRecords(self.directory, fingerprint, signature)
         self.refresh()  # the blocks and the reply records on disk
         self.enforce_budget()  # a smaller budget than the last run's holds from the start
@@ -163,7 +159,7 @@ class DiskStore:
             try:
                 record = read_record(path, self.fingerprint, self.signature)
             except BadFile as why:
-                self._discard(path, why)
+                self._bad.discard(path, why)
                 continue
             except OSError as error:  # transient (or removed meanwhile): look again next time
                 complete = complete and isinstance(error, FileNotFoundError)
@@ -237,26 +233,14 @@ class DiskStore:
             empty,
             trimmable=self.trimmable,
             streamed=streamed,
-            reject=self._reject,
-            discard=self._discard,
+            reject=self._bad.reject,
+            discard=self._bad.discard,
             measured=self._measured,
         )
 
     def _measured(self, nbytes: int, seconds: float) -> None:
         """A load of `nbytes` took `seconds` (streamed: its checks): `cheapest_restore`'s rate."""
         self.read_bytes_per_s = nbytes / max(seconds, 1e-6)
-
-    def _reject(self, block: StoredEntry, error: Exception) -> None:
-        """What a block that failed to read (`reading.read_blocks`) leaves: gone, forgotten;
-        corrupt or foreign, discarded; unreadable now for a reason that proves nothing about
-        the file, kept."""
-        # gone: MLX opening a file removed since its check (superseded) raises RuntimeError
-        if isinstance(error, FileNotFoundError) or not block.path.exists():
-            self._forget(block.path.name)
-        elif isinstance(error, (BadFile, ValueError, KeyError, TypeError)):
-            self._discard(block.path, error)
-        else:
-            warn_unreadable(block, error)
 
     # -- write ----------------------------------------------------------------------------
 
@@ -287,38 +271,21 @@ class DiskStore:
             return  # its last block is written or queued: so are the blocks before it
         if not wait and self.pending_writes.over(self.max_pending_bytes):
             return  # its disk snapshots go with it: they were kept for this write only
-        try:
-            arrays, layout = cache_to_arrays(cache, snapshots)
-        except NotSupportedError as why:
-            logger.warning("disk cache: entry not saved: %s", why)
-            return
-        mx.eval(list(arrays.values()))  # views of evaluated buffers: cheap, and thread-free
-        reply_start = tokens.size if reply_start is None else reply_start
-        parents = [None, *keys[:-1]]
-        for (start, end), key, parent in zip(
-            block_ranges(tokens.size, self.block_tokens), keys, parents, strict=True
-        ):
-            if self._written_or_queued(key + SUFFIX):
-                continue  # a prefix another conversation (or an earlier turn) wrote
-            block, block_layout = cut_block(arrays, layout, start, end, tokens.size, self.kv_bits)
-            mx.eval(list(block.values()))
-            nbytes = sum(a.nbytes for a in block.values())
-            if nbytes > self.max_bytes:
-                logger.info(
-                    "disk cache: %d bytes not saved; the budget is %d", nbytes, self.max_bytes
-                )
-                return
-            metadata = entry_metadata(
-                self.fingerprint,
-                self.signature,
-                block_layout,
-                tokens[start:end],
-                salt=salt,
-                reply_start=reply_start,
-                parent=parent,
-                start=start,
-            )
-            job = WriteJob(block, metadata, key + SUFFIX, nbytes)
+        jobs = block_jobs(
+            cache,
+            snapshots,
+            tokens,
+            keys,
+            fingerprint=self.fingerprint,
+            signature=self.signature,
+            salt=salt,
+            reply_start=tokens.size if reply_start is None else reply_start,
+            block_tokens=self.block_tokens,
+            kv_bits=self.kv_bits,
+            max_bytes=self.max_bytes,
+            written=self._written_or_queued,
+        )
+        for job in jobs:
             self._run_logged(job) if wait else self._writer.put(job)
 
     def write_reply(self, prompt: list[int], ids: list[int], text: str, salt: str | None) -> None:
@@ -475,26 +442,3 @@ class DiskStore:
     def _forget(self, name: str) -> None:
         with self._lock:
             self._records.pop(name, None)
-
-    def _discard(self, path: Path, why: Exception) -> None:
-        """Forgets a file that must not be loaded; removes it if this tier wrote it, else
-        leaves it where it is (one warning per file)."""
-        ours = not isinstance(why, BadFile) or why.ours
-        with self._directory_lock:
-            self._forget(path.name)
-            removed = ours and remove_own_file(path)
-        if not ours:
-            if path.name not in self._strangers:
-                self._strangers.add(path.name)
-                logger.warning(
-                    "disk cache: ignoring %s (%s): not a file this cache wrote; left in place",
-                    path,
-                    why,
-                )
-            return
-        logger.warning(
-            "disk cache: skipped %s %s: %s",
-            "and removed" if removed else "(could not remove)",
-            path.name,
-            why,
-        )

@@ -4,7 +4,8 @@ a byte budget, with an optional disk tier.
 Owns: for each request, which entry to generate into, how much of it to reuse and where its
 fill checkpoints; evicting entries after a request; handing each finished turn's entry to the
 disk tier (written behind, in the background) and evicted ones too, and loading them back.
-Does not own the file format (`store`) or any model call.
+Does not own the file format (`store`), how tokens match the entries (`matching`) or any
+model call.
 
 Terms:
   entry        a ModelCache and the token ids it holds (generated into in place; `entry`);
@@ -12,13 +13,10 @@ Terms:
                from the client, tokens after it are the reply the client renders back;
   superseded   an entry whose tokens are a strict prefix of another entry's.
 
-For a request's tokens T, r is the longest prefix of T an entry can return to exactly (by
-trimming, or from a checkpoint for layers that cannot trim), at most len(T) - 1; of an entry
-a context shift approximated in place, past the tokens it kept only when T goes on past all
-it holds (`reuse.exact_part`; an exact retry does not, as on the disk tier). The entries
-work as a prefix tree whose nodes are the entries' divergence points: one shared prefix is
-never held twice by entries that extend each other, and lookups compare T with each entry
-(vectorised). Then:
+For a request's tokens T, r is the longest prefix of T an entry can return to exactly, at
+most len(T) - 1 (`matching`). The entries work as a prefix tree whose nodes are the entries'
+divergence points: one shared prefix is never held twice by entries that extend each other.
+Then:
   - r == 0: a new, empty entry (a miss);
   - r == the entry's length: generate into it in place (nothing copied);
   - the entry goes on past r after its reply start (a reply rendered back differently, or
@@ -48,8 +46,6 @@ Invariants:
     `max_bytes`, unless entries in use alone are over (they cannot be evicted); the write the
     release queues after that eviction is over it until written (about a second).
 """
-# long: a request's lookup, copy or trim, release, eviction and disk hand-off all read and
-# change the entries and their in-use marks together
 
 from __future__ import annotations
 
@@ -61,7 +57,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.prefix import common_prefix_length, common_prefix_lengths
 from mlxkv.runner.disk.snapshots import boundaries
 from mlxkv.runner.disk.store import DiskStore
 from mlxkv.runner.prompt_cache.cuts import ChatCuts
@@ -69,7 +64,13 @@ from mlxkv.runner.prompt_cache.deletions import Deletions
 from mlxkv.runner.prompt_cache.entry import CacheEntry, token_array
 from mlxkv.runner.prompt_cache.fit import fit_to_budget
 from mlxkv.runner.prompt_cache.holdings import Holdings, Sized, holdings
-from mlxkv.runner.prompt_cache.reuse import exact_part, load_nearest
+from mlxkv.runner.prompt_cache.matching import (
+    awaits_prefix,
+    longest_prefix,
+    nearest,
+    superseded,
+)
+from mlxkv.runner.prompt_cache.reuse import load_nearest
 from mlxkv.runner.text.messages import Message
 
 logger = logging.getLogger(__name__)
@@ -177,9 +178,10 @@ class CachePool:
             raise ValueError("cannot match an empty token sequence")
         query = token_array(tokens)
         limit = len(tokens) - 1
-        entry, reuse, (common, restorable, held) = self._nearest_in_memory(query, limit, salt)
-        if restorable < common:  # also with no checkpoint before it: a miss, said why
-            _log_unreachable(held, common, restorable)
+        entries, in_use, checkpointed = self._entries, self._in_use, self._checkpointed
+        found = nearest(entries, in_use, query, limit=limit, salt=salt, checkpointed=checkpointed)
+        found.log_unreachable()
+        entry, reuse = found.entry, found.reuse
         if self.store is not None:
             entry, reuse = self._maybe_load(query, limit, entry, reuse, salt)
         entry, how = self._prepare(entry, reuse)
@@ -219,18 +221,8 @@ class CachePool:
         if not self._in_use:  # nothing is being fed (the ids not even converted)
             return False
         query = token_array(tokens)
-        limit = len(tokens) - 1
-        coming = 0  # the most of `tokens` a prompt still being fed will hold
-        for entry, prompt in self._in_use.items():
-            held = entry.cache.num_tokens
-            if entry.salt != salt or held >= prompt.size or entry not in self._entries:
-                continue
-            shared = min(common_prefix_length(prompt, query), limit)
-            # not fed that far yet, and still feeding that prompt (not moved by a shift)
-            if held < shared and common_prefix_length(entry.cache.tokens, prompt) == held:
-                coming = max(coming, shared)
-        # Read last, only when worth it: it reads what every entry in use holds.
-        return coming > 0 and self._nearest_in_memory(query, limit, salt)[1] < coming
+        entries, in_use, checkpointed = self._entries, self._in_use, self._checkpointed
+        return awaits_prefix(entries, in_use, query, salt=salt, checkpointed=checkpointed)
 
     def _prepare(self, entry: CacheEntry | None, reuse: int) -> tuple[CacheEntry, str]:
         """The entry a request reusing `reuse` tokens of `entry` generates into (`entry`
@@ -254,30 +246,6 @@ class CachePool:
             logger.debug("prefix cache trim tokens=%d", trimmed)
             return entry, "trimmed in place"
         return self._add(entry.cache.copy_prefix(reuse), keep=entry), "copied prefix"
-
-    def _nearest_in_memory(
-        self, query: np.ndarray, limit: int, salt: str | None
-    ) -> tuple[CacheEntry | None, int, tuple[int, int, int]]:
-        """The entry to reuse and how many tokens it gives back; and of the entry sharing the
-        most with `query` (reusable or not): the tokens shared, how many of them it can give
-        back, and the tokens it holds."""
-        best, best_key, most = None, (0, False, 0.0), (0, 0, 0)
-        entries = [entry for entry in self._entries if entry.salt == salt]
-        # An entry in use: what its cache holds now (fed since, or moved by a shift).
-        helds = [e.cache.tokens if e in self._in_use else e.tokens for e in entries]
-        shared = common_prefix_lengths(query, helds)
-        for entry, held, whole in zip(entries, helds, shared, strict=True):
-            reuse = common = min(whole, limit)
-            if self._checkpointed and 0 < reuse < len(held):  # else it trims back to any
-                reuse = entry.cache.nearest_restorable(reuse)
-            goes_on = whole == len(held) < query.size  # past all it holds: not a retry
-            reuse = exact_part(entry.cache, reuse, goes_on=goes_on)
-            # the longest reuse; then one that needs no trim or copy; then the most recent
-            key = (reuse, reuse == len(held) and entry not in self._in_use, entry.last_used)
-            most = max(most, (common, reuse, len(held)))
-            if reuse and key > best_key:
-                best, best_key = entry, key
-        return best, best_key[0], most
 
     def _maybe_load(
         self, query: np.ndarray, limit: int, entry: CacheEntry | None, reuse: int, salt: str | None
@@ -364,7 +332,7 @@ class CachePool:
             candidates = [e for e in self._entries if e is not keep and e not in self._in_use]
             if not (over_count or over_bytes) or not candidates:
                 return evicted
-            victim = min(candidates, key=lambda e: (not self._superseded(e), e.last_used))
+            victim = min(candidates, key=lambda e: (not superseded(e, self._entries), e.last_used))
             if victim is fit and len(candidates) == 1 and not over_count:
                 room = max(0, max_bytes - self._in_use_bytes())
                 if not fit_to_budget(victim, room, self.store):
@@ -403,19 +371,10 @@ class CachePool:
         held = [self.working, self.encoder]
         return sum(holder.nbytes for holder in held if holder is not None)
 
-    def _superseded(self, entry: CacheEntry) -> bool:
-        return any(
-            other.num_tokens > entry.num_tokens
-            and common_prefix_length(other.tokens, entry.tokens) == entry.num_tokens
-            for other in self._entries
-        )
-
     def longest_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """The most tokens of `tokens` some entry of `salt` held at the end of its last
         request (safe from any thread; used to choose among ways to cut a long prompt)."""
-        query = token_array(tokens)
-        entries = [e.tokens for e in list(self._entries) if e.salt == salt]
-        return max(common_prefix_lengths(query, entries), default=0)
+        return longest_prefix(self._entries, token_array(tokens), salt)
 
     @property
     def nbytes(self) -> int:
@@ -475,16 +434,6 @@ class CachePool:
         stay with their requests and are dropped when released."""
         self._entries.clear()
         self.latest = None
-
-
-def _log_unreachable(held: int, common: int, restorable: int) -> None:
-    logger.info(
-        "prefix cache: cannot go back from %d to %d tokens (recurrent or sliding-window "
-        "layers no longer hold them); the nearest checkpoint is at %d",
-        held,
-        common,
-        restorable,
-    )
 
 
 def _log_lookup(num_tokens: int, reuse: int, how: str) -> None:
