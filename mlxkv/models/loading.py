@@ -113,17 +113,26 @@ def load_model(
 
 
 # A load that fails for these says nothing about the files (out of memory, of open files,
-# of disk): a conversion is kept for them, not converted again.
+# of disk): a conversion is kept for them, not converted again. MLX says it in its messages
+# only (allocators on Metal and CUDA; opening a weights file, which is there: `is_conversion`
+# checked it), matched by their own words, never by a path they may quote.
 _MACHINE_ERRNOS = frozenset({errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
+_MACHINE_MESSAGES = (
+    "[malloc]",
+    "[metal::malloc]",
+    "[malloc_async]",
+    "cudaMallocManaged failed",
+    "[load_safetensors] Failed to open",
+)
 
 
 def _machine_failed(error: BaseException | None) -> bool:
     """True for a load failure of the machine, not of the model's files: an OSError of
-    `_MACHINE_ERRNOS`, or MLX's allocation failure (a RuntimeError "[malloc] Unable to
-    allocate ...", as a corrupt safetensors header is a RuntimeError too)."""
+    `_MACHINE_ERRNOS`, or a RuntimeError of MLX's saying so (a corrupt safetensors header is
+    a RuntimeError too)."""
     if isinstance(error, OSError):
         return error.errno in _MACHINE_ERRNOS
-    return isinstance(error, RuntimeError) and "alloc" in str(error)
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _MACHINE_MESSAGES)
 
 
 def _load_directory(

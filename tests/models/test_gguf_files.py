@@ -137,8 +137,9 @@ def test_conversion_changed_in_place_is_converted_again(
     [
         RuntimeError("[malloc] Unable to allocate 1073741824 bytes"),
         OSError(24, "Too many open files"),
+        RuntimeError("[load_safetensors] Failed to open file /cache/gguf/x/model.safetensors"),
     ],
-    ids=["out_of_memory", "open_files"],
+    ids=["out_of_memory", "open_files", "open_files_in_mlx"],
 )
 def test_a_machine_that_fails_the_load_keeps_the_conversion(
     good_gguf, tmp_path, caplog, monkeypatch, failure
