@@ -219,6 +219,51 @@ def test_convert_never_deletes_what_it_did_not_write(good_gguf, tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+def _gone_pid() -> int:
+    """The id of a process that has ended (and was reaped)."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(done.stdout)
+
+
+def test_a_conversion_killed_mid_way_leaves_nothing_after_the_next(good_gguf, tmp_path):
+    """`kill -9` (or power loss) during a conversion left its temporary directory (or the
+    earlier conversion it was replacing) forever: the next conversion beside it removes what a
+    process that is gone left, and nothing of a running process or of anyone else."""
+    gone, out = _gone_pid(), tmp_path / "out"
+    left = [tmp_path / f".out.partial-{gone}-x1y2", tmp_path / f".out.old-{gone}"]
+    kept = [tmp_path / f".out.partial-{os.getpid()}-abcd", tmp_path / ".out.partial-notes"]
+    for directory in left + kept:
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(b"x" * 64)
+    convert_gguf(good_gguf, out)
+    assert is_conversion(out) and [d.exists() for d in left + kept] == [False, False, True, True]
+
+
+def test_a_signal_between_the_renames_puts_the_earlier_conversion_back(
+    good_gguf, tmp_path, monkeypatch
+):
+    """Ctrl-C or SIGTERM between moving the earlier conversion aside and moving the new one in
+    left no conversion at `out`, only a hidden `.out.old-PID`: the earlier one is put back."""
+    out = convert_gguf(good_gguf, tmp_path / "out")
+    renames, real_rename = [], os.rename
+
+    def interrupted_rename(src, dst):
+        renames.append(dst)
+        if len(renames) == 2:
+            raise KeyboardInterrupt
+        real_rename(src, dst)
+
+    monkeypatch.setattr("mlxkv.models.gguf.convert.os.rename", interrupted_rename)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf(good_gguf, out)
+    assert is_conversion(out) and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 @pytest.mark.parametrize("stranger", ["file", "folder", "manifest_only"])
 def test_convert_keeps_what_a_user_added_to_an_earlier_conversion(good_gguf, tmp_path, stranger):
     """Converting again into an earlier conversion replaced the whole directory, deleting files

@@ -218,9 +218,12 @@ def _check_destination(out: Path) -> None:
 
 
 def _temporary_dir(out: Path) -> Path:
+    """A new directory beside `out` named with this process's id, after removing the ones a
+    process that no longer runs left there (killed mid-conversion: `kill -9`, power loss)."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        _drop_leftovers(out)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     except OSError as error:
         raise ModelLoadError(
             f"cannot write a conversion in {out.parent} ({error.strerror or error}); choose a "
@@ -236,19 +239,47 @@ def _write_manifest(directory: Path, source: str) -> None:
 
 def _move_into_place(tmp: Path, out: Path) -> None:
     """Renames `tmp` to `out`; an earlier conversion there is replaced. If another process
-    put a complete conversion there first, that one is kept and `tmp` is dropped."""
-    old = None
-    if out.is_dir():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
+    put a complete conversion there first, that one is kept and `tmp` is dropped. An
+    exception between the two renames (a signal: Ctrl-C, SIGTERM) puts the earlier
+    conversion back, so `out` is never left missing."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}") if out.is_dir() else None
     try:
+        if old is not None:
+            os.rename(out, old)
         os.rename(tmp, out)
     except OSError:
-        if not is_conversion(out):
+        moved_aside = old is None or old.exists()  # else the first rename failed
+        if not (moved_aside and is_conversion(out)):
             raise
         logger.info("gguf: another process finished the conversion at %s first", out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if old is not None and old.exists():
+            if out.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(old, out)
+
+
+def _drop_leftovers(out: Path) -> None:
+    """Removes the temporary and replaced directories beside `out` that a conversion of this
+    module named after a process that is gone. Each name holds its writer's pid, so a
+    conversion still running elsewhere is never touched."""
+    for kind in ("partial", "old"):
+        for leftover in out.parent.glob(f".{out.name}.{kind}-*"):
+            pid = leftover.name.removeprefix(f".{out.name}.{kind}-").split("-", 1)[0]
+            if pid.isdigit() and not _process_running(int(pid)):
+                logger.info("gguf: removing %s, left by a conversion that was stopped", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _process_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _content_hash(path: Path) -> str:
