@@ -158,7 +158,8 @@ def _load_directory(
     # mlx-lm builds the model from whatever config.json and tokenizer.json say: a zero, a
     # string or a huge number there fails inside it as a TypeError or an ArithmeticError
     except (ValueError, KeyError, OSError, RuntimeError, TypeError, ArithmeticError) as error:
-        raise ModelLoadError(f"could not load a model from {path}: {_one_line(error)}") from error
+        where = source_name or path  # a GGUF's conversion is ours, its name means nothing
+        raise ModelLoadError(f"could not load a model from {where}: {_one_line(error)}") from error
     if group is not None:
         kind = shard_model(model, group, config.get("model_type", "?"), config)
         logger.info("sharded model kind=%s ranks=%d rank=%d", kind, group.size(), group.rank())
