@@ -52,9 +52,10 @@ def select_blas() -> str:
         blas_in_use = "reference (mlx was imported before mlxkv)"
         logger.debug("blas: mlx.core already imported; import mlxkv first to use OpenBLAS")
     else:
-        path, _openblas = _load(setting)
-        if path is not None:
-            blas_in_use = f"OpenBLAS ({path})"
+        path, library = _load(setting)
+        if path is not None:  # MLXKV_OPENBLAS may name another BLAS (MKL, BLIS, reference)
+            _openblas = library if hasattr(library, "openblas_get_config") else None
+            blas_in_use = f"{'OpenBLAS' if _openblas else 'BLAS'} ({path})"
         else:
             blas_in_use = "reference"
             warnings.warn(
@@ -82,14 +83,19 @@ def _load(setting: str) -> tuple[Path | None, ctypes.CDLL | None]:
                 )
             continue
         try:
-            return path, ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            library = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         except OSError as error:
-            warnings.warn(
-                f"mlxkv: could not load {path} as a BLAS library ({error}); trying the usual "
-                "places. Set MLXKV_OPENBLAS to a libblas.so, 1 (find it) or 0 (MLX's own)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            problem = f"could not load {path} as a BLAS library ({error})"
+        else:
+            if hasattr(library, "sgemm_"):
+                return path, library
+            problem = f"{path} is not a BLAS library (it has no sgemm_)"
+        warnings.warn(
+            f"mlxkv: {problem}; trying the usual places. Set MLXKV_OPENBLAS to a libblas.so, "
+            "1 (find it) or 0 (MLX's own)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return None, None
 
 

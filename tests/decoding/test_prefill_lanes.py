@@ -3,6 +3,10 @@ every kind of cache as the model with no cache computes it, and OpenBLAS gets it
 back."""
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -117,3 +121,31 @@ def test_blas_threads_come_back_after_the_block_even_when_it_raises():
     with pytest.raises(RuntimeError), _blas.blas_threads(1):
         raise RuntimeError("inside")
     assert _openblas_threads() == before
+
+
+@pytest.mark.skipif(not _blas.blas_in_use.startswith("OpenBLAS"), reason="needs OpenBLAS")
+def test_a_library_that_is_not_blas_is_warned_about_not_used():
+    """MLXKV_OPENBLAS naming a library without BLAS (libm here) was loaded and reported as
+    "OpenBLAS (libm.so.6)"; it is warned about and the usual places are tried."""
+    maps = Path("/proc/self/maps").read_text().split()
+    libm = next(f for f in maps if Path(f).name.startswith("libm.so"))
+    result = subprocess.run(
+        [sys.executable, "-c", "import mlxkv.platform.blas as b; print(b.blas_in_use)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MLXKV_OPENBLAS": libm},
+    )
+    assert "is not a BLAS library (it has no sgemm_)" in result.stderr, result.stderr
+    assert result.stdout.startswith("OpenBLAS (") and libm not in result.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="BLAS is chosen on Linux only")
+def test_another_blas_is_not_reported_as_openblas(monkeypatch):
+    """A BLAS without OpenBLAS's functions (MKL, BLIS, reference) is named as a BLAS, and its
+    threads are left alone."""
+    monkeypatch.delitem(sys.modules, "mlx.core")
+    monkeypatch.setattr(_blas, "blas_in_use", _blas.blas_in_use)
+    monkeypatch.setattr(_blas, "_openblas", _blas._openblas)
+    monkeypatch.setattr(_blas, "_load", lambda setting: (Path("/opt/blis/libblis.so"), object()))
+    assert _blas.select_blas() == "BLAS (/opt/blis/libblis.so)" and _blas._openblas is None
