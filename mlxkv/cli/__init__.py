@@ -9,6 +9,7 @@ so piping stays clean.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -37,11 +38,20 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose)
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # `serve`: uvicorn's own
     try:
-        return args.run(args)
+        return _run(args)
+    # outside `_run`'s handlers, so that a signal landing inside one of them is caught too
     except _Terminated:  # cleaned up: now die by the signal, as the caller expects
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Runs the command; its errors become one line on stderr and an exit status."""
+    try:
+        return args.run(args)
     except (MlxkvError, ValueError) as error:
         print(f"mlxkv: error: {error}", file=sys.stderr)
         return 2
@@ -54,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _reopen_closed_standard_streams() -> None:
