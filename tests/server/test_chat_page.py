@@ -320,6 +320,28 @@ def test_a_refused_turn_is_left_out_of_the_next_request(page, loaded_tiny):
     assert (reply["content"], reply["stats"]["prompt"]) == (expected.text, expected.prompt_tokens)
 
 
+def test_a_turn_stopped_before_its_first_token_is_left_out_of_the_next_request(page):
+    """Stopped before any text came, the turn was sent again with an empty assistant message
+    (a turn the model never gave); it is left out whole, as a refused turn is."""
+    held, sent = [], []
+
+    def answer(route):
+        if not held:
+            held.append(route)  # never answered: the reply has not started when Stop is hit
+            return
+        sent.append(route.request.post_data_json)
+        route.continue_()
+
+    page.route("**/v1/chat/completions", answer)
+    page.fill("#input", "Never answered")
+    page.press("#input", "Enter")
+    page.locator(".message.assistant.pending").wait_for()
+    page.click("#stop")
+    page.locator(".message.assistant .stopped").wait_for()
+    _send(page, "Hello there")
+    assert [m["content"] for m in sent[0]["messages"]] == ["Hello there"]
+
+
 def test_an_error_after_some_text_keeps_the_text_above_the_alert(page):
     """A stream that fails after its first words (the server's error event) keeps them."""
     chunk = {"choices": [{"index": 0, "delta": {"content": "Partial words"}}]}

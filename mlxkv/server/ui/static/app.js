@@ -215,11 +215,12 @@ function attach(files) {
 function requestBody(chat) {
   const messages = [];
   if (chat.system.trim()) messages.push({ role: "system", content: chat.system });
-  // A turn refused before its first token (too long, bad settings, server unreachable) is
-  // left out whole: its message sent again would be refused again, every later turn with it.
-  const refused = (m) => m?.role === "assistant" && m.error && !m.content;
+  // A turn with no reply is left out whole. Refused before its first token (too long, bad
+  // settings, server unreachable): its message sent again would be refused again, every later
+  // turn with it. Stopped before its first token: an empty assistant message would be sent.
+  const unanswered = (m) => m?.role === "assistant" && !m.content && (m.error || m.stopped);
   chat.messages.forEach((m, i) => {
-    if (m.pending || refused(m) || (m.role === "user" && refused(chat.messages[i + 1]))) return;
+    if (m.pending || unanswered(m) || (m.role === "user" && unanswered(chat.messages[i + 1]))) return;
     messages.push({ role: m.role, content: m.images?.length ? contentParts(m) : m.content });
   });
   const body = {
