@@ -73,6 +73,13 @@ def _assert_same(got, want) -> None:
         assert top == pytest.approx(w_top, abs=LOGPROB_ABS)
 
 
+def _assert_most_rows(steps, loaded, rows: int) -> None:
+    """The largest batched step had `rows` rows where the family batches, one at most where
+    it does not (read in step, so a count, not a race)."""
+    most = max((n for n, _ in steps), default=0)
+    assert most == rows if _batches(loaded) else most <= 1, steps
+
+
 def _speculating_then_joined(
     runner, first, others, *, first_options: dict, later_tokens: int, join_s: float = 120
 ) -> list:
@@ -164,20 +171,13 @@ def test_grammar_stop_and_top_logprobs_rows_beside_image_rows(loaded, images, st
         requests[1][1]["stop"] = [stop_text]
         want[1] = _alone(loaded, requests[1][0], **GREEDY, **dict(requests[1][1]))
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4, speculative=None)
-    got: list = [None] * len(requests)
-
-    def run(i):
-        messages, options = requests[i]
-        options = dict(options)
-        logprobs = options.pop("logprobs", 0)
-        stream = runner.stream(messages, batched=True, logprobs=logprobs, **GREEDY, **options)
-        got[i] = _result(stream)
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(len(requests))])
+    each = [{"logprobs": 0, **o} for _, o in requests]
+    read = _in_step(runner, [m for m, _ in requests], each=each, **GREEDY)
+    got = [_result(chunks) for chunks in read]
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     json.loads(got[0][3]) if got[0][4] == "stop" else None
-    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+    _assert_most_rows(steps, loaded, 3)
 
 
 def _over_the_window(image, last: dict) -> list[dict]:
@@ -269,22 +269,13 @@ def test_a_seeded_image_request_beside_batched_rows_draws_as_alone(loaded, image
     want_seeded = _result(alone)
     want = [_alone(loaded, m, max_tokens=12, **GREEDY) for m in others]
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4, speculative=None)
-    got: list = [None] * 3
-
-    def run(i):
-        if i == 0:
-            options = sampled
-            messages = seeded
-        else:
-            options, messages = GREEDY, others[i - 1]
-        stream = runner.stream(messages, batched=True, max_tokens=12, logprobs=0, **options)
-        got[i] = _result(stream)
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    each = [sampled, GREEDY, GREEDY]
+    read = _in_step(runner, [seeded, *others], each=each, max_tokens=12, logprobs=0)
+    got = [_result(chunks) for chunks in read]
     assert got[0][0] == want_seeded[0]
     for g, w in zip(got[1:], want, strict=True):
         _assert_same(g, w)
-    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+    _assert_most_rows(steps, loaded, 2)  # a seeded row draws with its own key, alone
 
 
 def test_max_batch_one_takes_turns_as_alone(loaded, images, steps):
@@ -370,19 +361,13 @@ def test_a_reply_cut_mid_reply_decodes_alone_beside_batched_image_rows(loaded, i
     want = [_alone(loaded, cut, max_context=window, max_tokens=room, **GREEDY)]
     want += [_alone(loaded, m, max_context=window, max_tokens=16, **GREEDY) for m in others]
     runner = Runner(loaded, max_context=window, cache_entries=8, max_batch=4, speculative=None)
-    got: list = [None] * 3
-    conversations = [cut, *others]
-
-    def run(i):
-        n = room if i == 0 else 16
-        stream = runner.stream(conversations[i], batched=True, max_tokens=n, logprobs=0, **GREEDY)
-        got[i] = _result(stream)
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    each = [{"max_tokens": room}, {"max_tokens": 16}, {"max_tokens": 16}]
+    read = _in_step(runner, [cut, *others], each=each, logprobs=0, **GREEDY)
+    got = [_result(chunks) for chunks in read]
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert len(got[0][0]) == room
-    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+    _assert_most_rows(steps, loaded, 2)  # the cut reply decodes alone
 
 
 def test_long_and_short_rows_far_apart_in_length_decode_together_as_alone(loaded, images, steps):
@@ -396,17 +381,11 @@ def test_long_and_short_rows_far_apart_in_length_decode_together_as_alone(loaded
     ]
     want = [_alone(loaded, m, max_tokens=16, **GREEDY) for m in conversations]
     runner = Runner(loaded, max_context=1024, cache_entries=8, max_batch=4, speculative=None)
-    got: list = [None] * 3
-
-    def run(i):
-        stream = runner.stream(conversations[i], batched=True, max_tokens=16, logprobs=0, **GREEDY)
-        got[i] = _result(stream)
-
-    _queued_then_run(runner, [lambda i=i: run(i) for i in range(3)])
+    read = _in_step(runner, conversations, max_tokens=16, logprobs=0, **GREEDY)
+    got = [_result(chunks) for chunks in read]
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
-    # the short rows may end before the long prompt's prefill does: at least two together
-    assert (max((rows for rows, _ in steps), default=0) >= 2) == _batches(loaded)
+    _assert_most_rows(steps, loaded, 3)
 
 
 def test_the_same_image_prompt_again_in_the_batch_reuses_all_of_it(loaded, images, steps):
