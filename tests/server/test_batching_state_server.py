@@ -14,6 +14,7 @@ from mlxkv import Runner
 from mlxkv.decoding import batch as batch_module
 from tests.factories import joined, read_in_step, wait_until
 from tests.server.conftest import held_until_left, serve
+from tests.tolerances import LOGPROB_ABS
 
 ASKS = [  # (question, max_tokens, chunks read before leaving, or None)
     ("Tell me about caches and their keys.", 30, None),
@@ -36,10 +37,10 @@ def test_concurrent_chats_with_disconnects_answer_as_alone(loaded_tiny, arch, mo
     def alone(question, n):
         fresh = Runner(loaded, max_context=1024, speculative=None)
         messages = [{"role": "user", "content": question}]
-        return fresh.generate(messages, max_tokens=n, temperature=0.0)
+        chunks = list(fresh.stream(messages, max_tokens=n, temperature=0.0, logprobs=0))
+        return chunks[-1].completion.text, [c.logprob.logprob for c in chunks if c.logprob]
 
-    alone_replies = [alone(q, n) for q, n, _ in ASKS]
-    want = [reply.text for reply in alone_replies]
+    want = [alone(q, n) for q, n, _ in ASKS]
     runner = Runner(loaded, max_context=1024, max_batch=4)
     monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
     # the server's worker reads each stream: all four decode in one step before any third
@@ -55,26 +56,35 @@ def test_concurrent_chats_with_disconnects_answer_as_alone(loaded_tiny, arch, mo
             question, n, leave_after = ASKS[i]
             messages = [{"role": "user", "content": question}]
             stream = client.chat.completions.create(
-                model="tiny", messages=messages, max_tokens=n, temperature=0.0, stream=True
+                model="tiny",
+                messages=messages,
+                max_tokens=n,
+                temperature=0.0,
+                stream=True,
+                logprobs=True,
             )
-            pieces = []
+            pieces, logprobs = [], []
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     pieces.append(chunk.choices[0].delta.content)
+                if chunk.choices and chunk.choices[0].logprobs:
+                    logprobs += [t.logprob for t in chunk.choices[0].logprobs.content]
                 if leave_after is not None and len(pieces) == leave_after:
                     stream.close()
                     break
-            got[i] = "".join(pieces)
+            got[i] = "".join(pieces), logprobs
 
         threads = [threading.Thread(target=lambda i=i: ask(i)) for i in range(len(ASKS))]
         for thread in threads:
             thread.start()
         joined(*threads, timeout_s=120)
         for i, (_, _, leave_after) in enumerate(ASKS):
+            (text, logprobs), (want_text, want_logprobs) = got[i], want[i]
             if leave_after is None:
-                assert got[i] == want[i], i
+                assert text == want_text, i
             else:
-                assert want[i].startswith(got[i]), i
+                assert want_text.startswith(text) and 0 < len(logprobs) < len(want_logprobs), i
+            assert logprobs == pytest.approx(want_logprobs[: len(logprobs)], abs=LOGPROB_ABS), i
         wait_until(lambda: not runner._pool._in_use, what="every entry released")
         assert runner._dispatch._batching.batch.num_rows == 0
         assert runner._dispatch._batching.streams == 0
@@ -82,7 +92,7 @@ def test_concurrent_chats_with_disconnects_answer_as_alone(loaded_tiny, arch, mo
             question = ASKS[i][0]
             messages = [
                 {"role": "user", "content": question},
-                {"role": "assistant", "content": got[i]},
+                {"role": "assistant", "content": got[i][0]},
                 {"role": "user", "content": "Go on."},
             ]
             again = client.chat.completions.create(
@@ -91,5 +101,5 @@ def test_concurrent_chats_with_disconnects_answer_as_alone(loaded_tiny, arch, mo
             fresh = Runner(loaded, max_context=1024, speculative=None)
             expected = fresh.generate(messages, max_tokens=16, temperature=0.0).text
             assert again.choices[0].message.content == expected, i
-    assert min(len(reply.tokens) for reply in alone_replies) >= 2  # each decodes past its first
+    assert min(len(logprobs) for _, logprobs in want) >= 2  # each decodes past its first
     assert max(rows) == len(ASKS), rows

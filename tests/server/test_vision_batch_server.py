@@ -22,6 +22,7 @@ from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.testing.vision_factory import build_vision_model, noise_image  # noqa: E402
 from tests.factories import joined, read_in_step, wait_until  # noqa: E402
 from tests.server.conftest import held_until_left, serve  # noqa: E402
+from tests.tolerances import LOGPROB_ABS  # noqa: E402
 
 
 def _png(shape, seed) -> bytes:
@@ -48,6 +49,13 @@ def _runner_messages(png: bytes | None, text: str) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
+def _alone(loaded, messages: list[dict], max_tokens: int) -> tuple[str, list[float]]:
+    """The text and log-probabilities a fresh Runner gives `messages` alone."""
+    fresh = Runner(loaded, max_context=1024, speculative=None)
+    chunks = list(fresh.stream(messages, max_tokens=max_tokens, temperature=0.0, logprobs=0))
+    return chunks[-1].completion.text, [c.logprob.logprob for c in chunks if c.logprob]
+
+
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "smolvlm"])
 def loaded(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("vlm") / request.param
@@ -68,12 +76,7 @@ def test_concurrent_clients_on_a_vision_model_answer_as_alone(loaded, monkeypatc
         (None, "Tell me about caches.", 28, True),
         (PNGS[2], "And this one, at length?", 200, True),  # left mid-stream
     ]
-    want = [
-        Runner(loaded, max_context=1024, speculative=None).generate(
-            _runner_messages(png, text), max_tokens=n, temperature=0.0
-        )
-        for png, text, n, _ in asks
-    ]
+    want = [_alone(loaded, _runner_messages(png, text), n) for png, text, n, _ in asks]
     runner = Runner(loaded, max_context=1024, max_batch=4, speculative=None)
     monkeypatch.setattr(batch_module.DecodeBatch, "_step", counting)
     got: list = [None] * len(asks)
@@ -89,29 +92,34 @@ def test_concurrent_clients_on_a_vision_model_answer_as_alone(loaded, monkeypatc
 
         def ask(i):
             png, text, n, streamed = asks[i]
-            options = {"model": "tiny-vl", "max_tokens": n, "temperature": 0.0}
+            options = {"model": "tiny-vl", "max_tokens": n, "temperature": 0.0, "logprobs": True}
             messages = _openai_messages(png, text)
             if not streamed:
-                reply = client.chat.completions.create(messages=messages, **options)
-                got[i] = reply.choices[0].message.content
+                choice = client.chat.completions.create(messages=messages, **options).choices[0]
+                got[i] = choice.message.content, [t.logprob for t in choice.logprobs.content]
                 return
             stream = client.chat.completions.create(messages=messages, stream=True, **options)
-            pieces = []
+            pieces, logprobs = [], []
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     pieces.append(chunk.choices[0].delta.content)
+                if chunk.choices and chunk.choices[0].logprobs:
+                    logprobs += [t.logprob for t in chunk.choices[0].logprobs.content]
                 if i == 3 and len(pieces) == left_after:
                     stream.close()  # the client leaves mid-reply
                     break
-            got[i] = "".join(pieces)
+            got[i] = "".join(pieces), logprobs
 
         threads = [threading.Thread(target=lambda i=i: ask(i)) for i in range(len(asks))]
         for thread in threads:
             thread.start()
         joined(*threads, timeout_s=120)
-        for i in range(3):
-            assert got[i] == want[i].text, i
-        assert want[3].text.startswith(got[3])
+        for i, ((text, logprobs), (want_text, want_logprobs)) in enumerate(
+            zip(got, want, strict=True)
+        ):
+            assert text == want_text if i < 3 else want_text.startswith(text), i
+            assert 0 < len(logprobs) <= len(want_logprobs), i
+            assert logprobs == pytest.approx(want_logprobs[: len(logprobs)], abs=LOGPROB_ABS), i
         access_log(r"POST /v1/chat/completions 200 .*finish=cancelled")
         wait_until(lambda: not runner._pool._in_use, what="every entry released")
         assert runner._dispatch._batching.batch.num_rows == 0
@@ -123,9 +131,7 @@ def test_concurrent_clients_on_a_vision_model_answer_as_alone(loaded, monkeypatc
             max_tokens=24,
             temperature=0.0,
         )
-        fresh = Runner(loaded, max_context=1024, speculative=None).generate(
-            _runner_messages(PNGS[2], "And this one, at length?"), max_tokens=24, temperature=0.0
-        )
-        assert again.choices[0].message.content == fresh.text
-    assert min(len(reply.tokens) for reply in want) >= 2  # each decodes past its first
+        fresh = _alone(loaded, _runner_messages(PNGS[2], "And this one, at length?"), 24)
+        assert again.choices[0].message.content == fresh[0]
+    assert min(len(logprobs) for _, logprobs in want) >= 2  # each decodes past its first
     assert max(rows) == len(asks), rows
