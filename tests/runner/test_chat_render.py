@@ -60,3 +60,14 @@ def test_a_template_error_with_nothing_to_fold_is_a_value_error(tmp_path):
     encoder = _encoder(tmp_path, "{{ raise_exception('no tools here') }}")
     with pytest.raises(ValueError, match="chat template refused the messages: no tools here"):
         encoder.render(CHAT[:2])
+
+
+def test_parts_get_the_reminder_as_a_text_part_and_a_system_image_stays():
+    image = {"type": "image", "image": b"png"}
+    user = {"role": "user", "content": [image, {"type": "text", "text": "this one"}]}
+    note = {"role": "system", "content": [{"type": "text", "text": "In /src."}]}
+    folded = fold_system_reminders([*CHAT[:3], note, user])
+    reminder = "<system-reminder>\nIn /src.\n</system-reminder>\n\n"
+    assert folded[3] == {**user, "content": [{"type": "text", "text": reminder}, *user["content"]]}
+    pictured = {"role": "system", "content": [image]}  # not text: left for the template
+    assert fold_system_reminders([*CHAT[:3], pictured, user]) == [*CHAT[:3], pictured, user]

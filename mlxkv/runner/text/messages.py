@@ -32,19 +32,21 @@ def checked_tools(tools: Tools) -> list[dict[str, Any]]:
     return list(tools)
 
 
-def fold_system_reminders(messages: list[Message]) -> list[Message]:
+def fold_system_reminders(messages: Sequence[Message]) -> list[Message]:
     """`messages` with each system message after the first turn moved into the next user
     message (the previous one when none follows) as a `<system-reminder>` block, the form
-    Claude Code itself uses, for templates that refuse a system message anywhere but first."""
+    Claude Code itself uses, for templates that refuse a system message anywhere but first.
+    A user message of parts (an image beside its text) gets the block as a text part; a
+    system message with other than text stays where it is."""
     lead = len(leading_system_messages(messages))
-    out = messages[:lead]
+    out = list(messages[:lead])
     held: list[str] = []
     for message in messages[lead:]:
-        if message["role"] == "system":
-            held.append(f"<system-reminder>\n{message['content']}\n</system-reminder>")
+        if message["role"] == "system" and (text := _plain_text(message["content"])) is not None:
+            held.append(f"<system-reminder>\n{text}\n</system-reminder>")
             continue
         if held and message["role"] == "user":
-            message = {**message, "content": "\n\n".join([*held, message["content"]])}
+            message = {**message, "content": _with_text(held, message["content"], first=True)}
             held = []
         out.append(message)
     if held:
@@ -52,9 +54,30 @@ def fold_system_reminders(messages: list[Message]) -> list[Message]:
         if last_user is None:
             out.append({"role": "user", "content": "\n\n".join(held)})
         else:
-            content = "\n\n".join([out[last_user]["content"], *held])
+            content = _with_text(held, out[last_user]["content"], first=False)
             out[last_user] = {**out[last_user], "content": content}
     return out
+
+
+def _plain_text(content: Any) -> str | None:
+    """A message's content as one text: a string, or text parts joined; None otherwise."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list | tuple):
+        return None
+    texts = [
+        p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content
+    ]
+    return "".join(texts) if all(isinstance(t, str) for t in texts) else None
+
+
+def _with_text(held: list[str], content: Any, *, first: bool) -> Any:
+    """`content` (a string or parts) with the `held` blocks before it or after it."""
+    if isinstance(content, str):
+        return "\n\n".join([*held, content] if first else [content, *held])
+    if first:
+        return [{"type": "text", "text": "\n\n".join(held) + "\n\n"}, *content]
+    return [*content, {"type": "text", "text": "\n\n" + "\n\n".join(held)}]
 
 
 def is_messages(prompt: Any) -> bool:

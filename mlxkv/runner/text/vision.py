@@ -51,7 +51,7 @@ from mlxkv.runner.text.chat import (
     valid_text,
 )
 from mlxkv.runner.text.controls import MaskedMessages
-from mlxkv.runner.text.messages import Message, Tools, checked_tools
+from mlxkv.runner.text.messages import Message, Tools, checked_tools, fold_system_reminders
 from mlxkv.runner.text.replies import (
     ReplyIds,
     ReplyStart,
@@ -172,6 +172,8 @@ class VisionPrompts:
         """
         if self._support is None:
             raise ImagesNotSupportedError(self._model_name)
+        if not getattr(self._chat.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template, which images need")
         last = valid_text(messages[-1]["content"]) if continues_final(messages, switches) else None
         args: dict[str, Any] = {
             **self._chat.template_switches(switches),
@@ -189,13 +191,17 @@ class VisionPrompts:
             sent = {i: _as_text(messages[i]) for i in known.values()}  # as `_masked` read them
             as_sent = [sent.get(i, m) for i, m in enumerate(masked)]
             check_calls_apart(self._chat.tokenizer, args, as_sent, sent)
-        except TemplateError as error:  # a call reply refused without its calls, or other
-            # text written from them (`CallsApart`): it renders from the template
-            if replies is None or _num_with_calls(masked) == _num_with_calls(messages):
-                raise ValueError(TEMPLATE_REFUSED.format(error)) from None
+        except TemplateError as error:
             args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
-            args |= {"tools": tools, "replies": without_call_replies(replies)}  # text replies: ids
-            return self.encode(messages, parse_control_tokens=parse_control_tokens, **args)
+            args |= {"tools": tools, "parse_control_tokens": parse_control_tokens}
+            # a call reply refused without its calls, or other text written from them
+            # (`CallsApart`): it renders from the template (text replies: their ids)
+            if replies is not None and _num_with_calls(masked) != _num_with_calls(messages):
+                return self.encode(messages, replies=without_call_replies(replies), **args)
+            folded = fold_system_reminders(messages)  # as a text prompt's (`ChatTemplate`)
+            if folded == list(messages):
+                raise ValueError(TEMPLATE_REFUSED.format(error)) from None
+            return self.encode(folded, replies=replies, **args)
         text = text if cut is None else _cut_at(text, cut)
         recent, process = self._recent, self._support.family.process
         processed = [recent.get(i.digest) or process(i.image) for i in decoded]

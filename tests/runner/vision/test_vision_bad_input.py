@@ -186,3 +186,42 @@ def test_messages_beside_an_image_are_checked_as_text_ones_are(runner, messages,
     with pytest.raises(ValueError, match=message):
         runner.generate(messages, max_tokens=2)
     assert runner.cache_tokens == held
+
+
+_SYSTEM_FIRST_ONLY = (  # Gemma's and Mistral's templates refuse a system message not first
+    "{% for message in messages %}{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System role must come first') }}{% endif %}{% endfor %}"
+)
+
+
+def test_a_system_message_after_the_first_turn_is_folded_beside_an_image(runner, monkeypatch):
+    """Claude Code's reminders (system messages between turns) on a template that refuses
+    them were refused with images in the prompt, where the same text prompt folds them into
+    the next user turn: folded here too, as the user turn's first text part."""
+    tokenizer = runner.tokenizer._tokenizer  # the wrapper passes it on
+    monkeypatch.setattr(tokenizer, "chat_template", _SYSTEM_FIRST_ONLY + tokenizer.chat_template)
+    image = noise_image(3)
+    ask = _ask(image)[0]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "system", "content": "The user works in /src."},
+        ask,
+    ]
+    reminder = {
+        "type": "text",
+        "text": "<system-reminder>\nThe user works in /src.\n</system-reminder>\n\n",
+    }
+    by_hand = [*messages[:3], {**ask, "content": [reminder, *ask["content"]]}]
+    assert runner.encode(messages) == runner.encode(by_hand)
+    got = runner.generate(messages, max_tokens=4, temperature=0, logprobs=0)
+    assert got.tokens == runner.generate(by_hand, max_tokens=4, temperature=0).tokens
+
+
+def test_a_model_without_a_chat_template_refuses_images_in_one_line(runner, monkeypatch):
+    monkeypatch.setattr(runner.tokenizer._tokenizer, "chat_template", None)
+    held = runner.cache_tokens
+    with pytest.raises(ValueError, match="has no chat template, which images need"):
+        runner.generate(_ask(noise_image(1)), max_tokens=2)
+    assert runner.cache_tokens == held
