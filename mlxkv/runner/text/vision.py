@@ -170,10 +170,9 @@ class VisionPrompts:
                 is over a limit; more than `MAX_IMAGES_PER_PROMPT` images; a template that
                 does not place one marker per image.
         """
-        if self._support is None:
-            raise ImagesNotSupportedError(self._model_name)
-        if not getattr(self._chat.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template, which images need")
+        self._check_renders_images()
+        again = {"add_generation_prompt": add_generation_prompt, "tools": tools}  # as asked
+        again |= {"parse_control_tokens": parse_control_tokens, "switches": switches}
         last = valid_text(messages[-1]["content"]) if continues_final(messages, switches) else None
         args: dict[str, Any] = {
             **self._chat.template_switches(switches),
@@ -192,30 +191,36 @@ class VisionPrompts:
             as_sent = [sent.get(i, m) for i, m in enumerate(masked)]
             check_calls_apart(self._chat.tokenizer, args, as_sent, sent)
         except TemplateError as error:
-            args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
-            args |= {"tools": tools, "parse_control_tokens": parse_control_tokens}
             # a call reply refused without its calls, or other text written from them
             # (`CallsApart`): it renders from the template (text replies: their ids)
             if replies is not None and _num_with_calls(masked) != _num_with_calls(messages):
-                return self.encode(messages, replies=without_call_replies(replies), **args)
+                return self.encode(messages, replies=without_call_replies(replies), **again)
             folded = fold_system_reminders(messages)  # as a text prompt's (`ChatTemplate`)
             if folded == list(messages):
                 raise ValueError(TEMPLATE_REFUSED.format(error)) from None
-            return self.encode(folded, replies=replies, **args)
+            return self.encode(folded, replies=replies, **again)
         text = text if cut is None else _cut_at(text, cut)
-        recent, process = self._recent, self._support.family.process
-        processed = [recent.get(i.digest) or process(i.image) for i in decoded]
-        self._recent = {i.digest: p for i, p in zip(decoded, processed, strict=True)}
+        processed = self._processed(decoded)
         try:
             replied = {slot: sent[i]["content"] for slot, i in known.items()}
             expansions = [p.text for p in processed]
             segments, start = self._ids(text, slots, replied, expansions, calls.encode, args, last)
         except ReplyRewritten:  # the template changed a reply: every reply renders as text
-            args = {"add_generation_prompt": add_generation_prompt, "switches": switches}
-            return self.encode(
-                messages, parse_control_tokens=parse_control_tokens, tools=tools, **args
-            )
+            return self.encode(messages, **again)
         return self._expanded(segments, decoded, processed, start)
+
+    def _check_renders_images(self) -> None:
+        if self._support is None:
+            raise ImagesNotSupportedError(self._model_name)
+        if not getattr(self._chat.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template, which images need")
+
+    def _processed(self, decoded: list[Any]) -> list[ProcessedImage]:
+        """The images through the model's processor; the last prompt's again from memory."""
+        recent, process = self._recent, self._support.family.process
+        processed = [recent.get(i.digest) or process(i.image) for i in decoded]
+        self._recent = {i.digest: p for i, p in zip(decoded, processed, strict=True)}
+        return processed
 
     def _masked_calls(
         self, messages: Sequence[Message], parse_control_tokens: bool, args: dict[str, Any]
