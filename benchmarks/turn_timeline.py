@@ -82,9 +82,9 @@ def serve(out: Path, argv: list[str]) -> int:
     import mlxkv.server.app
     from mlxkv.cli import main
     from mlxkv.decoding.picker import TokenPicker
-    from mlxkv.runner.engine import EngineThread, Interleaved
     from mlxkv.runner.prompt_cache.pool import CachePool
     from mlxkv.runner.runner import Runner
+    from mlxkv.runner.scheduling.engine import EngineThread, Interleaved
     from mlxkv.runner.text.landmarks import LandmarkFinder
     from mlxkv.runner.text.prompt import PromptEncoder
     from mlxkv.server import worker

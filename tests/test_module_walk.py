@@ -99,7 +99,7 @@ _OVER_BUDGET = {
         "path makes its `DraftLength` and its `Speculation`, then the loop runs "
         "(`speculative_tokens`, through `decoders`)",
     ),
-    "mlxkv.runner.lockstep": (
+    "mlxkv.runner.scheduling.lockstep": (
         (4, 0),
         "unsharded, a `Solo` stands where the ranks' `Lockstep` does (no branch for the "
         "unsharded case): the request is checked, prepared and run through it, and the "

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from mlxkv.config import RunnerConfig
 from mlxkv.errors import RanksOutOfStepError
 from mlxkv.models.sharding import world
-from mlxkv.runner import context, request
+from mlxkv.runner import context, request_builder
 from mlxkv.runner.prompt_cache import report
 from mlxkv.runner.runner import Runner
 from mlxkv.runner.text import vision_cuts
@@ -25,7 +25,7 @@ MEMORY_LOGGER = report.logger.name
 # less than it was sent (a prompt cut to the window, with images or not; a reply with images
 # whose max_tokens was lowered or whose prompt was cut mid-reply; a context shift), at most a
 # line per request or shift. Named from their modules, as MEMORY_LOGGER is.
-NOTICE_LOGGERS = (context.logger.name, request.logger.name, vision_cuts.logger.name)
+NOTICE_LOGGERS = (context.logger.name, request_builder.logger.name, vision_cuts.logger.name)
 
 
 def setup_logging(verbose: bool) -> None:

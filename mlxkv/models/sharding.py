@@ -2,7 +2,7 @@
 
 Owns `world` (the process group, when there is one) and `shard_model`, which shards a lazily
 loaded model with mlx-lm's own `shard` (tensor parallel) or `model.pipeline` (pipeline
-parallel). Does not own keeping the ranks' caches in step (`mlxkv.runner.lockstep`).
+parallel). Does not own keeping the ranks' caches in step (`mlxkv.runner.scheduling.lockstep`).
 """
 
 from __future__ import annotations

@@ -45,9 +45,9 @@ from mlxkv.runner.disk.chains import BLOCK_TOKENS
 from mlxkv.runner.disk.files import DiskStoreUnavailable
 from mlxkv.runner.disk.snapshots import snapshot_bytes_per_token, snapshot_every_blocks
 from mlxkv.runner.disk.store import DiskStore
-from mlxkv.runner.engine import EngineThread
-from mlxkv.runner.lockstep import Lockstep, Solo
 from mlxkv.runner.prompt_cache.pool import CachePool
+from mlxkv.runner.scheduling.engine import EngineThread
+from mlxkv.runner.scheduling.lockstep import Lockstep, Solo
 from mlxkv.runner.text.replies import MAX_REPLIES, replies_for
 
 logger = logging.getLogger(__name__)

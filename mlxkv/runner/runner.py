@@ -32,13 +32,14 @@ from mlxkv.models.loading import LoadedModel, load_model
 from mlxkv.models.rope import rope_rotations
 from mlxkv.models.sharding import world
 from mlxkv.runner.assembly import choose_max_batch, make_layers, make_pool, size_window, warm_up
-from mlxkv.runner.dispatch import Dispatcher
-from mlxkv.runner.engine import EngineThread
-from mlxkv.runner.lockstep import Lockstep, Solo
 from mlxkv.runner.prompt_cache.entry import token_array
 from mlxkv.runner.prompt_cache.report import MemoryReport
-from mlxkv.runner.request import RequestBuilder, RequestOptions, salt_digest
+from mlxkv.runner.request import RequestOptions, salt_digest
+from mlxkv.runner.request_builder import RequestBuilder
 from mlxkv.runner.results import Completion, GenerationChunk, PromptUsage
+from mlxkv.runner.scheduling.dispatch import Dispatcher
+from mlxkv.runner.scheduling.engine import EngineThread
+from mlxkv.runner.scheduling.lockstep import Lockstep, Solo
 from mlxkv.runner.text.messages import Tools
 from mlxkv.runner.text.prompt import Prompt, PromptEncoder
 from mlxkv.runner.text.replies import ReplyKey

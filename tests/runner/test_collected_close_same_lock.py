@@ -22,7 +22,7 @@ import pytest
 _SCRIPT = textwrap.dedent(
     """
     import gc, os, threading, weakref
-    from mlxkv.runner import engine as engine_module
+    from mlxkv.runner.scheduling import engine as engine_module
     from mlxkv.runner.disk import writer as writer_module
 
     class Cycle:  # freed only by a garbage collection, as a Runner is

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from mlxkv.errors import RanksOutOfStepError
-from mlxkv.runner.engine import EngineThread, Relay
+from mlxkv.runner.scheduling.engine import EngineThread, Relay
 from tests.factories import joined, wait_until
 
 

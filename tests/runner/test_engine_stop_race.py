@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from mlxkv.runner.engine import EngineThread
+from mlxkv.runner.scheduling.engine import EngineThread
 from tests.factories import joined
 
 # The longest a lagging put waits for the loop to look at the queue: where `_submit` holds its

@@ -1,4 +1,4 @@
-"""The engine thread's queue (`mlxkv.runner.engine`): an interleaved generator's first
+"""The engine thread's queue (`mlxkv.runner.scheduling.engine`): an interleaved generator's first
 item goes ahead of the jobs waiting (a new request's prefill starts at the next turn), its
 later items take their turn."""
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from mlxkv.runner.engine import EngineThread
+from mlxkv.runner.scheduling.engine import EngineThread
 from tests.factories import joined, wait_until
 
 

@@ -1,14 +1,14 @@
-"""The bound on one sharded step (`mlxkv.runner.lockstep.StepWatchdog`): a step that outlives
-it calls `expired` once, from the watcher's thread; a paused watchdog (a reader holding a
-chunk, no request) never does."""
+"""The bound on one sharded step (`mlxkv.runner.scheduling.lockstep.StepWatchdog`): a step
+that outlives it calls `expired` once, from the watcher's thread; a paused watchdog (a reader
+holding a chunk, no request) never does."""
 
 from __future__ import annotations
 
 import threading
 import types
 
-from mlxkv.runner import lockstep
-from mlxkv.runner.lockstep import StepWatchdog
+from mlxkv.runner.scheduling import lockstep
+from mlxkv.runner.scheduling.lockstep import StepWatchdog
 
 _BOUND_S = 0.1
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from mlxkv import Runner
-from mlxkv.runner.dispatch import Dispatcher
+from mlxkv.runner.scheduling.dispatch import Dispatcher
 from mlxkv.server import early_events, state
 from tests.server.conftest import held_worker, serve
 

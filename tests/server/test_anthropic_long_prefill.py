@@ -15,7 +15,7 @@ import pytest
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
-from mlxkv.runner.dispatch import Dispatcher
+from mlxkv.runner.scheduling.dispatch import Dispatcher
 from mlxkv.server import early_events, state
 from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE
 from tests.server.conftest import (

@@ -6,7 +6,7 @@ text is tokenized (a 16 MB message was tokenized whole, seconds of CPU, before i
 
 Owns `control_tokens`, `plain_text_tokenizer`, `template_variables`, `largest_id` (`chat`,
 `controls` and `prompt` use them) and `TokenFloor` (`request` refuses with it). Does not own
-rendering (`chat.ChatTemplate`) nor the refusal (`request.RequestBuilder`).
+rendering (`chat.ChatTemplate`) nor the refusal (`request_builder.RequestBuilder`).
 
 Terms:
   floor: a text of B bytes (as the tokenizer's normalizer leaves it) takes at least

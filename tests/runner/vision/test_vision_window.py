@@ -63,7 +63,7 @@ def test_a_conversation_over_the_window_drops_whole_oldest_messages(loaded, capl
     window = 2 * kept + MAX_TOKENS + 2  # the cut at image B fits half the budget
     assert full > window, "the test's first turn must not fit"
     runner = Runner(loaded, max_context=window)
-    with caplog.at_level(logging.INFO, logger="mlxkv.runner.request"):
+    with caplog.at_level(logging.INFO, logger="mlxkv.runner.request_builder"):
         got = _greedy(runner, messages)
     line = next(r.getMessage() for r in caplog.records if "prompt with images cut" in r.message)
     assert int(re.search(r"cut at message (\d+)", line).group(1)) == 3, line
@@ -222,7 +222,7 @@ def test_a_reply_with_no_message_to_drop_stops_at_the_window(loaded, caplog):
         {"role": "user", "content": [{"type": "image", "image": noise_image(1)}, _text("Hi")]}
     ]
     full = len(Runner(loaded).encode(messages))
-    with caplog.at_level(logging.INFO, logger="mlxkv.runner.request"):
+    with caplog.at_level(logging.INFO, logger="mlxkv.runner.request_builder"):
         got = _reply(Runner(loaded, max_context=full + ROOM), messages)
     assert got.finish_reason == "length"
     assert len(got.tokens) == ROOM

@@ -41,10 +41,10 @@ import mlx.core as mx
 from mlxkv.config import RunnerConfig, format_bytes, rank_timeout_s
 from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import NotSupportedError, RanksOutOfStepError
-from mlxkv.runner.engine import EngineThread
 from mlxkv.runner.prompt_cache.report import MemoryReport
 from mlxkv.runner.request import Request
 from mlxkv.runner.results import Completion, GenerationChunk
+from mlxkv.runner.scheduling.engine import EngineThread
 
 logger = logging.getLogger(__name__)
 

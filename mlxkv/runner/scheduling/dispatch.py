@@ -32,8 +32,6 @@ from mlxkv.errors import RunnerBusyError
 from mlxkv.models.loading import LoadedModel
 from mlxkv.platform.random_state import request_random_state, with_own_key
 from mlxkv.runner.assembly import probe_padded_state
-from mlxkv.runner.engine import EngineThread, Interleaved, Relay
-from mlxkv.runner.lockstep import Lockstep, Solo
 from mlxkv.runner.prefill.group import PrefillGroup
 from mlxkv.runner.prompt_cache.pool import CachePool
 from mlxkv.runner.prompt_cache.report import MemoryLine
@@ -41,7 +39,9 @@ from mlxkv.runner.request import Request
 from mlxkv.runner.request_run import Batching, run_request
 from mlxkv.runner.results import Completion, CompletionStats, GenerationChunk
 from mlxkv.runner.run_context import RunContext
-from mlxkv.runner.slots import Slots
+from mlxkv.runner.scheduling.engine import EngineThread, Interleaved, Relay
+from mlxkv.runner.scheduling.lockstep import Lockstep, Solo
+from mlxkv.runner.scheduling.slots import Slots
 
 logger = logging.getLogger(__name__)
 
