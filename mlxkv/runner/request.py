@@ -1,9 +1,7 @@
 """One generation request, checked before it may touch the cache.
 
 Owns: `Request` (a validated request: the prompt's tokens fitted to the window and everything it
-runs with), `RequestOptions` (how a call asks for it to be rendered and run, checked), the
-sampling settings checked (`sampling_params`), and the opaque isolation domain a `cache_salt`
-stands for (`salt_digest`).
+runs with) and `RequestOptions` (how a call asks for it to be rendered and run, checked).
 
 Does not own building one from a call's arguments (`request_builder`).
 """
@@ -11,10 +9,9 @@ Does not own building one from a call's arguments (`request_builder`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from mlxkv.decoding.prefill.chunks import ProgressCallback
@@ -30,8 +27,6 @@ from mlxkv.runner.text.vision_cuts import ImageChat
 MAX_TOP_LOGPROBS = 20
 # What a max_tokens the window cannot hold does (see RequestOptions.overflow).
 OVERFLOW_MODES = ("shift", "stop", "refuse")
-
-_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +86,8 @@ class Request:
 
 @dataclass(frozen=True, kw_only=True)
 class RequestOptions:
-    """How a request is rendered and run, besides its sampling settings (see `Runner.stream`).
+    """How a request is rendered and run, besides its sampling settings (see `Runner.stream`);
+    checked when made (ValueError), before the prompt is rendered.
 
     Attributes:
         progress: called as progress(done, total) in prompt tokens during prefill.
@@ -132,7 +128,7 @@ class RequestOptions:
     switches: dict[str, Any] | None = None
     reply_key: ReplyKey | None = None
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:  # checked when made, before anything else
         if self.overflow not in OVERFLOW_MODES:
             raise ValueError(
                 f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {self.overflow!r}"
@@ -152,31 +148,3 @@ class RequestOptions:
             check_int(
                 "logprobs (alternatives per token)", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS
             )
-
-
-def sampling_params(sampling: dict[str, Any], vocab_size: int) -> SamplingParams:
-    """The request's settings, checked; a `logit_bias` id outside the model's logits is a
-    ValueError (mlx-lm's processor would index them past their end)."""
-    unknown = sorted(set(sampling) - set(_SAMPLING_FIELDS))
-    if unknown:
-        raise ValueError(
-            f"unknown generation settings {', '.join(unknown)}; use {', '.join(_SAMPLING_FIELDS)}"
-        )
-    params = SamplingParams(**sampling)
-    outside = [token for token, _ in params.logit_bias if token >= vocab_size]
-    if outside:
-        raise ValueError(
-            f"logit_bias: token id {outside[0]} is not in the model's vocabulary of "
-            f"{vocab_size:,} tokens (ids 0 to {vocab_size - 1:,})"
-        )
-    return params
-
-
-def salt_digest(cache_salt: str | None) -> str | None:
-    """The isolation domain of a request's `cache_salt` (kept instead of the salt itself,
-    which may be a secret): None, the shared domain, for no salt."""
-    if cache_salt is None:
-        return None
-    if not isinstance(cache_salt, str) or not cache_salt:
-        raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
-    return hashlib.sha256(f"mlxkv-cache-salt\n{cache_salt}".encode()).hexdigest()[:32]

@@ -2,8 +2,8 @@
 
 Owns `RequestBuilder`: sampling settings checked, the prompt encoded and fitted to the context
 window, the tokens no cut may drop (`keep`), the length of the chat template's generation
-prompt, and the cache salt's domain. Everything that can be wrong with a call raises here, in
-the caller's thread, before any model work.
+prompt, and the opaque isolation domain a `cache_salt` stands for (`salt_digest`). Everything
+that can be wrong with a call raises here, in the caller's thread, before any model work.
 
 Does not own the cut itself (`context.fit_prompt`), prompt encoding (`text.prompt`) or the
 request's fields and checks (`request`).
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from typing import Any, NoReturn
 
 from mlxkv.cache.prefix import common_prefix_lengths
@@ -24,7 +26,7 @@ from mlxkv.decoding.grammar import check_grammar
 from mlxkv.decoding.sampling import SamplingParams
 from mlxkv.errors import ContextLengthError
 from mlxkv.runner.context import chat_cut, fit_prompt
-from mlxkv.runner.request import Request, RequestOptions, salt_digest, sampling_params
+from mlxkv.runner.request import Request, RequestOptions
 from mlxkv.runner.text.landmarks import Landmarks
 from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
 from mlxkv.runner.text.prompt import Prompt, PromptEncoder
@@ -34,6 +36,8 @@ from mlxkv.runner.text.vision import ImageTokens, VisionPrompts, has_images, wit
 from mlxkv.runner.text.vision_cuts import ImageChat
 
 logger = logging.getLogger(__name__)
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 class RequestBuilder:
@@ -81,8 +85,7 @@ class RequestBuilder:
         Raises:
             ValueError: bad input; ContextLengthError for a prompt that cannot fit.
         """
-        params = sampling_params(sampling, self._prompts.vocab_size)
-        options.check()
+        params = _sampling_params(sampling, self._prompts.vocab_size)
         salt = salt_digest(options.cache_salt)
         if has_images(prompt):  # rendered by the model's processor, replies as their ids
             return self._image_request(prompt, params, options, salt, cached_prefix, cut_starts)
@@ -330,3 +333,31 @@ def _held_start(start: ReplyStart | None, tokens: list[int]) -> ReplyStart | Non
 def _no_shift(overflow: str) -> str:
     """The overflow mode for a prompt with images: "stop" in place of "shift"."""
     return "stop" if overflow == "shift" else overflow
+
+
+def _sampling_params(sampling: dict[str, Any], vocab_size: int) -> SamplingParams:
+    """The request's settings, checked; a `logit_bias` id outside the model's logits is a
+    ValueError (mlx-lm's processor would index them past their end)."""
+    unknown = sorted(set(sampling) - set(_SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"unknown generation settings {', '.join(unknown)}; use {', '.join(_SAMPLING_FIELDS)}"
+        )
+    params = SamplingParams(**sampling)
+    outside = [token for token, _ in params.logit_bias if token >= vocab_size]
+    if outside:
+        raise ValueError(
+            f"logit_bias: token id {outside[0]} is not in the model's vocabulary of "
+            f"{vocab_size:,} tokens (ids 0 to {vocab_size - 1:,})"
+        )
+    return params
+
+
+def salt_digest(cache_salt: str | None) -> str | None:
+    """The isolation domain of a request's `cache_salt` (kept instead of the salt itself,
+    which may be a secret): None, the shared domain, for no salt."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
+    return hashlib.sha256(f"mlxkv-cache-salt\n{cache_salt}".encode()).hexdigest()[:32]

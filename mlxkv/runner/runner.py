@@ -34,8 +34,8 @@ from mlxkv.models.sharding import world
 from mlxkv.runner.assembly import choose_max_batch, make_layers, make_pool, size_window, warm_up
 from mlxkv.runner.prompt_cache.entry import token_array
 from mlxkv.runner.prompt_cache.report import MemoryReport
-from mlxkv.runner.request import RequestOptions, salt_digest
-from mlxkv.runner.request_builder import RequestBuilder
+from mlxkv.runner.request import RequestOptions
+from mlxkv.runner.request_builder import RequestBuilder, salt_digest
 from mlxkv.runner.results import Completion, GenerationChunk, PromptUsage
 from mlxkv.runner.scheduling.dispatch import Dispatcher
 from mlxkv.runner.scheduling.engine import EngineThread
@@ -115,8 +115,7 @@ class Runner:
             max_batch=self.max_batch,
         )
         vision = VisionPrompts(self._prompts.chat, loaded.vision, loaded.name)
-        store = self._pool.store
-        stored_reply = None if store is None else store.stored_reply
+        stored_reply = None if self._pool.store is None else self._pool.store.stored_reply
         self._builder = RequestBuilder(
             self._prompts, self.max_context, config.keep, vision, stored_reply
         )

@@ -22,7 +22,7 @@ from mlxkv.models.loading import load_model
 from mlxkv.runner import assembly
 from mlxkv.runner.disk import replies as stored_replies
 from mlxkv.runner.disk.files import SUFFIX
-from mlxkv.runner.request import salt_digest
+from mlxkv.runner.request_builder import salt_digest
 from mlxkv.runner.text.replies import replies_for
 from mlxkv.testing.factory import build_scripted_model
 from tests.runner.test_reply_tokens import ASK, SCRIPT, _next_turn

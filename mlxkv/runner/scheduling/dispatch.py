@@ -5,8 +5,8 @@ slots.
 Owns `Dispatcher`: the threads reading a stream (a second stream on one of them is refused),
 the requests started and not ended (what `cancel` reaches), the slots in the decode batch,
 and the memory line. Does not own what a request does on the model,
-its entry's claim and release included (`request_run`), how work reaches the engine thread
-(`engine`), or building the request (`request`).
+its entry's claim and release included (`mlxkv.runner.request_run`), how work reaches the engine
+thread (`engine`), or building the request (`mlxkv.runner.request_builder`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ its length without tokenizing it: a prompt that cannot fit the window is refused
 text is tokenized (a 16 MB message was tokenized whole, seconds of CPU, before its 400).
 
 Owns `control_tokens`, `plain_text_tokenizer`, `template_variables`, `largest_id` (`chat`,
-`controls` and `prompt` use them) and `TokenFloor` (`request` refuses with it). Does not own
+`controls` and `prompt` use them) and `TokenFloor` (`request_builder` refuses with it). Does not own
 rendering (`chat.ChatTemplate`) nor the refusal (`request_builder.RequestBuilder`).
 
 Terms:
