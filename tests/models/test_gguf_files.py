@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from mlxkv import ModelLoadError, UnsupportedFormatError
-from mlxkv.models.gguf.convert import convert_gguf, converted_dir, is_conversion
+from mlxkv.models.gguf.convert import _content_hash, convert_gguf, converted_dir, is_conversion
 from mlxkv.models.loading import load_model
 from tests.factories import tiny_model_dir
 from tests.models.test_gguf import llama_cpp_metadata, llama_cpp_tensors, write_gguf
@@ -232,16 +232,39 @@ def _gone_pid() -> int:
 
 def test_a_conversion_killed_mid_way_leaves_nothing_after_the_next(good_gguf, tmp_path):
     """`kill -9` (or power loss) during a conversion left its temporary directory (or the
-    earlier conversion it was replacing) forever: the next conversion beside it removes what a
-    process that is gone left, and nothing of a running process or of anyone else."""
-    gone, out = _gone_pid(), tmp_path / "out"
-    left = [tmp_path / f".out.partial-{gone}-x1y2", tmp_path / f".out.old-{gone}"]
-    kept = [tmp_path / f".out.partial-{os.getpid()}-abcd", tmp_path / ".out.partial-notes"]
+    earlier conversion it was replacing) in the conversion cache forever: the next conversion
+    there removes what a process that is gone left, and nothing of a running process, nor any
+    other name."""
+    gone, cache = _gone_pid(), tmp_path / "cache"
+    out = cache / "gguf" / _content_hash(good_gguf)
+    out.parent.mkdir(parents=True)
+    left = [
+        out.parent / f".{out.name}.partial-{gone}-x1y2z3w4",
+        out.parent / f".{out.name}.old-{gone}-0a1b2c3d",
+    ]
+    kept = [
+        out.parent / f".{out.name}.partial-{os.getpid()}-abcd1234",  # running
+        out.parent / f".{out.name}.partial-{gone}-backup",  # not a name it makes
+        out.parent / f".{out.name}.old-{gone}",
+    ]
     for directory in left + kept:
         directory.mkdir()
         (directory / "model.safetensors").write_bytes(b"x" * 64)
-    convert_gguf(good_gguf, out)
-    assert is_conversion(out) and [d.exists() for d in left + kept] == [False, False, True, True]
+    assert converted_dir(good_gguf, cache_root=cache) == out and is_conversion(out)
+    assert [d.exists() for d in left + kept] == [False, False, True, True, True]
+
+
+def test_convert_into_a_users_folder_sweeps_nothing_beside_it(good_gguf, tmp_path):
+    """`mlxkv convert X.gguf ~/models/foo` removed the user's `.foo.old-2023` beside it (any
+    name of that shape whose number was no running pid): outside the conversion cache
+    nothing is swept."""
+    gone = _gone_pid()
+    theirs = [tmp_path / f".out.old-{gone}-0a1b2c3d", tmp_path / f".out.partial-{gone}-x1y2z3w4"]
+    for directory in theirs:
+        directory.mkdir()
+        (directory / "notes.txt").write_text("keep me")
+    convert_gguf(good_gguf, tmp_path / "out")
+    assert all((d / "notes.txt").read_text() == "keep me" for d in theirs)
 
 
 def test_a_signal_between_the_renames_puts_the_earlier_conversion_back(

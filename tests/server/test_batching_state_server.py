@@ -81,7 +81,7 @@ def test_concurrent_chats_with_disconnects_answer_as_alone(loaded_tiny, arch, mo
         for i, (_, _, leave_after) in enumerate(ASKS):
             (text, logprobs), (want_text, want_logprobs) = got[i], want[i]
             if leave_after is None:
-                assert text == want_text, i
+                assert text == want_text and len(logprobs) == len(want_logprobs), i
             else:
                 assert want_text.startswith(text) and 0 < len(logprobs) < len(want_logprobs), i
             assert logprobs == pytest.approx(want_logprobs[: len(logprobs)], abs=LOGPROB_ABS), i

@@ -18,6 +18,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -31,6 +33,10 @@ from mlxkv.errors import ModelLoadError, UnsupportedFormatError
 from mlxkv.models.gguf.hf_config import hf_config
 from mlxkv.models.gguf.reader import read_metadata
 from mlxkv.models.gguf.tokenizer import check_tokenizer, write_tokenizer
+
+# What `_temporary_dir` (mkdtemp's 8 characters) and `_move_into_place` (8 hex digits) name
+# beside a conversion, after its name, with the writer's pid.
+_LEFTOVER = re.compile(r"\.(?:partial-(\d+)-[a-z0-9_]{8}|old-(\d+)-[0-9a-f]{8})")
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +110,7 @@ def converted_dir(
     elif out.exists():
         logger.warning("gguf: conversion at %s is incomplete or corrupt; converting again", out)
         drop_conversion(out)
+    _drop_leftovers(out)  # the conversion cache is ours: what a killed conversion left goes
     logger.info("gguf: converting %s to %s", path.name, out)
     return convert_gguf(path, out, progress=progress)
 
@@ -218,11 +225,10 @@ def _check_destination(out: Path) -> None:
 
 
 def _temporary_dir(out: Path) -> Path:
-    """A new directory beside `out` named with this process's id, after removing the ones a
-    process that no longer runs left there (killed mid-conversion: `kill -9`, power loss)."""
+    """A new directory beside `out` named with this process's id, so that `_drop_leftovers`
+    can tell one a killed conversion left (`kill -9`, power loss) from a running one's."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _drop_leftovers(out)
         return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     except OSError as error:
         raise ModelLoadError(
@@ -242,7 +248,8 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     put a complete conversion there first, that one is kept and `tmp` is dropped. An
     exception between the two renames (a signal: Ctrl-C, SIGTERM) puts the earlier
     conversion back, so `out` is never left missing."""
-    old = out.with_name(f".{out.name}.old-{os.getpid()}") if out.is_dir() else None
+    old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+    old = old if out.is_dir() else None
     try:
         if old is not None:
             os.rename(out, old)
@@ -261,15 +268,16 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 
 def _drop_leftovers(out: Path) -> None:
-    """Removes the temporary and replaced directories beside `out` that a conversion of this
-    module named after a process that is gone. Each name holds its writer's pid, so a
-    conversion still running elsewhere is never touched."""
-    for kind in ("partial", "old"):
-        for leftover in out.parent.glob(f".{out.name}.{kind}-*"):
-            pid = leftover.name.removeprefix(f".{out.name}.{kind}-").split("-", 1)[0]
-            if pid.isdigit() and not _process_running(int(pid)):
-                logger.info("gguf: removing %s, left by a conversion that was stopped", leftover)
-                shutil.rmtree(leftover, ignore_errors=True)
+    """Removes the temporary and replaced directories beside `out`, in the conversion cache
+    only (a folder of the user's, `mlxkv convert`'s output, is never swept), that a conversion
+    of this module left when its process was killed. Only names exactly as it makes them
+    (`_temporary_dir`, `_move_into_place`: the writer's pid, then a random suffix) and of a
+    process that is gone: a running conversion's are never touched."""
+    for leftover in out.parent.glob(f".{out.name}.*"):
+        made = _LEFTOVER.fullmatch(leftover.name.removeprefix(f".{out.name}"))
+        if made and not _process_running(int(made[1] or made[2])):
+            logger.info("gguf: removing %s, left by a conversion that was stopped", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _process_running(pid: int) -> bool:
