@@ -110,8 +110,9 @@ def _as_text(message: Any) -> Any:
 
 
 def _chat(prompt: Any) -> bool:
-    """Whether `prompt` may be chat messages: a list whose first item is a dict. A list of
-    token ids is answered from its first item, without a walk of its tens of thousands."""
+    """Whether `prompt` may be chat messages: a list whose first item is a dict (as
+    `messages.is_messages`, here so that a request enters that module no more often). A list
+    of token ids is answered from its first item, without a walk of its tens of thousands."""
     return (
         isinstance(prompt, Sequence)
         and not isinstance(prompt, str | bytes)
@@ -171,16 +172,34 @@ class VisionPrompts:
                 does not place one marker per image.
         """
         self._check_renders_images()
-        again = {"add_generation_prompt": add_generation_prompt, "tools": tools}  # as asked
-        again |= {"parse_control_tokens": parse_control_tokens, "switches": switches}
+        asked = {"add_generation_prompt": add_generation_prompt, "tools": tools}
+        asked |= {"parse_control_tokens": parse_control_tokens, "switches": switches}
+        try:
+            return self._encode(messages, replies, asked)
+        except TemplateError as error:
+            folded = fold_system_reminders(messages)  # as a text prompt's (`ChatTemplate`)
+            if folded == list(messages):
+                raise ValueError(TEMPLATE_REFUSED.format(error)) from None
+        try:
+            return self._encode(folded, replies, asked)
+        except TemplateError as error:
+            raise ValueError(TEMPLATE_REFUSED.format(error)) from None
+
+    def _encode(
+        self, messages: Sequence[Message], replies: ReplyIds | None, asked: dict[str, Any]
+    ) -> ImageTokens:
+        """`encode` of `messages` as they are, with the options `asked` of it: a template's
+        refusal raises (TemplateError), for `encode` to fold the system reminders and try
+        again, with the replies as known."""
+        switches, tools = asked["switches"], asked["tools"]
         last = valid_text(messages[-1]["content"]) if continues_final(messages, switches) else None
         args: dict[str, Any] = {
             **self._chat.template_switches(switches),
-            "add_generation_prompt": add_generation_prompt and last is None,
+            "add_generation_prompt": asked["add_generation_prompt"] and last is None,
         }
         if tools:
             args["tools"] = checked_tools(tools)
-        calls = self._masked_calls(messages, parse_control_tokens, args)
+        calls = self._masked_calls(messages, asked["parse_control_tokens"], args)
         args = calls.template_args  # tools and switches, their control-token text masked
         masked, images, slots, known = self._masked(messages, calls, replies)
         cut = None if last is None else _cut_after_last(masked)
@@ -190,15 +209,12 @@ class VisionPrompts:
             sent = {i: _as_text(messages[i]) for i in known.values()}  # as `_masked` read them
             as_sent = [sent.get(i, m) for i, m in enumerate(masked)]
             check_calls_apart(self._chat.tokenizer, args, as_sent, sent)
-        except TemplateError as error:
+        except TemplateError:
             # a call reply refused without its calls, or other text written from them
             # (`CallsApart`): it renders from the template (text replies: their ids)
-            if replies is not None and _num_with_calls(masked) != _num_with_calls(messages):
-                return self.encode(messages, replies=without_call_replies(replies), **again)
-            folded = fold_system_reminders(messages)  # as a text prompt's (`ChatTemplate`)
-            if folded == list(messages):
-                raise ValueError(TEMPLATE_REFUSED.format(error)) from None
-            return self.encode(folded, replies=replies, **again)
+            if replies is None or _num_with_calls(masked) == _num_with_calls(messages):
+                raise
+            return self._encode(messages, without_call_replies(replies), asked)
         text = text if cut is None else _cut_at(text, cut)
         processed = self._processed(decoded)
         try:
@@ -206,7 +222,7 @@ class VisionPrompts:
             expansions = [p.text for p in processed]
             segments, start = self._ids(text, slots, replied, expansions, calls.encode, args, last)
         except ReplyRewritten:  # the template changed a reply: every reply renders as text
-            return self.encode(messages, **again)
+            return self._encode(messages, None, asked)
         return self._expanded(segments, decoded, processed, start)
 
     def _check_renders_images(self) -> None:
@@ -383,14 +399,8 @@ class VisionPrompts:
         spans = []
         for image_runs, source, done in zip(runs, decoded, processed, strict=True):
             start, end = image_runs[0][0], sum(image_runs[-1])
-            span = ImageSpan(
-                start=start,
-                num_tokens=end - start,
-                digest=source.digest,
-                processed=done,
-                runs=tuple(image_runs),
-            )
-            spans.append(span)
+            at = {"start": start, "num_tokens": end - start, "runs": tuple(image_runs)}
+            spans.append(ImageSpan(**at, digest=source.digest, processed=done))
         return ImageTokens(tokens, tuple(spans), reply_start)
 
 

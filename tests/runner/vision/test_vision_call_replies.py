@@ -115,3 +115,28 @@ def _name_results(tokenizer, monkeypatch) -> None:
         return render(named, **options)
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", named, raising=False)
+
+
+def test_a_known_call_reply_keeps_its_ids_where_a_system_reminder_is_folded(known, monkeypatch):
+    """A template that refuses a system message after the first turn (Gemma's, Mistral's)
+    and a known call reply: the reminder folds into the next user turn and the reply keeps its
+    ids, as in a text prompt. The fallback for call replies ran first and the fold then
+    rendered every call reply from text. Seen failing with that order."""
+    runner, ids = known
+    tokenizer = runner.tokenizer._tokenizer  # the wrapper passes it on
+    first_only = (
+        "{% for message in messages %}{% if message['role'] == 'system' and not loop.first %}"
+        "{{ raise_exception('System role must come first') }}{% endif %}{% endfor %}"
+    )
+    monkeypatch.setattr(tokenizer, "chat_template", first_only + tokenizer.chat_template)
+    reminder = "The user works in /src."
+    messages = [
+        *MESSAGES,
+        {"role": "system", "content": reminder},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    folded = f"<system-reminder>\n{reminder}\n</system-reminder>\n\nAnd tomorrow?"
+    by_hand = [*MESSAGES, {"role": "user", "content": folded}]
+    record = runner.encode(messages)
+    assert record == runner.encode(by_hand)
+    assert any(record[i : i + len(ids)] == ids for i in range(len(record)))
