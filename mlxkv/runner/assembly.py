@@ -107,7 +107,9 @@ def make_pool(
                 store.snapshot_every_tokens = every * store.block_tokens
             # the replies its blocks hold, so a reply sent back renders as their ids again
             stored = store.stored_replies(MAX_REPLIES)
-            replies_for(loaded.tokenizer).restore((r.salt, r.text, r.ids) for r in stored)
+            replies_for(loaded.tokenizer).restore(
+                (r.salt, r.text, r.ids, r.context) for r in stored
+            )
         except DiskStoreUnavailable as error:
             logger.warning("disk tier off: %s; entries live in memory only", error)
     pool = CachePool(

@@ -149,9 +149,10 @@ def _remember_reply(request: Request, context: RunContext, done: Completion) -> 
         ids, prompt = start.ids + ids, prompt[: -len(start.ids)]
     key = None if request.reply_key is None else request.reply_key(whole)
     key = key or whole.text
-    kept = remember_reply(context.loaded.tokenizer, done, request.cache_salt, key, ids)
-    if kept and (store := context.pool.store) is not None:
-        store.write_reply(prompt, ids, key, request.cache_salt)
+    tokenizer, salt = context.loaded.tokenizer, request.cache_salt
+    after = remember_reply(tokenizer, done, salt, key, ids, prompt)  # its conversation's ids
+    if after is not None and (store := context.pool.store) is not None:
+        store.write_reply(prompt, ids, key, salt, after)
 
 
 def _generate(

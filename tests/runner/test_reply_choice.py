@@ -1,16 +1,13 @@
 """Two replies whose different ids decode to one text (a sampled non-canonical tokenization,
-lone bytes decoding to U+FFFD): the reply memory keeps one ids sequence per (salt, text), the
-newest, so the same messages render to other ids after another conversation's reply than
-before it, and the conversation that owns the older ids loses its reuse (issue 44's open
-fault). The fix wanted: render, for each conversation, the ids its own cache holds, the same
-before and after a restart (see the branch `replyids` report for the design)."""
+lone bytes decoding to U+FFFD): the reply memory kept one ids sequence per (salt, text), the
+newest, so the same messages rendered to other ids after another conversation's reply than
+before it, and the conversation that owned the older ids lost its reuse. Each conversation
+renders the ids its own cache holds (`ReplyChoice`), before and after a restart."""
 
 from __future__ import annotations
 
-import pytest
-
 from mlxkv import Runner
-from mlxkv.runner.text.replies import replies_for
+from mlxkv.runner.text.replies import MAX_CHOICES, ReplyTokens, replies_for, reply_context
 from tests.runner.test_reply_restart import _runner, scripted_path  # noqa: F401
 from tests.runner.test_reply_tokens import ASK, _completion, _next_turn, scripted  # noqa: F401
 
@@ -24,10 +21,6 @@ def _other_turn(reply: str) -> list[dict]:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 44 open fault: the newest reply's ids stand for a text two replies share",
-)
 def test_each_conversation_renders_the_ids_its_cache_holds(scripted):  # noqa: F811
     """Conversation A's reply `Sm|ol|LAM|SmolLAM`; conversation B's reply has the same text as
     the canonical `SmolLAM|SmolLAM` (B's cache holds its prompt and those ids: a token prompt
@@ -45,7 +38,8 @@ def test_each_conversation_renders_the_ids_its_cache_holds(scripted):  # noqa: F
     assert b_ids != first.tokens and scripted.tokenizer.decode(b_ids) == first.text
     b_prompt = runner.encode(OTHER_ASK)
     runner.generate(b_prompt + b_ids, max_tokens=1, temperature=0)  # B's entry
-    assert replies_for(scripted.tokenizer).remember(_completion(first.text, b_ids), None)
+    b_reply = _completion(first.text, b_ids)
+    assert replies_for(scripted.tokenizer).remember(b_reply, None, context=reply_context(b_prompt))
 
     b_turn = _other_turn(first.text)
     assert runner.encode(b_turn)[: len(b_prompt) + len(b_ids)] == b_prompt + b_ids
@@ -56,10 +50,6 @@ def test_each_conversation_renders_the_ids_its_cache_holds(scripted):  # noqa: F
     assert b_next.cached_tokens >= len(b_prompt) + len(b_ids)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 44 open fault: one disk record per (salt, text), the newest reply's ids",
-)
 def test_each_conversation_renders_its_ids_after_a_restart(scripted_path, tmp_path):  # noqa: F811
     """The same two conversations with a disk tier, both replies written as the Runner writes
     them (`DiskStore.write_reply` behind their blocks): a restarted process renders each
@@ -73,7 +63,7 @@ def test_each_conversation_renders_its_ids_after_a_restart(scripted_path, tmp_pa
     b_ids = before.tokenizer.encode(first.text, add_special_tokens=False)
     b_prompt = before.encode(OTHER_ASK)
     before.generate(b_prompt + b_ids, max_tokens=1, temperature=0)  # B's entry
-    before._pool.store.write_reply(b_prompt, b_ids, first.text, None)
+    before._pool.store.write_reply(b_prompt, b_ids, first.text, None, reply_context(b_prompt))
     before.close()
 
     restarted = _runner(scripted_path, tmp_path)
@@ -82,3 +72,24 @@ def test_each_conversation_renders_its_ids_after_a_restart(scripted_path, tmp_pa
     assert restarted.generate(a_turn, max_tokens=1, temperature=0).cached_tokens == len(held)
     b_next = restarted.generate(b_turn, max_tokens=1, temperature=0)
     assert b_next.cached_tokens >= len(b_prompt) + len(b_ids)
+
+
+def test_replies_of_one_text_are_chosen_by_context_and_bounded():
+    """Each reply of one text is kept with its context, the newest `MAX_CHOICES` of them; a
+    render after ids no reply was generated after takes the newest; a restored reply is older
+    than those remembered here, and one of a context already known keeps its ids."""
+    replies = ReplyTokens()
+    prompts = [[7, i] for i in range(MAX_CHOICES + 1)]
+    for i, prompt in enumerate(prompts):
+        replies.remember(_completion("hi", [100 + i]), None, context=reply_context(prompt))
+    choice = replies.known_in([{"role": "assistant", "content": "hi"}], None)["hi"]
+    assert choice == [100 + MAX_CHOICES] and len(choice.by_context) == MAX_CHOICES
+    kept = range(1, MAX_CHOICES + 1)
+    assert [choice.choose(prompts[i]) for i in kept] == [[100 + i] for i in kept]
+    assert choice.choose(prompts[0]) == [100 + MAX_CHOICES]  # the oldest went
+    assert choice.choose([9]) == [100 + MAX_CHOICES]
+    replies.restore([(None, "hi", [1], reply_context(prompts[1])), (None, "new", [2], None)])
+    assert [(text, ids) for _, text, ids, _ in replies.items()] == [
+        ("new", [2]),
+        *(("hi", [100 + i]) for i in range(1, MAX_CHOICES + 1)),
+    ]

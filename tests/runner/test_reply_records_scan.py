@@ -18,6 +18,7 @@ from mlxkv.runner.disk import store as store_module
 
 PROMPT = list(range(10, 30))
 REPLY = [40, 41, 42]
+SAID = ("a reply", None, None)  # its text, salt and context
 
 
 def _store(model, root) -> store_module.DiskStore:
@@ -45,7 +46,7 @@ def test_a_record_written_during_a_scan_is_not_swept(load_tiny, tmp_path, monkey
             wrote.append(True)
             writing.write(cache, wait=True)
             through = np.asarray([*PROMPT, *REPLY[:-1]], dtype=np.uint32)
-            job = writing.replies.job(through, REPLY, "a reply", None, writing.block_tokens)
+            job = writing.replies.job(through, REPLY, SAID, writing.block_tokens)
             writing._run_logged(job)
         return iter(listed)
 
@@ -55,7 +56,7 @@ def test_a_record_written_during_a_scan_is_not_swept(load_tiny, tmp_path, monkey
     assert wrote
     assert len(list(tmp_path.glob("*/*.reply"))) == 1, "the record was swept"
     starting.refresh()  # the next scan lists both
-    assert starting.stored_reply(None, "a reply") == REPLY
+    assert starting.stored_reply(None, "a reply") == {None: REPLY}
     writing.close()
     starting.close()
 
@@ -70,7 +71,7 @@ def test_the_budget_sweep_waits_for_a_scan_under_way(load_tiny, tmp_path, monkey
     cache.forward(model, PROMPT + REPLY)
     other.write(cache, wait=True)
     through = np.asarray([*PROMPT, *REPLY[:-1]], dtype=np.uint32)
-    other._run_logged(other.replies.job(through, REPLY, "a reply", None, other.block_tokens))
+    other._run_logged(other.replies.job(through, REPLY, SAID, other.block_tokens))
     real_own_files = store_module.own_files
     swept = threading.Event()
 
@@ -106,7 +107,7 @@ def test_a_record_another_process_swept_is_written_again_behind_the_turn_holding
     first.forward(model, through)
     second.forward(model, [*PROMPT, *REPLY, 50, 51])
     ours.write(first, wait=True)
-    ours._run_logged(ours.replies.job(np.asarray(through), REPLY, "a reply", None, 256))
+    ours._run_logged(ours.replies.job(np.asarray(through), REPLY, SAID, 256))
     theirs.refresh()
     theirs.max_bytes = 1
     theirs.enforce_budget()  # the turn's block, then its record
@@ -134,7 +135,7 @@ def test_a_record_another_process_removes_during_a_scan_is_not_indexed(
     cache.forward(model, PROMPT + REPLY)
     theirs.write(cache, wait=True)
     through = np.asarray([*PROMPT, *REPLY[:-1]], dtype=np.uint32)
-    theirs._run_logged(theirs.replies.job(through, REPLY, "a reply", None, theirs.block_tokens))
+    theirs._run_logged(theirs.replies.job(through, REPLY, SAID, theirs.block_tokens))
     (record,) = tmp_path.glob("*/*.reply")
     real_read = replies_module.read_reply
 

@@ -23,7 +23,7 @@ from mlxkv.runner import assembly
 from mlxkv.runner.disk import replies as stored_replies
 from mlxkv.runner.disk.files import SUFFIX
 from mlxkv.runner.request_builder import salt_digest
-from mlxkv.runner.text.replies import replies_for
+from mlxkv.runner.text.replies import replies_for, reply_context
 from mlxkv.testing.factory import build_scripted_model
 from tests.runner.test_reply_tokens import ASK, SCRIPT, _next_turn
 
@@ -178,7 +178,8 @@ def test_a_record_goes_with_its_chain_when_the_budget_evicts_it(scripted_path, t
     for salt in ("first", "second"):
         runner.generate(ASK, max_tokens=20, temperature=0, cache_salt=salt)
         runner._pool.store.flush()
-        names.append(stored_replies.reply_name(salt_digest(salt), "SmolLAMSmolLAM"))
+        after = reply_context(runner.encode(ASK))
+        names.append(stored_replies.reply_name(salt_digest(salt), "SmolLAMSmolLAM", after))
     assert [p.name for p in _records(tmp_path / "kv")] == [names[1]]
     first = _next_turn("SmolLAMSmolLAM")
     plain = runner.tokenizer.apply_chat_template(first, add_generation_prompt=True)
@@ -209,13 +210,16 @@ def test_the_newest_records_are_remembered_and_the_older_found_on_disk(
         before.generate(ASK, max_tokens=20, temperature=0, cache_salt=salt)
         before._pool.store.flush()  # one after the other: their files' times tell which
     before.close()
-    old, new = (stored_replies.reply_name(salt_digest(s), "SmolLAMSmolLAM") for s in ("old", "new"))
+    after = reply_context(before.encode(ASK))
+    old, new = (
+        stored_replies.reply_name(salt_digest(s), "SmolLAMSmolLAM", after) for s in ("old", "new")
+    )
     assert {p.name for p in _records(tmp_path)} == {old, new}
     monkeypatch.setattr(assembly, "MAX_REPLIES", 1)
     restarted = _runner(scripted_path, tmp_path)
     assert {p.name for p in _records(tmp_path)} == {old, new}
     memory = replies_for(restarted.tokenizer).items()
-    assert [(salt, text) for salt, text, _ in memory] == [(salt_digest("new"), "SmolLAMSmolLAM")]
+    assert [(salt, text) for salt, text, _, _ in memory] == [(salt_digest("new"), "SmolLAMSmolLAM")]
     messages = _next_turn("SmolLAMSmolLAM")
     assert restarted.encode(messages, cache_salt="new") == restarted.encode(
         messages, cache_salt="old"

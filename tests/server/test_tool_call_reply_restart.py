@@ -42,7 +42,7 @@ def _first_turn(path: Path, cache_dir: Path) -> tuple[list[dict], list[int], lis
         )
     messages = _sent_back(first.choices[0].message)
     held, want_ids = runner.cache_tokens, runner.encode(messages, tools=[WEATHER])
-    keys = [key for _, key, _ in replies_for(runner.tokenizer).items()]
+    keys = [key for _, key, _, _ in replies_for(runner.tokenizer).items()]
     runner.close()
     assert len(keys) == 1 and keys[0].startswith("\0calls")  # one slot: by its calls alone
     assert len(list(cache_dir.rglob(f"*{REPLY_SUFFIX}"))) == 1

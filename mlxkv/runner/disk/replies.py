@@ -3,7 +3,9 @@ process (or a model loaded again) renders a reply sent back as the ids its block
 
 Owns the record's file (`<model directory>/<32 hex>.reply`: the disk tier's safetensors format
 with no arrays, its header holding the salt, the reply's text (or the key a call reply is
-known by, `text.replies.call_reply_key`) and ids, where in a chain it ends, and a CRC-32 like
+known by, `text.replies.call_reply_key`), ids and context (what it was generated after,
+`text.replies.reply_context`: two replies of one text are two records; a record written
+before contexts were has none), where in a chain it ends, and a CRC-32 like
 every block's), reading and checking one (`read_reply`), whether the blocks
 on disk still hold its reply (`is_held`, over `IndexedBlocks`), and the records of one model
 (`ReplyRecords`: made into write jobs, every one on disk indexed whoever wrote it, so the budget
@@ -68,12 +70,13 @@ class StoredReply:
     anchor: str | None
     tail: np.ndarray
     tail_start: int  # where `tail` begins in its chain, in tokens
+    context: str | None = None  # what it was generated after (None: a record that did not say)
 
 
-def reply_name(salt: str | None, text: str) -> str:
-    """The record's file name: one per (domain, text), as the memory keys them."""
-    digest = hashlib.sha256(f"{salt or ''}\n{text}".encode()).hexdigest()[:32]
-    return digest + REPLY_SUFFIX
+def reply_name(salt: str | None, text: str, context: str | None = None) -> str:
+    """The record's file name: one per (domain, text, context), as the memory keys them."""
+    said = f"{salt or ''}\n{text}" + ("" if context is None else f"\n{context}")
+    return hashlib.sha256(said.encode()).hexdigest()[:32] + REPLY_SUFFIX
 
 
 def reply_metadata(
@@ -86,6 +89,7 @@ def reply_metadata(
     anchor: str | None,
     tail: np.ndarray,
     tail_start: int,
+    context: str | None,
 ) -> dict[str, str]:
     """The header metadata of a record's file, its CRC-32 still the placeholder."""
     return {
@@ -100,6 +104,7 @@ def reply_metadata(
         "sections": "",  # no arrays: the header's CRC covers the whole record
         **({"anchor": anchor} if anchor else {}),
         **({"salt": salt} if salt else {}),
+        **({"context": context} if context else {}),
     }
 
 
@@ -125,10 +130,11 @@ def read_reply(path: Path, fingerprint: str, signature: str) -> StoredReply:
             anchor=metadata.get("anchor") or None,
             tail=_unpack(metadata["tail"]),
             tail_start=int(metadata["tail_start"]),
+            context=metadata.get("context") or None,
         )
     except (KeyError, ValueError, TypeError) as error:
         raise BadFile(f"unreadable metadata ({error})") from error
-    if path.name != reply_name(salt, text) or not reply.ids:
+    if path.name != reply_name(salt, text, reply.context) or not reply.ids:
         raise BadFile("its name does not match its reply")
     return reply
 
@@ -190,23 +196,29 @@ class ReplyRecords:
         self._gone: OrderedDict[str, StoredReply] = OrderedDict()
 
     def job(
-        self, through: np.ndarray, ids: list[int], text: str, salt: str | None, block_tokens: int
+        self,
+        through: np.ndarray,
+        ids: list[int],
+        said: tuple[str, str | None, str | None],
+        block_tokens: int,
     ) -> WriteJob:
-        """The write of the record of reply `ids` (`text`), whose chain holds `through` (its
-        prompt and the reply less its last id) in `salt`'s domain, in blocks of
+        """The write of the record of reply `ids`, `said` as (text, salt, context), whose chain
+        holds `through` (its prompt and the reply less its last id) in blocks of
         `block_tokens`."""
+        text, salt, context = said
         whole = through.size // block_tokens * block_tokens
         anchor = None
         for start in range(0, whole, block_tokens):
             anchor = token_key(through[start : start + block_tokens], salt, anchor)
         reply = StoredReply(
-            path=self.directory / reply_name(salt, text),
+            path=self.directory / reply_name(salt, text, context),
             salt=salt,
             text=text,
             ids=list(ids),
             anchor=anchor,
             tail=through[whole:],
             tail_start=whole,
+            context=context,
         )
         return self._job_of(reply)
 
@@ -220,6 +232,7 @@ class ReplyRecords:
             anchor=reply.anchor,
             tail=reply.tail,
             tail_start=reply.tail_start,
+            context=reply.context,
         )
         return WriteJob({}, metadata, reply.path.name, 0)
 
@@ -307,18 +320,26 @@ class ReplyRecords:
             by_time = sorted(self._known, key=lambda name: self._stamps[name][1], reverse=True)
             return [self._known[name] for name in by_time[:limit]][::-1]
 
-    def ids_of(self, salt: str | None, text: str, queued: WriteJob | None) -> list[int] | None:
-        """The ids of the record of `text` in `salt`'s domain, indexed or `queued` (its write
-        job, not written yet), else None: the reply memory's lookup of a reply it dropped, so
-        the process that wrote the record renders the reply as a restarted one, which reads
-        it, does (the turn rendered so writes a chain that holds the record's reply)."""
-        if queued is not None:
-            return _unpack(queued.metadata["ids"]).tolist()
+    def ids_of(
+        self, salt: str | None, text: str, queued: list[WriteJob]
+    ) -> dict[str | None, list[int]] | None:
+        """The ids of the records of `text` in `salt`'s domain by their contexts, indexed or
+        `queued` (write jobs not written yet, the newest), else None: the reply memory's
+        lookup of a reply it dropped, so the process that wrote the record renders the reply
+        as a restarted one, which reads it, does (the turn rendered so writes a chain that
+        holds the record's reply). A walk of the records: asked only for a dropped reply."""
         with self._lock:
-            reply = self._known.get(reply_name(salt, text))
-        if reply is None or (reply.salt, reply.text) != (salt, text):
-            return None
-        return reply.ids
+            found = {
+                reply.context: reply.ids
+                for reply in self._known.values()
+                if (reply.salt, reply.text) == (salt, text)
+            }
+        for job in queued:
+            said = job.metadata
+            ours = said.get("format") == REPLY_FORMAT and said.get("salt") == (salt or None)
+            if ours and said["text"] == text:
+                found[said.get("context") or None] = _unpack(said["ids"]).tolist()
+        return found or None
 
     def sweep(self, records: list[StoredEntry]) -> None:
         """Removes the records whose replies the blocks `records` no longer hold."""

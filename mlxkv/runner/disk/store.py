@@ -68,7 +68,7 @@ from mlxkv.runner.disk.files import (
     write_file,
 )
 from mlxkv.runner.disk.jobs import block_jobs
-from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply, reply_name
+from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply
 from mlxkv.runner.disk.restore import restore_chain
 from mlxkv.runner.disk.writer import BackgroundWriter, PendingWrites, WriteJob
 
@@ -288,11 +288,15 @@ class DiskStore:
         for job in jobs:
             self._run_logged(job) if wait else self._writer.put(job)
 
-    def write_reply(self, prompt: list[int], ids: list[int], text: str, salt: str | None) -> None:
+    def write_reply(
+        self, prompt: list[int], ids: list[int], text: str, salt: str | None, context: str
+    ) -> None:
         """Saves, behind the blocks queued before it, the record of reply `ids` (`text`) to
-        `prompt` in `salt`'s domain (`replies`), so a restart renders the reply as those ids."""
+        `prompt` (its `context`, `text.replies.reply_context`) in `salt`'s domain
+        (`replies`), so a restart renders the reply as those ids."""
         through = np.asarray([*prompt, *ids[:-1]], dtype=np.uint32)
-        self._writer.put(self.replies.job(through, ids, text, salt, self.block_tokens))
+        job = self.replies.job(through, ids, (text, salt, context), self.block_tokens)
+        self._writer.put(job)
 
     def stored_replies(self, limit: int) -> list[StoredReply]:
         """The newest `limit` reply records whose blocks are on disk; those whose blocks are
@@ -308,11 +312,10 @@ class DiskStore:
             records = self._indexed_records()
             self.replies.sweep(records)
 
-    def stored_reply(self, salt: str | None, text: str) -> list[int] | None:
-        """The ids of `text`'s reply record in `salt`'s domain, written or queued
-        (`ReplyRecords.ids_of`; `ReplyTokens.known_in` asks for a reply it dropped)."""
-        queued = self._writer.queued_job(reply_name(salt, text))
-        return self.replies.ids_of(salt, text, queued)
+    def stored_reply(self, salt: str | None, text: str) -> dict[str | None, list[int]] | None:
+        """The ids of `text`'s reply records in `salt`'s domain by their contexts, written or
+        queued (`ReplyRecords.ids_of`; `ReplyTokens.known_in` asks for a reply it dropped)."""
+        return self.replies.ids_of(salt, text, self._writer.queued_jobs())
 
     @property
     def pending_writes(self) -> PendingWrites:  # handed to the writer, not written yet

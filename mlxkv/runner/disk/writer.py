@@ -95,10 +95,6 @@ class BackgroundWriter:
         with self._lock:
             return name in self._queued
 
-    def queued_job(self, name: str) -> WriteJob | None:  # put and not yet written
-        with self._lock:
-            return self._queued.get(name)
-
     def queued_names(self) -> set[str]:
         with self._lock:
             return set(self._queued)

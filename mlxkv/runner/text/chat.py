@@ -23,7 +23,7 @@ Terms:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from jinja2 import TemplateError
 from mlxkv.runner.text.controls import ControlText, MaskedMessages
 from mlxkv.runner.text.messages import Message, Tools, checked_tools, fold_system_reminders
 from mlxkv.runner.text.replies import (
+    ReplyChoice,
     ReplyIds,
     ReplyStart,
     before_reply,
@@ -251,9 +252,9 @@ class ChatTemplate:
                 )
             head, content = text[cursor:start], messages[i]["content"]
             if i in known:
-                head = before_reply(head, known[i], content, self.tokenizer.decode, opened)
+                own, head = self._own_reply(known[i], ids, head, content, prepared.encode, opened)
             if i in known or tainted:
-                own = list(known[i]) if i in known else self._plain_ids(content)
+                own = own if i in known else self._plain_ids(content)
                 ids += prepared.encode(head) + own
                 reply_start = ReplyStart(content, own) if continued and i == last else None
             else:  # the continued text, with the template's before it: as Hugging Face's cut
@@ -263,6 +264,25 @@ class ChatTemplate:
             cursor = start + len(slot)
         ids += [] if continued else prepared.encode(text[cursor:])  # a continued turn: no end
         return RenderedChat(ids, reply_start)
+
+    def _own_reply(
+        self,
+        reply: Sequence[int],
+        ids: list[int],
+        head: str,
+        content: str,
+        encode: Callable[[str], list[int]],
+        opened: Callable[[], str | None],
+    ) -> tuple[list[int], str]:
+        """The ids of a known reply after `ids` and the template's `head` (`before_reply`), and
+        that head: of several replies of its text (`ReplyChoice`), the one generated after
+        them, so each conversation renders the ids its own cache holds."""
+        decode = self.tokenizer.decode
+        cut = before_reply(head, reply, content, decode, opened)
+        if not isinstance(reply, ReplyChoice) or len(reply.by_context) < 2:
+            return list(reply), cut
+        own = reply.choose(ids + encode(cut))
+        return own, before_reply(head, own, content, decode, opened)
 
 
 class ReplyRewritten(Exception):

@@ -11,7 +11,12 @@ template writes before a reply whose ids begin with it (`before_reply`).
 
 Owns `ReplyTokens`: a bounded, thread-safe memory of replies by (isolation domain, text), one
 per tokenizer (`replies_for`): every Runner of a loaded model in a process renders the same
-messages to the same ids (a fresh Runner compared with a used one sees the same prompt). A
+messages to the same ids (a fresh Runner compared with a used one sees the same prompt). Two
+replies of one text with other ids (a sampled tokenization that is not the tokenizer's own,
+lone bytes decoding to U+FFFD) are both kept, each with what it was generated after (its
+`reply_context`): a text prompt's render gives each the ids its own conversation's cache
+holds (`ReplyChoice.choose`, by the ids rendered before it), so one conversation's reply
+never changes how another's next turn renders (a prompt with images takes the newest). A
 reply is remembered only when its text is exactly what its ids decode to: not one cut by a stop
 string (its ids go past the text), nor a cancelled one. Keyed by the request's cache salt
 digest, so one tenant's prompt never takes another's reply ids (its token count would tell).
@@ -39,6 +44,7 @@ thought: the template may drop or render it otherwise, as it does for a text rep
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import secrets
@@ -57,19 +63,43 @@ from mlxkv.runner.text.messages import Message
 
 # Replies whose text matches nothing sent back only take memory: the newest are kept.
 MAX_REPLIES = 256
+# Replies of one text with other ids, each after its own context (`ReplyChoice`): the newest.
+MAX_CHOICES = 4
 MAX_REPLY_TOKENS = 1 << 20  # all remembered replies together: 4 MiB of uint32
 _CALLS = "\0calls"  # how a call reply's key starts (`call_reply_key`): no text content does
 
-# A request's known replies' ids by their text (`ReplyTokens.known_in(...).get`).
+# A request's known replies' ids by their text (`ReplyTokens.known_in(...).get`): a
+# `ReplyChoice` where several replies have that text.
 ReplyIds = Callable[[str], Sequence[int] | None]
 # What a caller knows a finished reply by when it comes back, None for its text: the server,
 # which parses its calls, a call reply's `call_reply_key` (run on the engine thread).
 ReplyKey = Callable[[Completion], str | None]
-# A disk tier's ids of a reply by (salt, text), None when it holds no record of it: where a
-# reply the memory dropped is looked up (`DiskStore.stored_reply`).
-StoredReplyIds = Callable[[str | None, str], Sequence[int] | None]
+# A disk tier's ids of the replies of (salt, text) by their contexts, None when it holds no
+# record of one: where a reply the memory dropped is looked up (`DiskStore.stored_reply`).
+StoredReplyIds = Callable[[str | None, str], dict[str | None, list[int]] | None]
 _BY_TOKENIZER: weakref.WeakKeyDictionary[Any, ReplyTokens] = weakref.WeakKeyDictionary()
 _BY_TOKENIZER_LOCK = threading.Lock()
+
+
+def reply_context(prompt: Sequence[int]) -> str:
+    """What a reply was generated after, in 32 hex digits: a digest of its prompt's ids (a
+    continued reply's less its start), which a later render of its conversation renders
+    before the reply again (`ReplyChoice.choose`)."""
+    return hashlib.sha256(np.asarray(prompt, dtype="<u4").tobytes()).hexdigest()[:32]
+
+
+class ReplyChoice(list):
+    """The ids of the newest reply of a text, as a list (what a render without a choice takes);
+    `choose` picks among the replies of that text by what each was generated after."""
+
+    def __init__(self, by_context: dict[str | None, list[int]]):
+        super().__init__(list(by_context.values())[-1])
+        self.by_context = by_context  # None: a record that did not say (older versions)
+
+    def choose(self, before: Sequence[int]) -> list[int]:
+        """The ids of the reply generated after `before`, the ids rendered before it, else the
+        newest's. Asked only where several replies have this text (`by_context`)."""
+        return self.by_context.get(reply_context(before), list(self))
 
 
 @dataclass(frozen=True)
@@ -111,13 +141,17 @@ def remember_reply(
     salt: str | None,
     key: str | None = None,
     ids: Sequence[int] | None = None,
-) -> bool:
+    prompt: Sequence[int] = (),
+) -> str | None:
     """Keeps the ids of a reply `tokenizer`'s model generated, in the domain `salt`, if its
     text is exactly theirs (at the end of a generation, before its last chunk is handed on:
     the next turn may follow at once), by its text or `key` (`call_reply_key`, or a continued
-    reply's whole text), as its ids or `ids` (a continued reply's: its `ReplyStart`'s first).
-    Returns whether it did (`is_rememberable`)."""
-    return replies_for(tokenizer).remember(completion, salt, key, ids)
+    reply's whole text), as its ids or `ids` (a continued reply's: its `ReplyStart`'s first),
+    generated after `prompt`. Returns its context (`reply_context` of `prompt`) where it
+    kept it (`is_rememberable`), else None."""
+    context = reply_context(prompt)
+    kept = replies_for(tokenizer).remember(completion, salt, key, ids, context)
+    return context if kept else None
 
 
 def is_rememberable(completion: Completion) -> bool:
@@ -312,12 +346,14 @@ def replies_for(tokenizer: Any) -> ReplyTokens:
 
 
 class ReplyTokens:
-    """Recent replies' token ids by their text, newest kept (`MAX_REPLIES`, and at most
-    `MAX_REPLY_TOKENS` in all)."""
+    """Recent replies' token ids by their text, newest kept (`MAX_REPLIES` texts, at most
+    `MAX_CHOICES` replies a text, and at most `MAX_REPLY_TOKENS` in all), each reply by what
+    it was generated after (`reply_context`; None: not known)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ids: OrderedDict[tuple[str | None, str], np.ndarray] = OrderedDict()
+        self._ids: OrderedDict[tuple[str | None, str], OrderedDict[str | None, np.ndarray]]
+        self._ids = OrderedDict()
         self._num_tokens = 0
 
     def remember(
@@ -326,47 +362,64 @@ class ReplyTokens:
         salt: str | None,
         key: str | None = None,
         ids: Sequence[int] | None = None,
+        context: str | None = None,
     ) -> bool:
         """Keeps the ids of a finished reply (or `ids`), if its text is exactly theirs, by its
-        text or `key` (`remember_reply`); returns whether it did."""
+        text or `key`, after `context` (`remember_reply`); returns whether it did."""
         ids = completion.tokens if ids is None else ids
         if not is_rememberable(completion) or len(ids) > MAX_REPLY_TOKENS:
             return False
         with self._lock:
-            self._keep(salt, completion.text if key is None else key, ids)
+            self._keep(salt, completion.text if key is None else key, ids, context)
             self._trim()
         return True
 
-    def restore(self, stored: Iterable[tuple[str | None, str, Sequence[int]]]) -> None:
-        """Takes the (salt, text, ids) of replies kept on disk (`DiskStore.stored_replies`) or
-        by the model's previous load (`items`), oldest first, as older than every reply
-        remembered here; a reply known here keeps its place."""
+    def restore(self, stored: Iterable[tuple[str | None, str, Sequence[int], str | None]]) -> None:
+        """Takes the (salt, text, ids, context) of replies kept on disk
+        (`DiskStore.stored_replies`) or by the model's previous load (`items`), oldest first,
+        as older than every reply remembered here; a reply known here keeps its place."""
         with self._lock:
-            for salt, text, ids in reversed(list(stored)):
-                if (salt, text) not in self._ids and 0 < len(ids) <= MAX_REPLY_TOKENS:
-                    self._keep(salt, text, ids)
+            for salt, text, ids, context in reversed(list(stored)):
+                choices = self._ids.get((salt, text))
+                if choices is None:
+                    choices = self._ids[salt, text] = OrderedDict()
                     self._ids.move_to_end((salt, text), last=False)
+                fits = 0 < len(ids) <= MAX_REPLY_TOKENS and len(choices) < MAX_CHOICES
+                if context not in choices and fits:
+                    choices[context] = np.asarray(ids, dtype=np.uint32)
+                    choices.move_to_end(context, last=False)
+                    self._num_tokens += len(ids)
+                if not choices:
+                    del self._ids[salt, text]
             self._trim()
 
-    def items(self) -> list[tuple[str | None, str, list[int]]]:
-        """Every remembered reply as (salt, text, ids), oldest first (`restore` takes them)."""
+    def items(self) -> list[tuple[str | None, str, list[int], str | None]]:
+        """Every remembered reply as (salt, text, ids, context), oldest first (`restore`
+        takes them)."""
         with self._lock:
-            return [(salt, text, ids.tolist()) for (salt, text), ids in self._ids.items()]
+            return [
+                (salt, text, ids.tolist(), context)
+                for (salt, text), choices in self._ids.items()
+                for context, ids in choices.items()
+            ]
 
-    def _keep(self, salt: str | None, text: str, tokens: Sequence[int]) -> None:
-        key = (salt, text)
-        old = self._ids.pop(key, None)
+    def _keep(self, salt: str | None, text: str, tokens: Sequence[int], context: str | None):
+        choices = self._ids.pop((salt, text), None) or OrderedDict()
+        old = choices.pop(context, None)
         self._num_tokens -= 0 if old is None else old.size
-        self._ids[key] = np.asarray(tokens, dtype=np.uint32)
+        choices[context] = np.asarray(tokens, dtype=np.uint32)
         self._num_tokens += len(tokens)
+        while len(choices) > MAX_CHOICES:
+            self._num_tokens -= choices.popitem(last=False)[1].size
+        self._ids[salt, text] = choices
 
     def _trim(self) -> None:  # the oldest go first
         while len(self._ids) > MAX_REPLIES or self._num_tokens > MAX_REPLY_TOKENS:
-            self._num_tokens -= self._ids.popitem(last=False)[1].size
+            self._num_tokens -= sum(ids.size for ids in self._ids.popitem(last=False)[1].values())
 
     def known_in(
         self, prompt: Any, salt: str | None, stored: StoredReplyIds | None = None
-    ) -> dict[str, list[int]]:
+    ) -> dict[str, ReplyChoice]:
         """The ids of the replies of `salt`'s domain that `prompt`'s assistant messages send
         back, by `reply_keys` (empty for a text or token prompt): looked up once a request, for
         the renders it makes. One this memory dropped is looked up in `stored` (a disk tier's
@@ -376,19 +429,20 @@ class ReplyTokens:
             return {}
         # a reply sent back as content parts renders from its parts' text
         texts = {key for m in prompt for key in reply_keys(m)}
-        known: dict[str, list[int]] = {}
+        known: dict[str, ReplyChoice] = {}
         with self._lock:
             for text in texts:
-                found = self._ids.get((salt, text))
-                if found is not None:
+                choices = self._ids.get((salt, text))
+                if choices is not None:
                     self._ids.move_to_end((salt, text))
-                    known[text] = found.tolist()
+                    known[text] = ReplyChoice({c: ids.tolist() for c, ids in choices.items()})
         if stored is not None and (missing := texts - set(known)):
-            found_stored = {t: list(ids) for t in missing if (ids := stored(salt, t)) is not None}
+            found = {t: choices for t in missing if (choices := stored(salt, t))}
             with self._lock:
-                for text, ids in found_stored.items():
-                    if 0 < len(ids) <= MAX_REPLY_TOKENS:
-                        self._keep(salt, text, ids)
+                for text, choices in found.items():
+                    for context, ids in choices.items():
+                        if 0 < len(ids) <= MAX_REPLY_TOKENS:
+                            self._keep(salt, text, ids, context)
                 self._trim()
-            known.update(found_stored)
+            known.update((text, ReplyChoice(choices)) for text, choices in found.items())
         return known
