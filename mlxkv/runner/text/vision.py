@@ -15,14 +15,14 @@ Terms:
     become images (else the count of markers would no longer match the images); so is such
     text in a tool call (`text.controls`).
   - Reply sent back: an assistant message whose content the reply memory knows
-    (`text.replies`) takes the ids the model generated, as in a text prompt
-    (`ChatTemplate.reply_ids`), so the next turn matches what the cache holds even where the
-    reply's text encodes otherwise. The images' spans are found in the record after that
-    substitution, so an image after the reply gets its place (and, from the record, its
-    M-RoPE positions) in the ids actually fed. A reply holding the image token's id keeps it
-    as text: only placeholders are images' tokens (`mlxkv.models.vision.ImagePrompt`). A
-    reply with calls takes its ids only where the template writes nothing else from them
-    (`replies.check_calls_apart`, as for a text prompt).
+    (`text.replies`) takes the ids the model generated (of several replies of its text, those
+    generated after the record before it), as in a text prompt (`ChatTemplate.reply_ids`), so
+    the next turn matches what the cache holds even where the reply's text encodes otherwise.
+    The images' spans are found in the record after that substitution, so an image after the
+    reply gets its place (and, from the record, its M-RoPE positions) in the ids actually fed.
+    A reply holding the image token's id keeps it as text: only placeholders are images'
+    tokens (`mlxkv.models.vision.ImagePrompt`). A reply with calls takes its ids only where
+    the template writes nothing else from them (`replies.check_calls_apart`, as in text).
   - Continued message: a last assistant message with `CONTINUE_FINAL` (Anthropic's prefill)
     ends the render, cut right after its text as Hugging Face's `continue_final_message`
     cuts it, the reply its rest (as a text prompt's, `text.chat`).
@@ -53,6 +53,7 @@ from mlxkv.runner.text.chat import (
 from mlxkv.runner.text.controls import MaskedMessages
 from mlxkv.runner.text.messages import Message, Tools, checked_tools, fold_system_reminders
 from mlxkv.runner.text.replies import (
+    ReplyChoice,
     ReplyIds,
     ReplyStart,
     before_reply,
@@ -188,9 +189,8 @@ class VisionPrompts:
     def _encode(
         self, messages: Sequence[Message], replies: ReplyIds | None, asked: dict[str, Any]
     ) -> ImageTokens:
-        """`encode` of `messages` as they are, with the options `asked` of it: a template's
-        refusal raises (TemplateError), for `encode` to fold the system reminders and try
-        again, with the replies as known."""
+        """One render of `messages` as they are, with the options `asked`: a template's refusal
+        raises (TemplateError), for `encode` to fold the system reminders and try again."""
         switches, tools = asked["switches"], asked["tools"]
         last = valid_text(messages[-1]["content"]) if continues_final(messages, switches) else None
         args: dict[str, Any] = {
@@ -273,9 +273,8 @@ class VisionPrompts:
             slots[slot] = controls.plain_ids(value)
             return slot
 
-        def reply(message: Message) -> list[int] | None:  # sent back as text parts too
-            ids = self._chat.reply_ids(_as_text(message), replies)
-            return None if ids is None else list(ids)
+        def reply(message: Message) -> Sequence[int] | None:  # sent back as text parts too
+            return self._chat.reply_ids(_as_text(message), replies)
 
         for i, (message, rendered) in enumerate(zip(messages, calls.messages, strict=True)):
             check_message(i, message, (str, list, tuple))
@@ -323,8 +322,7 @@ class VisionPrompts:
 
         Raises:
             ReplyRewritten: a reply's slot is not in the text once, as given."""
-        segments, cursor = [], 0
-        pending = list(reversed(expansions))
+        segments, cursor, pending = [], 0, list(reversed(expansions))
         opened = generation_prompt_of(self._chat.tokenizer, template_args, [_HI])
 
         def expanded(piece: str) -> str:
@@ -378,6 +376,8 @@ class VisionPrompts:
         runs: list[list[tuple[int, int]]] = [[] for _ in decoded]
         image, left = 0, processed[0].num_features if processed else 0
         for ids, from_template in segments:
+            if isinstance(ids, ReplyChoice) and len(ids.by_context) > 1:  # its conversation's:
+                ids = ids.choose(tokens)  # after the record so far, images as placeholders
             for token in ids:
                 if not (from_template and token == image_token_id):
                     tokens.append(token)

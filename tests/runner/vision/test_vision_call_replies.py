@@ -15,7 +15,7 @@ pytest.importorskip("mlx_vlm")
 
 from mlxkv import Runner  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
-from mlxkv.runner.text.replies import call_reply_key, replies_for  # noqa: E402
+from mlxkv.runner.text.replies import call_reply_key, replies_for, reply_context  # noqa: E402
 from mlxkv.testing.vision_factory import build_vision_model, noise_images  # noqa: E402
 from tests.server.test_tool_call_reply_edges import _completion  # noqa: E402
 
@@ -140,3 +140,24 @@ def test_a_known_call_reply_keeps_its_ids_where_a_system_reminder_is_folded(know
     record = runner.encode(messages)
     assert record == runner.encode(by_hand)
     assert any(record[i : i + len(ids)] == ids for i in range(len(record)))
+
+
+def test_two_replies_of_one_text_beside_images_each_render_their_own_ids(known):
+    """Two conversations (two images) whose replies have one text and other ids: each next
+    turn renders the ids generated after its own record, as a text prompt's do
+    (`tests/runner/test_reply_choice.py`); the newest reply's ids took both. Seen failing
+    with the choice left out of the vision path."""
+    runner, _ = known
+    text = "Two ways."
+    by_char = [runner.tokenizer.encode(c, add_special_tokens=False)[0] for c in text]
+    canonical = runner.tokenizer.encode(text, add_special_tokens=False)
+    assert by_char != canonical
+    pictures = noise_images(4, [(56, 56, 3), (56, 56, 3)])
+    asks = [[{"role": "user", "content": [{"type": "image", "image": p}]}] for p in pictures]
+    prompts = [runner.encode(ask) for ask in asks]
+    replies = replies_for(runner.tokenizer)
+    for prompt, ids in zip(prompts, (by_char, canonical), strict=True):
+        replies.remember(_completion(text, ids), None, context=reply_context(prompt))
+    for ask, prompt, ids in zip(asks, prompts, (by_char, canonical), strict=True):
+        turn = [*ask, {"role": "assistant", "content": text}, {"role": "user", "content": "Go."}]
+        assert runner.encode(turn)[: len(prompt) + len(ids)] == prompt + ids
