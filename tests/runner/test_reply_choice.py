@@ -7,8 +7,11 @@ renders the ids its own cache holds (`ReplyChoice`), before and after a restart.
 from __future__ import annotations
 
 from mlxkv import Runner
+from mlxkv.models.loading import load_model
 from mlxkv.runner.text.replies import MAX_CHOICES, ReplyTokens, replies_for, reply_context
+from mlxkv.testing.factory import build_model
 from tests.runner.test_reply_restart import _runner, scripted_path  # noqa: F401
+from tests.runner.test_reply_spacing import COLON_TEMPLATE, _spaced_reply
 from tests.runner.test_reply_tokens import ASK, _completion, _next_turn, scripted  # noqa: F401
 
 OTHER_ASK = [{"role": "user", "content": "Say your name twice."}]
@@ -85,11 +88,31 @@ def test_replies_of_one_text_are_chosen_by_context_and_bounded():
     choice = replies.known_in([{"role": "assistant", "content": "hi"}], None)["hi"]
     assert choice == [100 + MAX_CHOICES] and len(choice.by_context) == MAX_CHOICES
     kept = range(1, MAX_CHOICES + 1)
-    assert [choice.choose(prompts[i]) for i in kept] == [[100 + i] for i in kept]
-    assert choice.choose(prompts[0]) == [100 + MAX_CHOICES]  # the oldest went
-    assert choice.choose([9]) == [100 + MAX_CHOICES]
+    assert [choice.choose(reply_context(prompts[i])) for i in kept] == [[100 + i] for i in kept]
+    assert choice.choose(reply_context(prompts[0])) == [100 + MAX_CHOICES]  # the oldest went
+    assert choice.choose(reply_context([9])) == [100 + MAX_CHOICES]
     replies.restore([(None, "hi", [1], reply_context(prompts[1])), (None, "new", [2], None)])
     assert [(text, ids) for _, text, ids, _ in replies.items()] == [
         ("new", [2]),
         *(("hi", [100 + i]) for i in range(1, MAX_CHOICES + 1)),
     ]
+
+
+def test_a_reply_after_the_templates_space_is_chosen_with_its_own_head(tmp_path):
+    """A template that writes `Assistant: {content}` after the generation prompt `Assistant:`:
+    a reply whose first id holds the space (` never`) renders after the head less that space,
+    a newer reply of its text (`n|ever`, another conversation's) after the whole head. Each
+    is checked against its own head, so the older keeps its ids. Seen failing with the head
+    cut for the newest reply only."""
+    template = COLON_TEMPLATE.replace("GENERATION_PROMPT", "Assistant:")
+    loaded = load_model(build_model("llama", tmp_path / "m", chat_template=template, seed=5))
+    runner = Runner(loaded, max_context=512, cache_entries=4)
+    asked, first = _spaced_reply(runner)
+    held = runner.cache_tokens
+    turn = [*asked, {"role": "assistant", "content": first.text}, {"role": "user", "content": "X"}]
+    newer = loaded.tokenizer.encode(first.text, add_special_tokens=False)
+    assert newer != first.tokens and loaded.tokenizer.decode(newer) == first.text
+    elsewhere = reply_context([5, 6, 7])
+    memory = replies_for(loaded.tokenizer)
+    assert memory.remember(_completion(first.text, newer), None, context=elsewhere)
+    assert runner.encode(turn)[: len(held)] == held

@@ -6,6 +6,8 @@ blocks of. Deterministic: the other process's write runs from a hook between two
 from __future__ import annotations
 
 import logging
+import os
+import re
 import threading
 
 import numpy as np
@@ -156,3 +158,30 @@ def test_a_record_another_process_removes_during_a_scan_is_not_indexed(
     assert record.name not in caplog.text
     ours.close()
     theirs.close()
+
+
+def test_the_records_of_one_text_are_found_oldest_first_by_their_times(load_tiny, tmp_path):
+    """Six records of one text (six conversations: six contexts): a store that starts
+    finds them all by the text, oldest first by their files' times (the newest is what a
+    render without a match takes), whatever order its scan lists them in. Each is named with
+    40 hex digits, which versions before contexts (32) neither list nor remove."""
+    model, _ = load_tiny("llama")
+    writing = _store(model, tmp_path)
+    cache = make_cache(model)
+    cache.forward(model, PROMPT + REPLY)
+    writing.write(cache, wait=True)
+    through = np.asarray([*PROMPT, *REPLY[:-1]], dtype=np.uint32)
+    contexts = [f"{i:032x}" for i in (7, 3, 5, 1, 6, 2)]
+    for i, context in enumerate(contexts):
+        said = ("a reply", None, context)
+        writing._run_logged(writing.replies.job(through, [40 + i], said, writing.block_tokens))
+        (record,) = tmp_path.glob(f"*/{replies_module.reply_name(None, 'a reply', context)}")
+        os.utime(record, ns=(10**18 + i * 10**9,) * 2)  # one second apart, whatever the clock
+    starting = _store(model, tmp_path)
+    starting.refresh()
+    assert starting.stored_reply(None, "a reply") == {c: [40 + i] for i, c in enumerate(contexts)}
+    assert list(starting.stored_reply(None, "a reply")) == contexts
+    names = [path.name for path in tmp_path.glob("*/*.reply")]
+    assert len(names) == 6 and all(re.fullmatch(r"[0-9a-f]{40}\.reply", n) for n in names)
+    writing.close()
+    starting.close()

@@ -56,7 +56,9 @@ REPLY_SUFFIX = ".reply"
 # Records gone kept in memory, to write again should a block hold their replies again: as
 # many as the reply memory keeps (`mlxkv.runner.text.replies.MAX_REPLIES`).
 MAX_GONE = 256
-_NAME = re.compile(r"[0-9a-f]{32}\.reply")
+# 32 hex digits: a record without a context (as versions before contexts wrote); 40: with
+# one, which those versions neither list nor remove (their names are 32 digits).
+_NAME = re.compile(r"[0-9a-f]{32}(?:[0-9a-f]{8})?\.reply")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,9 +76,11 @@ class StoredReply:
 
 
 def reply_name(salt: str | None, text: str, context: str | None = None) -> str:
-    """The record's file name: one per (domain, text, context), as the memory keys them."""
+    """The record's file name: one per (domain, text, context), as the memory keys them; one
+    with a context 40 hex digits long (`_NAME`)."""
     said = f"{salt or ''}\n{text}" + ("" if context is None else f"\n{context}")
-    return hashlib.sha256(said.encode()).hexdigest()[:32] + REPLY_SUFFIX
+    digits = 32 if context is None else 40
+    return hashlib.sha256(said.encode()).hexdigest()[:digits] + REPLY_SUFFIX
 
 
 def reply_metadata(
@@ -187,8 +191,10 @@ class ReplyRecords:
         self.directory = directory
         self.fingerprint = fingerprint
         self.signature = signature
-        self._lock = threading.Lock()  # guards _known and _stamps
+        self._lock = threading.Lock()  # guards _known, _by_text and _stamps
         self._known: dict[str, StoredReply] = {}  # by file name: the good records on disk
+        # their names by (salt, text): a reply's records (one a context), found at once
+        self._by_text: dict[tuple[str | None, str], set[str]] = {}
         # (bytes, mtime in ns) of each record file as last read, bad ones too (read once)
         self._stamps: dict[str, tuple[int, int]] = {}
         # the newest records removed (by any process) since indexed: a block written here
@@ -276,7 +282,7 @@ class ReplyRecords:
         with self._lock:
             for name in set(self._stamps) - set(present):
                 self._stamps.pop(name)
-                self._went(self._known.pop(name, None))
+                self._went(self._forget(name))
             changed = [n for n, stamp in present.items() if self._stamps.get(n) != stamp]
         for name in changed:
             self._read(self.directory / name, present[name])
@@ -302,7 +308,7 @@ class ReplyRecords:
             logger.warning("disk cache: could not read %s now (%s)", path.name, error)
             return
         with self._lock:
-            old = self._known.pop(path.name, None)
+            old = self._forget(path.name)
             self._stamps.pop(path.name, None)
             if stamp is None or (now := _stamp(path)) != stamp:
                 if stamp is None or now is None:  # gone, not rewritten
@@ -311,6 +317,7 @@ class ReplyRecords:
             self._stamps[path.name] = stamp
             if reply is not None:
                 self._known[path.name] = reply
+                self._by_text.setdefault((reply.salt, reply.text), set()).add(path.name)
                 self._gone.pop(path.name, None)
 
     def newest(self, limit: int) -> list[StoredReply]:
@@ -323,22 +330,22 @@ class ReplyRecords:
     def ids_of(
         self, salt: str | None, text: str, queued: list[WriteJob]
     ) -> dict[str | None, list[int]] | None:
-        """The ids of the records of `text` in `salt`'s domain by their contexts, indexed or
-        `queued` (write jobs not written yet, the newest), else None: the reply memory's
-        lookup of a reply it dropped, so the process that wrote the record renders the reply
-        as a restarted one, which reads it, does (the turn rendered so writes a chain that
-        holds the record's reply). A walk of the records: asked only for a dropped reply."""
+        """The ids of the records of `text` in `salt`'s domain by their contexts, oldest first
+        (indexed, by their files' times, then `queued`: write jobs not written yet), else
+        None: the reply memory's lookup of a reply it dropped (or never knew: every text
+        sent back that it does not hold), so the process that wrote the record renders the
+        reply as a restarted one, which reads it, does (the turn rendered so writes a chain
+        that holds the record's reply)."""
         with self._lock:
-            found = {
-                reply.context: reply.ids
-                for reply in self._known.values()
-                if (reply.salt, reply.text) == (salt, text)
-            }
+            names = sorted(self._by_text.get((salt, text), ()), key=lambda n: self._stamps[n][1])
+            found = {self._known[n].context: self._known[n].ids for n in names}
         for job in queued:
             said = job.metadata
             ours = said.get("format") == REPLY_FORMAT and said.get("salt") == (salt or None)
             if ours and said["text"] == text:
-                found[said.get("context") or None] = _unpack(said["ids"]).tolist()
+                context = said.get("context") or None
+                found.pop(context, None)  # newer than the record written
+                found[context] = _unpack(said["ids"]).tolist()
         return found or None
 
     def sweep(self, records: list[StoredEntry]) -> None:
@@ -352,7 +359,16 @@ class ReplyRecords:
                 logger.debug("disk cache: reply record %s went with its chain", reply.path.name)
                 with self._lock:
                     self._stamps.pop(reply.path.name, None)
-                    self._went(self._known.pop(reply.path.name, None))
+                    self._went(self._forget(reply.path.name))
+
+    def _forget(self, name: str) -> StoredReply | None:  # under the lock
+        reply = self._known.pop(name, None)
+        if reply is not None:
+            names = self._by_text[reply.salt, reply.text]
+            names.discard(name)
+            if not names:
+                del self._by_text[reply.salt, reply.text]
+        return reply
 
     def _went(self, reply: StoredReply | None) -> None:  # under the lock
         if reply is not None:

@@ -41,6 +41,7 @@ from mlxkv.runner.text.replies import (
     generation_prompt_of,
     known_reply,
     masked_reply,
+    reply_context,
     slot_texts,
     without_call_replies,
 )
@@ -275,14 +276,19 @@ class ChatTemplate:
         opened: Callable[[], str | None],
     ) -> tuple[list[int], str]:
         """The ids of a known reply after `ids` and the template's `head` (`before_reply`), and
-        that head: of several replies of its text (`ReplyChoice`), the one generated after
-        them, so each conversation renders the ids its own cache holds."""
+        that head: of several replies of its text with other ids (`ReplyChoice`), the one
+        generated after them (each with its own head: a space its first id holds or not), so
+        each conversation renders the ids its own cache holds; else the newest."""
         decode = self.tokenizer.decode
-        cut = before_reply(head, reply, content, decode, opened)
-        if not isinstance(reply, ReplyChoice) or len(reply.by_context) < 2:
-            return list(reply), cut
-        own = reply.choose(ids + encode(cut))
-        return own, before_reply(head, own, content, decode, opened)
+        if isinstance(reply, ReplyChoice) and reply.differ:
+            contexts: dict[str, str] = {}  # by head: at most two (a space cut or not)
+            for context, own in reversed(reply.by_context.items()):  # the newest first
+                cut = before_reply(head, own, content, decode, opened)
+                if cut not in contexts:
+                    contexts[cut] = reply_context(ids + encode(cut))
+                if context == contexts[cut]:
+                    return own, cut
+        return list(reply), before_reply(head, reply, content, decode, opened)
 
 
 class ReplyRewritten(Exception):

@@ -89,17 +89,19 @@ def reply_context(prompt: Sequence[int]) -> str:
 
 
 class ReplyChoice(list):
-    """The ids of the newest reply of a text, as a list (what a render without a choice takes);
-    `choose` picks among the replies of that text by what each was generated after."""
+    """The ids of the newest reply of a text, as a list (what a render without a choice takes),
+    and the replies of that text by what each was generated after, oldest first: a render
+    picks among them where their ids `differ` (else any is the same)."""
 
     def __init__(self, by_context: dict[str | None, list[int]]):
         super().__init__(list(by_context.values())[-1])
         self.by_context = by_context  # None: a record that did not say (older versions)
+        self.differ = any(ids != self for ids in by_context.values())
 
-    def choose(self, before: Sequence[int]) -> list[int]:
-        """The ids of the reply generated after `before`, the ids rendered before it, else the
-        newest's. Asked only where several replies have this text (`by_context`)."""
-        return self.by_context.get(reply_context(before), list(self))
+    def choose(self, context: str) -> list[int]:
+        """The ids of the reply generated after `context` (`reply_context`), else the
+        newest's."""
+        return self.by_context.get(context, list(self))
 
 
 @dataclass(frozen=True)

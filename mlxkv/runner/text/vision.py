@@ -61,6 +61,7 @@ from mlxkv.runner.text.replies import (
     continued_ids,
     generation_prompt_of,
     masked_reply,
+    reply_context,
     slot_text,
     without_call_replies,
 )
@@ -376,8 +377,8 @@ class VisionPrompts:
         runs: list[list[tuple[int, int]]] = [[] for _ in decoded]
         image, left = 0, processed[0].num_features if processed else 0
         for ids, from_template in segments:
-            if isinstance(ids, ReplyChoice) and len(ids.by_context) > 1:  # its conversation's:
-                ids = ids.choose(tokens)  # after the record so far, images as placeholders
+            if isinstance(ids, ReplyChoice) and ids.differ:  # its conversation's: after the
+                ids = ids.choose(reply_context(tokens))  # record so far, images as placeholders
             for token in ids:
                 if not (from_template and token == image_token_id):
                     tokens.append(token)
@@ -440,9 +441,7 @@ def _is_image(part: Any) -> bool:
 
 
 def _describe(part: Any) -> str:
-    if isinstance(part, dict):
-        return f"type {part.get('type')!r}"
-    return type(part).__name__
+    return f"type {part.get('type')!r}" if isinstance(part, dict) else type(part).__name__
 
 
 def _num_with_calls(messages: Sequence[Message]) -> int:
