@@ -23,11 +23,21 @@ from mlxkv.errors import GrammarError
 
 # OpenAI's `{"type": "json_object"}`: any JSON object.
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+# The bound of an integer whose schema sets none on a side (`bounded_integers`): JSON's safe
+# integers (I-JSON, JavaScript's Number.MAX_SAFE_INTEGER), 16 digits.
+MAX_SAFE_INTEGER = 2**53 - 1
+# Keywords whose values are JSON data, not schemas (a "$ref" in them is not a pointer); and
+# those whose values name schemas (a name, "default" or "$ref", is not a keyword).
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+NAMED_SCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """The grammar of JSON text that validates against `schema`, compact (no free whitespace
-    between tokens: a small model cannot wander into pages of spaces).
+    between tokens: a small model cannot wander into pages of spaces), its integers bounded
+    (`bounded_integers`).
 
     Raises:
         GrammarError: a schema llguidance cannot convert (a bound past 64-bit integers).
@@ -36,9 +46,36 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
 
     options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     try:
-        return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        return LLMatcher.grammar_from_json_schema(bounded_integers(schema), defaults=options)
     except ValueError as error:
         raise GrammarError(f"the JSON schema cannot be used: {_shortened(error)}") from None
+
+
+def bounded_integers(schema: Any) -> Any:
+    """`schema` with each integer that sets no bound on a side bounded there by
+    +-`MAX_SAFE_INTEGER`: an unbounded integer lets a small model write digits until
+    `max_tokens` (SmolLM2 on pydantic-ai's `population: int`: `3121000000000...`, no call
+    made), where after 16 digits the grammar now ends the number. A value past 2**53 is not
+    exact in most JSON readers anyway; any value it allows validates against `schema`."""
+    if isinstance(schema, list):
+        return [bounded_integers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    bounded = {
+        key: value
+        if key in DATA_KEYWORDS
+        else {name: bounded_integers(sub) for name, sub in value.items()}
+        if key in NAMED_SCHEMAS and isinstance(value, dict)
+        else bounded_integers(value)
+        for key, value in schema.items()
+    }
+    kind = schema.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        if not schema.keys() & {"minimum", "exclusiveMinimum"}:
+            bounded["minimum"] = -MAX_SAFE_INTEGER
+        if not schema.keys() & {"maximum", "exclusiveMaximum"}:
+            bounded["maximum"] = MAX_SAFE_INTEGER
+    return bounded
 
 
 def check_grammar(grammar: str, tokenizer: Any) -> None:

@@ -77,3 +77,17 @@ def test_logprobs_under_a_grammar_are_finite(make_runner):
     assert reported and all(math.isfinite(r.logprob) for r in reported)
     assert all(math.isfinite(v) for r in reported for _, v in r.top)
     assert any(len(r.top) < 5 for r in reported)  # the grammar allowed fewer than 5 there
+
+
+def test_an_integer_without_bounds_ends_at_16_digits(make_runner):
+    """A model that writes digits for ever (one digit's logit raised) under a schema whose
+    integer sets no bounds: the number ends at 16 digits (+-(2**53 - 1)) and the output
+    validates; before, it ran to `max_tokens` and never parsed. A bound the schema sets is
+    kept (`bounded_integers`)."""
+    runner = make_runner("llama")
+    (nine,) = runner.tokenizer.encode("9", add_special_tokens=False)
+    options = {"max_tokens": 40, "temperature": 0.0, "logit_bias": {nine: 100.0}}
+    out = runner.generate(CHAT, grammar=json_schema_grammar({"type": "integer"}), **options)
+    assert (json.loads(out.text), out.finish_reason) == (999999999999999, "stop")  # < 2**53
+    wider = json_schema_grammar({"type": "integer", "maximum": 10**17})
+    assert json.loads(runner.generate(CHAT, grammar=wider, **options).text) == int("9" * 17)

@@ -165,3 +165,21 @@ def test_responses_required_streamed(served):
     (item,) = done.response.output
     assert item.type == "function_call" and item.name == "lookup_person"
     Person.model_validate_json(item.arguments)
+
+
+def test_an_integer_without_bounds_ends_where_the_model_would_write_digits(served, loaded_tiny):
+    """pydantic-ai's `population: int` (no bounds) on SmolLM2 wrote `3121000000000...` until
+    max_tokens, so no call was made (`finish_reason` "length"). A model that writes digits for
+    ever (here one digit's logit raised) now gets the number ended at 16 digits, and the
+    call validates. Seen failing without `bounded_integers`."""
+    parameters = {
+        "type": "object",
+        "properties": {"population": {"type": "integer"}},
+        "required": ["population"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "final_result", "parameters": parameters}}
+    (three,) = loaded_tiny("llama").tokenizer.encode("3", add_special_tokens=False)
+    body = {"messages": ASK, "tools": [tool], "tool_choice": "required", "temperature": 0}
+    _, arguments = _openai_call(served, {**body, "logit_bias": {str(three): 100}})
+    assert arguments == {"population": 3333333333333333}

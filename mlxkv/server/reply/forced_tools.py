@@ -42,6 +42,7 @@ from typing import Any
 
 from llguidance import LLMatcher
 
+from mlxkv.decoding.grammar import DATA_KEYWORDS, NAMED_SCHEMAS, bounded_integers
 from mlxkv.server.errors import ApiError
 
 _PARSERS = "mlx_lm.tool_parsers."
@@ -151,8 +152,9 @@ def _kimi(tokenizer: Any, functions: list[dict[str, Any]], start: str, end: str,
 
 
 def _json(schema: dict[str, Any]) -> str:
-    """A JSON value of `schema` in Lark, with at most one space between its tokens."""
-    return f"%json {json.dumps({**schema, 'x-guidance': _WHITESPACE})}"
+    """A JSON value of `schema` in Lark, with at most one space between its tokens and its
+    integers bounded (`bounded_integers`)."""
+    return f"%json {json.dumps({**bounded_integers(schema), 'x-guidance': _WHITESPACE})}"
 
 
 def _arguments(function: dict[str, Any]) -> str:
@@ -212,9 +214,9 @@ def _closed(schema: Any, pointer: str, extended: bool, opened: set[str]) -> Any:
         shared = extended or key not in _ALTERNATIVES or bool((_OWN_KEYS - {key}) & schema.keys())
         if key == "$ref" and isinstance(value, str) and shared:
             opened.add(value)
-        if key in _DATA_KEYWORDS or key == "$ref":
+        if key in DATA_KEYWORDS or key == "$ref":
             closed[key] = value
-        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):
             branch = in_place and shared
             closed[key] = {
                 name: _closed(sub, f"{at}/{_escaped(name)}", branch, opened)
@@ -291,14 +293,6 @@ def _one_call(
     return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "$defs": defs}
 
 
-# Keywords whose values are JSON data, not schemas: a "$ref" in them is not a pointer.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-# Keywords whose values name schemas: a name ("default", "$ref") is not a keyword.
-_NAMED_SCHEMAS = frozenset(
-    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
-)
-
-
 def _rebased(schema: Any, root: str) -> Any:
     """`schema` with every local `$ref` ("#...", relative to its root) under `root`."""
     if isinstance(schema, list):
@@ -309,9 +303,9 @@ def _rebased(schema: Any, root: str) -> Any:
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             rebased[key] = root + value[1:]
-        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):
             rebased[key] = {name: _rebased(sub, root) for name, sub in value.items()}
-        elif key in _DATA_KEYWORDS:
+        elif key in DATA_KEYWORDS:
             rebased[key] = value
         else:
             rebased[key] = _rebased(value, root)
