@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
+from mlxkv.runner.text import replies as replies_module
 from mlxkv.runner.text.replies import MAX_CHOICES, ReplyTokens, replies_for, reply_context
 from mlxkv.testing.factory import build_model
 from tests.runner.test_reply_restart import _runner, scripted_path  # noqa: F401
@@ -116,3 +117,13 @@ def test_a_reply_after_the_templates_space_is_chosen_with_its_own_head(tmp_path)
     memory = replies_for(loaded.tokenizer)
     assert memory.remember(_completion(first.text, newer), None, context=elsewhere)
     assert runner.encode(turn)[: len(held)] == held
+
+
+def test_replies_of_one_text_over_the_token_bound_keep_the_newest(monkeypatch):
+    """Replies of one text whose ids together pass `MAX_REPLY_TOKENS`: the older go, the one
+    just remembered stays (the whole text's replies went, the newest with them)."""
+    monkeypatch.setattr(replies_module, "MAX_REPLY_TOKENS", 5)
+    replies = ReplyTokens()
+    for i in range(2):
+        replies.remember(_completion("hi", [i] * 3), None, context=reply_context([i]))
+    assert [(text, ids) for _, text, ids, _ in replies.items()] == [("hi", [1, 1, 1])]

@@ -411,8 +411,8 @@ class ReplyTokens:
         self._num_tokens -= 0 if old is None else old.size
         choices[context] = np.asarray(tokens, dtype=np.uint32)
         self._num_tokens += len(tokens)
-        while len(choices) > MAX_CHOICES:
-            self._num_tokens -= choices.popitem(last=False)[1].size
+        while len(choices) > MAX_CHOICES or sum(map(np.size, choices.values())) > MAX_REPLY_TOKENS:
+            self._num_tokens -= choices.popitem(last=False)[1].size  # the newest fits alone
         self._ids[salt, text] = choices
 
     def _trim(self) -> None:  # the oldest go first
