@@ -14,8 +14,8 @@ per tokenizer (`replies_for`): every Runner of a loaded model in a process rende
 messages to the same ids (a fresh Runner compared with a used one sees the same prompt). Two
 replies of one text with other ids (a sampled tokenization that is not the tokenizer's own,
 lone bytes decoding to U+FFFD) are both kept, each with what it was generated after (its
-`reply_context`): a render gives each the ids its own conversation's cache holds
-(`ReplyChoice.choose`, by the ids rendered before it, with images too), so one
+`reply_context`): a render gives each the ids its own conversation's cache holds (of a
+`ReplyChoice`, the one generated after the ids rendered before it, with images too), so one
 conversation's reply never changes how another's next turn renders. A
 reply is remembered only when its text is exactly what its ids decode to: not one cut by a stop
 string (its ids go past the text), nor a cancelled one. Keyed by the request's cache salt
