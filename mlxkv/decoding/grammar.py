@@ -53,7 +53,8 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
 
 def bounded_integers(schema: Any) -> Any:
     """`schema` with each integer that sets no bound on a side bounded there by
-    +-`MAX_SAFE_INTEGER`: an unbounded integer lets a small model write digits until
+    +-`MAX_SAFE_INTEGER` (that far past the other side's bound where it lies beyond: a range
+    is never emptied): an unbounded integer lets a small model write digits until
     `max_tokens` (SmolLM2 on pydantic-ai's `population: int`: `3121000000000...`, no call
     made), where after 16 digits the grammar now ends the number. A value past 2**53 is not
     exact in most JSON readers anyway; any value it allows validates against `schema`."""
@@ -71,11 +72,24 @@ def bounded_integers(schema: Any) -> Any:
     }
     kind = schema.get("type")
     if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        low, high = _bound(schema, "minimum"), _bound(schema, "maximum")
         if not schema.keys() & {"minimum", "exclusiveMinimum"}:
-            bounded["minimum"] = -MAX_SAFE_INTEGER
+            beyond = high <= -MAX_SAFE_INTEGER
+            bounded["minimum"] = (high if beyond else 0) - MAX_SAFE_INTEGER
         if not schema.keys() & {"maximum", "exclusiveMaximum"}:
-            bounded["maximum"] = MAX_SAFE_INTEGER
+            beyond = low >= MAX_SAFE_INTEGER
+            bounded["maximum"] = (low if beyond else 0) + MAX_SAFE_INTEGER
     return bounded
+
+
+def _bound(schema: dict[str, Any], keyword: str) -> int:
+    """The integer bound `schema` sets by `keyword` or its exclusive form (a number; draft
+    4's boolean is a flag), else 0."""
+    for key in (keyword, "exclusive" + keyword.capitalize()):
+        value = schema.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return int(value)
+    return 0
 
 
 def check_grammar(grammar: str, tokenizer: Any) -> None:

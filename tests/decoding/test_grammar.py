@@ -83,7 +83,7 @@ def test_an_integer_without_bounds_ends_at_16_digits(make_runner):
     """A model that writes digits for ever (one digit's logit raised) under a schema whose
     integer sets no bounds: the number ends at 16 digits (+-(2**53 - 1)) and the output
     validates; before, it ran to `max_tokens` and never parsed. A bound the schema sets is
-    kept (`bounded_integers`)."""
+    kept, and one past 2**53 moves the other side's (`bounded_integers`)."""
     runner = make_runner("llama")
     (nine,) = runner.tokenizer.encode("9", add_special_tokens=False)
     options = {"max_tokens": 40, "temperature": 0.0, "logit_bias": {nine: 100.0}}
@@ -91,3 +91,6 @@ def test_an_integer_without_bounds_ends_at_16_digits(make_runner):
     assert (json.loads(out.text), out.finish_reason) == (999999999999999, "stop")  # < 2**53
     wider = json_schema_grammar({"type": "integer", "maximum": 10**17})
     assert json.loads(runner.generate(CHAT, grammar=wider, **options).text) == int("9" * 17)
+    above = json_schema_grammar({"type": "integer", "minimum": 10**16})  # not emptied
+    out = runner.generate(CHAT, grammar=above, **options)
+    assert 10**16 <= json.loads(out.text) <= 10**16 + 2**53 and out.finish_reason == "stop"
