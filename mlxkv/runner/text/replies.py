@@ -99,8 +99,7 @@ class ReplyChoice(list):
         self.differ = any(ids != self for ids in by_context.values())
 
     def choose(self, context: str) -> list[int]:
-        """The ids of the reply generated after `context` (`reply_context`), else the
-        newest's."""
+        """The ids of the reply generated after `context` (`reply_context`), else the newest's."""
         return self.by_context.get(context, list(self))
 
 
@@ -151,9 +150,10 @@ def remember_reply(
     reply's whole text), as its ids or `ids` (a continued reply's: its `ReplyStart`'s first),
     generated after `prompt`. Returns its context (`reply_context` of `prompt`) where it
     kept it (`is_rememberable`), else None."""
+    if not is_rememberable(completion):  # a long prompt's digest spared
+        return None
     context = reply_context(prompt)
-    kept = replies_for(tokenizer).remember(completion, salt, key, ids, context)
-    return context if kept else None
+    return context if replies_for(tokenizer).remember(completion, salt, key, ids, context) else None
 
 
 def is_rememberable(completion: Completion) -> bool:
