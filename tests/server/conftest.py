@@ -1,9 +1,11 @@
 """A real server (uvicorn on 127.0.0.1, an ephemeral port, its own thread) per app, and the
-real OpenAI and Anthropic clients pointed at it."""
+real OpenAI and Anthropic clients pointed at it; for the chat page's tests, a headless
+Chromium and a page on a server of the tiny model."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import socket
@@ -23,6 +25,8 @@ from mlxkv.config import ServerConfig
 from mlxkv.server import create_app
 from mlxkv.server.connections import Server, uvicorn_config
 from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE, build_scripted_model
+
+from .chat_page import CHROMIUM_ARGS, MAX_CONTEXT, WAIT_MS, Paced, chromium_path
 
 TOOL_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
 # The function TOOL_CALL calls, as a request's tool definition.
@@ -201,3 +205,33 @@ def tiny_server(loaded_tiny):
 def fresh_runner(loaded_tiny):
     """An independent reference: a new Runner on the same weights, with an empty cache."""
     return lambda **kw: Runner(loaded_tiny("llama"), **{"max_context": 1024, **kw})
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """A headless Chromium for the chat page's tests (skipped without Playwright)."""
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    with playwright_api.sync_playwright() as driver:
+        launched = driver.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture(scope="module")
+def page_server(loaded_tiny):
+    loaded = loaded_tiny("llama")
+    paced = dataclasses.replace(loaded, model=Paced(loaded.model, pause_s=0.015))
+    runner = Runner(paced, max_context=MAX_CONTEXT, cache_entries=4)
+    with serve(runner) as served:
+        yield served
+
+
+@pytest.fixture
+def page(browser, page_server):
+    """A fresh browser context (empty local storage) on the chat page."""
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    opened = context.new_page()
+    opened.set_default_timeout(WAIT_MS)
+    opened.goto(page_server.url + "/")
+    yield opened
+    context.close()

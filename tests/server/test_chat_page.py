@@ -5,130 +5,27 @@ artifacts under $MLXKV_TEST_ARTIFACTS (default `test-artifacts/`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import shutil
-import time
 from pathlib import Path
-
-import pytest
 
 from mlxkv import Runner
 from mlxkv.models.loading import load_model
 
+from .chat_page import (
+    MAX_CONTEXT,
+    WAIT_MS,
+    _api_messages,
+    _current,
+    _fresh,
+    _send,
+    _set,
+    _stored,
+    _wait_until_idle,
+)
 from .conftest import THINKING_TEMPLATE, build_template_model, serve
 
-playwright_api = pytest.importorskip("playwright.sync_api")
-
 ARTIFACTS = Path(os.environ.get("MLXKV_TEST_ARTIFACTS", "test-artifacts"))
-WAIT_MS = 30_000
-MAX_CONTEXT = 8192
-# Flags for a closed network: no background connections, no first-run work.
-CHROMIUM_ARGS = [
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    # Private Network Access blocks a public page's requests to loopback; Firefox and Safari
-    # send them: off, this Chromium shows what those let a cross-site page do.
-    "--disable-features=BlockInsecurePrivateNetworkRequests,PrivateNetworkAccessSendPreflights,"
-    "PrivateNetworkAccessRespectPreflightResults,LocalNetworkAccessChecks",
-]
-
-
-def _chromium() -> str:
-    found = os.environ.get("MLXKV_CHROMIUM") or shutil.which("chromium")
-    if found:
-        return found
-    message = "no Chromium: install Debian's chromium package (or set MLXKV_CHROMIUM)"
-    if os.environ.get("CI"):  # CI installs it: a missing browser is a failure there
-        pytest.fail(message)
-    pytest.skip(message)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with playwright_api.sync_playwright() as driver:
-        launched = driver.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
-
-
-class _Paced:
-    """The model with a pause before each forward pass: the tiny model writes a whole reply in
-    a few milliseconds, which the browser may read in one piece; a real model's reply streams
-    over many reads, and so does this one's."""
-
-    def __init__(self, model, pause_s: float):
-        self._model = model
-        self._pause_s = pause_s
-
-    def __call__(self, *args, **kwargs):
-        time.sleep(self._pause_s)
-        return self._model(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
-
-
-@pytest.fixture(scope="module")
-def page_server(loaded_tiny):
-    loaded = loaded_tiny("llama")
-    paced = dataclasses.replace(loaded, model=_Paced(loaded.model, pause_s=0.015))
-    runner = Runner(paced, max_context=MAX_CONTEXT, cache_entries=4)
-    with serve(runner) as served:
-        yield served
-
-
-@pytest.fixture
-def page(browser, page_server):
-    """A fresh browser context (empty local storage) on the chat page."""
-    context = browser.new_context(viewport={"width": 1280, "height": 800})
-    opened = context.new_page()
-    opened.set_default_timeout(WAIT_MS)
-    opened.goto(page_server.url + "/")
-    yield opened
-    context.close()
-
-
-def _fresh(loaded_tiny) -> Runner:
-    return Runner(loaded_tiny("llama"), max_context=MAX_CONTEXT)
-
-
-def _set(page, selector: str, value: str) -> None:
-    page.locator("#settings").evaluate("el => el.open = true")
-    page.fill(selector, value)
-
-
-def _send(page, text: str) -> None:
-    """Sends a message and waits until its reply has ended (its stats or an error shown)."""
-    before = page.locator(".message.assistant:not(.pending)").count()
-    page.fill("#input", text)
-    page.press("#input", "Enter")
-    page.locator(".message.assistant:not(.pending)").nth(before).wait_for()
-
-
-def _stored(page) -> dict:
-    return page.evaluate("JSON.parse(localStorage.getItem('mlxkv.chats.v1'))")
-
-
-def _current(page) -> dict:
-    store = _stored(page)
-    return next(chat for chat in store["chats"] if chat["id"] == store["current"])
-
-
-def _api_messages(chat: dict) -> list[dict]:
-    return [{"role": m["role"], "content": m["content"]} for m in chat["messages"]]
-
-
-def _wait_until_idle(runner: Runner) -> None:
-    """The server's generation has ended (the cancelled one included)."""
-    runner.cache_tokens  # waits for a running generation  # noqa: B018
 
 
 def test_reply_streams_and_second_turn_reports_the_cached_tokens(page, loaded_tiny):
@@ -193,7 +90,7 @@ def test_switching_conversations_comes_back_and_the_panel_shows_their_entries(pa
     assert page.locator("#conversations li").count() == 2
 
     page.locator(f"#conversations li[data-id='{first_id}'] .open").click()
-    assert page.locator(".message.user").first.inner_text() == "First conversation"
+    assert page.locator(".message.user .bubble").first.inner_text() == "First conversation"
     _send(page, "Back to the first")
     stats = _current(page)["messages"][-1]["stats"]
     assert stats["cached"] > 0  # its entry was kept while the other conversation ran

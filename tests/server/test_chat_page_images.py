@@ -16,8 +16,8 @@ from mlxkv import Runner  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.testing.vision_factory import build_vision_model, noise_image  # noqa: E402
 
+from .chat_page import WAIT_MS, _current, _send, _set  # noqa: E402
 from .conftest import serve  # noqa: E402
-from .test_chat_page import WAIT_MS, _current, _send, _set, browser  # noqa: E402, F401
 
 _PNG = io.BytesIO()
 noise_image(5).save(_PNG, format="PNG")
@@ -37,7 +37,7 @@ def loaded(tmp_path_factory):
 
 
 @pytest.fixture
-def page(browser, loaded):  # noqa: F811
+def page(browser, loaded):
     with serve(Runner(loaded, cache_entries=4)) as served:
         context = browser.new_context(viewport={"width": 1280, "height": 800})
         opened = context.new_page()

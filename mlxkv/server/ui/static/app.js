@@ -23,6 +23,7 @@ function load(key, fallback) {
 const store = load(CHATS_KEY, { chats: [], current: null });
 const settings = { temperature: "", maxTokens: "512", apiKey: "", ...load(SETTINGS_KEY, {}) };
 let active = null; // the generation running: { chat, message, controller }
+let editing = null; // the user message being edited: { chatId, index }
 let lastReport = null;
 
 // A reply that was streaming when the page closed ended there.
@@ -89,8 +90,29 @@ function imagesHtml(images) {
   return (images || []).map((url) => `<img class="thumb" alt="attached image" src="${escapeHtml(url)}">`).join("");
 }
 
-function messageHtml(message) {
-  if (message.role === "user") return `<div class="bubble">${imagesHtml(message.images)}${escapeHtml(message.content)}</div>`;
+const titleFrom = (text) => text.replace(/\s+/g, " ").slice(0, 48);
+
+// The buttons under a message, shown while nothing is generating: Edit on each message the
+// user wrote, Retry on the last reply.
+function actionsHtml(chat, message, index) {
+  if (active || message.pending) return "";
+  const last = index === chat.messages.length - 1;
+  const button = (name, label) => `<button type="button" class="${name}" title="${label}">${label}</button>`;
+  if (message.role === "user") return `<div class="actions">${button("edit", "Edit")}</div>`;
+  return last ? `<div class="actions">${button("retry", "Retry")}</div>` : "";
+}
+
+function editorHtml(message) {
+  return (
+    `<div class="editor">${imagesHtml(message.images)}` +
+    `<textarea class="edit-input" rows="3" aria-label="Edit the message">${escapeHtml(message.content)}</textarea>` +
+    '<div class="actions"><button type="button" class="cancel">Cancel</button>' +
+    '<button type="button" class="save primary">Send</button></div></div>'
+  );
+}
+
+function messageHtml(message, actions = "") {
+  if (message.role === "user") return `<div class="bubble">${imagesHtml(message.images)}${escapeHtml(message.content)}</div>${actions}`;
   let html = "";
   // a turn that ended before its first token (refused, unreachable, stopped) has no bubble
   if (message.pending || message.content || message.reasoning) {
@@ -109,12 +131,12 @@ function messageHtml(message) {
   if (message.stopped) notes.push('<span class="stopped">stopped</span>');
   if (message.stats) notes.push(statsLine(message.stats));
   if (notes.length) html += `<div class="stats">${notes.join(" · ")}</div>`;
-  return html;
+  return html + actions;
 }
 
-function renderMessage(el, message) {
+function renderMessage(el, message, actions = "") {
   el.className = `message ${message.role}${message.pending ? " pending" : ""}`;
-  el.innerHTML = messageHtml(message);
+  el.innerHTML = messageHtml(message, actions);
 }
 
 function renderMessages() {
@@ -126,13 +148,19 @@ function renderMessages() {
   if (!chat || !chat.messages.length) {
     box.innerHTML = '<div class="empty">Ask anything. Each turn reuses the cache of the turns before it.</div>';
   }
-  for (const message of chat ? chat.messages : []) {
+  (chat ? chat.messages : []).forEach((message, index) => {
     const el = document.createElement("div");
-    renderMessage(el, message);
+    el.dataset.index = index;
+    if (editing?.chatId === chat.id && editing.index === index) {
+      el.className = "message user editing";
+      el.innerHTML = editorHtml(message);
+    } else renderMessage(el, message, actionsHtml(chat, message, index));
     message.el = el;
     box.appendChild(el);
-  }
-  box.scrollTop = box.scrollHeight;
+  });
+  const editor = box.querySelector(".edit-input");
+  if (editor) editor.focus();
+  else box.scrollTop = box.scrollHeight;
   renderChartForChat();
 }
 
@@ -276,11 +304,38 @@ async function readEvents(response, onEvent) {
 }
 
 async function send(text) {
-  let chat = currentChat() || newChat();
-  if (chat.title === "New chat") chat.title = text.replace(/\s+/g, " ").slice(0, 48);
+  const chat = currentChat() || newChat();
+  if (chat.title === "New chat") chat.title = titleFrom(text);
   chat.messages.push(attached.length ? { role: "user", content: text, images: attached } : { role: "user", content: text });
   attached = [];
   renderAttached();
+  editing = null;
+  await reply(chat);
+}
+
+// Another reply to the same prompt, in place of the last one: the server has all of that
+// prompt in its cache, so the new reply starts at once.
+function retry(chat) {
+  chat.messages.pop();
+  reply(chat);
+}
+
+// A user message changed and sent again: the turns after it are dropped (as they answered
+// the old text), and the server reuses the conversation's cache up to the change.
+function resend(chat, index, text) {
+  const message = chat.messages[index];
+  if (!text && !message.images?.length) return;
+  if (chat.messages.findIndex((m) => m.role === "user") === index && chat.title === titleFrom(message.content)) {
+    chat.title = titleFrom(text);
+  }
+  message.content = text;
+  chat.messages.length = index + 1;
+  editing = null;
+  reply(chat);
+}
+
+// Streams the model's reply to the conversation as it stands into a new assistant message.
+async function reply(chat) {
   const message = { role: "assistant", content: "", pending: true };
   chat.messages.push(message);
   const controller = new AbortController();
@@ -368,6 +423,22 @@ function pollCache() {
 
 // ---- wiring ------------------------------------------------------------------------------
 
+// Edit, Send, Cancel and Retry under a message of the current conversation.
+function messageAction(button) {
+  const chat = currentChat();
+  const index = Number(button.closest(".message")?.dataset.index);
+  if (!chat || active || !(index in chat.messages)) return;
+  const last = index === chat.messages.length - 1;
+  if (button.classList.contains("retry") && last && chat.messages[index].role === "assistant") retry(chat);
+  else if (button.classList.contains("edit")) editing = { chatId: chat.id, index };
+  else if (button.classList.contains("cancel")) editing = null;
+  else if (button.classList.contains("save")) {
+    resend(chat, index, button.closest(".editor").querySelector(".edit-input").value.trim());
+    return;
+  } else return;
+  renderAll();
+}
+
 function closeDrawers() {
   document.body.classList.remove("show-sidebar");
 }
@@ -424,6 +495,18 @@ function wire() {
       save();
     });
   }
+  $("#messages").addEventListener("click", (event) => {
+    const button = event.target.closest("button");
+    if (button && !button.classList.contains("copy")) messageAction(button);
+  });
+  $("#messages").addEventListener("keydown", (event) => {
+    if (!event.target.classList.contains("edit-input")) return;
+    if (event.key === "Escape") messageAction(event.target.parentElement.querySelector(".cancel"));
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      messageAction(event.target.parentElement.querySelector(".save"));
+    }
+  });
   // Copy buttons of code blocks (rendered inside replies).
   $("#messages").addEventListener("click", (event) => {
     const button = event.target.closest("button.copy");
