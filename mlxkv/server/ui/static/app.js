@@ -1,7 +1,9 @@
-// The chat page: conversations kept in the browser's local storage, replies streamed from the
-// server's own OpenAI endpoint, and a live view of the prompt cache.
+// The chat page: conversations kept in the browser's local storage, each with the served model
+// it talks to; replies streamed from the server's own OpenAI endpoint; a live view of the cache.
 
-import { renderMarkdown, escapeHtml } from "./markdown.js";
+import { escapeHtml } from "./markdown.js";
+import { actionsHtml, editorHtml, imagesHtml, messageHtml } from "./messages.js";
+import { errorDetail, readEvents } from "./stream.js";
 import { renderCache, renderChart } from "./cache-panel.js";
 
 const CHATS_KEY = "mlxkv.chats.v1";
@@ -21,7 +23,10 @@ function load(key, fallback) {
 }
 
 const store = load(CHATS_KEY, { chats: [], current: null });
-const settings = { temperature: "", maxTokens: "512", apiKey: "", ...load(SETTINGS_KEY, {}) };
+const settings = { temperature: "", maxTokens: "512", apiKey: "", model: "", ...load(SETTINGS_KEY, {}) };
+// The chat models the server serves (GET v1/models, embedding models left out), the default
+// first; empty until known, when requests name no model and the server answers with its default.
+let models = [];
 let active = null; // the generation running: { chat, message, controller }
 let editing = null; // the user message being edited: { chatId, index }
 let lastReport = null;
@@ -44,6 +49,7 @@ function newChat() {
     id: crypto.randomUUID ? crypto.randomUUID() : `${Date.now()}-${Math.random()}`,
     title: "New chat",
     system: "",
+    model: settings.model,
     messages: [],
     created: Date.now(),
   };
@@ -54,6 +60,11 @@ function newChat() {
 }
 
 const currentChat = () => store.chats.find((c) => c.id === store.current) || null;
+// The served model a conversation talks to: the one chosen for it while the server serves it,
+// else the server's default.
+const modelOf = (chat) => (models.includes(chat?.model) ? chat.model : models[0]);
+// `path` asked of the model the current conversation talks to (the server's default without one).
+const forModel = (path, chat = currentChat()) => (modelOf(chat) ? `${path}?model=${encodeURIComponent(modelOf(chat))}` : path);
 // What an entry's label names: a conversation here, or nothing known (the panel says "another
 // client"; a conversation deleted here has its entries freed).
 const titleOf = (id) => store.chats.find((c) => c.id === id)?.title;
@@ -76,63 +87,7 @@ function renderList() {
   }
 }
 
-function statsLine(stats) {
-  const parts = [
-    `<span data-stat="prompt">prompt ${stats.prompt} tokens</span>`,
-    `<span data-stat="cached">cached ${stats.cached}</span>`,
-  ];
-  if (stats.ttft_s != null) parts.push(`<span data-stat="ttft">first token ${stats.ttft_s.toFixed(2)} s</span>`);
-  if (stats.tps != null) parts.push(`<span data-stat="tps">${stats.tps.toFixed(1)} tokens/s</span>`);
-  return parts.join(" · ");
-}
-
-function imagesHtml(images) {
-  return (images || []).map((url) => `<img class="thumb" alt="attached image" src="${escapeHtml(url)}">`).join("");
-}
-
 const titleFrom = (text) => text.replace(/\s+/g, " ").slice(0, 48);
-
-// The buttons under a message, shown while nothing is generating: Edit on each message the
-// user wrote, Retry on the last reply.
-function actionsHtml(chat, message, index) {
-  if (active || message.pending) return "";
-  const last = index === chat.messages.length - 1;
-  const button = (name, label) => `<button type="button" class="${name}" title="${label}">${label}</button>`;
-  if (message.role === "user") return `<div class="actions">${button("edit", "Edit")}</div>`;
-  return last ? `<div class="actions">${button("retry", "Retry")}</div>` : "";
-}
-
-function editorHtml(message) {
-  return (
-    `<div class="editor">${imagesHtml(message.images)}` +
-    `<textarea class="edit-input" rows="3" aria-label="Edit the message">${escapeHtml(message.content)}</textarea>` +
-    '<div class="actions"><button type="button" class="cancel">Cancel</button>' +
-    '<button type="button" class="save primary">Send</button></div></div>'
-  );
-}
-
-function messageHtml(message, actions = "") {
-  if (message.role === "user") return `<div class="bubble">${imagesHtml(message.images)}${escapeHtml(message.content)}</div>${actions}`;
-  let html = "";
-  // a turn that ended before its first token (refused, unreachable, stopped) has no bubble
-  if (message.pending || message.content || message.reasoning) {
-    html += '<div class="bubble markdown">';
-    if (message.reasoning) {
-      // open while the model thinks, folded once the answer comes
-      const open = message.pending && !message.content ? " open" : "";
-      html += `<details class="thinking"${open}><summary>Thinking</summary><div class="thought">${escapeHtml(message.reasoning)}</div></details>`;
-    }
-    html += renderMarkdown(message.content);
-    if (message.pending && !message.content && !message.reasoning) html += '<span class="typing" aria-label="Waiting for the reply">●●●</span>';
-    html += "</div>";
-  }
-  if (message.error) html += `<div class="error" role="alert">${escapeHtml(message.error)}</div>`;
-  const notes = [];
-  if (message.stopped) notes.push('<span class="stopped">stopped</span>');
-  if (message.stats) notes.push(statsLine(message.stats));
-  if (notes.length) html += `<div class="stats">${notes.join(" · ")}</div>`;
-  return html + actions;
-}
 
 function renderMessage(el, message, actions = "") {
   el.className = `message ${message.role}${message.pending ? " pending" : ""}`;
@@ -154,7 +109,7 @@ function renderMessages() {
     if (editing?.chatId === chat.id && editing.index === index) {
       el.className = "message user editing";
       el.innerHTML = editorHtml(message);
-    } else renderMessage(el, message, actionsHtml(chat, message, index));
+    } else renderMessage(el, message, actionsHtml(message, { busy: active !== null, last: index === chat.messages.length - 1 }));
     message.el = el;
     box.appendChild(el);
   });
@@ -170,6 +125,14 @@ function renderChartForChat() {
   renderChart($("#chart"), turns);
 }
 
+function renderModels() {
+  const select = $("#model");
+  select.hidden = models.length < 2;
+  select.innerHTML = models.map((name) => `<option>${escapeHtml(name)}</option>`).join("");
+  select.value = modelOf(currentChat()) ?? "";
+  select.disabled = active !== null;
+}
+
 function renderComposer() {
   const busy = active !== null;
   $("#send").hidden = busy;
@@ -178,6 +141,7 @@ function renderComposer() {
 }
 
 function renderAll() {
+  renderModels();
   renderList();
   renderMessages();
   renderComposer();
@@ -194,6 +158,7 @@ function switchTo(id) {
 
 async function deleteChat(id) {
   if (active && active.chat.id === id) active.controller.abort();
+  const deleted = store.chats.find((c) => c.id === id);
   store.chats = store.chats.filter((c) => c.id !== id);
   if (store.current === id) store.current = store.chats[0]?.id ?? null;
   save();
@@ -201,7 +166,10 @@ async function deleteChat(id) {
   // No later request will reuse its cache entries: the server frees them (those its
   // prompt_cache_key labels, no other conversation's), then the panel shows what is left.
   try {
-    await fetch(`v1/mlxkv/cache/${encodeURIComponent(id)}`, { method: "DELETE", headers: headers() });
+    for (const model of deleted.models || [undefined]) {
+      const query = model ? `?model=${encodeURIComponent(model)}` : "";
+      await fetch(`v1/mlxkv/cache/${encodeURIComponent(id)}${query}`, { method: "DELETE", headers: headers() });
+    }
   } catch {
     /* the server is gone: it holds nothing to free */
   }
@@ -252,12 +220,12 @@ function requestBody(chat) {
     messages.push({ role: m.role, content: m.images?.length ? contentParts(m) : m.content });
   });
   const body = {
-    model: "mlxkv",
     messages,
     stream: true,
     stream_options: { include_usage: true },
     prompt_cache_key: chat.id,
   };
+  if (modelOf(chat)) body.model = modelOf(chat);
   // Sent as typed, so the server (not the page) says what is wrong with a value.
   if (settings.temperature !== "") body.temperature = Number(settings.temperature);
   if (settings.maxTokens !== "") body.max_tokens = Number(settings.maxTokens);
@@ -265,42 +233,12 @@ function requestBody(chat) {
 }
 
 async function errorMessage(response) {
-  let detail = `${response.status} ${response.statusText}`;
-  try {
-    const body = await response.json();
-    detail = body?.error?.message || body?.message || detail;
-  } catch {
-    /* not JSON: keep the status line */
-  }
+  const detail = await errorDetail(response);
   if (response.status === 401) {
     $("#settings").open = true;
     return `${detail}. Enter the server's API key in Settings.`;
   }
   return detail;
-}
-
-// Reads server-sent events from a fetch response; calls onEvent with each parsed JSON payload.
-async function readEvents(response, onEvent) {
-  const reader = response.body.getReader();
-  const decoder = new TextDecoder();
-  let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
-    buffer += decoder.decode(value, { stream: true });
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const block = buffer.slice(0, end);
-      buffer = buffer.slice(end + 2);
-      const data = block
-        .split("\n")
-        .filter((line) => line.startsWith("data:"))
-        .map((line) => line.slice(5).trimStart())
-        .join("\n");
-      if (!data || data === "[DONE]") continue;
-      onEvent(JSON.parse(data));
-    }
-  }
 }
 
 async function send(text) {
@@ -338,6 +276,9 @@ function resend(chat, index, text) {
 async function reply(chat) {
   const message = { role: "assistant", content: "", pending: true };
   chat.messages.push(message);
+  // the models whose caches hold this conversation: each frees its entries when it is deleted
+  const model = modelOf(chat);
+  if (model && !(chat.models ||= []).includes(model)) chat.models.push(model);
   const controller = new AbortController();
   active = { chat, message, controller };
   save();
@@ -408,8 +349,8 @@ function stop() {
 
 async function refreshCache() {
   try {
-    const response = await fetch("v1/mlxkv/cache", { headers: headers() });
-    lastReport = response.ok ? await response.json() : null;
+    const response = await fetch(forModel("v1/mlxkv/cache"), { headers: headers() });
+    lastReport = response.ok ? await response.json() : { unavailable: await errorDetail(response) };
   } catch {
     lastReport = null;
   }
@@ -419,6 +360,19 @@ async function refreshCache() {
 function pollCache() {
   if (document.visibilityState === "visible" && !$("#cache-panel").hidden) refreshCache();
   setTimeout(pollCache, CACHE_POLL_MS);
+}
+
+async function loadModels() {
+  try {
+    const response = await fetch("v1/models", { headers: headers() });
+    if (!response.ok) return;
+    const listed = (await response.json()).data || [];
+    models = listed.filter((m) => !(m.capabilities || []).includes("embedding")).map((m) => m.id);
+  } catch {
+    return; /* the server is gone: requests say so */
+  }
+  renderModels();
+  refreshCache();
 }
 
 // ---- wiring ------------------------------------------------------------------------------
@@ -483,6 +437,13 @@ function wire() {
     $("#toggle-cache").setAttribute("aria-expanded", String(!panel.hidden));
     if (!panel.hidden) refreshCache();
   };
+  $("#model").addEventListener("change", (event) => {
+    const chat = currentChat() || newChat();
+    chat.model = settings.model = event.target.value;
+    save();
+    renderAll();
+    refreshCache();
+  });
   $("#system").addEventListener("input", (event) => {
     const chat = currentChat() || newChat();
     chat.system = event.target.value;
@@ -493,6 +454,7 @@ function wire() {
     $(id).addEventListener("input", (event) => {
       settings[key] = event.target.value.trim();
       save();
+      if (key === "apiKey") loadModels(); // refused without the key
     });
   }
   $("#messages").addEventListener("click", (event) => {
@@ -522,4 +484,5 @@ function wire() {
 
 wire();
 renderAll();
+loadModels();
 pollCache();

@@ -34,8 +34,10 @@ function meter(label, value, total) {
 }
 
 export function renderCache(el, report, titleOf) {
-  if (!report) {
-    el.querySelector("#cache-summary").innerHTML = '<p class="muted">Cache report unavailable.</p>';
+  if (!report || report.unavailable) {
+    const why = report ? escapeHtml(report.unavailable) : "Cache report unavailable.";
+    el.querySelector("#cache-summary").innerHTML = `<p class="muted">${why}</p>`;
+    el.querySelector("#cache-entries tbody").innerHTML = "";
     return;
   }
   const entries = [...report.entries].reverse(); // most recently used first
