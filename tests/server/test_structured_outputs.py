@@ -1,5 +1,6 @@
 """Structured outputs through the real clients: OpenAI's `response_format` (chat) and
-`text.format` (Responses), Anthropic's `output_config.format`, Ollama's `format`. The tiny
+`text.format` (Responses), Anthropic's `output_config.format` (and the beta's `output_format`),
+Ollama's `format`. The tiny
 random model never writes this JSON on its own; every reply parses and validates, with
 speculative decoding on in the server, and a schema that cannot compile is a 400 naming it."""
 
@@ -73,6 +74,22 @@ def test_anthropic_output_config_format(served):
         extra_body={"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}},
     )
     assert _valid(reply.content[0].text)
+
+
+def test_anthropic_beta_output_format(served):
+    """The structured-outputs beta's spelling, a top-level `output_format`, as LiteLLM's
+    `anthropic/` provider sends it: before, dropped, and the reply was plain text."""
+    beta = {"anthropic-beta": "structured-outputs-2025-11-13"}
+    client = served.anthropic()
+    reply = client.messages.create(
+        model="m", max_tokens=40, messages=ASK, extra_headers=beta,
+        extra_body={"output_format": {"type": "json_schema", "schema": SCHEMA}},
+    )  # fmt: skip
+    assert _valid(reply.content[0].text)
+    with pytest.raises(anthropic.BadRequestError, match="output_format.type"):
+        client.messages.create(
+            model="m", max_tokens=5, messages=ASK, extra_body={"output_format": {"type": "xml"}}
+        )
 
 
 def test_ollama_format(served):

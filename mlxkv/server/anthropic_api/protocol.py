@@ -3,9 +3,10 @@ chat-template messages: `tool_use` blocks become the assistant's tool calls, `to
 blocks become `tool` messages, and tools become OpenAI-style function definitions (the form
 chat templates take).
 
-`output_config.format` is honoured (structured outputs), and `thinking` sets the chat
-template's thinking switch where it has one (`reply.thinking_switch`). Fields current clients send
-that change nothing here are accepted and ignored: `output_config.effort`,
+`output_config.format` (or the beta's top-level `output_format`) is honoured (structured
+outputs), and `thinking` sets the chat template's thinking switch where it has one
+(`reply.thinking_switch`). Fields current clients send that change nothing here are accepted
+and ignored: `output_config.effort`,
 `cache_control` (every prefix is cached anyway), `context_management`, `diagnostics`,
 `metadata`, `anthropic-beta` headers.
 
@@ -191,6 +192,7 @@ class MessagesRequest(PromptFields):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     output_config: dict[str, Any] | None = None  # `format` is honoured, `effort` ignored
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's `format`
 
     def sampling(self) -> dict[str, Any]:
         if self.stop_sequences is not None and not all(self.stop_sequences):
@@ -200,7 +202,7 @@ class MessagesRequest(PromptFields):
             "temperature": self.temperature,
             **nucleus(self.top_p, self.top_k),
             "stop": self.stop_sequences,
-            "grammar": anthropic_grammar(self.output_config),
+            "grammar": anthropic_grammar(self.output_config, self.output_format),
         }
         return {key: value for key, value in chosen.items() if value is not None}
 

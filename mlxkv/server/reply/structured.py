@@ -1,6 +1,7 @@
 """Structured outputs as each API asks for them, turned into a grammar the reply keeps to
 token by token (`mlxkv.decoding.grammar`): OpenAI's `response_format` (chat) and
-`text.format` (Responses), Anthropic's `output_config.format`, Ollama's `format`. JSON that
+`text.format` (Responses), Anthropic's `output_config.format` (or the beta's `output_format`),
+Ollama's `format`. JSON that
 parses and validates comes back, unless `max_tokens` cuts it (finish reason "length").
 """
 
@@ -30,14 +31,20 @@ def openai_grammar(response_format: dict[str, Any] | None, param: str) -> str | 
     )
 
 
-def anthropic_grammar(output_config: dict[str, Any] | None) -> str | None:
-    """`output_config.format`: `{"type": "json_schema", "schema": {...}}`."""
-    fmt = (output_config or {}).get("format")
+def anthropic_grammar(
+    output_config: dict[str, Any] | None, output_format: dict[str, Any] | None = None
+) -> str | None:
+    """`output_config.format`: `{"type": "json_schema", "schema": {...}}`; else the same
+    object as the structured-outputs beta spelled it, a top-level `output_format` (LiteLLM's
+    `anthropic/` provider and LangChain still send it; Anthropic kept the old name working)."""
+    fmt, where = (output_config or {}).get("format"), "output_config.format"
+    if not fmt and output_format:
+        fmt, where = output_format, "output_format"
     if not fmt:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
-        raise ApiError(400, "output_config.format.type must be 'json_schema'")
-    param = "output_config.format.schema"
+        raise ApiError(400, f"{where}.type must be 'json_schema'", param=where)
+    param = f"{where}.schema"
     return _grammar(_schema(fmt.get("schema"), param), param)
 
 
