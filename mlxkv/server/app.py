@@ -25,6 +25,7 @@ from mlxkv.runner.runner import Runner
 from mlxkv.server.anthropic_api import models as anthropic_models
 from mlxkv.server.anthropic_api import routes as anthropic
 from mlxkv.server.anthropic_api.diagnostics import keep_prompt_records
+from mlxkv.server.anthropic_api.threads import keep_threads
 from mlxkv.server.browsers import HostCheck, OriginCheck
 from mlxkv.server.errors import ApiError, error_response
 from mlxkv.server.middleware import (
@@ -90,6 +91,7 @@ def create_app(
         models, config.default_max_tokens, config.max_tokens_limit, config.fetch_images
     )
     keep_responses(app)
+    keep_threads(app)
     keep_prompt_records(app)
     _add_routes(app)
     # innermost: a stream starts while its model loads, after the checks of the body
@@ -181,6 +183,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             code=error.code,
             param=error.param,
             headers=error.headers,
+            details=error.details,
         )
 
     @app.exception_handler(RequestValidationError)

@@ -43,6 +43,7 @@ class ApiError(Exception):
         code: OpenAI's machine-readable code (e.g. "context_length_exceeded"), or None.
         param: the request field at fault, or None.
         headers: response headers (Retry-After), or None.
+        details: Anthropic's `error.details` (its `error_code`, which the SDKs act on), or None.
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        details: dict[str, Any] | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -60,6 +62,7 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = headers
+        self.details = details
 
 
 def context_length_error(error: ContextLengthError, path: str) -> ApiError:
@@ -132,9 +135,10 @@ def error_response(
     code: str | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
+    details: dict[str, Any] | None = None,
 ) -> JSONResponse:
     """The error in the shape of the API the request (an ASGI scope) belongs to."""
-    error = ApiError(status, message, code=code, param=param)
+    error = ApiError(status, message, code=code, param=param, details=details)
     body: dict[str, Any]
     if is_ollama_path(scope["path"]):
         body = {"error": message}
@@ -155,4 +159,5 @@ def openai_error(error: ApiError) -> dict[str, Any]:
 def anthropic_error(error: ApiError) -> dict[str, Any]:
     """Anthropic's error object for `error` (the inner `error` of its body and stream event)."""
     kind = _ANTHROPIC_TYPES.get(error.status, "invalid_request_error")
-    return {"type": kind, "message": error.message}
+    body = {"type": kind, "message": error.message}
+    return body if error.details is None else {**body, "details": error.details}

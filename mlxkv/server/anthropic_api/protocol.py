@@ -184,6 +184,14 @@ class PromptFields(Lenient):
         return ForcedCall(choice.name if choice.type == "tool" else None)
 
 
+class ThreadParam(Lenient):
+    """Anthropic's message threads beta: `create` keeps the conversation under the reply's id,
+    `continue` sends the turn after `previous_message_id` alone (`anthropic_api.threads`)."""
+
+    type: Literal["create", "continue"]
+    previous_message_id: str | None = None
+
+
 class MessagesRequest(PromptFields):
     max_tokens: int = Field(ge=0)  # 0: only put the prompt in the cache (pre-warming)
     stop_sequences: list[str] | None = None
@@ -193,6 +201,7 @@ class MessagesRequest(PromptFields):
     stream: bool = False
     output_config: dict[str, Any] | None = None  # `format` is honoured, `effort` ignored
     output_format: dict[str, Any] | None = None  # the structured-outputs beta's `format`
+    thread: ThreadParam | None = None
 
     def sampling(self) -> dict[str, Any]:
         if self.stop_sequences is not None and not all(self.stop_sequences):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from mlxkv.server.anthropic_api.diagnostics import (
     prompt_records,
 )
 from mlxkv.server.anthropic_api.protocol import MessagesRequest, PromptFields
+from mlxkv.server.anthropic_api.threads import message_threads
 from mlxkv.server.anthropic_api.tool_ids import client_id
 from mlxkv.server.early_events import marking_waits, until_due
 from mlxkv.server.errors import ApiError, anthropic_error, bad_input_error
@@ -64,6 +65,8 @@ _PING = sse({"type": "ping"}, "ping")
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request, ctx: Context):
+    threads = message_threads(request)
+    body = threads.resume(body)  # a thread's continue: the whole conversation
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     # Before the request runs: what the cache holds for the prompt now.
     diagnostics = None
@@ -84,11 +87,13 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
     prewarm = body.max_tokens == 0
     if body.stream:
         early_kind = _early_kind(body, turn)
-        events = _message_events(turn, head, early_kind, request.scope, prewarm)
+        keep = functools.partial(threads.keep, message_id, body)
+        events = _message_events(turn, head, early_kind, request.scope, prewarm, keep)
         return event_stream(events, turn, _error_event, keepalive=_PING)
     events, completion = await collect(turn, request)
     calls = [event for event in events if isinstance(event, ToolCall)]
     content = _blocks(events)
+    threads.keep(message_id, body, content)
     return {
         **head,
         "content": content,
@@ -232,19 +237,23 @@ def _early_kind(body: MessagesRequest, turn: Turn) -> str:
 
 
 async def _message_events(
-    turn: Turn, head: dict[str, Any], early_kind: str, scope: dict[str, Any], prewarm: bool
+    turn: Turn,
+    head: dict[str, Any],
+    early_kind: str,
+    scope: dict[str, Any],
+    prewarm: bool,
+    keep: Callable[[list[dict[str, Any]]], None],
 ) -> AsyncIterator[str]:
-    """message_start once the prompt cache is matched (before the prompt is processed: a long
-    prefill then sends pings), with the prompt's usage as message_delta and a reply not
-    streamed give it (clients read it there: the SDKs' final message, Claude Code's context
-    meter); zeros where the match is later than an early event (a request waiting its turn),
-    then content blocks (start, deltas, stop), message_delta with the stop reason and usage,
-    message_stop. A first token late for Claude Code's watchdog (`early_events`:
-    the request of `scope` arrived long before) finds block 0 (`early_kind`) already open,
-    kept alive by empty deltas (its SDK drops `ping`); a tool call long in the writing, the
-    open block kept alive so, or an empty text block opened before it."""
+    """message_start once the prompt cache is matched (a long prefill then sends pings), with
+    the prompt's usage as message_delta and a reply not streamed give it (the SDKs' final
+    message, Claude Code's context meter read it there; zeros where the match is later than an
+    early event), then content blocks, message_delta with the stop reason and usage,
+    message_stop. A first token late for Claude Code's watchdog (`early_events`: the request
+    of `scope` arrived long before) finds block 0 (`early_kind`) open, kept alive by empty
+    deltas (its SDK drops `ping`); a tool call long in the writing, the open block kept alive
+    so, or an empty text block opened before it. `keep` gets the reply's blocks (its thread)."""
     index, open_kind = 0, None  # the text or thinking block being streamed, if any
-    calls: list[ToolCall] = []
+    shown: list[Event] = []  # the reply's text, thinking and calls
     usage = _usage(await until_due(turn.matched, scope), 0, prewarm)
     head = {**head, "stop_reason": None, "stop_sequence": None, "usage": usage}
     yield sse({"type": "message_start", "message": head}, "message_start")
@@ -255,6 +264,7 @@ async def _message_events(
                 yield _block_start(index, _text_block(open_kind, ""))
             yield _text_delta(index, open_kind, "")
         elif isinstance(event, TextDelta | ReasoningDelta) and event.text:
+            shown.append(event)
             kind = _TEXT_FIELDS[type(event)][0]
             if open_kind != kind:
                 if open_kind is not None:
@@ -268,7 +278,7 @@ async def _message_events(
                 open_kind = None
                 yield _block_stop(index)
                 index += 1
-            calls.append(event)
+            shown.append(event)
             yield _block_start(index, _tool_use(event, arguments={}))
             delta = {"type": "input_json_delta", "partial_json": event.arguments_json}
             yield sse(
@@ -281,8 +291,10 @@ async def _message_events(
             if open_kind is not None:
                 yield _block_stop(index)
             usage = _usage(event, event.generation_tokens, prewarm)
+            calls = [call for call in shown if isinstance(call, ToolCall)]
             body = {"type": "message_delta", "delta": _stop(event, calls), "usage": usage}
             yield sse(body, "message_delta")
+            keep(_blocks(shown))
             yield sse({"type": "message_stop"}, "message_stop")
 
 

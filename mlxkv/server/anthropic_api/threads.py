@@ -1,0 +1,115 @@
+"""Anthropic's message threads (the `message-threads-2026-08-12` beta, which the SDKs'
+`beta.messages.thread()` and tool runners turn on by default): `thread: {"type": "create"}`
+keeps the request's conversation and its reply under the reply's message id, and
+`{"type": "continue", "previous_message_id": ...}` sends only the new turn's messages, the
+server supplying the rest, `system` and `tools` included. Dropped, the field made a continued
+turn a conversation of its last message alone (its system prompt and tools gone, and a
+`tool_choice` refused for want of tools).
+
+A thread's state is the conversation up to one reply; it never changes, so a reply may be
+continued more than once (the real API refuses that with `thread_already_continued`, which
+the SDKs answer by sending the whole history again: the same conversation). Kept in memory,
+bounded, the least recently used dropped first; a server restart forgets them, and a
+`continue` from one not kept is a 404 `thread_not_found`, on which the SDKs send the whole
+history under a new thread. A thread is its creator's `cache_salt`'s: another tenant cannot
+continue it, even knowing its id."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from mlxkv.server.anthropic_api.protocol import Message, MessagesRequest
+from mlxkv.server.errors import ApiError
+
+MAX_THREADS = 256
+MAX_STORED_CHARS = 64 * 2**20
+# The fields a thread keeps from its `create`; a `continue` that sends one must send it equal.
+_CREATE_ONLY = ("system", "tools")
+
+
+@dataclass(frozen=True)
+class _Thread:
+    salt: str | None
+    system: Any
+    tools: Any
+    messages: list[Message]  # the conversation, its reply last
+    chars: int
+
+
+class MessageThreads:
+    def __init__(self, max_threads: int = MAX_THREADS, max_chars: int = MAX_STORED_CHARS):
+        self._max_threads = max_threads
+        self._max_chars = max_chars
+        self._threads: OrderedDict[str, _Thread] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def resume(self, body: MessagesRequest) -> MessagesRequest:
+        """`body` as the whole conversation: for a `continue`, the kept thread's messages, then
+        `body`'s, with the thread's `system` and `tools`; any other body as it is.
+
+        Raises:
+            ApiError: 400 for a `continue` without `previous_message_id` or changing a field
+                kept from the `create` (`thread_fingerprint_mismatch`); 404 for a thread not
+                kept (`thread_not_found`).
+        """
+        thread = body.thread
+        if thread is None or thread.type != "continue":
+            return body
+        previous = thread.previous_message_id
+        if not previous:
+            message = "thread.previous_message_id: a continue names the reply it continues"
+            raise ApiError(400, message, param="thread.previous_message_id")
+        with self._lock:
+            kept = self._threads.get(previous)
+            if kept is not None and kept.salt == body.cache_salt:
+                self._threads.move_to_end(previous)
+        if kept is None or kept.salt != body.cache_salt:
+            message = f"no thread holds the message {previous!r}; send the whole conversation"
+            raise ApiError(404, message, details={"error_code": "thread_not_found"})
+        changed = [f"`{name}`" for name in _CREATE_ONLY if _changes(body, kept, name)]
+        if changed:
+            message = f"{' and '.join(changed)} differ from the thread's; start a new thread"
+            raise ApiError(400, message, details={"error_code": "thread_fingerprint_mismatch"})
+        history = [*kept.messages, *body.messages]
+        return body.model_copy(update={"messages": history, **_fields(kept)})
+
+    def keep(self, message_id: str, body: MessagesRequest, reply: list[dict[str, Any]]) -> None:
+        """Keeps `body`'s conversation (`resume`d) and its `reply` (content blocks) under
+        `message_id` when `body` asks for a thread; an empty reply (a pre-warm) is not kept."""
+        if body.thread is None or not reply:
+            return
+        messages = [*body.messages, Message(role="assistant", content=reply)]
+        chars = sum(len(message.model_dump_json()) for message in messages)
+        if chars > self._max_chars:
+            return
+        kept = _Thread(body.cache_salt, body.system, body.tools, messages, chars)
+        with self._lock:
+            self._threads[message_id] = kept
+            self._chars += chars
+            while len(self._threads) > self._max_threads or self._chars > self._max_chars:
+                _, dropped = self._threads.popitem(last=False)
+                self._chars -= dropped.chars
+
+
+def _changes(body: MessagesRequest, kept: _Thread, name: str) -> bool:
+    return name in body.model_fields_set and getattr(body, name) != getattr(kept, name)
+
+
+def _fields(kept: _Thread) -> dict[str, Any]:
+    return {name: getattr(kept, name) for name in _CREATE_ONLY}
+
+
+def keep_threads(app: FastAPI) -> None:
+    """Gives `app` its message threads (empty: a new server holds none)."""
+    app.state.message_threads = MessageThreads()
+
+
+def message_threads(request: Request) -> MessageThreads:
+    """The message threads of the app serving `request` (`keep_threads`)."""
+    return request.app.state.message_threads
