@@ -44,6 +44,8 @@ from mlxkv.server.ollama_api import routes as ollama
 from mlxkv.server.openai_api import embeddings as openai_embeddings
 from mlxkv.server.openai_api import routes as openai
 from mlxkv.server.responses_api import routes as responses
+from mlxkv.server.responses_api import state_routes
+from mlxkv.server.responses_api.conversations import keep_conversations
 from mlxkv.server.responses_api.history import keep_responses
 from mlxkv.server.state import ServerContext, server_context
 from mlxkv.server.ui.page import add_page
@@ -91,6 +93,7 @@ def create_app(
         models, config.default_max_tokens, config.max_tokens_limit, config.fetch_images
     )
     keep_responses(app)
+    keep_conversations(app)
     keep_threads(app)
     keep_prompt_records(app)
     _add_routes(app)
@@ -115,6 +118,7 @@ def _add_routes(app: FastAPI) -> None:
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     app.include_router(responses.router)
+    app.include_router(state_routes.router)
     app.include_router(ollama.router)
     app.include_router(openai_embeddings.router)
     app.include_router(ollama_embed.router)

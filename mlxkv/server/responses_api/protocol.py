@@ -89,6 +89,7 @@ class ResponsesRequest(Lenient):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = Field(None, max_length=128)
+    conversation: str | dict[str, Any] | None = None  # an id, or {"id": ...}
     prompt_cache_key: str | None = Field(None, max_length=256)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     text: TextOptions | None = None

@@ -37,7 +37,14 @@ from mlxkv.server.reply.turn import (
     collect,
     start_turn,
 )
-from mlxkv.server.responses_api.history import resolve_references, stored_responses
+from mlxkv.server.responses_api.conversations import held_conversations
+from mlxkv.server.responses_api.history import (
+    named_conversation,
+    prior_messages,
+    resolve_references,
+    stored_responses,
+)
+from mlxkv.server.responses_api.items import listed_item
 from mlxkv.server.responses_api.protocol import NamedFunction, ResponsesRequest, chat_messages
 from mlxkv.server.state import Context, event_stream, sse
 
@@ -46,23 +53,14 @@ router = APIRouter()
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, ctx: Context):
-    history: list[dict[str, Any]] = []
-    if body.previous_response_id is not None:
-        found = stored_responses(request).get(body.previous_response_id)
-        if found is None:
-            raise ApiError(
-                400,
-                f"Previous response with id '{body.previous_response_id}' not found.",
-                code="previous_response_not_found",
-                param="previous_response_id",
-            )
-        history = found
+    conversation = named_conversation(body, request)
     items = resolve_references(body.input_items(), stored_responses(request))
-    conversation = history + chat_messages(None, items)
+    history = prior_messages(body, request, conversation)
+    messages = history + chat_messages(None, items)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     turn = await start_turn(
         request,
-        system + conversation,
+        system + messages,
         tools=body.template_tools(),
         # No max_output_tokens means no limit but the window, as OpenAI reads it: Codex sends
         # none and takes a reply cut short (response.incomplete) as a failed turn.
@@ -75,18 +73,23 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
     )
     response = _Response(body, ctx.model_name)
 
-    def remember(output: list[dict[str, Any]]) -> None:
+    def remember(final: dict[str, Any]) -> None:
+        """Stores the response (`store`) and adds it to its conversation, once it ended."""
+        listed = [listed_item(item.model_dump(exclude_none=True)) for item in items]
         if body.store:
-            messages = conversation + _as_messages(output)
-            stored_responses(request).put(response.id, messages, output)
+            stored = messages + _as_messages(final["output"])
+            stored_responses(request).put(stored, final, listed)
+        if conversation is not None:
+            held_conversations(request).add(conversation, listed + final["output"])
 
     if body.stream:
         events = _response_events(turn, response, remember, request.scope)
         return event_stream(events, turn, response.failed_event)
     events, completion = await collect(turn, request)
     output = _output_items(events, completion)
-    remember(output)
-    return response.body(output, completion, reasoning_tokens=turn.reasoning_tokens)
+    final = response.body(output, completion, reasoning_tokens=turn.reasoning_tokens)
+    remember(final)
+    return final
 
 
 class _Response:
@@ -189,8 +192,8 @@ async def _response_events(
                 for line in _close_item(response, open_item, len(output), status):
                     yield line
                 output.append(open_item)
-            remember(output)
             final = response.body(output, event, reasoning_tokens=turn.reasoning_tokens)
+            remember(final)
             # OpenAI ends a reply cut by max_output_tokens with response.incomplete
             kind = (
                 "response.incomplete" if final["status"] == "incomplete" else "response.completed"
