@@ -1,22 +1,31 @@
-"""A temporary file a process killed mid-write left (`kill -9`) takes disk until it is cleaned,
-an hour later at the earliest (`files.ORPHAN_AGE_S`: a live writer in another container looks
+"""A temporary file a process killed mid-write left (`kill -9`) takes disk until it is cleaned:
+at the next start when that process was of this pid space (`files.pid_space`), else an hour
+later at the earliest (`bad_files.ORPHAN_AGE_S`: a live writer in another container looks
 gone from here): the budget counts it meanwhile, so the directory keeps to `cache_dir_bytes`,
 and never removes it. A file with a temporary's name that this tier did not write counts for
 nothing and stays."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 
+from mlxkv.runner.disk import bad_files
 from mlxkv.runner.disk import store as store_module
+from mlxkv.runner.disk.files import pid_space
 from tests.runner.test_disk_superseded import _cache, _store
 
 FIRST = list(range(10, 18))  # 2 blocks of 4
 DEAD_PID = 2**22 + 7  # above Linux's pid_max: no process has it
 
 
-def _temporary(directory, name: str, data: bytes):
-    path = directory / f".tmp-{DEAD_PID}-{name * 16}{store_module.SUFFIX}"
+def _temporary(directory, name: str, data: bytes, space: str = ""):
+    """A temporary file of a process that is gone: named in `space` (a pid space), or as
+    versions before pid spaces named them."""
+    named = f"{space}-" if space else ""
+    path = directory / f".tmp-{DEAD_PID}-{named}{name * 16}{store_module.SUFFIX}"
     path.write_bytes(data)
     return path
 
@@ -52,3 +61,45 @@ def test_a_temporary_file_a_killed_write_left_counts_in_the_budget(load_tiny, tm
     tokens = np.asarray(FIRST, dtype=np.uint32)
     assert store.best(tokens, len(FIRST))[1] == 4  # the tail block went, the first stays
     store.close()
+
+
+def test_killed_writes_of_this_pid_space_go_at_the_next_start(load_tiny, tmp_path):
+    """`kill -9` mid-write, again and again: before, each leftover stayed an hour and counted,
+    so a few of them took the whole budget and every block was evicted (the tier went cold)."""
+    model, _ = load_tiny("llama")
+    writer = _store(model, tmp_path)
+    writer.write(_cache(model, FIRST), wait=True)
+    writer.close()
+    blocks_bytes = _disk_bytes(writer.directory)
+    block = next(writer.directory.glob(f"*{store_module.SUFFIX}")).read_bytes()
+    killed = [_temporary(writer.directory, name, block, pid_space()) for name in ("ab", "cd")]
+    truncated = _temporary(writer.directory, "ef", block[:5], pid_space())  # mid-header
+    store = store_module.DiskStore(
+        tmp_path,
+        fingerprint=writer.fingerprint,
+        signature=writer.signature,
+        max_bytes=blocks_bytes,
+        trimmable=True,
+    )
+    assert not any(path.exists() for path in [*killed, truncated])
+    assert store.best(np.asarray(FIRST, dtype=np.uint32), len(FIRST))[1] == len(FIRST)  # warm
+    store.close()
+
+
+def test_other_pid_spaces_wait_an_hour_and_foreign_files_stay(load_tiny, tmp_path):
+    model, _ = load_tiny("llama")
+    writer = _store(model, tmp_path)
+    writer.write(_cache(model, FIRST), wait=True)
+    writer.close()
+    block = next(writer.directory.glob(f"*{store_module.SUFFIX}")).read_bytes()
+    elsewhere = "0" * 8 if pid_space() != "0" * 8 else "1" * 8
+    young = _temporary(writer.directory, "ab", block, elsewhere)  # another container's writer
+    old = _temporary(writer.directory, "cd", block, elsewhere)
+    foreign = _temporary(writer.directory, "ef", b"a file another program wrote" * 100)
+    foreign_here = _temporary(writer.directory, "aa", b"another program's" * 100, elsewhere)
+    hours_ago = time.time() - bad_files.ORPHAN_AGE_S - 60
+    for path in (old, foreign, foreign_here):
+        os.utime(path, (hours_ago, hours_ago))
+    _store(model, tmp_path).close()  # opening scans the directory
+    assert young.exists() and not old.exists()
+    assert foreign.exists() and foreign_here.exists()  # named like ours, not ours: left

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -159,16 +158,15 @@ def test_keyboard_interrupt_during_a_write_leaves_no_file_that_loads(
     monkeypatch.undo()
     assert list(tmp_path.rglob("*.safetensors")) == []
     # a process killed mid-write leaves its temporary file: never indexed, removed once its
-    # process is gone
+    # process is gone (at once when it was of this pid space; another space's, an hour on)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     directory = runner._pool.store.directory
-    leftover = directory / f".tmp-{int(dead.stdout)}-{'ab' * 16}{store_module.SUFFIX}"
+    here, elsewhere = store_files.pid_space(), "0" * 8
+    leftover = directory / f".tmp-{int(dead.stdout)}-{here}-{'ab' * 16}{store_module.SUFFIX}"
     leftover.write_bytes(b"half a file")
-    young = directory / f".tmp-{int(dead.stdout)}-{'cd' * 16}{store_module.SUFFIX}"
+    young = directory / f".tmp-{int(dead.stdout)}-{elsewhere}-{'cd' * 16}{store_module.SUFFIX}"
     young.write_bytes(b"being written, maybe by another container whose pids differ")
-    old = time.time() - store_files.ORPHAN_AGE_S - 60
-    os.utime(leftover, (old, old))
     restarted = make_runner("llama", cache_entries=2, cache_dir=tmp_path)
     out = restarted.generate(messages + [{"role": "user", "content": "Why?"}], max_tokens=3)
     assert out.cached_tokens == 0 and not leftover.exists() and young.exists()

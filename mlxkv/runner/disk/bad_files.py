@@ -1,5 +1,6 @@
 """What a disk-tier file that fails a read or a check leaves: the index forgets it, and it is
-removed only when this tier wrote it.
+removed only when this tier wrote it; and the temporary files of writers that died mid-write
+(`remove_orphaned_temporaries`).
 
 Owns `BadFiles`, the rule behind the store's first two invariants: only files this tier wrote
 are ever removed (a foreign one is left in place, warned about once); one that fails a check
@@ -11,15 +12,29 @@ scan never sees a file without its record) or the removal itself (`files.remove_
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import stat
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from mlxkv.runner.disk.files import BadFile, StoredEntry, remove_own_file
+from mlxkv.runner.disk.files import (
+    TEMPORARY_NAME,
+    BadFile,
+    StoredEntry,
+    pid_space,
+    read_header,
+    remove_own_file,
+)
 from mlxkv.runner.disk.reading import warn_unreadable
 
 logger = logging.getLogger(__name__)
+# Seconds without a write after which a temporary file named in another pid space (another
+# container's, another host's) whose process id is not running here is removed.
+ORPHAN_AGE_S = 3600.0
 
 
 class BadFiles:
@@ -69,3 +84,46 @@ class BadFiles:
             path.name,
             why,
         )
+
+
+def remove_orphaned_temporaries(directory: Path) -> None:
+    """`remove_if_orphaned` for every temporary file in `directory`."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if TEMPORARY_NAME.fullmatch(entry.name):
+                remove_if_orphaned(Path(entry.path))
+
+
+def remove_if_orphaned(path: Path) -> None:
+    """Removes a temporary file whose writer is gone: named in this process's pid space
+    (`files.pid_space`) by a process id not running (a server killed mid-write: its next start
+    frees the disk it took, which the budget counts); named in another space, or before spaces
+    were named, by an id not running here, unwritten for `ORPHAN_AGE_S` (another container's
+    ids are not this one's, so its live writer looks gone from here) and with no header saying
+    another program wrote it."""
+    match = TEMPORARY_NAME.fullmatch(path.name)
+    try:
+        info = path.lstat()
+        if match is None or not stat.S_ISREG(info.st_mode):
+            return
+        os.kill(int(match.group(1)), 0)
+        return  # running
+    except ProcessLookupError:
+        pass
+    except (ValueError, OSError):
+        return
+    elsewhere = match.group(2) != pid_space()
+    if elsewhere and (time.time() - info.st_mtime < ORPHAN_AGE_S or _foreign(path)):
+        return
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _foreign(path: Path) -> bool:
+    try:
+        read_header(path)
+    except BadFile as why:
+        return not why.ours
+    except OSError:
+        return True  # proves nothing: left for now
+    return False

@@ -57,8 +57,9 @@ def tier_files(
 def temporary_bytes(directories: list[Path], proven: dict[tuple[str, int, int], bool]) -> int:
     """Bytes of the temporary files in `directories` whose header says this tier wrote them: a
     write in flight, or one a process killed mid-write left, removed only when provably
-    orphaned (`files.remove_if_orphaned`, an hour on). They take disk as blocks do, so the
-    budget counts them; it never removes one (its writer may live in another container)."""
+    orphaned (`bad_files.remove_if_orphaned`: at the next scan when its writer was a process of
+    this pid space, an hour on otherwise). They take disk as blocks do, so the budget counts
+    them; it never removes one (its writer may live in another container)."""
     total = 0
     for directory in directories:
         with contextlib.suppress(OSError):

@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import stat
+import socket
 import struct
 import threading
-import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterable
@@ -61,14 +61,13 @@ FORMAT_FAMILY = "mlxkv-kv-"  # files of any version are this tier's (older ones 
 SUFFIX = ".safetensors"
 _FILE_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
 _MODEL_DIRECTORY = re.compile(r"[0-9a-f]{16}")
-TEMPORARY_NAME = re.compile(r"\.tmp-(\d+)-[0-9a-f]{32}\.safetensors")
+# `.tmp-<pid>-<pid space>-<32 hex>`; before pid spaces were named, `.tmp-<pid>-<32 hex>`
+TEMPORARY_NAME = re.compile(r"\.tmp-(\d+)-(?:([0-9a-f]{8})-)?[0-9a-f]{32}\.safetensors")
 _CRC_FIELD = b'"crc32":"'
 _SECTIONS_FIELD = b'"sections":"'
 CRC_PLACEHOLDER = "00000000"
 _CHUNK_BYTES = 16 * 2**20
 T = TypeVar("T")
-# Seconds without a write after which a temporary file whose process is gone is removed.
-ORPHAN_AGE_S = 3600.0
 
 
 class BadFile(Exception):
@@ -122,13 +121,31 @@ class DiskStoreUnavailable(OSError):
     """The cache directory cannot be written (read-only, no permission): serve without it."""
 
 
+def temporary_path(directory: Path) -> Path:
+    """A new temporary file's path in `directory`, named by this process and its pid space
+    (`TEMPORARY_NAME`: `bad_files.remove_if_orphaned` tells a dead writer's by them)."""
+    return directory / f".tmp-{os.getpid()}-{pid_space()}-{uuid.uuid4().hex}{SUFFIX}"
+
+
+@functools.cache
+def pid_space() -> str:
+    """8 hex digits naming the space this process's id lives in: the host, and on Linux its
+    pid namespace (a container's own), so that a process id read from a file name is only
+    looked up where it means this process's kind of id."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return hashlib.sha256(f"{socket.gethostname()}:{namespace}".encode()).hexdigest()[:8]
+
+
 def check_writable(directory: Path) -> None:
     """Creates `directory` and proves a file can be written in it.
 
     Raises:
         DiskStoreUnavailable: it cannot be created or written (says why).
     """
-    probe = directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
+    probe = temporary_path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
@@ -351,7 +368,7 @@ def write_file(
         OSError: it could not be written (a full disk said so); no temporary file is left.
     """
     path = directory / job.name
-    temporary = directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}{SUFFIX}"
+    temporary = temporary_path(directory)
     try:
         try:  # the temporary file goes first: it took what was free before the write
             mx.save_safetensors(str(temporary), job.arrays, job.metadata)
@@ -410,30 +427,6 @@ def touch(path: Path) -> None:
     """Marks a file as just used (the budget removes the least recently used first)."""
     with contextlib.suppress(OSError):
         os.utime(path)
-
-
-def remove_orphaned_temporaries(directory: Path) -> None:
-    """`remove_if_orphaned` for every temporary file in `directory`."""
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(directory):
-            if TEMPORARY_NAME.fullmatch(entry.name):
-                remove_if_orphaned(Path(entry.path))
-
-
-def remove_if_orphaned(path: Path) -> None:
-    """Removes a temporary file whose writing process is gone (`.tmp-<pid>-...`) and that
-    nothing has written for `ORPHAN_AGE_S`. The age matters: a server in another container
-    sharing the directory has its own process ids, so its live writer looks gone from here."""
-    try:
-        info = path.lstat()
-        if not stat.S_ISREG(info.st_mode) or time.time() - info.st_mtime < ORPHAN_AGE_S:
-            return
-        os.kill(int(path.name.split("-")[1]), 0)
-    except ProcessLookupError:
-        with contextlib.suppress(OSError):
-            path.unlink()
-    except (ValueError, IndexError, OSError):
-        pass
 
 
 def why_unwritten(directory: Path, needed_bytes: int, error: Exception) -> str:

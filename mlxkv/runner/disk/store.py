@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.runner.disk.bad_files import BadFiles
+from mlxkv.runner.disk.bad_files import BadFiles, remove_orphaned_temporaries
 from mlxkv.runner.disk.budget import removal_order, temporary_bytes, tier_files
 from mlxkv.runner.disk.chains import (
     BLOCK_TOKENS,
@@ -62,7 +62,6 @@ from mlxkv.runner.disk.files import (
     model_directories,
     own_files,
     read_record,
-    remove_orphaned_temporaries,
     remove_own_file,
     token_key,
     write_file,
