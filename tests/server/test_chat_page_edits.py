@@ -76,6 +76,18 @@ def test_escape_leaves_the_message_as_it_was_and_sends_nothing(page):
     assert not [url for url in requests if url.endswith("/v1/chat/completions")]
 
 
+def test_a_half_typed_edit_outlives_opening_another_conversation(page):
+    _set(page, "#max-tokens", str(MAX_TOKENS))
+    _send(page, "First chat")
+    first = page.locator("#conversations li.selected").get_attribute("data-id")
+    page.locator(".message.user .edit").click()
+    page.fill(".edit-input", "Half typed")
+    page.click("#new-chat")
+    assert page.locator(".edit-input").count() == 0
+    page.locator(f"#conversations li[data-id='{first}'] .open").click()
+    assert page.locator(".edit-input").input_value() == "Half typed"
+
+
 def test_the_buttons_are_hidden_while_a_reply_is_generated(page):
     """Retry or Edit during a reply would change the conversation under it."""
     _set(page, "#max-tokens", str(MAX_TOKENS))

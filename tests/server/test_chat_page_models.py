@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 
 from mlxkv import Runner
+from mlxkv.server.models.model import ModelLoader
+from tests.factories import tiny_model_dir
 
 from .chat_page import WAIT_MS, _current, _send, _set
 from .conftest import serve
@@ -98,3 +100,29 @@ def test_with_one_model_there_is_nothing_to_choose(page, page_server):
     _send(page, "Hello there")
     assert page.locator("#model").is_hidden()
     assert page.locator("#model option").count() == 1
+
+
+def test_a_model_not_loaded_is_said_so_and_not_polled(browser, loaded_tiny, model_root):
+    """Its cache report is a 409 (it loads on its first request): said once in the panel, not
+    asked again every poll (each 409 was a console error), and read again once it answers."""
+    path = tiny_model_dir("qwen3", model_root)
+    loader = ModelLoader(lambda: Runner.load(str(path), max_context=512), path=path)
+    runners = {"first": Runner(loaded_tiny("llama"), max_context=512), "later": loader}
+    with serve(runners) as served:
+        context = browser.new_context(viewport={"width": 1280, "height": 800})
+        page = context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        page.clock.install()  # the poll's timers run when the test says
+        asked = []
+        page.on("request", lambda r: asked.append(r.url) if "mlxkv/cache" in r.url else None)
+        page.goto(served.url + "/")
+        page.locator("#model").wait_for()
+        page.select_option("#model", "later")
+        page.locator("#cache-summary", has_text="not loaded").wait_for()
+        before = len(asked)
+        page.clock.run_for(10 * 2000)  # five polls' time
+        assert len(asked) == before
+        _set(page, "#max-tokens", str(MAX_TOKENS))
+        _send(page, "Hello there")  # loads it
+        page.locator("#cache-summary", has_text="later").wait_for()
+        context.close()

@@ -28,7 +28,7 @@ const settings = { temperature: "", maxTokens: "512", apiKey: "", model: "", ...
 // first; empty until known, when requests name no model and the server answers with its default.
 let models = [];
 let active = null; // the generation running: { chat, message, controller }
-let editing = null; // the user message being edited: { chatId, index }
+let editing = null; // the user message being edited: { chatId, index, draft }
 let lastReport = null;
 
 // A reply that was streaming when the page closed ended there.
@@ -108,7 +108,7 @@ function renderMessages() {
     el.dataset.index = index;
     if (editing?.chatId === chat.id && editing.index === index) {
       el.className = "message user editing";
-      el.innerHTML = editorHtml(message);
+      el.innerHTML = editorHtml(message, editing.draft);
     } else renderMessage(el, message, actionsHtml(message, { busy: active !== null, last: index === chat.messages.length - 1 }));
     message.el = el;
     box.appendChild(el);
@@ -154,6 +154,7 @@ function switchTo(id) {
   save();
   renderAll();
   closeDrawers();
+  refreshCache(); // its model's
 }
 
 async function deleteChat(id) {
@@ -347,18 +348,26 @@ function stop() {
 
 // ---- cache panel -------------------------------------------------------------------------
 
+let cacheReads = 0; // reads of the panel's report asked; an answer to an older one is stale
+
 async function refreshCache() {
+  const read = ++cacheReads;
+  let report = null;
   try {
     const response = await fetch(forModel("v1/mlxkv/cache"), { headers: headers() });
-    lastReport = response.ok ? await response.json() : { unavailable: await errorDetail(response) };
+    report = response.ok ? await response.json() : { unavailable: await errorDetail(response) };
   } catch {
-    lastReport = null;
+    /* the server is gone: no report */
   }
+  if (read !== cacheReads) return; // another model's, or older than one already shown
+  lastReport = report;
   renderCache($("#cache-panel"), lastReport, titleOf);
 }
 
+// Polled while shown, except for a model not loaded (it loads on its first request, after
+// which the panel is read again).
 function pollCache() {
-  if (document.visibilityState === "visible" && !$("#cache-panel").hidden) refreshCache();
+  if (document.visibilityState === "visible" && !$("#cache-panel").hidden && !lastReport?.unavailable) refreshCache();
   setTimeout(pollCache, CACHE_POLL_MS);
 }
 
@@ -460,6 +469,10 @@ function wire() {
   $("#messages").addEventListener("click", (event) => {
     const button = event.target.closest("button");
     if (button && !button.classList.contains("copy")) messageAction(button);
+  });
+  // the text being edited outlives a redraw (another conversation opened and this one again)
+  $("#messages").addEventListener("input", (event) => {
+    if (editing && event.target.classList.contains("edit-input")) editing.draft = event.target.value;
   });
   $("#messages").addEventListener("keydown", (event) => {
     if (!event.target.classList.contains("edit-input")) return;

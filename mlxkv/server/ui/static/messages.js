@@ -26,10 +26,11 @@ export function actionsHtml(message, { busy, last }) {
   return last ? `<div class="actions">${button("retry", "Retry")}</div>` : "";
 }
 
-export function editorHtml(message) {
+// The editor of a message the user wrote: `draft`, the text typed so far, else the message's.
+export function editorHtml(message, draft) {
   return (
     `<div class="editor">${imagesHtml(message.images)}` +
-    `<textarea class="edit-input" rows="3" aria-label="Edit the message">${escapeHtml(message.content)}</textarea>` +
+    `<textarea class="edit-input" rows="3" aria-label="Edit the message">${escapeHtml(draft ?? message.content)}</textarea>` +
     '<div class="actions"><button type="button" class="cancel">Cancel</button>' +
     '<button type="button" class="save primary">Send</button></div></div>'
   );
