@@ -108,6 +108,14 @@ class ToolChoice(Lenient):
     name: str | None = None
 
 
+class ThreadParam(Lenient):
+    """Anthropic's message threads beta: `create` keeps the conversation under the reply's id,
+    `continue` sends the turn after `previous_message_id` alone (`anthropic_api.threads`)."""
+
+    type: Literal["create", "continue"]
+    previous_message_id: str | None = None
+
+
 class PromptFields(Lenient):
     """What `/v1/messages` and `/v1/messages/count_tokens` share: the prompt."""
 
@@ -121,6 +129,7 @@ class PromptFields(Lenient):
     diagnostics: dict[str, Any] | None = None
     # As vLLM's: the request's cache domain (and replies generated within it: the prompt's ids)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    thread: ThreadParam | None = None
 
     def template_switches(self) -> dict[str, Any] | None:
         """The thinking switch, and Anthropic's prefill: a last assistant message is
@@ -184,14 +193,6 @@ class PromptFields(Lenient):
         return ForcedCall(choice.name if choice.type == "tool" else None)
 
 
-class ThreadParam(Lenient):
-    """Anthropic's message threads beta: `create` keeps the conversation under the reply's id,
-    `continue` sends the turn after `previous_message_id` alone (`anthropic_api.threads`)."""
-
-    type: Literal["create", "continue"]
-    previous_message_id: str | None = None
-
-
 class MessagesRequest(PromptFields):
     max_tokens: int = Field(ge=0)  # 0: only put the prompt in the cache (pre-warming)
     stop_sequences: list[str] | None = None
@@ -201,7 +202,6 @@ class MessagesRequest(PromptFields):
     stream: bool = False
     output_config: dict[str, Any] | None = None  # `format` is honoured, `effort` ignored
     output_format: dict[str, Any] | None = None  # the structured-outputs beta's `format`
-    thread: ThreadParam | None = None
 
     def sampling(self) -> dict[str, Any]:
         if self.stop_sequences is not None and not all(self.stop_sequences):

@@ -103,7 +103,8 @@ async def messages(body: MessagesRequest, request: Request, ctx: Context):
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: PromptFields, ctx: Context) -> dict[str, int]:
+async def count_tokens(body: PromptFields, request: Request, ctx: Context) -> dict[str, int]:
+    body = message_threads(request).resume(body)  # a thread's continue: all of it
     runner = ctx.worker.runner
     messages = await fetched_images(body.chat_messages(), ctx.fetch_images)
     try:

@@ -19,13 +19,15 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 
-from mlxkv.server.anthropic_api.protocol import Message, MessagesRequest
+from mlxkv.server.anthropic_api.protocol import Message, PromptFields
 from mlxkv.server.errors import ApiError
 
+# A request's body: `/v1/messages`' or `/v1/messages/count_tokens`'.
+Body = TypeVar("Body", bound=PromptFields)
 MAX_THREADS = 256
 MAX_STORED_CHARS = 64 * 2**20
 # The fields a thread keeps from its `create`; a `continue` that sends one must send it equal.
@@ -49,7 +51,7 @@ class MessageThreads:
         self._chars = 0
         self._lock = threading.Lock()
 
-    def resume(self, body: MessagesRequest) -> MessagesRequest:
+    def resume(self, body: Body) -> Body:
         """`body` as the whole conversation: for a `continue`, the kept thread's messages, then
         `body`'s, with the thread's `system` and `tools`; any other body as it is.
 
@@ -79,13 +81,21 @@ class MessageThreads:
         history = [*kept.messages, *body.messages]
         return body.model_copy(update={"messages": history, **_fields(kept)})
 
-    def keep(self, message_id: str, body: MessagesRequest, reply: list[dict[str, Any]]) -> None:
+    def keep(self, message_id: str, body: PromptFields, reply: list[dict[str, Any]]) -> None:
         """Keeps `body`'s conversation (`resume`d) and its `reply` (content blocks) under
-        `message_id` when `body` asks for a thread; an empty reply (a pre-warm) is not kept."""
+        `message_id` when `body` asks for a thread; an empty reply (a pre-warm) is not kept.
+        Its size is the thread's it continues plus what this turn added (measured alone: a
+        long thread is not written out whole on every turn)."""
         if body.thread is None or not reply:
             return
         messages = [*body.messages, Message(role="assistant", content=reply)]
-        chars = sum(len(message.model_dump_json()) for message in messages)
+        previous = None
+        with self._lock:  # the thread `resume` put before this turn, unless dropped since
+            if body.thread.type == "continue":
+                previous = self._threads.get(body.thread.previous_message_id or "")
+        held = 0 if previous is None else len(previous.messages)
+        chars = sum(len(message.model_dump_json()) for message in messages[held:])
+        chars += 0 if previous is None else previous.chars
         if chars > self._max_chars:
             return
         kept = _Thread(body.cache_salt, body.system, body.tools, messages, chars)
@@ -97,7 +107,7 @@ class MessageThreads:
                 self._chars -= dropped.chars
 
 
-def _changes(body: MessagesRequest, kept: _Thread, name: str) -> bool:
+def _changes(body: PromptFields, kept: _Thread, name: str) -> bool:
     return name in body.model_fields_set and getattr(body, name) != getattr(kept, name)
 
 
