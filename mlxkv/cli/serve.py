@@ -180,7 +180,8 @@ def _named_models(specs: list[str], folders: list[str]) -> dict[str, str | None]
     Ollama name as given; none: the default.
 
     Raises:
-        SystemExit: two models with one name (say which, and how to name them apart).
+        SystemExit: two models with one name (say which, and how to name them apart), or a
+            name given no model (`-m small=`).
     """
     if not specs and not folders:
         return {_DEFAULT_NAME: None}
@@ -189,6 +190,8 @@ def _named_models(specs: list[str], folders: list[str]) -> dict[str, str | None]
         name, sep, model = spec.partition("=")
         if not sep or not name or os.path.exists(spec):  # a path may hold '='
             name, model = _name_of(spec), spec
+        if not model.strip():
+            raise SystemExit(f"mlxkv: -m {spec!r} names no model; give one: -m {name}=MODEL")
         named.append((name, model))
     for folder in folders:
         named += [(name, str(path)) for name, path in find_models(folder).items()]

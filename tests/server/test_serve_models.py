@@ -136,3 +136,12 @@ def test_a_keep_alive_ollama_refuses_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--keep-alive", "5 m"])
     assert 'unknown unit " m"' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["small=", "small= "], ids=["empty", "blank"])
+def test_a_name_given_no_model_is_refused_at_start(spec):
+    """`-m small=` started a server that listed `small` and failed on its first request."""
+    from mlxkv.cli.serve import _named_models
+
+    with pytest.raises(SystemExit, match="names no model; give one: -m small=MODEL"):
+        _named_models([spec], [])
