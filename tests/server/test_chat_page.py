@@ -174,7 +174,7 @@ def _screenshots(page) -> None:
     page.emulate_media(color_scheme="dark")
     page.screenshot(path=str(ARTIFACTS / "chat-dark.png"))
     page.set_viewport_size({"width": 390, "height": 844})
-    page.click("#toggle-cache")  # at phone width the panel covers the chat: close it
+    page.locator("#cache-panel").wait_for(state="hidden")  # closed at phone width
     page.locator("#sidebar").evaluate(  # the list has slid out of view
         "el => Promise.all(el.getAnimations().map(a => a.finished))"
     )
@@ -182,6 +182,19 @@ def _screenshots(page) -> None:
     page.screenshot(path=str(ARTIFACTS / "chat-narrow.png"))
     for name in ("chat-light", "chat-dark", "chat-narrow"):
         assert (ARTIFACTS / f"{name}.png").stat().st_size > 10_000
+
+
+def test_at_phone_width_the_panel_and_the_list_get_out_of_the_way(page):
+    """Loaded wide and narrowed, the cache panel covered the chat; the conversation list slid
+    over it covered its own button, with nothing to close it."""
+    assert page.locator("#cache-panel").is_visible()
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.locator("#cache-panel").wait_for(state="hidden")
+    assert page.locator("#toggle-cache").get_attribute("aria-expanded") == "false"
+    page.click("#menu")
+    assert page.evaluate("document.body.classList.contains('show-sidebar')")
+    page.mouse.click(370, 400)  # beside the list, on the chat
+    assert not page.evaluate("document.body.classList.contains('show-sidebar')")
 
 
 def test_server_errors_are_shown_in_the_page(page):

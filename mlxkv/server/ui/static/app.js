@@ -492,7 +492,18 @@ function wire() {
       setTimeout(() => (button.textContent = "Copy"), 1500);
     });
   });
-  if (window.matchMedia("(max-width: 720px)").matches) $("#cache-panel").hidden = true;
+  // At phone width the panel would cover the chat: closed there, also when the window narrows.
+  const phone = window.matchMedia("(max-width: 720px)");
+  const closePanel = () => {
+    $("#cache-panel").hidden = true;
+    $("#toggle-cache").setAttribute("aria-expanded", "false");
+  };
+  if (phone.matches) closePanel();
+  phone.addEventListener("change", (event) => event.matches && closePanel());
+  // the conversation list slid over the chat closes on a click beside it
+  $("main").addEventListener("click", (event) => {
+    if (!event.target.closest("#menu")) closeDrawers();
+  });
 }
 
 wire();
