@@ -2,7 +2,9 @@
 
 Owns: `ServerContext` (kept on `app.state.mlxkv`: the default model's; a request naming
 another served model gets that model's, loaded: `models.served.request_context`), the
-`server_context` dependency, and the server-sent-events framing both streaming APIs use.
+`server_context` dependency, the server-sent-events framing both streaming APIs use, and
+`BoundedMap`, what an API keeps between requests (stored responses, conversations, message
+threads) under one bound.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import asyncio
 import dataclasses
 import json
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
@@ -209,3 +213,88 @@ class _Raised:
     """What reading the events raised, handed over in their place."""
 
     error: Exception
+
+
+V = TypeVar("V")
+
+
+class BoundedMap(Generic[V]):
+    """Entries an API keeps for later requests, in memory under a count and a size bound (its
+    callers measure sizes in characters of JSON), the least recently used dropped first. An
+    entry larger than the whole bound is not kept, and one that would grow past it does not
+    grow, so the newest entry always fits and the bound always holds.
+
+    Args:
+        max_entries: the most entries kept.
+        max_chars: the most characters all of them take.
+        dropped: told of each entry dropped (evicted or popped), under the map's lock.
+    """
+
+    def __init__(
+        self, max_entries: int, max_chars: int, dropped: Callable[[V], None] | None = None
+    ):
+        self.max_chars = max_chars
+        self._max_entries = max_entries
+        self._dropped = dropped
+        self._entries: OrderedDict[str, tuple[V, int]] = OrderedDict()  # value, its chars
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    @property
+    def chars(self) -> int:
+        return self._chars
+
+    def get(self, key: str) -> V | None:
+        """The entry, marked as just used; None when not kept."""
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None:
+                return None
+            self._entries.move_to_end(key)
+            return found[0]
+
+    def chars_of(self, key: str) -> int:
+        with self._lock:
+            return self._entries[key][1] if key in self._entries else 0
+
+    def put(self, key: str, value: V, chars: int) -> bool:
+        """Keeps `value` (of `chars` characters); False, keeping nothing, when it alone would
+        pass the bound."""
+        if chars > self.max_chars:
+            return False
+        with self._lock:
+            self._discard(key)
+            self._entries[key] = (value, chars)
+            self._chars += chars
+            self._evict()
+        return True
+
+    def grow(self, key: str, chars: int) -> bool:
+        """Counts `chars` more (fewer, if negative) for the entry, marked as just used; False,
+        changing nothing, when it is not kept or would pass the bound alone."""
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None or found[1] + chars > self.max_chars:
+                return False
+            self._entries[key] = (found[0], found[1] + chars)
+            self._entries.move_to_end(key)
+            self._chars += chars
+            self._evict()
+        return True
+
+    def pop(self, key: str) -> V | None:
+        with self._lock:
+            found = self._entries.get(key)
+            self._discard(key)
+        return None if found is None else found[0]
+
+    def _discard(self, key: str) -> None:
+        found = self._entries.pop(key, None)
+        if found is not None:
+            self._chars -= found[1]
+            if self._dropped is not None:
+                self._dropped(found[0])
+
+    def _evict(self) -> None:
+        while len(self._entries) > self._max_entries or self._chars > self.max_chars:
+            self._discard(next(iter(self._entries)))

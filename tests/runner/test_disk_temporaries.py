@@ -97,9 +97,12 @@ def test_other_pid_spaces_wait_an_hour_and_foreign_files_stay(load_tiny, tmp_pat
     old = _temporary(writer.directory, "cd", block, elsewhere)
     foreign = _temporary(writer.directory, "ef", b"a file another program wrote" * 100)
     foreign_here = _temporary(writer.directory, "aa", b"another program's" * 100, elsewhere)
+    # a container restarted: its new server has the old one's id (1, say), alive here
+    restarted = writer.directory / f".tmp-{os.getpid()}-{elsewhere}-{'bb' * 16}.safetensors"
+    restarted.write_bytes(block)
     hours_ago = time.time() - bad_files.ORPHAN_AGE_S - 60
-    for path in (old, foreign, foreign_here):
+    for path in (old, foreign, foreign_here, restarted):
         os.utime(path, (hours_ago, hours_ago))
     _store(model, tmp_path).close()  # opening scans the directory
-    assert young.exists() and not old.exists()
+    assert young.exists() and not old.exists() and not restarted.exists()
     assert foreign.exists() and foreign_here.exists()  # named like ours, not ours: left

@@ -180,7 +180,19 @@ def test_a_long_thread_is_measured_by_what_each_turn_adds(monkeypatch):
         )
         threads.keep(name, threads.resume(continued), reply)
     assert len(written) == 8  # two messages a turn
-    assert threads._threads["d"].chars == sum(len(dump(m)) for m in threads._threads["d"].messages)
+    messages = threads._threads.get("d").messages
+    head = len(json.dumps([None, None]))  # the thread's system and tools (none)
+    assert threads._threads.chars_of("d") == head + sum(len(dump(m)) for m in messages)
+
+
+def test_a_threads_system_prompt_counts_against_the_bound():
+    """A 5-million-character system prompt counted as 90 (its messages alone)."""
+    threads = MessageThreads(max_chars=10_000)
+    body = MessagesRequest(
+        max_tokens=4, messages=[FIRST], system="x" * 20_000, thread={"type": "create"}
+    )
+    threads.keep("a", body, [{"type": "text", "text": "Hi"}])
+    assert threads._threads.get("a") is None  # over the whole bound alone: not kept
 
 
 def _body(text: str) -> MessagesRequest:

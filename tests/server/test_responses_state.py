@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from mlxkv import Runner
-from mlxkv.server.responses_api.conversations import Conversations
+from mlxkv.server.errors import ApiError
+from mlxkv.server.responses_api.conversations import Conversations, checked_items
 from mlxkv.testing.factory import build_scripted_model
 
 from .conftest import serve
@@ -138,12 +139,113 @@ def test_one_history_or_the_other(served):
 
 def test_conversations_are_bounded_the_least_recently_used_dropped_first():
     held = Conversations(max_conversations=2)
-    a, b = (held.create([HI], {}).id for _ in range(2))
-    held.get(a)  # used: b is the oldest now
-    c = held.create([], {}).id
-    with pytest.raises(Exception, match=b):
-        held.get(b)
-    assert held.get(a).items and held.get(c).items == []
+    a, b = (held.create([HI], {}, None).id for _ in range(2))
+    held.get(a, None)  # used: b is the oldest now
+    c = held.create([], {}, None).id
+    with pytest.raises(ApiError, match=b):
+        held.get(b, None)
+    assert held.get(a, None).items and held.get(c, None).items == []
+
+
+def test_one_conversation_cannot_grow_past_the_bound():
+    """The newest conversation was never dropped, so adds to it grew it without end; and its
+    metadata counted for nothing."""
+    held = Conversations(max_chars=2_000)
+    kept = held.create([HI], {}, None)
+    for _ in range(20):
+        try:
+            held.add(kept.id, checked_items([{"role": "user", "content": "x" * 100}]), None)
+        except ApiError as error:
+            assert error.status == 400
+            break
+    else:
+        pytest.fail("the conversation grew past the bound")
+    assert held._held.chars <= 2_000 and held.get(kept.id, None).items  # kept as it was
+    with pytest.raises(ApiError, match="metadata"):
+        held.create([], {"note": "y" * 5_000}, None)
+
+
+def test_what_a_tenant_keeps_is_its_own(served):
+    """Stored responses and conversations made with a `cache_salt` are reached with it only."""
+    client = served.openai()
+    mine = {"cache_salt": "tenant-a"}
+    created = client.responses.create(
+        model="m", input="Hello", max_output_tokens=2, extra_body=mine
+    )
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    assert client.responses.retrieve(created.id, extra_query=mine).id == created.id
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        client.responses.create(
+            model="m", input="Hi", previous_response_id=created.id,
+            extra_body={"cache_salt": "tenant-b"},
+        )  # fmt: skip
+    conversation = client.conversations.create(extra_body=mine)
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.list(conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="m", input="Hi", conversation=conversation.id)
+    reply = client.responses.create(
+        model="m", input="Hi", conversation=conversation.id, max_output_tokens=2, extra_body=mine
+    )
+    assert reply.conversation.id == conversation.id
+
+
+def test_a_reply_stands_when_its_conversation_went_meanwhile(served, monkeypatch):
+    """Deleted (or dropped for room) while the reply was generated: the finished reply was a
+    404 (streamed: response.failed)."""
+    client = served.openai()
+    conversation = client.conversations.create(items=[HI])
+    held = served.app.state.conversations
+    add = held.add
+
+    def deleted_first(conversation_id, items, salt, **options):
+        held.delete(conversation_id, salt)
+        return add(conversation_id, items, salt, **options)
+
+    monkeypatch.setattr(held, "add", deleted_first)
+    reply = client.responses.create(
+        model="m", input="Hi", conversation=conversation.id, max_output_tokens=2
+    )
+    assert reply.status in ("completed", "incomplete") and reply.output_text
+
+
+def test_a_conversation_takes_only_items_a_response_can_read(served):
+    """A message without a role (or a call without its name) was taken, and every response
+    in the conversation afterwards was a 400 naming `input[0]`; an id given again made two
+    items of one id."""
+    client = served.openai()
+    conversation = client.conversations.create(items=[HI])
+    bad = {
+        "no-role": {"type": "message", "content": "no role"},
+        "call-without-name": {"type": "function_call", "arguments": "{}"},
+        "reference": {"type": "item_reference", "id": "msg_x"},
+    }
+    for name, item in bad.items():
+        with pytest.raises(openai.BadRequestError, match=r"items\[0\]"):
+            client.conversations.items.create(conversation.id, items=[item])
+        assert len(client.conversations.items.list(conversation.id).data) == 1, name
+    (held,) = client.conversations.items.list(conversation.id).data
+    again = {"id": held.id, "role": "user", "content": "again"}
+    with pytest.raises(openai.BadRequestError, match="already in the conversation"):
+        client.conversations.items.create(conversation.id, items=[again])
+    reply = client.responses.create(
+        model="m", input="Hi", conversation=conversation.id, max_output_tokens=2
+    )
+    assert reply.output_text
+
+
+def test_pages_of_input_items_and_a_bad_after(served):
+    client = served.openai()
+    items = [{"role": "user", "content": f"part {n}"} for n in range(3)]
+    created = client.responses.create(model="m", input=items, max_output_tokens=2)
+    page = client.responses.input_items.list(created.id, limit=2, order="asc")
+    assert [item.content[0].text for item in page.data] == ["part 0", "part 1"]
+    assert page.has_more
+    with pytest.raises(openai.BadRequestError, match="after"):
+        client.responses.input_items.list(created.id, after="msg_nonesuch")
+    with pytest.raises(openai.BadRequestError, match="conversation.id"):
+        client.responses.create(model="m", input="Hi", conversation={})
 
 
 def test_the_agents_sdk_keeps_a_session_in_a_conversation(tmp_path):

@@ -97,26 +97,36 @@ def remove_orphaned_temporaries(directory: Path) -> None:
 def remove_if_orphaned(path: Path) -> None:
     """Removes a temporary file whose writer is gone: named in this process's pid space
     (`files.pid_space`) by a process id not running (a server killed mid-write: its next start
-    frees the disk it took, which the budget counts); named in another space, or before spaces
-    were named, by an id not running here, unwritten for `ORPHAN_AGE_S` (another container's
-    ids are not this one's, so its live writer looks gone from here) and with no header saying
-    another program wrote it."""
+    frees the disk it took, which the budget counts). One named in another space (another
+    container's, whose ids mean nothing here) waits `ORPHAN_AGE_S` after its last write, and
+    one named before spaces were, that and its id not running here; either stays when its
+    header does not prove it this tier's (a stranger named like one, or a write killed within
+    its first bytes: a few bytes, never counted in the budget)."""
     match = TEMPORARY_NAME.fullmatch(path.name)
     try:
         info = path.lstat()
         if match is None or not stat.S_ISREG(info.st_mode):
             return
-        os.kill(int(match.group(1)), 0)
-        return  # running
-    except ProcessLookupError:
-        pass
+        space = match.group(2)
+        if space in (None, pid_space()) and _running(int(match.group(1))):
+            return
     except (ValueError, OSError):
         return
-    elsewhere = match.group(2) != pid_space()
+    elsewhere = space != pid_space()
     if elsewhere and (time.time() - info.st_mtime < ORPHAN_AGE_S or _foreign(path)):
         return
     with contextlib.suppress(OSError):
         path.unlink()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: it runs
+        return True
+    return True
 
 
 def _foreign(path: Path) -> bool:

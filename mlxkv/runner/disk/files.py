@@ -129,14 +129,19 @@ def temporary_path(directory: Path) -> Path:
 
 @functools.cache
 def pid_space() -> str:
-    """8 hex digits naming the space this process's id lives in: the host, and on Linux its
-    pid namespace (a container's own), so that a process id read from a file name is only
-    looked up where it means this process's kind of id."""
+    """8 hex digits naming the space this process's id lives in: the host (its name, and its
+    machine id where Linux keeps one) and on Linux its pid namespace (a container's own), so
+    that a process id read from a file name is only looked up where it means this kind of id."""
     try:
         namespace = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         namespace = 0
-    return hashlib.sha256(f"{socket.gethostname()}:{namespace}".encode()).hexdigest()[:8]
+    try:
+        machine = Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        machine = ""
+    named = f"{socket.gethostname()}:{machine}:{namespace}"
+    return hashlib.sha256(named.encode()).hexdigest()[:8]
 
 
 def check_writable(directory: Path) -> None:

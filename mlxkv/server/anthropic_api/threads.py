@@ -16,8 +16,7 @@ continue it, even knowing its id."""
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import json
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,6 +24,7 @@ from fastapi import FastAPI, Request
 
 from mlxkv.server.anthropic_api.protocol import Message, PromptFields
 from mlxkv.server.errors import ApiError
+from mlxkv.server.state import BoundedMap
 
 # A request's body: `/v1/messages`' or `/v1/messages/count_tokens`'.
 Body = TypeVar("Body", bound=PromptFields)
@@ -40,16 +40,11 @@ class _Thread:
     system: Any
     tools: Any
     messages: list[Message]  # the conversation, its reply last
-    chars: int
 
 
 class MessageThreads:
     def __init__(self, max_threads: int = MAX_THREADS, max_chars: int = MAX_STORED_CHARS):
-        self._max_threads = max_threads
-        self._max_chars = max_chars
-        self._threads: OrderedDict[str, _Thread] = OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
+        self._threads: BoundedMap[_Thread] = BoundedMap(max_threads, max_chars)
 
     def resume(self, body: Body) -> Body:
         """`body` as the whole conversation: for a `continue`, the kept thread's messages, then
@@ -67,10 +62,7 @@ class MessageThreads:
         if not previous:
             message = "thread.previous_message_id: a continue names the reply it continues"
             raise ApiError(400, message, param="thread.previous_message_id")
-        with self._lock:
-            kept = self._threads.get(previous)
-            if kept is not None and kept.salt == body.cache_salt:
-                self._threads.move_to_end(previous)
+        kept = self._threads.get(previous)
         if kept is None or kept.salt != body.cache_salt:
             message = f"no thread holds the message {previous!r}; send the whole conversation"
             raise ApiError(404, message, details={"error_code": "thread_not_found"})
@@ -85,26 +77,27 @@ class MessageThreads:
         """Keeps `body`'s conversation (`resume`d) and its `reply` (content blocks) under
         `message_id` when `body` asks for a thread; an empty reply (a pre-warm) is not kept.
         Its size is the thread's it continues plus what this turn added (measured alone: a
-        long thread is not written out whole on every turn)."""
+        long thread is not written out whole on every turn); a new thread's, its `system`
+        and `tools` too."""
         if body.thread is None or not reply:
             return
         messages = [*body.messages, Message(role="assistant", content=reply)]
-        previous = None
-        with self._lock:  # the thread `resume` put before this turn, unless dropped since
-            if body.thread.type == "continue":
-                previous = self._threads.get(body.thread.previous_message_id or "")
-        held = 0 if previous is None else len(previous.messages)
-        chars = sum(len(message.model_dump_json()) for message in messages[held:])
-        chars += 0 if previous is None else previous.chars
-        if chars > self._max_chars:
-            return
-        kept = _Thread(body.cache_salt, body.system, body.tools, messages, chars)
-        with self._lock:
-            self._threads[message_id] = kept
-            self._chars += chars
-            while len(self._threads) > self._max_threads or self._chars > self._max_chars:
-                _, dropped = self._threads.popitem(last=False)
-                self._chars -= dropped.chars
+        continued = body.thread.previous_message_id if body.thread.type == "continue" else None
+        previous = None if continued is None else self._threads.get(continued)
+        if previous is None:  # a new thread (or its previous turn dropped meanwhile)
+            held, chars = 0, len(json.dumps([_dumped(body.system), _dumped(body.tools)]))
+        else:
+            held, chars = len(previous.messages), self._threads.chars_of(continued or "")
+        chars += sum(len(message.model_dump_json()) for message in messages[held:])
+        kept = _Thread(body.cache_salt, body.system, body.tools, messages)
+        self._threads.put(message_id, kept, chars)
+
+
+def _dumped(value: Any) -> Any:
+    """`system` or `tools` as JSON data (text, blocks or tool models)."""
+    if isinstance(value, list):
+        return [item.model_dump() if hasattr(item, "model_dump") else item for item in value]
+    return value
 
 
 def _changes(body: PromptFields, kept: _Thread, name: str) -> bool:

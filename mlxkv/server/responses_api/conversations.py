@@ -9,10 +9,8 @@ conversation not held is a 404 in OpenAI's shape, as an unknown one is there."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +19,8 @@ from pydantic import ValidationError
 
 from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.items import listed_item
-from mlxkv.server.responses_api.protocol import InputItem
+from mlxkv.server.responses_api.protocol import InputItem, chat_messages
+from mlxkv.server.state import BoundedMap
 
 MAX_CONVERSATIONS = 256
 MAX_STORED_CHARS = 64 * 2**20
@@ -34,8 +33,8 @@ class Conversation:
     id: str
     created_at: int
     metadata: dict[str, Any]
+    salt: str | None  # the `cache_salt` it was made with: another tenant's requests miss it
     items: list[dict[str, Any]] = field(default_factory=list)  # as listed, oldest first
-    chars: int = 0
 
     def object(self) -> dict[str, Any]:
         return {
@@ -51,77 +50,96 @@ class Conversation:
 
 
 class Conversations:
+    """The conversations held, each measured by its items and metadata (`BoundedMap`): an
+    add that would take one past the whole bound is refused (a 400), never kept in part."""
+
     def __init__(
         self, max_conversations: int = MAX_CONVERSATIONS, max_chars: int = MAX_STORED_CHARS
     ):
-        self._max_conversations = max_conversations
-        self._max_chars = max_chars
-        self._held: OrderedDict[str, Conversation] = OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
+        self._held: BoundedMap[Conversation] = BoundedMap(max_conversations, max_chars)
 
-    def create(self, items: Any, metadata: dict[str, Any]) -> Conversation:
-        """A new conversation of `items` (a request's, checked: `checked_items`)."""
-        listed = checked_items(items)
-        conversation = Conversation(f"conv_{uuid.uuid4().hex}", int(time.time()), metadata)
-        with self._lock:
-            self._held[conversation.id] = conversation
-        self.add(conversation.id, listed)
-        return conversation
-
-    def get(self, conversation_id: str) -> Conversation:
-        """Raises:
-        ApiError: 404 for a conversation not held."""
-        with self._lock:
-            found = self._held.get(conversation_id)
-            if found is not None:
-                self._held.move_to_end(conversation_id)
-        if found is None:
-            raise ApiError(404, f"Conversation with id '{conversation_id}' not found.")
-        return found
-
-    def add(self, conversation_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Appends `items` (listed: `listed_item`) to the conversation; returns them.
+    def create(self, items: Any, metadata: dict[str, Any], salt: str | None) -> Conversation:
+        """A new conversation of `items` (a request's, checked: `checked_items`).
 
         Raises:
-            ApiError: 404 for a conversation not held.
+            ApiError: 400 for items that are not, or too many, or too large to keep.
         """
-        conversation = self.get(conversation_id)
-        chars = len(json.dumps(items, ensure_ascii=False))
-        with self._lock:
-            conversation.items.extend(items)
-            conversation.chars += chars
-            self._chars += chars
-            while len(self._held) > self._max_conversations or (
-                self._chars > self._max_chars and len(self._held) > 1
-            ):
-                _, dropped = self._held.popitem(last=False)
-                self._chars -= dropped.chars
-        return items
-
-    def remove_item(self, conversation_id: str, item_id: str) -> Conversation:
-        """Raises:
-        ApiError: 404 for a conversation not held or an item not in it."""
-        conversation = self.get(conversation_id)
-        with self._lock:
-            index = _index(conversation, item_id)
-            removed = conversation.items.pop(index)
-            chars = len(json.dumps(removed, ensure_ascii=False))
-            conversation.chars -= chars
-            self._chars -= chars
+        listed = checked_items(items)
+        conversation = Conversation(f"conv_{uuid.uuid4().hex}", int(time.time()), metadata, salt)
+        if not self._held.put(conversation.id, conversation, _chars(metadata)):
+            raise _too_large("metadata", self._held.max_chars)
+        self.add(conversation.id, listed, salt)
         return conversation
 
-    def item(self, conversation_id: str, item_id: str) -> dict[str, Any]:
-        conversation = self.get(conversation_id)
-        with self._lock:
-            return conversation.items[_index(conversation, item_id)]
+    def get(self, conversation_id: str, salt: str | None) -> Conversation:
+        """Raises:
+        ApiError: 404 for a conversation not held (or not for `salt`)."""
+        found = self._held.get(conversation_id)
+        if found is None or found.salt != salt:
+            message = f"Conversation with id '{conversation_id}' not found."
+            raise ApiError(404, message, param="conversation_id")
+        return found
 
-    def delete(self, conversation_id: str) -> None:
-        self.get(conversation_id)
-        with self._lock:
-            dropped = self._held.pop(conversation_id, None)
-            if dropped is not None:
-                self._chars -= dropped.chars
+    def add(
+        self,
+        conversation_id: str,
+        items: list[dict[str, Any]],
+        salt: str | None,
+        *,
+        skip_held: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Appends `items` (listed: `listed_item`) to the conversation; returns them. An item
+        whose id it holds already is refused, or left out with `skip_held` (a response's
+        input sending an item of its conversation again).
+
+        Raises:
+            ApiError: 404 for a conversation not held; 400 for an id held or given twice, or
+                when they would take it past the bound (nothing added).
+        """
+        conversation = self.get(conversation_id, salt)
+        held = {item["id"] for item in conversation.items}
+        if skip_held:
+            items = [item for item in items if item["id"] not in held]
+        ids = [item["id"] for item in items]
+        if len(set(ids)) < len(ids) or held.intersection(ids):
+            message = "items: an item's id is already in the conversation (or given twice)"
+            raise ApiError(400, message, param="items")
+        if not self._held.grow(conversation_id, sum(_chars(item) for item in items)):
+            raise _too_large("items", self._held.max_chars)
+        conversation.items.extend(items)
+        return items
+
+    def set_metadata(self, conversation_id: str, metadata: dict[str, Any], salt: str | None):
+        conversation = self.get(conversation_id, salt)
+        if not self._held.grow(conversation_id, _chars(metadata) - _chars(conversation.metadata)):
+            raise _too_large("metadata", self._held.max_chars)
+        conversation.metadata = metadata
+        return conversation
+
+    def remove_item(self, conversation_id: str, item_id: str, salt: str | None) -> Conversation:
+        """Raises:
+        ApiError: 404 for a conversation not held or an item not in it."""
+        conversation = self.get(conversation_id, salt)
+        removed = conversation.items.pop(_index(conversation, item_id))
+        self._held.grow(conversation_id, -_chars(removed))
+        return conversation
+
+    def item(self, conversation_id: str, item_id: str, salt: str | None) -> dict[str, Any]:
+        conversation = self.get(conversation_id, salt)
+        return conversation.items[_index(conversation, item_id)]
+
+    def delete(self, conversation_id: str, salt: str | None) -> None:
+        self.get(conversation_id, salt)
+        self._held.pop(conversation_id)
+
+
+def _chars(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False))
+
+
+def _too_large(what: str, max_chars: int) -> ApiError:
+    message = f"the conversation with these {what} would take over {max_chars:,} characters"
+    return ApiError(400, message, param=what)
 
 
 def checked_items(raw: Any, param: str = "items") -> list[dict[str, Any]]:
@@ -135,13 +153,17 @@ def checked_items(raw: Any, param: str = "items") -> list[dict[str, Any]]:
     if len(raw) > MAX_ITEMS_PER_CALL:
         message = f"{param} holds {len(raw)} items; at most {MAX_ITEMS_PER_CALL} are added at once"
         raise ApiError(400, message, param=param)
+    checked = []
     for index, item in enumerate(raw):
+        where = f"{param}[{index}]"
         try:
-            InputItem.model_validate(item)
+            checked.append(InputItem.model_validate(item))
         except ValidationError as error:
-            where = f"{param}[{index}]"
             message = f"{where} is not an item: {error.errors()[0]['msg']}"
             raise ApiError(400, message, param=where) from None
+        if checked[-1].type == "item_reference":  # names a response's item by its id alone
+            raise ApiError(400, f"{where}: add the item itself, not a reference", param=where)
+    chat_messages(None, checked, param)  # as a response will read them: 400 where it cannot
     return [listed_item(item) for item in raw]
 
 

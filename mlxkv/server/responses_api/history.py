@@ -9,8 +9,6 @@ its conversation's items (`conversations`)."""
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +17,7 @@ from fastapi import FastAPI, Request
 from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.conversations import held_conversations
 from mlxkv.server.responses_api.protocol import InputItem, ResponsesRequest, chat_messages
+from mlxkv.server.state import BoundedMap
 
 MAX_RESPONSES = 256
 MAX_STORED_CHARS = 64 * 2**20
@@ -26,80 +25,77 @@ MAX_STORED_CHARS = 64 * 2**20
 
 @dataclass(frozen=True)
 class _Stored:
+    salt: str | None  # the `cache_salt` it was made with: another tenant's requests miss it
     messages: list[dict[str, Any]]  # the conversation up to and including the response
+    message_chars: int
     response: dict[str, Any]  # as it was returned
     input_items: list[dict[str, Any]]
-    chars: int
 
 
 class ResponseHistory:
     def __init__(self, max_responses: int = MAX_RESPONSES, max_chars: int = MAX_STORED_CHARS):
-        self._max_responses = max_responses
-        self._max_chars = max_chars
-        self._items: OrderedDict[str, _Stored] = OrderedDict()
-        self._output: dict[str, dict[str, Any]] = {}  # output item id -> the item
-        self._chars = 0
-        self._lock = threading.Lock()
+        self._stored: BoundedMap[_Stored] = BoundedMap(max_responses, max_chars, self._dropped)
+        self._output: dict[str, tuple[str | None, dict[str, Any]]] = {}  # item id -> salt, item
 
-    def get(self, response_id: str) -> list[dict[str, Any]] | None:
-        """The conversation up to and including that response, or None when not stored."""
-        found = self._find(response_id)
+    def get(self, response_id: str, salt: str | None) -> list[dict[str, Any]] | None:
+        """The conversation up to and including that response, or None when not stored (or
+        not stored for `salt`)."""
+        found = self._find(response_id, salt)
         return None if found is None else list(found.messages)
 
-    def response(self, response_id: str) -> dict[str, Any] | None:
-        """The response object as it was returned, or None when not stored."""
-        found = self._find(response_id)
+    def response(self, response_id: str, salt: str | None) -> dict[str, Any] | None:
+        """The response object as it was returned, or None when not stored (for `salt`)."""
+        found = self._find(response_id, salt)
         return None if found is None else found.response
 
-    def input_items(self, response_id: str) -> list[dict[str, Any]] | None:
-        """The response's input items (each with an id), or None when not stored."""
-        found = self._find(response_id)
+    def input_items(self, response_id: str, salt: str | None) -> list[dict[str, Any]] | None:
+        """The response's input items (each with an id), or None when not stored (for `salt`)."""
+        found = self._find(response_id, salt)
         return None if found is None else found.input_items
 
-    def item(self, item_id: str) -> dict[str, Any] | None:
-        """A stored response's output item, or None when not stored."""
-        with self._lock:
-            return self._output.get(item_id)
+    def item(self, item_id: str, salt: str | None) -> dict[str, Any] | None:
+        """A stored response's output item, or None when not stored (for `salt`)."""
+        found = self._output.get(item_id)
+        return None if found is None or found[0] != salt else found[1]
 
     def put(
         self,
         messages: list[dict[str, Any]],
         response: dict[str, Any],
         input_items: list[dict[str, Any]],
+        *,
+        salt: str | None,
+        previous: str | None,
     ) -> None:
-        chars = len(json.dumps([messages, response, input_items], ensure_ascii=False))
-        if chars > self._max_chars:
-            return
-        with self._lock:
-            self._items[response["id"]] = _Stored(messages, response, input_items, chars)
-            self._output.update((item["id"], item) for item in response["output"])
-            self._chars += chars
-            while len(self._items) > self._max_responses or self._chars > self._max_chars:
-                self._drop(next(iter(self._items)))
+        """Stores a response made with `salt`: its conversation `messages` (those of the
+        stored response `previous` first, when it continues one: they are not measured again,
+        so a long chain is not written out whole on every turn), the response and its input
+        items."""
+        before = None if previous is None else self._find(previous, salt)
+        held = 0 if before is None else len(before.messages)
+        message_chars = 0 if before is None else before.message_chars
+        message_chars += len(json.dumps(messages[held:], ensure_ascii=False))
+        chars = message_chars + len(json.dumps([response, input_items], ensure_ascii=False))
+        stored = _Stored(salt, messages, message_chars, response, input_items)
+        if self._stored.put(response["id"], stored, chars):
+            self._output.update((item["id"], (salt, item)) for item in response["output"])
 
-    def delete(self, response_id: str) -> bool:
-        """Forgets a stored response; False when none was stored under that id."""
-        with self._lock:
-            if response_id not in self._items:
-                return False
-            self._drop(response_id)
-            return True
+    def delete(self, response_id: str, salt: str | None) -> bool:
+        """Forgets a stored response; False when none was stored under that id (for `salt`)."""
+        return self._find(response_id, salt) is not None and bool(self._stored.pop(response_id))
 
-    def _find(self, response_id: str) -> _Stored | None:
-        with self._lock:
-            found = self._items.get(response_id)
-            if found is not None:
-                self._items.move_to_end(response_id)
-            return found
+    def _find(self, response_id: str, salt: str | None) -> _Stored | None:
+        found = self._stored.get(response_id)
+        return None if found is None or found.salt != salt else found
 
-    def _drop(self, response_id: str) -> None:
-        dropped = self._items.pop(response_id)
-        self._chars -= dropped.chars
-        for item in dropped.response["output"]:
+    def _dropped(self, stored: _Stored) -> None:
+        for item in stored.response["output"]:
             self._output.pop(item["id"], None)
 
 
-def resolve_references(items: list[InputItem], history: ResponseHistory) -> list[InputItem]:
+def resolve_references(
+    items: list[InputItem], history: ResponseHistory, salt: str | None
+) -> list[InputItem]:
     """`items` with each `item_reference` replaced by the stored output item it names: the AI
     SDK's `openai` provider (`store` on, its default) sends an earlier reply's message and
     reasoning so, not their text, and a reference dropped would leave the reply out of the
@@ -116,7 +112,7 @@ def resolve_references(items: list[InputItem], history: ResponseHistory) -> list
         where = f"input[{index}]"
         if not item.id:
             raise ApiError(400, f"{where} is an item_reference without id", param=where)
-        found = history.item(item.id)
+        found = history.item(item.id, salt)
         if found is None:
             raise ApiError(400, f"Item with id '{item.id}' not found.", param=where)
         out.append(InputItem.model_validate(found))
@@ -146,8 +142,10 @@ def named_conversation(body: ResponsesRequest, request: Request) -> str | None:
     if body.previous_response_id is not None:
         message = "Use either previous_response_id or conversation, not both."
         raise ApiError(400, message, param="conversation")
-    conversation_id = named if isinstance(named, str) else str(named.get("id"))
-    return held_conversations(request).get(conversation_id).id
+    conversation_id = named if isinstance(named, str) else named.get("id")
+    if not isinstance(conversation_id, str) or not conversation_id:
+        raise ApiError(400, "conversation.id must be a conversation's id", param="conversation.id")
+    return held_conversations(request).get(conversation_id, body.cache_salt).id
 
 
 def prior_messages(
@@ -160,11 +158,11 @@ def prior_messages(
         ApiError: 400 for a previous response not stored (OpenAI's code and wording).
     """
     if conversation is not None:
-        items = held_conversations(request).get(conversation).input_items()
+        items = held_conversations(request).get(conversation, body.cache_salt).input_items()
         return chat_messages(None, items)
     if body.previous_response_id is None:
         return []
-    found = stored_responses(request).get(body.previous_response_id)
+    found = stored_responses(request).get(body.previous_response_id, body.cache_salt)
     if found is None:
         raise ApiError(
             400,
@@ -173,3 +171,15 @@ def prior_messages(
             param="previous_response_id",
         )
     return found
+
+
+def request_prompt(
+    body: ResponsesRequest, request: Request
+) -> tuple[str | None, list[InputItem], list[dict[str, Any]]]:
+    """What a request is answered from: the conversation it names (if any), its input items
+    (references resolved) and the chat messages of what comes before them and of them (its
+    `instructions` apart)."""
+    conversation = named_conversation(body, request)
+    items = resolve_references(body.input_items(), stored_responses(request), body.cache_salt)
+    messages = prior_messages(body, request, conversation) + chat_messages(None, items)
+    return conversation, items, messages

@@ -7,7 +7,12 @@ import uuid
 from typing import Any
 
 # The prefix of a listed item's id, by its type (as OpenAI names them), else "item".
-_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
 
 
 def listed_item(raw: dict[str, Any]) -> dict[str, Any]:
@@ -21,6 +26,7 @@ def listed_item(raw: dict[str, Any]) -> dict[str, Any]:
         part = "output_text" if raw.get("role") == "assistant" else "input_text"
         if isinstance(raw.get("content"), str):
             listed["content"] = [{"type": part, "text": raw["content"]}]
+    if kind in _ID_PREFIXES:
         listed.setdefault("status", "completed")
     return listed
 

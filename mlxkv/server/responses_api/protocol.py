@@ -136,17 +136,17 @@ class ResponsesRequest(Lenient):
 
 
 def chat_messages(
-    instructions: str | None, items: list[InputItem], start: int = 0
+    instructions: str | None, items: list[InputItem], field: str = "input"
 ) -> list[dict[str, Any]]:
-    """Chat-template messages for `instructions` and `items` (`start`: the index of the first
-    item in the request, for errors)."""
+    """Chat-template messages for `instructions` and `items` (`field`: the request's field that
+    holds them, for errors)."""
     out: list[dict[str, Any]] = []
     dropped: set[str] = set()
     reasoning = ""  # read, for the next assistant turn
     if instructions:
         out.append({"role": "system", "content": instructions})
-    for index, item in enumerate(items, start=start):
-        where = f"input[{index}]"
+    for index, item in enumerate(items):
+        where = f"{field}[{index}]"
         if item.type == "reasoning":
             reasoning += _text(item.content, where)
         elif item.type == "message":

@@ -16,6 +16,7 @@ assistant turn that follows it.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,25 +39,18 @@ from mlxkv.server.reply.turn import (
     start_turn,
 )
 from mlxkv.server.responses_api.conversations import held_conversations
-from mlxkv.server.responses_api.history import (
-    named_conversation,
-    prior_messages,
-    resolve_references,
-    stored_responses,
-)
+from mlxkv.server.responses_api.history import request_prompt, stored_responses
 from mlxkv.server.responses_api.items import listed_item
-from mlxkv.server.responses_api.protocol import NamedFunction, ResponsesRequest, chat_messages
+from mlxkv.server.responses_api.protocol import NamedFunction, ResponsesRequest
 from mlxkv.server.state import Context, event_stream, sse
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, ctx: Context):
-    conversation = named_conversation(body, request)
-    items = resolve_references(body.input_items(), stored_responses(request))
-    history = prior_messages(body, request, conversation)
-    messages = history + chat_messages(None, items)
+    conversation, items, messages = request_prompt(body, request)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     turn = await start_turn(
         request,
@@ -74,13 +68,22 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
     response = _Response(body, ctx.model_name)
 
     def remember(final: dict[str, Any]) -> None:
-        """Stores the response (`store`) and adds it to its conversation, once it ended."""
+        """Stores the response (`store`) and adds it to its conversation, once it ended (a
+        conversation deleted or dropped meanwhile takes nothing: the reply stands)."""
         listed = [listed_item(item.model_dump(exclude_none=True)) for item in items]
         if body.store:
             stored = messages + _as_messages(final["output"])
-            stored_responses(request).put(stored, final, listed)
+            previous = body.previous_response_id
+            stored_responses(request).put(
+                stored, final, listed, salt=body.cache_salt, previous=previous
+            )
         if conversation is not None:
-            held_conversations(request).add(conversation, listed + final["output"])
+            try:
+                held = held_conversations(request)
+                added = listed + final["output"]
+                held.add(conversation, added, body.cache_salt, skip_held=True)
+            except ApiError as error:
+                logger.warning("responses: %s kept out of its conversation: %s", response.id, error)
 
     if body.stream:
         events = _response_events(turn, response, remember, request.scope)
@@ -126,6 +129,7 @@ class _Response:
             "max_output_tokens": request.max_output_tokens,
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
+            **_conversation_field(request.conversation),
             "store": request.store,
             "temperature": request.temperature,
             "top_p": request.top_p,
@@ -199,6 +203,13 @@ async def _response_events(
                 "response.incomplete" if final["status"] == "incomplete" else "response.completed"
             )
             yield response.event(kind, response=final)
+
+
+def _conversation_field(named: str | dict[str, Any] | None) -> dict[str, Any]:
+    """The response's `conversation`, as OpenAI's names the one it was added to."""
+    if named is None:
+        return {}
+    return {"conversation": {"id": named if isinstance(named, str) else named.get("id")}}
 
 
 def _output_items(events: list[Event], completion: Completion | None) -> list[dict[str, Any]]:

@@ -2,12 +2,14 @@
 (`/v1/conversations`: created with items and metadata, read, their metadata updated, deleted;
 their items listed a page at a time, `order` and `after` as OpenAI's, added, read and deleted;
 the store is `conversations`); a stored response read, its input items listed, deleted
-(`history`); and the input tokens a response would take, counted before it is sent."""
+(`history`); and the input tokens a response would take, counted before it is sent. What a
+request made with a `cache_salt` keeps is reached only with it (in the body, or as a query
+parameter where there is no body): another tenant gets a 404."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from pydantic import Field
@@ -17,52 +19,55 @@ from mlxkv.server.errors import ApiError, bad_input_error
 from mlxkv.server.images import fetched_images
 from mlxkv.server.protocol import Lenient
 from mlxkv.server.responses_api.conversations import checked_items, held_conversations
-from mlxkv.server.responses_api.history import (
-    named_conversation,
-    prior_messages,
-    resolve_references,
-    stored_responses,
-)
+from mlxkv.server.responses_api.history import request_prompt, stored_responses
 from mlxkv.server.responses_api.items import item_list
-from mlxkv.server.responses_api.protocol import ResponsesRequest, chat_messages
+from mlxkv.server.responses_api.protocol import ResponsesRequest
 from mlxkv.server.state import Context
 
 router = APIRouter()
+# A GET's or a DELETE's `cache_salt` (they have no body): what was made with one is its own.
+Salt = Annotated[str | None, Query(min_length=1, max_length=256)]
 
 
 class ConversationBody(Lenient):
     items: list[Any] | None = None
     metadata: dict[str, str] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
 
 class ItemsBody(Lenient):
     items: list[Any] = Field(min_length=1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
 
 @router.post("/v1/conversations")
 async def create_conversation(body: ConversationBody, request: Request) -> dict[str, Any]:
-    created = held_conversations(request).create(body.items or [], body.metadata or {})
-    return created.object()
+    held = held_conversations(request)
+    return held.create(body.items or [], body.metadata or {}, body.cache_salt).object()
 
 
 @router.get("/v1/conversations/{conversation_id}")
-async def get_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
-    return held_conversations(request).get(conversation_id).object()
+async def get_conversation(
+    conversation_id: str, request: Request, cache_salt: Salt = None
+) -> dict[str, Any]:
+    return held_conversations(request).get(conversation_id, cache_salt).object()
 
 
 @router.post("/v1/conversations/{conversation_id}")
 async def update_conversation(
     conversation_id: str, body: ConversationBody, request: Request
 ) -> dict[str, Any]:
-    conversation = held_conversations(request).get(conversation_id)
-    if body.metadata is not None:
-        conversation.metadata = body.metadata
-    return conversation.object()
+    held, salt = held_conversations(request), body.cache_salt
+    if body.metadata is None:
+        return held.get(conversation_id, salt).object()
+    return held.set_metadata(conversation_id, body.metadata, salt).object()
 
 
 @router.delete("/v1/conversations/{conversation_id}")
-async def delete_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
-    held_conversations(request).delete(conversation_id)
+async def delete_conversation(
+    conversation_id: str, request: Request, cache_salt: Salt = None
+) -> dict[str, Any]:
+    held_conversations(request).delete(conversation_id, cache_salt)
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
 
@@ -73,59 +78,70 @@ async def list_items(
     limit: int = Query(20, ge=1, le=100),
     order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
+    cache_salt: Salt = None,
 ) -> dict[str, Any]:
-    items = list(held_conversations(request).get(conversation_id).items)
-    if order == "desc":
-        items.reverse()
-    if after is not None:
-        ids = [item["id"] for item in items]
-        items = items[ids.index(after) + 1 :] if after in ids else []
-    return item_list(items[:limit], has_more=len(items) > limit)
+    items = held_conversations(request).get(conversation_id, cache_salt).items
+    return _page(items, limit, order, after)
 
 
 @router.post("/v1/conversations/{conversation_id}/items")
 async def add_items(conversation_id: str, body: ItemsBody, request: Request) -> dict[str, Any]:
-    added = held_conversations(request).add(conversation_id, checked_items(body.items))
-    return item_list(added)
+    held = held_conversations(request)
+    return item_list(held.add(conversation_id, checked_items(body.items), body.cache_salt))
 
 
 @router.get("/v1/conversations/{conversation_id}/items/{item_id}")
-async def get_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
-    return held_conversations(request).item(conversation_id, item_id)
+async def get_item(
+    conversation_id: str, item_id: str, request: Request, cache_salt: Salt = None
+) -> dict[str, Any]:
+    return held_conversations(request).item(conversation_id, item_id, cache_salt)
 
 
 @router.delete("/v1/conversations/{conversation_id}/items/{item_id}")
-async def delete_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
-    return held_conversations(request).remove_item(conversation_id, item_id).object()
+async def delete_item(
+    conversation_id: str, item_id: str, request: Request, cache_salt: Salt = None
+) -> dict[str, Any]:
+    return held_conversations(request).remove_item(conversation_id, item_id, cache_salt).object()
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-    return _stored(request, response_id)
+async def get_response(
+    response_id: str, request: Request, cache_salt: Salt = None
+) -> dict[str, Any]:
+    found = stored_responses(request).response(response_id, cache_salt)
+    if found is None:
+        raise _not_stored(response_id)
+    return found
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-    if not stored_responses(request).delete(response_id):
-        _stored(request, response_id)  # the 404
+async def delete_response(
+    response_id: str, request: Request, cache_salt: Salt = None
+) -> dict[str, Any]:
+    if not stored_responses(request).delete(response_id, cache_salt):
+        raise _not_stored(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def input_items(
-    response_id: str, request: Request, order: Literal["asc", "desc"] = "desc"
+    response_id: str,
+    request: Request,
+    limit: int = Query(20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+    cache_salt: Salt = None,
 ) -> dict[str, Any]:
-    _stored(request, response_id)
-    listed = list(stored_responses(request).input_items(response_id) or [])
-    return item_list(listed[::-1] if order == "desc" else listed)
+    listed = stored_responses(request).input_items(response_id, cache_salt)
+    if listed is None:
+        raise _not_stored(response_id)
+    return _page(listed, limit, order, after)
 
 
 @router.post("/v1/responses/input_tokens")
 async def count_input_tokens(body: ResponsesRequest, request: Request, ctx: Context):
     """The prompt tokens a response to `body` would take (OpenAI's input token count)."""
-    conversation = named_conversation(body, request)
-    items = resolve_references(body.input_items(), stored_responses(request))
-    messages = prior_messages(body, request, conversation) + chat_messages(None, items)
+    _, _, messages = request_prompt(body, request)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     encode = functools.partial(
         ctx.worker.runner.encode,
@@ -141,8 +157,21 @@ async def count_input_tokens(body: ResponsesRequest, request: Request, ctx: Cont
     return {"object": "response.input_tokens", "input_tokens": len(tokens)}
 
 
-def _stored(request: Request, response_id: str) -> dict[str, Any]:
-    found = stored_responses(request).response(response_id)
-    if found is None:
-        raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")
-    return found
+def _page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """One page of `items` (oldest first), as OpenAI lists them: in `order`, after the item
+    `after` names.
+
+    Raises:
+        ApiError: 400 for an `after` that names none of them.
+    """
+    ordered = items[::-1] if order == "desc" else list(items)
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise ApiError(400, f"after: no item has the id '{after}'", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    return item_list(ordered[:limit], has_more=len(ordered) > limit)
+
+
+def _not_stored(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")

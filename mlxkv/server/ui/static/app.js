@@ -355,7 +355,7 @@ async function refreshCache() {
   let report = null;
   try {
     const response = await fetch(forModel("v1/mlxkv/cache"), { headers: headers() });
-    report = response.ok ? await response.json() : { unavailable: await errorDetail(response) };
+    report = response.ok ? await response.json() : { unavailable: await errorDetail(response), status: response.status };
   } catch {
     /* the server is gone: no report */
   }
@@ -367,7 +367,7 @@ async function refreshCache() {
 // Polled while shown, except for a model not loaded (it loads on its first request, after
 // which the panel is read again).
 function pollCache() {
-  if (document.visibilityState === "visible" && !$("#cache-panel").hidden && !lastReport?.unavailable) refreshCache();
+  if (document.visibilityState === "visible" && !$("#cache-panel").hidden && lastReport?.status !== 409) refreshCache();
   setTimeout(pollCache, CACHE_POLL_MS);
 }
 
@@ -458,12 +458,12 @@ function wire() {
     chat.system = event.target.value;
     save();
   });
+  $("#api-key").addEventListener("change", loadModels); // the listing is refused without the key
   for (const [id, key] of [["#temperature", "temperature"], ["#max-tokens", "maxTokens"], ["#api-key", "apiKey"]]) {
     $(id).value = settings[key];
     $(id).addEventListener("input", (event) => {
       settings[key] = event.target.value.trim();
       save();
-      if (key === "apiKey") loadModels(); // refused without the key
     });
   }
   $("#messages").addEventListener("click", (event) => {
