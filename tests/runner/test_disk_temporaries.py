@@ -30,16 +30,22 @@ def _temporary(directory, name: str, data: bytes, space: str = ""):
     return path
 
 
-def _disk_bytes(directory) -> int:
-    return sum(path.stat().st_size for path in directory.iterdir())
-
-
-def test_a_temporary_file_a_killed_write_left_counts_in_the_budget(load_tiny, tmp_path):
+def _written(load_tiny, tmp_path):
+    """The tiny model, a closed store of it holding FIRST, and the bytes of its first block."""
     model, _ = load_tiny("llama")
     writer = _store(model, tmp_path)
     writer.write(_cache(model, FIRST), wait=True)
     writer.close()
     block = next(writer.directory.glob(f"*{store_module.SUFFIX}")).read_bytes()
+    return model, writer, block
+
+
+def _disk_bytes(directory) -> int:
+    return sum(path.stat().st_size for path in directory.iterdir())
+
+
+def test_a_temporary_file_a_killed_write_left_counts_in_the_budget(load_tiny, tmp_path):
+    model, writer, block = _written(load_tiny, tmp_path)
     half = _temporary(writer.directory, "ab", block[: len(block) // 2])  # killed mid-write
     stranger = _temporary(writer.directory, "cd", b"not this tier's" * 1000)
     strangers_bytes = stranger.stat().st_size
@@ -66,12 +72,8 @@ def test_a_temporary_file_a_killed_write_left_counts_in_the_budget(load_tiny, tm
 def test_killed_writes_of_this_pid_space_go_at_the_next_start(load_tiny, tmp_path):
     """`kill -9` mid-write, again and again: before, each leftover stayed an hour and counted,
     so a few of them took the whole budget and every block was evicted (the tier went cold)."""
-    model, _ = load_tiny("llama")
-    writer = _store(model, tmp_path)
-    writer.write(_cache(model, FIRST), wait=True)
-    writer.close()
+    _, writer, block = _written(load_tiny, tmp_path)
     blocks_bytes = _disk_bytes(writer.directory)
-    block = next(writer.directory.glob(f"*{store_module.SUFFIX}")).read_bytes()
     killed = [_temporary(writer.directory, name, block, pid_space()) for name in ("ab", "cd")]
     truncated = _temporary(writer.directory, "ef", block[:5], pid_space())  # mid-header
     store = store_module.DiskStore(
@@ -87,11 +89,7 @@ def test_killed_writes_of_this_pid_space_go_at_the_next_start(load_tiny, tmp_pat
 
 
 def test_other_pid_spaces_wait_an_hour_and_foreign_files_stay(load_tiny, tmp_path):
-    model, _ = load_tiny("llama")
-    writer = _store(model, tmp_path)
-    writer.write(_cache(model, FIRST), wait=True)
-    writer.close()
-    block = next(writer.directory.glob(f"*{store_module.SUFFIX}")).read_bytes()
+    model, writer, block = _written(load_tiny, tmp_path)
     elsewhere = "0" * 8 if pid_space() != "0" * 8 else "1" * 8
     young = _temporary(writer.directory, "ab", block, elsewhere)  # another container's writer
     old = _temporary(writer.directory, "cd", block, elsewhere)

@@ -4,9 +4,11 @@ test takes on the page."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -91,3 +93,19 @@ def _api_messages(chat: dict) -> list[dict]:
 def _wait_until_idle(runner: Runner) -> None:
     """The server's generation has ended (the cancelled one included)."""
     runner.cache_tokens  # waits for a running generation  # noqa: B018
+
+
+@contextlib.contextmanager
+def open_page(browser, url: str, ready: str | None = None) -> Iterator:
+    """A fresh browser context (empty local storage) on the page at `url`, once `ready` (a
+    selector) shows, if given."""
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    try:
+        opened = context.new_page()
+        opened.set_default_timeout(WAIT_MS)
+        opened.goto(url)
+        if ready is not None:
+            opened.locator(ready).wait_for()
+        yield opened
+    finally:
+        context.close()

@@ -26,7 +26,7 @@ from mlxkv.server import create_app
 from mlxkv.server.connections import Server, uvicorn_config
 from mlxkv.testing.factory import TOOLS_CHAT_TEMPLATE, build_scripted_model
 
-from .chat_page import CHROMIUM_ARGS, MAX_CONTEXT, WAIT_MS, Paced, chromium_path
+from .chat_page import CHROMIUM_ARGS, MAX_CONTEXT, Paced, chromium_path, open_page
 
 TOOL_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
 # The function TOOL_CALL calls, as a request's tool definition.
@@ -229,9 +229,5 @@ def page_server(loaded_tiny):
 @pytest.fixture
 def page(browser, page_server):
     """A fresh browser context (empty local storage) on the chat page."""
-    context = browser.new_context(viewport={"width": 1280, "height": 800})
-    opened = context.new_page()
-    opened.set_default_timeout(WAIT_MS)
-    opened.goto(page_server.url + "/")
-    yield opened
-    context.close()
+    with open_page(browser, page_server.url + "/") as opened:
+        yield opened

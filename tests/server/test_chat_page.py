@@ -14,7 +14,6 @@ from mlxkv.models.loading import load_model
 
 from .chat_page import (
     MAX_CONTEXT,
-    WAIT_MS,
     _api_messages,
     _current,
     _fresh,
@@ -22,6 +21,7 @@ from .chat_page import (
     _set,
     _stored,
     _wait_until_idle,
+    open_page,
 )
 from .conftest import THINKING_TEMPLATE, build_template_model, serve
 
@@ -270,18 +270,16 @@ def test_an_error_after_some_text_keeps_the_text_above_the_alert(page):
 
 
 def test_a_key_protected_server_asks_for_the_key(browser, loaded_tiny):
-    with serve(Runner(loaded_tiny("llama"), max_context=1024), api_key="sesame") as served:
-        context = browser.new_context()
-        page = context.new_page()
-        page.set_default_timeout(WAIT_MS)
-        page.goto(served.url + "/")  # the page itself needs no key
+    with (
+        serve(Runner(loaded_tiny("llama"), max_context=1024), api_key="sesame") as served,
+        open_page(browser, served.url + "/") as page,  # the page itself needs no key
+    ):
         _set(page, "#max-tokens", "8")
         _send(page, "Hi")
         assert "API key" in page.locator(".message.assistant .error").inner_text()
         _set(page, "#api-key", "sesame")
         _send(page, "Hi again")
         assert "stats" in _current(page)["messages"][-1]
-        context.close()
 
 
 def test_markdown_is_rendered_and_model_html_stays_text(page):
@@ -335,11 +333,10 @@ def test_cache_endpoint_equals_cache_info(page_server):
 def test_a_thinking_models_thinking_is_folded_above_its_answer(browser, tmp_path):
     script = ("<think>", "Hmm.", "</think>", "Paris")
     path = build_template_model(tmp_path / "thinker", script, THINKING_TEMPLATE)
-    with serve(Runner(load_model(path), max_context=512)) as served:
-        context = browser.new_context(viewport={"width": 1280, "height": 800})
-        page = context.new_page()
-        page.set_default_timeout(WAIT_MS)
-        page.goto(served.url + "/")
+    with (
+        serve(Runner(load_model(path), max_context=512)) as served,
+        open_page(browser, served.url + "/") as page,
+    ):
         _set(page, "#max-tokens", "16")
         _send(page, "Capital of France?")
         reply = _current(page)["messages"][1]
@@ -348,7 +345,6 @@ def test_a_thinking_models_thinking_is_folded_above_its_answer(browser, tmp_path
         assert thinking.locator(".thought").text_content() == "Hmm."
         assert thinking.get_attribute("open") is None  # folded once the answer came
         assert page.locator(".message.assistant .bubble").inner_text().endswith("Paris")
-        context.close()
 
 
 def test_a_cross_site_page_cannot_make_the_server_generate(browser, page_server, access_log):

@@ -16,7 +16,7 @@ from mlxkv import Runner  # noqa: E402
 from mlxkv.models.loading import load_model  # noqa: E402
 from mlxkv.testing.vision_factory import build_vision_model, noise_image  # noqa: E402
 
-from .chat_page import WAIT_MS, _current, _send, _set  # noqa: E402
+from .chat_page import _current, _send, _set, open_page  # noqa: E402
 from .conftest import serve  # noqa: E402
 
 _PNG = io.BytesIO()
@@ -38,13 +38,11 @@ def loaded(tmp_path_factory):
 
 @pytest.fixture
 def page(browser, loaded):
-    with serve(Runner(loaded, cache_entries=4)) as served:
-        context = browser.new_context(viewport={"width": 1280, "height": 800})
-        opened = context.new_page()
-        opened.set_default_timeout(WAIT_MS)
-        opened.goto(served.url + "/")
+    with (
+        serve(Runner(loaded, cache_entries=4)) as served,
+        open_page(browser, served.url + "/") as opened,
+    ):
         yield opened
-        context.close()
 
 
 @pytest.mark.parametrize("how", ["drop", "paste"])

@@ -11,7 +11,7 @@ from mlxkv import Runner
 from mlxkv.server.models.model import ModelLoader
 from tests.factories import tiny_model_dir
 
-from .chat_page import WAIT_MS, _current, _send, _set
+from .chat_page import WAIT_MS, _current, _send, _set, open_page
 from .conftest import serve
 
 ARCHS = {"first": "llama", "second": "qwen3"}
@@ -27,13 +27,8 @@ def served(loaded_tiny):
 
 @pytest.fixture
 def two_models(browser, served):
-    context = browser.new_context(viewport={"width": 1280, "height": 800})
-    opened = context.new_page()
-    opened.set_default_timeout(WAIT_MS)
-    opened.goto(served.url + "/")
-    opened.locator("#model").wait_for()  # listed
-    yield opened
-    context.close()
+    with open_page(browser, served.url + "/", ready="#model") as opened:  # models listed
+        yield opened
 
 
 def _reply_alone(loaded_tiny, name: str, text: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
@@ -27,6 +27,21 @@ from mlxkv.server.state import Context
 router = APIRouter()
 # A GET's or a DELETE's `cache_salt` (they have no body): what was made with one is its own.
 Salt = Annotated[str | None, Query(min_length=1, max_length=256)]
+
+
+class Paging:
+    """A listing's query: `limit` items, in `order`, after the item `after` names."""
+
+    def __init__(
+        self,
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ):
+        self.limit, self.order, self.after = limit, order, after
+
+
+Page = Annotated[Paging, Depends()]
 
 
 class ConversationBody(Lenient):
@@ -73,15 +88,9 @@ async def delete_conversation(
 
 @router.get("/v1/conversations/{conversation_id}/items")
 async def list_items(
-    conversation_id: str,
-    request: Request,
-    limit: int = Query(20, ge=1, le=100),
-    order: Literal["asc", "desc"] = "desc",
-    after: str | None = None,
-    cache_salt: Salt = None,
+    conversation_id: str, request: Request, paging: Page, cache_salt: Salt = None
 ) -> dict[str, Any]:
-    items = held_conversations(request).get(conversation_id, cache_salt).items
-    return _page(items, limit, order, after)
+    return _page(held_conversations(request).get(conversation_id, cache_salt).items, paging)
 
 
 @router.post("/v1/conversations/{conversation_id}/items")
@@ -125,17 +134,12 @@ async def delete_response(
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def input_items(
-    response_id: str,
-    request: Request,
-    limit: int = Query(20, ge=1, le=100),
-    order: Literal["asc", "desc"] = "desc",
-    after: str | None = None,
-    cache_salt: Salt = None,
+    response_id: str, request: Request, paging: Page, cache_salt: Salt = None
 ) -> dict[str, Any]:
     listed = stored_responses(request).input_items(response_id, cache_salt)
     if listed is None:
         raise _not_stored(response_id)
-    return _page(listed, limit, order, after)
+    return _page(listed, paging)
 
 
 @router.post("/v1/responses/input_tokens")
@@ -157,20 +161,20 @@ async def count_input_tokens(body: ResponsesRequest, request: Request, ctx: Cont
     return {"object": "response.input_tokens", "input_tokens": len(tokens)}
 
 
-def _page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:
-    """One page of `items` (oldest first), as OpenAI lists them: in `order`, after the item
-    `after` names.
+def _page(items: list[dict[str, Any]], paging: Paging) -> dict[str, Any]:
+    """One page of `items` (oldest first), as OpenAI lists them.
 
     Raises:
         ApiError: 400 for an `after` that names none of them.
     """
-    ordered = items[::-1] if order == "desc" else list(items)
-    if after is not None:
+    ordered = items[::-1] if paging.order == "desc" else list(items)
+    if paging.after is not None:
         ids = [item["id"] for item in ordered]
-        if after not in ids:
-            raise ApiError(400, f"after: no item has the id '{after}'", param="after")
-        ordered = ordered[ids.index(after) + 1 :]
-    return item_list(ordered[:limit], has_more=len(ordered) > limit)
+        if paging.after not in ids:
+            message = f"after: no item has the id '{paging.after}'"
+            raise ApiError(400, message, param="after")
+        ordered = ordered[ids.index(paging.after) + 1 :]
+    return item_list(ordered[: paging.limit], has_more=len(ordered) > paging.limit)
 
 
 def _not_stored(response_id: str) -> ApiError:
