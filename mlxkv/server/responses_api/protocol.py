@@ -98,6 +98,10 @@ class ResponsesRequest(Lenient):
     def template_switches(self) -> dict[str, Any] | None:
         return effort_switches(self.reasoning.effort if self.reasoning else None)
 
+    def system_messages(self) -> list[dict[str, Any]]:
+        """`instructions` as the chat's system message, before any history."""
+        return [{"role": "system", "content": self.instructions}] if self.instructions else []
+
     def input_items(self) -> list[InputItem]:
         if isinstance(self.input, str):
             return [InputItem(type="message", role="user", content=self.input)]

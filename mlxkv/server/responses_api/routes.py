@@ -51,10 +51,9 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, ctx: Context):
     conversation, items, messages = request_prompt(body, request)
-    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     turn = await start_turn(
         request,
-        system + messages,
+        body.system_messages() + messages,
         tools=body.template_tools(),
         # No max_output_tokens means no limit but the window, as OpenAI reads it: Codex sends
         # none and takes a reply cut short (response.incomplete) as a failed turn.
@@ -65,7 +64,7 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
         forced=body.forced_call(),
         switches=body.template_switches(),
     )
-    response = _Response(body, ctx.model_name)
+    response = _Response(body, ctx.model_name, conversation)
 
     def remember(final: dict[str, Any]) -> None:
         """Stores the response (`store`) and adds it to its conversation, once it ended (a
@@ -98,11 +97,12 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
 class _Response:
     """What every event of one response shares, and the response object itself."""
 
-    def __init__(self, request: ResponsesRequest, model: str):
+    def __init__(self, request: ResponsesRequest, model: str, conversation: str | None):
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model = model
         self.request = request
+        self.conversation = conversation  # the id of the one it is added to
         self._sequence = -1  # OpenAI numbers a response's events from 0
 
     def body(
@@ -129,7 +129,8 @@ class _Response:
             "max_output_tokens": request.max_output_tokens,
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
-            **_conversation_field(request.conversation),
+            # as OpenAI's, the conversation it was added to
+            **({"conversation": {"id": self.conversation}} if self.conversation else {}),
             "store": request.store,
             "temperature": request.temperature,
             "top_p": request.top_p,
@@ -203,13 +204,6 @@ async def _response_events(
                 "response.incomplete" if final["status"] == "incomplete" else "response.completed"
             )
             yield response.event(kind, response=final)
-
-
-def _conversation_field(named: str | dict[str, Any] | None) -> dict[str, Any]:
-    """The response's `conversation`, as OpenAI's names the one it was added to."""
-    if named is None:
-        return {}
-    return {"conversation": {"id": named if isinstance(named, str) else named.get("id")}}
 
 
 def _output_items(events: list[Event], completion: Completion | None) -> list[dict[str, Any]]:

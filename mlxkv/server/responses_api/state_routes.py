@@ -146,7 +146,6 @@ async def input_items(
 async def count_input_tokens(body: ResponsesRequest, request: Request, ctx: Context):
     """The prompt tokens a response to `body` would take (OpenAI's input token count)."""
     _, _, messages = request_prompt(body, request)
-    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     encode = functools.partial(
         ctx.worker.runner.encode,
         tools=body.template_tools(),
@@ -154,7 +153,7 @@ async def count_input_tokens(body: ResponsesRequest, request: Request, ctx: Cont
         cache_salt=body.cache_salt,
     )
     try:
-        prompt = await fetched_images(system + messages, ctx.fetch_images)
+        prompt = await fetched_images(body.system_messages() + messages, ctx.fetch_images)
         tokens = await run_in_threadpool(encode, prompt)
     except ValueError as error:
         raise bad_input_error(error, ctx.model_name) from error
