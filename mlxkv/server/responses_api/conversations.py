@@ -4,17 +4,20 @@ items come before the request's input, and the input and the response's output a
 after them when the response ends (the OpenAI Agents SDK's `OpenAIConversationsSession` and
 `conversation_id` runs keep their history so). Kept in memory, bounded (the least recently
 used dropped first, by count and by the size of their items); a restart forgets them, and a
-conversation not held is a 404 in OpenAI's shape, as an unknown one is there."""
+conversation not held is a 404 in OpenAI's shape, as an unknown one is there. One response at
+a time is made in a conversation (`ConversationClaim`): a second one meanwhile is refused
+with OpenAI's 400 `conversation_locked`."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from pydantic import ValidationError
 
 from mlxkv.server.errors import ApiError
@@ -26,6 +29,10 @@ MAX_CONVERSATIONS = 256
 MAX_STORED_CHARS = 64 * 2**20
 # The most items one create or add takes, as OpenAI's.
 MAX_ITEMS_PER_CALL = 20
+# OpenAI's words for a response in a conversation another response is being made in.
+_LOCKED = (
+    "Another process is currently operating on this conversation. Please retry in a few seconds."
+)
 
 
 @dataclass
@@ -57,6 +64,7 @@ class Conversations:
         self, max_conversations: int = MAX_CONVERSATIONS, max_chars: int = MAX_STORED_CHARS
     ):
         self._held: BoundedMap[Conversation] = BoundedMap(max_conversations, max_chars)
+        self._busy: set[str] = set()  # those a response is being made in (`claim`)
 
     def create(self, items: Any, metadata: dict[str, Any], salt: str | None) -> Conversation:
         """A new conversation of `items` (a request's, checked: `checked_items`).
@@ -108,6 +116,19 @@ class Conversations:
             raise _too_large("items", self._held.max_chars)
         conversation.items.extend(items)
         return items
+
+    def claim(self, conversation_id: str) -> Callable[[], None]:
+        """Marks the conversation as having a response made in it, until the returned call:
+        a second response would read it without the first's turn, and the two turns would
+        be added in the order the replies end.
+
+        Raises:
+            ApiError: 400 `conversation_locked` (OpenAI's) while another response holds it.
+        """
+        if conversation_id in self._busy:
+            raise ApiError(400, _LOCKED, code="conversation_locked", param="conversation")
+        self._busy.add(conversation_id)
+        return lambda: self._busy.discard(conversation_id)
 
     def set_metadata(self, conversation_id: str, metadata: dict[str, Any], salt: str | None):
         conversation = self.get(conversation_id, salt)
@@ -172,6 +193,40 @@ def _index(conversation: Conversation, item_id: str) -> int:
         if item.get("id") == item_id:
             return index
     raise ApiError(404, f"Item with id '{item_id}' not found in conversation '{conversation.id}'.")
+
+
+class TurnClaim:
+    """The conversation one response request is made in (`Conversations.claim`), released
+    once its turn is added (`release`, before the response's last bytes go out: the client's
+    next turn may come at once) or else when the request ends, however it ends (a failure,
+    a client that left, a stream that never started): `ConversationClaim`."""
+
+    def __init__(self) -> None:
+        self._release: Callable[[], None] | None = None
+
+    def take(self, conversations: Conversations, conversation_id: str) -> None:
+        """Raises:
+        ApiError: 400 `conversation_locked` while another response holds it."""
+        self._release = conversations.claim(conversation_id)
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+async def turn_claim() -> AsyncIterator[TurnClaim]:
+    """A claim for one request, released when its response has ended (FastAPI ends a
+    dependency that yields once the response is sent, a streamed one included)."""
+    claim = TurnClaim()
+    try:
+        yield claim
+    finally:
+        claim.release()
+
+
+# A route parameter of this type receives its request's `TurnClaim`.
+ConversationClaim = Annotated[TurnClaim, Depends(turn_claim)]
 
 
 def keep_conversations(app: FastAPI) -> None:

@@ -38,7 +38,7 @@ from mlxkv.server.reply.turn import (
     collect,
     start_turn,
 )
-from mlxkv.server.responses_api.conversations import held_conversations
+from mlxkv.server.responses_api.conversations import ConversationClaim, held_conversations
 from mlxkv.server.responses_api.history import request_prompt, stored_responses
 from mlxkv.server.responses_api.items import listed_item
 from mlxkv.server.responses_api.protocol import NamedFunction, ResponsesRequest
@@ -49,8 +49,12 @@ router = APIRouter()
 
 
 @router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, request: Request, ctx: Context):
+async def create_response(
+    body: ResponsesRequest, request: Request, ctx: Context, claim: ConversationClaim
+):
     conversation, items, messages = request_prompt(body, request)
+    if conversation is not None:  # before any wait: nothing else reads it meanwhile
+        claim.take(held_conversations(request), conversation)
     turn = await start_turn(
         request,
         body.system_messages() + messages,
@@ -68,7 +72,8 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
 
     def remember(final: dict[str, Any]) -> None:
         """Stores the response (`store`) and adds it to its conversation, once it ended (a
-        conversation deleted or dropped meanwhile takes nothing: the reply stands)."""
+        conversation deleted or dropped meanwhile takes nothing: the reply stands), which
+        the next response may then take."""
         listed = [listed_item(item.model_dump(exclude_none=True)) for item in items]
         if body.store:
             stored = messages + _as_messages(final["output"])
@@ -83,6 +88,8 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: Context
                 held.add(conversation, added, body.cache_salt, skip_held=True)
             except ApiError as error:
                 logger.warning("responses: %s kept out of its conversation: %s", response.id, error)
+            finally:
+                claim.release()
 
     if body.stream:
         events = _response_events(turn, response, remember, request.scope)
