@@ -17,10 +17,10 @@ from starlette.responses import JSONResponse
 
 from mlxkv.errors import ContextLengthError, ModelNamedError
 
+# Any other status is an `invalid_request_error`, a 404 too (OpenAI's unknown model is one).
 _OPENAI_TYPES = {
     401: "authentication_error",
     403: "permission_error",
-    404: "not_found_error",
     429: "requests",  # OpenAI's type for rate limits; the code says rate_limit_exceeded
     500: "server_error",
     503: "server_error",

@@ -38,7 +38,8 @@ def test_an_unknown_name_is_a_404_in_openais_shape(served):
     with pytest.raises(openai.NotFoundError) as raised:
         served.openai().models.retrieve("nonesuch")
     error = raised.value.body
-    assert error["type"] == "not_found_error" and error["code"] == "model_not_found"
+    # OpenAI's own body: {"type": "invalid_request_error", "code": "model_not_found"}
+    assert error["type"] == "invalid_request_error" and error["code"] == "model_not_found"
     assert "nonesuch" in error["message"] and "a, b" in error["message"]
 
 
