@@ -51,12 +51,13 @@ _RUNNING: set[int] = set()  # process groups of the parts running now
 
 PLANS = {
     # device, quick -> what is measured
-    # shares from the H200 run of 2026-11-27: models took 26 s, throughput ~150 s cold, batching
-    # ~70 s, agent ~46 s; the tests need a call of their own (530 tests, ~300 s)
+    # shares from the H200 run of 2026-11-27: models took 26 s (given 12%: what a part leaves
+    # goes to the next), throughput ~150 s cold, batching ~70 s, agent ~46 s; the tests need a
+    # call of their own (~300 s; the plugin runs those that matter most on a GPU first)
     ("gpu", False): {"model": "1b", "prefill_sizes": [2048, 8192, 32768], "decode_tokens": 128,
                      "reps": 3, "stream_tokens": 128, "rounds": 2, "agents": ["claude", "codex"],
                      "agent_turns": 99, "agent_model": "100m", "examples": 5,
-                     "shares": {"models": 0.08, "tests": 0.5, "throughput": 0.45,
+                     "shares": {"models": 0.12, "tests": 0.5, "throughput": 0.45,
                                 "batching": 0.22, "agent": 0.25}},
     ("gpu", True): {"model": "1b", "prefill_sizes": [2048, 8192], "decode_tokens": 64,
                     "reps": 1, "stream_tokens": 64, "rounds": 1, "agents": ["codex"],

@@ -93,12 +93,19 @@ def models(plan: dict, work: Path, result: Result) -> None:
         convert(str(f32), str(scratch), dtype="bfloat16", **options)
         scratch.rename(done)
         manifest[dtype] = str(done)
+        _save_manifest(work, manifest)  # a part cut off later keeps what is built
         result.set(dtype, str(done))
     if not manifest.get("agent") or not Path(manifest["agent"], "config.json").exists():
         manifest["agent"] = str(long_window_model(work / "agent", plan["agent_model"]))
+        _save_manifest(work, manifest)
     shutil.rmtree(f32, ignore_errors=True)
-    (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
     result.set("manifest", manifest)
+
+
+def _save_manifest(work: Path, manifest: dict) -> None:
+    scratch = work / "manifest.json.tmp"
+    scratch.write_text(json.dumps(manifest, indent=1))
+    scratch.replace(work / "manifest.json")
 
 
 # -- throughput -----------------------------------------------------------------------------
