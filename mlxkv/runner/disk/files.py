@@ -33,23 +33,19 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 import struct
-import threading
 import uuid
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
 from mlxkv.cache.serialize import layer_of
 from mlxkv.runner.disk.blocks import stops
-from mlxkv.runner.disk.writer import WriteJob
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +63,6 @@ _CRC_FIELD = b'"crc32":"'
 _SECTIONS_FIELD = b'"sections":"'
 CRC_PLACEHOLDER = "00000000"
 _CHUNK_BYTES = 16 * 2**20
-T = TypeVar("T")
 
 
 class BadFile(Exception):
@@ -361,52 +356,6 @@ def patch_crc(path: Path) -> None:
         os.fsync(file.fileno())
 
 
-def write_file(
-    directory: Path, job: WriteJob, lock: threading.RLock, index: Callable[[Path], T]
-) -> T:
-    """Writes `job` to `directory` so that its final name only ever holds it complete: under a
-    temporary name, its CRC patched in and fsynced, renamed into place (with `index(path)`,
-    under `lock`: a scan of the directory never sees one without the other), the directory
-    fsynced. Returns what `index` returned.
-
-    Raises:
-        OSError: it could not be written (a full disk said so); no temporary file is left.
-    """
-    path = directory / job.name
-    temporary = temporary_path(directory)
-    try:
-        try:  # the temporary file goes first: it took what was free before the write
-            mx.save_safetensors(str(temporary), job.arrays, job.metadata)
-            patch_crc(temporary)
-            with lock:
-                os.replace(temporary, path)
-                indexed = index(path)
-            fsync_directory(directory)  # the rename itself survives a power cut
-        finally:
-            with contextlib.suppress(OSError):
-                temporary.unlink(missing_ok=True)
-    except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
-        needed_bytes = sum(a.nbytes for a in job.arrays.values()) + len(json.dumps(job.metadata))
-        raise OSError(why_unwritten(directory, needed_bytes, error)) from error
-    return indexed
-
-
-def fsync_directory(directory: Path) -> None:
-    """Flushes `directory`'s entries (a rename just made in it) to disk, where the platform
-    allows opening a directory (it does not on Windows: the rename is then as durable as the
-    file system makes it)."""
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
-
-
 def check_header(header: Header) -> None:
     """Raises BadFile unless the header's CRC matches (its sections' CRCs are then the ones
     written)."""
@@ -432,17 +381,3 @@ def touch(path: Path) -> None:
     """Marks a file as just used (the budget removes the least recently used first)."""
     with contextlib.suppress(OSError):
         os.utime(path)
-
-
-def why_unwritten(directory: Path, needed_bytes: int, error: Exception) -> str:
-    """MLX's write error with its likely cause (a full disk) spelled out."""
-    try:
-        free = shutil.disk_usage(directory).free
-    except OSError:
-        return str(error)
-    if free < needed_bytes + 2**20:
-        return (
-            f"the disk is full ({free:,} bytes free in {directory}, "
-            f"the entry needs {needed_bytes:,})"
-        )
-    return str(error)

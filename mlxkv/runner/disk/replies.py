@@ -264,7 +264,7 @@ class ReplyRecords:
         return [self._job_of(reply) for reply in held]
 
     def written(self, path: Path) -> None:
-        """Indexes the record just renamed into place (`files.write_file`)."""
+        """Indexes the record just renamed into place (`writer.write_file`)."""
         self._read(path, _stamp(path))
 
     def rescan(self) -> None:

@@ -64,12 +64,11 @@ from mlxkv.runner.disk.files import (
     read_record,
     remove_own_file,
     token_key,
-    write_file,
 )
 from mlxkv.runner.disk.jobs import block_jobs
 from mlxkv.runner.disk.replies import REPLY_SUFFIX, ReplyRecords, StoredReply
 from mlxkv.runner.disk.restore import restore_chain
-from mlxkv.runner.disk.writer import BackgroundWriter, PendingWrites, WriteJob
+from mlxkv.runner.disk.writer import BackgroundWriter, PendingWrites, WriteJob, write_file
 
 logger = logging.getLogger(__name__)
 

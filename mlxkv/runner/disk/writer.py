@@ -2,25 +2,35 @@
 off the engine thread, so a request never waits for a write.
 
 Owns `WriteJob` (a block's arrays, header metadata and file name, and the memory they keep
-alive), `PendingWrites` (how many jobs wait and their bytes) and `BackgroundWriter` (the queue,
-the thread, which names are queued and the bytes they hold; `flush` and `close`). Does not own
-what a job writes or how (`store.DiskStore`).
+alive), `PendingWrites` (how many jobs wait and their bytes), `BackgroundWriter` (the queue,
+the thread, which names are queued and the bytes they hold; `flush` and `close`) and
+`write_file` (how a job's file reaches its name whole: a temporary, its CRCs, a rename, the
+fsyncs). Does not own what a job holds or when it is written (`store.DiskStore`), nor the
+file format (`files`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import queue
+import shutil
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 import mlx.core as mx
 
 from mlxkv.platform.threads import KeptRun, before_kept_threads_end, run_on_kept_thread
+from mlxkv.runner.disk.files import patch_crc, temporary_path
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -168,3 +178,63 @@ def _close_all() -> None:
     every writer's jobs: a Runner's finalizer does not wait for them."""
     for writer in list(_running):
         writer.close()
+
+
+def write_file(
+    directory: Path, job: WriteJob, lock: threading.RLock, index: Callable[[Path], T]
+) -> T:
+    """Writes `job` to `directory` so that its final name only ever holds it complete: under a
+    temporary name, its CRC patched in and fsynced, renamed into place (with `index(path)`,
+    under `lock`: a scan of the directory never sees one without the other), the directory
+    fsynced. Returns what `index` returned.
+
+    Raises:
+        OSError: it could not be written (a full disk said so); no temporary file is left.
+    """
+    path = directory / job.name
+    temporary = temporary_path(directory)
+    try:
+        try:  # the temporary file goes first: it took what was free before the write
+            mx.save_safetensors(str(temporary), job.arrays, job.metadata)
+            patch_crc(temporary)
+            with lock:
+                os.replace(temporary, path)
+                indexed = index(path)
+            fsync_directory(directory)  # the rename itself survives a power cut
+        finally:
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
+    except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
+        needed_bytes = sum(a.nbytes for a in job.arrays.values()) + len(json.dumps(job.metadata))
+        raise OSError(why_unwritten(directory, needed_bytes, error)) from error
+    return indexed
+
+
+def fsync_directory(directory: Path) -> None:
+    """Flushes `directory`'s entries (a rename just made in it) to disk, where the platform
+    allows opening a directory (it does not on Windows: the rename is then as durable as the
+    file system makes it)."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def why_unwritten(directory: Path, needed_bytes: int, error: Exception) -> str:
+    """MLX's write error with its likely cause (a full disk) spelled out."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return str(error)
+    if free < needed_bytes + 2**20:
+        return (
+            f"the disk is full ({free:,} bytes free in {directory}, "
+            f"the entry needs {needed_bytes:,})"
+        )
+    return str(error)
