@@ -92,6 +92,9 @@ def arrays_to_cache(
         }
         if len(layers) != len(cache):
             raise ValueError(f"{len(layers)} layers saved; the model has {len(cache)}")
+        for saved in [layers, *checkpoints.values()]:
+            for layer, empty in zip(saved, cache, strict=True):
+                _check_kind(layer, empty)
         exact = layout.get("exact_tokens")
         cache.adopt(layers, tokens, checkpoints, exact_tokens=None if exact is None else int(exact))
     except (KeyError, TypeError, ValueError, IndexError) as error:
@@ -137,6 +140,30 @@ def _layer_layout(layer: Any, prefix: str, arrays: dict[str, mx.array]) -> dict[
         "prefix": prefix,
         "paths": [path for path, _ in state],
     }
+
+
+def _check_kind(layer: Any, empty: Any) -> None:
+    """Raises ValueError unless a layer rebuilt from a layout (None: a snapshot not taken) is
+    of the class and settings of the model's own (`empty`, from `make_cache`): a file's
+    signature is its header's word, and its layout could still name another class, window or
+    quantization. Its buffer's growth step becomes the model's: how a buffer grows is this
+    process's choice, and a saved step of 2**31 asked MLX for a buffer it died allocating."""
+    if layer is None:
+        return
+    if type(layer) is not type(empty):
+        raise ValueError(f"a {type(layer).__name__} where the model has a {type(empty).__name__}")
+    if isinstance(layer, mlx_cache.CacheList):
+        for child, empty_child in zip(layer.caches, empty.caches, strict=True):
+            _check_kind(child, empty_child)
+    elif isinstance(layer, mlx_cache.ArraysCache):
+        if len(layer.cache) != len(empty.cache):
+            raise ValueError(
+                f"{len(layer.cache)} arrays where the model's layer has {len(empty.cache)}"
+            )
+    elif _signature(layer) != _signature(empty):
+        raise ValueError(f"a {type(layer).__name__} of {_signature(layer)[1]}, not the model's")
+    else:
+        layer.step = empty.step
 
 
 def _layer_from(entry: dict[str, Any], arrays: dict[str, mx.array]) -> Any:

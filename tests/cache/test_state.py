@@ -77,3 +77,27 @@ def test_a_chunked_model_cache_saves_and_loads_exactly(load_tiny):
     arrays, layout = cache_to_arrays(original)
     loaded = arrays_to_cache(arrays, layout, original.tokens, make_cache(model))
     assert_logits_close(loaded.forward(model, ids[23:])[0], original.forward(model, ids[23:])[0])
+
+
+@pytest.mark.parametrize("lie", ["window", "arrays"])
+def test_a_layout_is_rebuilt_only_as_the_models_own_layers(load_tiny, lie):
+    """A saved layout that names another window than the model's sliding layers have, or
+    another count of recurrent arrays, is refused (a file's signature is its header's word,
+    not its layout's): rebuilt, the first attended over the wrong tokens."""
+    from mlxkv.cache import make_cache
+    from mlxkv.cache.serialize import arrays_to_cache, cache_to_arrays
+    from mlxkv.errors import CacheStateError
+
+    arch, kind = ("gemma3_text", "SlidingWindowCache") if lie == "window" else ("lfm2", "")
+    model, _ = load_tiny(arch)
+    original = make_cache(model)
+    original.forward(model, list(range(3, 30)))
+    arrays, layout = cache_to_arrays(original)
+    if lie == "window":
+        entry = next(e for e in layout["layers"] if e["kind"] == kind)
+        entry["meta"][1] = str(2 * int(entry["meta"][1]))
+    else:
+        entry = next(e for e in layout["layers"] if "arrays" in e)
+        entry["size"] += 1
+    with pytest.raises(CacheStateError, match="the model's"):
+        arrays_to_cache(arrays, layout, original.tokens, make_cache(model))

@@ -37,6 +37,8 @@ _TOKEN_AXIS = 2  # K/V arrays (and quantized K/V's parts) are (B, H, L, D)
 # default, else the largest it accepts that divides the head dimension (none: not quantized).
 DISK_GROUP_SIZES = (64, 32)
 _PARTS = (".q", ".scales", ".biases")  # a quantized array's names: its name + each
+_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32"})  # safetensors' names
+_PACKED_DTYPE = "U32"  # quantized K/V's values (mx.quantize's), in memory or on disk
 
 
 def is_sliced(entry: dict[str, Any]) -> bool:
@@ -62,6 +64,47 @@ def stops(layout: dict[str, Any], end: int) -> tuple[int, ...]:
     holds every state layer at."""
     points = tuple(int(point["at"]) for point in layout["checkpoints"])
     return points + ((end,) if layout.get("end_state") else ())
+
+
+def check_block(
+    layout: dict[str, Any], arrays: dict[str, tuple[tuple[int, ...], str]], num_tokens: int
+) -> None:
+    """Raises ValueError unless a block's arrays (name -> shape and safetensors dtype, from
+    its header) are the ones its layout names, no more and no fewer, and each sliced layer's
+    holds the block's `num_tokens` tokens: (1, heads, num_tokens, dim), K/V of a float dtype
+    (quantized: packed uint32 values, float scales and biases). The CRC says only that a file
+    is as it was written: a block whose K/V held more or fewer tokens than its token ids would
+    be joined to its neighbours and answer wrongly, and a loop over arrays no layer reads
+    would cost every load."""
+    quantized = layout.get("quantized", {})
+    expected: set[str] = set()
+    for entry in layout["layers"]:
+        if is_sliced(entry):
+            for name in array_names(entry):
+                parts = [name + part for part in _PARTS] if name in quantized else [name]
+                for part in parts:
+                    _check_slice(part, *arrays.get(part, ((), "")), num_tokens)
+                expected.update(parts)
+        elif layout.get("end_state"):
+            expected.update(array_names(entry))
+    for point in layout["checkpoints"]:
+        expected.update(name for entry in point["layers"] for name in array_names(entry))
+    if set(arrays) != expected:
+        odd = sorted(set(arrays) ^ expected)
+        raise ValueError(f"{len(odd)} arrays held or named alone, as {odd[0]}")
+
+
+def _check_slice(name: str, shape: tuple[int, ...], dtype: str, num_tokens: int) -> None:
+    if name.endswith(_PARTS[0]):
+        dtypes = {_PACKED_DTYPE}
+    elif name.endswith(_PARTS[1:]):
+        dtypes = _FLOAT_DTYPES
+    else:  # float K/V, or a quantized layer's state: packed values, scales and biases
+        dtypes = _FLOAT_DTYPES | {_PACKED_DTYPE}
+    if len(shape) != 4 or shape[0] != 1 or shape[_TOKEN_AXIS] != num_tokens:
+        raise ValueError(f"{name} is {shape}; a block of {num_tokens} tokens holds (1, H, L, D)")
+    if dtype not in dtypes:
+        raise ValueError(f"{name} is {dtype}, not K/V")
 
 
 def cut_block(

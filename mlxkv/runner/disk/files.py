@@ -31,6 +31,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from mlxkv.cache.serialize import layer_of
-from mlxkv.runner.disk.blocks import stops
+from mlxkv.runner.disk.blocks import check_block, stops
 
 logger = logging.getLogger(__name__)
 
@@ -200,21 +201,31 @@ def token_key(tokens: np.ndarray, salt: str | None = None, parent: str | None = 
     return digest.hexdigest()[:32]
 
 
+# Bytes an element of each safetensors dtype takes.
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+               "C64": 8}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Header:
-    """A block file's header: its metadata and where each layer's section lies
-    (`sections[i]`: the (start, end) byte ranges in the file of layer i's arrays, in file
-    order)."""
+    """A block file's header: its metadata, its arrays (name -> shape and safetensors dtype)
+    and where each layer's section lies (`sections[i]`: the (start, end) byte ranges in the
+    file of layer i's arrays, in file order)."""
 
     metadata: dict[str, str]
     sections: list[list[tuple[int, int]]]
     raw: bytes  # the length prefix and the header, as read
+    arrays: dict[str, tuple[tuple[int, ...], str]]
 
 
 def read_header(path: Path) -> Header:
     """A safetensors file's header, after checking that the file is exactly as long as its
-    header says (a truncated file fails here). A header that does not parse, or does not name
-    this tier's format, raises BadFile with `ours` False."""
+    header says (a truncated file fails here) and each array's bytes as its shape and dtype
+    say (counted in Python: MLX's own count wraps on a huge shape, and a shape the data does
+    not fill fails only as MLX reads it, as if the disk had). A header that does not parse
+    (nested too deep for Python included), or does not name this tier's format, raises
+    BadFile with `ours` False."""
     with open(path, "rb") as file:
         head = file.read(8)
         if len(head) < 8:
@@ -229,9 +240,14 @@ def read_header(path: Path) -> Header:
             metadata = header.pop("__metadata__")
             if not str(metadata.get("format", "")).startswith(FORMAT_FAMILY):
                 raise BadFile("not an mlxkv cache file", ours=False)
-            spans = {name: tuple(int(o) for o in t["data_offsets"]) for name, t in header.items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            spans, arrays = {}, {}
+            for name, array in header.items():
+                spans[name] = tuple(int(o) for o in array["data_offsets"])
+                arrays[name] = (tuple(int(n) for n in array["shape"]), str(array["dtype"]))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
             raise BadFile(f"unreadable header ({error})", ours=False) from error
+    for name, (shape, dtype) in arrays.items():
+        _check_span(name, shape, dtype, spans[name])
     end = max((stop for _, stop in spans.values()), default=0)
     if 8 + header_bytes + end != size:
         raise BadFile(f"{size} bytes; its header describes {8 + header_bytes + end}")
@@ -244,7 +260,15 @@ def read_header(path: Path) -> Header:
             raise BadFile(f"array {name} lies in no layer's section")
         if 0 <= layer < num_sections:
             sections[layer].append((data_start + start, data_start + stop))
-    return Header(metadata, sections, raw)
+    return Header(metadata, sections, raw, arrays)
+
+
+def _check_span(name: str, shape: tuple[int, ...], dtype: str, span: tuple[int, ...]) -> None:
+    item_bytes = _ITEM_BYTES.get(dtype)
+    if item_bytes is None or min(shape, default=0) < 0 or len(span) != 2:
+        raise BadFile(f"array {name}: no shape of a known dtype ({dtype}, {shape})")
+    if span[1] - span[0] != math.prod(shape) * item_bytes:
+        raise BadFile(f"array {name}: its offsets do not hold its shape {shape} of {dtype}")
 
 
 def entry_metadata(
@@ -283,7 +307,8 @@ def read_record(path: Path, fingerprint: str, signature: str) -> StoredEntry:
             or does not match the file's name.
         OSError: the file cannot be read now.
     """
-    metadata = read_header(path).metadata
+    header = read_header(path)
+    metadata = header.metadata
     check_origin(metadata, FORMAT, fingerprint, signature)
     try:
         tokens = np.frombuffer(base64.b64decode(metadata["tokens"]), dtype="<u4")
@@ -291,8 +316,12 @@ def read_record(path: Path, fingerprint: str, signature: str) -> StoredEntry:
         start = int(metadata.get("start", 0))
         checkpoints = stops(layout, start + tokens.size)
         reply_start = int(metadata.get("reply_start", start + tokens.size))
-    except (KeyError, ValueError, TypeError) as error:
+    except (KeyError, ValueError, TypeError, AttributeError, RecursionError) as error:
         raise BadFile(f"unreadable metadata ({error})") from error
+    try:
+        check_block(layout, header.arrays, tokens.size)
+    except (KeyError, ValueError, TypeError, AttributeError, RecursionError) as error:
+        raise BadFile(f"its arrays are not what its layout and tokens say ({error})") from error
     salt, parent = metadata.get("salt") or None, metadata.get("parent") or None
     if path.name != token_key(tokens, salt, parent) + SUFFIX:
         raise BadFile("its name does not match its token ids")

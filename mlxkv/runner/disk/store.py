@@ -11,8 +11,10 @@ Invariants:
   - only files this tier wrote are ever removed: regular files named as it names them, whose
     header says they are an mlxkv file; anything else is left alone, not counted in the budget;
   - a file is never loaded unless its header parses, its fingerprint and signature match, its
-    size is what the header says and its CRCs match; else it is removed, with one warning (an
-    error that proves nothing about the file, such as out of memory, keeps it: a prefill);
+    size is what the header says, its arrays are those its layout names in the shapes its
+    token ids say (`blocks.check_block`) and its CRCs match; else it is removed, with one
+    warning (an error that proves nothing about the file, such as out of memory, keeps it: a
+    prefill);
   - a file appears under its final name only complete (temporary name, CRCs patched in,
     fsync, atomic rename, directory fsync): an interrupted write leaves at most a temporary
     file, which indexing ignores, the budget counts, and a scan removes once its writer is gone;
