@@ -36,6 +36,9 @@ _STATEFUL = {
 
 
 _LAYER_NAME = re.compile(r"(?:l|c\d+)\.(\d+)(?:[./]|$)")
+_SNAPSHOT_PREFIX = re.compile(r"^c\d+\.")  # a checkpoint's snapshot of layer i: c<at>.<i>...
+# (shape, dtype) of each array `cache_to_arrays` names for a layer's state
+ArrayShapes = dict[str, tuple[tuple[int, ...], mx.Dtype]]
 
 
 def cache_to_arrays(
@@ -64,6 +67,36 @@ def cache_to_arrays(
     if cache.exact_tokens is not None:
         layout["exact_tokens"] = cache.exact_tokens
     return arrays, layout
+
+
+def array_shapes(cache: ModelCache) -> ArrayShapes:
+    """The shape and dtype of each array of `cache` (the model's own, holding a token) as
+    `cache_to_arrays` names a layer's state: what a restore's arrays are held to
+    (`check_shapes`)."""
+    arrays, _ = cache_to_arrays(cache)
+    return {name: (tuple(a.shape), a.dtype) for name, a in arrays.items() if name[:2] == "l."}
+
+
+def check_shapes(arrays: dict[str, mx.array], model_shapes: ArrayShapes) -> None:
+    """Raises CacheStateError unless each of a restore's `arrays` (a checkpoint's snapshot as
+    the layer it snapshots) has the model's dtype, rank and shape (`array_shapes`), but for
+    the token axis of a 4-D array (K/V, windows, chunks). Files whose K/V had another head
+    count or head size passed every other check and failed in the model on every request
+    that restored them."""
+    for name, array in arrays.items():
+        own = model_shapes.get(_SNAPSHOT_PREFIX.sub("l.", name, count=1))
+        if own is None:  # an array the model's first token left unset
+            continue
+        shape, dtype = own
+        kept = [k for k in range(len(shape)) if not (len(shape) == 4 and k == 2)]
+        if (
+            array.dtype != dtype
+            or array.ndim != len(shape)
+            or any(array.shape[k] != shape[k] for k in kept)
+        ):
+            raise CacheStateError(
+                f"{name} is {array.dtype} {tuple(array.shape)}; the model's is {dtype} {shape}"
+            )
 
 
 def layer_of(name: str) -> int:

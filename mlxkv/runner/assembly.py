@@ -24,7 +24,7 @@ from mlxkv.cache.building import make_cache
 from mlxkv.cache.checkpoints import MAX_CHECKPOINTS
 from mlxkv.cache.footprint import SnapshotCost, snapshot_cost
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.serialize import layout_signature
+from mlxkv.cache.serialize import ArrayShapes, array_shapes, layout_signature
 from mlxkv.config import (
     BATCH_MEMORY_FRACTION,
     CONTEXT_MEMORY_FRACTION,
@@ -37,6 +37,7 @@ from mlxkv.decoding.batch import DecodeBatch
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.prefill.batched import Stops, prefill_together
+from mlxkv.errors import NotSupportedError
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel
 from mlxkv.models.vision import EncoderCache
@@ -82,10 +83,12 @@ def make_pool(
     make_entry: Callable[[], ModelCache],
     config: RunnerConfig,
     snapshot_cost: SnapshotCost,
+    engine: EngineThread,
 ) -> CachePool:
     """The pool for these settings, its disk tier indexed (a restart finds its files), told
     every how many tokens a model with state layers snapshots them for it (`disk.snapshots`,
-    from the `snapshot_cost` `size_window` measured), and the replies it keeps known to the
+    from the `snapshot_cost` `size_window` measured) and the shapes of the model's own cache
+    arrays (a token's forward pass on `engine`), and the replies it keeps known to the
     model's reply memory (`text.replies`); a cache directory that cannot be written leaves
     the tier off, with a warning."""
     store = None
@@ -101,6 +104,7 @@ def make_pool(
                 trimmable=not empty.needs_checkpoints,
             )
             store.max_pending_bytes = config.cache_bytes
+            store.model_shapes = engine.call(_model_shapes, loaded.model, make_entry)
             if not store.trimmable:
                 kv_bits = config.cache_dir_kv_bits
                 every = snapshot_every_blocks(snapshot_cost, store.block_tokens, kv_bits)
@@ -118,6 +122,17 @@ def make_pool(
     if loaded.vision is not None:  # its outputs count inside the entries' budget
         pool.encoder = EncoderCache(loaded.vision, encoder_cache_bytes(config.cache_bytes))
     return pool
+
+
+def _model_shapes(model: nn.Module, make_entry: Callable[[], ModelCache]) -> ArrayShapes | None:
+    """The model's cache arrays after one token (`serialize.array_shapes`); None for layers
+    the disk tier cannot save (it writes none of them)."""
+    cache = make_entry()
+    mx.eval(cache.forward(model, [0]))
+    try:
+        return array_shapes(cache)
+    except NotSupportedError:
+        return None
 
 
 def size_window(

@@ -95,7 +95,7 @@ class Runner:
             config.prefill_step_size, config.prefill_lanes, window_tokens=self.max_context
         )
         self._draft = DraftModel.check(draft, loaded)
-        self._pool = make_pool(loaded, self._make_entry, config, snaps)
+        self._pool = make_pool(loaded, self._make_entry, config, snaps, self._engine)
         if self._pool.store is not None:  # a Runner dropped without close() stops its writer
             weakref.finalize(self, self._pool.store.close, False)
         self.max_batch = choose_max_batch(loaded, config, snaps, self._engine, self._lockstep)

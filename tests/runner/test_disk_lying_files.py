@@ -1,6 +1,7 @@
 """Disk-tier files that pass their checksums but lie about what they hold: a block's K/V with
 more tokens than its token ids, of an integer dtype, with arrays no layer reads, or a header
-whose shapes its data does not fill. Each is refused when the directory is indexed (and
+whose shapes its data does not fill; every block's K/V of another shape than the model's; a
+buffer step of no use. Each is refused when the directory is indexed (and
 removed: it claims this tier's format), and the request answers as a fresh Runner does,
 from the blocks before it. Before, the first two were joined to their neighbours and answered
 wrongly, and the last was kept and retried on every request. A file named like a block whose
@@ -111,6 +112,31 @@ def test_a_block_that_lies_is_refused_and_the_answer_is_a_fresh_runners(
         restarted, make_runner, "llama", follow_up, j * BLOCK_TOKENS, caplog
     )
     assert not any("Traceback" in w for w in warnings)
+
+
+def _more_heads(arrays: dict) -> dict:
+    return _kv(arrays, lambda a: mx.concatenate([a, a], axis=1))
+
+
+def test_kv_of_another_shape_on_every_block_is_refused_against_the_models(
+    make_runner, tmp_path, caplog
+):
+    """Every block's K/V with twice the model's heads: each block agrees with its own layout
+    and token ids, and they join; before, every request restoring them failed in the model (a
+    500 over HTTP) and the files stayed. Now the restore is held to the model's own shapes,
+    its blocks are removed, and the answer is a fresh Runner's."""
+    follow_up = _stored_conversation(make_runner, "llama", tmp_path)
+    indexed = make_runner("llama", cache_dir=tmp_path)
+    chain = _full_chain(indexed, follow_up)
+    indexed.close()
+    lies = {}
+    for block in chain.blocks:
+        _rewritten(block.path, _more_heads)
+        lies[block.path] = block.path.read_bytes()
+    restarted = make_runner("llama", cache_dir=tmp_path)
+    _answers_as_fresh(restarted, make_runner, "llama", follow_up, 0, caplog)
+    restarted._pool.store.flush()  # this turn's blocks written again, whole
+    assert not [path for path, lie in lies.items() if path.exists() and path.read_bytes() == lie]
 
 
 def _step(step: str):

@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxkv.cache.model_cache import ModelCache
-from mlxkv.cache.serialize import arrays_to_cache
+from mlxkv.cache.serialize import ArrayShapes, arrays_to_cache, check_shapes
 from mlxkv.errors import CacheStateError
 from mlxkv.runner.disk.blocks import join_blocks
 from mlxkv.runner.disk.chains import StoredChain, partial_restores
@@ -38,11 +38,14 @@ def restore_chain(
     reject: Callable[[StoredEntry, Exception], None],
     discard: Callable[[Path, Exception], None],
     measured: Callable[[int, float], None],
+    model_shapes: ArrayShapes | None = None,
 ) -> ModelCache | None:
     """`empty` filled with the longest prefix of `chain` its readable blocks restore (their
     files marked used); None when they restore none. A block that fails its read is `reject`ed
-    (the read ends there); one whose arrays do not make a cache is `discard`ed; an error that
-    says nothing about the file (out of memory, a read error) keeps it. `streamed`: the
+    (the read ends there); blocks whose arrays do not make a cache (or not of the model's
+    `model_shapes`: `serialize.check_shapes`) are `discard`ed, every one joined (which one
+    lies cannot be told: the one that did may be any); an error that says nothing about the
+    files (out of memory, a read error) keeps them. `streamed`: the
     headers alone checked here, each layer handed to the model once its sections passed
     (`reading.LayerStream`, which reports the checks' seconds to `measured`; checked whole,
     the load's seconds are)."""
@@ -56,6 +59,8 @@ def restore_chain(
     used = read[: len(restore.blocks)]
     try:
         arrays, layout = join_blocks([block for _, block in used], restore.num_tokens)
+        if model_shapes is not None:
+            check_shapes(arrays, model_shapes)
         cache = arrays_to_cache(arrays, layout, restore.tokens.tolist(), empty)
         if streamed:
             headers = list(zip(restore.blocks, [header for header, _ in used], strict=True))
@@ -64,7 +69,8 @@ def restore_chain(
         else:
             mx.eval(cache.arrays())
     except (CacheStateError, ValueError, KeyError, TypeError, ArithmeticError) as why:
-        discard(restore.blocks[-1].path, why)
+        for block in restore.blocks:
+            discard(block.path, why)
         return None
     except (OSError, RuntimeError, MemoryError) as error:  # says nothing about the file
         warn_unreadable(restore.blocks[-1], error)

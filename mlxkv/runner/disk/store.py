@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from mlxkv.cache.model_cache import ModelCache
+from mlxkv.cache.serialize import ArrayShapes
 from mlxkv.runner.disk.bad_files import BadFiles, remove_orphaned_temporaries
 from mlxkv.runner.disk.budget import removal_order, temporary_bytes, tier_files
 from mlxkv.runner.disk.chains import (
@@ -119,6 +120,7 @@ class DiskStore:
         # the memory budget the writes queued may reach before another is skipped (a disk
         # slower than the requests would otherwise queue copies of K/V without bound)
         self.max_pending_bytes: int | None = None
+        self.model_shapes: ArrayShapes | None = None  # what a restore's arrays are held to
         self._records: dict[str, StoredEntry] = {}
         self._lock = threading.Lock()  # guards _records
         # held while a scan compares the directory with the index, and while this process
@@ -236,6 +238,7 @@ class DiskStore:
             reject=self._bad.reject,
             discard=self._bad.discard,
             measured=self._measured,
+            model_shapes=self.model_shapes,
         )
 
     def _measured(self, nbytes: int, seconds: float) -> None:
