@@ -65,6 +65,11 @@ def _integers(arrays: dict) -> dict:
     return _kv(arrays, lambda a: (a * 100).astype(mx.int32))
 
 
+def _packed(arrays: dict) -> dict:
+    """Float K/V stored as uint32, the quantized layers' packed dtype."""
+    return _kv(arrays, lambda a: (a * 100).astype(mx.uint32))
+
+
 def _unread_array(arrays: dict) -> dict:
     return {**arrays, "l.0/unread": mx.zeros((4,))}
 
@@ -89,6 +94,7 @@ def _shapes_unfilled(path: Path) -> None:
 LIES = {
     "more-tokens-than-ids": lambda path: _rewritten(path, _more_tokens),
     "integer-kv": lambda path: _rewritten(path, _integers),
+    "packed-kv-of-a-float-layer": lambda path: _rewritten(path, _packed),
     "an-array-no-layer-reads": lambda path: _rewritten(path, _unread_array),
     "shapes-the-data-does-not-fill": _shapes_unfilled,
 }

@@ -110,6 +110,19 @@ def test_a_client_that_leaves_frees_its_conversation(served, access_log):
     assert client.responses.create(input="Back", **_in(conversation)).output_text
 
 
+def test_a_client_that_times_out_adds_nothing_and_frees_its_conversation(served, access_log):
+    """Not streamed, its client gone before the reply: the input was added with no reply."""
+    client = served.openai()
+    conversation = client.conversations.create(items=[HI]).id
+    impatient = client.with_options(timeout=1, max_retries=0)
+    with held_worker(served), pytest.raises(openai.APITimeoutError):
+        impatient.responses.create(input="Gone", **_in(conversation))
+    access_log(r"POST /v1/responses 200")  # its request has ended
+    items = client.conversations.items.list(conversation).data
+    assert [item.content[0].text for item in items] == ["Hi there"]
+    assert client.responses.create(input="Back", **_in(conversation)).output_text
+
+
 def test_a_stream_that_never_starts_frees_its_conversation():
     """The client left before the status line went out: the response's body (where the turn
     is added) never runs, and the claim goes when the request ends."""

@@ -71,20 +71,20 @@ def check_block(
 ) -> None:
     """Raises ValueError unless a block's arrays (name -> shape and safetensors dtype, from
     its header) are the ones its layout names, no more and no fewer, and each sliced layer's
-    holds the block's `num_tokens` tokens: (1, heads, num_tokens, dim), K/V of a float dtype
-    (quantized: packed uint32 values, float scales and biases). The CRC says only that a file
-    is as it was written: a block whose K/V held more or fewer tokens than its token ids would
-    be joined to its neighbours and answer wrongly, and a loop over arrays no layer reads
-    would cost every load."""
+    holds the block's `num_tokens` tokens: (1, heads, num_tokens, dim), a `KVCache`'s of a
+    float dtype, a quantized one's packed uint32 values and float scales and biases. The CRC
+    says only that a file is as it was written: a block whose K/V held more or fewer tokens
+    than its token ids, or integers (joined to its neighbours' as float, unseen after), would
+    answer wrongly, and a loop over arrays no layer reads would cost every load."""
     quantized = layout.get("quantized", {})
     expected: set[str] = set()
     for entry in layout["layers"]:
         if is_sliced(entry):
-            for name in array_names(entry):
-                parts = [name + part for part in _PARTS] if name in quantized else [name]
-                for part in parts:
-                    _check_slice(part, *arrays.get(part, ((), "")), num_tokens)
-                expected.update(parts)
+            for name, kind in _sliced_arrays(entry):
+                for part in _PARTS if name in quantized else ("",):
+                    held = arrays.get(name + part, ((), ""))
+                    _check_slice(name + part, held, num_tokens, _kv_dtypes(kind, name, part))
+                    expected.add(name + part)
         elif layout.get("end_state"):
             expected.update(array_names(entry))
     for point in layout["checkpoints"]:
@@ -94,13 +94,25 @@ def check_block(
         raise ValueError(f"{len(odd)} arrays held or named alone, as {odd[0]}")
 
 
-def _check_slice(name: str, shape: tuple[int, ...], dtype: str, num_tokens: int) -> None:
-    if name.endswith(_PARTS[0]):
-        dtypes = {_PACKED_DTYPE}
-    elif name.endswith(_PARTS[1:]):
-        dtypes = _FLOAT_DTYPES
-    else:  # float K/V, or a quantized layer's state: packed values, scales and biases
-        dtypes = _FLOAT_DTYPES | {_PACKED_DTYPE}
+def _sliced_arrays(entry: dict[str, Any]) -> list[tuple[str, str]]:
+    """(name, the class of the layer holding it) of a sliced layer's arrays."""
+    if entry["kind"] == "CacheList":
+        return [found for child in entry["children"] for found in _sliced_arrays(child)]
+    return [(name, entry["kind"]) for name in array_names(entry)]
+
+
+def _kv_dtypes(kind: str, name: str, part: str) -> frozenset[str]:
+    """The dtypes a sliced array (`part`: one of `_PARTS` where it is quantized on disk) may
+    have: a quantized layer's state is (values, scales, biases) for keys then values, as
+    tree paths `<0|1>.<0|1|2>`; its values packed, as the disk's `.q`."""
+    packed = part == _PARTS[0] or (not part and kind == "QuantizedKVCache" and name[-2:] == ".0")
+    return frozenset({_PACKED_DTYPE}) if packed else _FLOAT_DTYPES
+
+
+def _check_slice(
+    name: str, held: tuple[tuple[int, ...], str], num_tokens: int, dtypes: frozenset[str]
+) -> None:
+    shape, dtype = held
     if len(shape) != 4 or shape[0] != 1 or shape[_TOKEN_AXIS] != num_tokens:
         raise ValueError(f"{name} is {shape}; a block of {num_tokens} tokens holds (1, H, L, D)")
     if dtype not in dtypes:

@@ -205,8 +205,11 @@ class TurnClaim:
         self._release: Callable[[], None] | None = None
 
     def take(self, conversations: Conversations, conversation_id: str) -> None:
-        """Raises:
-        ApiError: 400 `conversation_locked` while another response holds it."""
+        """Claims the conversation for this request.
+
+        Raises:
+            ApiError: 400 `conversation_locked` while another response holds it.
+        """
         self._release = conversations.claim(conversation_id)
 
     def release(self) -> None:

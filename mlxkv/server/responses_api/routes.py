@@ -97,7 +97,8 @@ async def create_response(
     events, completion = await collect(turn, request)
     output = _output_items(events, completion)
     final = response.body(output, completion, reasoning_tokens=turn.reasoning_tokens)
-    remember(final)
+    if completion.finish_reason != "cancelled":  # else its client left: no half turn kept
+        remember(final)
     return final
 
 
