@@ -99,6 +99,7 @@ class GenerationStream:
             self._abandoned = True
         with contextlib.suppress(_LoopClosed):
             self._call(self._settle, None)
+            self._call(self._queue.put_nowait, _END)  # a reader waiting (a non-streamed reply)
 
     def pump(self) -> None:
         """Runs the generation on the worker thread, passing each chunk to the loop."""

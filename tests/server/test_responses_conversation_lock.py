@@ -111,13 +111,16 @@ def test_a_client_that_leaves_frees_its_conversation(served, access_log):
 
 
 def test_a_client_that_times_out_adds_nothing_and_frees_its_conversation(served, access_log):
-    """Not streamed, its client gone before the reply: the input was added with no reply."""
+    """Not streamed, its client gone while the generation waited for its turn: the request
+    waited forever (its conversation locked for good) and, when it did end, the input was
+    added with no reply. Now it ends at once, a 499, and adds nothing."""
     client = served.openai()
     conversation = client.conversations.create(items=[HI]).id
     impatient = client.with_options(timeout=1, max_retries=0)
-    with held_worker(served), pytest.raises(openai.APITimeoutError):
-        impatient.responses.create(input="Gone", **_in(conversation))
-    access_log(r"POST /v1/responses 200")  # its request has ended
+    with held_worker(served):
+        with pytest.raises(openai.APITimeoutError):
+            impatient.responses.create(input="Gone", **_in(conversation))
+        access_log(r"POST /v1/responses 499")  # ended while the worker is still held
     items = client.conversations.items.list(conversation).data
     assert [item.content[0].text for item in items] == ["Hi there"]
     assert client.responses.create(input="Back", **_in(conversation)).output_text

@@ -371,14 +371,20 @@ async def _thinking_splitter(
 
 async def collect(turn: Turn, request: Request) -> tuple[list[Event], Completion]:
     """All of a turn's events, for a response that is not streamed; a client that
-    disconnects meanwhile cancels the generation."""
+    disconnects meanwhile cancels the generation.
+
+    Raises:
+        ApiError: 499 (nginx's "client closed request") when it left while the generation
+            waited for its turn: there is no reply, and the request ends (it waited forever).
+    """
     watcher = asyncio.create_task(_cancel_on_disconnect(turn, request))
     try:
         events = [event async for event in turn.events()]
     finally:
         watcher.cancel()
+    if not events or not isinstance(events[-1], Completion):  # cancelled before it started
+        raise ApiError(499, "the client closed the request before its generation started")
     completion = events.pop()
-    assert isinstance(completion, Completion)
     return events, completion
 
 
