@@ -1,12 +1,14 @@
 """Request types every API's schemas share: `Lenient` (the base of every request model: strict
-types, unknown fields ignored, null as the default), and the readings of fields several APIs
-have (`mlx_seed`, `tool_arguments`). Lives apart from every API folder, so none imports
-another.
+types, unknown fields ignored, null as the default), the readings of fields several APIs
+have (`mlx_seed`, `tool_arguments`), and OpenAI's log-probability objects, which its chat
+completions and Responses both answer with (`openai_logprobs`). Lives apart from every API
+folder, so none imports another.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -22,6 +24,19 @@ def nucleus(top_p: float | None, top_k: int | None) -> dict[str, Any]:
     if top_p == 0:
         return {"top_p": None, "top_k": 1}
     return {"top_p": top_p, "top_k": top_k}
+
+
+def openai_logprobs(tokens: Iterable[Any]) -> list[dict[str, Any]]:
+    """OpenAI's objects for generated tokens (`reply.turn.TokenInfo`s): each token's text,
+    log-probability and UTF-8 bytes, with its most likely alternatives as `top_logprobs`."""
+    return [
+        {**_logprob(t.text, t.logprob), "top_logprobs": [_logprob(*alt) for alt in t.top]}
+        for t in tokens
+    ]
+
+
+def _logprob(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def mlx_seed(seed: int | None) -> int | None:

@@ -22,13 +22,13 @@ from mlxkv.server.early_events import marking_waits
 from mlxkv.server.errors import ApiError, openai_error
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from mlxkv.server.protocol import openai_logprobs
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
     WAITING,
     Event,
     ReasoningDelta,
     TextDelta,
-    TokenInfo,
     Turn,
     collect,
     start_turn,
@@ -160,7 +160,7 @@ async def _chat_events(
         if event is WAITING:
             yield chunk({"content": ""})
         elif isinstance(event, TextDelta | ReasoningDelta) and (event.text or event.logprobs):
-            logprobs = {"content": [_token(t) for t in event.logprobs]} if event.logprobs else None
+            logprobs = {"content": openai_logprobs(event.logprobs)} if event.logprobs else None
             if isinstance(event, ReasoningDelta):
                 yield chunk(_reasoning(event.text), logprobs=logprobs)
             else:
@@ -229,18 +229,9 @@ def _usage(completion: Completion) -> dict[str, Any]:
     }
 
 
-def _token(info: TokenInfo) -> dict[str, Any]:
-    top = [_alternative(text, logprob) for text, logprob in info.top]
-    return {**_alternative(info.text, info.logprob), "top_logprobs": top}
-
-
-def _alternative(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-
 def _chat_logprobs(events: list[Event]) -> list[dict[str, Any]]:
     deltas = (e for e in events if isinstance(e, TextDelta | ReasoningDelta))
-    return [_token(t) for e in deltas for t in e.logprobs]
+    return openai_logprobs(t for e in deltas for t in e.logprobs)
 
 
 def _legacy_logprobs(events: list[Event]) -> dict[str, Any]:

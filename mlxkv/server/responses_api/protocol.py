@@ -94,6 +94,46 @@ class ResponsesRequest(Lenient):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     text: TextOptions | None = None
     reasoning: Reasoning | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    metadata: dict[str, Any] | None = None
+    max_tool_calls: int | None = Field(None, ge=1)
+    safety_identifier: str | None = None
+    user: str | None = None
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives each output token's log-probability comes with, when
+        `include` asks for them (OpenAI gives none otherwise, whatever `top_logprobs`)."""
+        asked = "message.output_text.logprobs" in (self.include or [])
+        return (self.top_logprobs or 0) if asked else None
+
+    def settings(self) -> dict[str, Any]:
+        """The settings a response repeats (OpenAI's response object: all of them, the
+        values used where the request gave none: the Runner's greedy default, no penalty).
+        `truncation` is "disabled" however asked: a prompt over the window is refused, never
+        cut; `background` false: a response is made while its request waits."""
+        effort = self.reasoning.effort if self.reasoning else None
+        text_format = self.text.format if self.text and self.text.format else {"type": "text"}
+        return {
+            "temperature": 0.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "top_logprobs": self.top_logprobs or 0,
+            "text": {"format": text_format},
+            "reasoning": {"effort": effort, "summary": None},
+            "truncation": "disabled",
+            "max_tool_calls": self.max_tool_calls,
+            "background": False,
+            "service_tier": "default",
+            "metadata": self.metadata or {},
+            "safety_identifier": self.safety_identifier,
+            "prompt_cache_key": self.prompt_cache_key,
+            "user": self.user,
+            "tools": [_echoed_tool(tool) for tool in self.tools or []],
+        }
 
     def template_switches(self) -> dict[str, Any] | None:
         return effort_switches(self.reasoning.effort if self.reasoning else None)
@@ -134,6 +174,8 @@ class ResponsesRequest(Lenient):
             **nucleus(self.top_p, self.top_k),
             "min_p": self.min_p,
             "seed": mlx_seed(self.seed),
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
             "grammar": openai_grammar(self.text.format if self.text else None, "text.format"),
         }
         return {key: value for key, value in chosen.items() if value is not None}
@@ -253,3 +295,12 @@ def _log_dropped(what: str, kinds: tuple[str, ...], count: int) -> None:
     logger.info(
         "responses: %s of type %s%s dropped (not something a local model runs)", what, shown, more
     )
+
+
+def _echoed_tool(tool: ResponseTool) -> dict[str, Any]:
+    """A tool as a response lists it: a function's `strict` false unless asked (its
+    arguments are not held to its schema unless a call is required)."""
+    echoed = tool.model_dump(exclude_none=True)
+    if tool.type == "function":
+        echoed.setdefault("strict", False)
+    return echoed

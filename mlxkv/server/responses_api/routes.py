@@ -28,6 +28,7 @@ from mlxkv.runner.results import Completion
 from mlxkv.server.early_events import marking_waits
 from mlxkv.server.errors import ApiError, openai_error
 from mlxkv.server.models.streams import StreamShape
+from mlxkv.server.protocol import openai_logprobs
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
     WAITING,
@@ -67,6 +68,7 @@ async def create_response(
         cache_salt=body.cache_salt,
         forced=body.forced_call(),
         switches=body.template_switches(),
+        top_logprobs=body.logprobs_asked(),
     )
     response = _Response(body, ctx.model_name, conversation)
 
@@ -140,13 +142,12 @@ class _Response:
             # as OpenAI's, the conversation it was added to
             **({"conversation": {"id": self.conversation}} if self.conversation else {}),
             "store": request.store,
-            "temperature": request.temperature,
-            "top_p": request.top_p,
             # a named function as a dict: streamed events go through json.dumps
             "tool_choice": choice.model_dump()
             if isinstance(choice, NamedFunction)
             else choice or "auto",
-            "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
+            **request.settings(),
+            "completed_at": int(time.time()) if status == "completed" else None,
             "usage": _usage(completion, reasoning_tokens) if completion is not None else None,
         }
 
@@ -187,8 +188,10 @@ async def _response_events(
                 open_item = _item(kind, "", "in_progress")
                 for line in _open_item(response, open_item, len(output)):
                     yield line
-            open_item["content"][0]["text"] += event.text
-            yield _text_delta(response, open_item, len(output), event.text)
+            logprobs = _add_text(open_item, event)
+            yield _text_delta(response, open_item, len(output), event.text, logprobs)
+        elif isinstance(event, TextDelta) and open_item is not None:  # tokens that showed none
+            _add_text(open_item, event)
         elif isinstance(event, ToolCall):
             if open_item is not None:
                 for line in _close_item(response, open_item, len(output), "completed"):
@@ -224,10 +227,11 @@ def _output_items(events: list[Event], completion: Completion | None) -> list[di
             output.append(_call_item(_item_id("fc"), event))
         elif isinstance(event, TextDelta | ReasoningDelta) and event.text:
             kind = _item_kind(event)
-            if output and output[-1]["type"] == kind:
-                output[-1]["content"][0]["text"] += event.text
-            else:
-                output.append(_item(kind, event.text))
+            if not output or output[-1]["type"] != kind:
+                output.append(_item(kind, ""))
+            _add_text(output[-1], event)
+        elif isinstance(event, TextDelta) and output and output[-1]["type"] == "message":
+            _add_text(output[-1], event)  # the last tokens, which showed no text
     if output and output[-1]["type"] != "function_call" and _was_cut(completion):
         output[-1]["status"] = "incomplete"
     return output
@@ -257,11 +261,28 @@ def _open_item(response: _Response, item: dict[str, Any], index: int) -> list[st
     ]
 
 
-def _text_delta(response: _Response, item: dict[str, Any], index: int, text: str) -> str:
+def _add_text(item: dict[str, Any], event: TextDelta | ReasoningDelta) -> list[dict[str, Any]]:
+    """Adds `event`'s text to `item`, and its tokens' log-probabilities (asked with
+    `include`) to a message's text; returns those."""
+    part = item["content"][0]
+    part["text"] += event.text
+    logprobs = openai_logprobs(event.logprobs) if item["type"] == "message" else []
+    if logprobs:
+        part["logprobs"].extend(logprobs)
+    return logprobs
+
+
+def _text_delta(
+    response: _Response,
+    item: dict[str, Any],
+    index: int,
+    text: str,
+    logprobs: list[dict[str, Any]],
+) -> str:
     fields = {"item_id": item["id"], "output_index": index, "content_index": 0, "delta": text}
     if item["type"] == "reasoning":
         return response.event("response.reasoning_text.delta", **fields)
-    return response.event("response.output_text.delta", **fields, logprobs=[])
+    return response.event("response.output_text.delta", **fields, logprobs=logprobs)
 
 
 def _close_item(response: _Response, item: dict[str, Any], index: int, status: str) -> list[str]:
@@ -271,7 +292,8 @@ def _close_item(response: _Response, item: dict[str, Any], index: int, status: s
     if item["type"] == "reasoning":
         done = response.event("response.reasoning_text.done", **where, text=text)
     else:
-        done = response.event("response.output_text.done", **where, text=text, logprobs=[])
+        logprobs = item["content"][0]["logprobs"]
+        done = response.event("response.output_text.done", **where, text=text, logprobs=logprobs)
     return [
         done,
         response.event("response.content_part.done", **where, part=_part(item["type"], text)),
