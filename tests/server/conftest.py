@@ -201,6 +201,14 @@ def tiny_server(loaded_tiny):
         yield served
 
 
+@pytest.fixture(scope="module")
+def module_server(loaded_tiny):
+    """`tiny_server`, one per test module: what its requests keep on the server (stored
+    responses, conversations, the cache) is the module's alone."""
+    with serve(Runner(loaded_tiny("llama"), max_context=1024)) as served:
+        yield served
+
+
 @pytest.fixture
 def fresh_runner(loaded_tiny):
     """An independent reference: a new Runner on the same weights, with an empty cache."""

@@ -17,7 +17,6 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from mlxkv import Runner
 from mlxkv.server.responses_api.conversations import (
     ConversationClaim,
     Conversations,
@@ -25,16 +24,15 @@ from mlxkv.server.responses_api.conversations import (
     turn_claim,
 )
 
-from .conftest import held_worker, serve
+from .conftest import held_worker
 
 MAX_TOKENS = 4
 HI = {"role": "user", "content": "Hi there"}
 
 
 @pytest.fixture(scope="module")
-def served(loaded_tiny):
-    with serve(Runner(loaded_tiny("llama"), max_context=1024)) as served:
-        yield served
+def served(module_server):
+    return module_server
 
 
 def _in(conversation_id: str) -> dict:

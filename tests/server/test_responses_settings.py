@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from mlxkv import Runner
-
-from .conftest import serve
-
 MAX_TOKENS = 6
 QUESTION = "Once upon a time there was"
 TOOL = {"type": "function", "name": "add", "parameters": {"type": "object", "properties": {}}}
@@ -23,9 +19,8 @@ SETTINGS = {
 
 
 @pytest.fixture(scope="module")
-def served(loaded_tiny):
-    with serve(Runner(loaded_tiny("llama"), max_context=1024)) as served:
-        yield served
+def served(module_server):
+    return module_server
 
 
 def test_a_response_repeats_every_setting(served):

@@ -24,9 +24,8 @@ HI = {"role": "user", "content": "Hi there"}
 
 
 @pytest.fixture(scope="module")
-def served(loaded_tiny):
-    with serve(Runner(loaded_tiny("llama"), max_context=1024)) as served:
-        yield served
+def served(module_server):
+    return module_server
 
 
 def test_a_stored_response_is_read_listed_and_deleted(served):
