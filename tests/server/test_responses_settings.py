@@ -56,5 +56,7 @@ def test_logprobs_asked_with_include_are_a_fresh_runners(served, fresh_runner, s
     assert all(len(token.top_logprobs) == 2 for token in part.logprobs)
     if stream:  # the deltas carry their own tokens' (the last, textless, only in the part)
         assert streamed == [token.logprob for token in part.logprobs][: len(streamed)]
+        (done,) = [e for e in events if e.type == "response.content_part.done"]
+        assert done.part.logprobs == part.logprobs
     plain = client.responses.create(**{**ask, "include": None})
     assert plain.output[0].content[0].logprobs == []  # none unless `include` asks

@@ -296,7 +296,7 @@ def _close_item(response: _Response, item: dict[str, Any], index: int, status: s
         done = response.event("response.output_text.done", **where, text=text, logprobs=logprobs)
     return [
         done,
-        response.event("response.content_part.done", **where, part=_part(item["type"], text)),
+        response.event("response.content_part.done", **where, part=item["content"][0]),
         response.event("response.output_item.done", output_index=index, item=item),
     ]
 
