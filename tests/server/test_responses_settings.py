@@ -32,6 +32,9 @@ def test_a_response_repeats_every_setting(served):
     assert (body["completed_at"] is None) == (body["status"] != "completed")  # as OpenAI's
     assert body["text"] == {"format": {"type": "text"}} and body["metadata"] == {"k": "v"}
     assert body["tools"][0]["strict"] is False  # its arguments are not held to its schema
+    assert body["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
+    strict = served.openai().responses.create(**{**ask, "tools": [{**TOOL, "strict": True}]})
+    assert strict.tools[0].strict is True  # as asked
     for key in ("max_tool_calls", "safety_identifier", "prompt_cache_key", "user"):
         assert key in body and body[key] is None
 

@@ -57,6 +57,7 @@ class ResponseTool(Lenient):
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
     tools: list[ResponseTool] | None = None  # a namespace's functions
 
 

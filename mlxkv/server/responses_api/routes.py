@@ -380,7 +380,10 @@ def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _usage(completion: Completion, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": completion.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": completion.cached_tokens},
+        "input_tokens_details": {
+            "cached_tokens": completion.cached_tokens,
+            "cache_write_tokens": 0,  # nothing is billed for writing (Anthropic's usage too)
+        },
         "output_tokens": completion.generation_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": completion.prompt_tokens + completion.generation_tokens,
