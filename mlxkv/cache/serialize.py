@@ -77,14 +77,14 @@ def array_shapes(cache: ModelCache) -> ArrayShapes:
     return {name: (tuple(a.shape), a.dtype) for name, a in arrays.items() if name[:2] == "l."}
 
 
-def check_shapes(arrays: dict[str, mx.array], model_shapes: ArrayShapes) -> None:
+def check_shapes(arrays: dict[str, mx.array], shapes: ArrayShapes) -> None:
     """Raises CacheStateError unless each of a restore's `arrays` (a checkpoint's snapshot as
     the layer it snapshots) has the model's dtype, rank and shape (`array_shapes`), but for
     the token axis of a 4-D array (K/V, windows, chunks). Files whose K/V had another head
     count or head size passed every other check and failed in the model on every request
     that restored them."""
     for name, array in arrays.items():
-        own = model_shapes.get(_SNAPSHOT_PREFIX.sub("l.", name, count=1))
+        own = shapes.get(_SNAPSHOT_PREFIX.sub("l.", name, count=1))
         if own is None:  # an array the model's first token left unset
             continue
         shape, dtype = own

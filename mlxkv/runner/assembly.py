@@ -37,7 +37,6 @@ from mlxkv.decoding.batch import DecodeBatch
 from mlxkv.decoding.drafts import DraftModel
 from mlxkv.decoding.picker import TokenPicker
 from mlxkv.decoding.prefill.batched import Stops, prefill_together
-from mlxkv.errors import NotSupportedError
 from mlxkv.models.fingerprint import model_fingerprint
 from mlxkv.models.loading import LoadedModel
 from mlxkv.models.vision import EncoderCache
@@ -104,7 +103,8 @@ def make_pool(
                 trimmable=not empty.needs_checkpoints,
             )
             store.max_pending_bytes = config.cache_bytes
-            store.model_shapes = engine.call(_model_shapes, loaded.model, make_entry)
+            if not loaded.is_encoder:  # an encoder's cache holds nothing to restore
+                store.model_shapes = engine.call(_model_shapes, loaded.model, make_entry)
             if not store.trimmable:
                 kv_bits = config.cache_dir_kv_bits
                 every = snapshot_every_blocks(snapshot_cost, store.block_tokens, kv_bits)
@@ -126,12 +126,14 @@ def make_pool(
 
 def _model_shapes(model: nn.Module, make_entry: Callable[[], ModelCache]) -> ArrayShapes | None:
     """The model's cache arrays after one token (`serialize.array_shapes`); None for layers
-    the disk tier cannot save (it writes none of them)."""
+    the disk tier cannot save (it writes none of them), or a model that cannot take a lone
+    token (restores are then held to no shapes: a Runner still starts)."""
     cache = make_entry()
-    mx.eval(cache.forward(model, [0]))
     try:
+        mx.eval(cache.forward(model, [0]))
         return array_shapes(cache)
-    except NotSupportedError:
+    except Exception as error:  # noqa: BLE001  (whatever the model raises: checks off)
+        logger.info("disk cache: restores not held to the model's shapes (%s)", error)
         return None
 
 

@@ -129,8 +129,9 @@ def test_kv_of_another_shape_on_every_block_is_refused_against_the_models(
 ):
     """Every block's K/V with twice the model's heads: each block agrees with its own layout
     and token ids, and they join; before, every request restoring them failed in the model (a
-    500 over HTTP) and the files stayed. Now the restore is held to the model's own shapes,
-    its blocks are removed, and the answer is a fresh Runner's."""
+    500 over HTTP) and the files stayed. Now each block is held to the model's own shapes:
+    the first is refused (its chain with it), the answer is a fresh Runner's, and the
+    conversation is written again whole."""
     follow_up = _stored_conversation(make_runner, "llama", tmp_path)
     indexed = make_runner("llama", cache_dir=tmp_path)
     chain = _full_chain(indexed, follow_up)

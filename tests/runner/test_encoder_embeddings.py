@@ -80,3 +80,10 @@ def test_the_server_embeds_with_it_and_refuses_to_chat(runner):
         )
     assert status == 400
     assert body["error"]["message"].startswith("model 'notes' is an encoder embedding model")
+
+
+def test_it_starts_with_a_disk_tier_as_a_server_sets_one(bert_dir, tmp_path):
+    """`mlxkv serve` sets a cache directory by default: the disk tier's one-token probe of the
+    model's cache shapes ran the encoder, which refuses to, and no Runner started."""
+    with Runner.load(str(bert_dir), max_context=128, cache_dir=tmp_path) as runner:
+        assert runner.embed(TEXTS).vectors.shape[0] == len(TEXTS)

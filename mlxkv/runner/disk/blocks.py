@@ -25,11 +25,13 @@ the state layers' arrays at `end`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 
 from mlxkv.cache.checkpoints import MAX_CHECKPOINTS
+from mlxkv.errors import CacheStateError
 
 SLICED_KINDS = frozenset({"KVCache", "QuantizedKVCache"})
 _TOKEN_AXIS = 2  # K/V arrays (and quantized K/V's parts) are (B, H, L, D)
@@ -175,17 +177,35 @@ def _float_kv_names(entry: dict[str, Any]) -> list[str]:
     return array_names(entry) if entry["kind"] == "KVCache" else []
 
 
+class BadBlock(ValueError):
+    """A block of a join whose arrays `check` refused: `index` in the blocks given."""
+
+    def __init__(self, index: int, why: Exception):
+        super().__init__(f"block {index} of the chain: {why}")
+        self.index = index
+
+
 def join_blocks(
-    blocks: list[tuple[dict[str, mx.array], dict[str, Any]]], num_tokens: int
+    blocks: list[tuple[dict[str, mx.array], dict[str, Any]]],
+    num_tokens: int,
+    check: Callable[[dict[str, mx.array]], None] | None = None,
 ) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """The arrays and layout (`arrays_to_cache`'s) of the first `num_tokens` tokens of a
     chain's consecutive `blocks` ((arrays, layout), first to last), `num_tokens` one of the
-    last block's `stops` unless every layer is sliced.
+    last block's `stops` unless every layer is sliced; each block's arrays (dequantized)
+    passed to `check` first, so a refusal names its block.
 
     Raises:
         KeyError: no block holds the state layers at `num_tokens`.
+        BadBlock: `check` raised for a block.
     """
     blocks = [(_dequantized(arrays, layout), layout) for arrays, layout in blocks]
+    for index, (arrays, _) in enumerate(blocks):
+        try:
+            if check is not None:
+                check(arrays)
+        except (ValueError, CacheStateError) as why:
+            raise BadBlock(index, why) from why
     last_arrays, last_layout = blocks[-1]
     points = [(arrays, point) for arrays, layout in blocks for point in layout["checkpoints"]]
     points = _kept([(a, p) for a, p in points if int(p["at"]) <= num_tokens])

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.cache.serialize import ArrayShapes, arrays_to_cache, check_shapes
 from mlxkv.errors import CacheStateError
-from mlxkv.runner.disk.blocks import join_blocks
+from mlxkv.runner.disk.blocks import BadBlock, join_blocks
 from mlxkv.runner.disk.chains import StoredChain, partial_restores
 from mlxkv.runner.disk.files import StoredEntry, touch
 from mlxkv.runner.disk.reading import LayerStream, read_blocks, warn_unreadable
@@ -42,10 +42,10 @@ def restore_chain(
 ) -> ModelCache | None:
     """`empty` filled with the longest prefix of `chain` its readable blocks restore (their
     files marked used); None when they restore none. A block that fails its read is `reject`ed
-    (the read ends there); blocks whose arrays do not make a cache (or not of the model's
-    `model_shapes`: `serialize.check_shapes`) are `discard`ed, every one joined (which one
-    lies cannot be told: the one that did may be any); an error that says nothing about the
-    files (out of memory, a read error) keeps them. `streamed`: the
+    (the read ends there); a block whose arrays are not of the model's `model_shapes`
+    (`serialize.check_shapes`) is `discard`ed, and when the joined arrays do not make a cache
+    the chain's last block is; an error that says nothing about the files (out of memory, a
+    read error) keeps them. `streamed`: the
     headers alone checked here, each layer handed to the model once its sections passed
     (`reading.LayerStream`, which reports the checks' seconds to `measured`; checked whole,
     the load's seconds are)."""
@@ -58,9 +58,10 @@ def restore_chain(
     restore = restores[-1]
     used = read[: len(restore.blocks)]
     try:
-        arrays, layout = join_blocks([block for _, block in used], restore.num_tokens)
+        check = None
         if model_shapes is not None:
-            check_shapes(arrays, model_shapes)
+            check = functools.partial(check_shapes, shapes=model_shapes)
+        arrays, layout = join_blocks([block for _, block in used], restore.num_tokens, check)
         cache = arrays_to_cache(arrays, layout, restore.tokens.tolist(), empty)
         if streamed:
             headers = list(zip(restore.blocks, [header for header, _ in used], strict=True))
@@ -68,9 +69,11 @@ def restore_chain(
             cache.gate = LayerStream(headers, len(cache), reject, checked)
         else:
             mx.eval(cache.arrays())
+    except BadBlock as bad:  # the one that lies: not its neighbours (shared by other chains)
+        discard(restore.blocks[bad.index].path, bad)
+        return None
     except (CacheStateError, ValueError, KeyError, TypeError, ArithmeticError) as why:
-        for block in restore.blocks:
-            discard(block.path, why)
+        discard(restore.blocks[-1].path, why)
         return None
     except (OSError, RuntimeError, MemoryError) as error:  # says nothing about the file
         warn_unreadable(restore.blocks[-1], error)
