@@ -35,11 +35,14 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(store_module, "BLOCK_TOKENS", BLOCK_TOKENS)
 
 
-def _rewritten(path: Path, edit) -> None:
-    """`path` written again with its arrays as `edit` returns them, its CRCs made valid as
-    the tier makes them (`patch_crc`); its name (its token ids) unchanged."""
+def _rewritten(path: Path, edit, edit_metadata=None) -> None:
+    """`path` written again with its arrays as `edit` returns them (its metadata changed in
+    place by `edit_metadata`), its CRCs made valid as the tier makes them (`patch_crc`); its
+    name (its token ids) unchanged."""
     arrays, metadata = mx.load(str(path), return_metadata=True)
     arrays = edit(dict(arrays))
+    if edit_metadata is not None:
+        edit_metadata(metadata)
     _unsealed(metadata)
     scratch = path.with_name("edited" + SUFFIX)
     mx.save_safetensors(str(scratch), arrays, metadata)
@@ -149,17 +152,13 @@ def test_kv_of_another_shape_on_every_block_is_refused_against_the_models(
 def _step(step: str):
     """Every layer's buffer step in the layout said `step` (a K/V layer's only setting)."""
 
-    def edit(path: Path) -> None:
-        arrays, metadata = mx.load(str(path), return_metadata=True)
+    def steps(metadata: dict) -> None:
         layout = json.loads(metadata["layout"])
         for entry in layout["layers"]:
             entry["meta"] = [step]
         metadata["layout"] = json.dumps(layout)
-        _unsealed(metadata)
-        mx.save_safetensors(str(path), dict(arrays), metadata)
-        patch_crc(path)
 
-    return edit
+    return lambda path: _rewritten(path, lambda arrays: arrays, steps)
 
 
 @pytest.mark.parametrize("step", ["0", "-256"])
