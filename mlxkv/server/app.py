@@ -45,6 +45,7 @@ from mlxkv.server.openai_api import embeddings as openai_embeddings
 from mlxkv.server.openai_api import routes as openai
 from mlxkv.server.responses_api import routes as responses
 from mlxkv.server.responses_api import state_routes
+from mlxkv.server.responses_api.background import background_responses, keep_background
 from mlxkv.server.responses_api.conversations import keep_conversations
 from mlxkv.server.responses_api.history import keep_responses
 from mlxkv.server.state import ServerContext, server_context
@@ -84,8 +85,9 @@ def create_app(
     models = _served_models(runner, config)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(served: FastAPI) -> AsyncIterator[None]:
         yield
+        await background_responses(served).close()  # their generations end before the models
         models.residency.shutdown(SHUTDOWN_SAVE_S)
 
     app = FastAPI(title="mlxkv", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -93,6 +95,7 @@ def create_app(
         models, config.default_max_tokens, config.max_tokens_limit, config.fetch_images
     )
     keep_responses(app)
+    keep_background(app)
     keep_conversations(app)
     keep_threads(app)
     keep_prompt_records(app)

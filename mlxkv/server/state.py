@@ -39,6 +39,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Seconds without an event (a long prefill, a wait in the queue) before a keep-alive is sent:
 # clients give up on a stream that stays silent (Claude Code after 300 s), proxies sooner.
 KEEPALIVE_INTERVAL_S = 5.0
+SSE_KEEPALIVE = ": keep-alive\n\n"  # a comment: says nothing, keeps the connection in use
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def event_stream(
     events: AsyncIterator[str],
     turn: Turn,
     error_event: Callable[[ApiError], str],
-    keepalive: str | None = ": keep-alive\n\n",
+    keepalive: str | None = SSE_KEEPALIVE,
     media_type: str = "text/event-stream",
 ) -> StreamingResponse:
     """A streamed response: server-sent events, or another line format (`media_type`, with
@@ -143,22 +144,35 @@ def event_stream(
     generation that fails after the response has started ends the stream with
     `error_event(error)` (the API's own error event, typed as its status is) instead of a cut
     connection."""
+    paced = events if keepalive is None else _with_keepalive(events, keepalive)
+    guarded = guarded_events(paced, turn, error_event)
+    return StreamingResponse(guarded, media_type=media_type, headers=SSE_HEADERS)
 
-    async def guarded() -> AsyncIterator[str]:
-        try:
-            paced = events if keepalive is None else _with_keepalive(events, keepalive)
-            async for event in paced:
-                yield event
-        except ApiError as error:  # refused once started (waited too long in the queue)
-            yield error_event(error)
-        except Exception as error:  # the status line is sent: say it in the stream
-            logger.error("stream failed: %s", error)
-            message = f"generation failed ({type(error).__name__}); see the server log"
-            yield error_event(ApiError(500, message))
-        finally:  # harmless after the end: the turn's cancel flag is its own
-            turn.cancel()
 
-    return StreamingResponse(guarded(), media_type=media_type, headers=SSE_HEADERS)
+def replay_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events of a generation another task reads (a background response's, read
+    again): keep-alives while the next is slow; a client that leaves ends only its reading."""
+    paced = _with_keepalive(events, SSE_KEEPALIVE)
+    return StreamingResponse(paced, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def guarded_events(
+    events: AsyncIterator[str], turn: Turn, error_event: Callable[[ApiError], str]
+) -> AsyncIterator[str]:
+    """`events`, ended by `error_event(error)` where the generation fails after they began
+    (the API's own error event, typed as its status is, instead of a cut stream); the turn is
+    cancelled when they end, however they end (a reader that left)."""
+    try:
+        async for event in events:
+            yield event
+    except ApiError as error:  # refused once started (waited too long in the queue)
+        yield error_event(error)
+    except Exception as error:  # the status line is sent: say it in the stream
+        logger.error("stream failed: %s", error)
+        message = f"generation failed ({type(error).__name__}); see the server log"
+        yield error_event(ApiError(500, message))
+    finally:  # harmless after the end: the turn's cancel flag is its own
+        turn.cancel()
 
 
 async def _with_keepalive(events: AsyncIterator[str], keepalive: str) -> AsyncIterator[str]:

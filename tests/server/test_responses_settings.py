@@ -30,7 +30,8 @@ def test_a_response_repeats_every_setting(served):
     missing = {key for key, kind in SETTINGS.items() if not isinstance(body.get(key), kind)}
     assert not missing, {key: body.get(key) for key in missing}
     assert (body["completed_at"] is None) == (body["status"] != "completed")  # as OpenAI's
-    assert body["text"] == {"format": {"type": "text"}} and body["metadata"] == {"k": "v"}
+    assert body["text"] == {"format": {"type": "text"}, "verbosity": "medium"}
+    assert body["metadata"] == {"k": "v"}
     assert body["tools"][0]["strict"] is False  # its arguments are not held to its schema
     assert body["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
     strict = served.openai().responses.create(**{**ask, "tools": [{**TOOL, "strict": True}]})

@@ -162,6 +162,25 @@ def unload_named(request: Request, name: str | None) -> str:
     return served
 
 
+def outliving_hold(request: Request) -> Callable[[], None]:
+    """Hands the request's hold on its model (`request_context`) and its turn to work that
+    outlives the request (a background response): its end neither waits for the turn (the
+    access line, `ReleaseModels`) nor releases the model; the returned call does, once."""
+    state = request.scope.setdefault("state", {})
+    held = state.pop("mlxkv_release", None)
+    state.pop("turn", None)
+    residency: Residency = request.app.state.mlxkv.models.residency
+
+    def release() -> None:
+        nonlocal held
+        if held is not None:
+            model, keep_alive_s = held
+            held = None
+            residency.release(model, keep_alive_s)
+
+    return release
+
+
 class ReleaseModels:
     """ASGI middleware: once a request's response has ended, and its generation with it (a
     client that left: within a step), the model it held may unload (`Residency.release`)."""

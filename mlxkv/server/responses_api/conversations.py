@@ -217,6 +217,13 @@ class TurnClaim:
         if release is not None:
             release()
 
+    def detach(self) -> TurnClaim:
+        """The claim, handed to what outlives the request (a background response): the
+        request's end no longer releases it."""
+        detached = TurnClaim()
+        detached._release, self._release = self._release, None
+        return detached
+
 
 async def turn_claim() -> AsyncIterator[TurnClaim]:
     """A claim for one request, released when its response has ended (FastAPI ends a

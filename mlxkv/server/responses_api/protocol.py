@@ -68,6 +68,7 @@ class NamedFunction(Lenient):
 
 class TextOptions(Lenient):
     format: dict[str, Any] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class Reasoning(Lenient):
@@ -89,6 +90,7 @@ class ResponsesRequest(Lenient):
     seed: int | None = None
     stream: bool = False
     store: bool = True
+    background: bool = False  # made without the request waiting (`background`)
     previous_response_id: str | None = Field(None, max_length=128)
     conversation: str | dict[str, Any] | None = None  # an id, or {"id": ...}
     prompt_cache_key: str | None = Field(None, max_length=256)
@@ -114,20 +116,21 @@ class ResponsesRequest(Lenient):
         """The settings a response repeats (OpenAI's response object: all of them, the
         values used where the request gave none: the Runner's greedy default, no penalty).
         `truncation` is "disabled" however asked: a prompt over the window is refused, never
-        cut; `background` false: a response is made while its request waits."""
+        cut; `text.verbosity` is echoed, not followed (no local model is trained on it)."""
         effort = self.reasoning.effort if self.reasoning else None
         text_format = self.text.format if self.text and self.text.format else {"type": "text"}
+        verbosity = self.text.verbosity if self.text and self.text.verbosity else "medium"
         return {
             "temperature": 0.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
             "top_logprobs": self.top_logprobs or 0,
-            "text": {"format": text_format},
+            "text": {"format": text_format, "verbosity": verbosity},
             "reasoning": {"effort": effort, "summary": None},
             "truncation": "disabled",
             "max_tool_calls": self.max_tool_calls,
-            "background": False,
+            "background": self.background,
             "service_tier": "default",
             "metadata": self.metadata or {},
             "safety_identifier": self.safety_identifier,

@@ -5,7 +5,8 @@ Owns the translation between a Responses body and a `Turn`, and the events: resp
 response.in_progress, response.output_item.added/done, response.content_part.added/done,
 response.reasoning_text.delta/done, response.output_text.delta/done,
 response.function_call_arguments.delta/done, then response.completed (response.incomplete
-when max_output_tokens cut the reply; response.failed).
+when max_output_tokens cut the reply; response.failed); a `background` response's created
+`queued` with response.queued, made on a task of its own (`background`).
 `usage.input_tokens_details.cached_tokens` is what the prompt cache supplied. The model's
 thinking is a `reasoning` item (its text as `reasoning_text` content, no summary, as
 OpenAI's open-weight models and vLLM give it) before the message; sent back in `input`, or
@@ -15,6 +16,7 @@ assistant turn that follows it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -39,11 +41,16 @@ from mlxkv.server.reply.turn import (
     collect,
     start_turn,
 )
+from mlxkv.server.responses_api.background import (
+    BackgroundRun,
+    background_responses,
+    check_background,
+)
 from mlxkv.server.responses_api.conversations import ConversationClaim, held_conversations
 from mlxkv.server.responses_api.history import request_prompt, stored_responses
 from mlxkv.server.responses_api.items import listed_item
 from mlxkv.server.responses_api.protocol import NamedFunction, ResponsesRequest
-from mlxkv.server.state import Context, event_stream, sse
+from mlxkv.server.state import Context, event_stream, replay_stream, sse
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -53,6 +60,7 @@ router = APIRouter()
 async def create_response(
     body: ResponsesRequest, request: Request, ctx: Context, claim: ConversationClaim
 ):
+    check_background(body.background, body.store)
     conversation, items, messages = request_prompt(body, request)
     if conversation is not None:  # before any wait: nothing else reads it meanwhile
         claim.take(held_conversations(request), conversation)
@@ -70,6 +78,8 @@ async def create_response(
         switches=body.template_switches(),
         top_logprobs=body.logprobs_asked(),
     )
+    if body.background:  # the claim is released as the response ends, not as the request does
+        claim = claim.detach()
     response = _Response(body, ctx.model_name, conversation)
 
     def remember(final: dict[str, Any]) -> None:
@@ -93,6 +103,11 @@ async def create_response(
             finally:
                 claim.release()
 
+    if body.background:
+        run = BackgroundRun(response, turn, body.cache_salt)
+        events = _response_events(turn, response, remember, request.scope)
+        background_responses(request).start(request, run, events, claim)
+        return replay_stream(run.read()) if body.stream else response.latest
     if body.stream:
         events = _response_events(turn, response, remember, request.scope)
         return event_stream(events, turn, response.failed_event)
@@ -114,6 +129,8 @@ class _Response:
         self.request = request
         self.conversation = conversation  # the id of the one it is added to
         self._sequence = -1  # OpenAI numbers a response's events from 0
+        # the response object as its last event carried it (a background one's, polled)
+        self.latest = self.body([], None, "queued")
 
     def body(
         self,
@@ -125,6 +142,8 @@ class _Response:
         request = self.request
         choice = request.tool_choice
         incomplete = _was_cut(completion)
+        if not status and completion is not None and completion.finish_reason == "cancelled":
+            status = "cancelled"  # a background response's (others have no reader left)
         status = status or ("incomplete" if incomplete else "completed")
         return {
             "id": self.id,
@@ -153,6 +172,7 @@ class _Response:
 
     def event(self, kind: str, **fields: Any) -> str:
         self._sequence += 1
+        self.latest = fields.get("response", self.latest)
         return sse({"type": kind, "sequence_number": self._sequence, **fields}, kind)
 
     def failed_event(self, error: ApiError) -> str:
@@ -164,14 +184,14 @@ class _Response:
 async def _response_events(
     turn: Turn, response: _Response, remember, scope: dict[str, Any]
 ) -> AsyncIterator[str]:
-    """response.created and response.in_progress at once, then the output items' events and
-    response.completed (or response.incomplete). A first token late for Codex's watchdog
-    (`early_events`: the request of `scope` arrived long before) finds response.in_progress
-    sent again every keep-alive interval meanwhile, and so does a tool call long in the
-    writing (held until whole): Codex does not count SSE comments."""
+    """response.created and response.in_progress (`_opening_events`), then the output items'
+    events and response.completed (or response.incomplete). A first token late for Codex's
+    watchdog (`early_events`: the request of `scope` arrived long before) finds
+    response.in_progress sent again every keep-alive interval meanwhile, and so does a tool
+    call long in the writing (held until whole): Codex does not count SSE comments."""
     in_progress = response.body([], None, "in_progress")
-    yield response.event("response.created", response=in_progress)
-    yield response.event("response.in_progress", response=in_progress)
+    async for line in _opening_events(turn, response, in_progress):
+        yield line
     output: list[dict[str, Any]] = []
     open_item: dict[str, Any] | None = None  # the reasoning or message item being streamed
     async for event in marking_waits(turn, scope):
@@ -209,12 +229,29 @@ async def _response_events(
                     yield line
                 output.append(open_item)
             final = response.body(output, event, reasoning_tokens=turn.reasoning_tokens)
+            if final["status"] == "cancelled":  # kept to be read, not as a turn; no event
+                response.latest = final
+                return
             remember(final)
             # OpenAI ends a reply cut by max_output_tokens with response.incomplete
             kind = (
                 "response.incomplete" if final["status"] == "incomplete" else "response.completed"
             )
             yield response.event(kind, response=final)
+
+
+async def _opening_events(
+    turn: Turn, response: _Response, in_progress: dict[str, Any]
+) -> AsyncIterator[str]:
+    """response.created and response.in_progress at once; a background response's created
+    `queued` (response.queued), and in progress once its generation has started."""
+    if response.request.background:
+        yield response.event("response.created", response=response.latest)
+        yield response.event("response.queued", response=response.latest)
+        await asyncio.shield(turn.matched)  # None: it ended before it started
+    else:
+        yield response.event("response.created", response=in_progress)
+    yield response.event("response.in_progress", response=in_progress)
 
 
 def _output_items(events: list[Event], completion: Completion | None) -> list[dict[str, Any]]:

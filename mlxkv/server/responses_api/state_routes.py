@@ -2,7 +2,8 @@
 (`/v1/conversations`: created with items and metadata, read, their metadata updated, deleted;
 their items listed a page at a time, `order` and `after` as OpenAI's, added, read and deleted;
 the store is `conversations`); a stored response read, its input items listed, deleted
-(`history`); and the input tokens a response would take, counted before it is sent. What a
+(`history`), or a background one read as it is made, its events again, cancelled
+(`background`); and the input tokens a response would take, counted before it is sent. What a
 request made with a `cache_salt` keeps is reached only with it (in the body, or as a query
 parameter where there is no body): another tenant gets a 404."""
 
@@ -18,11 +19,12 @@ from starlette.concurrency import run_in_threadpool
 from mlxkv.server.errors import ApiError, bad_input_error
 from mlxkv.server.images import fetched_images
 from mlxkv.server.protocol import Lenient
+from mlxkv.server.responses_api.background import background_responses
 from mlxkv.server.responses_api.conversations import checked_items, held_conversations
 from mlxkv.server.responses_api.history import request_prompt, stored_responses
 from mlxkv.server.responses_api.items import item_list
 from mlxkv.server.responses_api.protocol import ResponsesRequest
-from mlxkv.server.state import Context
+from mlxkv.server.state import Context, replay_stream
 
 router = APIRouter()
 # A GET's or a DELETE's `cache_salt` (they have no body): what was made with one is its own.
@@ -115,19 +117,59 @@ async def delete_item(
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(
+    response_id: str,
+    request: Request,
+    cache_salt: Salt = None,
+    stream: bool = False,
+    starting_after: int | None = Query(None, ge=0),
+):
+    """The response as it stands (a background one while it is made); `stream`: a background
+    response's events, those after `starting_after` (a `sequence_number`) first."""
+    run = background_responses(request).find(response_id, cache_salt)
+    if stream:
+        if run is None:
+            _stored(request, response_id, cache_salt)
+            message = "Only background responses can be streamed again: this one was not."
+            raise ApiError(400, message, param="stream")
+        return replay_stream(run.read(-1 if starting_after is None else starting_after))
+    return run.response.latest if run is not None else _stored(request, response_id, cache_salt)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(
     response_id: str, request: Request, cache_salt: Salt = None
 ) -> dict[str, Any]:
-    found = stored_responses(request).response(response_id, cache_salt)
-    if found is None:
-        raise _not_stored(response_id)
-    return found
+    """Cancels a background response being made; one cancelled already is returned as it is
+    (OpenAI's: cancelling twice is idempotent).
+
+    Raises:
+        ApiError: 400 for a response that was not made in the background, or has ended
+            otherwise; 404 for one not held.
+    """
+    run = background_responses(request).find(response_id, cache_salt)
+    if run is None:
+        _stored(request, response_id, cache_salt)
+        message = "Only responses created with background set to true can be cancelled."
+        raise ApiError(400, message, param="response_id")
+    if run.ended and run.status != "cancelled":
+        message = f"Cannot cancel a response that has ended: its status is {run.status}."
+        raise ApiError(400, message, param="response_id")
+    await run.cancel()
+    return run.response.latest
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(
     response_id: str, request: Request, cache_salt: Salt = None
 ) -> dict[str, Any]:
-    if not stored_responses(request).delete(response_id, cache_salt):
+    """Forgets a stored response; a background one being made is cancelled first."""
+    background = background_responses(request)
+    run = background.find(response_id, cache_salt)
+    if run is not None:
+        await run.cancel()
+        background.forget(response_id)
+    deleted = stored_responses(request).delete(response_id, cache_salt)
+    if run is None and not deleted:
         raise _not_stored(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
@@ -174,6 +216,15 @@ def _page(items: list[dict[str, Any]], paging: Paging) -> dict[str, Any]:
             raise ApiError(400, message, param="after")
         ordered = ordered[ids.index(paging.after) + 1 :]
     return item_list(ordered[: paging.limit], has_more=len(ordered) > paging.limit)
+
+
+def _stored(request: Request, response_id: str, salt: str | None) -> dict[str, Any]:
+    """Raises:
+    ApiError: 404 for a response not stored (for `salt`)."""
+    found = stored_responses(request).response(response_id, salt)
+    if found is None:
+        raise _not_stored(response_id)
+    return found
 
 
 def _not_stored(response_id: str) -> ApiError:

@@ -1,0 +1,199 @@
+"""Background responses (`background: true`): made with no request waiting for them, as
+OpenAI's background mode. The create call answers at once (`queued`, or the events as they
+come when streamed); the response is read with `GET /v1/responses/{id}` while it is made, its
+events again from any one on (`?stream=true&starting_after=N`, their `sequence_number`), and
+it is cancelled with `POST /v1/responses/{id}/cancel`. A client that leaves a background
+stream ends only its reading. A response ends as any other: stored (background requires
+`store`), added to its conversation, which stays claimed until then. A cancelled one keeps
+what it wrote for reading and nothing else (no turn added, not a previous response).
+
+Kept in memory: every response being made (no more than the server's queue lets start), and
+the newest finished ones' events, bounded; a stopping server cancels those still being made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+
+from mlxkv.server.errors import ApiError
+from mlxkv.server.models.served import outliving_hold
+from mlxkv.server.reply.turn import Turn
+from mlxkv.server.responses_api.conversations import TurnClaim
+from mlxkv.server.state import BoundedMap, guarded_events
+
+logger = logging.getLogger(__name__)
+
+# Finished background responses whose events are kept to be read again.
+MAX_FINISHED = 64
+MAX_FINISHED_CHARS = 64 * 2**20
+# The longest a stopping server waits for its background responses to end once cancelled.
+CLOSE_WAIT_S = 10.0
+_RUNNING = ("queued", "in_progress")
+
+
+class Made(Protocol):
+    """The response a run makes, as the Responses routes build it."""
+
+    id: str
+    latest: dict[str, Any]  # the response object its last event carried
+
+    def body(self, output: list[dict[str, Any]], completion: Any, status: str = "") -> dict: ...
+
+    def failed_event(self, error: ApiError) -> str: ...
+
+
+class BackgroundRun:
+    """One background response: its events as they come (the n-th is the one whose
+    `sequence_number` is n), the response object as it stands, and the task that makes it."""
+
+    def __init__(self, response: Made, turn: Turn, salt: str | None):
+        self.response = response
+        self.salt = salt  # the `cache_salt` it was made with: another tenant's requests miss it
+        self.lines: list[str] = []
+        self.chars = 0
+        self.ended = False
+        self._turn = turn
+        self._more = asyncio.Event()  # set, and replaced, at each event and at the end
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def status(self) -> str:
+        return self.response.latest["status"]
+
+    def start(
+        self,
+        events: AsyncIterator[str],
+        releases: Sequence[Callable[[], None]],
+        ended: Callable[[BackgroundRun], None],
+    ) -> None:
+        """Makes the response from `events` (its stream's) on a task of its own; when it ends,
+        however it ends, calls `releases` (its conversation's claim, its model's hold) and
+        tells `ended`."""
+        self.task = asyncio.create_task(self._make(events, releases, ended))
+
+    async def _make(self, events, releases, ended) -> None:
+        response = self.response
+        try:
+            async for line in guarded_events(events, self._turn, response.failed_event):
+                self.lines.append(line)
+                self.chars += len(line)
+                self._wake()
+            await self._turn.finished()  # its generation's very end, before its model may go
+        finally:  # a stopping server's cancel included
+            self._turn.cancel()
+            for release in releases:
+                release()
+            if self.status in _RUNNING:  # cancelled before it ended
+                response.latest = response.body([], None, "cancelled")
+            self.ended = True
+            self._wake()
+            ended(self)
+
+    def _wake(self) -> None:
+        more, self._more = self._more, asyncio.Event()
+        more.set()
+
+    async def read(self, after: int = -1) -> AsyncIterator[str]:
+        """The events after the one numbered `after`, those to come included."""
+        index = max(after + 1, 0)
+        while True:
+            while index < len(self.lines):
+                yield self.lines[index]
+                index += 1
+            if self.ended:
+                return
+            await self._more.wait()
+
+    def stop(self) -> None:
+        """Ends the generation: the response ends `cancelled`, what it wrote kept (one that
+        had ended already stays as it ended)."""
+        self._turn.cancel()
+
+    async def cancel(self) -> None:
+        """`stop`, then waits for the response to end."""
+        self.stop()
+        if self.task is not None:
+            await asyncio.shield(self.task)  # a canceller that leaves does not stop the end
+
+
+class BackgroundResponses:
+    """The background responses being made, by id, and the newest finished ones."""
+
+    def __init__(self, max_finished: int = MAX_FINISHED, max_chars: int = MAX_FINISHED_CHARS):
+        self._running: dict[str, BackgroundRun] = {}
+        self._finished: BoundedMap[BackgroundRun] = BoundedMap(max_finished, max_chars)
+
+    def start(
+        self, request: Request, run: BackgroundRun, events: AsyncIterator[str], claim: TurnClaim
+    ) -> None:
+        """Makes `run` from `events` (`BackgroundRun.start`), held here while it is made and
+        among the finished ones after; the request's model stays loaded until then, and its
+        conversation (`claim`, detached from the request) claimed."""
+        self._running[run.response.id] = run
+        run.start(events, (claim.release, outliving_hold(request)), self._ended)
+
+    def _ended(self, run: BackgroundRun) -> None:
+        response = run.response
+        del self._running[response.id]
+        self._finished.put(response.id, run, run.chars + _chars(response.latest))
+        usage = response.latest.get("usage") or {}
+        logger.info(
+            "responses: background %s %s prompt=%s cached=%s generated=%s",
+            response.id,
+            run.status,
+            usage.get("input_tokens", 0),
+            usage.get("input_tokens_details", {}).get("cached_tokens", 0),
+            usage.get("output_tokens", 0),
+        )
+
+    def find(self, response_id: str, salt: str | None) -> BackgroundRun | None:
+        """The background response being made, or finished and kept, for `salt`."""
+        found = self._running.get(response_id) or self._finished.get(response_id)
+        return None if found is None or found.salt != salt else found
+
+    def forget(self, response_id: str) -> None:
+        self._finished.pop(response_id)
+
+    async def close(self) -> None:
+        """Cancels every response still being made and waits for them to end (a stuck one
+        no longer than `CLOSE_WAIT_S`)."""
+        runs = list(self._running.values())
+        for run in runs:
+            run.stop()
+        tasks = [run.task for run in runs if run.task is not None]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+
+
+def _chars(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False))
+
+
+def check_background(background: bool, store: bool) -> None:
+    """Raises:
+    ApiError: 400 for a background response that would not be stored (nothing could read
+        it)."""
+    if background and not store:
+        message = "background responses must be stored: send store true (or leave it out)"
+        raise ApiError(400, message, param="background")
+
+
+def keep_background(app: FastAPI) -> None:
+    """Gives `app` its background responses (none: a new server makes none)."""
+    app.state.background = BackgroundResponses()
+
+
+def background_responses(served: Request | FastAPI) -> BackgroundResponses:
+    """The background responses of an app, or of the app serving a request
+    (`keep_background`); its stop `close`s them."""
+    app = served.app if isinstance(served, Request) else served
+    return app.state.background

@@ -1,0 +1,178 @@
+"""Background responses (`background: true`), as OpenAI's background mode, through the real
+`openai` client. Before, `background` was ignored: the request waited for the whole reply and
+the response said `background: false`, `/cancel` was a 404 and a dropped stream was lost.
+Now the create call answers at once (`queued`), the response is polled, streamed again from
+any event (`starting_after`), cancelled (twice: the same), and ends as any other: stored, its
+turn added to its conversation, which stays claimed until then; a cancelled one adds nothing.
+Replies are checked against a fresh Runner's log-probabilities."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from mlxkv import Runner
+from mlxkv.server.responses_api.background import background_responses
+
+from .conftest import held_until_left, held_worker, serve
+
+MAX_TOKENS = 6
+QUESTION = "Once upon a time there was"
+LOGPROBS = {"include": ["message.output_text.logprobs"], "temperature": 0}
+ASK = {"model": "m", "input": QUESTION, "max_output_tokens": MAX_TOKENS, **LOGPROBS}
+ENDED = ("completed", "incomplete")  # cut at MAX_TOKENS or not, as the tiny model goes
+
+
+@pytest.fixture(scope="module")
+def served(module_server):
+    return module_server
+
+
+def _fresh_logprobs(fresh_runner, text: str = QUESTION) -> list[float]:
+    messages = [{"role": "user", "content": text}]
+    chunks = fresh_runner().stream(messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=0)
+    return [chunk.logprob.logprob for chunk in chunks if chunk.logprob is not None]
+
+
+def _logprobs(response) -> list[float]:
+    return [token.logprob for token in response.output[0].content[0].logprobs]
+
+
+def _ended(client: openai.OpenAI, response_id: str):
+    """The response once it has ended: its events read to their end (no polling clock)."""
+    for _ in client.responses.retrieve(response_id, stream=True):
+        pass
+    return client.responses.retrieve(response_id)
+
+
+def test_a_background_response_answers_at_once_and_is_read_when_made(served, fresh_runner):
+    client = served.openai()
+    with held_worker(served) as release:  # it cannot start: the create call must not wait
+        made = client.responses.create(**ASK, background=True)
+        assert (made.status, made.background, made.output) == ("queued", True, [])
+        assert client.responses.retrieve(made.id).status == "queued"
+        release.set()
+        done = _ended(client, made.id)
+    assert done.status in ENDED and done.background is True
+    assert _logprobs(done) == pytest.approx(_fresh_logprobs(fresh_runner), abs=1e-4)
+    assert done.usage.output_tokens == len(_logprobs(done))
+    follow = client.responses.create(**{**ASK, "input": "And then"}, previous_response_id=made.id)
+    assert follow.usage.input_tokens_details.cached_tokens > done.usage.input_tokens  # its turn
+    with pytest.raises(openai.NotFoundError):  # another tenant's id
+        client.responses.retrieve(made.id, extra_query={"cache_salt": "other"})
+
+
+def test_a_stream_left_goes_on_and_is_read_again_from_any_event(served, fresh_runner):
+    client = served.openai()
+    with client.responses.create(**ASK, background=True, stream=True) as stream:
+        first = [next(iter(stream)) for _ in range(3)]  # then the client leaves
+    assert [e.type for e in first] == [
+        "response.created",
+        "response.queued",
+        "response.in_progress",
+    ]
+    response_id = first[0].response.id
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=2))
+    assert [e.sequence_number for e in first + rest] == list(range(len(first) + len(rest)))
+    assert rest[-1].type in ("response.completed", "response.incomplete")
+    again = list(client.responses.retrieve(response_id, stream=True))  # every event, again
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in first + rest]
+    final = client.responses.retrieve(response_id)
+    assert final.model_dump() == rest[-1].response.model_dump()
+    assert _logprobs(final) == pytest.approx(_fresh_logprobs(fresh_runner), abs=1e-4)
+
+
+def test_a_queued_response_is_cancelled_and_cancelling_again_returns_it(served):
+    client = served.openai()
+    with held_worker(served):
+        made = client.responses.create(**ASK, background=True)
+        cancelled = client.responses.cancel(made.id)
+    assert (cancelled.status, cancelled.output) == ("cancelled", [])
+    assert client.responses.cancel(made.id).model_dump() == cancelled.model_dump()
+    assert client.responses.retrieve(made.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError) as refused:  # not a turn to continue
+        client.responses.create(**ASK, previous_response_id=made.id)
+    assert refused.value.code == "previous_response_not_found"
+
+
+def test_a_response_cancelled_mid_reply_keeps_what_it_wrote_and_adds_no_turn(served, monkeypatch):
+    client = served.openai()
+    conversation = client.conversations.create(items=[{"role": "user", "content": "Hi"}]).id
+    held_until_left(monkeypatch, served.runner, lambda options: 2)  # waits after two texts
+    in_it = {**ASK, "conversation": conversation, "background": True}
+    with client.responses.create(**in_it, stream=True) as stream:
+        made_id = next(iter(stream)).response.id
+        assert any(event.type == "response.output_text.delta" for event in stream)
+    (model,) = served.app.state.mlxkv.models.resident.values()
+    assert model.in_flight == 1  # its model held while it is made, once
+    with pytest.raises(openai.BadRequestError) as locked:  # still being made in it
+        client.responses.create(**{**in_it, "background": False})
+    assert locked.value.code == "conversation_locked"
+    cancelled = client.responses.cancel(made_id)
+    assert model.in_flight == 0  # and released as it ended
+    assert cancelled.status == "cancelled" and cancelled.output[0].content[0].text
+    monkeypatch.undo()
+    items = client.conversations.items.list(conversation).data
+    assert [item.role for item in items] == ["user"]  # nothing of the cancelled turn
+    after = client.responses.create(**{**in_it, "background": False})  # free again
+    assert after.status in ENDED
+
+
+def test_a_background_turn_is_added_to_its_conversation_which_it_claims_meanwhile(served):
+    client = served.openai()
+    conversation = client.conversations.create().id
+    in_it = {**ASK, "conversation": conversation}
+    with held_worker(served) as release:
+        made = client.responses.create(**in_it, background=True)
+        with pytest.raises(openai.BadRequestError) as locked:
+            client.responses.create(**in_it)
+        assert locked.value.code == "conversation_locked"
+        release.set()
+        done = _ended(client, made.id)
+    items = client.conversations.items.list(conversation, order="asc").data
+    assert [item.role for item in items] == ["user", "assistant"]
+    assert items[1].content[0].text == done.output[0].content[0].text
+    client.responses.create(**in_it)  # free once it ended
+
+
+def test_what_cannot_be_cancelled_or_streamed_again_is_refused(served):
+    client = served.openai()
+    with pytest.raises(openai.BadRequestError) as unstored:
+        client.responses.create(**ASK, background=True, store=False)
+    assert unstored.value.param == "background"
+    plain = client.responses.create(**ASK)
+    with pytest.raises(openai.BadRequestError) as not_background:
+        client.responses.cancel(plain.id)
+    assert "background" in not_background.value.message
+    with pytest.raises(openai.BadRequestError):
+        list(client.responses.retrieve(plain.id, stream=True))
+    made = client.responses.create(**ASK, background=True)
+    assert _ended(client, made.id).status in ENDED
+    with pytest.raises(openai.BadRequestError) as ended:
+        client.responses.cancel(made.id)
+    assert "ended" in ended.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+    client.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+
+
+def test_a_stopping_server_cancels_what_it_makes_in_the_background(loaded_tiny, monkeypatch):
+    """Before its models close: a generation left running then would end by the event loop's
+    teardown, after the Runner it runs on was closed."""
+    runner = Runner(loaded_tiny("llama"), max_context=1024)
+    held_until_left(monkeypatch, runner, lambda options: 1)  # waits after its first text
+    with serve(runner) as served:
+        residency = served.app.state.mlxkv.models.residency
+        shutdown, ended_before = residency.shutdown, []
+        monkeypatch.setattr(
+            residency, "shutdown", lambda *a: (ended_before.append(run.ended), shutdown(*a))
+        )
+        client = served.openai()
+        with client.responses.create(**ASK, background=True, stream=True) as stream:
+            made_id = next(iter(stream)).response.id
+            assert any(event.type == "response.output_text.delta" for event in stream)
+        run = background_responses(served.app).find(made_id, None)
+    assert ended_before == [True] and run.status == "cancelled"
+    assert run.response.latest["output"][0]["content"][0]["text"]  # what it wrote, kept
