@@ -77,10 +77,18 @@ class GenerationStream:
         # The prompt's usage once the cache is matched, before the prefill (`note_matched`);
         # None if the generation ended before (failed, cancelled while it waited).
         self.matched: asyncio.Future[PromptUsage | None] = self._loop.create_future()
+        # What ends its wait for a turn after `queue_timeout_s` (`GenerationWorker.start`).
+        self.deadline: asyncio.TimerHandle | None = None
         self._state = threading.Lock()
         self._started = self._abandoned = False
         # Set once the loop has taken the first chunk, or nobody will (cancelled, left).
         self._first_taken = threading.Event()
+
+    def keep_queued(self) -> None:
+        """No deadline for its turn (`queue_timeout_s`): nobody waits for this generation (a
+        background response's), which waits as long as it takes."""
+        if self.deadline is not None:
+            self.deadline.cancel()
 
     def attach(self, chunks: Iterator[GenerationChunk]) -> None:
         """Gives a stream made before its generation (None then) the generation's chunks,
@@ -292,6 +300,7 @@ class GenerationWorker:
         if self.queue_timeout_s is not None:
             timer = asyncio.get_running_loop().call_later(self.queue_timeout_s, stream.expire)
             stream.finished.add_done_callback(lambda _: timer.cancel())
+            stream.deadline = timer
         return stream
 
     def _finished(self, _: asyncio.Future) -> None:

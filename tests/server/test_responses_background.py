@@ -8,6 +8,9 @@ Replies are checked against a fresh Runner's log-probabilities."""
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import openai
 import pytest
 
@@ -62,10 +65,27 @@ def test_a_background_response_answers_at_once_and_is_read_when_made(served, fre
         client.responses.retrieve(made.id, extra_query={"cache_salt": "other"})
 
 
-def test_a_stream_left_goes_on_and_is_read_again_from_any_event(served, fresh_runner):
+def _gated(monkeypatch, runner) -> threading.Event:
+    """The runner's generations wait after their first text until the returned event is set
+    (or they are cancelled)."""
+    stream, gate = runner.stream, threading.Event()
+
+    def held(*args, **kwargs):
+        for chunk in stream(*args, **kwargs):
+            yield chunk
+            if chunk.text:
+                gate.wait(30)
+
+    monkeypatch.setattr(runner, "stream", held)
+    return gate
+
+
+def test_a_stream_left_goes_on_and_is_read_again_from_any_event(served, fresh_runner, monkeypatch):
     client = served.openai()
+    gate = _gated(monkeypatch, served.runner)  # it cannot end before its client has left
     with client.responses.create(**ASK, background=True, stream=True) as stream:
         first = [next(iter(stream)) for _ in range(3)]  # then the client leaves
+    gate.set()
     assert [e.type for e in first] == [
         "response.created",
         "response.queued",
@@ -84,9 +104,13 @@ def test_a_stream_left_goes_on_and_is_read_again_from_any_event(served, fresh_ru
 
 def test_a_queued_response_is_cancelled_and_cancelling_again_returns_it(served):
     client = served.openai()
-    with held_worker(served):
-        made = client.responses.create(**ASK, background=True)
+    asked = {**ASK, "background": True, "stream": True}
+    with held_worker(served), client.responses.create(**asked) as stream:
+        events = iter(stream)
+        made = next(events).response
+        assert next(events).type == "response.queued"
         cancelled = client.responses.cancel(made.id)
+        assert list(events) == []  # never in progress; OpenAI has no event for a cancel
     assert (cancelled.status, cancelled.output) == ("cancelled", [])
     assert client.responses.cancel(made.id).model_dump() == cancelled.model_dump()
     assert client.responses.retrieve(made.id).status == "cancelled"
@@ -105,12 +129,15 @@ def test_a_response_cancelled_mid_reply_keeps_what_it_wrote_and_adds_no_turn(ser
         assert any(event.type == "response.output_text.delta" for event in stream)
     (model,) = served.app.state.mlxkv.models.resident.values()
     assert model.in_flight == 1  # its model held while it is made, once
+    polled = client.responses.retrieve(made_id)
+    assert polled.status == "in_progress" and polled.output[0].content[0].text  # so far
     with pytest.raises(openai.BadRequestError) as locked:  # still being made in it
         client.responses.create(**{**in_it, "background": False})
     assert locked.value.code == "conversation_locked"
     cancelled = client.responses.cancel(made_id)
     assert model.in_flight == 0  # and released as it ended
     assert cancelled.status == "cancelled" and cancelled.output[0].content[0].text
+    assert cancelled.output[0].status == "incomplete"  # cut by the cancel
     monkeypatch.undo()
     items = client.conversations.items.list(conversation).data
     assert [item.role for item in items] == ["user"]  # nothing of the cancelled turn
@@ -133,6 +160,45 @@ def test_a_background_turn_is_added_to_its_conversation_which_it_claims_meanwhil
     assert [item.role for item in items] == ["user", "assistant"]
     assert items[1].content[0].text == done.output[0].content[0].text
     client.responses.create(**in_it)  # free once it ended
+
+
+def test_a_background_response_waits_for_its_turn_past_the_queue_timeout(loaded_tiny):
+    """Nobody waits for it: OpenAI keeps it queued; a request that waits gets the 503."""
+    with serve(Runner(loaded_tiny("llama"), max_context=1024), queue_timeout_s=0.05) as served:
+        client = served.openai()
+        with held_worker(served) as release:
+            made = client.responses.create(**ASK, background=True)
+            with pytest.raises(openai.InternalServerError) as busy:  # sent after, waited less
+                client.responses.create(**ASK)
+            assert busy.value.status_code == 503
+            release.set()
+            assert _ended(client, made.id).status in ENDED
+
+
+def test_a_running_response_deleted_is_cancelled_first(served):
+    client = served.openai()
+    with held_worker(served):
+        made = client.responses.create(**ASK, background=True)
+        with pytest.raises(openai.NotFoundError):  # another tenant's
+            client.responses.cancel(made.id, extra_query={"cache_salt": "other"})
+        client.responses.delete(made.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(made.id)
+
+
+def test_events_past_what_a_response_keeps_are_refused_not_skipped(served, monkeypatch):
+    monkeypatch.setattr(background_responses(served.app), "_max_run_chars", 4000)
+    client = served.openai()
+    made = client.responses.create(**ASK, background=True)
+    past = client.responses.retrieve(made.id, stream=True, starting_after=10**6)
+    assert list(past) == []  # after its last event: nothing more, once it has ended
+    with pytest.raises(openai.BadRequestError) as refused:  # its first events went
+        list(client.responses.retrieve(made.id, stream=True, starting_after=0))
+    assert refused.value.param == "starting_after"
+    run = background_responses(served.app).find(made.id, None)
+    tail = list(client.responses.retrieve(made.id, stream=True, starting_after=run.first - 1))
+    assert tail[-1].type in ("response.completed", "response.incomplete")
+    assert [event.sequence_number for event in tail][0] == run.first
 
 
 def test_what_cannot_be_cancelled_or_streamed_again_is_refused(served):
@@ -158,9 +224,11 @@ def test_what_cannot_be_cancelled_or_streamed_again_is_refused(served):
         client.responses.retrieve(made.id)
 
 
-def test_a_stopping_server_cancels_what_it_makes_in_the_background(loaded_tiny, monkeypatch):
-    """Before its models close: a generation left running then would end by the event loop's
-    teardown, after the Runner it runs on was closed."""
+@pytest.mark.parametrize("how", ["signal", "app_exit"])
+def test_a_stopping_server_ends_what_it_makes_in_the_background(loaded_tiny, monkeypatch, how):
+    """`failed`, in the server's words, with what it wrote, and before its models close (a
+    generation left running then would end by the event loop's teardown, after the Runner it
+    runs on was closed): a stop signal's path, and an app whose server just exits."""
     runner = Runner(loaded_tiny("llama"), max_context=1024)
     held_until_left(monkeypatch, runner, lambda options: 1)  # waits after its first text
     with serve(runner) as served:
@@ -173,6 +241,10 @@ def test_a_stopping_server_cancels_what_it_makes_in_the_background(loaded_tiny, 
         with client.responses.create(**ASK, background=True, stream=True) as stream:
             made_id = next(iter(stream)).response.id
             assert any(event.type == "response.output_text.delta" for event in stream)
-        run = background_responses(served.app).find(made_id, None)
-    assert ended_before == [True] and run.status == "cancelled"
-    assert run.response.latest["output"][0]["content"][0]["text"]  # what it wrote, kept
+            run = background_responses(served.app).find(made_id, None)
+            if how == "signal":  # its reader is told (with no signal: it leaves first)
+                served.server.handle_exit(signal.SIGINT, None)  # what the signal handler calls
+                assert list(stream)[-1].type == "response.failed"
+    assert ended_before == [True] and run.status == "failed"
+    assert "shutting down" in run.latest["error"]["message"]
+    assert run.latest["output"][0]["content"][0]["text"]  # what it wrote, kept

@@ -165,7 +165,10 @@ def unload_named(request: Request, name: str | None) -> str:
 def outliving_hold(request: Request) -> Callable[[], None]:
     """Hands the request's hold on its model (`request_context`) and its turn to work that
     outlives the request (a background response): its end neither waits for the turn (the
-    access line, `ReleaseModels`) nor releases the model; the returned call does, once."""
+    access line, `ReleaseModels`) nor releases the model; the returned call does, once. The
+    hold is taken here and released there because only that work knows when it ends: held by
+    the request, the model could unload under it (`keep_alive` 0, another model's load), and
+    the request's task would live on (a server's stop waits for it) to release it."""
     state = request.scope.setdefault("state", {})
     held = state.pop("mlxkv_release", None)
     state.pop("turn", None)

@@ -102,6 +102,11 @@ class Turn:
     def cancel(self) -> None:
         self._stream.cancel()
 
+    def keep_queued(self) -> None:
+        """Nobody waits for this reply (a background response's): it waits for its turn as
+        long as it takes (`GenerationStream.keep_queued`)."""
+        self._stream.keep_queued()
+
     @property
     def may_think(self) -> bool:
         """Whether thinking can come before the answer (the vocabulary has thinking tags and

@@ -1,19 +1,22 @@
 """Background responses (`background: true`): made with no request waiting for them, as
 OpenAI's background mode. The create call answers at once (`queued`, or the events as they
-come when streamed); the response is read with `GET /v1/responses/{id}` while it is made, its
-events again from any one on (`?stream=true&starting_after=N`, their `sequence_number`), and
-it is cancelled with `POST /v1/responses/{id}/cancel`. A client that leaves a background
-stream ends only its reading. A response ends as any other: stored (background requires
-`store`), added to its conversation, which stays claimed until then. A cancelled one keeps
-what it wrote for reading and nothing else (no turn added, not a previous response).
+come when streamed); the response waits in the queue as long as it takes, is read with
+`GET /v1/responses/{id}` while it is made, its events again from any one on
+(`?stream=true&starting_after=N`, their `sequence_number`), and it is cancelled with
+`POST /v1/responses/{id}/cancel`. A client that leaves a background stream ends only its
+reading. A response ends as any other: stored (background requires `store`), added to its
+conversation, which stays claimed until then, and its model held loaded until then. A
+cancelled one keeps what it wrote for reading and nothing else (no turn added, not a previous
+response); a stopping server ends those still being made `failed`, in its words.
 
-Kept in memory: every response being made (no more than the server's queue lets start), and
-the newest finished ones' events, bounded; a stopping server cancels those still being made.
+Kept in memory: every response being made (no more than the server's queues let start), with
+its latest events (`MAX_RUN_CHARS`), and the newest finished ones' events, bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -22,6 +25,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 
 from mlxkv.server.errors import ApiError
+from mlxkv.server.middleware import SHUTTING_DOWN
 from mlxkv.server.models.served import outliving_hold
 from mlxkv.server.reply.turn import Turn
 from mlxkv.server.responses_api.conversations import TurnClaim
@@ -32,7 +36,10 @@ logger = logging.getLogger(__name__)
 # Finished background responses whose events are kept to be read again.
 MAX_FINISHED = 64
 MAX_FINISHED_CHARS = 64 * 2**20
-# The longest a stopping server waits for its background responses to end once cancelled.
+# The most characters of events one response keeps to be read again: past it, its earliest
+# go (a token's events take about 300 characters, 8,000 with 20 `top_logprobs`).
+MAX_RUN_CHARS = 16 * 2**20
+# The longest a stopping server waits for its background responses to end once stopped.
 CLOSE_WAIT_S = 10.0
 _RUNNING = ("queued", "in_progress")
 
@@ -42,6 +49,7 @@ class Made(Protocol):
 
     id: str
     latest: dict[str, Any]  # the response object its last event carried
+    written: Callable[[], list[dict[str, Any]]]  # its output items so far
 
     def body(self, output: list[dict[str, Any]], completion: Any, status: str = "") -> dict: ...
 
@@ -49,22 +57,37 @@ class Made(Protocol):
 
 
 class BackgroundRun:
-    """One background response: its events as they come (the n-th is the one whose
-    `sequence_number` is n), the response object as it stands, and the task that makes it."""
+    """One background response: its events as they come (the one numbered n is the one whose
+    `sequence_number` is n; the earliest go past `MAX_RUN_CHARS`), the response object as it
+    stands, and the task that makes it. Once ended it holds only its events and the object."""
 
-    def __init__(self, response: Made, turn: Turn, salt: str | None):
-        self.response = response
+    def __init__(self, response: Made, turn: Turn, salt: str | None, max_chars: int):
         self.salt = salt  # the `cache_salt` it was made with: another tenant's requests miss it
-        self.lines: list[str] = []
-        self.chars = 0
+        self.lines: collections.deque[str] = collections.deque()
+        self.first = 0  # the number of the earliest event held
+        self.chars = 0  # of the events held
         self.ended = False
-        self._turn = turn
-        self._more = asyncio.Event()  # set, and replaced, at each event and at the end
         self.task: asyncio.Task[None] | None = None
+        self._max_chars = max_chars
+        self._response: Made | None = response
+        self._final: dict[str, Any] = {}
+        self._turn = turn
+        self._stopped_by: ApiError | None = None  # a stopping server's words
+        self._more = asyncio.Event()  # set, and replaced, at each event and at the end
+
+    @property
+    def latest(self) -> dict[str, Any]:
+        """The response object as it stands: while it is made, with what it wrote so far."""
+        if self._response is None:
+            return self._final
+        latest = self._response.latest
+        if latest["status"] != "in_progress":
+            return latest
+        return {**latest, "output": self._response.written()}
 
     @property
     def status(self) -> str:
-        return self.response.latest["status"]
+        return self.latest["status"]
 
     def start(
         self,
@@ -78,42 +101,62 @@ class BackgroundRun:
         self.task = asyncio.create_task(self._make(events, releases, ended))
 
     async def _make(self, events, releases, ended) -> None:
-        response = self.response
+        response = self._response
+        assert response is not None
         try:
             async for line in guarded_events(events, self._turn, response.failed_event):
-                self.lines.append(line)
-                self.chars += len(line)
-                self._wake()
+                self._add(line)
+            if self._stopped_by is not None and self.status in (*_RUNNING, "cancelled"):
+                self._add(response.failed_event(self._stopped_by))
             await self._turn.finished()  # its generation's very end, before its model may go
-        finally:  # a stopping server's cancel included
+        finally:  # the event loop's own end included
             self._turn.cancel()
             for release in releases:
                 release()
             if self.status in _RUNNING:  # cancelled before it ended
-                response.latest = response.body([], None, "cancelled")
+                response.latest = response.body(response.written(), None, "cancelled")
+            self._final, self._response, self._turn = response.latest, None, None
             self.ended = True
             self._wake()
             ended(self)
+
+    def _add(self, line: str) -> None:
+        self.lines.append(line)
+        self.chars += len(line)
+        while self.chars > self._max_chars and len(self.lines) > 1:
+            self.chars -= len(self.lines.popleft())
+            self.first += 1
+        self._wake()
 
     def _wake(self) -> None:
         more, self._more = self._more, asyncio.Event()
         more.set()
 
+    def check_after(self, after: int) -> None:
+        """Raises:
+        ApiError: 400 when the events after `after` are no longer all held."""
+        if after + 1 < self.first:
+            message = f"starting_after: the events before {self.first} are no longer kept"
+            raise ApiError(400, message, param="starting_after")
+
     async def read(self, after: int = -1) -> AsyncIterator[str]:
-        """The events after the one numbered `after`, those to come included."""
-        index = max(after + 1, 0)
-        while True:
-            while index < len(self.lines):
-                yield self.lines[index]
-                index += 1
+        """The events after the one numbered `after`, those to come included; a reader so
+        far behind that its next event went meanwhile stops there."""
+        number = max(after + 1, 0)
+        while number >= self.first:
+            while number - self.first < len(self.lines):
+                yield self.lines[number - self.first]
+                number += 1
             if self.ended:
                 return
             await self._more.wait()
 
-    def stop(self) -> None:
-        """Ends the generation: the response ends `cancelled`, what it wrote kept (one that
-        had ended already stays as it ended)."""
-        self._turn.cancel()
+    def stop(self, error: ApiError | None = None) -> None:
+        """Ends the generation: the response ends `cancelled`, what it wrote kept, or with
+        `error` `failed` (one that had ended already stays as it ended)."""
+        self._stopped_by = error
+        if self._turn is not None:
+            self._turn.cancel()
 
     async def cancel(self) -> None:
         """`stop`, then waits for the response to end."""
@@ -123,34 +166,55 @@ class BackgroundRun:
 
 
 class BackgroundResponses:
-    """The background responses being made, by id, and the newest finished ones."""
+    """The background responses being made, by id (no more than the server's queues let
+    start), and the newest finished ones."""
 
-    def __init__(self, max_finished: int = MAX_FINISHED, max_chars: int = MAX_FINISHED_CHARS):
+    def __init__(
+        self,
+        max_finished: int = MAX_FINISHED,
+        max_chars: int = MAX_FINISHED_CHARS,
+        max_run_chars: int = MAX_RUN_CHARS,
+    ):
         self._running: dict[str, BackgroundRun] = {}
         self._finished: BoundedMap[BackgroundRun] = BoundedMap(max_finished, max_chars)
+        self._max_run_chars = max_run_chars
 
     def start(
-        self, request: Request, run: BackgroundRun, events: AsyncIterator[str], claim: TurnClaim
-    ) -> None:
-        """Makes `run` from `events` (`BackgroundRun.start`), held here while it is made and
-        among the finished ones after; the request's model stays loaded until then, and its
-        conversation (`claim`, detached from the request) claimed."""
-        self._running[run.response.id] = run
-        run.start(events, (claim.release, outliving_hold(request)), self._ended)
+        self,
+        request: Request,
+        response: Made,
+        turn: Turn,
+        events: AsyncIterator[str],
+        claim: TurnClaim,
+        salt: str | None,
+    ) -> BackgroundRun:
+        """Makes `response` from `events` (`BackgroundRun.start`), held here while it is made
+        and among the finished ones after; the request's model stays loaded until then, and
+        its conversation (`claim`, detached from the request) claimed."""
+        turn.keep_queued()  # nobody waits for it
+        run = BackgroundRun(response, turn, salt, self._max_run_chars)
+        self._running[response.id] = run
+        runner = request.state.mlxkv.worker.runner
+        run.start(events, (claim.release, outliving_hold(request)), self._ended(runner))
+        return run
 
-    def _ended(self, run: BackgroundRun) -> None:
-        response = run.response
-        del self._running[response.id]
-        self._finished.put(response.id, run, run.chars + _chars(response.latest))
-        usage = response.latest.get("usage") or {}
-        logger.info(
-            "responses: background %s %s prompt=%s cached=%s generated=%s",
-            response.id,
-            run.status,
-            usage.get("input_tokens", 0),
-            usage.get("input_tokens_details", {}).get("cached_tokens", 0),
-            usage.get("output_tokens", 0),
-        )
+    def _ended(self, runner: Any) -> Callable[[BackgroundRun], None]:
+        def ended(run: BackgroundRun) -> None:
+            response_id = run.latest["id"]
+            del self._running[response_id]
+            self._finished.put(response_id, run, run.chars + _chars(run.latest))
+            usage = run.latest.get("usage") or {}
+            logger.info(
+                "responses: background %s %s prompt=%s cached=%s generated=%s | %s",
+                response_id,
+                run.status,
+                usage.get("input_tokens", 0),
+                usage.get("input_tokens_details", {}).get("cached_tokens", 0),
+                usage.get("output_tokens", 0),
+                runner.memory_line,  # as the access line says after a generation
+            )
+
+        return ended
 
     def find(self, response_id: str, salt: str | None) -> BackgroundRun | None:
         """The background response being made, or finished and kept, for `salt`."""
@@ -161,11 +225,12 @@ class BackgroundResponses:
         self._finished.pop(response_id)
 
     async def close(self) -> None:
-        """Cancels every response still being made and waits for them to end (a stuck one
-        no longer than `CLOSE_WAIT_S`)."""
+        """Ends every response still being made, `failed` with the server's stopping words
+        (as a generation a stop signal cuts), and waits for them to end (a stuck one no longer
+        than `CLOSE_WAIT_S`)."""
         runs = list(self._running.values())
         for run in runs:
-            run.stop()
+            run.stop(ApiError(503, SHUTTING_DOWN))
         tasks = [run.task for run in runs if run.task is not None]
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)

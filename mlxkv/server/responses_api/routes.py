@@ -17,11 +17,10 @@ assistant turn that follows it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -30,25 +29,33 @@ from mlxkv.runner.results import Completion
 from mlxkv.server.early_events import marking_waits
 from mlxkv.server.errors import ApiError, openai_error
 from mlxkv.server.models.streams import StreamShape
-from mlxkv.server.protocol import openai_logprobs
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
     WAITING,
-    Event,
     ReasoningDelta,
     TextDelta,
     Turn,
     collect,
     start_turn,
 )
-from mlxkv.server.responses_api.background import (
-    BackgroundRun,
-    background_responses,
-    check_background,
-)
+from mlxkv.server.responses_api.background import background_responses, check_background
 from mlxkv.server.responses_api.conversations import ConversationClaim, held_conversations
 from mlxkv.server.responses_api.history import request_prompt, stored_responses
 from mlxkv.server.responses_api.items import listed_item
+from mlxkv.server.responses_api.output import (
+    add_text,
+    as_messages,
+    call_item,
+    content_part,
+    cut_item,
+    empty_item,
+    item_end,
+    item_kind,
+    new_item,
+    output_items,
+    usage,
+    was_cut,
+)
 from mlxkv.server.responses_api.protocol import NamedFunction, ResponsesRequest
 from mlxkv.server.state import Context, event_stream, replay_stream, sse
 
@@ -88,7 +95,7 @@ async def create_response(
         the next response may then take."""
         listed = [listed_item(item.model_dump(exclude_none=True)) for item in items]
         if body.store:
-            stored = messages + _as_messages(final["output"])
+            stored = messages + as_messages(final["output"])
             previous = body.previous_response_id
             stored_responses(request).put(
                 stored, final, listed, salt=body.cache_salt, previous=previous
@@ -104,15 +111,15 @@ async def create_response(
                 claim.release()
 
     if body.background:
-        run = BackgroundRun(response, turn, body.cache_salt)
         events = _response_events(turn, response, remember, request.scope)
-        background_responses(request).start(request, run, events, claim)
+        background = background_responses(request)
+        run = background.start(request, response, turn, events, claim, body.cache_salt)
         return replay_stream(run.read()) if body.stream else response.latest
     if body.stream:
         events = _response_events(turn, response, remember, request.scope)
         return event_stream(events, turn, response.failed_event)
     events, completion = await collect(turn, request)
-    output = _output_items(events, completion)
+    output = output_items(events, completion)
     final = response.body(output, completion, reasoning_tokens=turn.reasoning_tokens)
     if completion.finish_reason != "cancelled":  # else its client left: no half turn kept
         remember(final)
@@ -130,7 +137,9 @@ class _Response:
         self.conversation = conversation  # the id of the one it is added to
         self._sequence = -1  # OpenAI numbers a response's events from 0
         # the response object as its last event carried it (a background one's, polled)
-        self.latest = self.body([], None, "queued")
+        self.latest = self.body([], None, "queued") if request.background else {}
+        # the output items written so far, the one being written last (`_response_events`)
+        self.written: Callable[[], list[dict[str, Any]]] = list
 
     def body(
         self,
@@ -141,7 +150,7 @@ class _Response:
     ) -> dict[str, Any]:
         request = self.request
         choice = request.tool_choice
-        incomplete = _was_cut(completion)
+        incomplete = was_cut(completion)
         if not status and completion is not None and completion.finish_reason == "cancelled":
             status = "cancelled"  # a background response's (others have no reader left)
         status = status or ("incomplete" if incomplete else "completed")
@@ -167,7 +176,7 @@ class _Response:
             else choice or "auto",
             **request.settings(),
             "completed_at": int(time.time()) if status == "completed" else None,
-            "usage": _usage(completion, reasoning_tokens) if completion is not None else None,
+            "usage": usage(completion, reasoning_tokens) if completion is not None else None,
         }
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -176,7 +185,7 @@ class _Response:
         return sse({"type": kind, "sequence_number": self._sequence, **fields}, kind)
 
     def failed_event(self, error: ApiError) -> str:
-        failed = self.body([], None, status="failed")
+        failed = self.body(self.written(), None, status="failed")  # what it wrote, kept
         failed["error"] = {"code": _error_code(error), "message": error.message}
         return self.event("response.failed", response=failed)
 
@@ -194,40 +203,41 @@ async def _response_events(
         yield line
     output: list[dict[str, Any]] = []
     open_item: dict[str, Any] | None = None  # the reasoning or message item being streamed
+    response.written = lambda: output + ([] if open_item is None else [cut_item(open_item)])
     async for event in marking_waits(turn, scope):
         if event is WAITING:
             yield response.event("response.in_progress", response=in_progress)
         elif isinstance(event, TextDelta | ReasoningDelta) and event.text:
-            kind = _item_kind(event)
+            kind = item_kind(event)
             if open_item is not None and open_item["type"] != kind:
                 for line in _close_item(response, open_item, len(output), "completed"):
                     yield line
                 output.append(open_item)
                 open_item = None
             if open_item is None:
-                open_item = _item(kind, "", "in_progress")
+                open_item = new_item(kind, "", "in_progress")
                 for line in _open_item(response, open_item, len(output)):
                     yield line
-            logprobs = _add_text(open_item, event)
+            logprobs = add_text(open_item, event)
             yield _text_delta(response, open_item, len(output), event.text, logprobs)
         elif isinstance(event, TextDelta) and open_item is not None:  # tokens that showed none
-            _add_text(open_item, event)
+            add_text(open_item, event)
         elif isinstance(event, ToolCall):
             if open_item is not None:
                 for line in _close_item(response, open_item, len(output), "completed"):
                     yield line
                 output.append(open_item)
                 open_item = None
-            item = _call_item(_item_id("fc"), event)
+            item = call_item(event)
             for line in _function_call(response, item, len(output)):
                 yield line
             output.append(item)
         elif isinstance(event, Completion):
             if open_item is not None:
-                status = "incomplete" if _was_cut(event) else "completed"
-                for line in _close_item(response, open_item, len(output), status):
+                for line in _close_item(response, open_item, len(output), item_end(event)):
                     yield line
                 output.append(open_item)
+                open_item = None
             final = response.body(output, event, reasoning_tokens=turn.reasoning_tokens)
             if final["status"] == "cancelled":  # kept to be read, not as a turn; no event
                 response.latest = final
@@ -248,65 +258,24 @@ async def _opening_events(
     if response.request.background:
         yield response.event("response.created", response=response.latest)
         yield response.event("response.queued", response=response.latest)
-        await asyncio.shield(turn.matched)  # None: it ended before it started
+        if await asyncio.shield(turn.matched) is None:  # it ended before it started
+            return
     else:
         yield response.event("response.created", response=in_progress)
     yield response.event("response.in_progress", response=in_progress)
 
 
-def _output_items(events: list[Event], completion: Completion | None) -> list[dict[str, Any]]:
-    """A whole reply's output items, in the order the streamed ones come: runs of thinking
-    or text joined into one reasoning or message item, each tool call its own; the last
-    `incomplete` when its text was cut (a call is only ever whole)."""
-    output: list[dict[str, Any]] = []
-    for event in events:
-        if isinstance(event, ToolCall):
-            output.append(_call_item(_item_id("fc"), event))
-        elif isinstance(event, TextDelta | ReasoningDelta) and event.text:
-            kind = _item_kind(event)
-            if not output or output[-1]["type"] != kind:
-                output.append(_item(kind, ""))
-            _add_text(output[-1], event)
-        elif isinstance(event, TextDelta) and output and output[-1]["type"] == "message":
-            _add_text(output[-1], event)  # the last tokens, which showed no text
-    if output and output[-1]["type"] != "function_call" and _was_cut(completion):
-        output[-1]["status"] = "incomplete"
-    return output
-
-
-def _was_cut(completion: Completion | None) -> bool:
-    """Whether max_output_tokens (or the window) cut the reply: the response and the item
-    it cut are `incomplete`, as OpenAI sends them (the item in response.output_item.done
-    too); the items before it are whole."""
-    return completion is not None and completion.finish_reason == "length"
-
-
-def _item_kind(event: TextDelta | ReasoningDelta) -> str:
-    return "reasoning" if isinstance(event, ReasoningDelta) else "message"
-
-
 def _open_item(response: _Response, item: dict[str, Any], index: int) -> list[str]:
     return [
-        response.event("response.output_item.added", output_index=index, item=_empty(item)),
+        response.event("response.output_item.added", output_index=index, item=empty_item(item)),
         response.event(
             "response.content_part.added",
             item_id=item["id"],
             output_index=index,
             content_index=0,
-            part=_part(item["type"], ""),
+            part=content_part(item["type"], ""),
         ),
     ]
-
-
-def _add_text(item: dict[str, Any], event: TextDelta | ReasoningDelta) -> list[dict[str, Any]]:
-    """Adds `event`'s text to `item`, and its tokens' log-probabilities (asked with
-    `include`) to a message's text; returns those."""
-    part = item["content"][0]
-    part["text"] += event.text
-    logprobs = openai_logprobs(event.logprobs) if item["type"] == "message" else []
-    if logprobs:
-        part["logprobs"].extend(logprobs)
-    return logprobs
 
 
 def _text_delta(
@@ -356,75 +325,6 @@ def _function_call(response: _Response, item: dict[str, Any], index: int) -> lis
         ),
         response.event("response.output_item.done", output_index=index, item=item),
     ]
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _part(item_type: str, text: str) -> dict[str, Any]:
-    """The content part a message (output text) or reasoning item (its text) holds."""
-    if item_type == "reasoning":
-        return {"type": "reasoning_text", "text": text}
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _item(kind: str, text: str, status: str = "completed") -> dict[str, Any]:
-    """A message item, or a reasoning item; both hold their text in `content[0]`."""
-    if kind == "reasoning":
-        head = {"id": _item_id("rs"), "type": "reasoning", "status": status, "summary": []}
-    else:
-        head = {"id": _item_id("msg"), "type": "message", "status": status, "role": "assistant"}
-    return {**head, "content": [_part(kind, text)]}
-
-
-def _empty(item: dict[str, Any]) -> dict[str, Any]:
-    return {**item, "content": []}
-
-
-def _call_item(item_id: str, call: ToolCall) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "type": "function_call",
-        "status": "completed",
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments_json,
-    }
-
-
-def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A response's output as the chat messages the next turn's template renders."""
-    text = "".join(i["content"][0]["text"] for i in output if i["type"] == "message")
-    reasoning = "".join(i["content"][0]["text"] for i in output if i["type"] == "reasoning")
-    calls = [
-        {
-            "id": i["call_id"],
-            "type": "function",
-            "function": {"name": i["name"], "arguments": json.loads(i["arguments"])},
-        }
-        for i in output
-        if i["type"] == "function_call"
-    ]
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if reasoning:
-        message["reasoning_content"] = reasoning
-    if calls:
-        message["tool_calls"] = calls
-    return [message]
-
-
-def _usage(completion: Completion, reasoning_tokens: int = 0) -> dict[str, Any]:
-    return {
-        "input_tokens": completion.prompt_tokens,
-        "input_tokens_details": {
-            "cached_tokens": completion.cached_tokens,
-            "cache_write_tokens": 0,  # nothing is billed for writing (Anthropic's usage too)
-        },
-        "output_tokens": completion.generation_tokens,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-        "total_tokens": completion.prompt_tokens + completion.generation_tokens,
-    }
 
 
 def _early_error_event(error: ApiError) -> str:

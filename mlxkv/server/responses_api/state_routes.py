@@ -126,13 +126,19 @@ async def get_response(
     """The response as it stands (a background one while it is made); `stream`: a background
     response's events, those after `starting_after` (a `sequence_number`) first."""
     run = background_responses(request).find(response_id, cache_salt)
-    if stream:
-        if run is None:
-            _stored(request, response_id, cache_salt)
-            message = "Only background responses can be streamed again: this one was not."
-            raise ApiError(400, message, param="stream")
-        return replay_stream(run.read(-1 if starting_after is None else starting_after))
-    return run.response.latest if run is not None else _stored(request, response_id, cache_salt)
+    if run is None:
+        found = _stored(request, response_id, cache_salt)
+        if not stream:
+            return found
+        if found["background"]:  # among the oldest
+            raise ApiError(400, "This response's events are no longer kept.", param="stream")
+        message = "Only background responses can be streamed again: this one was not."
+        raise ApiError(400, message, param="stream")
+    if not stream:
+        return run.latest
+    after = -1 if starting_after is None else starting_after
+    run.check_after(after)
+    return replay_stream(run.read(after))
 
 
 @router.post("/v1/responses/{response_id}/cancel")
@@ -147,15 +153,16 @@ async def cancel_response(
             otherwise; 404 for one not held.
     """
     run = background_responses(request).find(response_id, cache_salt)
-    if run is None:
-        _stored(request, response_id, cache_salt)
+    found = run.latest if run is not None else _stored(request, response_id, cache_salt)
+    if not found["background"]:
         message = "Only responses created with background set to true can be cancelled."
         raise ApiError(400, message, param="response_id")
-    if run.ended and run.status != "cancelled":
-        message = f"Cannot cancel a response that has ended: its status is {run.status}."
+    if found["status"] not in ("queued", "in_progress", "cancelled"):
+        message = f"Cannot cancel a response that has ended: its status is {found['status']}."
         raise ApiError(400, message, param="response_id")
-    await run.cancel()
-    return run.response.latest
+    if run is not None:
+        await run.cancel()
+    return run.latest if run is not None else found
 
 
 @router.delete("/v1/responses/{response_id}")
