@@ -5,9 +5,11 @@ reply and a later request reloads it warm from its disk tier."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
+import weakref
 from datetime import UTC, datetime
 
 import numpy as np
@@ -35,6 +37,7 @@ class _Closed(Runner):
 @pytest.fixture
 def served(model_root, tmp_path):
     closed = {name: threading.Event() for name in ARCHS}
+    made: list[weakref.ref[Runner]] = []
 
     def loader(name: str) -> ModelLoader:
         path = tiny_model_dir(ARCHS[name], model_root)
@@ -42,13 +45,14 @@ def served(model_root, tmp_path):
         def load() -> Runner:
             runner = _Closed.load(str(path), max_context=512, cache_dir=tmp_path / "kv")
             runner.closed = closed[name]
+            made.append(weakref.ref(runner))
             return runner
 
         return ModelLoader(load, path=path)  # its family is known before it loads
 
     sources = {name: loader(name) for name in ARCHS}
     with serve(sources, model_aliases=("claude-*=b",)) as served:
-        served.closed = closed
+        served.closed, served.made = closed, made
         yield served
 
 
@@ -158,6 +162,23 @@ def test_model_management_is_refused_without_loading_a_model(served, method, pat
     assert status == 501
     assert "a:latest, b:latest" in reply["error"] and "only" not in reply["error"]
     assert _loaded(served) == []
+
+
+@pytest.mark.parametrize("api", ["ollama", "openai"])
+def test_a_connection_kept_open_keeps_nothing_of_a_model_unloaded(served, api):
+    """Clients keep their connection open between requests (SDKs pool them), and uvicorn
+    holds the connection's last request meanwhile: a model reached from it (the request's
+    context, its turn) stayed in memory after it unloaded (515 MiB of SmolLM2's, fuzz22)."""
+    served.server.config.timeout_keep_alive = 60  # its connections idle longer than the test
+    first = ollama.Client(host=served.url) if api == "ollama" else served.openai()
+    if api == "ollama":
+        first.chat(model="a", messages=QUESTION, options=OPTIONS)
+    else:
+        first.chat.completions.create(model="a", messages=QUESTION, max_tokens=2)
+    ollama.Client(host=served.url).chat(model="a", messages=[], keep_alive=0)  # unloads it
+    (runner,) = served.made
+    wait_until(lambda: gc.collect() >= 0 and runner() is None, 10, "the Runner to be freed")
+    assert first is not None  # its connection open all along
 
 
 def _os_threads() -> int:

@@ -186,7 +186,10 @@ def outliving_hold(request: Request) -> Callable[[], None]:
 
 class ReleaseModels:
     """ASGI middleware: once a request's response has ended, and its generation with it (a
-    client that left: within a step), the model it held may unload (`Residency.release`)."""
+    client that left: within a step), the model it held may unload (`Residency.release`),
+    and the request keeps nothing of it: uvicorn holds a connection's last request (its scope)
+    while the connection stays open, as SDK clients keep theirs, and a model reached from it
+    (its context, its turn) would stay in memory after it unloaded."""
 
     def __init__(self, app: ASGIApp, models: ServedModels):
         self.app = app
@@ -198,12 +201,14 @@ class ReleaseModels:
         finally:
             state = scope.get("state", {})
             held = state.pop("mlxkv_release", None)
-            if held is not None:
-                try:
-                    turn = state.get("turn")
-                    if turn is not None:
-                        await turn.finished()
-                finally:
+            try:
+                turn = state.get("turn")
+                if held is not None and turn is not None:
+                    await turn.finished()
+            finally:
+                for reaching_the_model in ("mlxkv", "turn"):
+                    state.pop(reaching_the_model, None)
+                if held is not None:
                     self.models.residency.release(*held)
 
 
