@@ -40,6 +40,7 @@ import mlx.core as mx
 from starlette.concurrency import run_in_threadpool
 
 from mlxkv.config import format_bytes
+from mlxkv.platform.machine import return_freed_memory
 from mlxkv.runner.runner import Runner
 from mlxkv.server.errors import ApiError
 from mlxkv.server.middleware import SHUTTING_DOWN
@@ -153,10 +154,12 @@ class Residency:
 
     def unload_when_idle(self, model: ResidentModel) -> None:
         """Ollama's unload request (`keep_alive` 0, nothing to generate): a loaded model
-        unloads now, or as its last request ends; one not loaded is not loaded for it."""
+        unloads now, or as its last request ends, or as its load ends (the requests that
+        started it may have left); one not loaded is not loaded for it."""
+        loading = model._load_task is not None and not model._load_task.done()
         if model.worker is not None and not model.in_flight:
             self._expire_after(model, 0.0)
-        elif model.in_flight:  # its last request's end unloads it, whatever it asked
+        elif model.in_flight or loading:  # its last request's end unloads it, whatever it asked
             model._unload_at_end = True
 
     def _expire_after(self, model: ResidentModel, keep_s: float) -> None:
@@ -330,6 +333,7 @@ class Residency:
         del worker
         gc.collect()  # the weights' arrays go with the Runner's last reference
         mx.clear_cache()
+        return_freed_memory()
 
     def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coroutine)
