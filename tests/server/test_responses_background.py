@@ -8,14 +8,16 @@ Replies are checked against a fresh Runner's log-probabilities."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
+from types import SimpleNamespace
 
 import openai
 import pytest
 
 from mlxkv import Runner
-from mlxkv.server.responses_api.background import background_responses
+from mlxkv.server.responses_api.background import BackgroundRun, background_responses
 
 from .conftest import held_until_left, held_worker, serve
 
@@ -131,6 +133,7 @@ def test_a_response_cancelled_mid_reply_keeps_what_it_wrote_and_adds_no_turn(ser
     assert model.in_flight == 1  # its model held while it is made, once
     polled = client.responses.retrieve(made_id)
     assert polled.status == "in_progress" and polled.output[0].content[0].text  # so far
+    assert polled.output[0].status == "in_progress"  # being written
     with pytest.raises(openai.BadRequestError) as locked:  # still being made in it
         client.responses.create(**{**in_it, "background": False})
     assert locked.value.code == "conversation_locked"
@@ -195,6 +198,9 @@ def test_events_past_what_a_response_keeps_are_refused_not_skipped(served, monke
     with pytest.raises(openai.BadRequestError) as refused:  # its first events went
         list(client.responses.retrieve(made.id, stream=True, starting_after=0))
     assert refused.value.param == "starting_after"
+    with pytest.raises(openai.BadRequestError) as from_the_start:
+        list(client.responses.retrieve(made.id, stream=True))
+    assert from_the_start.value.param == "stream"  # what the client sent
     run = background_responses(served.app).find(made.id, None)
     tail = list(client.responses.retrieve(made.id, stream=True, starting_after=run.first - 1))
     assert tail[-1].type in ("response.completed", "response.incomplete")
@@ -248,3 +254,21 @@ def test_a_stopping_server_ends_what_it_makes_in_the_background(loaded_tiny, mon
     assert ended_before == [True] and run.status == "failed"
     assert "shutting down" in run.latest["error"]["message"]
     assert run.latest["output"][0]["content"][0]["text"]  # what it wrote, kept
+
+
+def test_a_reader_whose_next_events_went_meanwhile_is_told_so():
+    """A burst of large events (with 20 `top_logprobs`, each closing event holds every
+    token's) can push out those a live reader has not read yet: its stream ended silently,
+    with no final event (recheck22b); it now ends with an `error` event saying so."""
+
+    async def scenario():
+        made = SimpleNamespace(latest={"status": "in_progress"})
+        run = BackgroundRun(made, turn=None, salt=None, max_chars=10)
+        reader = run.read()
+        for line in ("aaaa", "bbbb", "cccc", "dddd"):  # 16 characters: the first two go
+            run._add(line)
+        told = await anext(reader)
+        assert '"code": "events_dropped"' in told and '"sequence_number": 0' in told
+        assert [line async for line in reader] == []
+
+    asyncio.run(scenario())

@@ -29,7 +29,7 @@ from mlxkv.server.middleware import SHUTTING_DOWN
 from mlxkv.server.models.served import outliving_hold
 from mlxkv.server.reply.turn import Turn
 from mlxkv.server.responses_api.conversations import TurnClaim
-from mlxkv.server.state import BoundedMap, guarded_events
+from mlxkv.server.state import BoundedMap, guarded_events, sse
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ MAX_FINISHED = 64
 MAX_FINISHED_CHARS = 64 * 2**20
 # The most characters of events one response keeps to be read again: past it, its earliest
 # go (a token's events take about 300 characters, 8,000 with 20 `top_logprobs`).
-MAX_RUN_CHARS = 16 * 2**20
+MAX_RUN_CHARS = 32 * 2**20
 # The longest a stopping server waits for its background responses to end once stopped.
 CLOSE_WAIT_S = 10.0
 _RUNNING = ("queued", "in_progress")
@@ -50,6 +50,8 @@ class Made(Protocol):
     id: str
     latest: dict[str, Any]  # the response object its last event carried
     written: Callable[[], list[dict[str, Any]]]  # its output items so far
+
+    def cut_short(self) -> list[dict[str, Any]]: ...
 
     def body(self, output: list[dict[str, Any]], completion: Any, status: str = "") -> dict: ...
 
@@ -114,7 +116,7 @@ class BackgroundRun:
             for release in releases:
                 release()
             if self.status in _RUNNING:  # cancelled before it ended
-                response.latest = response.body(response.written(), None, "cancelled")
+                response.latest = response.body(response.cut_short(), None, "cancelled")
             self._final, self._response, self._turn = response.latest, None, None
             self.ended = True
             self._wake()
@@ -132,16 +134,19 @@ class BackgroundRun:
         more, self._more = self._more, asyncio.Event()
         more.set()
 
-    def check_after(self, after: int) -> None:
+    def check_after(self, after: int | None) -> None:
         """Raises:
-        ApiError: 400 when the events after `after` are no longer all held."""
-        if after + 1 < self.first:
-            message = f"starting_after: the events before {self.first} are no longer kept"
-            raise ApiError(400, message, param="starting_after")
+        ApiError: 400 when the events after `after` (None: all) are no longer all held."""
+        if (-1 if after is None else after) + 1 < self.first:
+            param = "stream" if after is None else "starting_after"
+            message = f"{param}: the events before {self.first} are no longer kept"
+            raise ApiError(400, message, param=param)
 
     async def read(self, after: int = -1) -> AsyncIterator[str]:
         """The events after the one numbered `after`, those to come included; a reader so
-        far behind that its next event went meanwhile stops there."""
+        far behind that its next event went meanwhile (a burst of large events: with 20
+        `top_logprobs` each closing event holds every token's) ends with an `error` event
+        saying so, instead of a stream cut short."""
         number = max(after + 1, 0)
         while number >= self.first:
             while number - self.first < len(self.lines):
@@ -150,6 +155,7 @@ class BackgroundRun:
             if self.ended:
                 return
             await self._more.wait()
+        yield _dropped(number, self.first)
 
     def stop(self, error: ApiError | None = None) -> None:
         """Ends the generation: the response ends `cancelled`, what it wrote kept, or with
@@ -203,15 +209,15 @@ class BackgroundResponses:
             response_id = run.latest["id"]
             del self._running[response_id]
             self._finished.put(response_id, run, run.chars + _chars(run.latest))
-            usage = run.latest.get("usage") or {}
+            usage = run.latest.get("usage")
+            tokens = "" if usage is None else _token_counts(usage)
+            # the memory line, as the access line says it after a generation
             logger.info(
-                "responses: background %s %s prompt=%s cached=%s generated=%s | %s",
+                "responses: background %s %s%s | %s",
                 response_id,
                 run.status,
-                usage.get("input_tokens", 0),
-                usage.get("input_tokens_details", {}).get("cached_tokens", 0),
-                usage.get("output_tokens", 0),
-                runner.memory_line,  # as the access line says after a generation
+                tokens,
+                runner.memory_line,
             )
 
         return ended
@@ -237,6 +243,22 @@ class BackgroundResponses:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
+
+
+def _token_counts(usage: dict[str, Any]) -> str:
+    cached = usage["input_tokens_details"]["cached_tokens"]
+    return f" prompt={usage['input_tokens']} cached={cached} generated={usage['output_tokens']}"
+
+
+def _dropped(number: int, first: int) -> str:
+    """OpenAI's stream `error` event, for a reader whose next events are no longer kept."""
+    message = (
+        f"the events {number} to {first - 1} of this response are no longer kept (each "
+        f"response keeps its latest {MAX_RUN_CHARS >> 20} MiB of events): read the response "
+        f"with GET, or its events again after {first - 1}"
+    )
+    event = {"type": "error", "code": "events_dropped", "message": message, "param": None}
+    return sse({**event, "sequence_number": number}, "error")
 
 
 def _chars(value: Any) -> int:

@@ -184,8 +184,13 @@ class _Response:
         self.latest = fields.get("response", self.latest)
         return sse({"type": kind, "sequence_number": self._sequence, **fields}, kind)
 
+    def cut_short(self) -> list[dict[str, Any]]:
+        """What it wrote, the item being written `incomplete`: the output of a response that
+        ended before its reply did (failed, cancelled)."""
+        return [cut_item(i) if i["status"] == "in_progress" else i for i in self.written()]
+
     def failed_event(self, error: ApiError) -> str:
-        failed = self.body(self.written(), None, status="failed")  # what it wrote, kept
+        failed = self.body(self.cut_short(), None, status="failed")
         failed["error"] = {"code": _error_code(error), "message": error.message}
         return self.event("response.failed", response=failed)
 
@@ -203,7 +208,7 @@ async def _response_events(
         yield line
     output: list[dict[str, Any]] = []
     open_item: dict[str, Any] | None = None  # the reasoning or message item being streamed
-    response.written = lambda: output + ([] if open_item is None else [cut_item(open_item)])
+    response.written = lambda: output + ([] if open_item is None else [open_item])
     async for event in marking_waits(turn, scope):
         if event is WAITING:
             yield response.event("response.in_progress", response=in_progress)

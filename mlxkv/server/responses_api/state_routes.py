@@ -136,9 +136,8 @@ async def get_response(
         raise ApiError(400, message, param="stream")
     if not stream:
         return run.latest
-    after = -1 if starting_after is None else starting_after
-    run.check_after(after)
-    return replay_stream(run.read(after))
+    run.check_after(starting_after)
+    return replay_stream(run.read(-1 if starting_after is None else starting_after))
 
 
 @router.post("/v1/responses/{response_id}/cancel")
