@@ -50,6 +50,8 @@ def return_freed_memory() -> bool:
 @functools.cache
 def _malloc_trim():
     try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # no such call; Windows has no CDLL(None)
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim

@@ -7,6 +7,7 @@ that races an unload waits for it and loads the model again."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import platform
 import threading
@@ -16,7 +17,6 @@ import mlx.core as mx
 import pytest
 
 from mlxkv import Runner
-from mlxkv.platform import machine
 from mlxkv.platform.machine import return_freed_memory
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models import resident
@@ -338,6 +338,68 @@ def test_an_unload_hands_the_freed_memory_back(loads, monkeypatch):
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
-def test_the_c_heap_is_trimmed_where_glibc_can():
-    assert isinstance(return_freed_memory(), bool)  # found and called, whatever it freed
-    assert machine._malloc_trim() is not None
+def test_freed_heap_pages_are_handed_back_where_glibc_keeps_them():
+    """Blocks freed below one still in use stay in the heap (glibc trims its top alone):
+    handed back only by `malloc_trim`, which says so."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(64 << 10) for _ in range(256)]  # 16 MiB, under the mmap threshold
+    top = libc.malloc(64 << 10)
+    try:
+        for block in blocks:
+            libc.free(block)
+        assert return_freed_memory() is True
+    finally:
+        libc.free(top)
+
+
+def test_an_unload_asked_during_a_load_that_failed_is_not_for_the_next_one(loads):
+    """The request that started it is refused; the model's next load is a new one, kept as
+    its requests ask (the unload flag stayed set: it unloaded at its first request's end)."""
+    working, failures = loads.loader("llama"), ["disk gone"]
+
+    def load() -> Runner:
+        if failures:
+            raise OSError(failures.pop())
+        return working.load()
+
+    async def scenario():
+        residency = _residency({"a": ModelLoader(load)})
+        (a,) = residency.models
+        request = asyncio.ensure_future(residency.acquire(a))
+        await asyncio.sleep(0)  # one turn of the loop: its load has started
+        load_task = a._load_task
+        residency.unload_when_idle(a)
+        with pytest.raises(ApiError, match="disk gone"):
+            await request
+        await asyncio.gather(load_task, return_exceptions=True)
+        await asyncio.sleep(0)  # its done callbacks (`_load_ended`) run a turn later
+        await residency.acquire(a)
+        residency.release(a, -1.0)  # for good
+        await _unloads_done(residency)
+        assert a.worker is not None and a.num_loads == 1
+        residency.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_an_unload_asked_while_requests_wait_for_the_model_happens_after_them(loads):
+    async def scenario():
+        residency = _residency({"a": loads.loader("llama")})
+        (a,) = residency.models
+        await residency.acquire(a)
+        residency.release(a, -1.0)  # loaded, idle
+        async with a._lock:  # a request waits for the model (as for room to load)
+            waiting = asyncio.ensure_future(residency.acquire(a))
+            await asyncio.sleep(0)
+            assert a._waiting == 1 and a.in_flight == 0
+            residency.unload_when_idle(a)
+        await waiting
+        await _unloads_done(residency)
+        assert a.worker is not None  # not under the request that waited
+        residency.release(a, -1.0)
+        await _unloads_done(residency)
+        assert a.worker is None
+
+    asyncio.run(scenario())

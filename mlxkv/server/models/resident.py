@@ -153,13 +153,15 @@ class Residency:
             self._expire_after(model, self.keep_alive_s if keep_alive_s is None else keep_alive_s)
 
     def unload_when_idle(self, model: ResidentModel) -> None:
-        """Ollama's unload request (`keep_alive` 0, nothing to generate): a loaded model
-        unloads now, or as its last request ends, or as its load ends (the requests that
-        started it may have left); one not loaded is not loaded for it."""
+        """Ollama's unload request (`keep_alive` 0, nothing to generate): a loaded idle model
+        unloads now; a busy one (requests in flight or waiting, a load under way: the
+        requests that started it may have left) as its last request or its load ends; one
+        not loaded is not loaded for it."""
         loading = model._load_task is not None and not model._load_task.done()
-        if model.worker is not None and not model.in_flight:
+        busy = model.in_flight or model._waiting or loading
+        if model.worker is not None and not busy:
             self._expire_after(model, 0.0)
-        elif model.in_flight or loading:  # its last request's end unloads it, whatever it asked
+        elif busy:  # its last request's end (or its load's) unloads it, whatever it asked
             model._unload_at_end = True
 
     def _expire_after(self, model: ResidentModel, keep_s: float) -> None:
@@ -333,7 +335,7 @@ class Residency:
         del worker
         gc.collect()  # the weights' arrays go with the Runner's last reference
         mx.clear_cache()
-        return_freed_memory()
+        await run_in_threadpool(return_freed_memory)  # tens of ms for a GiB: off the loop
 
     def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.ensure_future(coroutine)
@@ -374,6 +376,8 @@ def _load_ended(model: ResidentModel, task: asyncio.Task) -> None:
     raised to the requests that waited, and logged (`_run_loader`) for none."""
     if model._load_task is task:  # not the one a request started since (`_loading`)
         model._load_task = None
+    if model.worker is None:  # it failed: an unload asked meanwhile is not for a later load
+        model._unload_at_end = False
     if not task.cancelled():
         task.exception()  # retrieved: asyncio logs none that no request awaited
 

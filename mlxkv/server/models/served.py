@@ -151,7 +151,8 @@ def named_context(request: Request, name: str | None) -> Any:
 
 def unload_named(request: Request, name: str | None) -> str:
     """Ollama's unload request for the model `name` means: unloaded now if loaded and idle,
-    else as its last request ends; never loaded for it. Returns the served model's name.
+    else as its last request or its load ends; never loaded for it. Returns the served
+    model's name.
 
     Raises:
         ApiError: 404 listing the names served, for a name none matches.
