@@ -11,13 +11,17 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import openai
 import pytest
 
 from mlxkv import Runner
+from mlxkv.server.responses_api import background
 from mlxkv.server.responses_api.background import BackgroundRun, background_responses
+from mlxkv.server.responses_api.protocol import ResponsesRequest
+from mlxkv.server.responses_api.routes import _Response
 
 from .conftest import held_until_left, held_worker, serve
 
@@ -270,5 +274,47 @@ def test_a_reader_whose_next_events_went_meanwhile_is_told_so():
         told = await anext(reader)
         assert '"code": "events_dropped"' in told and '"sequence_number": 0' in told
         assert [line async for line in reader] == []
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_paused_mid_stream_whose_next_events_went_is_told_so():
+    """Paused at its last event (its client slow to take it) while later ones pushed out
+    those after it: it read from the wrong end of the events, or failed (review22b)."""
+
+    async def scenario():
+        made = SimpleNamespace(latest={"status": "in_progress"})
+        run = BackgroundRun(made, turn=None, salt=None, max_chars=10)
+        run._add("e0")
+        reader = run.read()
+        assert await anext(reader) == "e0"
+        for line in ("e1x", "e2x", "e3x", "e4x"):  # 14 characters: e0 and e1x go
+            run._add(line)
+        told = await anext(reader)
+        assert '"code": "events_dropped"' in told and '"sequence_number": 1' in told
+
+    asyncio.run(scenario())
+
+
+def test_a_run_still_stuck_when_the_stop_gives_up_waiting_ends_failed_too(monkeypatch):
+    """Cut by the stop's task cancel after `CLOSE_WAIT_S`: it ended `cancelled`, no event
+    said why (review22b)."""
+    monkeypatch.setattr(background, "CLOSE_WAIT_S", 0.01)
+
+    async def never() -> AsyncIterator[str]:
+        await asyncio.Event().wait()
+        yield ""
+
+    async def scenario():
+        response = _Response(ResponsesRequest(input="Hi", background=True), "m", None)
+        stuck = SimpleNamespace(cancel=lambda: None)  # a generation that does not stop
+        run = BackgroundRun(response, stuck, salt=None, max_chars=2**20)
+        held = background.BackgroundResponses()
+        held._running[response.id] = run
+        run.start(never(), (), lambda _: None)
+        await held.close()
+        assert run.ended and run.status == "failed"
+        assert "shutting down" in run.latest["error"]["message"]
+        assert '"type": "response.failed"' in run.lines[-1]
 
     asyncio.run(scenario())

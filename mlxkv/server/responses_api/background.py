@@ -108,14 +108,15 @@ class BackgroundRun:
         try:
             async for line in guarded_events(events, self._turn, response.failed_event):
                 self._add(line)
-            if self._stopped_by is not None and self.status in (*_RUNNING, "cancelled"):
-                self._add(response.failed_event(self._stopped_by))
             await self._turn.finished()  # its generation's very end, before its model may go
         finally:  # the event loop's own end included
             self._turn.cancel()
             for release in releases:
                 release()
-            if self.status in _RUNNING:  # cancelled before it ended
+            stopped = self._stopped_by is not None and self.status in (*_RUNNING, "cancelled")
+            if stopped:  # by a stopping server (its wait run out included): failed, it says
+                self._add(response.failed_event(self._stopped_by))
+            elif self.status in _RUNNING:  # cancelled before it ended
                 response.latest = response.body(response.cut_short(), None, "cancelled")
             self._final, self._response, self._turn = response.latest, None, None
             self.ended = True
@@ -148,14 +149,17 @@ class BackgroundRun:
         `top_logprobs` each closing event holds every token's) ends with an `error` event
         saying so, instead of a stream cut short."""
         number = max(after + 1, 0)
-        while number >= self.first:
-            while number - self.first < len(self.lines):
+        while True:
+            if number < self.first:  # went while this reader waited, or was paused mid-send
+                yield _dropped(number, self.first, self._max_chars)
+                return
+            if number - self.first < len(self.lines):
                 yield self.lines[number - self.first]
                 number += 1
-            if self.ended:
+            elif self.ended:
                 return
-            await self._more.wait()
-        yield _dropped(number, self.first)
+            else:
+                await self._more.wait()
 
     def stop(self, error: ApiError | None = None) -> None:
         """Ends the generation: the response ends `cancelled`, what it wrote kept, or with
@@ -250,11 +254,11 @@ def _token_counts(usage: dict[str, Any]) -> str:
     return f" prompt={usage['input_tokens']} cached={cached} generated={usage['output_tokens']}"
 
 
-def _dropped(number: int, first: int) -> str:
+def _dropped(number: int, first: int, kept_chars: int) -> str:
     """OpenAI's stream `error` event, for a reader whose next events are no longer kept."""
     message = (
         f"the events {number} to {first - 1} of this response are no longer kept (each "
-        f"response keeps its latest {MAX_RUN_CHARS >> 20} MiB of events): read the response "
+        f"response keeps its latest {kept_chars:,} characters of events): read the response "
         f"with GET, or its events again after {first - 1}"
     )
     event = {"type": "error", "code": "events_dropped", "message": message, "param": None}
