@@ -55,6 +55,17 @@ class Loads:
 
         return ModelLoader(load, estimated_bytes)
 
+    def failing_once(self, arch: str, why: str) -> ModelLoader:
+        """`loader`, whose first load fails with an OSError saying `why`."""
+        working, failures = self.loader(arch), [why]
+
+        def load() -> Runner:
+            if failures:
+                raise OSError(failures.pop())
+            return working.load()
+
+        return ModelLoader(load)
+
     def alive(self, arch: str) -> int:
         gc.collect()
         return sum(ref() is not None for ref in self.made.get(arch, []))
@@ -232,16 +243,9 @@ def test_a_request_right_after_a_failed_load_loads_again(loads):
     """A load's end is seen by its done callbacks, which run at the loop's next turns: a
     request whose step was queued before them starts in between. It must start a fresh load,
     not get the failed one's error (the watcher below runs in that window, as such a step)."""
-    working = loads.loader("llama")
-    failures = ["disk gone"]
-
-    def load() -> Runner:
-        if failures:
-            raise OSError(failures.pop())
-        return working.load()
 
     async def scenario():
-        residency = _residency({"a": ModelLoader(load)})
+        residency = _residency({"a": loads.failing_once("llama", "disk gone")})
         (model,) = residency.models
         spawn, between = residency._spawn, []
 
@@ -357,15 +361,9 @@ def test_freed_heap_pages_are_handed_back_where_glibc_keeps_them():
 def test_an_unload_asked_during_a_load_that_failed_is_not_for_the_next_one(loads):
     """The request that started it is refused; the model's next load is a new one, kept as
     its requests ask (the unload flag stayed set: it unloaded at its first request's end)."""
-    working, failures = loads.loader("llama"), ["disk gone"]
-
-    def load() -> Runner:
-        if failures:
-            raise OSError(failures.pop())
-        return working.load()
 
     async def scenario():
-        residency = _residency({"a": ModelLoader(load)})
+        residency = _residency({"a": loads.failing_once("llama", "disk gone")})
         (a,) = residency.models
         request = asyncio.ensure_future(residency.acquire(a))
         await asyncio.sleep(0)  # one turn of the loop: its load has started
