@@ -164,7 +164,7 @@ class BackgroundRun:
     def stop(self, error: ApiError | None = None) -> None:
         """Ends the generation: the response ends `cancelled`, what it wrote kept, or with
         `error` `failed` (one that had ended already stays as it ended)."""
-        self._stopped_by = error
+        self._stopped_by = self._stopped_by or error  # a cancel meanwhile does not undo a stop
         if self._turn is not None:
             self._turn.cancel()
 
