@@ -110,14 +110,13 @@ async def create_response(
             finally:
                 claim.release()
 
-    if body.background:
+    if body.background or body.stream:
         events = _response_events(turn, response, remember, request.scope)
+        if not body.background:
+            return event_stream(events, turn, response.failed_event)
         background = background_responses(request)
         run = background.start(request, response, turn, events, claim, body.cache_salt)
         return replay_stream(run.read()) if body.stream else response.latest
-    if body.stream:
-        events = _response_events(turn, response, remember, request.scope)
-        return event_stream(events, turn, response.failed_event)
     events, completion = await collect(turn, request)
     output = output_items(events, completion)
     final = response.body(output, completion, reasoning_tokens=turn.reasoning_tokens)
