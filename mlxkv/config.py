@@ -374,6 +374,9 @@ class ServerConfig(_Options):
         max_memory_bytes: most bytes the models loaded on demand and those given loaded may
             take together, weights and cache budgets (bytes, or a string such as "24GiB");
             loading one over it unloads the least recently used idle ones. None: no limit.
+        state_dir: a directory where the Responses API's stored responses and conversations
+            are kept too, read back when a server starts on it (`mlxkv serve`: `responses`
+            in its disk tier's directory). None: in memory only, forgotten on restart.
     """
 
     host: str = "127.0.0.1"
@@ -393,6 +396,7 @@ class ServerConfig(_Options):
     model_aliases: tuple[str, ...] = field(default_factory=tuple)
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
     max_memory_bytes: int | str | None = None
+    state_dir: str | Path | None = None
 
     def __post_init__(self) -> None:
         check_int("port", self.port, low=0, high=65535)

@@ -115,6 +115,7 @@ def _close(runners: list[Runner]) -> None:
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
+    cache_dir = runner_config(args).cache_dir  # None: --no-cache-dir, nothing on disk
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -131,6 +132,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         fetch_images=args.fetch_images,
         keep_alive_s=args.keep_alive,
         max_memory_bytes=args.max_memory,
+        state_dir=None if cache_dir is None else Path(cache_dir).expanduser() / "responses",
     )
 
 

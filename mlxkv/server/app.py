@@ -48,6 +48,7 @@ from mlxkv.server.responses_api import state_routes
 from mlxkv.server.responses_api.background import background_responses, keep_background
 from mlxkv.server.responses_api.conversations import keep_conversations
 from mlxkv.server.responses_api.history import keep_responses
+from mlxkv.server.responses_api.saved import SavedFiles
 from mlxkv.server.state import ServerContext, server_context
 from mlxkv.server.ui.page import add_page
 from mlxkv.server.worker import GenerationWorker
@@ -88,15 +89,18 @@ def create_app(
     async def lifespan(served: FastAPI) -> AsyncIterator[None]:
         yield
         await background_responses(served).close()  # their generations end before the models
+        if saved is not None:  # after the background responses, which store theirs
+            saved.close()
         models.residency.shutdown(SHUTDOWN_SAVE_S)
 
     app = FastAPI(title="mlxkv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.mlxkv = ServerContext.make(
         models, config.default_max_tokens, config.max_tokens_limit, config.fetch_images
     )
-    keep_responses(app)
+    app.state.saved = saved = SavedFiles.open(config.state_dir)
+    keep_responses(app, saved)
     keep_background(app)
-    keep_conversations(app)
+    keep_conversations(app, saved)
     keep_threads(app)
     keep_prompt_records(app)
     _add_routes(app)

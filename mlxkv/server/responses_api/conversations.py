@@ -3,7 +3,8 @@ its items listed, added and deleted), and a response that names one (`conversati
 items come before the request's input, and the input and the response's output are added
 after them when the response ends (the OpenAI Agents SDK's `OpenAIConversationsSession` and
 `conversation_id` runs keep their history so). Kept in memory, bounded (the least recently
-used dropped first, by count and by the size of their items); a restart forgets them, and a
+used dropped first, by count and by the size of their items), and in files when the server has
+a state directory (`saved`: a restart reads them back; without one it forgets them); a
 conversation not held is a 404 in OpenAI's shape, as an unknown one is there. One response at
 a time is made in a conversation (`ConversationClaim`): a second one meanwhile is refused
 with OpenAI's 400 `conversation_locked`."""
@@ -11,6 +12,7 @@ with OpenAI's 400 `conversation_locked`."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,7 +25,10 @@ from pydantic import ValidationError
 from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.items import listed_item
 from mlxkv.server.responses_api.protocol import InputItem, chat_messages
+from mlxkv.server.responses_api.saved import SavedFiles
 from mlxkv.server.state import BoundedMap
+
+logger = logging.getLogger(__name__)
 
 MAX_CONVERSATIONS = 256
 MAX_STORED_CHARS = 64 * 2**20
@@ -43,6 +48,10 @@ class Conversation:
     salt: str | None  # the `cache_salt` it was made with: another tenant's requests miss it
     items: list[dict[str, Any]] = field(default_factory=list)  # as listed, oldest first
 
+    def record(self) -> dict[str, Any]:
+        """What its file holds (`saved`): a copy, its items as they are now."""
+        return {**self.object(), "salt": self.salt, "items": list(self.items)}
+
     def object(self) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -58,13 +67,23 @@ class Conversation:
 
 class Conversations:
     """The conversations held, each measured by its items and metadata (`BoundedMap`): an
-    add that would take one past the whole bound is refused (a 400), never kept in part."""
+    add that would take one past the whole bound is refused (a 400), never kept in part.
+    With `saved`, each is in a file too, written again at each change; those of its files are
+    read now."""
 
     def __init__(
-        self, max_conversations: int = MAX_CONVERSATIONS, max_chars: int = MAX_STORED_CHARS
+        self,
+        max_conversations: int = MAX_CONVERSATIONS,
+        max_chars: int = MAX_STORED_CHARS,
+        saved: SavedFiles | None = None,
     ):
-        self._held: BoundedMap[Conversation] = BoundedMap(max_conversations, max_chars)
+        self._held: BoundedMap[Conversation] = BoundedMap(
+            max_conversations, max_chars, None if saved is None else self._dropped
+        )
         self._busy: set[str] = set()  # those a response is being made in (`claim`)
+        self._saved = saved
+        if saved is not None:
+            self._read(saved)
 
     def create(self, items: Any, metadata: dict[str, Any], salt: str | None) -> Conversation:
         """A new conversation of `items` (a request's, checked: `checked_items`).
@@ -76,7 +95,11 @@ class Conversations:
         conversation = Conversation(f"conv_{uuid.uuid4().hex}", int(time.time()), metadata, salt)
         if not self._held.put(conversation.id, conversation, _chars(metadata)):
             raise _too_large("metadata", self._held.max_chars)
-        self.add(conversation.id, listed, salt)
+        try:
+            self.add(conversation.id, listed, salt)
+        except ApiError:  # refused whole: not kept empty
+            self._held.pop(conversation.id)
+            raise
         return conversation
 
     def get(self, conversation_id: str, salt: str | None) -> Conversation:
@@ -115,6 +138,7 @@ class Conversations:
         if not self._held.grow(conversation_id, sum(_chars(item) for item in items)):
             raise _too_large("items", self._held.max_chars)
         conversation.items.extend(items)
+        self._write(conversation)
         return items
 
     def claim(self, conversation_id: str) -> Callable[[], None]:
@@ -135,6 +159,7 @@ class Conversations:
         if not self._held.grow(conversation_id, _chars(metadata) - _chars(conversation.metadata)):
             raise _too_large("metadata", self._held.max_chars)
         conversation.metadata = metadata
+        self._write(conversation)
         return conversation
 
     def remove_item(self, conversation_id: str, item_id: str, salt: str | None) -> Conversation:
@@ -143,6 +168,7 @@ class Conversations:
         conversation = self.get(conversation_id, salt)
         removed = conversation.items.pop(_index(conversation, item_id))
         self._held.grow(conversation_id, -_chars(removed))
+        self._write(conversation)
         return conversation
 
     def item(self, conversation_id: str, item_id: str, salt: str | None) -> dict[str, Any]:
@@ -152,6 +178,28 @@ class Conversations:
     def delete(self, conversation_id: str, salt: str | None) -> None:
         self.get(conversation_id, salt)
         self._held.pop(conversation_id)
+
+    def _write(self, conversation: Conversation) -> None:
+        if self._saved is not None:
+            self._saved.write(conversation.record())
+
+    def _dropped(self, conversation: Conversation) -> None:
+        self._saved.remove(conversation.id)
+
+    def _read(self, saved: SavedFiles) -> None:
+        """Holds the conversations of `saved`'s files, the least recently changed first."""
+        for record in saved.read("conv_"):
+            try:
+                items = record["items"]
+                conversation = Conversation(
+                    record["id"], record["created_at"], record["metadata"], record["salt"], items
+                )
+                chars = _chars(conversation.metadata) + sum(_chars(item) for item in items)
+            except (KeyError, TypeError) as error:
+                logger.warning("responses: %s is not a conversation (%s)", record["id"], error)
+                continue
+            if not self._held.put(conversation.id, conversation, chars):
+                saved.remove(conversation.id)  # too large for the bound now: as if dropped
 
 
 def _chars(value: Any) -> int:
@@ -239,9 +287,9 @@ async def turn_claim() -> AsyncIterator[TurnClaim]:
 ConversationClaim = Annotated[TurnClaim, Depends(turn_claim)]
 
 
-def keep_conversations(app: FastAPI) -> None:
-    """Gives `app` its conversations (none: a new server holds none)."""
-    app.state.conversations = Conversations()
+def keep_conversations(app: FastAPI, saved: SavedFiles | None) -> None:
+    """Gives `app` its conversations: those of `saved`'s files, else none."""
+    app.state.conversations = Conversations(saved=saved)
 
 
 def held_conversations(request: Request) -> Conversations:

@@ -2,13 +2,15 @@
 response's conversation (input and output as chat messages, without its instructions), the
 response object as it was returned, its input items (as `input_items` lists them), and its
 output items, for an input's `item_reference` to them; kept in memory, bounded, oldest dropped
-first (its items with it). A server restart forgets them, as `store: false` does for one
-response. And what comes before a request's input: its previous response's conversation, or
+first (its items with it), and in files when the server has a state directory (`saved`: a
+restart reads them back; without one a restart forgets them, as `store: false` does for one
+response). And what comes before a request's input: its previous response's conversation, or
 its conversation's items (`conversations`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,10 @@ from fastapi import FastAPI, Request
 from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.conversations import held_conversations
 from mlxkv.server.responses_api.protocol import InputItem, ResponsesRequest, chat_messages
+from mlxkv.server.responses_api.saved import SavedFiles
 from mlxkv.server.state import BoundedMap
+
+logger = logging.getLogger(__name__)
 
 MAX_RESPONSES = 256
 MAX_STORED_CHARS = 64 * 2**20
@@ -33,9 +38,19 @@ class _Stored:
 
 
 class ResponseHistory:
-    def __init__(self, max_responses: int = MAX_RESPONSES, max_chars: int = MAX_STORED_CHARS):
+    """The stored responses; with `saved`, each in a file too, those of its files read now."""
+
+    def __init__(
+        self,
+        max_responses: int = MAX_RESPONSES,
+        max_chars: int = MAX_STORED_CHARS,
+        saved: SavedFiles | None = None,
+    ):
         self._stored: BoundedMap[_Stored] = BoundedMap(max_responses, max_chars, self._dropped)
         self._output: dict[str, tuple[str | None, dict[str, Any]]] = {}  # item id -> salt, item
+        self._saved = saved
+        if saved is not None:
+            self._read(saved)
 
     def get(self, response_id: str, salt: str | None) -> list[dict[str, Any]] | None:
         """The conversation up to and including that response, or None when not stored (or
@@ -70,15 +85,46 @@ class ResponseHistory:
         """Stores a response made with `salt`: its conversation `messages` (those of the
         stored response `previous` first, when it continues one: they are not measured again,
         so a long chain is not written out whole on every turn), the response and its input
-        items."""
+        items; and writes its file (`saved`)."""
+        if self._keep(messages, response, input_items, salt, previous) and self._saved:
+            record = {"id": response["id"], "salt": salt, "previous": previous}
+            record |= {"messages": messages, "response": response, "input_items": input_items}
+            self._saved.write(record)
+
+    def _keep(
+        self,
+        messages: list[dict[str, Any]],
+        response: dict[str, Any],
+        input_items: list[dict[str, Any]],
+        salt: str | None,
+        previous: str | None,
+    ) -> bool:
+        """Keeps it in memory (`put`), the messages of `previous` shared; False when it alone
+        would pass the bound."""
         before = None if previous is None else self._find(previous, salt)
         held = 0 if before is None else len(before.messages)
+        if before is not None:  # one list of its own, the messages before shared
+            messages = before.messages + messages[held:]
         message_chars = 0 if before is None else before.message_chars
         message_chars += len(json.dumps(messages[held:], ensure_ascii=False))
         chars = message_chars + len(json.dumps([response, input_items], ensure_ascii=False))
         stored = _Stored(salt, messages, message_chars, response, input_items)
-        if self._stored.put(response["id"], stored, chars):
-            self._output.update((item["id"], (salt, item)) for item in response["output"])
+        if not self._stored.put(response["id"], stored, chars):
+            return False
+        self._output.update((item["id"], (salt, item)) for item in response["output"])
+        return True
+
+    def _read(self, saved: SavedFiles) -> None:
+        """Keeps the responses of `saved`'s files, oldest first (as they were put)."""
+        for record in saved.read("resp_"):
+            try:
+                fields = (record["messages"], record["response"], record["input_items"])
+                kept = self._keep(*fields, record["salt"], record["previous"])
+            except (KeyError, TypeError) as error:
+                logger.warning("responses: %s is not a stored response (%s)", record["id"], error)
+                continue
+            if not kept:  # too large for the bound now: as if dropped
+                saved.remove(record["id"])
 
     def delete(self, response_id: str, salt: str | None) -> bool:
         """Forgets a stored response; False when none was stored under that id (for `salt`)."""
@@ -91,6 +137,8 @@ class ResponseHistory:
     def _dropped(self, stored: _Stored) -> None:
         for item in stored.response["output"]:
             self._output.pop(item["id"], None)
+        if self._saved is not None:
+            self._saved.remove(stored.response["id"])
 
 
 def resolve_references(
@@ -119,9 +167,9 @@ def resolve_references(
     return out
 
 
-def keep_responses(app: FastAPI) -> None:
-    """Gives `app` its stored responses (empty: a new server remembers none)."""
-    app.state.responses = ResponseHistory()
+def keep_responses(app: FastAPI, saved: SavedFiles | None) -> None:
+    """Gives `app` its stored responses: those of `saved`'s files, else none."""
+    app.state.responses = ResponseHistory(saved=saved)
 
 
 def stored_responses(request: Request) -> ResponseHistory:

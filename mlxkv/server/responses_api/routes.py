@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -57,10 +57,13 @@ from mlxkv.server.responses_api.output import (
     was_cut,
 )
 from mlxkv.server.responses_api.protocol import NamedFunction, ResponsesRequest
+from mlxkv.server.responses_api.saved import saved_to_disk
 from mlxkv.server.state import Context, event_stream, replay_stream, sse
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
+# What keeps a response that ended (stored, added to its conversation, in their files).
+_Remember = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 @router.post("/v1/responses")
@@ -89,10 +92,10 @@ async def create_response(
         claim = claim.detach()
     response = _Response(body, ctx.model_name, conversation)
 
-    def remember(final: dict[str, Any]) -> None:
+    async def remember(final: dict[str, Any]) -> None:
         """Stores the response (`store`) and adds it to its conversation, once it ended (a
         conversation deleted or dropped meanwhile takes nothing: the reply stands), which
-        the next response may then take."""
+        the next response may then take; returns once they are in their files (`saved`)."""
         listed = [listed_item(item.model_dump(exclude_none=True)) for item in items]
         if body.store:
             stored = messages + as_messages(final["output"])
@@ -109,6 +112,7 @@ async def create_response(
                 logger.warning("responses: %s kept out of its conversation: %s", response.id, error)
             finally:
                 claim.release()
+        await saved_to_disk(request)
 
     if body.background or body.stream:
         events = _response_events(turn, response, remember, request.scope)
@@ -121,7 +125,7 @@ async def create_response(
     output = output_items(events, completion)
     final = response.body(output, completion, reasoning_tokens=turn.reasoning_tokens)
     if completion.finish_reason != "cancelled":  # else its client left: no half turn kept
-        remember(final)
+        await remember(final)
     return final
 
 
@@ -195,7 +199,7 @@ class _Response:
 
 
 async def _response_events(
-    turn: Turn, response: _Response, remember, scope: dict[str, Any]
+    turn: Turn, response: _Response, remember: _Remember, scope: dict[str, Any]
 ) -> AsyncIterator[str]:
     """response.created and response.in_progress (`_opening_events`), then the output items'
     events and response.completed (or response.incomplete). A first token late for Codex's
@@ -246,7 +250,7 @@ async def _response_events(
             if final["status"] == "cancelled":  # kept to be read, not as a turn; no event
                 response.latest = final
                 return
-            remember(final)
+            await remember(final)
             # OpenAI ends a reply cut by max_output_tokens with response.incomplete
             kind = (
                 "response.incomplete" if final["status"] == "incomplete" else "response.completed"

@@ -24,6 +24,7 @@ from mlxkv.server.responses_api.conversations import checked_items, held_convers
 from mlxkv.server.responses_api.history import request_prompt, stored_responses
 from mlxkv.server.responses_api.items import item_list
 from mlxkv.server.responses_api.protocol import ResponsesRequest
+from mlxkv.server.responses_api.saved import saved_to_disk
 from mlxkv.server.state import Context, replay_stream
 
 router = APIRouter()
@@ -60,7 +61,9 @@ class ItemsBody(Lenient):
 @router.post("/v1/conversations")
 async def create_conversation(body: ConversationBody, request: Request) -> dict[str, Any]:
     held = held_conversations(request)
-    return held.create(body.items or [], body.metadata or {}, body.cache_salt).object()
+    created = held.create(body.items or [], body.metadata or {}, body.cache_salt)
+    await saved_to_disk(request)
+    return created.object()
 
 
 @router.get("/v1/conversations/{conversation_id}")
@@ -77,7 +80,9 @@ async def update_conversation(
     held, salt = held_conversations(request), body.cache_salt
     if body.metadata is None:
         return held.get(conversation_id, salt).object()
-    return held.set_metadata(conversation_id, body.metadata, salt).object()
+    updated = held.set_metadata(conversation_id, body.metadata, salt)
+    await saved_to_disk(request)
+    return updated.object()
 
 
 @router.delete("/v1/conversations/{conversation_id}")
@@ -85,6 +90,7 @@ async def delete_conversation(
     conversation_id: str, request: Request, cache_salt: Salt = None
 ) -> dict[str, Any]:
     held_conversations(request).delete(conversation_id, cache_salt)
+    await saved_to_disk(request)
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
 
@@ -98,7 +104,9 @@ async def list_items(
 @router.post("/v1/conversations/{conversation_id}/items")
 async def add_items(conversation_id: str, body: ItemsBody, request: Request) -> dict[str, Any]:
     held = held_conversations(request)
-    return item_list(held.add(conversation_id, checked_items(body.items), body.cache_salt))
+    added = held.add(conversation_id, checked_items(body.items), body.cache_salt)
+    await saved_to_disk(request)
+    return item_list(added)
 
 
 @router.get("/v1/conversations/{conversation_id}/items/{item_id}")
@@ -112,7 +120,9 @@ async def get_item(
 async def delete_item(
     conversation_id: str, item_id: str, request: Request, cache_salt: Salt = None
 ) -> dict[str, Any]:
-    return held_conversations(request).remove_item(conversation_id, item_id, cache_salt).object()
+    kept = held_conversations(request).remove_item(conversation_id, item_id, cache_salt)
+    await saved_to_disk(request)
+    return kept.object()
 
 
 @router.get("/v1/responses/{response_id}")
@@ -177,6 +187,7 @@ async def delete_response(
     deleted = stored_responses(request).delete(response_id, cache_salt)
     if run is None and not deleted:
         raise _not_stored(response_id)
+    await saved_to_disk(request)
     return {"id": response_id, "object": "response", "deleted": True}
 
 

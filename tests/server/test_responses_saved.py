@@ -1,0 +1,217 @@
+"""Stored responses and conversations kept in a state directory (`ServerConfig.state_dir`;
+`mlxkv serve` keeps it in its disk tier's directory) outlive a restart, through the real
+`openai` client: before, a restarted server answered a `previous_response_id`, an
+`item_reference` and a conversation's id with 400s and 404s (the AI SDK's and the Agents SDK's
+sessions failed after it). Replies after the restart are checked against a fresh Runner's
+log-probabilities; the files are checked to be what memory holds after every change."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+
+from mlxkv import Runner
+from mlxkv.server.responses_api.conversations import Conversations, checked_items
+from mlxkv.server.responses_api.history import ResponseHistory
+from mlxkv.server.responses_api.saved import SavedFiles
+
+from .conftest import serve
+
+MAX_TOKENS = 6
+LOGPROBS = {"include": ["message.output_text.logprobs"], "temperature": 0}
+ASK = {"model": "m", "max_output_tokens": MAX_TOKENS, **LOGPROBS}
+HI = {"role": "user", "content": "Hi there"}
+
+
+def _logprobs(response) -> list[float]:
+    return [token.logprob for token in response.output[0].content[0].logprobs]
+
+
+def _fresh_logprobs(fresh_runner, messages: list[dict]) -> list[float]:
+    chunks = fresh_runner().stream(messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=0)
+    return [chunk.logprob.logprob for chunk in chunks if chunk.logprob is not None]
+
+
+def _files(directory: Path, prefix: str) -> set[str]:
+    return {path.stem for path in directory.glob(f"{prefix}*.json")}
+
+
+def test_what_was_stored_is_answered_after_a_restart(loaded_tiny, fresh_runner, tmp_path):
+    state = tmp_path / "state"
+    with serve(Runner(loaded_tiny("llama"), max_context=1024), state_dir=state) as served:
+        client = served.openai()
+        first = client.responses.create(**ASK, input="Once upon a time")
+        second = client.responses.create(**ASK, input="And then", previous_response_id=first.id)
+        conversation = client.conversations.create(items=[HI], metadata={"topic": "greetings"})
+        turn = client.responses.create(**ASK, input="Hello", conversation=conversation.id)
+        items = client.conversations.items.list(conversation.id, order="asc").data
+    assert _files(state, "resp_") == {first.id, second.id, turn.id}
+    assert _files(state, "conv_") == {conversation.id}
+
+    with serve(Runner(loaded_tiny("llama"), max_context=1024), state_dir=state) as served:
+        client = served.openai()
+        assert client.responses.retrieve(second.id).model_dump() == second.model_dump()
+        assert client.responses.input_items.list(second.id).data[0].content[0].text == "And then"
+        assert client.conversations.retrieve(conversation.id).metadata == {"topic": "greetings"}
+        after = client.conversations.items.list(conversation.id, order="asc").data
+        assert [item.model_dump() for item in after] == [item.model_dump() for item in items]
+
+        chained = client.responses.create(**ASK, input="At last", previous_response_id=second.id)
+        asked = [
+            {"role": "user", "content": "Once upon a time"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And then"},
+            {"role": "assistant", "content": second.output_text},
+            {"role": "user", "content": "At last"},
+        ]
+        assert _logprobs(chained) == pytest.approx(_fresh_logprobs(fresh_runner, asked), abs=1e-4)
+
+        referenced = client.responses.create(
+            **ASK,
+            input=[
+                {"role": "user", "content": "Once upon a time"},
+                {"type": "item_reference", "id": first.output[0].id},
+                {"role": "user", "content": "At last"},
+            ],
+        )
+        asked = [*asked[:2], asked[-1]]
+        assert _logprobs(referenced) == pytest.approx(
+            _fresh_logprobs(fresh_runner, asked), abs=1e-4
+        )
+
+        continued = client.responses.create(**ASK, input="Again", conversation=conversation.id)
+        asked = [HI, {"role": "user", "content": "Hello"}]
+        asked += [{"role": "assistant", "content": turn.output_text}]
+        asked += [{"role": "user", "content": "Again"}]
+        assert _logprobs(continued) == pytest.approx(_fresh_logprobs(fresh_runner, asked), abs=1e-4)
+
+
+def test_the_files_are_what_memory_holds(tmp_path):
+    """After each change: a response dropped for room, a response deleted, a conversation
+    grown, an item removed, a conversation deleted; then read back as they were."""
+    saved = SavedFiles.open(tmp_path)
+    history = ResponseHistory(max_responses=2, saved=saved)
+    held = Conversations(max_conversations=2, saved=saved)
+    ids = [f"resp_{n:032x}" for n in range(3)]
+    for response_id in ids:
+        _put(history, response_id)
+    kept = held.create([HI], {"k": "v"}, salt="tenant")
+    dropped = held.create([], {}, None).id
+    held.add(kept.id, checked_items([{"role": "user", "content": "more"}]), "tenant")
+    held.create([], {}, None)  # `kept` was used last: `dropped` goes for room
+    held.remove_item(kept.id, kept.items[0]["id"], "tenant")
+    history.delete(ids[1], None)
+    saved.close()  # its writes done
+
+    assert _files(tmp_path, "resp_") == {ids[2]}
+    conversations = _files(tmp_path, "conv_")
+    assert kept.id in conversations and dropped not in conversations and len(conversations) == 2
+    again = SavedFiles.open(tmp_path)
+    read = ResponseHistory(saved=again)
+    assert read.response(ids[2], None) == history.response(ids[2], None)
+    assert read.get(ids[2], None) == history.get(ids[2], None)
+    assert read.item(f"msg_{ids[2]}", None) is not None and read.item(f"msg_{ids[0]}", None) is None
+    read_back = Conversations(saved=again).get(kept.id, "tenant")
+    assert (read_back.items, read_back.metadata) == (kept.items, {"k": "v"})
+    again.close()
+
+
+def _put(history: ResponseHistory, response_id: str, previous: str | None = None) -> None:
+    output = [{"id": f"msg_{response_id}", "type": "message", "role": "assistant"}]
+    messages = [{"role": "user", "content": response_id}, {"role": "assistant", "content": "ok"}]
+    response = {"id": response_id, "object": "response", "output": output}
+    history.put(messages, response, [], salt=None, previous=previous)
+
+
+def test_a_chain_read_back_shares_its_messages(tmp_path):
+    saved = SavedFiles.open(tmp_path)
+    history = ResponseHistory(saved=saved)
+    _put(history, "resp_" + "a" * 32)
+    _put(history, "resp_" + "b" * 32, previous="resp_" + "a" * 32)
+    saved.close()
+    again = SavedFiles.open(tmp_path)
+    read = ResponseHistory(saved=again)
+    again.close()
+    assert read._stored.chars == history._stored.chars  # measured as when they were put
+    first, second = (read._stored.get(f"resp_{c * 32}").messages for c in "ab")
+    assert second[0] is first[0]
+
+
+def test_one_server_keeps_a_directory(tmp_path, caplog):
+    first = SavedFiles.open(tmp_path)
+    with caplog.at_level(logging.WARNING, "mlxkv.server.responses_api.saved"):
+        assert SavedFiles.open(tmp_path) is None
+    assert "in memory only" in caplog.text
+    first.close()
+    SavedFiles.open(tmp_path).close()  # let go: another may take it
+
+
+def test_a_damaged_file_is_said_and_left(tmp_path, caplog):
+    """A torn or foreign file is one warning and stays; a temporary a killed server left is
+    removed; files named otherwise are not touched."""
+    torn = tmp_path / f"resp_{'1' * 32}.json"
+    torn.write_text('{"version": 1, "id": "resp_')
+    other_id = tmp_path / f"conv_{'2' * 32}.json"
+    other_id.write_text(json.dumps({"version": 1, "id": f"conv_{'3' * 32}"}))
+    newer = tmp_path / f"conv_{'4' * 32}.json"
+    newer.write_text(json.dumps({"version": 99, "id": f"conv_{'4' * 32}"}))
+    left = tmp_path / f".resp_{'5' * 32}.json.tmp"
+    left.write_text("{")
+    mine = tmp_path / "notes.json"
+    mine.write_text("{}")
+    with caplog.at_level(logging.WARNING, "mlxkv.server.responses_api.saved"):
+        saved = SavedFiles.open(tmp_path)
+        ResponseHistory(saved=saved)
+        Conversations(saved=saved)
+        saved.close()
+    assert caplog.text.count("left as it is") == 3
+    assert torn.exists() and other_id.exists() and newer.exists() and mine.exists()
+    assert not left.exists()
+
+
+def test_without_a_directory_nothing_is_written(loaded_tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with serve(Runner(loaded_tiny("llama"), max_context=1024)) as served:
+        client = served.openai()
+        client.responses.create(**ASK, input="Hello")
+        assert served.app.state.saved is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_that_cannot_be_made_keeps_memory(tmp_path, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with caplog.at_level(logging.WARNING, "mlxkv.server.responses_api.saved"):
+        assert SavedFiles.open(blocked / "state") is None
+    assert "kept in memory only" in caplog.text
+
+
+def test_what_is_answered_is_in_its_file(loaded_tiny, tmp_path, monkeypatch):
+    """Each write held back a while: the file exists as the client reads the answer
+    (streamed: response.completed), so a server killed right after keeps it."""
+    write = SavedFiles._write
+
+    def late(self, record):
+        threading.Event().wait(1.0)  # the answer, were it sent before the write, came first
+        write(self, record)
+
+    monkeypatch.setattr(SavedFiles, "_write", late)
+    state = tmp_path / "state"
+    with serve(Runner(loaded_tiny("llama"), max_context=1024), state_dir=state) as served:
+        client = served.openai()
+        made = client.responses.create(**ASK, input="Hello")
+        assert (state / f"{made.id}.json").exists()
+        with client.responses.stream(**ASK, input="Hello") as events:
+            for event in events:
+                if event.type == "response.completed":
+                    assert (state / f"{event.response.id}.json").exists()
+        conversation = client.conversations.create(items=[HI])
+        client.conversations.items.create(conversation.id, items=[HI])
+        read = json.loads((state / f"{conversation.id}.json").read_text())
+        assert len(read["items"]) == 2
+        client.conversations.delete(conversation.id)
+        assert not (state / f"{conversation.id}.json").exists()
