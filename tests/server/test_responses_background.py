@@ -258,6 +258,8 @@ def test_a_stopping_server_ends_what_it_makes_in_the_background(loaded_tiny, mon
     assert ended_before == [True] and run.status == "failed"
     assert "shutting down" in run.latest["error"]["message"]
     assert run.latest["output"][0]["content"][0]["text"]  # what it wrote, kept
+    used = run.latest["usage"]  # and what it used (was null)
+    assert used["output_tokens"] >= 1 and used["input_tokens"] > used["output_tokens"]
 
 
 def test_a_reader_whose_next_events_went_meanwhile_is_told_so():
@@ -306,8 +308,8 @@ def test_a_run_still_stuck_when_the_stop_gives_up_waiting_ends_failed_too(monkey
         yield ""
 
     async def scenario():
-        response = _Response(ResponsesRequest(input="Hi", background=True), "m", None)
-        stuck = SimpleNamespace(cancel=lambda: None)  # a generation that does not stop
+        stuck = SimpleNamespace(cancel=lambda: None, prompt=None)  # a generation that does not stop
+        response = _Response(ResponsesRequest(input="Hi", background=True), "m", None, stuck)
         run = BackgroundRun(response, stuck, salt=None, max_chars=2**20)
         held = background.BackgroundResponses()
         held._running[response.id] = run
@@ -316,5 +318,6 @@ def test_a_run_still_stuck_when_the_stop_gives_up_waiting_ends_failed_too(monkey
         assert run.ended and run.status == "failed"
         assert "shutting down" in run.latest["error"]["message"]
         assert '"type": "response.failed"' in run.lines[-1]
+        assert run.latest["usage"] is None  # it never started
 
     asyncio.run(scenario())

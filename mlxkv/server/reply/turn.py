@@ -98,6 +98,7 @@ class Turn:
         # Tokens of the model's thinking (OpenAI's `reasoning_tokens`): those with a thought
         # open before or after them, its tags included.
         self.reasoning_tokens = 0
+        self.generated_tokens = 0  # so far: what a reply that fails before its end used
 
     def cancel(self) -> None:
         self._stream.cancel()
@@ -134,6 +135,7 @@ class Turn:
         yielded_s = time.monotonic()
         async for chunk in self._stream:
             self.prompt = self.prompt or chunk.prompt
+            self.generated_tokens += chunk.token is not None
             if self._with_logprobs and chunk.logprob is not None:
                 pending.append(self._token_info(chunk.token, chunk.logprob))
             was_thinking = self._thinking_now()

@@ -12,7 +12,7 @@ from typing import Any
 from mlxkv.runner.results import Completion
 from mlxkv.server.protocol import openai_logprobs
 from mlxkv.server.reply.tool_calls import ToolCall
-from mlxkv.server.reply.turn import Event, ReasoningDelta, TextDelta
+from mlxkv.server.reply.turn import Event, ReasoningDelta, TextDelta, Turn
 
 
 def item_end(completion: Completion) -> str:
@@ -126,13 +126,34 @@ def as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def usage(completion: Completion, reasoning_tokens: int = 0) -> dict[str, Any]:
+    return _usage(
+        completion.prompt_tokens,
+        completion.cached_tokens,
+        completion.generation_tokens,
+        reasoning_tokens,
+    )
+
+
+def usage_so_far(turn: Turn) -> dict[str, Any] | None:
+    """The usage of a reply that ended before its Completion (failed): its prompt's and the
+    tokens generated until then; None where its prompt was not matched yet."""
+    prompt = turn.prompt
+    if prompt is None:
+        return None
+    used = (prompt.prompt_tokens, prompt.cached_tokens, turn.generated_tokens)
+    return _usage(*used, turn.reasoning_tokens)
+
+
+def _usage(
+    prompt_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int
+) -> dict[str, Any]:
     return {
-        "input_tokens": completion.prompt_tokens,
+        "input_tokens": prompt_tokens,
         "input_tokens_details": {
-            "cached_tokens": completion.cached_tokens,
+            "cached_tokens": cached_tokens,
             "cache_write_tokens": 0,  # nothing is billed for writing (Anthropic's usage too)
         },
-        "output_tokens": completion.generation_tokens,
+        "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-        "total_tokens": completion.prompt_tokens + completion.generation_tokens,
+        "total_tokens": prompt_tokens + output_tokens,
     }

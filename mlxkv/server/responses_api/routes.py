@@ -54,6 +54,7 @@ from mlxkv.server.responses_api.output import (
     new_item,
     output_items,
     usage,
+    usage_so_far,
     was_cut,
 )
 from mlxkv.server.responses_api.protocol import NamedFunction, ResponsesRequest
@@ -90,7 +91,7 @@ async def create_response(
     )
     if body.background:  # the claim is released as the response ends, not as the request does
         claim = claim.detach()
-    response = _Response(body, ctx.model_name, conversation)
+    response = _Response(body, ctx.model_name, conversation, turn)
 
     async def remember(final: dict[str, Any]) -> None:
         """Stores the response (`store`) and adds it to its conversation, once it ended (a
@@ -132,12 +133,13 @@ async def create_response(
 class _Response:
     """What every event of one response shares, and the response object itself."""
 
-    def __init__(self, request: ResponsesRequest, model: str, conversation: str | None):
+    def __init__(self, request: ResponsesRequest, model: str, conversation: str | None, turn: Turn):
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model = model
         self.request = request
         self.conversation = conversation  # the id of the one it is added to
+        self._turn = turn
         self._sequence = -1  # OpenAI numbers a response's events from 0
         # the response object as its last event carried it (a background one's, polled)
         self.latest = self.body([], None, "queued") if request.background else {}
@@ -194,6 +196,7 @@ class _Response:
 
     def failed_event(self, error: ApiError) -> str:
         failed = self.body(self.cut_short(), None, status="failed")
+        failed["usage"] = usage_so_far(self._turn)
         failed["error"] = {"code": _error_code(error), "message": error.message}
         return self.event("response.failed", response=failed)
 
