@@ -115,7 +115,8 @@ def _close(runners: list[Runner]) -> None:
 
 
 def _server_config(args: argparse.Namespace) -> ServerConfig:
-    cache_dir = runner_config(args).cache_dir  # None: --no-cache-dir, nothing on disk
+    # None: --no-cache-dir, or sharded (no disk tier: `load_runner`): nothing on disk
+    cache_dir = runner_config(args).cache_dir if world() is None else None
     return ServerConfig(
         host=args.host,
         port=args.port,

@@ -87,20 +87,21 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(served: FastAPI) -> AsyncIterator[None]:
-        yield
-        await background_responses(served).close()  # their generations end before the models
-        if saved is not None:  # after the background responses, which store theirs
-            saved.close()
+        saved = SavedFiles.open(config.state_dir)  # None: kept in memory only
+        _keep_responses_state(served, saved)
+        try:
+            yield
+            await background_responses(served).close()  # they end before the models do
+        finally:  # after the background responses, which store theirs
+            if saved is not None:
+                saved.close()
         models.residency.shutdown(SHUTDOWN_SAVE_S)
 
     app = FastAPI(title="mlxkv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.mlxkv = ServerContext.make(
         models, config.default_max_tokens, config.max_tokens_limit, config.fetch_images
     )
-    app.state.saved = saved = SavedFiles.open(config.state_dir)
-    keep_responses(app, saved)
-    keep_background(app)
-    keep_conversations(app, saved)
+    _keep_responses_state(app, None)  # an app served without its lifespan: in memory
     keep_threads(app)
     keep_prompt_records(app)
     _add_routes(app)
@@ -110,6 +111,15 @@ def create_app(
     _add_middleware(app, config, memory_line=_memory_line)
     app.add_middleware(ReleaseModels, models=models)  # outermost: after the access line
     return app
+
+
+def _keep_responses_state(app: FastAPI, saved: SavedFiles | None) -> None:
+    """Gives `app` what the Responses API keeps (stored responses, background responses,
+    conversations), in `saved`'s files too (those read now)."""
+    app.state.saved = saved
+    keep_responses(app, saved)
+    keep_background(app)
+    keep_conversations(app, saved)
 
 
 def _memory_line(scope: Any) -> str:

@@ -20,6 +20,7 @@ import pytest
 from mlxkv import Runner
 from mlxkv.server.responses_api import background
 from mlxkv.server.responses_api.background import BackgroundRun, background_responses
+from mlxkv.server.responses_api.history import ResponseHistory
 from mlxkv.server.responses_api.protocol import ResponsesRequest
 from mlxkv.server.responses_api.routes import _Response
 
@@ -311,7 +312,7 @@ def test_a_run_still_stuck_when_the_stop_gives_up_waiting_ends_failed_too(monkey
         stuck = SimpleNamespace(cancel=lambda: None, prompt=None)  # a generation that does not stop
         response = _Response(ResponsesRequest(input="Hi", background=True), "m", None, stuck)
         run = BackgroundRun(response, stuck, salt=None, max_chars=2**20)
-        held = background.BackgroundResponses()
+        held = background.BackgroundResponses(ResponseHistory())
         held._running[response.id] = run
         run.start(never(), (), lambda _: None)
         await held.close()

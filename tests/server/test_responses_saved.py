@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import stat
 import threading
 from pathlib import Path
 
+import openai
 import pytest
 
 from mlxkv import Runner
+from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.conversations import Conversations, checked_items
 from mlxkv.server.responses_api.history import ResponseHistory
 from mlxkv.server.responses_api.saved import SavedFiles
 
-from .conftest import serve
+from .conftest import held_worker, serve
 
 MAX_TOKENS = 6
 LOGPROBS = {"include": ["message.output_text.logprobs"], "temperature": 0}
@@ -123,7 +128,7 @@ def test_the_files_are_what_memory_holds(tmp_path):
 def _put(history: ResponseHistory, response_id: str, previous: str | None = None) -> None:
     output = [{"id": f"msg_{response_id}", "type": "message", "role": "assistant"}]
     messages = [{"role": "user", "content": response_id}, {"role": "assistant", "content": "ok"}]
-    response = {"id": response_id, "object": "response", "output": output}
+    response = {"id": response_id, "object": "response", "status": "completed", "output": output}
     history.put(messages, response, [], salt=None, previous=previous)
 
 
@@ -191,27 +196,151 @@ def test_a_directory_that_cannot_be_made_keeps_memory(tmp_path, caplog):
 
 
 def test_what_is_answered_is_in_its_file(loaded_tiny, tmp_path, monkeypatch):
-    """Each write held back a while: the file exists as the client reads the answer
-    (streamed: response.completed), so a server killed right after keeps it."""
-    write = SavedFiles._write
+    """Each write and removal held back a while: the file is as the answer says as the
+    client reads it (streamed: at response.completed), so a server killed right after keeps
+    what it was told; each route that changes what is kept."""
+    for name in ("_write", "_remove"):
+        work = getattr(SavedFiles, name)
 
-    def late(self, record):
-        threading.Event().wait(1.0)  # the answer, were it sent before the write, came first
-        write(self, record)
+        def late(self, argument, work=work):
+            threading.Event().wait(0.5)  # an answer sent before the work came first
+            work(self, argument)
 
-    monkeypatch.setattr(SavedFiles, "_write", late)
+        monkeypatch.setattr(SavedFiles, name, late)
     state = tmp_path / "state"
+
+    def kept(key: str) -> dict | None:
+        path = state / f"{key}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
     with serve(Runner(loaded_tiny("llama"), max_context=1024), state_dir=state) as served:
         client = served.openai()
         made = client.responses.create(**ASK, input="Hello")
-        assert (state / f"{made.id}.json").exists()
+        assert kept(made.id)["response"]["id"] == made.id
         with client.responses.stream(**ASK, input="Hello") as events:
             for event in events:
                 if event.type == "response.completed":
-                    assert (state / f"{event.response.id}.json").exists()
+                    assert kept(event.response.id) is not None
+        client.responses.delete(made.id)
+        assert kept(made.id) is None
         conversation = client.conversations.create(items=[HI])
-        client.conversations.items.create(conversation.id, items=[HI])
-        read = json.loads((state / f"{conversation.id}.json").read_text())
-        assert len(read["items"]) == 2
+        assert len(kept(conversation.id)["items"]) == 1
+        (added,) = client.conversations.items.create(conversation.id, items=[HI]).data
+        assert len(kept(conversation.id)["items"]) == 2
+        client.conversations.update(conversation.id, metadata={"k": "v"})
+        assert kept(conversation.id)["metadata"] == {"k": "v"}
+        client.conversations.items.delete(added.id, conversation_id=conversation.id)
+        assert len(kept(conversation.id)["items"]) == 1
         client.conversations.delete(conversation.id)
-        assert not (state / f"{conversation.id}.json").exists()
+        assert kept(conversation.id) is None
+
+
+def test_a_background_response_is_read_back_as_it_ended(loaded_tiny, tmp_path):
+    """Made, cancelled, or being made when its server was killed (its files copied then):
+    read back completed, cancelled (with its input items), failed; none of the last two
+    continued. Before, a restart forgot all three (404)."""
+    state, killed = tmp_path / "state", tmp_path / "killed"
+    with serve(Runner(loaded_tiny("llama"), max_context=1024), state_dir=state) as served:
+        client = served.openai()
+        with held_worker(served) as release:  # neither can start yet
+            made = client.responses.create(**ASK, input="Once upon a time", background=True)
+            cut = client.responses.create(**ASK, input="Hello", background=True)
+            shutil.copytree(state, killed)  # what a kill -9 now leaves
+            assert client.responses.cancel(cut.id).status == "cancelled"
+            release.set()
+            for _ in client.responses.retrieve(made.id, stream=True):  # to its end
+                pass
+        made = client.responses.retrieve(made.id)
+        assert made.status in ("completed", "incomplete")
+
+    with serve(Runner(loaded_tiny("llama"), max_context=1024), state_dir=state) as served:
+        client = served.openai()
+        assert client.responses.retrieve(made.id).model_dump() == made.model_dump()
+        assert client.responses.retrieve(cut.id).status == "cancelled"
+        assert client.responses.cancel(cut.id).status == "cancelled"  # as OpenAI's: again
+        (item,) = client.responses.input_items.list(cut.id).data
+        assert item.content[0].text == "Hello"
+        with pytest.raises(openai.BadRequestError, match="not found"):
+            client.responses.create(**ASK, input="Then", previous_response_id=cut.id)
+        with pytest.raises(openai.BadRequestError, match="no longer kept"):
+            client.responses.retrieve(cut.id, stream=True)
+
+    with serve(Runner(loaded_tiny("llama"), max_context=1024), state_dir=killed) as served:
+        client = served.openai()
+        for response_id in (made.id, cut.id):
+            lost = client.responses.retrieve(response_id)
+            assert (lost.status, lost.error.code) == ("failed", "server_error")
+            assert "stopped before" in lost.error.message
+        with pytest.raises(openai.BadRequestError, match="has ended"):
+            client.responses.cancel(made.id)
+
+
+def test_a_record_of_another_shape_changes_nothing(tmp_path, caplog):
+    """Valid JSON of this version and id, but not of its kind's shape: one warning, the file
+    left, nothing held (review23: a response was held half-read, and its eviction then
+    failed whichever request made room; a conversation's bad items failed every add)."""
+    bad_output = f"resp_{'1' * 32}"
+    response = {"id": bad_output, "status": "completed", "output": [{"type": "message"}]}
+    record = {"salt": None, "previous": None, "messages": [], "input_items": []}
+    (tmp_path / f"{bad_output}.json").write_text(
+        json.dumps({"version": 1, "id": bad_output, **record, "response": response})
+    )
+    other_id = f"resp_{'2' * 32}"
+    response = {"id": f"resp_{'3' * 32}", "status": "completed", "output": []}
+    (tmp_path / f"{other_id}.json").write_text(
+        json.dumps({"version": 1, "id": other_id, **record, "response": response})
+    )
+    bad_items = f"conv_{'4' * 32}"
+    conversation = {"created_at": 1, "metadata": {}, "salt": None, "items": ["x"]}
+    (tmp_path / f"{bad_items}.json").write_text(
+        json.dumps({"version": 1, "id": bad_items, **conversation})
+    )
+    with caplog.at_level(logging.WARNING, "mlxkv.server.responses_api.saved"):
+        saved = SavedFiles.open(tmp_path)
+        history = ResponseHistory(max_responses=1, saved=saved)
+        held = Conversations(saved=saved)
+    assert caplog.text.count("left as it is") == 3
+    assert history.response(bad_output, None) is None and history.response(other_id, None) is None
+    with pytest.raises(ApiError):
+        held.get(bad_items, None)
+    for n in range(2):  # room made: nothing half-read to evict
+        _put(history, f"resp_{n:032x}")
+    saved.close()
+    assert {path.stem for path in tmp_path.glob("*.json")} == {
+        bad_output,
+        other_id,
+        bad_items,
+        f"resp_{1:032x}",
+    }
+
+
+def test_a_write_that_fails_leaves_no_older_state(tmp_path, monkeypatch, caplog):
+    """A full disk: the conversation's older file goes, so a restart forgets it rather than
+    read back what it held before (its answer said the items were added)."""
+    saved = SavedFiles.open(tmp_path)
+    held = Conversations(saved=saved)
+    conversation = held.create([HI], {}, None)
+    saved.close()
+    assert (tmp_path / f"{conversation.id}.json").exists()
+    saved = SavedFiles.open(tmp_path)
+    held = Conversations(saved=saved)
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with caplog.at_level(logging.WARNING, "mlxkv.server.responses_api.saved"):
+        held.add(conversation.id, checked_items([HI]), None)
+        saved.close()
+    assert "No space left" in caplog.text and "will not read it back" in caplog.text
+    assert not list(tmp_path.glob("*conv_*"))  # neither its file nor a temporary
+
+
+def test_only_their_owner_reads_the_files(tmp_path):
+    saved = SavedFiles.open(tmp_path / "state")
+    Conversations(saved=saved).create([HI], {}, None)
+    saved.close()
+    saved.close()  # once: a second close does nothing
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
+    (written,) = (tmp_path / "state").glob("conv_*.json")
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600

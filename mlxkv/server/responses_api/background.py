@@ -10,7 +10,10 @@ cancelled one keeps what it wrote for reading and nothing else (no turn added, n
 response); a stopping server ends those still being made `failed`, in its words.
 
 Kept in memory: every response being made (no more than the server's queues let start), with
-its latest events (`MAX_RUN_CHARS`), and the newest finished ones' events, bounded.
+its latest events (`MAX_RUN_CHARS`), and the newest finished ones' events, bounded. Each is
+also among the stored responses from its start (`history.put_unfinished`, to be read, not
+continued, until it ends as a turn): a server with a state directory that is killed while it
+is made reads it back `failed`, and one that ended cancelled or failed is read back so.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from mlxkv.server.middleware import SHUTTING_DOWN
 from mlxkv.server.models.served import outliving_hold
 from mlxkv.server.reply.turn import Turn
 from mlxkv.server.responses_api.conversations import TurnClaim
+from mlxkv.server.responses_api.history import ResponseHistory
 from mlxkv.server.state import BoundedMap, guarded_events, sse
 
 logger = logging.getLogger(__name__)
@@ -181,10 +185,12 @@ class BackgroundResponses:
 
     def __init__(
         self,
+        history: ResponseHistory,
         max_finished: int = MAX_FINISHED,
         max_chars: int = MAX_FINISHED_CHARS,
         max_run_chars: int = MAX_RUN_CHARS,
     ):
+        self._history = history  # where one that ends otherwise than as a turn is kept too
         self._running: dict[str, BackgroundRun] = {}
         self._finished: BoundedMap[BackgroundRun] = BoundedMap(max_finished, max_chars)
         self._max_run_chars = max_run_chars
@@ -197,13 +203,17 @@ class BackgroundResponses:
         events: AsyncIterator[str],
         claim: TurnClaim,
         salt: str | None,
+        input_items: list[dict[str, Any]],
     ) -> BackgroundRun:
         """Makes `response` from `events` (`BackgroundRun.start`), held here while it is made
         and among the finished ones after; the request's model stays loaded until then, and
-        its conversation (`claim`, detached from the request) claimed."""
+        its conversation (`claim`, detached from the request) claimed. It is among the stored
+        responses from now (with its `input_items`), to be read: kept as it ends, if not as
+        a turn, and a server killed meanwhile reads it back failed."""
         turn.keep_queued()  # nobody waits for it
         run = BackgroundRun(response, turn, salt, self._max_run_chars)
         self._running[response.id] = run
+        self._history.put_unfinished(response.latest, input_items, salt)
         runner = request.state.mlxkv.worker.runner
         run.start(events, (claim.release, outliving_hold(request)), self._ended(runner))
         return run
@@ -213,6 +223,8 @@ class BackgroundResponses:
             response_id = run.latest["id"]
             del self._running[response_id]
             self._finished.put(response_id, run, run.chars + _chars(run.latest))
+            if run.status in ("cancelled", "failed"):  # a turn is stored as it ends
+                self._history.put_unfinished(run.latest, None, run.salt)
             usage = run.latest.get("usage")
             tokens = "" if usage is None else _token_counts(usage)
             # the memory line, as the access line says it after a generation
@@ -279,8 +291,9 @@ def check_background(background: bool, store: bool) -> None:
 
 
 def keep_background(app: FastAPI) -> None:
-    """Gives `app` its background responses (none: a new server makes none)."""
-    app.state.background = BackgroundResponses()
+    """Gives `app` its background responses (none: a new server makes none), kept with its
+    stored responses (`history.keep_responses` first)."""
+    app.state.background = BackgroundResponses(app.state.responses)
 
 
 def background_responses(served: Request | FastAPI) -> BackgroundResponses:

@@ -12,7 +12,6 @@ with OpenAI's 400 `conversation_locked`."""
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,10 +24,8 @@ from pydantic import ValidationError
 from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.items import listed_item
 from mlxkv.server.responses_api.protocol import InputItem, chat_messages
-from mlxkv.server.responses_api.saved import SavedFiles
+from mlxkv.server.responses_api.saved import SavedFiles, items_error, not_read
 from mlxkv.server.state import BoundedMap
-
-logger = logging.getLogger(__name__)
 
 MAX_CONVERSATIONS = 256
 MAX_STORED_CHARS = 64 * 2**20
@@ -78,7 +75,7 @@ class Conversations:
         saved: SavedFiles | None = None,
     ):
         self._held: BoundedMap[Conversation] = BoundedMap(
-            max_conversations, max_chars, None if saved is None else self._dropped
+            max_conversations, max_chars, self._dropped
         )
         self._busy: set[str] = set()  # those a response is being made in (`claim`)
         self._saved = saved
@@ -184,22 +181,35 @@ class Conversations:
             self._saved.write(conversation.record())
 
     def _dropped(self, conversation: Conversation) -> None:
-        self._saved.remove(conversation.id)
+        if self._saved is not None:
+            self._saved.remove(conversation.id)
 
     def _read(self, saved: SavedFiles) -> None:
         """Holds the conversations of `saved`'s files, the least recently changed first."""
         for record in saved.read("conv_"):
-            try:
-                items = record["items"]
-                conversation = Conversation(
-                    record["id"], record["created_at"], record["metadata"], record["salt"], items
-                )
-                chars = _chars(conversation.metadata) + sum(_chars(item) for item in items)
-            except (KeyError, TypeError) as error:
-                logger.warning("responses: %s is not a conversation (%s)", record["id"], error)
+            why = _record_error(record)
+            if why is not None:
+                not_read(record, why)
                 continue
+            items, metadata = record["items"], record["metadata"]
+            conversation = Conversation(
+                record["id"], record["created_at"], metadata, record["salt"], items
+            )
+            chars = _chars(metadata) + sum(_chars(item) for item in items)
             if not self._held.put(conversation.id, conversation, chars):
                 saved.remove(conversation.id)  # too large for the bound now: as if dropped
+
+
+def _record_error(record: dict[str, Any]) -> str | None:
+    """What keeps a file's record from being a conversation (`Conversation.record`), if
+    anything: checked whole before it is held, so a damaged file changes nothing."""
+    if not isinstance(record.get("created_at"), int):
+        return "its created_at is not a number of seconds"
+    if not isinstance(record.get("metadata"), dict):
+        return "its metadata is not an object"
+    if "salt" not in record or not isinstance(record["salt"], str | None):
+        return "its salt is not a string"
+    return items_error(record.get("items"))
 
 
 def _chars(value: Any) -> int:

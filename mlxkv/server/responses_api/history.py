@@ -10,7 +10,6 @@ its conversation's items (`conversations`)."""
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +18,8 @@ from fastapi import FastAPI, Request
 from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.conversations import held_conversations
 from mlxkv.server.responses_api.protocol import InputItem, ResponsesRequest, chat_messages
-from mlxkv.server.responses_api.saved import SavedFiles
+from mlxkv.server.responses_api.saved import SavedFiles, items_error, not_read
 from mlxkv.server.state import BoundedMap
-
-logger = logging.getLogger(__name__)
 
 MAX_RESPONSES = 256
 MAX_STORED_CHARS = 64 * 2**20
@@ -31,7 +28,9 @@ MAX_STORED_CHARS = 64 * 2**20
 @dataclass(frozen=True)
 class _Stored:
     salt: str | None  # the `cache_salt` it was made with: another tenant's requests miss it
-    messages: list[dict[str, Any]]  # the conversation up to and including the response
+    # the conversation up to and including the response; None for one that is read only
+    # (a background response not ended as a turn: `put_unfinished`)
+    messages: list[dict[str, Any]] | None
     message_chars: int
     response: dict[str, Any]  # as it was returned
     input_items: list[dict[str, Any]]
@@ -56,7 +55,7 @@ class ResponseHistory:
         """The conversation up to and including that response, or None when not stored (or
         not stored for `salt`)."""
         found = self._find(response_id, salt)
-        return None if found is None else list(found.messages)
+        return None if found is None or found.messages is None else list(found.messages)
 
     def response(self, response_id: str, salt: str | None) -> dict[str, Any] | None:
         """The response object as it was returned, or None when not stored (for `salt`)."""
@@ -84,16 +83,17 @@ class ResponseHistory:
     ) -> None:
         """Stores a response made with `salt`: its conversation `messages` (those of the
         stored response `previous` first, when it continues one: they are not measured again,
-        so a long chain is not written out whole on every turn), the response and its input
-        items; and writes its file (`saved`)."""
-        if self._keep(messages, response, input_items, salt, previous) and self._saved:
+        so a long chain is not encoded whole on the event loop on every turn), the response
+        and its input items; and writes its file (`saved`: all its messages, so that it reads
+        back alone; the bound counts each response's whole chain, so the files fit it too)."""
+        if self._keep(messages, response, input_items, salt, previous) and self._saved is not None:
             record = {"id": response["id"], "salt": salt, "previous": previous}
             record |= {"messages": messages, "response": response, "input_items": input_items}
             self._saved.write(record)
 
     def _keep(
         self,
-        messages: list[dict[str, Any]],
+        messages: list[dict[str, Any]] | None,
         response: dict[str, Any],
         input_items: list[dict[str, Any]],
         salt: str | None,
@@ -102,29 +102,45 @@ class ResponseHistory:
         """Keeps it in memory (`put`), the messages of `previous` shared; False when it alone
         would pass the bound."""
         before = None if previous is None else self._find(previous, salt)
-        held = 0 if before is None else len(before.messages)
-        if before is not None:  # one list of its own, the messages before shared
+        if before is not None and before.messages is not None and messages is not None:
+            held = len(before.messages)  # one list of its own, the messages before shared
             messages = before.messages + messages[held:]
-        message_chars = 0 if before is None else before.message_chars
-        message_chars += len(json.dumps(messages[held:], ensure_ascii=False))
-        chars = message_chars + len(json.dumps([response, input_items], ensure_ascii=False))
+            message_chars = before.message_chars + _chars(messages[held:])
+        else:
+            message_chars = 0 if messages is None else _chars(messages)
+        chars = message_chars + _chars([response, input_items])
         stored = _Stored(salt, messages, message_chars, response, input_items)
         if not self._stored.put(response["id"], stored, chars):
             return False
-        self._output.update((item["id"], (salt, item)) for item in response["output"])
+        if messages is not None:  # a read-only one's items are not referenced
+            self._output.update((item["id"], (salt, item)) for item in response["output"])
         return True
 
     def _read(self, saved: SavedFiles) -> None:
         """Keeps the responses of `saved`'s files, oldest first (as they were put)."""
         for record in saved.read("resp_"):
-            try:
-                fields = (record["messages"], record["response"], record["input_items"])
-                kept = self._keep(*fields, record["salt"], record["previous"])
-            except (KeyError, TypeError) as error:
-                logger.warning("responses: %s is not a stored response (%s)", record["id"], error)
+            why = _record_error(record)
+            if why is not None:
+                not_read(record, why)
                 continue
-            if not kept:  # too large for the bound now: as if dropped
-                saved.remove(record["id"])
+            fields = (record["messages"], _ended(record["response"]), record["input_items"])
+            if not self._keep(*fields, record["salt"], record["previous"]):
+                saved.remove(record["id"])  # too large for the bound now: as if dropped
+
+    def put_unfinished(
+        self, response: dict[str, Any], input_items: list[dict[str, Any]] | None, salt: str | None
+    ) -> None:
+        """Keeps a background response that has not ended as a turn, to be read and not
+        continued: one being made (a server killed meanwhile reads it back `failed`), or one
+        that ended cancelled or failed (`input_items` None: those kept for it already)."""
+        if input_items is None:
+            found = self._find(response["id"], salt)
+            if found is None:  # deleted or dropped meanwhile: nothing to update
+                return
+            input_items = found.input_items
+        if self._keep(None, response, input_items, salt, None) and self._saved is not None:
+            record = {"id": response["id"], "salt": salt, "previous": None, "messages": None}
+            self._saved.write(record | {"response": response, "input_items": input_items})
 
     def delete(self, response_id: str, salt: str | None) -> bool:
         """Forgets a stored response; False when none was stored under that id (for `salt`)."""
@@ -139,6 +155,39 @@ class ResponseHistory:
             self._output.pop(item["id"], None)
         if self._saved is not None:
             self._saved.remove(stored.response["id"])
+
+
+def _record_error(record: dict[str, Any]) -> str | None:
+    """What keeps a file's record from being a stored response (`put`'s), if anything: each
+    part checked before any is kept, so a damaged file changes nothing."""
+    fields = ("salt", "previous", "messages", "response", "input_items")
+    if any(field not in record for field in fields):
+        return f"a stored response has {', '.join(fields)}"
+    if not all(isinstance(record[field], str | None) for field in ("salt", "previous")):
+        return "its salt or previous response is not a string"
+    messages, response = record["messages"], record["response"]
+    if messages is not None and not (
+        isinstance(messages, list) and all(isinstance(m, dict) for m in messages)
+    ):
+        return "its messages are not a list of objects"
+    if not isinstance(response, dict) or response.get("id") != record["id"]:
+        return "its response is not an object with its id"
+    if not isinstance(response.get("status"), str):
+        return "its response has no status"
+    return items_error(response.get("output")) or items_error(record["input_items"])
+
+
+def _ended(response: dict[str, Any]) -> dict[str, Any]:
+    """`response` as a restarted server reads it: one being made when its server was killed
+    has failed."""
+    if response["status"] not in ("queued", "in_progress"):
+        return response
+    error = {"code": "server_error", "message": "The server stopped before this response ended."}
+    return {**response, "status": "failed", "error": error}
+
+
+def _chars(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False))
 
 
 def resolve_references(

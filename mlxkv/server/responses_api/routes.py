@@ -92,17 +92,16 @@ async def create_response(
     if body.background:  # the claim is released as the response ends, not as the request does
         claim = claim.detach()
     response = _Response(body, ctx.model_name, conversation, turn)
+    listed = [listed_item(item.model_dump(exclude_none=True)) for item in items]
 
     async def remember(final: dict[str, Any]) -> None:
         """Stores the response (`store`) and adds it to its conversation, once it ended (a
         conversation deleted or dropped meanwhile takes nothing: the reply stands), which
         the next response may then take; returns once they are in their files (`saved`)."""
-        listed = [listed_item(item.model_dump(exclude_none=True)) for item in items]
         if body.store:
             stored = messages + as_messages(final["output"])
-            previous = body.previous_response_id
             stored_responses(request).put(
-                stored, final, listed, salt=body.cache_salt, previous=previous
+                stored, final, listed, salt=body.cache_salt, previous=body.previous_response_id
             )
         if conversation is not None:
             try:
@@ -120,7 +119,8 @@ async def create_response(
         if not body.background:
             return event_stream(events, turn, response.failed_event)
         background = background_responses(request)
-        run = background.start(request, response, turn, events, claim, body.cache_salt)
+        run = background.start(request, response, turn, events, claim, body.cache_salt, listed)
+        await saved_to_disk(request)
         return replay_stream(run.read()) if body.stream else response.latest
     events, completion = await collect(turn, request)
     output = output_items(events, completion)

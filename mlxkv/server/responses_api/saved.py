@@ -15,14 +15,19 @@ cut, keeps it).
 
 One server keeps a directory at a time (a lock on its `lock` file, let go when the process
 ends however it ends); a second one started on it says so and keeps its state in memory only.
-A file that cannot be read (damaged, or from a newer version) is one warning and left where
-it is; temporary files a killed server left are removed (only this module's, named so).
+A file that cannot be read (damaged, of a newer version, or not of the shape its kind has:
+`history` and `conversations` check their records) is one warning and left where it is;
+temporary files a killed server left are removed (only this module's, named so). A write that
+fails (a full disk) is one warning and removes the entry's older file, so a restart forgets
+the entry rather than read back an older state of it. The files are the user's
+conversations: only their owner may read them (the directory 0700, the files 0600).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -39,30 +44,34 @@ logger = logging.getLogger(__name__)
 
 # What a file's `version` says; a file of another version is not read (one warning).
 FORMAT_VERSION = 1
-_NAME = re.compile(r"(?P<key>(?:resp|conv)_[0-9a-f]{32})\.json")
-_TEMPORARY = re.compile(r"\.(?:resp|conv)_[0-9a-f]{32}\.json\.tmp")
+KEY = re.compile(r"(?:resp|conv)_[0-9a-f]{32}")  # the ids kept in files: the files' names
+_NAME = re.compile(rf"{KEY.pattern}\.json")
+_TEMPORARY = re.compile(rf"\.{KEY.pattern}\.json\.tmp")
 _LOCK_NAME = "lock"
+# Encodes in pieces, the pure-Python way: a whole large record encoded at once holds the GIL
+# (and the event loop) for its whole length; 30 MiB held it 0.7 s.
+_ENCODER = json.JSONEncoder(ensure_ascii=False)
 
 
 class SavedFiles:
-    """The files of one state directory, held by this process (`open`)."""
+    """The files of one state directory, held by this process (`open`, until `close`)."""
 
     def __init__(self, directory: Path, lock: int):
         self.directory = directory
-        self._lock = lock  # the open lock file's descriptor, locked
+        self._lock: int | None = lock  # the open lock file's descriptor, locked
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-saved")
         self._last: Future[None] | None = None  # the newest write or removal asked
 
     @classmethod
     def open(cls, directory: str | Path | None) -> SavedFiles | None:
         """The directory's files, taken for this process; None for no directory, or (one
-        warning) where it cannot be made or written, or another process holds it: state is
-        then kept in memory only."""
+        warning) where it cannot be made, written or locked, or another process holds it:
+        state is then kept in memory only."""
         if directory is None:
             return None
         directory = Path(directory).expanduser()
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             lock = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as error:
             logger.warning(
@@ -71,12 +80,17 @@ class SavedFiles:
             return None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as error:
             os.close(lock)
+            held = error.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+            why = (
+                "another server keeps its state there" if held else f"it cannot be locked: {error}"
+            )
             logger.warning(
-                "responses: another server keeps its stored responses and conversations in %s;"
-                " this one keeps them in memory only (give it another --cache-dir to keep them)",
+                "responses: stored responses and conversations are kept in memory only, not in"
+                " %s (%s; give this server another --cache-dir to keep them)",
                 directory,
+                why,
             )
             return None
         saved = cls(directory, lock)
@@ -106,16 +120,18 @@ class SavedFiles:
         self._ask(self._remove, key)
 
     async def written(self) -> None:
-        """Returns once every write and removal asked so far is done (a failed one was
-        logged: memory still holds the entry)."""
+        """Returns once every write and removal asked so far is done (one writer: the newest
+        is done last)."""
         last = self._last
         if last is not None and not last.done():
             await asyncio.shield(asyncio.wrap_future(last))
 
     def close(self) -> None:
-        """Finishes the writes asked, then lets the directory go."""
+        """Finishes the writes asked, then lets the directory go (once)."""
         self._writer.shutdown(wait=True)
-        os.close(self._lock)  # the lock goes with it
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            os.close(lock)  # the lock goes with it
 
     def _ask(self, work: Callable[[Any], None], argument: Any) -> None:
         try:
@@ -125,18 +141,30 @@ class SavedFiles:
 
     def _write(self, record: dict[str, Any]) -> None:
         key = record["id"]
-        path = self.directory / f"{key}.json"
+        if not KEY.fullmatch(key):  # never a name of another form, nor a path
+            logger.warning("responses: %r is not an id kept in a file", key)
+            return
         temporary = self.directory / f".{key}.json.tmp"
         try:
-            data = json.dumps({"version": FORMAT_VERSION, **record}, ensure_ascii=False)
-            temporary.write_text(data, encoding="utf-8")
-            os.replace(temporary, path)
+            opened = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with open(opened, "w", encoding="utf-8") as file:
+                for piece in _ENCODER.iterencode({"version": FORMAT_VERSION, **record}):
+                    file.write(piece)
+            os.replace(temporary, self.directory / f"{key}.json")
         except (OSError, RuntimeError, TypeError, ValueError) as error:
-            logger.warning("responses: %s was not written to %s (%s)", key, self.directory, error)
+            logger.warning(
+                "responses: %s was not written to %s (%s); a restart will not read it back",
+                key,
+                self.directory,
+                error,
+            )
             with contextlib.suppress(OSError):
                 temporary.unlink(missing_ok=True)
+            self._remove(key)  # its older state is not read back as if it were this one
 
     def _remove(self, key: str) -> None:
+        if not KEY.fullmatch(key):
+            return
         try:
             (self.directory / f"{key}.json").unlink(missing_ok=True)
         except OSError as error:
@@ -177,13 +205,24 @@ def _read(path: Path) -> dict[str, Any] | None:
     return record
 
 
-def saved_files(request: Request) -> SavedFiles | None:
-    """The state files of the app serving `request` (None: kept in memory only)."""
-    return request.app.state.saved
+def not_read(record: dict[str, Any], why: str) -> None:
+    """Says that a record `read` gave is not of its kind's shape (`why`); its file is left."""
+    logger.warning("responses: %s.json is not read (%s); left as it is", record["id"], why)
+
+
+def items_error(value: Any) -> str | None:
+    """What is wrong with `value` as a list of items (dicts, each with a string id)."""
+    if not isinstance(value, list):
+        return "its items are not a list"
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("id"), str):
+            return "an item is not an object with an id"
+    return None
 
 
 async def saved_to_disk(request: Request) -> None:
-    """Returns once what the app was asked to keep so far is in its files (at once without)."""
-    saved = saved_files(request)
+    """Returns once what the app serving `request` was asked to keep so far is in its files
+    (at once when it keeps them in memory only)."""
+    saved: SavedFiles | None = request.app.state.saved
     if saved is not None:
         await saved.written()

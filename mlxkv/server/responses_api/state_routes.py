@@ -171,6 +171,7 @@ async def cancel_response(
         raise ApiError(400, message, param="response_id")
     if run is not None:
         await run.cancel()
+        await saved_to_disk(request)
     return run.latest if run is not None else found
 
 
