@@ -1,8 +1,10 @@
 """mlxkv: an LLM runner on MLX whose KV cache never pays twice for the same tokens."""
 
 from mlxkv.platform.blas import select_blas
+from mlxkv.platform.open_files import import_mlx_lm
 
 select_blas()  # must run before mlx is first imported (see mlxkv.platform.blas)
+import_mlx_lm()  # before any module imports it: it would cap the open-file limit
 
 # ruff: noqa: E402
 

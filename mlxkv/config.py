@@ -340,7 +340,7 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024**2  # far above a 128k-token prompt as JSON
 DEFAULT_MAX_TOKENS = 1024  # generated when a request sets no limit (OpenAI's may leave it out)
 DEFAULT_MAX_QUEUE = 32  # requests running or waiting; each waiting one holds its body
 DEFAULT_QUEUE_TIMEOUT_S = 600.0
-DEFAULT_MAX_CONNECTIONS = 256  # below the usual limit of 1,024 open files
+DEFAULT_MAX_CONNECTIONS = 256  # well within the open files `mlxkv serve` allows itself
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default: an idle model unloads after 5 minutes
 
 

@@ -20,6 +20,7 @@ from mlxkv.errors import UnsupportedFormatError
 from mlxkv.models.loading import expected_weights_bytes
 from mlxkv.models.sharding import world
 from mlxkv.models.sources import find_models
+from mlxkv.platform.open_files import OPEN_FILES_WANTED, raise_open_files
 from mlxkv.runner.runner import Runner
 
 if TYPE_CHECKING:  # the server's modules load when it starts (other commands start faster)
@@ -37,6 +38,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if not args.verbose:  # the access line carries the memory line already
         logging.getLogger(MEMORY_LOGGER).setLevel(logging.WARNING)
     config = _server_config(args)
+    _check_open_files(config)
     sources = _model_sources(args)
     if sources is None:
         return 2
@@ -61,6 +63,23 @@ def serve_command(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
     return 130 if signal.SIGINT in server.signals else 0
+
+
+def _check_open_files(config: ServerConfig) -> None:
+    """Raises the process's open-file limit to what the server may need (a Mac starts it at
+    256: a burst of connections failed to be accepted, and disk-tier files to open); says so
+    where the hard limit keeps it lower."""
+    from mlxkv.server.connections import open_files_needed
+
+    needed = open_files_needed(config)
+    allowed = raise_open_files(max(needed, OPEN_FILES_WANTED))
+    if allowed < needed:
+        print(
+            f"mlxkv: warning: {allowed} open files allowed (ulimit -n), under the {needed} that "
+            f"{config.max_connections} connections and the model's files may need: a burst of "
+            f"connections may then fail; raise the hard limit (ulimit -Hn {needed})",
+            file=sys.stderr,
+        )
 
 
 def _stop_when_out_of_step(runner: Runner, server: Server) -> None:

@@ -48,6 +48,9 @@ KEEP_ALIVE_S = 5
 # its 503, so that the close resets nothing; it no longer counts against the limits.
 LINGER_S = 2.0
 RETRY_AFTER_S = 1
+# Files a server holds open besides its connections: the model's, the disk tier's reads and
+# writes, the stored responses', logs and pipes.
+FILES_BESIDE_CONNECTIONS = 128
 _REQUEST_LINE = re.compile(rb"[A-Z]+ (/[^ ?\r\n]*)")
 # Seconds the same kind of log line (uvicorn's, asyncio's) is shown once, then counted.
 LOG_REPEAT_WINDOW_S = 60.0
@@ -288,6 +291,13 @@ class WithoutTraceback(logging.Filter):
 
 
 _WITHOUT_TRACEBACK = WithoutTraceback()
+
+
+def open_files_needed(config: ServerConfig) -> int:
+    """The open files a server of `config` may need at once: every connection it lets open
+    (`uvicorn_config`) and `FILES_BESIDE_CONNECTIONS`. Past the process's limit, accepting a
+    connection and opening a disk-tier file both fail ("Too many open files")."""
+    return config.max_connections + MAX_WAITING_CONNECTIONS + FILES_BESIDE_CONNECTIONS
 
 
 def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> uvicorn.Config:
