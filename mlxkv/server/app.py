@@ -9,6 +9,7 @@ with one line.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -52,6 +53,8 @@ from mlxkv.server.responses_api.saved import SavedFiles
 from mlxkv.server.state import ServerContext, server_context
 from mlxkv.server.ui.page import add_page
 from mlxkv.server.worker import GenerationWorker
+
+logger = logging.getLogger(__name__)
 
 
 def create_app(
@@ -120,6 +123,9 @@ def _keep_responses_state(app: FastAPI, saved: SavedFiles | None) -> None:
     keep_responses(app, saved)
     keep_background(app)
     keep_conversations(app, saved)
+    if saved is not None:
+        where = (saved.directory, saved.num_read)
+        logger.info("responses: stored responses and conversations in %s (%d read)", *where)
 
 
 def _memory_line(scope: Any) -> str:

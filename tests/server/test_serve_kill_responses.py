@@ -68,6 +68,7 @@ def test_kill_9_keeps_what_was_answered(model_root, fresh_runner, tmp_path):
     finally:
         stderr = _stop(process, kill=False)
     assert "Traceback" not in stderr and "memory only" not in stderr, stderr
+    assert f"conversations in {tmp_path / 'kv' / 'responses'} (3 read)" in stderr, stderr
     assert len(items) == 5 and items[2].id == turn.output[0].id  # both turns, in order
 
     def fresh(first_turn: list[dict], reply: str, question: str) -> list[float]:

@@ -61,6 +61,7 @@ class SavedFiles:
         self._lock: int | None = lock  # the open lock file's descriptor, locked
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-saved")
         self._last: Future[None] | None = None  # the newest write or removal asked
+        self.num_read = 0  # records `read` gave
 
     @classmethod
     def open(cls, directory: str | Path | None) -> SavedFiles | None:
@@ -108,6 +109,7 @@ class SavedFiles:
         for _, path in sorted(found):
             record = _read(Path(path))
             if record is not None:
+                self.num_read += 1
                 yield record
 
     def write(self, record: dict[str, Any]) -> None:
