@@ -9,6 +9,7 @@ Replies are checked against a fresh Runner's log-probabilities."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import threading
 from collections.abc import AsyncIterator
@@ -236,13 +237,16 @@ def test_what_cannot_be_cancelled_or_streamed_again_is_refused(served):
 
 
 @pytest.mark.parametrize("how", ["signal", "app_exit"])
-def test_a_stopping_server_ends_what_it_makes_in_the_background(loaded_tiny, monkeypatch, how):
+def test_a_stopping_server_ends_what_it_makes_in_the_background(
+    loaded_tiny, monkeypatch, tmp_path, how
+):
     """`failed`, in the server's words, with what it wrote, and before its models close (a
     generation left running then would end by the event loop's teardown, after the Runner it
-    runs on was closed): a stop signal's path, and an app whose server just exits."""
+    runs on was closed): a stop signal's path, and an app whose server just exits. So it is
+    in its file too, for the next server to read."""
     runner = Runner(loaded_tiny("llama"), max_context=1024)
     held_until_left(monkeypatch, runner, lambda options: 1)  # waits after its first text
-    with serve(runner) as served:
+    with serve(runner, state_dir=tmp_path) as served:
         residency = served.app.state.mlxkv.models.residency
         shutdown, ended_before = residency.shutdown, []
         monkeypatch.setattr(
@@ -261,6 +265,12 @@ def test_a_stopping_server_ends_what_it_makes_in_the_background(loaded_tiny, mon
     assert run.latest["output"][0]["content"][0]["text"]  # what it wrote, kept
     used = run.latest["usage"]  # and what it used (was null)
     assert used["output_tokens"] >= 1 and used["input_tokens"] > used["output_tokens"]
+    saved = json.loads((tmp_path / f"{made_id}.json").read_text())["response"]
+    assert (saved["status"], saved["usage"], saved["error"]) == (
+        "failed",
+        used,
+        run.latest["error"],
+    )
 
 
 def test_a_reader_whose_next_events_went_meanwhile_is_told_so():
