@@ -260,7 +260,7 @@ def test_a_background_response_is_read_back_as_it_ended(loaded_tiny, tmp_path):
         assert client.responses.cancel(cut.id).status == "cancelled"  # as OpenAI's: again
         (item,) = client.responses.input_items.list(cut.id).data
         assert item.content[0].text == "Hello"
-        with pytest.raises(openai.BadRequestError, match="not found"):
+        with pytest.raises(openai.BadRequestError, match="its status is cancelled"):
             client.responses.create(**ASK, input="Then", previous_response_id=cut.id)
         with pytest.raises(openai.BadRequestError, match="no longer kept"):
             client.responses.retrieve(cut.id, stream=True)

@@ -259,15 +259,19 @@ def prior_messages(
         return chat_messages(None, items)
     if body.previous_response_id is None:
         return []
-    found = stored_responses(request).get(body.previous_response_id, body.cache_salt)
-    if found is None:
-        raise ApiError(
-            400,
-            f"Previous response with id '{body.previous_response_id}' not found.",
-            code="previous_response_not_found",
-            param="previous_response_id",
+    history, previous = stored_responses(request), body.previous_response_id
+    found = history.get(previous, body.cache_salt)
+    if found is not None:
+        return found
+    message = f"Previous response with id '{previous}' not found."
+    unfinished = history.response(previous, body.cache_salt)
+    if unfinished is not None:  # a background response not ended as a turn: no such turn
+        message = (
+            f"Previous response with id '{previous}' cannot be continued: its status is "
+            f"{unfinished['status']}. Continue the response before it, or send the whole input."
         )
-    return found
+    # one code for both: a client that recovers from it sends the whole input again
+    raise ApiError(400, message, code="previous_response_not_found", param="previous_response_id")
 
 
 def request_prompt(
