@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models import gemma2
 
 from mlxkv.errors import ModelLoadError, UnsupportedFormatError
 from mlxkv.models import gguf
@@ -165,11 +166,32 @@ def _load_directory(
         logger.info("sharded model kind=%s ranks=%d rank=%d", kind, group.size(), group.rank())
     if not on_gpu():
         model.set_dtype(mx.float32)  # half-precision matmuls are several times slower on CPU
+    _fix_batch_masks(model)
     materialize(model)
     logger.info("loaded model path=%s type=%s", path, config.get("model_type"))
     return LoadedModel(
         model=model, tokenizer=tokenizer, config=config, path=path, source_name=source_name
     )
+
+
+class _Gemma2Attention(gemma2.Attention):
+    """mlx-lm's Gemma 2 attention, reading a batch's mask row by row (`_fix_batch_masks`)."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if isinstance(mask, mx.array) and mask.ndim == 4:
+            mask = mx.expand_dims(mask, 2)  # (B, 1, 1, L, S): each row's own mask
+        return super().__call__(x, mask, cache)
+
+
+def _fix_batch_masks(model: nn.Module) -> None:
+    """Gemma 2's attention made to read a batch's mask row by row: mlx-lm's adds a
+    (B, 1, L, S) mask to its (B, kv heads, repeats, L, S) scores, which puts row b's mask on
+    KV head b (ml-explore/mlx-lm#1903, open): a batch of rows answered otherwise than each
+    row alone, so Gemma 2 decoded one stream at a time (`probe_batched_decode`). A mask of
+    another shape (mlx-lm's own fix, once it lands) is left as it is."""
+    for _, module in model.named_modules():
+        if type(module) is gemma2.Attention and module.repeats > 1:
+            module.__class__ = _Gemma2Attention
 
 
 def _one_line(error: Exception, max_chars: int = 300) -> str:

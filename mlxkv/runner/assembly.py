@@ -71,8 +71,9 @@ _PROBE_STOPS = (Stops(checkpoints=(4,)), Stops(checkpoints=(1,)), Stops())
 # alone, which is exact.
 _PROBE_RTOL = 0.05
 # The batched-decode probe's prompts: rows far apart in length, so that where a model applies
-# one row's left padding to another (mlx-lm's gemma2 broadcasts a (B, 1, L, S) mask over its
-# (B, kv heads, repeats, L, S) scores: row b's mask on KV head b), most of a row is masked.
+# one row's left padding to another (mlx-lm's gemma2, as mlxkv does not load it, broadcasts a
+# (B, 1, L, S) mask over its (B, kv heads, repeats, L, S) scores: row b's mask on KV head
+# b), most of a row is masked.
 _DECODE_PROBE_PROMPTS = (list(range(1, 13)), [13, 14])
 _DECODE_PROBE_TOKEN = 15
 
@@ -317,9 +318,10 @@ def probe_batched_decode(loaded: LoadedModel, config: RunnerConfig, max_batch: i
     """`max_batch`, or 1 where this model cannot decode in a batch: two prompts of different
     lengths (`_DECODE_PROBE_PROMPTS`) prefilled alone, joined, one batched step, the rows
     parted, their logits against each alone (`_PROBE_RTOL`). A model whose own code reads the
-    batch wrongly (gemma2's mask on the wrong rows; gpt_bigcode's `cache[0].offset` read as one
-    number) or whose layers a batch cannot part answers otherwise or raises; it decodes alone,
-    exact, and the log says why. Runs only where the cache's layers batch and `max_batch` > 1."""
+    batch wrongly (mlx-lm's own gemma2's mask on the wrong rows; gpt_bigcode's
+    `cache[0].offset` read as one number) or whose layers a batch cannot part answers
+    otherwise or raises; it decodes alone, exact, and the log says why. Runs only where the
+    cache's layers batch and `max_batch` > 1."""
     model = loaded.model
     caches = [make_layers(model, config) for _ in _DECODE_PROBE_PROMPTS]
     if max_batch < 2 or not can_batch(caches[0]):

@@ -33,7 +33,7 @@ def _cache_holding(model, tokens):
     return cache
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
 def test_rows_prefilled_together_match_each_alone(loaded_tiny, arch):
     model = loaded_tiny(arch).model
     caches = [_cache_holding(model, held) for held, _ in ROWS]
