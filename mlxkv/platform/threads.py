@@ -14,6 +14,7 @@ leaves its thread idle for the next, on the same streams; idle ones end at exit.
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -25,9 +26,17 @@ _thread_local = threading.local()
 
 
 class _StreamReleaser:
-    """Lives in one thread's `threading.local`; freed on that thread when the thread ends."""
+    """Lives in one thread's `threading.local`; freed on that thread when the thread ends, or
+    in a child forked meanwhile (a `subprocess` `preexec_fn`, a forked worker), whose copy of
+    the thread's state is cleared: there the streams' threads do not exist, and waiting for
+    them (`mx.synchronize`) hung the child before it could run anything (review23c)."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
 
     def __del__(self) -> None:
+        if os.getpid() != self._pid:
+            return
         mx.synchronize()
         mx.clear_streams()
 

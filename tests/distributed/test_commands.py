@@ -48,7 +48,7 @@ def test_chat_through_a_pipe_answers_as_one_process(model):
     lines = "Hello\nTell me more\nAnd then?\n/quit\n"
     single, sharded = _cli(args, ranks=1, stdin=lines), _cli(args, ranks=2, stdin=lines)
     assert single.returncode == sharded.returncode == 0, sharded.stderr
-    assert sharded.stdout == single.stdout
+    assert sharded.stdout == single.stdout, sharded.stderr  # its log says what rank 0 did
     cached = [int(n) for n in re.findall(r"cached (\d+) \|", sharded.stderr)]
     assert cached == [int(n) for n in re.findall(r"cached (\d+) \|", single.stderr)]
     assert len(cached) == 3 and cached[2] > cached[1] > 0

@@ -23,12 +23,22 @@ _TIMEOUT_S = 120
 _HARD = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
 
+def _limited(soft: int, hard: int, *argv: str) -> list[str]:
+    """A command that runs Python with `argv` under the open-file limit (`soft`, `hard`): set
+    by a first Python that then execs it (a `preexec_fn` runs Python in a fork of this
+    process, which holds MLX threads)."""
+    setting = (
+        "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+        f"({soft}, {hard})); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
+    return [sys.executable, "-c", setting, *argv]
+
+
 def _limits_after_import(soft: int, hard: int) -> tuple[int, int]:
     shown = subprocess.run(
-        [sys.executable, "-c",
-         "import resource, mlxkv; print(*resource.getrlimit(resource.RLIMIT_NOFILE))"],
+        _limited(soft, hard, "-c",
+                 "import resource, mlxkv; print(*resource.getrlimit(resource.RLIMIT_NOFILE))"),
         capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
         timeout=_TIMEOUT_S,
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
@@ -45,11 +55,10 @@ def test_importing_mlxkv_keeps_the_limit():
 def _serve(model: str, soft: int, hard: int) -> tuple[int, str]:
     """The soft limit of a server started under (`soft`, `hard`), and its stderr."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "mlxkv.cli", "serve", "-m", model, "--port", "0",
-         "--no-cache-dir", "--no-warmup"],
+        _limited(soft, hard, "-m", "mlxkv.cli", "serve", "-m", model, "--port", "0",
+                 "--no-cache-dir", "--no-warmup"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
     )  # fmt: skip
     try:
         ready_url(process, _TIMEOUT_S)
