@@ -187,11 +187,31 @@ def _fix_batch_masks(model: nn.Module) -> None:
     """Gemma 2's attention made to read a batch's mask row by row: mlx-lm's adds a
     (B, 1, L, S) mask to its (B, kv heads, repeats, L, S) scores, which puts row b's mask on
     KV head b (ml-explore/mlx-lm#1903, open): a batch of rows answered otherwise than each
-    row alone, so Gemma 2 decoded one stream at a time (`probe_batched_decode`). A mask of
-    another shape (mlx-lm's own fix, once it lands) is left as it is."""
-    for _, module in model.named_modules():
-        if type(module) is gemma2.Attention and module.repeats > 1:
-            module.__class__ = _Gemma2Attention
+    row alone, so Gemma 2 decoded one stream at a time (`probe_batched_decode`). Only where
+    the installed mlx-lm's attention still does (`_misreads_batch_masks`): its own fix, once
+    it lands, is left as it is."""
+    attentions = [
+        module
+        for _, module in model.named_modules()
+        if type(module) is gemma2.Attention and module.repeats > 1
+    ]
+    if attentions and _misreads_batch_masks(attentions[0]):
+        for attention in attentions:
+            attention.__class__ = _Gemma2Attention
+
+
+def _misreads_batch_masks(attention: gemma2.Attention) -> bool:
+    """Whether `attention` answers a row of a batch otherwise than that row alone, under a
+    (B, 1, L, S) mask of the rows' own (or fails on one)."""
+    hidden = attention.o_proj.weight.shape[0]
+    x = mx.random.normal((2, 2, hidden), key=mx.random.key(0))
+    mask = mx.array([[[[True, True], [True, True]]], [[[True, False], [True, False]]]])
+    try:
+        together = gemma2.Attention.__call__(attention, x, mask)
+        alone = gemma2.Attention.__call__(attention, x[1:], mask[1:])
+        return not mx.allclose(together[1:], alone, rtol=1e-4, atol=1e-4).item()
+    except ValueError:  # the shapes do not broadcast: the mask's rows met the heads
+        return True
 
 
 def _one_line(error: Exception, max_chars: int = 300) -> str:

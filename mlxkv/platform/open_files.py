@@ -27,14 +27,16 @@ def raise_open_files(wanted: int = OPEN_FILES_WANTED) -> int:
     that is lower (Go's runtime does as much for every Go server, Ollama's included); never
     lowers either limit. Returns the soft limit now (unchanged where the system refuses)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if soft == resource.RLIM_INFINITY or soft >= target:
-        return soft
-    try:
-        _SETRLIMIT(resource.RLIMIT_NOFILE, (target, hard))
-    except (OSError, ValueError):
-        return soft
-    return target
+    for asked in (wanted, OPEN_FILES_WANTED):  # macOS refuses more than its OPEN_MAX
+        target = asked if hard == resource.RLIM_INFINITY else min(asked, hard)
+        if soft == resource.RLIM_INFINITY or soft >= target:
+            return soft
+        try:
+            _SETRLIMIT(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError):
+            continue
+        return target
+    return soft
 
 
 def import_mlx_lm() -> None:
@@ -49,6 +51,8 @@ def import_mlx_lm() -> None:
         else:
             raise_open_files(limits[0])
 
+    # for the whole process while mlx-lm is imported (once, as mlxkv is): another thread's
+    # call meanwhile would be made gentle too
     resource.setrlimit = raise_only
     try:
         importlib.import_module("mlx_lm.utils")

@@ -91,8 +91,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(served: FastAPI) -> AsyncIterator[None]:
         saved = SavedFiles.open(config.state_dir)  # None: kept in memory only
-        _keep_responses_state(served, saved)
         try:
+            _keep_responses_state(served, saved)
             yield
             await background_responses(served).close()  # they end before the models do
         finally:  # after the background responses, which store theirs

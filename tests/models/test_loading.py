@@ -174,3 +174,35 @@ def test_a_layer_count_no_model_has_is_refused_at_once(tmp_path, model_root, whe
     with pytest.raises(ModelLoadError, match="num_hidden_layers=1,000,000,000") as raised:
         load_model(str(model))
     assert "\n" not in str(raised.value)
+
+
+def _gemma2_attentions(model_root) -> list:
+    from mlx_lm.models import gemma2
+
+    loaded = load_model(tiny_model_dir("gemma2", model_root))
+    found = [m for _, m in loaded.model.named_modules() if isinstance(m, gemma2.Attention)]
+    assert found and all(m.repeats > 1 for m in found)  # the case the fix is for
+    return found
+
+
+def test_gemma2_loads_with_an_attention_that_reads_each_row_s_mask(model_root):
+    """mlx-lm's put row b's mask on KV head b (ml-explore/mlx-lm#1903): swapped at load."""
+    from mlxkv.models.loading import _Gemma2Attention
+
+    assert all(type(m) is _Gemma2Attention for m in _gemma2_attentions(model_root))
+
+
+def test_gemma2_is_left_as_it_is_where_mlx_lm_reads_each_row_s_mask(model_root, monkeypatch):
+    """mlx-lm's own fix, once it lands: nothing swapped (a 5-D mask made 6-D would break it)."""
+    import mlx.core as mx
+    from mlx_lm.models import gemma2
+
+    original = gemma2.Attention.__call__
+
+    def fixed(self, x, mask=None, cache=None):
+        if isinstance(mask, mx.array) and mask.ndim == 4:
+            mask = mx.expand_dims(mask, 2)
+        return original(self, x, mask, cache)
+
+    monkeypatch.setattr(gemma2.Attention, "__call__", fixed)
+    assert all(type(m) is gemma2.Attention for m in _gemma2_attentions(model_root))

@@ -260,7 +260,7 @@ def test_a_background_response_is_read_back_as_it_ended(loaded_tiny, tmp_path):
         assert client.responses.cancel(cut.id).status == "cancelled"  # as OpenAI's: again
         (item,) = client.responses.input_items.list(cut.id).data
         assert item.content[0].text == "Hello"
-        with pytest.raises(openai.BadRequestError, match="its status is cancelled"):
+        with pytest.raises(openai.BadRequestError, match="it was cancelled"):
             client.responses.create(**ASK, input="Then", previous_response_id=cut.id)
         with pytest.raises(openai.BadRequestError, match="no longer kept"):
             client.responses.retrieve(cut.id, stream=True)
@@ -344,3 +344,41 @@ def test_only_their_owner_reads_the_files(tmp_path):
     assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
     (written,) = (tmp_path / "state").glob("conv_*.json")
     assert stat.S_IMODE(written.stat().st_mode) == 0o600
+
+
+def _unfinished(response_id: str, status: str = "queued") -> dict:
+    return {"id": response_id, "object": "response", "status": status, "output": []}
+
+
+def test_a_background_response_s_file_is_written_over_never_removed_first(tmp_path, monkeypatch):
+    """Its state at its start, then as it ended: the file was removed, then written again, and
+    a kill between the two left none (review23c: a 404 after the restart, not `failed`)."""
+    removed: list[str] = []
+    remove = SavedFiles._remove
+    monkeypatch.setattr(
+        SavedFiles, "_remove", lambda self, key: (removed.append(key), remove(self, key))
+    )
+    saved = SavedFiles.open(tmp_path)
+    history = ResponseHistory(saved=saved)
+    response_id = f"resp_{'a' * 32}"
+    history.put_unfinished(_unfinished(response_id), [], None)
+    _put(history, response_id)  # it ended as a turn
+    history.put_unfinished(_unfinished(response_id, "failed"), None, None)  # a stop after it
+    saved.close()
+    assert removed == []
+    kept = json.loads((tmp_path / f"{response_id}.json").read_text())
+    assert kept["response"]["status"] == "completed" and kept["messages"]
+
+
+def test_a_background_response_too_large_to_store_is_not_left_queued(tmp_path):
+    """Its reply past the bound: its state at its start stayed, `queued` for good (and read
+    back `failed`), review23c. Now it is not stored, as a response too large is not."""
+    saved = SavedFiles.open(tmp_path)
+    history = ResponseHistory(max_chars=2_000, saved=saved)
+    response_id = f"resp_{'b' * 32}"
+    history.put_unfinished(_unfinished(response_id), [], None)
+    huge = [{"role": "user", "content": "x" * 5_000}]
+    history.put(huge, {**_unfinished(response_id, "completed")}, [], salt=None, previous=None)
+    saved.close()
+    assert history.response(response_id, None) is None
+    assert not (tmp_path / f"{response_id}.json").exists()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxkv.platform import open_files
 from mlxkv.platform.open_files import OPEN_FILES_WANTED
 from tests.factories import tiny_model_dir
 from tests.processes import ready_url
@@ -87,3 +88,20 @@ def test_a_low_hard_limit_is_said_with_the_fix(model_root):
     allowed, stderr = _serve(str(tiny_model_dir("llama", model_root)), 200, 300)
     assert allowed == 300
     assert "300 open files allowed" in stderr and "ulimit -Hn 448" in stderr, stderr
+
+
+def test_a_limit_the_system_refuses_falls_back_to_what_macos_allows(monkeypatch):
+    """macOS refuses a soft limit over 10,240 (EINVAL), even under an unlimited hard limit: a
+    server whose connections asked for more kept 256 (review23c)."""
+    set_to = []
+
+    def setrlimit(which, limits):
+        if limits[0] > OPEN_FILES_WANTED:
+            raise ValueError("current limit exceeds maximum limit")
+        set_to.append(limits)
+
+    monkeypatch.setattr(open_files, "_SETRLIMIT", setrlimit)
+    unlimited = (256, resource.RLIM_INFINITY)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: unlimited)
+    assert open_files.raise_open_files(20_000) == OPEN_FILES_WANTED
+    assert set_to == [(OPEN_FILES_WANTED, resource.RLIM_INFINITY)]

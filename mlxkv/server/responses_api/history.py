@@ -48,6 +48,7 @@ class ResponseHistory:
         self._stored: BoundedMap[_Stored] = BoundedMap(max_responses, max_chars, self._dropped)
         self._output: dict[str, tuple[str | None, dict[str, Any]]] = {}  # item id -> salt, item
         self._saved = saved
+        self._replacing: str | None = None  # the id `_keep` is putting
         if saved is not None:
             self._read(saved)
 
@@ -110,7 +111,13 @@ class ResponseHistory:
             message_chars = 0 if messages is None else _chars(messages)
         chars = message_chars + _chars([response, input_items])
         stored = _Stored(salt, messages, message_chars, response, input_items)
-        if not self._stored.put(response["id"], stored, chars):
+        self._replacing = response["id"]  # its file is written over, not removed first
+        try:
+            kept = self._stored.put(response["id"], stored, chars)
+        finally:
+            self._replacing = None
+        if not kept:  # nor an older state of it (a background one's from its start) kept
+            self._stored.pop(response["id"])
             return False
         if messages is not None:  # a read-only one's items are not referenced
             self._output.update((item["id"], (salt, item)) for item in response["output"])
@@ -135,7 +142,8 @@ class ResponseHistory:
         that ended cancelled or failed (`input_items` None: those kept for it already)."""
         if input_items is None:
             found = self._find(response["id"], salt)
-            if found is None:  # deleted or dropped meanwhile: nothing to update
+            # deleted or dropped meanwhile; or its turn stored (cut by a stop as it ended)
+            if found is None or found.messages is not None:
                 return
             input_items = found.input_items
         if self._keep(None, response, input_items, salt, None) and self._saved is not None:
@@ -153,7 +161,9 @@ class ResponseHistory:
     def _dropped(self, stored: _Stored) -> None:
         for item in stored.response["output"]:
             self._output.pop(item["id"], None)
-        if self._saved is not None:
+        # a file replaced is written over in one step: removed first, a kill between the two
+        # would leave none
+        if self._saved is not None and stored.response["id"] != self._replacing:
             self._saved.remove(stored.response["id"])
 
 
@@ -266,9 +276,12 @@ def prior_messages(
     message = f"Previous response with id '{previous}' not found."
     unfinished = history.response(previous, body.cache_salt)
     if unfinished is not None:  # a background response not ended as a turn: no such turn
+        status = unfinished["status"]
+        state = {"queued": "it has not ended", "in_progress": "it has not ended"}.get(status)
+        state = state or ("it was cancelled" if status == "cancelled" else f"it {status}")
         message = (
-            f"Previous response with id '{previous}' cannot be continued: its status is "
-            f"{unfinished['status']}. Continue the response before it, or send the whole input."
+            f"Previous response with id '{previous}' cannot be continued: {state}. Continue "
+            "the response before it, or send the whole input."
         )
     # one code for both: a client that recovers from it sends the whole input again
     raise ApiError(400, message, code="previous_response_not_found", param="previous_response_id")

@@ -153,7 +153,7 @@ class SavedFiles:
                 for piece in _ENCODER.iterencode({"version": FORMAT_VERSION, **record}):
                     file.write(piece)
             os.replace(temporary, self.directory / f"{key}.json")
-        except (OSError, RuntimeError, TypeError, ValueError) as error:
+        except Exception as error:  # whatever it is, not a request's to answer for
             logger.warning(
                 "responses: %s was not written to %s (%s); a restart will not read it back",
                 key,
@@ -169,7 +169,7 @@ class SavedFiles:
             return
         try:
             (self.directory / f"{key}.json").unlink(missing_ok=True)
-        except OSError as error:
+        except Exception as error:  # only costs disk space
             logger.warning("responses: %s.json could not be removed (%s)", key, error)
 
     def _remove_temporaries(self) -> None:

@@ -140,7 +140,7 @@ async def get_response(
         found = _stored(request, response_id, cache_salt)
         if not stream:
             return found
-        if found["background"]:  # among the oldest
+        if found.get("background"):  # among the oldest
             raise ApiError(400, "This response's events are no longer kept.", param="stream")
         message = "Only background responses can be streamed again: this one was not."
         raise ApiError(400, message, param="stream")
@@ -163,7 +163,7 @@ async def cancel_response(
     """
     run = background_responses(request).find(response_id, cache_salt)
     found = run.latest if run is not None else _stored(request, response_id, cache_salt)
-    if not found["background"]:
+    if not found.get("background"):
         message = "Only responses created with background set to true can be cancelled."
         raise ApiError(400, message, param="response_id")
     if found["status"] not in ("queued", "in_progress", "cancelled"):
