@@ -168,14 +168,15 @@ def model_directories(root: Path) -> list[Path]:
     ]
 
 
-def own_files(directory: Path) -> list[os.DirEntry]:
-    """Regular files in `directory` named as this tier names its files: never a link, a
-    pipe (opening one would block) or anything named otherwise."""
+def own_files(directory: Path, named: re.Pattern[str] = _FILE_NAME) -> list[os.DirEntry]:
+    """Regular files in `directory` whose names `named` matches whole (by default, as this
+    tier names its block files): never a link, a pipe (opening one would block) or anything
+    named otherwise."""
     try:
         entries = list(os.scandir(directory))
     except OSError:
         return []
-    return [e for e in entries if _FILE_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
+    return [e for e in entries if named.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
 
 
 def remove_own_file(path: Path) -> bool:

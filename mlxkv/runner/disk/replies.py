@@ -43,6 +43,7 @@ from mlxkv.runner.disk.files import (
     StoredEntry,
     check_header,
     check_origin,
+    own_files,
     read_header,
     remove_own_file,
     token_key,
@@ -395,11 +396,7 @@ def _stamp(path: Path) -> tuple[int, int] | None:
 
 def record_files(directory: Path) -> list[os.DirEntry]:
     """Regular files named as records are (never a link or a pipe)."""
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return []
-    return [e for e in entries if _NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
+    return own_files(directory, _NAME)
 
 
 def _pack(ids: np.ndarray) -> str:

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.items import listed_item
 from mlxkv.server.responses_api.protocol import InputItem, chat_messages
-from mlxkv.server.responses_api.saved import SavedFiles, items_error, not_read
+from mlxkv.server.responses_api.saved import SavedFiles, items_error
 from mlxkv.server.state import BoundedMap
 
 MAX_CONVERSATIONS = 256
@@ -186,11 +186,7 @@ class Conversations:
 
     def _read(self, saved: SavedFiles) -> None:
         """Holds the conversations of `saved`'s files, the least recently changed first."""
-        for record in saved.read("conv_"):
-            why = _record_error(record)
-            if why is not None:
-                not_read(record, why)
-                continue
+        for record in saved.read("conv_", _record_error):
             items, metadata = record["items"], record["metadata"]
             conversation = Conversation(
                 record["id"], record["created_at"], metadata, record["salt"], items

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.conversations import held_conversations
 from mlxkv.server.responses_api.protocol import InputItem, ResponsesRequest, chat_messages
-from mlxkv.server.responses_api.saved import SavedFiles, items_error, not_read
+from mlxkv.server.responses_api.saved import SavedFiles, items_error
 from mlxkv.server.state import BoundedMap
 
 MAX_RESPONSES = 256
@@ -125,11 +125,7 @@ class ResponseHistory:
 
     def _read(self, saved: SavedFiles) -> None:
         """Keeps the responses of `saved`'s files, oldest first (as they were put)."""
-        for record in saved.read("resp_"):
-            why = _record_error(record)
-            if why is not None:
-                not_read(record, why)
-                continue
+        for record in saved.read("resp_", _record_error):
             fields = (record["messages"], _ended(record["response"]), record["input_items"])
             if not self._keep(*fields, record["salt"], record["previous"]):
                 saved.remove(record["id"])  # too large for the bound now: as if dropped

@@ -40,6 +40,8 @@ from typing import Any
 
 from fastapi import Request
 
+from mlxkv.runner.disk.files import own_files
+
 logger = logging.getLogger(__name__)
 
 # What a file's `version` says; a file of another version is not read (one warning).
@@ -98,17 +100,23 @@ class SavedFiles:
         saved._remove_temporaries()
         return saved
 
-    def read(self, prefix: str) -> Iterator[dict[str, Any]]:
+    def read(
+        self, prefix: str, error_of: Callable[[dict[str, Any]], str | None]
+    ) -> Iterator[dict[str, Any]]:
         """The records of the files whose ids start with `prefix` ("resp_", "conv_"), oldest
-        written first."""
+        written first; one `error_of` finds wrong (what keeps it from being of its kind) is
+        one warning, its file left, and is not given."""
         found = []
-        for entry in _own_files(self.directory):
+        for entry in own_files(self.directory, _NAME):
             if entry.name.startswith(prefix):
                 with contextlib.suppress(OSError):  # gone meanwhile
                     found.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.path))
         for _, path in sorted(found):
             record = _read(Path(path))
-            if record is not None:
+            why = None if record is None else error_of(record)
+            if why is not None:
+                logger.warning("responses: %s is not read (%s); left as it is", path, why)
+            elif record is not None:
                 self.num_read += 1
                 yield record
 
@@ -182,15 +190,6 @@ class SavedFiles:
                         os.unlink(entry.path)
 
 
-def _own_files(directory: Path) -> list[os.DirEntry]:
-    """Regular files named as this module names them (never a link)."""
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return []
-    return [e for e in entries if _NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
-
-
 def _read(path: Path) -> dict[str, Any] | None:
     """The file's record; None (one warning, the file left) when it cannot be read."""
     try:
@@ -205,11 +204,6 @@ def _read(path: Path) -> dict[str, Any] | None:
         logger.warning("responses: %s holds another id; left as it is", path)
         return None
     return record
-
-
-def not_read(record: dict[str, Any], why: str) -> None:
-    """Says that a record `read` gave is not of its kind's shape (`why`); its file is left."""
-    logger.warning("responses: %s.json is not read (%s); left as it is", record["id"], why)
 
 
 def items_error(value: Any) -> str | None:
