@@ -147,7 +147,7 @@ class SavedFiles:
         try:
             self._last = self._writer.submit(work, argument)
         except RuntimeError:  # closed: a request that ended after the server's stop
-            logger.warning("responses: the server has stopped; %s not kept on disk", work.__name__)
+            logger.warning("responses: a change after the server stopped is not kept on disk")
 
     def _write(self, record: dict[str, Any]) -> None:
         key = record["id"]
