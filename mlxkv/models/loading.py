@@ -202,16 +202,22 @@ def _fix_batch_masks(model: nn.Module) -> None:
 
 def _misreads_batch_masks(attention: gemma2.Attention) -> bool:
     """Whether `attention` answers a row of a batch otherwise than that row alone, under a
-    (B, 1, L, S) mask of the rows' own (or fails on one)."""
+    (B, 1, L, S) mask of the rows' own (or fails on one). A misread moves the row by about its
+    own scale; rounding (reduced-precision matmuls on a GPU) by far less. A probe that fails
+    otherwise says no: the load's batched-decode probe still keeps a misreading model exact."""
     hidden = attention.o_proj.weight.shape[0]
     x = mx.random.normal((2, 2, hidden), key=mx.random.key(0))
     mask = mx.array([[[[True, True], [True, True]]], [[[True, False], [True, False]]]])
     try:
         together = gemma2.Attention.__call__(attention, x, mask)
         alone = gemma2.Attention.__call__(attention, x[1:], mask[1:])
-        return not mx.allclose(together[1:], alone, rtol=1e-4, atol=1e-4).item()
     except ValueError:  # the shapes do not broadcast: the mask's rows met the heads
         return True
+    except Exception as error:  # an mlx-lm this probe does not know
+        logger.info("gemma2 mask probe failed (%s): its attention left as it is", error)
+        return False
+    scale = max(1.0, mx.abs(alone).max().item())
+    return mx.abs(together[1:] - alone).max().item() > 1e-2 * scale
 
 
 def _one_line(error: Exception, max_chars: int = 300) -> str:

@@ -27,7 +27,8 @@ def raise_open_files(wanted: int = OPEN_FILES_WANTED) -> int:
     that is lower (Go's runtime does as much for every Go server, Ollama's included); never
     lowers either limit. Returns the soft limit now (unchanged where the system refuses)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    for asked in (wanted, OPEN_FILES_WANTED):  # macOS refuses more than its OPEN_MAX
+    # macOS refuses more than its OPEN_MAX: then that, never more than `wanted`
+    for asked in dict.fromkeys((wanted, min(wanted, OPEN_FILES_WANTED))):
         target = asked if hard == resource.RLIM_INFINITY else min(asked, hard)
         if soft == resource.RLIM_INFINITY or soft >= target:
             return soft

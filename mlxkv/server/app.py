@@ -98,7 +98,7 @@ def create_app(
         finally:  # after the background responses, which store theirs
             if saved is not None:
                 saved.close()
-        models.residency.shutdown(SHUTDOWN_SAVE_S)
+            models.residency.shutdown(SHUTDOWN_SAVE_S)
 
     app = FastAPI(title="mlxkv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.mlxkv = ServerContext.make(

@@ -105,3 +105,17 @@ def test_a_limit_the_system_refuses_falls_back_to_what_macos_allows(monkeypatch)
     monkeypatch.setattr(resource, "getrlimit", lambda which: unlimited)
     assert open_files.raise_open_files(20_000) == OPEN_FILES_WANTED
     assert set_to == [(OPEN_FILES_WANTED, resource.RLIM_INFINITY)]
+
+
+def test_a_refused_limit_is_never_raised_past_what_was_asked(monkeypatch):
+    """mlx-lm's import asks for 2,048: refused, it is not raised to 10,240 instead."""
+    set_to = []
+
+    def setrlimit(which, limits):
+        set_to.append(limits)
+        raise ValueError("refused")
+
+    monkeypatch.setattr(open_files, "_SETRLIMIT", setrlimit)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, resource.RLIM_INFINITY))
+    assert open_files.raise_open_files(2_048) == 256
+    assert set_to == [(2_048, resource.RLIM_INFINITY)]

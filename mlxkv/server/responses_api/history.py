@@ -273,8 +273,9 @@ def prior_messages(
     unfinished = history.response(previous, body.cache_salt)
     if unfinished is not None:  # a background response not ended as a turn: no such turn
         status = unfinished["status"]
-        state = {"queued": "it has not ended", "in_progress": "it has not ended"}.get(status)
-        state = state or ("it was cancelled" if status == "cancelled" else f"it {status}")
+        said = {"queued": "it has not ended", "in_progress": "it has not ended"}
+        said |= {"cancelled": "it was cancelled", "failed": "it failed"}
+        state = said.get(status, f"its status is {status}")
         message = (
             f"Previous response with id '{previous}' cannot be continued: {state}. Continue "
             "the response before it, or send the whole input."

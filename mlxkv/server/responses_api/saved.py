@@ -150,8 +150,8 @@ class SavedFiles:
             logger.warning("responses: a change after the server stopped is not kept on disk")
 
     def _write(self, record: dict[str, Any]) -> None:
-        key = record["id"]
-        if not KEY.fullmatch(key):  # never a name of another form, nor a path
+        key = record.get("id")
+        if not isinstance(key, str) or not KEY.fullmatch(key):  # never another name, nor a path
             logger.warning("responses: %r is not an id kept in a file", key)
             return
         temporary = self.directory / f".{key}.json.tmp"
@@ -173,7 +173,7 @@ class SavedFiles:
             self._remove(key)  # its older state is not read back as if it were this one
 
     def _remove(self, key: str) -> None:
-        if not KEY.fullmatch(key):
+        if not isinstance(key, str) or not KEY.fullmatch(key):
             return
         try:
             (self.directory / f"{key}.json").unlink(missing_ok=True)
