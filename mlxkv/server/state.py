@@ -232,6 +232,11 @@ class _Raised:
 V = TypeVar("V")
 
 
+def json_chars(value: Any) -> int:
+    """`value`'s size as `BoundedMap`'s callers measure it: characters of its JSON."""
+    return len(json.dumps(value, ensure_ascii=False))
+
+
 class BoundedMap(Generic[V]):
     """Entries an API keeps for later requests, in memory under a count and a size bound (its
     callers measure sizes in characters of JSON), the least recently used dropped first. An

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
@@ -33,7 +32,7 @@ from mlxkv.server.models.served import outliving_hold
 from mlxkv.server.reply.turn import Turn
 from mlxkv.server.responses_api.conversations import TurnClaim
 from mlxkv.server.responses_api.history import ResponseHistory
-from mlxkv.server.state import BoundedMap, guarded_events, sse
+from mlxkv.server.state import BoundedMap, guarded_events, json_chars, sse
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +221,7 @@ class BackgroundResponses:
         def ended(run: BackgroundRun) -> None:
             response_id = run.latest["id"]
             del self._running[response_id]
-            self._finished.put(response_id, run, run.chars + _chars(run.latest))
+            self._finished.put(response_id, run, run.chars + json_chars(run.latest))
             if run.status in ("cancelled", "failed"):  # a turn is stored as it ends
                 self._history.put_unfinished(run.latest, None, run.salt)
             usage = run.latest.get("usage")
@@ -275,10 +274,6 @@ def _dropped(number: int, first: int, kept_chars: int) -> str:
     )
     event = {"type": "error", "code": "events_dropped", "message": message, "param": None}
     return sse({**event, "sequence_number": number}, "error")
-
-
-def _chars(value: Any) -> int:
-    return len(json.dumps(value, ensure_ascii=False))
 
 
 def check_background(background: bool, store: bool) -> None:

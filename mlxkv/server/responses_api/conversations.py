@@ -11,7 +11,6 @@ with OpenAI's 400 `conversation_locked`."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,7 +24,7 @@ from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.items import listed_item
 from mlxkv.server.responses_api.protocol import InputItem, chat_messages
 from mlxkv.server.responses_api.saved import SavedFiles, items_error
-from mlxkv.server.state import BoundedMap
+from mlxkv.server.state import BoundedMap, json_chars
 
 MAX_CONVERSATIONS = 256
 MAX_STORED_CHARS = 64 * 2**20
@@ -90,7 +89,7 @@ class Conversations:
         """
         listed = checked_items(items)
         conversation = Conversation(f"conv_{uuid.uuid4().hex}", int(time.time()), metadata, salt)
-        if not self._held.put(conversation.id, conversation, _chars(metadata)):
+        if not self._held.put(conversation.id, conversation, json_chars(metadata)):
             raise _too_large("metadata", self._held.max_chars)
         try:
             self.add(conversation.id, listed, salt)
@@ -132,7 +131,7 @@ class Conversations:
         if len(set(ids)) < len(ids) or held.intersection(ids):
             message = "items: an item's id is already in the conversation (or given twice)"
             raise ApiError(400, message, param="items")
-        if not self._held.grow(conversation_id, sum(_chars(item) for item in items)):
+        if not self._held.grow(conversation_id, sum(json_chars(item) for item in items)):
             raise _too_large("items", self._held.max_chars)
         conversation.items.extend(items)
         self._write(conversation)
@@ -153,7 +152,8 @@ class Conversations:
 
     def set_metadata(self, conversation_id: str, metadata: dict[str, Any], salt: str | None):
         conversation = self.get(conversation_id, salt)
-        if not self._held.grow(conversation_id, _chars(metadata) - _chars(conversation.metadata)):
+        grown = json_chars(metadata) - json_chars(conversation.metadata)
+        if not self._held.grow(conversation_id, grown):
             raise _too_large("metadata", self._held.max_chars)
         conversation.metadata = metadata
         self._write(conversation)
@@ -164,7 +164,7 @@ class Conversations:
         ApiError: 404 for a conversation not held or an item not in it."""
         conversation = self.get(conversation_id, salt)
         removed = conversation.items.pop(_index(conversation, item_id))
-        self._held.grow(conversation_id, -_chars(removed))
+        self._held.grow(conversation_id, -json_chars(removed))
         self._write(conversation)
         return conversation
 
@@ -191,7 +191,7 @@ class Conversations:
             conversation = Conversation(
                 record["id"], record["created_at"], metadata, record["salt"], items
             )
-            chars = _chars(metadata) + sum(_chars(item) for item in items)
+            chars = json_chars(metadata) + sum(json_chars(item) for item in items)
             if not self._held.put(conversation.id, conversation, chars):
                 saved.remove(conversation.id)  # too large for the bound now: as if dropped
 
@@ -206,10 +206,6 @@ def _record_error(record: dict[str, Any]) -> str | None:
     if "salt" not in record or not isinstance(record["salt"], str | None):
         return "its salt is not a string"
     return items_error(record.get("items"))
-
-
-def _chars(value: Any) -> int:
-    return len(json.dumps(value, ensure_ascii=False))
 
 
 def _too_large(what: str, max_chars: int) -> ApiError:

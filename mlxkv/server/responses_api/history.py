@@ -9,7 +9,6 @@ its conversation's items (`conversations`)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +18,7 @@ from mlxkv.server.errors import ApiError
 from mlxkv.server.responses_api.conversations import held_conversations
 from mlxkv.server.responses_api.protocol import InputItem, ResponsesRequest, chat_messages
 from mlxkv.server.responses_api.saved import SavedFiles, items_error
-from mlxkv.server.state import BoundedMap
+from mlxkv.server.state import BoundedMap, json_chars
 
 MAX_RESPONSES = 256
 MAX_STORED_CHARS = 64 * 2**20
@@ -106,10 +105,10 @@ class ResponseHistory:
         if before is not None and before.messages is not None and messages is not None:
             held = len(before.messages)  # one list of its own, the messages before shared
             messages = before.messages + messages[held:]
-            message_chars = before.message_chars + _chars(messages[held:])
+            message_chars = before.message_chars + json_chars(messages[held:])
         else:
-            message_chars = 0 if messages is None else _chars(messages)
-        chars = message_chars + _chars([response, input_items])
+            message_chars = 0 if messages is None else json_chars(messages)
+        chars = message_chars + json_chars([response, input_items])
         stored = _Stored(salt, messages, message_chars, response, input_items)
         self._replacing = response["id"]  # its file is written over, not removed first
         try:
@@ -190,10 +189,6 @@ def _ended(response: dict[str, Any]) -> dict[str, Any]:
         return response
     error = {"code": "server_error", "message": "The server stopped before this response ended."}
     return {**response, "status": "failed", "error": error}
-
-
-def _chars(value: Any) -> int:
-    return len(json.dumps(value, ensure_ascii=False))
 
 
 def resolve_references(
