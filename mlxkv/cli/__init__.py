@@ -16,19 +16,10 @@ import sys
 
 from mlxkv.cli.common import setup_logging
 from mlxkv.cli.parser import build_parser
+from mlxkv.cli.stopping import Terminated, raise_if_terminated, terminated_by_raising
 from mlxkv.errors import MlxkvError
 
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a process ended by SIGPIPE
-
-
-class _Terminated(BaseException):
-    """SIGTERM (`kill`, systemd, `docker stop`), raised where the program is, as Ctrl-C is,
-    so that cleanups run: Python's default ends the process at once, which left a
-    conversion's 257 MB temporary directory behind."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,16 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = [_as_text(a) for a in (sys.argv[1:] if argv is None else argv)]
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # `serve`: uvicorn's own
-    try:
-        return _run(args)
-    # outside `_run`'s handlers, so that a signal landing inside one of them is caught too
-    except _Terminated:  # cleaned up: now die by the signal, as the caller expects
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.raise_signal(signal.SIGTERM)
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with terminated_by_raising():  # `serve`: the server's own handler while it runs
+        try:
+            status = _run(args)
+            raise_if_terminated()  # one whose raise was lost (`stopping`)
+            return status
+        # outside `_run`'s handlers, so that a signal landing inside one of them is caught too
+        except Terminated:  # cleaned up: now die by the signal, as the caller expects
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+            raise
 
 
 def _run(args: argparse.Namespace) -> int:

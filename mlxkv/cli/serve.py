@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxkv.cli.common import EXIT_OUT_OF_STEP, MEMORY_LOGGER, follow, load_runner, runner_config
+from mlxkv.cli.stopping import stopped_by
 from mlxkv.config import ServerConfig, env, format_bytes
 from mlxkv.errors import UnsupportedFormatError
 from mlxkv.models.loading import expected_weights_bytes
@@ -49,12 +50,17 @@ def serve_command(args: argparse.Namespace) -> int:
         app, sock, url = _listen(args, config, sources)
         for name, source in sources.items():
             print(f"mlxkv: {name}: {_describe(source)}", file=sys.stderr)
-        names = ", ".join(sources)
-        print(f"mlxkv: serving {names} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True)
         server = Server(uvicorn_config(app, config, timeout_graceful_shutdown=5))
         if world() is not None:
             _stop_when_out_of_step(loaded[0], server)
-        server.run(sockets=[sock])  # models loaded on demand are closed as it stops
+        # from the ready line on, a stop signal sets the server's flag: a caller sends one as
+        # soon as it reads the line, and a raise landing before uvicorn's handler could be lost
+        with stopped_by(server.handle_exit):
+            names = ", ".join(sources)
+            print(
+                f"mlxkv: serving {names} at {url} (OpenAI: {url}/v1, Anthropic: {url})", flush=True
+            )
+            server.run(sockets=[sock])  # models loaded on demand are closed as it stops
     finally:  # on the way out, the caches go to their disk tiers (if any)
         _close(loaded)
     if loaded and loaded[0].health is not None:  # said in the log when it happened

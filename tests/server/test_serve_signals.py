@@ -111,3 +111,42 @@ def test_a_stop_signal_during_an_image_fetch_leaves_no_traceback(tmp_path):
     assert process.returncode == -signal.SIGTERM, stderr
     assert "Traceback" not in stderr
     assert "/v1/chat/completions 503 " in stderr, stderr
+
+
+# `mlxkv serve`, with a SIGTERM that arrives as the main thread runs a finalizer between the
+# ready line and uvicorn's own handlers: a raise there is lost ("Exception ignored").
+_LOSES_A_SIGNAL_AS_IT_STARTS = """
+import os, signal, sys
+from mlxkv.cli import main
+from mlxkv.server.connections import Server
+
+class _Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+def run(self, sockets=None, _run=Server.run):
+    _Finalized()
+    return _run(self, sockets=sockets)
+
+Server.run = run
+sys.exit(main())
+"""
+
+
+def test_a_stop_signal_as_the_server_starts_is_not_lost(model_root, tmp_path):
+    """Seen once: a server sent SIGTERM right after its ready line kept serving."""
+    model = str(tiny_model_dir("llama", model_root))
+    process = subprocess.Popen(
+        [sys.executable, "-c", _LOSES_A_SIGNAL_AS_IT_STARTS, "serve", "-m", model, "--port",
+         "0", "--cache-dir", str(tmp_path), "--no-warmup"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    try:
+        _, stderr = process.communicate(timeout=_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == -signal.SIGTERM, stderr
+    assert "Traceback" not in stderr
