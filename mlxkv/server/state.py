@@ -27,6 +27,7 @@ from mlxkv.models.capabilities import Capabilities
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models.model import ResidentModel
 from mlxkv.server.models.served import ServedModels, request_context
+from mlxkv.server.reply.choices import Choices
 from mlxkv.server.reply.turn import Turn
 from mlxkv.server.worker import GenerationWorker
 
@@ -132,7 +133,7 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
 
 def event_stream(
     events: AsyncIterator[str],
-    turn: Turn,
+    turn: Turn | Choices,
     error_event: Callable[[ApiError], str],
     keepalive: str | None = SSE_KEEPALIVE,
     media_type: str = "text/event-stream",
@@ -157,7 +158,7 @@ def replay_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def guarded_events(
-    events: AsyncIterator[str], turn: Turn, error_event: Callable[[ApiError], str]
+    events: AsyncIterator[str], turn: Turn | Choices, error_event: Callable[[ApiError], str]
 ) -> AsyncIterator[str]:
     """`events`, ended by `error_event(error)` where the generation fails after they began
     (the API's own error event, typed as its status is, instead of a cut stream); the turn is

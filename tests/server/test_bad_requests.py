@@ -48,7 +48,7 @@ OPENAI_BAD = [
     ({"messages": USER, "max_tokens": -3}, "max_tokens"),
     ({"messages": USER, "max_tokens": 2.5}, "max_tokens"),
     ({"messages": USER, "stream": "yes"}, "stream"),
-    ({"messages": USER, "n": 2}, "n=2"),
+    ({"messages": USER, "n": 0}, "n"),
     ({"messages": USER, "stop": 7}, "stop"),
     ({"messages": USER, "stop": [""]}, "stop"),
     ({"messages": USER, "top_logprobs": 3}, "logprobs"),

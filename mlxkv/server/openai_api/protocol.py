@@ -105,8 +105,6 @@ class GenerationFields(Lenient):
 
     def sampling(self, max_tokens: int | None, default_max_tokens: int) -> dict[str, Any]:
         """Runner sampling arguments; checks what the schema cannot express."""
-        if self.n != 1:
-            raise ApiError(400, f"n={self.n} is not supported; send n=1", param="n")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and not all(stop):
             raise ApiError(400, "stop strings must not be empty", param="stop")

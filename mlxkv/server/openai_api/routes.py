@@ -23,6 +23,7 @@ from mlxkv.server.errors import ApiError, openai_error
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.protocol import openai_logprobs
+from mlxkv.server.reply.choices import combined, merged, start_choices
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
     WAITING,
@@ -30,7 +31,7 @@ from mlxkv.server.reply.turn import (
     ReasoningDelta,
     TextDelta,
     Turn,
-    collect,
+    collect_each,
     start_turn,
 )
 from mlxkv.server.state import Context, ServerContext, event_stream, sse
@@ -68,23 +69,35 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
-    turn = await start_turn(
-        request,
-        body.chat_messages(),
-        tools=body.template_tools(),
-        sampling=body.sampling(max_tokens, ctx.default_max_tokens),
-        top_logprobs=body.top_logprobs_count(),
-        cache_key=body.prompt_cache_key,
-        max_tokens_asked=max_tokens is not None,
-        cache_salt=body.cache_salt,
-        forced=body.forced_call(),
-        switches=body.template_switches(),
-    )
+
+    async def start(sampling: dict[str, Any]) -> Turn:
+        return await start_turn(
+            request,
+            body.chat_messages(),
+            tools=body.template_tools(),
+            sampling=sampling,
+            top_logprobs=body.top_logprobs_count(),
+            cache_key=body.prompt_cache_key,
+            max_tokens_asked=max_tokens is not None,
+            cache_salt=body.cache_salt,
+            forced=body.forced_call(),
+            switches=body.template_switches(),
+        )
+
+    sampling = body.sampling(max_tokens, ctx.default_max_tokens)
+    choices = await start_choices(request, body.n, _max_queue(ctx), start, sampling)
     reply = _Reply(ctx.model_name, "chatcmpl", "chat.completion")
     if body.stream:
-        events = _chat_events(turn, reply, body.include_usage, request.scope)
-        return event_stream(events, turn, _error_event)
-    events, completion = await collect(turn, request)
+        events = _chat_events(choices.turns, reply, body.include_usage, request.scope)
+        return event_stream(events, choices, _error_event)
+    collected = await collect_each(choices.turns, request)
+    bodies = [_chat_choice(i, *each, body.logprobs) for i, each in enumerate(collected)]
+    return reply.body(bodies, usage=_usage(combined([each[1] for each in collected])))
+
+
+def _chat_choice(
+    index: int, events: list[Event], completion: Completion, logprobs: bool | None
+) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": _text(events)}
     reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     if reasoning:
@@ -93,39 +106,49 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     if calls:
         message["tool_calls"] = [_tool_call(call) for call in calls]
         message["content"] = message["content"] or None
-    choice = {
-        "index": 0,
+    return {
+        "index": index,
         "message": message,
-        "logprobs": {"content": _chat_logprobs(events)} if body.logprobs else None,
+        "logprobs": {"content": _chat_logprobs(events)} if logprobs else None,
         "finish_reason": _finish_reason(completion, calls),
     }
-    return reply.body([choice], usage=_usage(completion))
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: Context):
-    turn = await start_turn(
-        request,
-        body.single_prompt(),
-        tools=None,
-        sampling=body.sampling(body.max_tokens, ctx.default_max_tokens),
-        top_logprobs=body.logprobs,
-        max_tokens_asked="max_tokens" in body.model_fields_set,
-        cache_salt=body.cache_salt,
-        split_thinking=False,  # a text completion is the text as generated
-    )
+    async def start(sampling: dict[str, Any]) -> Turn:
+        return await start_turn(
+            request,
+            body.single_prompt(),
+            tools=None,
+            sampling=sampling,
+            top_logprobs=body.logprobs,
+            max_tokens_asked="max_tokens" in body.model_fields_set,
+            cache_salt=body.cache_salt,
+            split_thinking=False,  # a text completion is the text as generated
+        )
+
+    sampling = body.sampling(body.max_tokens, ctx.default_max_tokens)
+    choices = await start_choices(request, body.n, _max_queue(ctx), start, sampling)
     reply = _Reply(ctx.model_name, "cmpl", "text_completion")
     if body.stream:
-        events = _completion_events(turn, reply, body, request.scope)
-        return event_stream(events, turn, _error_event)
-    events, completion = await collect(turn, request)
-    choice = {
-        "index": 0,
-        "text": _text(events),
-        "logprobs": _legacy_logprobs(events) if body.logprobs is not None else None,
-        "finish_reason": _finish_reason(completion, []),
-    }
-    return reply.body([choice], usage=_usage(completion))
+        events = _completion_events(choices.turns, reply, body, request.scope)
+        return event_stream(events, choices, _error_event)
+    collected = await collect_each(choices.turns, request)
+    bodies = [
+        {
+            "index": index,
+            "text": _text(events),
+            "logprobs": _legacy_logprobs(events) if body.logprobs is not None else None,
+            "finish_reason": _finish_reason(completion, []),
+        }
+        for index, (events, completion) in enumerate(collected)
+    ]
+    return reply.body(bodies, usage=_usage(combined([each[1] for each in collected])))
+
+
+def _max_queue(ctx: ServerContext) -> int | None:
+    return None if ctx.worker is None else ctx.worker.max_queue
 
 
 class _Reply:
@@ -143,57 +166,64 @@ class _Reply:
 
 
 async def _chat_events(
-    turn: Turn, reply: _Reply, include_usage: bool, scope: dict[str, Any]
+    turns: list[Turn], reply: _Reply, include_usage: bool, scope: dict[str, Any]
 ) -> AsyncIterator[str]:
-    """The role chunk at once, then the reply's chunks; a wait the client's watchdog would
-    count as a stall (`early_events`: langchain-openai's `stream_chunk_timeout`, 120 s, counts
-    only parsed chunks) sends a chunk of empty content."""
+    """Each choice's role chunk at once, then the replies' chunks as they come; a wait the
+    client's watchdog would count as a stall (`early_events`: langchain-openai's
+    `stream_chunk_timeout`, 120 s, counts only parsed chunks) sends a chunk of empty content."""
     reply.kind = "chat.completion.chunk"
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse(reply.body([choice]))
 
-    yield chunk({"role": "assistant", "content": ""})
-    calls: list[ToolCall] = []
-    async for event in marking_waits(turn, scope):
+    for index in range(len(turns)):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    calls: list[list[ToolCall]] = [[] for _ in turns]
+    ended: list[Completion] = []
+    async for index, event in merged([marking_waits(turn, scope) for turn in turns]):
         if event is WAITING:
-            yield chunk({"content": ""})
+            yield chunk(index, {"content": ""})
         elif isinstance(event, TextDelta | ReasoningDelta) and (event.text or event.logprobs):
             logprobs = {"content": openai_logprobs(event.logprobs)} if event.logprobs else None
             if isinstance(event, ReasoningDelta):
-                yield chunk(_reasoning(event.text), logprobs=logprobs)
+                yield chunk(index, _reasoning(event.text), logprobs=logprobs)
             else:
-                yield chunk({"content": event.text}, logprobs=logprobs)
+                yield chunk(index, {"content": event.text}, logprobs=logprobs)
         elif isinstance(event, ToolCall):
-            yield chunk({"tool_calls": [{"index": len(calls), **_tool_call(event)}]})
-            calls.append(event)
+            call = {"index": len(calls[index]), **_tool_call(event)}
+            yield chunk(index, {"tool_calls": [call]})
+            calls[index].append(event)
         elif isinstance(event, Completion):
-            yield chunk({}, finish=_finish_reason(event, calls))
-            if include_usage:
-                yield sse(reply.body([], usage=_usage(event)))
+            yield chunk(index, {}, finish=_finish_reason(event, calls[index]))
+            ended.append(event)
+    if include_usage and len(ended) == len(turns):
+        yield sse(reply.body([], usage=_usage(combined(ended))))
     yield sse("[DONE]")
 
 
 async def _completion_events(
-    turn: Turn, reply: _Reply, body: CompletionRequest, scope: dict[str, Any]
+    turns: list[Turn], reply: _Reply, body: CompletionRequest, scope: dict[str, Any]
 ) -> AsyncIterator[str]:
-    """The text's chunks; a long wait (`early_events`) sends one of empty text."""
+    """Each choice's text chunks as they come; a long wait (`early_events`) sends one of
+    empty text."""
 
-    def chunk(text: str, logprobs: dict[str, Any] | None = None, finish: str | None = None) -> str:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return sse(reply.body([choice]))
 
-    async for event in marking_waits(turn, scope):
+    ended: list[Completion] = []
+    async for index, event in merged([marking_waits(turn, scope) for turn in turns]):
         if event is WAITING:
-            yield chunk("")
+            yield chunk(index, "")
         elif isinstance(event, TextDelta) and (event.text or event.logprobs):
             logprobs = _legacy_logprobs([event]) if body.logprobs is not None else None
-            yield chunk(event.text, logprobs)
+            yield chunk(index, event.text, logprobs)
         elif isinstance(event, Completion):
-            yield chunk("", finish=_finish_reason(event, []))
-            if body.include_usage:
-                yield sse(reply.body([], usage=_usage(event)))
+            yield chunk(index, "", finish=_finish_reason(event, []))
+            ended.append(event)
+    if body.include_usage and len(ended) == len(turns):
+        yield sse(reply.body([], usage=_usage(combined(ended))))
     yield sse("[DONE]")
 
 

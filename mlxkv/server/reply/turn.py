@@ -384,22 +384,39 @@ async def collect(turn: Turn, request: Request) -> tuple[list[Event], Completion
         ApiError: 499 (nginx's "client closed request") when it left while the generation
             waited for its turn: there is no reply, and the request ends (it waited forever).
     """
-    watcher = asyncio.create_task(_cancel_on_disconnect(turn, request))
+    [collected] = await collect_each([turn], request)
+    return collected
+
+
+async def collect_each(
+    turns: Sequence[Turn], request: Request
+) -> list[tuple[list[Event], Completion]]:
+    """`collect` for each of several turns at once (a request's choices): one that fails, or
+    a client that leaves, cancels them all."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(turns, request))
     try:
-        events = [event async for event in turn.events()]
+        collected = await asyncio.gather(*(_events(turn) for turn in turns))
+    except BaseException:
+        for turn in turns:
+            turn.cancel()
+        raise
     finally:
         watcher.cancel()
-    if not events or not isinstance(events[-1], Completion):  # cancelled before it started
+    if not all(events and isinstance(events[-1], Completion) for events in collected):
         raise ApiError(499, "the client closed the request before its generation started")
-    completion = events.pop()
-    return events, completion
+    return [(events[:-1], events[-1]) for events in collected]
 
 
-async def _cancel_on_disconnect(turn: Turn, request: Request) -> None:
+async def _events(turn: Turn) -> list[Event]:
+    return [event async for event in turn.events()]
+
+
+async def _cancel_on_disconnect(turns: Sequence[Turn], request: Request) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            turn.cancel()
+            for turn in turns:
+                turn.cancel()
             return
 
 

@@ -1,0 +1,161 @@
+"""OpenAI's `n`: several choices for one request, chat and text completions, plain and
+streamed, through the real `openai` client. Each choice is the reply a fresh Runner gives the
+same prompt with its own seed (the request's seed + its index), by log-probabilities; the
+prompt is computed once (the other choices take it from the cache); usage counts the prompt
+once and every choice's tokens; a client that leaves stops them all."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import openai
+import pytest
+
+from mlxkv import Runner
+from tests.factories import wait_until
+from tests.server.conftest import held_until_left, serve
+from tests.tolerances import LOGPROB_ABS
+
+MESSAGES = [{"role": "user", "content": "Tell me a story about a cat who " + "runs far. " * 8}]
+SETTINGS = {"max_tokens": 8, "temperature": 1.5, "seed": 11}
+
+
+def _alone(loaded, seed: int, prompt=MESSAGES) -> tuple[str, list[float], int]:
+    """Text, log-probabilities and prompt tokens of the prompt on a fresh Runner."""
+    options = {**SETTINGS, "seed": seed}
+    chunks = list(Runner(loaded, max_context=512).stream(prompt, logprobs=0, **options))
+    completion = chunks[-1].completion
+    return (
+        completion.text,
+        [c.logprob.logprob for c in chunks if c.logprob],
+        completion.prompt_tokens,
+    )
+
+
+@contextlib.contextmanager
+def _served(loaded, **options):
+    """A server whose Runner records each generation's Completion."""
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    completions = []
+    stream = runner.stream
+
+    def recorded(*args, **kwargs):
+        for chunk in stream(*args, **kwargs):
+            if chunk.completion is not None:
+                completions.append(chunk.completion)
+            yield chunk
+
+    runner.stream = recorded
+    with serve(runner, **options) as served:
+        yield served, completions
+
+
+def _assert_alone(got: list[tuple[str, list[float]]], loaded) -> None:
+    for index, (text, logprobs) in enumerate(got):
+        want_text, want_logprobs, _ = _alone(loaded, SETTINGS["seed"] + index)
+        assert text == want_text, index
+        assert logprobs == pytest.approx(want_logprobs, abs=LOGPROB_ABS, rel=1e-4), index
+
+
+def test_chat_choices_are_each_the_reply_alone_and_the_prompt_is_computed_once(loaded_tiny):
+    loaded = loaded_tiny("llama")
+    with _served(loaded) as (served, completions):
+        reply = served.openai(timeout=120).chat.completions.create(
+            model="m", messages=MESSAGES, n=3, logprobs=True, **SETTINGS
+        )
+        wait_until(lambda: len(completions) == 3, what="three generations ended")
+    assert [choice.index for choice in reply.choices] == [0, 1, 2]
+    got = [(c.message.content, [t.logprob for t in c.logprobs.content]) for c in reply.choices]
+    _assert_alone(got, loaded)
+    assert len({text for text, _ in got}) > 1  # sampled each on its own
+    prompt = _alone(loaded, 0)[2]
+    computed = sum(c.prompt_tokens - c.cached_tokens for c in completions)
+    assert computed <= prompt + 2, [(c.prompt_tokens, c.cached_tokens) for c in completions]
+    generated = sum(c.generation_tokens for c in completions)
+    assert reply.usage.prompt_tokens == prompt and reply.usage.completion_tokens == generated
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streamed_chat_choices_come_by_index_with_one_usage(loaded_tiny):
+    loaded = loaded_tiny("llama")
+    with _served(loaded) as (served, _):
+        chunks = list(
+            served.openai(timeout=120).chat.completions.create(
+                model="m",
+                messages=MESSAGES,
+                n=2,
+                logprobs=True,
+                stream=True,
+                stream_options={"include_usage": True},
+                **SETTINGS,
+            )
+        )
+    texts, logprobs, finishes = defaultdict(str), defaultdict(list), {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        if choice.logprobs:
+            logprobs[choice.index] += [t.logprob for t in choice.logprobs.content]
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    _assert_alone([(texts[i], logprobs[i]) for i in range(2)], loaded)
+    assert set(finishes) == {0, 1}
+    generated = len(logprobs[0]) + len(logprobs[1])  # one per token (EOS included)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == generated
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_text_completion_choices(loaded_tiny, stream):
+    loaded = loaded_tiny("llama")
+    prompt = "Once upon a time there was a cat who"
+    with _served(loaded) as (served, _):
+        reply = served.openai(timeout=120).completions.create(
+            model="m", prompt=prompt, n=2, stream=stream, **SETTINGS
+        )
+        texts = defaultdict(str)
+        for part in reply if stream else [reply]:
+            for choice in part.choices:
+                texts[choice.index] += choice.text
+    runner_texts = []
+    for index in range(2):
+        options = {**SETTINGS, "seed": SETTINGS["seed"] + index}
+        runner_texts.append(Runner(loaded, max_context=512).generate(prompt, **options).text)
+    assert [texts[0], texts[1]] == runner_texts
+
+
+def test_n_over_the_queue_is_refused_as_a_bad_request(loaded_tiny):
+    served_with = _served(loaded_tiny("llama"), max_queue=2)
+    with served_with as (served, completions), pytest.raises(openai.BadRequestError) as refused:
+        served.openai().chat.completions.create(model="m", messages=MESSAGES, n=3)
+    error = refused.value.body
+    assert error["param"] == "n" and "--max-queue" in error["message"], error
+    assert completions == []
+
+
+def test_a_client_that_leaves_stops_every_choice(loaded_tiny):
+    """The client reads the first chunk of a long streamed reply of three choices, then
+    closes: every generation ends (cancelled), none runs on to its max_tokens."""
+    with _served(loaded_tiny("llama")) as (served, completions):
+        settings = {**SETTINGS, "max_tokens": 400}
+        stream = served.openai(timeout=120).chat.completions.create(
+            model="m", messages=MESSAGES, n=3, stream=True, **settings
+        )
+        next(iter(stream))
+        stream.close()
+        wait_until(lambda: len(completions) == 3, what="the three generations ended")
+        worker = served.app.state.mlxkv.worker
+        wait_until(lambda: worker._pending == 0, what="the worker let them go")
+    assert {c.finish_reason for c in completions} == {"cancelled"}
+
+
+def test_a_client_that_leaves_before_the_answer_stops_every_choice(loaded_tiny, monkeypatch):
+    """Not streamed: each generation is held after its first piece until its cancel is set;
+    the client gives up waiting, and all three end."""
+    with _served(loaded_tiny("llama")) as (served, completions):
+        held_until_left(monkeypatch, served.runner, lambda options: 1)
+        client = served.openai(timeout=1.0)
+        with pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model="m", messages=MESSAGES, n=3, **SETTINGS)
+        wait_until(lambda: len(completions) == 3, what="the three generations ended")
+    assert {c.finish_reason for c in completions} == {"cancelled"}
