@@ -91,3 +91,16 @@ def test_a_server_taking_over_after_a_lost_signal_is_told_at_once(monkeypatch):
             assert told == [signal.SIGTERM]
             assert signal.getsignal(signal.SIGINT) is signal.getsignal(signal.SIGTERM)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_the_server_took_still_ends_the_command():
+    """A SIGTERM that reaches the server's handler (one that comes as it shuts down, after it
+    has read its signals, included) is kept: the command ends by it once the cache is saved."""
+    told: list[int] = []
+    with stopping.terminated_by_raising():
+        with stopping.stopped_by(lambda sig, frame: told.append(sig)):
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGTERM)
+        assert told == [signal.SIGINT, signal.SIGTERM]
+        with pytest.raises(stopping.Terminated):
+            stopping.raise_if_terminated()

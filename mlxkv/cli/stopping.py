@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-_received = threading.Event()  # set by the handler (run in the main thread), read anywhere
+# SIGTERMs received, kept by the handlers (run in the main thread; no lock: a signal landing
+# inside a handler that held one would deadlock it)
+_received: set[int] = set()
 
 
 class Terminated(BaseException):
@@ -26,7 +27,7 @@ class Terminated(BaseException):
 
 
 def raise_terminated(signum: int, frame: object) -> None:
-    _received.set()
+    _received.add(signal.SIGTERM)
     raise Terminated
 
 
@@ -44,17 +45,24 @@ def terminated_by_raising() -> Iterator[None]:
 
 def raise_if_terminated() -> None:
     """Raises `Terminated` for a SIGTERM received whose raise was lost."""
-    if _received.is_set():
+    if _received:
         raise Terminated
 
 
 @contextlib.contextmanager
 def stopped_by(handler: Callable[[int, Any], None]) -> Iterator[None]:
     """SIGINT and SIGTERM call `handler` (uvicorn's `handle_exit`) inside; a SIGTERM received
-    before, and lost, calls it at once."""
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before, and lost, calls it at once. A SIGTERM is kept too: one that comes once the server
+    has stopped, as it shuts down, still ends the command (`main`)."""
+
+    def handle(signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM:
+            _received.add(signum)
+        handler(signum, frame)
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if _received.is_set():
+        if _received:
             handler(signal.SIGTERM, None)
         yield
     finally:
