@@ -135,6 +135,7 @@ class RequestBuilder:
             top_logprobs=options.top_logprobs,
             cache_key=options.cache_key,
             drops_before=options.drops_before,
+            evict_first=options.evict_first,
             # drafts verified k at a time would each need the grammar's state: off (a prompt
             # with images drafts n-grams, verified on the bound model: the draft model cannot
             # read images)

@@ -105,6 +105,7 @@ def run_request(
         salt=request.cache_salt,
         keep=request.keep,
         label=request.cache_key,
+        evict_first=request.evict_first,
         cut_start=request.cut_start,
         drops_before=request.drops_before,
     )

@@ -219,8 +219,7 @@ class Runner:
         )
 
     def generate(self, prompt: Prompt, **options: Any) -> Completion:
-        """Generates a whole completion. Takes the same arguments as `stream` (and raises the
-        same errors)."""
+        """Generates a whole completion: `stream`'s arguments, and its errors."""
         return list(self.stream(prompt, **options))[-1].completion
 
     # long: the public API's one place documenting every option; the code is 20 lines
@@ -236,6 +235,7 @@ class Runner:
         logprobs: int | None = None,
         truncate: bool = True,
         cache_key: str | None = None,
+        evict_first: bool = False,
         speculative: str | None = "default",
         overflow: str = "shift",
         grammar: str | None = None,
@@ -279,6 +279,7 @@ class Runner:
                 switch) or `reasoning_effort`, passed only where the template reads them.
             cache_key: a label for the cache entry this request generates into, e.g. a
                 conversation id; `cache_info()` shows it. Lookup is by tokens alone.
+            evict_first: that entry goes first when room is needed (a request's later choices).
             batched: run interleaved with the other batched streams of this Runner (the
                 server's way): their prefills take turns chunk by chunk, and their decoding
                 runs as one batch, one forward pass per token for all (up to `max_batch`
@@ -329,6 +330,7 @@ class Runner:
             top_logprobs=logprobs,
             truncate=truncate,
             cache_key=cache_key,
+            evict_first=evict_first,
             drops_before=self._pool.deletions.count,  # a deletion after it frees its entry
             speculative=mode,
             overflow=overflow,
@@ -402,8 +404,7 @@ class Runner:
         """How many leading tokens of `tokens` a disk-tier file of `cache_salt` holds (0 with
         no disk tier): what a request would load back rather than prefill, unless prefilling
         them is faster. Never waits, and never rescans the directory."""
-        store, query = self._pool.store, token_array(tokens)
-        salt = salt_digest(cache_salt)
+        store, query, salt = self._pool.store, token_array(tokens), salt_digest(cache_salt)
         return 0 if store is None else store.best(query, len(tokens), salt, rescan=False)[1]
 
     @property
@@ -414,8 +415,7 @@ class Runner:
         return self._dispatch.call(self._current_tokens)
 
     def _current_tokens(self) -> list[int]:
-        entry = self._pool.latest
-        return [] if entry is None else entry.cache.tokens
+        return [] if self._pool.latest is None else self._pool.latest.cache.tokens
 
     def reset(self) -> None:
         """Drops the prompt-cache entries and their memory (waits for a running generation;

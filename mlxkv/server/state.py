@@ -2,7 +2,8 @@
 
 Owns: `ServerContext` (kept on `app.state.mlxkv`: the default model's; a request naming
 another served model gets that model's, loaded: `models.served.request_context`), the
-`server_context` dependency, the server-sent-events framing both streaming APIs use, and
+`server_context` dependency, the server-sent-events framing both streaming APIs use (and
+`interleaved`, the streams of a request's choices as one), and
 `BoundedMap`, what an API keeps between requests (stored responses, conversations, message
 threads) under one bound.
 """
@@ -228,6 +229,46 @@ class _Raised:
     """What reading the events raised, handed over in their place."""
 
     error: Exception
+
+
+T = TypeVar("T")
+
+
+async def interleaved(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Each stream's items with its index, as they come (a request's choices). One stream is
+    read as it is; several by a task each, handing over as `_with_keepalive`'s read does.
+    Leaving early, or a stream that fails, ends every read (closing their generations); the
+    failure is raised."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    handoff: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=len(streams))
+
+    async def read(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await handoff.put((index, item))
+        except Exception as error:  # raised where the response reads it
+            await handoff.put((index, _Raised(error)))
+            return
+        await handoff.put((index, _END_OF_EVENTS))
+
+    readers = [asyncio.ensure_future(read(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        reading = len(readers)
+        while reading:
+            index, item = await handoff.get()
+            if item is _END_OF_EVENTS:
+                reading -= 1
+            elif isinstance(item, _Raised):
+                raise item.error
+            else:
+                yield index, item
+    finally:
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
 
 
 V = TypeVar("V")

@@ -258,8 +258,41 @@ class GenerationWorker:
         self._pending = 0  # generations accepted and not finished (event loop only)
         self._closing = threading.Event()
 
-    async def start(self, prompt: Any, **options: Any) -> GenerationStream:
-        """Validates and queues a generation (`Runner.stream` arguments).
+    def hold_places(self, count: int) -> Places:
+        """`count` places in the queue for the generations one request is about to start (its
+        choices), held at once: requests that arrived together each took a part of the queue
+        one start at a time, and all of them failed where some would have fit.
+
+        Raises:
+            ApiError: 400 for more than `max_queue` (they could never fit), 429 when they do
+                not fit now.
+        """
+        if self.max_queue is not None and count > self.max_queue:
+            message = (
+                f"n={count} is over the {self.max_queue} generations this server runs or "
+                "queues at once (mlxkv serve --max-queue)"
+            )
+            raise ApiError(400, message, param="n")
+        self._check_room(count)
+        self._pending += count
+        return Places(self, count)
+
+    def _check_room(self, count: int) -> None:
+        if self.max_queue is not None and self._pending + count > self.max_queue:
+            needs = "" if count == 1 else f"; this request needs {count}"
+            raise ApiError(
+                429,
+                f"{self._pending} generations are running or waiting (the limit is "
+                f"{self.max_queue}{needs}); try again shortly",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "5"},
+            )
+
+    async def start(
+        self, prompt: Any, places: Places | None = None, **options: Any
+    ) -> GenerationStream:
+        """Validates and queues a generation (`Runner.stream` arguments), in one of `places`
+        if given.
 
         Raises:
             ApiError: 429 when `max_queue` generations are already running or waiting.
@@ -268,15 +301,11 @@ class GenerationWorker:
         """
         if self._closing.is_set():
             raise ApiError(503, SHUTTING_DOWN)
-        if self.max_queue is not None and self._pending >= self.max_queue:
-            raise ApiError(
-                429,
-                f"{self._pending} requests are running or waiting (the limit is "
-                f"{self.max_queue}); try again shortly",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": "5"},
-            )
-        self._pending += 1
+        if places is not None:
+            places.take()
+        else:
+            self._check_room(1)
+            self._pending += 1
         cancel = threading.Event()
         stream = GenerationStream(None, cancel, self.queue_timeout_s, self._closing)
 
@@ -316,3 +345,21 @@ class GenerationWorker:
         """Cancels what is running or waiting and waits for the worker threads to end."""
         self.runner.cancel()
         self._executor.shutdown(wait=True, cancel_futures=False)
+
+
+class Places:
+    """Places held in a worker's queue (`GenerationWorker.hold_places`): each generation
+    started takes one; `release` gives back those not taken."""
+
+    def __init__(self, worker: GenerationWorker, count: int):
+        self._worker = worker
+        self._left = count
+
+    def take(self) -> None:
+        if not self._left:
+            raise RuntimeError("no place left: hold one more")
+        self._left -= 1
+
+    def release(self) -> None:
+        self._worker._pending -= self._left
+        self._left = 0

@@ -1,20 +1,24 @@
 """OpenAI's `n`: several choices for one request, chat and text completions, plain and
 streamed, through the real `openai` client. Each choice is the reply a fresh Runner gives the
-same prompt with its own seed (the request's seed + its index), by log-probabilities; the
+same prompt with its own seed (`choice_seed`), by log-probabilities; the
 prompt is computed once (the other choices take it from the cache); usage counts the prompt
 once and every choice's tokens; a client that leaves stops them all."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import itertools
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
 from mlxkv import Runner
+from mlxkv.server.reply.choices import choice_seed
 from tests.factories import wait_until
-from tests.server.conftest import held_until_left, serve
+from tests.server.conftest import held_until_left, held_worker, serve
 from tests.tolerances import LOGPROB_ABS
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a cat who " + "runs far. " * 8}]
@@ -53,12 +57,14 @@ def _served(loaded, **options):
 
 def _assert_alone(got: list[tuple[str, list[float]]], loaded) -> None:
     for index, (text, logprobs) in enumerate(got):
-        want_text, want_logprobs, _ = _alone(loaded, SETTINGS["seed"] + index)
+        want_text, want_logprobs, _ = _alone(loaded, choice_seed(SETTINGS["seed"], index))
         assert text == want_text, index
         assert logprobs == pytest.approx(want_logprobs, abs=LOGPROB_ABS, rel=1e-4), index
 
 
-def test_chat_choices_are_each_the_reply_alone_and_the_prompt_is_computed_once(loaded_tiny):
+def test_chat_choices_are_each_the_reply_alone_and_the_prompt_is_computed_once(
+    loaded_tiny, access_log
+):
     loaded = loaded_tiny("llama")
     with _served(loaded) as (served, completions):
         reply = served.openai(timeout=120).chat.completions.create(
@@ -75,6 +81,8 @@ def test_chat_choices_are_each_the_reply_alone_and_the_prompt_is_computed_once(l
     generated = sum(c.generation_tokens for c in completions)
     assert reply.usage.prompt_tokens == prompt and reply.usage.completion_tokens == generated
     assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    line = access_log(r"prompt=(\d+) cached=(\d+) generated=(\d+) .*finish=(\S+)")
+    assert line.groups() == (str(prompt), "0", str(generated), "length"), line.group(0)
 
 
 def test_streamed_chat_choices_come_by_index_with_one_usage(loaded_tiny):
@@ -119,7 +127,7 @@ def test_text_completion_choices(loaded_tiny, stream):
                 texts[choice.index] += choice.text
     runner_texts = []
     for index in range(2):
-        options = {**SETTINGS, "seed": SETTINGS["seed"] + index}
+        options = {**SETTINGS, "seed": choice_seed(SETTINGS["seed"], index)}
         runner_texts.append(Runner(loaded, max_context=512).generate(prompt, **options).text)
     assert [texts[0], texts[1]] == runner_texts
 
@@ -159,3 +167,72 @@ def test_a_client_that_leaves_before_the_answer_stops_every_choice(loaded_tiny, 
             client.chat.completions.create(model="m", messages=MESSAGES, n=3, **SETTINGS)
         wait_until(lambda: len(completions) == 3, what="the three generations ended")
     assert {c.finish_reason for c in completions} == {"cancelled"}
+
+
+def test_requests_arriving_together_take_their_places_whole(loaded_tiny):
+    """Two requests of three choices each, with four places in the queue: one is answered,
+    the other refused at once (429, saying what it needs). Started one choice at a time, they
+    each took places and both could fail where one fits."""
+    with _served(loaded_tiny("llama"), max_queue=4) as (served, completions):
+        body = {"model": "m", "messages": MESSAGES, "n": 3, **SETTINGS}
+        with held_worker(served) as release, ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(served.post, "/v1/chat/completions", body) for _ in range(2)]
+            refused = next(iter(concurrent.futures.as_completed(answers, timeout=60))).result()
+            release.set()
+            statuses = sorted(answer.result(60)[0] for answer in answers)
+    assert refused[0] == 429 and "this request needs 3" in refused[1]["error"]["message"]
+    assert statuses == [200, 429] and len(completions) == 3
+
+
+def test_a_choice_that_fails_to_start_gives_back_every_place(loaded_tiny, monkeypatch):
+    """The second choice's start fails (bad input found as it is built): a 400, the first
+    choice cancelled, and the queue empty again."""
+    with _served(loaded_tiny("llama")) as (served, completions):
+        runner, calls = served.runner, itertools.count()
+        stream = runner.stream
+
+        def second_fails(*args, **kwargs):
+            if next(calls) == 1:
+                raise ValueError("this prompt cannot be built")
+            return stream(*args, **kwargs)
+
+        monkeypatch.setattr(runner, "stream", second_fails)
+        status, body = served.post("/v1/chat/completions", {"messages": MESSAGES, "n": 3})
+        worker = served.app.state.mlxkv.worker
+        wait_until(lambda: worker._pending == 0, what="every place given back")
+    assert status == 400 and "cannot be built" in body["error"]["message"], body
+    assert [c.finish_reason for c in completions] in ([], ["cancelled"])
+
+
+def test_the_other_choices_entries_go_before_other_conversations(loaded_tiny):
+    """Two conversations are in the cache, then a request of three choices fills it: the
+    next new conversations take the room of the second and third choices' entries, not of
+    the two conversations, which are reused when they come back."""
+    runner = Runner(loaded_tiny("llama"), max_context=512, cache_entries=5, max_batch=4)
+    conversations = [
+        [{"role": "user", "content": f"Conversation {i}: " + "tell me more. " * 6}]
+        for i in range(4)
+    ]
+    with serve(runner) as served:
+        client = served.openai(timeout=120)
+
+        def ask(messages, n: int = 1):
+            return client.chat.completions.create(
+                model="m", messages=messages, n=n, max_tokens=4, temperature=1.0
+            ).usage
+
+        for messages in conversations[:2]:
+            ask(messages)
+        ask(MESSAGES, n=3)
+        for messages in conversations[2:]:
+            ask(messages)
+        again = [ask(messages) for messages in conversations[:2]]
+    for usage in again:
+        assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1, usage
+
+
+def test_choice_seeds_are_not_another_seeds_choices():
+    seeds = {(seed, index): choice_seed(seed, index) for seed in range(20) for index in range(4)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert all(seeds[seed, 0] == seed for seed in range(20))
+    assert all(0 <= value < 2**64 for value in seeds.values())

@@ -150,6 +150,7 @@ class CachePool:
         salt: str | None = None,
         keep: int = 0,
         label: str | None = None,
+        evict_first: bool = False,
         cut_start: Message | None = None,
         drops_before: int | None = None,
     ) -> PrefixHit:
@@ -164,6 +165,7 @@ class CachePool:
                 entries and files match.
             keep: the leading tokens every cut of the prompt keeps (its system prompt).
             label: what the entry serves (a conversation id a client sent), if known.
+            evict_first: the entry goes first for room, and is matched last of those as long.
             cut_start: the first message kept when the chat was cut to the window, if cut.
             drops_before: `deletions.count` when the request was made (None: now); its entry
                 is freed when it ends if `label` was deleted since, as one in use then is.
@@ -176,8 +178,7 @@ class CachePool:
         """
         if not tokens:
             raise ValueError("cannot match an empty token sequence")
-        query = token_array(tokens)
-        limit = len(tokens) - 1
+        query, limit = token_array(tokens), len(tokens) - 1
         entries, in_use, checkpointed = self._entries, self._in_use, self._checkpointed
         found = nearest(entries, in_use, query, limit=limit, salt=salt, checkpointed=checkpointed)
         found.log_unreachable()
@@ -190,10 +191,9 @@ class CachePool:
         entry.tokens = query[:reuse].copy()  # held, in order, for requests meanwhile
         reply_start = len(tokens) if reply_start is None else reply_start
         entry.reply_start = min(reply_start, limit)
-        entry.last_used = time.time()
+        entry.last_used = 0.0 if evict_first else time.time()
         entry.cut_start = cut_start
-        entry.label = label if label is not None else entry.label
-        entry.keyed_by = label
+        entry.label, entry.keyed_by = entry.label if label is None else label, label
         self.latest = entry
         self._in_use[entry] = query
         if salt is None and drops_before is not None and self.deletions.since(label, drops_before):

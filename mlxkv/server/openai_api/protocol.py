@@ -201,7 +201,8 @@ class CompletionRequest(GenerationFields):
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
-    # OpenAI samples this many completions and returns the n most likely: one is all there is
+    # OpenAI samples this many completions and returns the n most likely: best_of = n returns
+    # them all, which is what n alone does; more is not ranked here
     best_of: int | None = Field(None, ge=1)
 
     def single_prompt(self) -> str | list[int]:
@@ -209,8 +210,11 @@ class CompletionRequest(GenerationFields):
         if self.echo or self.suffix:
             field = "echo" if self.echo else "suffix"
             raise ApiError(400, f"{field} is not supported; leave it out", param=field)
-        if self.best_of not in (None, 1):
-            message = f"best_of={self.best_of} is not supported; send best_of=1 or leave it out"
+        if self.best_of not in (None, self.n):
+            message = (
+                f"best_of={self.best_of} is not supported; send best_of={self.n} (n) or leave it "
+                "out"
+            )
             raise ApiError(400, message, param="best_of")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:

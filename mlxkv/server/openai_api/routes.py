@@ -23,7 +23,7 @@ from mlxkv.server.errors import ApiError, openai_error
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.protocol import openai_logprobs
-from mlxkv.server.reply.choices import combined, merged, start_choices
+from mlxkv.server.reply.choices import combined, start_choices
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
     WAITING,
@@ -34,7 +34,8 @@ from mlxkv.server.reply.turn import (
     collect_each,
     start_turn,
 )
-from mlxkv.server.state import Context, ServerContext, event_stream, sse
+from mlxkv.server.state import Context, ServerContext, event_stream, interleaved, sse
+from mlxkv.server.worker import GenerationWorker
 
 router = APIRouter()
 
@@ -85,7 +86,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         )
 
     sampling = body.sampling(max_tokens, ctx.default_max_tokens)
-    choices = await start_choices(request, body.n, _max_queue(ctx), start, sampling)
+    choices = await start_choices(request, body.n, _worker(ctx), start, sampling)
     reply = _Reply(ctx.model_name, "chatcmpl", "chat.completion")
     if body.stream:
         events = _chat_events(choices.turns, reply, body.include_usage, request.scope)
@@ -129,7 +130,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context):
         )
 
     sampling = body.sampling(body.max_tokens, ctx.default_max_tokens)
-    choices = await start_choices(request, body.n, _max_queue(ctx), start, sampling)
+    choices = await start_choices(request, body.n, _worker(ctx), start, sampling)
     reply = _Reply(ctx.model_name, "cmpl", "text_completion")
     if body.stream:
         events = _completion_events(choices.turns, reply, body, request.scope)
@@ -147,8 +148,10 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context):
     return reply.body(bodies, usage=_usage(combined([each[1] for each in collected])))
 
 
-def _max_queue(ctx: ServerContext) -> int | None:
-    return None if ctx.worker is None else ctx.worker.max_queue
+def _worker(ctx: ServerContext) -> GenerationWorker:
+    """The worker of a generating route's model (a POST's context has its model loaded)."""
+    assert ctx.worker is not None
+    return ctx.worker
 
 
 class _Reply:
@@ -181,7 +184,7 @@ async def _chat_events(
         yield chunk(index, {"role": "assistant", "content": ""})
     calls: list[list[ToolCall]] = [[] for _ in turns]
     ended: list[Completion] = []
-    async for index, event in merged([marking_waits(turn, scope) for turn in turns]):
+    async for index, event in interleaved([marking_waits(turn, scope) for turn in turns]):
         if event is WAITING:
             yield chunk(index, {"content": ""})
         elif isinstance(event, TextDelta | ReasoningDelta) and (event.text or event.logprobs):
@@ -197,9 +200,8 @@ async def _chat_events(
         elif isinstance(event, Completion):
             yield chunk(index, {}, finish=_finish_reason(event, calls[index]))
             ended.append(event)
-    if include_usage and len(ended) == len(turns):
-        yield sse(reply.body([], usage=_usage(combined(ended))))
-    yield sse("[DONE]")
+    for event in _stream_end(reply, ended, len(turns), include_usage):
+        yield event
 
 
 async def _completion_events(
@@ -213,7 +215,7 @@ async def _completion_events(
         return sse(reply.body([choice]))
 
     ended: list[Completion] = []
-    async for index, event in merged([marking_waits(turn, scope) for turn in turns]):
+    async for index, event in interleaved([marking_waits(turn, scope) for turn in turns]):
         if event is WAITING:
             yield chunk(index, "")
         elif isinstance(event, TextDelta) and (event.text or event.logprobs):
@@ -222,9 +224,18 @@ async def _completion_events(
         elif isinstance(event, Completion):
             yield chunk(index, "", finish=_finish_reason(event, []))
             ended.append(event)
-    if body.include_usage and len(ended) == len(turns):
-        yield sse(reply.body([], usage=_usage(combined(ended))))
-    yield sse("[DONE]")
+    for event in _stream_end(reply, ended, len(turns), body.include_usage):
+        yield event
+
+
+def _stream_end(
+    reply: _Reply, ended: list[Completion], choices: int, include_usage: bool
+) -> list[str]:
+    """The usage chunk once every choice has ended (`stream_options.include_usage`), then
+    the stream's end."""
+    if not include_usage or len(ended) < choices:
+        return [sse("[DONE]")]
+    return [sse(reply.body([], usage=_usage(combined(ended)))), sse("[DONE]")]
 
 
 def _error_event(error: ApiError) -> str:

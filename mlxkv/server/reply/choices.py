@@ -1,33 +1,26 @@
 """Several replies to one request (OpenAI's `n`): `n` generations of the same prompt, each
 sampled on its own. The prompt is computed once: the others wait for the prefix the first
-feeds (`runner.request_run`) and take it from the cache, then they decode together.
+feeds (`runner.request_run`) and take it from the cache; they then decode together (seeded
+ones one after another: a seeded draw does not batch).
 
 Owns `start_choices`, `Choices` (the request's turns seen as one where the server waits on or
-stops its generation: the access line, `ReleaseModels`, a stream's end), `merged` (their
-streams' events as they come) and `combined` (one Completion for the usage and the log: the
-prompt once, cached as the choice that computed it saw it, every choice's tokens).
+stops its generation: the access line, `ReleaseModels`, a stream's end), `choice_seed` and
+`combined` (one Completion for the usage and the log: the prompt once, cached as the choice
+that computed it saw it, every choice's tokens).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+import numpy as np
 from starlette.requests import Request
 
 from mlxkv.runner.results import Completion
-from mlxkv.server.errors import ApiError
 from mlxkv.server.reply.turn import Turn
-
-T = TypeVar("T")
-_ENDED = object()
-
-
-@dataclasses.dataclass
-class _Failed:
-    error: Exception
+from mlxkv.server.worker import GenerationWorker
 
 
 class Choices:
@@ -49,76 +42,57 @@ class Choices:
 async def start_choices(
     request: Request,
     n: int,
-    max_queue: int | None,
+    worker: GenerationWorker,
     start: Callable[[dict[str, Any]], Awaitable[Turn]],
     sampling: dict[str, Any],
 ) -> Choices:
-    """`n` turns, each `start(its sampling)`: a `seed` gives choice i the seed + i (they
-    differ, and each is repeatable). One that fails to start cancels those before it.
+    """`n` turns, each `start(its options)`: `sampling` with its place in `worker`'s queue,
+    held for them all at once (`GenerationWorker.hold_places`); with a `seed`, its own
+    (`choice_seed`); for all but the first, a cache entry evicted first (a request of six
+    choices pushed other clients' conversations out of the cache: its client goes on with
+    one reply). One that fails to start cancels those before it.
 
     Raises:
-        ApiError: 400 for `n` over `max_queue` (it could never start; 429 would say retry).
+        ApiError: 400 for `n` over the worker's `max_queue`, 429 where they do not fit now.
     """
-    if max_queue is not None and n > max_queue:
-        message = f"n={n} is over the {max_queue} generations this server runs or queues at once"
-        raise ApiError(400, message + " (mlxkv serve --max-queue)", param="n")
+    places = worker.hold_places(n) if n > 1 else None
     turns: list[Turn] = []
     try:
         for index in range(n):
-            seeded = sampling
+            options = {**sampling, "places": places}
+            if index:
+                options["evict_first"] = True
             if "seed" in sampling:
-                seeded = {**sampling, "seed": (sampling["seed"] + index) % 2**64}
-            turns.append(await start(seeded))
+                options["seed"] = choice_seed(sampling["seed"], index)
+            turns.append(await start(options))
     except BaseException:
         for turn in turns:
             turn.cancel()
         raise
-    finally:  # what the access line and `ReleaseModels` wait for (`start_turn` kept the last)
-        if len(turns) > 1:
+    finally:
+        if places is not None:
+            places.release()  # those not taken
+        if len(turns) > 1:  # what the access line and `ReleaseModels` wait for
             request.state.turn = Choices(turns)
     return Choices(turns)
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request with `seed`: the seed itself for the first (as
+    with one choice), then one drawn from both, so that choices differ and each is
+    repeatable, and no choice of one seed is a choice of another (seed + index would make
+    choice 1 of seed 11 choice 0 of seed 12: a client looping over seeds got duplicates)."""
+    if index == 0:
+        return seed
+    return int(np.random.SeedSequence(seed, spawn_key=(index,)).generate_state(1, np.uint64)[0])
+
+
 def combined(completions: list[Completion]) -> Completion:
     """The first Completion with the prompt's cached tokens as the choice that computed the
-    prompt saw them (the fewest) and every choice's generated tokens."""
+    prompt saw them (the fewest), every choice's generated tokens and each way they ended."""
     return dataclasses.replace(
         completions[0],
         cached_tokens=min(c.cached_tokens for c in completions),
         generation_tokens=sum(c.generation_tokens for c in completions),
+        finish_reason=",".join(dict.fromkeys(c.finish_reason for c in completions)),
     )
-
-
-async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Each stream's items, with its index, as they come (one stream: read as it is, with
-    nothing in between). Leaving early, or a stream that fails, stops them all; the failure is
-    raised."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=len(streams))
-
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async for item in stream:
-                await queue.put((index, item))
-        except Exception as error:  # raised by the reader
-            await queue.put((index, _Failed(error)))
-        await queue.put((index, _ENDED))
-
-    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        running = len(pumps)
-        while running:
-            index, item = await queue.get()
-            if item is _ENDED:
-                running -= 1
-            elif isinstance(item, _Failed):
-                raise item.error
-            else:
-                yield index, item
-    finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
