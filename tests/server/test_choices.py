@@ -113,6 +113,20 @@ def test_streamed_chat_choices_come_by_index_with_one_usage(loaded_tiny):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == generated
 
 
+def test_the_sdk_stream_helper_accumulates_each_choice(scripted_dir):
+    """`client.chat.completions.stream` builds each choice from its own chunks (a reply that
+    ends by `length` makes the helper raise: the scripted model's ends by itself)."""
+    with serve(Runner.load(scripted_dir)) as served:
+        client = served.openai(timeout=120)
+        arguments = {"model": "m", "messages": MESSAGES, "n": 2, "max_tokens": 200}
+        with client.chat.completions.stream(**arguments) as stream:
+            final = stream.get_final_completion()
+        plain = client.chat.completions.create(**arguments)
+    got = [(c.index, c.message.content, c.finish_reason) for c in final.choices]
+    assert got == [(c.index, c.message.content, c.finish_reason) for c in plain.choices]
+    assert len(got) == 2 and got[0][1] == got[1][1] and got[0][2] == "stop"
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_text_completion_choices(loaded_tiny, stream):
     loaded = loaded_tiny("llama")
@@ -236,3 +250,48 @@ def test_choice_seeds_are_not_another_seeds_choices():
     assert len(set(seeds.values())) == len(seeds)
     assert all(seeds[seed, 0] == seed for seed in range(20))
     assert all(0 <= value < 2**64 for value in seeds.values())
+
+
+def test_unseeded_choices_compute_the_prompt_once(loaded_tiny):
+    """Without a seed (what clients send), the choices batch: the prompt is still computed
+    once, the others wait for it and take it from the cache."""
+    loaded = loaded_tiny("llama")
+    with _served(loaded) as (served, completions):
+        reply = served.openai(timeout=120).chat.completions.create(
+            model="m", messages=MESSAGES, n=3, max_tokens=8, temperature=1.0
+        )
+        wait_until(lambda: len(completions) == 3, what="three generations ended")
+    prompt = reply.usage.prompt_tokens
+    computed = sum(c.prompt_tokens - c.cached_tokens for c in completions)
+    assert computed <= prompt + 2, [(c.prompt_tokens, c.cached_tokens) for c in completions]
+
+
+def test_a_choice_that_fails_mid_stream_ends_the_stream_with_an_error(loaded_tiny, monkeypatch):
+    """The second choice's generation fails after its first chunk: the stream ends with the
+    API's error event (the client raises it), and the other choices are cancelled."""
+    with _served(loaded_tiny("llama")) as (served, completions):
+        runner, calls = served.runner, itertools.count()
+        stream = runner.stream
+
+        def second_breaks(*args, **kwargs):
+            chunks = stream(*args, **kwargs)
+            if next(calls) != 1:
+                return chunks
+
+            def broken():
+                with contextlib.closing(chunks):
+                    yield next(chunks)
+                    raise RuntimeError("the engine broke")
+
+            return broken()
+
+        monkeypatch.setattr(runner, "stream", second_breaks)
+        client = served.openai(timeout=120)
+        with pytest.raises(openai.APIError, match="generation failed"):
+            for _ in client.chat.completions.create(
+                model="m", messages=MESSAGES, n=3, stream=True, **{**SETTINGS, "max_tokens": 400}
+            ):
+                pass
+        worker = served.app.state.mlxkv.worker
+        wait_until(lambda: worker._pending == 0, what="every generation ended")
+    assert len(completions) == 2 and {c.finish_reason for c in completions} <= {"cancelled"}
