@@ -382,3 +382,26 @@ def test_a_background_response_too_large_to_store_is_not_left_queued(tmp_path):
     saved.close()
     assert history.response(response_id, None) is None
     assert not (tmp_path / f"{response_id}.json").exists()
+
+
+def test_a_restart_drops_what_memory_would_have_dropped(tmp_path):
+    """Three responses and three conversations, the oldest of each used since: read back
+    under a bound of two, the second ones go (the least recently used), not the first."""
+    saved = SavedFiles.open(tmp_path)
+    history, held = ResponseHistory(saved=saved), Conversations(saved=saved)
+    ids = [f"resp_{n:032x}" for n in range(3)]
+    for response_id in ids:
+        _put(history, response_id)
+    conversations = [held.create([HI], {}, None).id for _ in range(3)]
+    assert history.response(ids[0], None) is not None  # a GET, a previous_response_id
+    held.get(conversations[0], None)
+    saved.close()
+
+    again = SavedFiles.open(tmp_path)
+    read = ResponseHistory(max_responses=2, saved=again)
+    read_held = Conversations(max_conversations=2, saved=again)
+    again.close()
+    assert [read._find(i, None) is not None for i in ids] == [True, False, True]
+    kept = [read_held._held.get(conversation) is not None for conversation in conversations]
+    assert kept == [True, False, True]
+    assert _files(tmp_path, "resp_") == {ids[0], ids[2]}

@@ -105,6 +105,8 @@ class Conversations:
         if found is None or found.salt != salt:
             message = f"Conversation with id '{conversation_id}' not found."
             raise ApiError(404, message, param="conversation_id")
+        if self._saved is not None:  # in its file too (`SavedFiles.touch`)
+            self._saved.touch(conversation_id)
         return found
 
     def add(
@@ -185,7 +187,7 @@ class Conversations:
             self._saved.remove(conversation.id)
 
     def _read(self, saved: SavedFiles) -> None:
-        """Holds the conversations of `saved`'s files, the least recently changed first."""
+        """Holds the conversations of `saved`'s files, the least recently used first."""
         for record in saved.read("conv_", _record_error):
             items, metadata = record["items"], record["metadata"]
             conversation = Conversation(

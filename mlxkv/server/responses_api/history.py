@@ -54,17 +54,17 @@ class ResponseHistory:
     def get(self, response_id: str, salt: str | None) -> list[dict[str, Any]] | None:
         """The conversation up to and including that response, or None when not stored (or
         not stored for `salt`)."""
-        found = self._find(response_id, salt)
+        found = self._used(response_id, salt)
         return None if found is None or found.messages is None else list(found.messages)
 
     def response(self, response_id: str, salt: str | None) -> dict[str, Any] | None:
         """The response object as it was returned, or None when not stored (for `salt`)."""
-        found = self._find(response_id, salt)
+        found = self._used(response_id, salt)
         return None if found is None else found.response
 
     def input_items(self, response_id: str, salt: str | None) -> list[dict[str, Any]] | None:
         """The response's input items (each with an id), or None when not stored (for `salt`)."""
-        found = self._find(response_id, salt)
+        found = self._used(response_id, salt)
         return None if found is None else found.input_items
 
     def item(self, item_id: str, salt: str | None) -> dict[str, Any] | None:
@@ -152,6 +152,13 @@ class ResponseHistory:
     def _find(self, response_id: str, salt: str | None) -> _Stored | None:
         found = self._stored.get(response_id)
         return None if found is None or found.salt != salt else found
+
+    def _used(self, response_id: str, salt: str | None) -> _Stored | None:
+        """`_find` for a client, its file marked as used (`SavedFiles.touch`)."""
+        found = self._find(response_id, salt)
+        if found is not None and self._saved is not None:
+            self._saved.touch(response_id)
+        return found
 
     def _dropped(self, stored: _Stored) -> None:
         for item in stored.response["output"]:

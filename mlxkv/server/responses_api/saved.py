@@ -103,9 +103,9 @@ class SavedFiles:
     def read(
         self, prefix: str, error_of: Callable[[dict[str, Any]], str | None]
     ) -> Iterator[dict[str, Any]]:
-        """The records of the files whose ids start with `prefix` ("resp_", "conv_"), oldest
-        written first; one `error_of` finds wrong (what keeps it from being of its kind) is
-        one warning, its file left, and is not given."""
+        """The records of the files whose ids start with `prefix` ("resp_", "conv_"), the least
+        recently written or used first (`touch`); one `error_of` finds wrong (what keeps it
+        from being of its kind) is one warning, its file left, and is not given."""
         found = []
         for entry in own_files(self.directory, _NAME):
             if entry.name.startswith(prefix):
@@ -128,6 +128,12 @@ class SavedFiles:
     def remove(self, key: str) -> None:
         """Removes the file of `key` (an id), behind, after every write asked before."""
         self._ask(self._remove, key)
+
+    def touch(self, key: str) -> None:
+        """Marks the file of `key` as just used, behind: a restart reads the files in the
+        order they were last written or used, so that the bounds then drop those memory would
+        have dropped (in the order written, one used at every turn went first)."""
+        self._ask(self._touch, key)
 
     async def written(self) -> None:
         """Returns once every write and removal asked so far is done (one writer: the newest
@@ -179,6 +185,11 @@ class SavedFiles:
             (self.directory / f"{key}.json").unlink(missing_ok=True)
         except Exception as error:  # only costs disk space
             logger.warning("responses: %s.json could not be removed (%s)", key, error)
+
+    def _touch(self, key: str) -> None:
+        if isinstance(key, str) and KEY.fullmatch(key):
+            with contextlib.suppress(OSError):  # gone meanwhile, or not written
+                os.utime(self.directory / f"{key}.json")
 
     def _remove_temporaries(self) -> None:
         """Temporary files a server killed mid-write left (this process holds the lock: no
