@@ -6,6 +6,7 @@ each API's own shape."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 
 import anthropic
@@ -192,12 +193,16 @@ def test_an_image_for_a_text_model_is_a_400_in_each_api_shape(text_only):
 
 @pytest.fixture(scope="module")
 def image_host():
-    """A local HTTP server answering every GET with the PNG (the test's remote host)."""
+    """A local HTTP server answering every GET with the PNG (the test's remote host); the
+    paths asked for are in its `asked` list."""
     import http.server
     import threading
 
+    asked: list[str] = []
+
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
+            asked.append(self.path)
             body = _png() if self.path == "/cat.png" else b""
             self.send_response(200 if body else 404)
             self.send_header("Content-Length", str(len(body)))
@@ -210,8 +215,17 @@ def image_host():
     host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=host.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{host.server_address[1]}"
+    yield _Host(f"http://127.0.0.1:{host.server_address[1]}", asked)
     host.shutdown()
+
+
+@dataclasses.dataclass
+class _Host:
+    url: str
+    asked: list[str]
+
+    def __str__(self) -> str:
+        return self.url
 
 
 def test_an_image_url_is_fetched_where_the_operator_allows_it(served, image_host):
@@ -226,6 +240,14 @@ def test_an_image_url_is_fetched_where_the_operator_allows_it(served, image_host
             max_tokens=MAX_TOKENS, temperature=0.0,
         )  # fmt: skip
         assert reply.choices[0].message.content == want.text
+        # a request's choices fetch its image once
+        image_host.asked.clear()
+        reply = fetching.openai().chat.completions.create(
+            model="tiny-vl", messages=[{"role": "user", "content": content}], n=3,
+            max_tokens=MAX_TOKENS, temperature=0.0,
+        )  # fmt: skip
+        assert [c.message.content for c in reply.choices] == [want.text] * 3
+        assert image_host.asked == ["/cat.png"]
         source = {"type": "url", "url": f"{image_host}/missing.png"}
         with pytest.raises(anthropic.BadRequestError, match="could not fetch the image"):
             fetching.anthropic().messages.create(

@@ -38,6 +38,7 @@ from mlxkv.server.early_events import marking_waits, until_due
 from mlxkv.server.errors import ApiError, anthropic_error, bad_input_error
 from mlxkv.server.images import fetched_images
 from mlxkv.server.models.streams import StreamShape
+from mlxkv.server.reply.start import start_turn
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
     WAITING,
@@ -46,7 +47,6 @@ from mlxkv.server.reply.turn import (
     TextDelta,
     Turn,
     collect,
-    start_turn,
 )
 from mlxkv.server.state import Context, ServerContext, event_stream, sse
 

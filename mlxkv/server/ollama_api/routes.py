@@ -28,8 +28,9 @@ from mlxkv.server.errors import ApiError
 from mlxkv.server.models.served import named_context, ollama_name, unload_named
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.ollama_api.protocol import ChatRequest, GenerateRequest, ModelRequest
+from mlxkv.server.reply.start import start_turn
 from mlxkv.server.reply.tool_calls import ToolCall
-from mlxkv.server.reply.turn import ReasoningDelta, TextDelta, Turn, collect, start_turn
+from mlxkv.server.reply.turn import ReasoningDelta, TextDelta, Turn, collect
 from mlxkv.server.state import Context, ServerContext, event_stream, server_context
 
 router = APIRouter(prefix="/api")

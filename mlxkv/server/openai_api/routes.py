@@ -24,6 +24,7 @@ from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.protocol import openai_logprobs
 from mlxkv.server.reply.choices import combined, start_choices
+from mlxkv.server.reply.start import prepare_turn
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
     WAITING,
@@ -32,10 +33,8 @@ from mlxkv.server.reply.turn import (
     TextDelta,
     Turn,
     collect_each,
-    start_turn,
 )
 from mlxkv.server.state import Context, ServerContext, event_stream, interleaved, sse
-from mlxkv.server.worker import GenerationWorker
 
 router = APIRouter()
 
@@ -71,22 +70,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     if max_tokens is None:
         max_tokens = body.max_tokens
 
-    async def start(sampling: dict[str, Any]) -> Turn:
-        return await start_turn(
-            request,
-            body.chat_messages(),
-            tools=body.template_tools(),
-            sampling=sampling,
-            top_logprobs=body.top_logprobs_count(),
-            cache_key=body.prompt_cache_key,
-            max_tokens_asked=max_tokens is not None,
-            cache_salt=body.cache_salt,
-            forced=body.forced_call(),
-            switches=body.template_switches(),
-        )
-
-    sampling = body.sampling(max_tokens, ctx.default_max_tokens)
-    choices = await start_choices(request, body.n, _worker(ctx), start, sampling)
+    prepared = await prepare_turn(
+        request,
+        body.chat_messages(),
+        tools=body.template_tools(),
+        sampling=body.sampling(max_tokens, ctx.default_max_tokens),
+        top_logprobs=body.top_logprobs_count(),
+        cache_key=body.prompt_cache_key,
+        max_tokens_asked=max_tokens is not None,
+        cache_salt=body.cache_salt,
+        forced=body.forced_call(),
+        switches=body.template_switches(),
+    )
+    choices = await start_choices(prepared, body.n)
     reply = _Reply(ctx.model_name, "chatcmpl", "chat.completion")
     if body.stream:
         events = _chat_events(choices.turns, reply, body.include_usage, request.scope)
@@ -117,20 +113,17 @@ def _chat_choice(
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: Context):
-    async def start(sampling: dict[str, Any]) -> Turn:
-        return await start_turn(
-            request,
-            body.single_prompt(),
-            tools=None,
-            sampling=sampling,
-            top_logprobs=body.logprobs,
-            max_tokens_asked="max_tokens" in body.model_fields_set,
-            cache_salt=body.cache_salt,
-            split_thinking=False,  # a text completion is the text as generated
-        )
-
-    sampling = body.sampling(body.max_tokens, ctx.default_max_tokens)
-    choices = await start_choices(request, body.n, _worker(ctx), start, sampling)
+    prepared = await prepare_turn(
+        request,
+        body.single_prompt(),
+        tools=None,
+        sampling=body.sampling(body.max_tokens, ctx.default_max_tokens),
+        top_logprobs=body.logprobs,
+        max_tokens_asked="max_tokens" in body.model_fields_set,
+        cache_salt=body.cache_salt,
+        split_thinking=False,  # a text completion is the text as generated
+    )
+    choices = await start_choices(prepared, body.n)
     reply = _Reply(ctx.model_name, "cmpl", "text_completion")
     if body.stream:
         events = _completion_events(choices.turns, reply, body, request.scope)
@@ -146,12 +139,6 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context):
         for index, (events, completion) in enumerate(collected)
     ]
     return reply.body(bodies, usage=_usage(combined([each[1] for each in collected])))
-
-
-def _worker(ctx: ServerContext) -> GenerationWorker:
-    """The worker of a generating route's model (a POST's context has its model loaded)."""
-    assert ctx.worker is not None
-    return ctx.worker
 
 
 class _Reply:

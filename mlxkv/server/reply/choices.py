@@ -1,5 +1,6 @@
 """Several replies to one request (OpenAI's `n`): `n` generations of the same prompt, each
-sampled on its own. The prompt is computed once: the others wait for the prefix the first
+sampled on its own, all started from one prepared prompt (`start`). The prompt is computed
+once: the others wait for the prefix the first
 feeds (`runner.request_run`) and take it from the cache; they then decode together (seeded
 ones one after another: a seeded draw does not batch).
 
@@ -12,15 +13,13 @@ that computed it saw it, every choice's tokens).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
-from starlette.requests import Request
 
 from mlxkv.runner.results import Completion
+from mlxkv.server.reply.start import PreparedTurn
 from mlxkv.server.reply.turn import Turn
-from mlxkv.server.worker import GenerationWorker
 
 
 class Choices:
@@ -39,32 +38,27 @@ class Choices:
         return combined(ended) if ended else None
 
 
-async def start_choices(
-    request: Request,
-    n: int,
-    worker: GenerationWorker,
-    start: Callable[[dict[str, Any]], Awaitable[Turn]],
-    sampling: dict[str, Any],
-) -> Choices:
-    """`n` turns, each `start(its options)`: `sampling` with its place in `worker`'s queue,
-    held for them all at once (`GenerationWorker.hold_places`); with a `seed`, its own
-    (`choice_seed`); for all but the first, a cache entry evicted first (a request of six
-    choices pushed other clients' conversations out of the cache: its client goes on with
-    one reply). One that fails to start cancels those before it.
+async def start_choices(prepared: PreparedTurn, n: int) -> Choices:
+    """`n` generations of `prepared`, in places of its worker's queue held for them all at
+    once (`GenerationWorker.hold_places`); with a `seed`, each its own (`choice_seed`); for
+    all but the first, a cache entry evicted first (a request of six choices pushed other
+    clients' conversations out of the cache: its client goes on with one reply). One that
+    fails to start cancels those before it.
 
     Raises:
         ApiError: 400 for `n` over the worker's `max_queue`, 429 where they do not fit now.
     """
-    places = worker.hold_places(n) if n > 1 else None
+    places = prepared.worker.hold_places(n) if n > 1 else None
+    seed = prepared.sampling.get("seed")
     turns: list[Turn] = []
     try:
         for index in range(n):
-            options = {**sampling, "places": places}
+            extra: dict[str, Any] = {"places": places}
             if index:
-                options["evict_first"] = True
-            if "seed" in sampling:
-                options["seed"] = choice_seed(sampling["seed"], index)
-            turns.append(await start(options))
+                extra["evict_first"] = True
+            if seed is not None:
+                extra["seed"] = choice_seed(seed, index)
+            turns.append(await prepared.start(extra))
     except BaseException:
         for turn in turns:
             turn.cancel()
@@ -73,7 +67,7 @@ async def start_choices(
         if places is not None:
             places.release()  # those not taken
         if len(turns) > 1:  # what the access line and `ReleaseModels` wait for
-            request.state.turn = Choices(turns)
+            prepared.request.state.turn = Choices(turns)
     return Choices(turns)
 
 

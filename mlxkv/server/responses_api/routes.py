@@ -29,6 +29,7 @@ from mlxkv.runner.results import Completion
 from mlxkv.server.early_events import marking_waits
 from mlxkv.server.errors import ApiError, openai_error
 from mlxkv.server.models.streams import StreamShape
+from mlxkv.server.reply.start import start_turn
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
     WAITING,
@@ -36,7 +37,6 @@ from mlxkv.server.reply.turn import (
     TextDelta,
     Turn,
     collect,
-    start_turn,
 )
 from mlxkv.server.responses_api.background import background_responses, check_background
 from mlxkv.server.responses_api.conversations import ConversationClaim, held_conversations
