@@ -11,15 +11,16 @@ threads) under one bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, Protocol, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
@@ -28,8 +29,6 @@ from mlxkv.models.capabilities import Capabilities
 from mlxkv.server.errors import ApiError
 from mlxkv.server.models.model import ResidentModel
 from mlxkv.server.models.served import ServedModels, request_context
-from mlxkv.server.reply.choices import Choices
-from mlxkv.server.reply.turn import Turn
 from mlxkv.server.worker import GenerationWorker
 
 logger = logging.getLogger(__name__)
@@ -132,9 +131,16 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
     return f"{head}data: {payload}\n\n"
 
 
+class Generation(Protocol):
+    """What a streamed response stops as it ends: a `reply.turn.Turn`, or a request's
+    `reply.choices.Choices`."""
+
+    def cancel(self) -> None: ...
+
+
 def event_stream(
     events: AsyncIterator[str],
-    turn: Turn | Choices,
+    turn: Generation,
     error_event: Callable[[ApiError], str],
     keepalive: str | None = SSE_KEEPALIVE,
     media_type: str = "text/event-stream",
@@ -159,7 +165,7 @@ def replay_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def guarded_events(
-    events: AsyncIterator[str], turn: Turn | Choices, error_event: Callable[[ApiError], str]
+    events: AsyncIterator[str], turn: Generation, error_event: Callable[[ApiError], str]
 ) -> AsyncIterator[str]:
     """`events`, ended by `error_event(error)` where the generation fails after they began
     (the API's own error event, typed as its status is, instead of a cut stream); the turn is
@@ -189,16 +195,10 @@ async def _with_keepalive(events: AsyncIterator[str], keepalive: str) -> AsyncIt
     handoff: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
     last_s = loop.time()  # when the last event (or keep-alive) was handed over
 
-    async def read() -> None:
+    async def hand_over(event: Any) -> None:
         nonlocal last_s
-        try:
-            async for event in events:
-                await handoff.put(event)
-                last_s = loop.time()
-        except Exception as error:  # raised where the response reads it
-            await handoff.put(_Raised(error))
-            return
-        await handoff.put(_END_OF_EVENTS)
+        await handoff.put(event)
+        last_s = loop.time()
 
     def tick() -> None:
         nonlocal last_s, timer
@@ -208,7 +208,7 @@ async def _with_keepalive(events: AsyncIterator[str], keepalive: str) -> AsyncIt
             last_s, idle_s = loop.time(), 0.0
         timer = loop.call_later(max(interval_s - idle_s, 0.0), tick)
 
-    reader = asyncio.ensure_future(read())
+    reader = asyncio.ensure_future(_read(events, hand_over))
     timer = loop.call_later(interval_s, tick)
     try:
         while (event := await handoff.get()) is not _END_OF_EVENTS:
@@ -234,27 +234,37 @@ class _Raised:
 T = TypeVar("T")
 
 
+async def _read(events: AsyncIterator[Any], hand_over: Callable[[Any], Awaitable[None]]) -> None:
+    """Hands over each of `events`, then `_END_OF_EVENTS`; what reading them raises is handed
+    over as `_Raised` (raised where the response reads it). `events` is closed however the
+    read ends (cancelled while handing over, it would be left open until collected)."""
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                await hand_over(event)
+        except Exception as error:
+            await hand_over(_Raised(error))
+            return
+    await hand_over(_END_OF_EVENTS)
+
+
 async def interleaved(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Each stream's items with its index, as they come (a request's choices). One stream is
-    read as it is; several by a task each, handing over as `_with_keepalive`'s read does.
-    Leaving early, or a stream that fails, ends every read (closing their generations); the
-    failure is raised."""
+    read as it is; several by a task each (`_read`). Leaving early, or a stream that fails,
+    ends every read (closing their streams); the failure is raised."""
     if len(streams) == 1:
         async for item in streams[0]:
             yield 0, item
         return
     handoff: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=len(streams))
 
-    async def read(index: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async for item in stream:
-                await handoff.put((index, item))
-        except Exception as error:  # raised where the response reads it
-            await handoff.put((index, _Raised(error)))
-            return
-        await handoff.put((index, _END_OF_EVENTS))
+    def hand_over(index: int) -> Callable[[Any], Awaitable[None]]:
+        return lambda item: handoff.put((index, item))
 
-    readers = [asyncio.ensure_future(read(i, stream)) for i, stream in enumerate(streams)]
+    readers = [
+        asyncio.ensure_future(_read(stream, hand_over(index)))
+        for index, stream in enumerate(streams)
+    ]
     try:
         reading = len(readers)
         while reading:

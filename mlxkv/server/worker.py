@@ -258,28 +258,33 @@ class GenerationWorker:
         self._pending = 0  # generations accepted and not finished (event loop only)
         self._closing = threading.Event()
 
-    def hold_places(self, count: int) -> Places:
-        """`count` places in the queue for the generations one request is about to start (its
+    def check_places(self, num_places: int) -> None:
+        """Raises:
+        ApiError: 400 for more generations at once (a request's choices, `n`) than
+            `max_queue`: they could never fit (a 429 would say to retry)."""
+        if self.max_queue is not None and num_places > self.max_queue:
+            message = (
+                f"n={num_places} is over the {self.max_queue} generations this server runs or "
+                "queues at once (mlxkv serve --max-queue)"
+            )
+            raise ApiError(400, message, param="n")
+
+    def hold_places(self, num_places: int) -> Places:
+        """Places in the queue for the generations one request is about to start (its
         choices), held at once: requests that arrived together each took a part of the queue
         one start at a time, and all of them failed where some would have fit.
 
         Raises:
-            ApiError: 400 for more than `max_queue` (they could never fit), 429 when they do
-                not fit now.
+            ApiError: 400 as `check_places`, 429 when they do not fit now.
         """
-        if self.max_queue is not None and count > self.max_queue:
-            message = (
-                f"n={count} is over the {self.max_queue} generations this server runs or "
-                "queues at once (mlxkv serve --max-queue)"
-            )
-            raise ApiError(400, message, param="n")
-        self._check_room(count)
-        self._pending += count
-        return Places(self, count)
+        self.check_places(num_places)
+        self._check_room(num_places)
+        self._pending += num_places
+        return Places(self, num_places)
 
-    def _check_room(self, count: int) -> None:
-        if self.max_queue is not None and self._pending + count > self.max_queue:
-            needs = "" if count == 1 else f"; this request needs {count}"
+    def _check_room(self, num_places: int) -> None:
+        if self.max_queue is not None and self._pending + num_places > self.max_queue:
+            needs = "" if num_places == 1 else f"; this request needs {num_places}"
             raise ApiError(
                 429,
                 f"{self._pending} generations are running or waiting (the limit is "
@@ -295,7 +300,8 @@ class GenerationWorker:
         if given.
 
         Raises:
-            ApiError: 429 when `max_queue` generations are already running or waiting.
+            ApiError: 429 when `max_queue` generations are already running or waiting (never
+                with `places`: held already).
             ApiError: 503 once the server is stopping (`begin_shutdown`).
             ValueError, ContextLengthError: bad input, before anything is queued.
         """
@@ -351,9 +357,9 @@ class Places:
     """Places held in a worker's queue (`GenerationWorker.hold_places`): each generation
     started takes one; `release` gives back those not taken."""
 
-    def __init__(self, worker: GenerationWorker, count: int):
+    def __init__(self, worker: GenerationWorker, num_places: int):
         self._worker = worker
-        self._left = count
+        self._left = num_places
 
     def take(self) -> None:
         if not self._left:

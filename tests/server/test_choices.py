@@ -6,9 +6,11 @@ once and every choice's tokens; a client that leaves stops them all."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import types
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +18,8 @@ import openai
 import pytest
 
 from mlxkv import Runner
-from mlxkv.server.reply.choices import choice_seed
+from mlxkv.server.reply.choices import choice_seed, start_choices
+from mlxkv.server.state import interleaved
 from tests.factories import wait_until
 from tests.server.conftest import held_until_left, held_worker, serve
 from tests.tolerances import LOGPROB_ABS
@@ -295,3 +298,89 @@ def test_a_choice_that_fails_mid_stream_ends_the_stream_with_an_error(loaded_tin
         worker = served.app.state.mlxkv.worker
         wait_until(lambda: worker._pending == 0, what="every generation ended")
     assert len(completions) == 2 and {c.finish_reason for c in completions} <= {"cancelled"}
+
+
+@pytest.mark.parametrize("n", [1, 3], ids=["one", "three"])
+def test_choices_one_after_another_leave_the_first_reply_in_the_cache(loaded_tiny, n):
+    """With one stream at a time (a large model's `max_batch`), each later choice found the
+    first one's entry idle and took it, trimmed to the prompt with its own reply after it, as
+    the entry evicted first: the conversation's next turn, with the first reply, missed (4
+    tokens cached, not 85). It reuses what one choice leaves: the first reply whole."""
+    runner = Runner(loaded_tiny("llama"), max_context=512, cache_entries=3, max_batch=1)
+    others = [[{"role": "user", "content": f"Other chat {i}: " + "go on. " * 6}] for i in range(3)]
+    with serve(runner) as served:
+        client = served.openai(timeout=120)
+
+        def ask(messages, n: int = 1):
+            return client.chat.completions.create(
+                model="m", messages=messages, n=n, max_tokens=6, temperature=1.0, seed=3
+            )
+
+        for messages in others[:2]:
+            ask(messages)
+        reply = ask(MESSAGES, n=n)
+        first = [e.num_tokens for e in runner._pool.entries if e.reply_start > 60]
+        ask(others[2])
+        turn = [*MESSAGES, {"role": "assistant", "content": reply.choices[0].message.content}]
+        usage = ask([*turn, {"role": "user", "content": "And then?"}]).usage
+    # the prompt, the first reply but its last token (never fed)
+    assert usage.prompt_tokens_details.cached_tokens == first[0], (usage, first)
+
+
+class _Turn:
+    def __init__(self, extra: dict):
+        self.extra, self.queued_for_good, self.cancelled = extra, False, False
+
+    def keep_queued(self) -> None:
+        self.queued_for_good = True
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Prepared:
+    """A PreparedTurn whose starts are recorded; its worker's places always fit."""
+
+    def __init__(self):
+        self.sampling = {"temperature": 1.0}
+        self.request = types.SimpleNamespace(state=types.SimpleNamespace())
+        self.worker = types.SimpleNamespace(hold_places=lambda n: _NoPlaces())
+
+    async def start(self, extra: dict) -> _Turn:
+        return _Turn(extra)
+
+
+class _NoPlaces:
+    def release(self) -> None:
+        pass
+
+
+def test_only_the_first_choice_has_a_deadline_for_its_turn():
+    """Past `max_batch`, the later choices wait behind the first: each with the queue's
+    deadline expired (a 503) while the first ran longer than `queue_timeout_s`."""
+    choices = asyncio.run(start_choices(_Prepared(), 3))
+    assert [turn.queued_for_good for turn in choices.turns] == [False, True, True]
+    assert [turn.extra.get("evict_first", False) for turn in choices.turns] == [False, True, True]
+
+
+def test_the_interleaved_streams_are_closed_as_the_response_ends():
+    """Both choices' streams have an item waiting to be handed over when the response ends:
+    each is closed then (its generation cancelled), not left open until collected."""
+    closed: list[str] = []
+
+    async def endless(name: str):
+        try:
+            while True:
+                yield name
+        finally:
+            closed.append(name)
+
+    async def read_one_and_leave() -> list[str]:
+        streams = interleaved([endless("a"), endless("b")])
+        await anext(streams)
+        for _ in range(8):  # the readers run on, up to the hand-over's bound
+            await asyncio.sleep(0)
+        await streams.aclose()
+        return sorted(closed)
+
+    assert asyncio.run(read_one_and_leave()) == ["a", "b"]

@@ -49,7 +49,9 @@ class CacheEntry:
     requests of the same salt reuse it. `went_on_in` is the copy a later request of the same
     conversation made while this entry was in use (of its whole prompt, a reply after it: the
     chat page's Stop then send), which takes its place when its request ends
-    (`CachePool.release`)."""
+    (`CachePool.release`). `evict_first`: a copy made for one of a request's later choices
+    (`Runner.stream(evict_first=True)`), evicted before any other and matched last, until a
+    request of its own reuses it (its client went on with that reply)."""
 
     cache: ModelCache
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
@@ -61,6 +63,7 @@ class CacheEntry:
     draft_cache: ModelCache | None = None
     salt: str | None = None
     went_on_in: CacheEntry | None = field(default=None, repr=False)
+    evict_first: bool = False
 
     # What `record` measured: the footprints of its cache and of its draft cache (None without
     # one). None while a request uses the entry (it changes as it is fed; the pool sets it)

@@ -85,8 +85,10 @@ def nearest(
             reuse = entry.cache.nearest_restorable(reuse)
         goes_on = whole == len(held) < query.size  # past all it holds: not a retry
         reuse = exact_part(entry.cache, reuse, goes_on=goes_on)
-        # the longest reuse; then one that needs no trim or copy; then the most recent
-        key = (reuse, reuse == len(held) and entry not in in_use, entry.last_used)
+        # the longest reuse; then one that needs no trim or copy; then the most recent, a
+        # later choice's copy last
+        key = (reuse, reuse == len(held) and entry not in in_use, not entry.evict_first)
+        key += (entry.last_used,)
         most = max(most, (common, reuse, len(held)))
         if reuse and key > best_key:
             best, best_key = entry, key

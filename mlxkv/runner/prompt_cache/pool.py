@@ -154,8 +154,7 @@ class CachePool:
         cut_start: Message | None = None,
         drops_before: int | None = None,
     ) -> PrefixHit:
-        """Claims the entry for `tokens` (reused, copied or new), prepared to receive the rest
-        of them.
+        """Claims the entry for `tokens` (reused, copied or new), ready for the rest of them.
 
         Args:
             tokens: the request's prompt.
@@ -165,7 +164,8 @@ class CachePool:
                 entries and files match.
             keep: the leading tokens every cut of the prompt keeps (its system prompt).
             label: what the entry serves (a conversation id a client sent), if known.
-            evict_first: the entry goes first for room, and is matched last of those as long.
+            evict_first: a later choice of a request: its entry is a copy (never the one it
+                matched, trimmed), evicted first (`CacheEntry.evict_first`).
             cut_start: the first message kept when the chat was cut to the window, if cut.
             drops_before: `deletions.count` when the request was made (None: now); its entry
                 is freed when it ends if `label` was deleted since, as one in use then is.
@@ -185,13 +185,13 @@ class CachePool:
         entry, reuse = found.entry, found.reuse
         if self.store is not None:
             entry, reuse = self._maybe_load(query, limit, entry, reuse, salt)
-        entry, how = self._prepare(entry, reuse)
+        entry, how = self._prepare(entry, reuse, trim=not evict_first)
         _log_lookup(len(tokens), reuse, how)
         entry.salt, entry.recorded = salt, None  # measured as it is fed until released
         entry.tokens = query[:reuse].copy()  # held, in order, for requests meanwhile
         reply_start = len(tokens) if reply_start is None else reply_start
         entry.reply_start = min(reply_start, limit)
-        entry.last_used = 0.0 if evict_first else time.time()
+        entry.last_used, entry.evict_first = time.time(), evict_first and how.startswith("copied")
         entry.cut_start = cut_start
         entry.label, entry.keyed_by = entry.label if label is None else label, label
         self.latest = entry
@@ -224,9 +224,9 @@ class CachePool:
         entries, in_use, checkpointed = self._entries, self._in_use, self._checkpointed
         return awaits_prefix(entries, in_use, query, salt=salt, checkpointed=checkpointed)
 
-    def _prepare(self, entry: CacheEntry | None, reuse: int) -> tuple[CacheEntry, str]:
+    def _prepare(self, entry: CacheEntry | None, reuse: int, trim: bool) -> tuple[CacheEntry, str]:
         """The entry a request reusing `reuse` tokens of `entry` generates into (`entry`
-        itself, trimmed, or a new one with a copy of that prefix), and how it was made."""
+        itself, trimmed if `trim`, or a new one with a copy of that prefix), and how."""
         if reuse == 0:
             return self._add(self._make_entry()), "new entry"
         if entry in self._in_use:  # another request is generating into it
@@ -241,7 +241,7 @@ class CachePool:
             return entry, "extended in place"
         # one entry and nowhere to keep the other conversation: trim (today's behaviour)
         alone = self.max_entries == 1 and self.store is None
-        if alone or reuse >= entry.reply_start:
+        if alone or (trim and reuse >= entry.reply_start):
             trimmed = entry.cache.rewind_to(reuse, shrink=True)
             logger.debug("prefix cache trim tokens=%d", trimmed)
             return entry, "trimmed in place"
@@ -332,7 +332,10 @@ class CachePool:
             candidates = [e for e in self._entries if e is not keep and e not in self._in_use]
             if not (over_count or over_bytes) or not candidates:
                 return evicted
-            victim = min(candidates, key=lambda e: (not superseded(e, self._entries), e.last_used))
+            victim = min(
+                candidates,
+                key=lambda e: (not superseded(e, self._entries), not e.evict_first, e.last_used),
+            )
             if victim is fit and len(candidates) == 1 and not over_count:
                 room = max(0, max_bytes - self._in_use_bytes())
                 if not fit_to_budget(victim, room, self.store):

@@ -70,6 +70,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     if max_tokens is None:
         max_tokens = body.max_tokens
 
+    _check_choices(ctx, body.n)  # before any image is fetched
     prepared = await prepare_turn(
         request,
         body.chat_messages(),
@@ -113,6 +114,7 @@ def _chat_choice(
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: Context):
+    _check_choices(ctx, body.n)
     prepared = await prepare_turn(
         request,
         body.single_prompt(),
@@ -139,6 +141,11 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context):
         for index, (events, completion) in enumerate(collected)
     ]
     return reply.body(bodies, usage=_usage(combined([each[1] for each in collected])))
+
+
+def _check_choices(ctx: ServerContext, num_choices: int) -> None:
+    if ctx.worker is not None:  # a POST's model is loaded
+        ctx.worker.check_places(num_choices)
 
 
 class _Reply:
@@ -216,11 +223,11 @@ async def _completion_events(
 
 
 def _stream_end(
-    reply: _Reply, ended: list[Completion], choices: int, include_usage: bool
+    reply: _Reply, ended: list[Completion], num_choices: int, include_usage: bool
 ) -> list[str]:
     """The usage chunk once every choice has ended (`stream_options.include_usage`), then
     the stream's end."""
-    if not include_usage or len(ended) < choices:
+    if not include_usage or len(ended) < num_choices:
         return [sse("[DONE]")]
     return [sse(reply.body([], usage=_usage(combined(ended)))), sse("[DONE]")]
 
