@@ -405,3 +405,18 @@ def test_a_restart_drops_what_memory_would_have_dropped(tmp_path):
     kept = [read_held._held.get(conversation) is not None for conversation in conversations]
     assert kept == [True, False, True]
     assert _files(tmp_path, "resp_") == {ids[0], ids[2]}
+
+
+def test_files_are_read_in_the_order_written_and_used_even_at_once(tmp_path):
+    """Written and used within a millisecond, with ids that sort the other way: a file
+    system's own times can tie (ties were read in the order of ids)."""
+    saved = SavedFiles.open(tmp_path)
+    ids = [f"resp_{n:032x}" for n in range(20, 0, -1)]
+    for response_id in ids:
+        saved.write({"id": response_id})
+    saved.touch(ids[0])
+    saved.close()
+    again = SavedFiles.open(tmp_path)
+    read = [record["id"] for record in again.read("resp_", lambda record: None)]
+    again.close()
+    assert read == [*ids[1:], ids[0]]

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -64,6 +65,10 @@ class SavedFiles:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-saved")
         self._last: Future[None] | None = None  # the newest write or removal asked
         self.num_read = 0  # records `read` gave
+        # The newest file time set (ns): each write and touch sets a later one, so that the
+        # order they came in is the order read (a file system's own times can tie: ext4's
+        # within a few ms, HFS+'s within a second, and ties were read in the order of ids).
+        self._stamp_ns = 0
 
     @classmethod
     def open(cls, directory: str | Path | None) -> SavedFiles | None:
@@ -111,7 +116,8 @@ class SavedFiles:
             if entry.name.startswith(prefix):
                 with contextlib.suppress(OSError):  # gone meanwhile
                     found.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.path))
-        for _, path in sorted(found):
+        for stamp_ns, path in sorted(found):
+            self._stamp_ns = max(self._stamp_ns, stamp_ns)
             record = _read(Path(path))
             why = None if record is None else error_of(record)
             if why is not None:
@@ -166,6 +172,7 @@ class SavedFiles:
             with open(opened, "w", encoding="utf-8") as file:
                 for piece in _ENCODER.iterencode({"version": FORMAT_VERSION, **record}):
                     file.write(piece)
+            os.utime(temporary, ns=self._next_stamp())
             os.replace(temporary, self.directory / f"{key}.json")
         except Exception as error:  # whatever it is, not a request's to answer for
             logger.warning(
@@ -189,7 +196,12 @@ class SavedFiles:
     def _touch(self, key: str) -> None:
         if isinstance(key, str) and KEY.fullmatch(key):
             with contextlib.suppress(OSError):  # gone meanwhile, or not written
-                os.utime(self.directory / f"{key}.json")
+                os.utime(self.directory / f"{key}.json", ns=self._next_stamp())
+
+    def _next_stamp(self) -> tuple[int, int]:
+        """(access, modification) times for the next write or touch (the writer's thread)."""
+        self._stamp_ns = max(time.time_ns(), self._stamp_ns + 1)
+        return self._stamp_ns, self._stamp_ns
 
     def _remove_temporaries(self) -> None:
         """Temporary files a server killed mid-write left (this process holds the lock: no
