@@ -47,7 +47,7 @@ class Request:
             label).
         drops_before: the prompt cache's deletions counted when it was made
             (`CachePool.deletions`): a deletion of `cache_key` since frees its entry at its end.
-        evict_first: the cache entry it generates into is the first evicted for room.
+        evict_first: a later choice of a request (`CachePool.fetch_nearest`).
         speculative: the speculative decoding mode (`mlxkv.config.SPECULATIVE_MODES`); None
             with a grammar.
         grammar: an llguidance grammar every generated token must keep to (checked), or None.
@@ -105,7 +105,7 @@ class RequestOptions:
             is full) or "refuse" (ContextLengthError before anything runs).
         cache_key: a label for the cache entry this request generates into.
         drops_before: the prompt cache's deletions counted now (`Request.drops_before`).
-        evict_first: the cache entry this request generates into goes first for room.
+        evict_first: a later choice of a request (`Request.evict_first`).
         speculative: the speculative decoding mode, already checked.
         grammar: an llguidance grammar (`decoding.grammar`) the output must keep to, or None.
         cache_salt: the caller's salt, a secret the request keeps only as its digest

@@ -279,7 +279,7 @@ class Runner:
                 switch) or `reasoning_effort`, passed only where the template reads them.
             cache_key: a label for the cache entry this request generates into, e.g. a
                 conversation id; `cache_info()` shows it. Lookup is by tokens alone.
-            evict_first: that entry goes first when room is needed (a request's later choices).
+            evict_first: a request's later choice: its entry, a copy, goes first for room.
             batched: run interleaved with the other batched streams of this Runner (the
                 server's way): their prefills take turns chunk by chunk, and their decoding
                 runs as one batch, one forward pass per token for all (up to `max_batch`
