@@ -1,8 +1,10 @@
 """OpenAI's `n`: several choices for one request, chat and text completions, plain and
 streamed, through the real `openai` client. Each choice is the reply a fresh Runner gives the
-same prompt with its own seed (`choice_seed`), by log-probabilities; the
-prompt is computed once (the other choices take it from the cache); usage counts the prompt
-once and every choice's tokens; a client that leaves stops them all."""
+same prompt with its own seed (`choice_seed`), by log-probabilities; the prompt is computed
+once (the other choices take it from the cache); usage counts the prompt once and every
+choice's tokens; a request's places in the queue are taken at once; the later choices' cache
+entries go before other conversations; a client that leaves, or a choice that fails, stops
+them all."""
 
 from __future__ import annotations
 
