@@ -65,9 +65,7 @@ class PreparedTurn:
             ApiError: 400 for a request over the window in each API's wording
                 (`errors.context_length_error`), 429 when the queue is full.
         """
-        tools = self.options["tools"]  # read only: shared, not copied (a 100 KB list, 1 ms)
-        memo = {} if tools is None else {id(tools): tools}
-        splitter, thinking = copy.deepcopy((self.splitter, self.thinking), memo)
+        splitter, thinking = copy.deepcopy((self.splitter, self.thinking))
         tokenizer = self.worker.runner.tokenizer
         try:
             stream = await self.worker.start(

@@ -20,6 +20,7 @@ the model's chat template takes: Mistral's templates refuse any id but 9 letters
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -89,6 +90,12 @@ class ToolCallSplitter:
         self._buffer = ""
         self._in_call = False
         self.warns = True  # a call that does not parse is logged (off: a second reading)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ToolCallSplitter:
+        """A copy reading on its own (each turn of a request, `reply_keyer`'s second reading)
+        that shares the tools, read only: copying a 100 KB list took 1 ms a copy, twice a
+        turn. Every other field is immutable (functions are shared by a deep copy too)."""
+        return copy.copy(self)
 
     def push(self, text: str) -> list[Piece]:
         """Adds generated text; returns what is now known to be text or a complete call."""
