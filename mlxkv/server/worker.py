@@ -264,8 +264,8 @@ class GenerationWorker:
             `max_queue`: they could never fit (a 429 would say to retry)."""
         if self.max_queue is not None and num_places > self.max_queue:
             message = (
-                f"n={num_places} is over the {self.max_queue} generations this server runs or "
-                "queues at once (mlxkv serve --max-queue)"
+                f"this request asks for {num_places} generations (n for each prompt), over the "
+                f"{self.max_queue} this server runs or queues at once (mlxkv serve --max-queue)"
             )
             raise ApiError(400, message, param="n")
 

@@ -359,10 +359,15 @@ class _NoPlaces:
 
 def test_only_the_first_choice_has_a_deadline_for_its_turn():
     """Past `max_batch`, the later choices wait behind the first: each with the queue's
-    deadline expired (a 503) while the first ran longer than `queue_timeout_s`."""
-    choices = asyncio.run(start_choices(_Prepared(), 3))
+    deadline expired (a 503) while the first ran longer than `queue_timeout_s`. Of several
+    prompts (text completions), each prompt's first choice keeps its entry as any request's."""
+    choices = asyncio.run(start_choices([_Prepared()], 3))
     assert [turn.queued_for_good for turn in choices.turns] == [False, True, True]
     assert [turn.extra.get("evict_first", False) for turn in choices.turns] == [False, True, True]
+    choices = asyncio.run(start_choices([_Prepared(), _Prepared()], 2))
+    assert [turn.queued_for_good for turn in choices.turns] == [False, True, True, True]
+    evicted_first = [turn.extra.get("evict_first", False) for turn in choices.turns]
+    assert evicted_first == [False, True, False, True]
 
 
 def test_the_interleaved_streams_are_closed_as_the_response_ends():

@@ -205,26 +205,32 @@ class CompletionRequest(GenerationFields):
     # them all, which is what n alone does; more is not ranked here
     best_of: int | None = Field(None, ge=1)
 
-    def single_prompt(self) -> str | list[int]:
-        prompt = self.prompt
-        if self.echo or self.suffix:
-            field = "echo" if self.echo else "suffix"
-            raise ApiError(400, f"{field} is not supported; leave it out", param=field)
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts sent, each answered with `n` choices: one, or several (a list of
+        texts or of token id lists, as lm-evaluation-harness batches them)."""
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported; leave it out", param="suffix")
+        if self.echo and self.logprobs is not None:
+            message = (
+                "echo with logprobs (the prompt's log-probabilities) is not supported; leave "
+                "out one of them"
+            )
+            raise ApiError(400, message, param="echo")
         if self.best_of not in (None, self.n):
             message = (
                 f"best_of={self.best_of} is not supported; send best_of={self.n} (n) or leave it "
                 "out"
             )
             raise ApiError(400, message, param="best_of")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ApiError(
-                    400, f"{len(prompt)} prompts sent; send one per request", param="prompt"
-                )
-            prompt = prompt[0]
+        prompt = self.prompt
+        several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+        prompts = list(prompt) if several else [prompt]
         if not prompt:
             raise ApiError(400, "prompt is empty", param="prompt")
-        return prompt
+        for index, each in enumerate(prompts):
+            if not each:
+                raise ApiError(400, f"prompt[{index}] is empty", param="prompt")
+        return prompts
 
 
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:

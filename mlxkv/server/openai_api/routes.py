@@ -23,15 +23,14 @@ from mlxkv.server.errors import ApiError, openai_error
 from mlxkv.server.models.streams import StreamShape
 from mlxkv.server.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.protocol import openai_logprobs
-from mlxkv.server.reply.choices import combined, start_choices
-from mlxkv.server.reply.start import prepare_turn
+from mlxkv.server.reply.choices import Choices, combined, start_choices
+from mlxkv.server.reply.start import PreparedTurn, prepare_turn
 from mlxkv.server.reply.tool_calls import ToolCall
 from mlxkv.server.reply.turn import (
     WAITING,
     Event,
     ReasoningDelta,
     TextDelta,
-    Turn,
     collect_each,
 )
 from mlxkv.server.state import Context, ServerContext, event_stream, interleaved, sse
@@ -83,14 +82,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
         forced=body.forced_call(),
         switches=body.template_switches(),
     )
-    choices = await start_choices(prepared, body.n)
+    choices = await start_choices([prepared], body.n)
     reply = _Reply(ctx.model_name, "chatcmpl", "chat.completion")
     if body.stream:
-        events = _chat_events(choices.turns, reply, body.include_usage, request.scope)
+        events = _chat_events(choices, reply, body.include_usage, request.scope)
         return event_stream(events, choices, _error_event)
     collected = await collect_each(choices.turns, request)
     bodies = [_chat_choice(i, *each, body.logprobs) for i, each in enumerate(collected)]
-    return reply.body(bodies, usage=_usage(combined([each[1] for each in collected])))
+    usage = combined([completion for _, completion in collected], body.n)
+    return reply.body(bodies, usage=_usage(usage))
 
 
 def _chat_choice(
@@ -114,33 +114,44 @@ def _chat_choice(
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: Context):
-    _check_choices(ctx, body.n)
-    prepared = await prepare_turn(
-        request,
-        body.single_prompt(),
-        tools=None,
-        sampling=body.sampling(body.max_tokens, ctx.default_max_tokens),
-        top_logprobs=body.logprobs,
-        max_tokens_asked="max_tokens" in body.model_fields_set,
-        cache_salt=body.cache_salt,
-        split_thinking=False,  # a text completion is the text as generated
-    )
+    """Text completions of one prompt or several, `n` choices each, indexed by prompt then
+    choice (OpenAI's and vLLM's order); with `echo`, each choice's text begins with its
+    prompt's."""
+    prompts = body.prompts()
+    _check_choices(ctx, len(prompts) * body.n)
+    settings = {
+        "tools": None,
+        "sampling": body.sampling(body.max_tokens, ctx.default_max_tokens),
+        "top_logprobs": body.logprobs,
+        "max_tokens_asked": "max_tokens" in body.model_fields_set,
+        "cache_salt": body.cache_salt,
+        "split_thinking": False,  # a text completion is the text as generated
+    }
+    prepared = [await prepare_turn(request, prompt, **settings) for prompt in prompts]
     choices = await start_choices(prepared, body.n)
+    echoes = [_echo(each) if body.echo else "" for each in prepared for _ in range(body.n)]
     reply = _Reply(ctx.model_name, "cmpl", "text_completion")
     if body.stream:
-        events = _completion_events(choices.turns, reply, body, request.scope)
+        events = _completion_events(choices, echoes, reply, body, request.scope)
         return event_stream(events, choices, _error_event)
     collected = await collect_each(choices.turns, request)
     bodies = [
         {
             "index": index,
-            "text": _text(events),
+            "text": echoes[index] + _text(events),
             "logprobs": _legacy_logprobs(events) if body.logprobs is not None else None,
             "finish_reason": _finish_reason(completion, []),
         }
         for index, (events, completion) in enumerate(collected)
     ]
-    return reply.body(bodies, usage=_usage(combined([each[1] for each in collected])))
+    usage = combined([completion for _, completion in collected], body.n)
+    return reply.body(bodies, usage=_usage(usage))
+
+
+def _echo(prepared: PreparedTurn) -> str:
+    """A prompt's text as `echo` gives it back: as sent, or its token ids decoded."""
+    prompt = prepared.prompt
+    return prompt if isinstance(prompt, str) else prepared.worker.runner.tokenizer.decode(prompt)
 
 
 def _check_choices(ctx: ServerContext, num_choices: int) -> None:
@@ -163,7 +174,7 @@ class _Reply:
 
 
 async def _chat_events(
-    turns: list[Turn], reply: _Reply, include_usage: bool, scope: dict[str, Any]
+    choices: Choices, reply: _Reply, include_usage: bool, scope: dict[str, Any]
 ) -> AsyncIterator[str]:
     """Each choice's role chunk at once, then the replies' chunks as they come; a wait the
     client's watchdog would count as a stall (`early_events`: langchain-openai's
@@ -174,10 +185,11 @@ async def _chat_events(
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse(reply.body([choice]))
 
+    turns = choices.turns
     for index in range(len(turns)):
         yield chunk(index, {"role": "assistant", "content": ""})
     calls: list[list[ToolCall]] = [[] for _ in turns]
-    ended: list[Completion] = []
+    ended: dict[int, Completion] = {}
     async for index, event in interleaved([marking_waits(turn, scope) for turn in turns]):
         if event is WAITING:
             yield chunk(index, {"content": ""})
@@ -193,23 +205,31 @@ async def _chat_events(
             calls[index].append(event)
         elif isinstance(event, Completion):
             yield chunk(index, {}, finish=_finish_reason(event, calls[index]))
-            ended.append(event)
-    for event in _stream_end(reply, ended, len(turns), include_usage):
+            ended[index] = event
+    for event in _stream_end(reply, ended, choices, include_usage):
         yield event
 
 
 async def _completion_events(
-    turns: list[Turn], reply: _Reply, body: CompletionRequest, scope: dict[str, Any]
+    choices: Choices,
+    echoes: list[str],
+    reply: _Reply,
+    body: CompletionRequest,
+    scope: dict[str, Any],
 ) -> AsyncIterator[str]:
-    """Each choice's text chunks as they come; a long wait (`early_events`) sends one of
-    empty text."""
+    """Each choice's echoed prompt at once, then its text chunks as they come; a long wait
+    (`early_events`) sends one of empty text."""
 
     def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return sse(reply.body([choice]))
 
-    ended: list[Completion] = []
-    async for index, event in interleaved([marking_waits(turn, scope) for turn in turns]):
+    for index, echo in enumerate(echoes):
+        if echo:
+            yield chunk(index, echo)
+    ended: dict[int, Completion] = {}
+    turns = [marking_waits(turn, scope) for turn in choices.turns]
+    async for index, event in interleaved(turns):
         if event is WAITING:
             yield chunk(index, "")
         elif isinstance(event, TextDelta) and (event.text or event.logprobs):
@@ -217,19 +237,21 @@ async def _completion_events(
             yield chunk(index, event.text, logprobs)
         elif isinstance(event, Completion):
             yield chunk(index, "", finish=_finish_reason(event, []))
-            ended.append(event)
-    for event in _stream_end(reply, ended, len(turns), body.include_usage):
+            ended[index] = event
+    for event in _stream_end(reply, ended, choices, body.include_usage):
         yield event
 
 
 def _stream_end(
-    reply: _Reply, ended: list[Completion], num_choices: int, include_usage: bool
+    reply: _Reply, ended: dict[int, Completion], choices: Choices, include_usage: bool
 ) -> list[str]:
-    """The usage chunk once every choice has ended (`stream_options.include_usage`), then
-    the stream's end."""
-    if not include_usage or len(ended) < num_choices:
+    """The usage chunk once every choice has ended (`stream_options.include_usage`; `ended`
+    by index), then the stream's end."""
+    num_turns = len(choices.turns)
+    if not include_usage or len(ended) < num_turns:
         return [sse("[DONE]")]
-    return [sse(reply.body([], usage=_usage(combined(ended)))), sse("[DONE]")]
+    usage = combined([ended[index] for index in range(num_turns)], choices.num_choices)
+    return [sse(reply.body([], usage=_usage(usage))), sse("[DONE]")]
 
 
 def _error_event(error: ApiError) -> str:

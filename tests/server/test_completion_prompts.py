@@ -1,0 +1,139 @@
+"""OpenAI's text completions with several prompts (a list of texts or of token id lists, as
+lm-evaluation-harness batches them) and `echo`, through the real `openai` client: each
+choice is the reply a fresh Runner gives its prompt alone (its choice's seed), by text and
+log-probabilities, indexed by prompt then choice; usage counts each prompt once; `echo`
+puts the prompt's text before each choice's, plain and streamed; what cannot be answered is
+a 400 naming the field."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import openai
+import pytest
+
+from mlxkv import Runner
+from mlxkv.runner.results import Completion
+from mlxkv.server.reply.choices import choice_seed, combined
+from tests.server.conftest import serve
+from tests.tolerances import LOGPROB_ABS
+
+PROMPTS = ["Once upon a time there was a cat who", "The recipe for bread begins with"]
+SETTINGS = {"max_tokens": 6, "temperature": 1.5, "seed": 5}
+
+
+def _alone(loaded, prompt, index: int) -> tuple[str, list[float], int]:
+    """Text, log-probabilities and prompt tokens of choice `index` of `prompt` on a fresh
+    Runner."""
+    options = {**SETTINGS, "seed": choice_seed(SETTINGS["seed"], index)}
+    chunks = list(Runner(loaded, max_context=512).stream(prompt, logprobs=0, **options))
+    completion = chunks[-1].completion
+    logprobs = [c.logprob.logprob for c in chunks if c.logprob]
+    return completion.text, logprobs, completion.prompt_tokens
+
+
+def _read(reply, stream: bool):
+    """Texts and log-probabilities by index, and the usage, of a reply or its stream."""
+    texts, logprobs, usage = defaultdict(str), defaultdict(list), None
+    for part in reply if stream else [reply]:
+        usage = part.usage or usage
+        for choice in part.choices:
+            texts[choice.index] += choice.text
+            if choice.logprobs:
+                logprobs[choice.index] += choice.logprobs.token_logprobs
+    return texts, logprobs, usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("as_ids", [False, True], ids=["texts", "token-ids"])
+def test_each_prompts_choices_are_its_replies_alone(loaded_tiny, stream, as_ids):
+    loaded = loaded_tiny("llama")
+    tokenizer = loaded.tokenizer
+    prompts = [tokenizer.encode(p) for p in PROMPTS] if as_ids else PROMPTS
+    runner = Runner(loaded, max_context=512, cache_entries=8, max_batch=4)
+    with serve(runner) as served:
+        reply = served.openai(timeout=120).completions.create(
+            model="m",
+            prompt=prompts,
+            n=2,
+            logprobs=0,
+            stream=stream,
+            stream_options={"include_usage": True} if stream else None,
+            **SETTINGS,
+        )
+        texts, logprobs, usage = _read(reply, stream)
+    assert sorted(texts) == [0, 1, 2, 3]
+    alone = [_alone(loaded, prompt, index) for prompt in prompts for index in range(2)]
+    for index, (text, want_logprobs, _) in enumerate(alone):
+        assert texts[index] == text, index
+        assert logprobs[index] == pytest.approx(want_logprobs, abs=LOGPROB_ABS, rel=1e-4), index
+    assert usage.prompt_tokens == alone[0][2] + alone[2][2]
+    assert usage.completion_tokens == sum(len(each[1]) for each in alone)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_echo_puts_the_prompt_before_each_choice(loaded_tiny, stream):
+    """Texts as sent, token ids decoded; streamed, the prompt comes first, alone."""
+    loaded = loaded_tiny("llama")
+    ids = loaded.tokenizer.encode(PROMPTS[1])
+    with serve(Runner(loaded, max_context=512, max_batch=4)) as served:
+        client = served.openai(timeout=120)
+        texts, _, _ = _read(
+            client.completions.create(
+                model="m", prompt=PROMPTS, n=2, echo=True, stream=stream, **SETTINGS
+            ),
+            stream,
+        )
+        from_ids = client.completions.create(
+            model="m", prompt=ids, echo=True, stream=stream, **SETTINGS
+        )
+        parts = list(from_ids) if stream else [from_ids]
+    for index in range(4):
+        prompt = PROMPTS[index // 2]
+        assert texts[index] == prompt + _alone(loaded, prompt, index % 2)[0], index
+    echoed = loaded.tokenizer.decode(ids)
+    assert parts[0].choices[0].text.startswith(echoed)
+    assert "".join(p.choices[0].text for p in parts) == echoed + _alone(loaded, ids, 0)[0]
+    if stream:
+        assert parts[0].choices[0].text == echoed
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"prompt": []}, "prompt", "prompt is empty"),
+        ({"prompt": ["a story", ""]}, "prompt", "prompt[1] is empty"),
+        ({"prompt": "a story", "echo": True, "logprobs": 1}, "echo", "leave out one"),
+        ({"prompt": "a story", "suffix": "end"}, "suffix", "not supported"),
+        ({"prompt": ["a", "b", "c"], "n": 2}, "n", "6 generations (n for each prompt)"),
+    ],
+    ids=["no-prompt", "an-empty-prompt", "echo-logprobs", "suffix", "over-the-queue"],
+)
+def test_what_cannot_be_answered_is_a_bad_request(loaded_tiny, body, param, words):
+    runner = Runner(loaded_tiny("llama"), max_context=512)
+    with serve(runner, max_queue=4) as served, pytest.raises(openai.BadRequestError) as refused:
+        served.openai().completions.create(model="m", max_tokens=2, **body)
+    error = refused.value.body
+    assert error["param"] == param and words in error["message"], error
+
+
+def _completion(prompt_tokens: int, cached_tokens: int, generated: int) -> Completion:
+    return Completion(
+        text="", tokens=[], finish_reason="length", prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens, prompt_tps=0.0, generation_tokens=generated,
+        generation_tps=0.0, ttft=0.0, peak_memory=0,
+    )  # fmt: skip
+
+
+def test_usage_counts_each_prompt_once_as_its_first_choice_computed_it():
+    """Two prompts of two choices: each prompt's tokens once, cached as its choice that
+    computed it saw them; a choice that did not end is left out."""
+    completions = [
+        _completion(10, 0, 3),
+        _completion(10, 9, 4),
+        None,
+        _completion(7, 2, 5),
+    ]
+    usage = combined(completions, 2)
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.generation_tokens) == (17, 2, 12)
+    assert combined([None, None], 2) is None
