@@ -43,6 +43,8 @@ class Request:
         cancelled: set by `Runner.cancel()` or by the caller that passed it.
         top_logprobs: None for no log-probabilities; else how many alternatives to report
             with each sampled token's own.
+        prompt_logprobs: None, or how many alternatives to report with each prompt token's
+            own log-probability (`GenerationChunk.prompt_logprobs`).
         cache_key: a label for the cache entry the request generates into (None: keep its
             label).
         drops_before: the prompt cache's deletions counted when it was made
@@ -73,6 +75,7 @@ class Request:
     cancelled: threading.Event
     matched: Callable[[PromptUsage], None] | None = None
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
     cache_key: str | None = None
     drops_before: int | None = None
     evict_first: bool = False
@@ -99,6 +102,7 @@ class RequestOptions:
         tools: function definitions for the chat template.
         cancel: an Event that ends this request when set; None makes a private one.
         top_logprobs: None for no log-probabilities, else alternatives per token (0..20).
+        prompt_logprobs: the same for the prompt's own tokens.
         truncate: cut a prompt that does not fit; False raises ContextLengthError.
         overflow: what a `max_tokens` the window cannot hold after the prompt does: "shift"
             (the context shifts mid-reply), "stop" (the reply ends with "length" when the window
@@ -121,6 +125,7 @@ class RequestOptions:
     tools: Tools | None = None
     cancel: threading.Event | None = None
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
     truncate: bool = True
     cache_key: str | None = None
     drops_before: int | None = None
@@ -148,7 +153,9 @@ class RequestOptions:
             raise ValueError(
                 f"cache_key must be a str or None, got {type(self.cache_key).__name__}"
             )
-        if self.top_logprobs is not None:
-            check_int(
-                "logprobs (alternatives per token)", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS
-            )
+        for name, top in (
+            ("logprobs", self.top_logprobs),
+            ("prompt_logprobs", self.prompt_logprobs),
+        ):
+            if top is not None:
+                check_int(f"{name} (alternatives per token)", top, low=0, high=MAX_TOP_LOGPROBS)

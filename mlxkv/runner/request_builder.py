@@ -133,6 +133,7 @@ class RequestBuilder:
             matched=options.matched,
             cancelled=options.cancel or threading.Event(),
             top_logprobs=options.top_logprobs,
+            prompt_logprobs=options.prompt_logprobs,
             cache_key=options.cache_key,
             drops_before=options.drops_before,
             evict_first=options.evict_first,

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxkv.cache.building import make_cache
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.batch import DecodeBatch
 from mlxkv.decoding.decoders import decode_reply
@@ -25,7 +27,8 @@ from mlxkv.decoding.drafts import DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
-from mlxkv.decoding.prefill.chunks import fill
+from mlxkv.decoding.prefill.chunks import fill, fill_steps
+from mlxkv.decoding.prefill.scoring import PromptScorer
 from mlxkv.decoding.speculative import DraftLength, Speculation
 from mlxkv.errors import RestoreBroken
 from mlxkv.models.vision import ImagePrompt
@@ -169,18 +172,21 @@ def _generate(
     max_context = context.config.max_context
     model = loaded.model
     start = time.perf_counter()
+    scorer = _prompt_scorer(request)
     try:
-        together = _prefilled_with(request, batching)
+        fill = functools.partial(
+            fill_prompt, model, request, stats=stats, plan=plan, scorer=scorer,
+            together=_prefilled_with(request, batching),
+        )  # fmt: skip
         try:
-            logits = yield from fill_prompt(
-                model, request, hit, stats, plan=plan, together=together
-            )
+            logits = yield from fill(hit)
         except RestoreBroken:  # before any chunk was fed: the first forward uses every layer
             hit = restore_again(pool.store, hit, request.tokens)
             stats.cached = hit.num_cached
-            logits = yield from fill_prompt(
-                model, request, hit, stats, plan=plan, together=together
-            )
+            logits = yield from fill(hit)
+        if scorer is not None:
+            yield from _score_cached(request, context, hit.num_cached, scorer)
+            stats.prompt_logprobs = scorer.result()
     except PrefillCancelled:
         yield stats.final_chunk("", "cancelled")
         return
@@ -243,13 +249,40 @@ def _held_prompt(request: Request, context: RunContext) -> tuple[list[int], tupl
     return list(request.tokens), request.images
 
 
+def _prompt_scorer(request: Request) -> PromptScorer | None:
+    if request.prompt_logprobs is None:
+        return None
+    return PromptScorer(request.tokens, request.prompt_logprobs)
+
+
+def _score_cached(
+    request: Request, context: RunContext, num_cached: int, scorer: PromptScorer
+) -> Iterator[Pause]:
+    """Scores the prompt's first `num_cached` positions, which the cache supplied (its K/V
+    hold no logits): fed again on a cache of their own, dropped after; pauses (yields
+    `PAUSE`) after each chunk, where other requests run.
+
+    Raises:
+        PrefillCancelled: the request was cancelled.
+    """
+    if not num_cached:
+        return
+    config, model = context.config, context.loaded.model
+    cache = make_cache(model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+    for _ in fill_steps(model, cache, request.tokens[:num_cached], context.plan, scorer):
+        if request.cancelled.is_set():
+            raise PrefillCancelled
+        yield PAUSE
+
+
 def _prefilled_with(request: Request, batching: Batching | None) -> PrefillGroup | None:
     """The group the request's prompt may be prefilled with: none when not interleaved, nor
     for a seeded request, whose draws must be those it makes alone (from its prompt's logits
     fed alone, not a batched pass's, which round otherwise). A vision model's prompts join
     too, text-only or with images (each row its own encoder rows and positions:
-    `mlxkv.runner.prefill.image_rows.PromptRows`)."""
-    if batching is None or request.params.seed is not None:
+    `mlxkv.runner.prefill.image_rows.PromptRows`); not one whose prompt is scored (a
+    batched pass computes no logits but the last)."""
+    if batching is None or request.params.seed is not None or request.prompt_logprobs is not None:
         return None
     return batching.prefills
 

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from mlxkv.decoding.drafts import DraftCounts
 from mlxkv.decoding.picker import TokenLogprob
+from mlxkv.decoding.prefill.scoring import PromptLogprobs
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class GenerationChunk:
         logprob: the token's log-probabilities when the request asked for them.
         prompt: on the first token's chunk and on the final chunk: the prompt's tokens and
             cached tokens (known before any text, e.g. for a response header).
+        prompt_logprobs: where the request asked for them, on the chunks with `prompt`: the
+            prompt's own log-probabilities.
     """
 
     text: str
@@ -80,6 +83,7 @@ class GenerationChunk:
     completion: Completion | None = None
     logprob: TokenLogprob | None = None
     prompt: PromptUsage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionStats:
@@ -101,6 +105,7 @@ class CompletionStats:
         self.tokens: list[int] = []
         self.text: list[str] = []
         self.drafts = DraftCounts()  # speculative decoding's, filled in as it verifies
+        self.prompt_logprobs: PromptLogprobs | None = None  # once scored, when asked for
 
     def sampled(self) -> None:
         if self.first_token_at is None:
@@ -114,7 +119,11 @@ class CompletionStats:
         self.text.append(text)
         first = self.num_sampled == 1
         return GenerationChunk(
-            text=text, token=token, logprob=logprob, prompt=self.usage() if first else None
+            text=text,
+            token=token,
+            logprob=logprob,
+            prompt=self.usage() if first else None,
+            prompt_logprobs=self.prompt_logprobs if first else None,
         )
 
     def final_chunk(
@@ -127,6 +136,7 @@ class CompletionStats:
             finish_reason=finish_reason,
             completion=self.completion(finish_reason, stop_string),
             prompt=self.usage(),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def usage(self) -> PromptUsage:

@@ -233,6 +233,7 @@ class Runner:
         tools: Tools | None = None,
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         truncate: bool = True,
         cache_key: str | None = None,
         evict_first: bool = False,
@@ -252,9 +253,8 @@ class Runner:
                 ([{"role": ..., "content": ...}]).
             progress: called as progress(done, total) in prompt tokens during prefill.
             matched: called (on the engine thread) with the prompt's `PromptUsage` once the
-                prompt cache's match is final, before the prefill (a streamed disk restore:
-                after its first chunk, once every layer passed its check): what the
-                completion's usage says too.
+                cache's match is final, before the prefill (a streamed disk restore: after
+                its first chunk, every layer checked): what the completion's usage says too.
             parse_control_tokens: let control-token strings inside chat message content
                 become control tokens; only for content you wrote yourself.
             tools: function definitions ([{"type": "function", "function": {...}}]) given to
@@ -263,6 +263,8 @@ class Runner:
             cancel: an Event that ends this request alone when set (as `cancel()` ends all).
             logprobs: None for none; else each chunk carries its token's log-probability and
                 this many (0..20) most likely alternatives.
+            prompt_logprobs: the same for each prompt token after the first, on the chunks
+                with `prompt`; a cached prefix is fed again for them (K/V hold no logits).
             truncate: cut a prompt longer than `max_context` (chats at user turns, keeping
                 the system prompt); False raises ContextLengthError instead.
             overflow: when the prompt (as given) plus `max_tokens` is over `max_context`:
@@ -277,18 +279,15 @@ class Runner:
                 `cached_tokens` and timing tell one client what another's prompts began with.
             switches: chat-template variables such as `enable_thinking` (Qwen3's thinking
                 switch) or `reasoning_effort`, passed only where the template reads them.
-            cache_key: a label for the cache entry this request generates into, e.g. a
-                conversation id; `cache_info()` shows it. Lookup is by tokens alone.
+            cache_key: a label for the entry it generates into (a conversation id), shown by
+                `cache_info()`; lookup is by tokens alone.
             evict_first: a request's later choice: its entry, a copy, goes first for room.
             batched: run interleaved with the other batched streams of this Runner (the
-                server's way): their prefills take turns chunk by chunk, and their decoding
-                runs as one batch, one forward pass per token for all (up to `max_batch`
-                streams; more wait for a slot). Not batched: one request at a time, in turn.
-                A batched stream decodes alone (taking turns) while no other request runs
-                (speculatively, as set), when seeded (on its own random key), and where the
-                model's cache layers do not batch (chunked attention, a window with sink
-                tokens: docs/batching.md). Greedy output equals the serial one's up to the batched
-                kernels' rounding.
+                server's way): prefills take turns chunk by chunk, decoding runs as one batch
+                (up to `max_batch` streams; more wait for a slot); not batched: one request
+                at a time. It decodes alone while no other request runs, when seeded, and
+                where the cache's layers do not batch (docs/batching.md). Greedy output
+                equals the serial one's up to the batched kernels' rounding.
             reply_key: what the reply is known by when sent back, None for its text (the
                 server: a call reply by its calls, `text.replies.call_reply_key`), so that a
                 reply sent back takes its ids, also after a restart (the disk tier's records).
@@ -328,6 +327,7 @@ class Runner:
             tools=tools,
             cancel=cancel,
             top_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             truncate=truncate,
             cache_key=cache_key,
             evict_first=evict_first,

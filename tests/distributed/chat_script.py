@@ -3,7 +3,8 @@
 request that forces a trim, one that forces a miss, and two cancelled generations (a caller
 that stops reading, and `Runner.cancel()`), a sampled one with no seed, its prompt again after
 its entry was dropped by its cache key, and once more by a request made before its key was
-dropped and run after. After each request every rank writes down what its entry holds, to
+dropped and run after, then a prompt scored (`prompt_logprobs`) after its prefix was cached.
+After each request every rank writes down what its entry holds, to
 OUT_DIR/rank<r>.json.
 
     python tests/distributed/chat_script.py MODEL_DIR OUT_DIR
@@ -18,6 +19,7 @@ from pathlib import Path
 from mlxkv import Runner
 
 QUESTIONS = ["What is the capital of France?", "What river flows through it?", "And Italy?"]
+SCORED = "A prompt scored token by token, about rivers"
 
 
 def main(model_dir: str, out_dir: str) -> None:
@@ -71,6 +73,12 @@ def main(model_dir: str, out_dir: str) -> None:
         made = runner.stream("Once upon a time", max_tokens=4, cache_key="q")
         assert runner.drop_cache_entries("q") == 0
         record(list(made)[-1].completion)
+        # Scored (`prompt_logprobs`): every rank feeds the cached prefix again on a scratch
+        # cache; rank 0 writes the prompt tokens' log-probabilities.
+        record(runner.generate(SCORED, max_tokens=2))
+        chunks = list(runner.stream(SCORED + " and the seas", max_tokens=2, prompt_logprobs=3))
+        scored = chunks[-1].prompt_logprobs.logprobs
+        record(chunks[-1].completion, [[t.logprob, t.top] for t in scored])
         runner.close()  # ends the other ranks' follow()
     else:
         for completion in runner.follow():

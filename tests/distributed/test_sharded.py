@@ -133,23 +133,31 @@ def test_two_ranks_answer_the_chat_as_one_process_does(runs):
     assert layers in ([2, 2, 2], [2, 1, 1])
 
 
+def test_two_ranks_score_a_prompt_as_one_process_does(runs):
+    """The prompt's own log-probabilities, its cached prefix fed again on every rank."""
+    single, (rank0, _) = runs
+    assert single[-1]["cached"] > 0 and rank0[-1]["cached"] == single[-1]["cached"]
+    assert single[-1]["logprobs"], "no prompt log-probabilities"
+    _assert_logprobs_close(rank0[-1]["logprobs"], single[-1]["logprobs"], "the scored prompt")
+
+
 def test_both_ranks_hold_the_same_tokens_and_half_the_bytes_after_every_request(runs):
     single, (rank0, rank1) = runs
-    assert len(rank0) == len(rank1) == len(single) == CHAT_TURNS + 7
+    assert len(rank0) == len(rank1) == len(single) == CHAT_TURNS + 9
     for i, (one, zero, other) in enumerate(zip(single, rank0, rank1, strict=True)):
         assert zero["held"] == other["held"], f"request {i}"
-        if i != len(single) - 3:  # the sampled one draws a seed of its own
+        if i != CHAT_TURNS + 4:  # the sampled one draws a seed of its own
             assert zero["held"] == one["held"], f"request {i}"
         assert zero["allocated_bytes"] == other["allocated_bytes"], f"request {i}"
         assert 2 * zero["allocated_bytes"] == one["allocated_bytes"], f"request {i}"
-    trim, miss, left, cancelled, sampled, dropped, freed = rank1[CHAT_TURNS:]
+    trim, miss, left, cancelled, sampled, dropped, freed, _, _ = rank1[CHAT_TURNS:]
     assert 0 < trim["cached"] < len(rank1[CHAT_TURNS - 1]["held"])  # went back: a trim
     assert miss["cached"] == 0
     assert left["finish"] == cancelled["finish"] == "cancelled"  # rank 1 stopped with rank 0
-    assert sampled["tokens"] == rank0[-3]["tokens"]  # the same draws on both ranks
-    assert dropped["cached"] == rank0[-2]["cached"] == 0  # the entry dropped on both ranks
+    assert sampled["tokens"] == rank0[CHAT_TURNS + 4]["tokens"]  # the same draws on both ranks
+    assert dropped["cached"] == rank0[CHAT_TURNS + 5]["cached"] == 0  # dropped on both ranks
     # a request made before its key was dropped: its entry freed on both ranks when it ended
-    assert freed["cached"] > 0 and freed["held"] == rank0[-1]["held"] == []
+    assert freed["cached"] > 0 and freed["held"] == rank0[CHAT_TURNS + 6]["held"] == []
 
 
 def test_an_architecture_without_sharding_is_refused_by_name(load_tiny):

@@ -435,14 +435,17 @@ def _first_jobs_queued_then_run(runner, prompts, options) -> list:
     return results
 
 
-def test_a_seeded_stream_is_not_prefilled_with_others(loaded_tiny, monkeypatch):
-    """Its first token is drawn from logits of its prompt fed alone, as when it runs alone
-    (batched kernels round otherwise): the two others are prefilled together without it."""
+@pytest.mark.parametrize("kind", ["seeded", "scored"])
+def test_a_seeded_or_scored_stream_is_not_prefilled_with_others(loaded_tiny, monkeypatch, kind):
+    """A seeded one's first token is drawn from logits of its prompt fed alone, as when it
+    runs alone (batched kernels round otherwise); a scored one (`prompt_logprobs`) reads every
+    position's logits, which a batched pass does not compute: the two others are prefilled
+    together without it."""
     loaded = loaded_tiny("llama")
     prompts = ["Alpha one two.", "Bravo three four.", "Zulu five six seven eight."]
     greedy = {"max_tokens": 8, "temperature": 0.0, "logprobs": 0}
     seeded = {"max_tokens": 8, "temperature": 1.0, "seed": 7, "logprobs": 0}
-    options = [greedy, greedy, seeded]
+    options = [greedy, greedy, seeded if kind == "seeded" else {**greedy, "prompt_logprobs": 0}]
     alone = Runner(loaded, max_context=512, speculative=None)
     want = [
         _tokens_and_logprobs(alone.stream(p, **o)) for p, o in zip(prompts, options, strict=True)
@@ -455,8 +458,9 @@ def test_a_seeded_stream_is_not_prefilled_with_others(loaded_tiny, monkeypatch):
     results = _first_jobs_queued_then_run(runner, prompts, options)
     lengths = [len(runner.encode(p)) for p in prompts]
     assert passes == [sorted(lengths[:2])]
-    assert results[2] == want[2]  # the seeded one's draws, exactly
-    _assert_same_answers(results[:2], want[:2])
+    if kind == "seeded":
+        assert results[2] == want[2]  # its draws, exactly
+    _assert_same_answers(results, want)
 
 
 _SHARED_TOKENS = 100

@@ -2,13 +2,17 @@
 lm-evaluation-harness batches them) and `echo`, through the real `openai` client: each
 choice is the reply a fresh Runner gives its prompt alone (its choice's seed), by text and
 log-probabilities, indexed by prompt then choice; usage counts each prompt once; `echo`
-puts the prompt's text before each choice's, plain and streamed; what cannot be answered is
-a 400 naming the field."""
+puts the prompt's text before each choice's, plain and streamed, and with `logprobs` the
+prompt's own log-probabilities (the model's on the whole prompt, no cache, also where the
+cache supplies a prefix), as lm-evaluation-harness reads them; what cannot be answered is a
+400 naming the field."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+import mlx.core as mx
+import numpy as np
 import openai
 import pytest
 
@@ -103,11 +107,10 @@ def test_echo_puts_the_prompt_before_each_choice(loaded_tiny, stream):
     [
         ({"prompt": []}, "prompt", "prompt is empty"),
         ({"prompt": ["a story", ""]}, "prompt", "prompt[1] is empty"),
-        ({"prompt": "a story", "echo": True, "logprobs": 1}, "echo", "leave out one"),
         ({"prompt": "a story", "suffix": "end"}, "suffix", "not supported"),
         ({"prompt": ["a", "b", "c"], "n": 2}, "n", "6 generations (n for each prompt)"),
     ],
-    ids=["no-prompt", "an-empty-prompt", "echo-logprobs", "suffix", "over-the-queue"],
+    ids=["no-prompt", "an-empty-prompt", "suffix", "over-the-queue"],
 )
 def test_what_cannot_be_answered_is_a_bad_request(loaded_tiny, body, param, words):
     runner = Runner(loaded_tiny("llama"), max_context=512)
@@ -137,3 +140,46 @@ def test_usage_counts_each_prompt_once_as_its_first_choice_computed_it():
     usage = combined(completions, 2)
     assert (usage.prompt_tokens, usage.cached_tokens, usage.generation_tokens) == (17, 2, 12)
     assert combined([None, None], 2) is None
+
+
+def _model_logprobs(loaded, tokens: list[int]) -> np.ndarray:
+    """Log-probabilities (n, vocab) of the model called once on `tokens`, no cache."""
+    logits = loaded.model(mx.array([tokens]))[0].astype(mx.float32)
+    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(loaded_tiny, stream):
+    """lm-evaluation-harness's loglikelihood request (token ids of a context and its
+    continuation, `echo`, `logprobs: 1`, `max_tokens: 1`, greedy), after the context alone
+    was sent (the cache supplies it): `token_logprobs[ctxlen:-1]` is the continuation's
+    log-likelihood, the model's; the first token's entry is null."""
+    loaded = loaded_tiny("llama")
+    context = loaded.tokenizer.encode(" ".join(PROMPTS * 3))
+    continuation = loaded.tokenizer.encode(" and it ran far away")
+    tokens = context + continuation
+    body = {"model": "m", "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    with serve(Runner(loaded, max_context=512, max_batch=4)) as served:
+        client = served.openai(timeout=120)
+        client.completions.create(model="m", prompt=[context], max_tokens=1)
+        reply = client.completions.create(prompt=[tokens], stream=stream, **body)
+        parts = list(reply) if stream else [reply]
+        plain = client.completions.create(prompt=[tokens], **body)
+    logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for part in parts:
+        for choice in part.choices:
+            for field in logprobs:
+                logprobs[field] += getattr(choice.logprobs, field) if choice.logprobs else []
+    want = _model_logprobs(loaded, tokens)
+    assert len(logprobs["token_logprobs"]) == len(tokens) + 1  # and the generated token
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    got = logprobs["token_logprobs"][len(context) : -1]
+    expected = [want[i - 1, tokens[i]] for i in range(len(context), len(tokens))]
+    np.testing.assert_allclose(got, expected, atol=LOGPROB_ABS, rtol=1e-4)
+    for position, top in enumerate(logprobs["top_logprobs"][1:-1]):
+        [(text, value)] = top.items()
+        assert value == pytest.approx(want[position].max(), abs=LOGPROB_ABS, rel=1e-4)
+    assert logprobs["tokens"][1:-1] == [loaded.tokenizer.decode([t]) for t in tokens[1:]]
+    assert plain.usage.prompt_tokens_details.cached_tokens >= len(context) - 1
+    if stream:
+        assert parts[0].choices[0].text == loaded.tokenizer.decode(tokens)  # the echo first

@@ -3,7 +3,8 @@
 Owns `PrefillPlan` (chunk size and lanes for the device), `fill` (tokens into the cache, no
 logits) and `prefill` (the same, then the last token's logits), each also as a generator that
 pauses after every chunk, yielding the tokens fed so far (`fill_steps`, `prefill_steps`: a
-request interleaved with others lets them run between its chunks, and reports its progress).
+request interleaved with others lets them run between its chunks, and reports its progress),
+and scoring each chunk's positions where the prompt's own log-probabilities are asked for.
 On MLX's CPU backend each chunk is spread over the cores (`lanes`). Does not own which
 tokens to feed (`mlxkv.runner.prefill.fill`) or the cache's bookkeeping (`ModelCache`).
 """
@@ -18,6 +19,7 @@ import mlx.nn as nn
 
 from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.prefill import lanes as cpu_lanes
+from mlxkv.decoding.prefill.scoring import PromptScorer
 from mlxkv.platform.machine import memory_bytes, on_gpu
 
 ProgressCallback = Callable[[int, int], None]
@@ -75,14 +77,24 @@ def fill(model: nn.Module, cache: ModelCache, tokens: Sequence[int], plan: Prefi
 
 
 def fill_steps(
-    model: nn.Module, cache: ModelCache, tokens: Sequence[int], plan: PrefillPlan
+    model: nn.Module,
+    cache: ModelCache,
+    tokens: Sequence[int],
+    plan: PrefillPlan,
+    scorer: PromptScorer | None = None,
 ) -> Generator[int, None, None]:
     """`fill`, pausing after each chunk, where it yields the tokens fed so far; closing it
-    stops after the chunk fed."""
+    stops after the chunk fed. With a `scorer`, each chunk's logits are computed and scored
+    (one lane: every position's logits are read)."""
     total = len(tokens)
     for start in range(0, total, plan.step_tokens):
         end = min(start + plan.step_tokens, total)
-        cpu_lanes.feed(model, cache, tokens[start:end], plan.lanes)
+        if scorer is None:
+            cpu_lanes.feed(model, cache, tokens[start:end], plan.lanes)
+        else:
+            at = cache.num_tokens
+            kept = scorer.score(cache.forward(model, tokens[start:end]), at)
+            mx.eval(cache.arrays(), *kept)
         if mx.get_cache_memory() > plan.kept_buffers_bytes:
             mx.clear_cache()
         yield end
@@ -109,9 +121,13 @@ def prefill(
 
 
 def prefill_steps(
-    model: nn.Module, cache: ModelCache, tokens: Sequence[int], plan: PrefillPlan
+    model: nn.Module,
+    cache: ModelCache,
+    tokens: Sequence[int],
+    plan: PrefillPlan,
+    scorer: PromptScorer | None = None,
 ) -> Generator[int, None, mx.array]:
     """`prefill`, pausing after each chunk but the last token, where it yields the tokens fed
-    so far; returns the logits (all `tokens` fed)."""
-    yield from fill_steps(model, cache, tokens[:-1], plan)
+    so far; returns the logits (all `tokens` fed). `scorer`: as `fill_steps`."""
+    yield from fill_steps(model, cache, tokens[:-1], plan, scorer)
     return cache.forward(model, tokens[-1:])[:, -1, :]

@@ -22,6 +22,7 @@ from mlxkv.cache.model_cache import ModelCache
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.prefill.batched import Stops
 from mlxkv.decoding.prefill.chunks import PrefillPlan, fill_steps, prefill_steps
+from mlxkv.decoding.prefill.scoring import PromptScorer
 from mlxkv.models.vision import ImagePrompt
 from mlxkv.runner.prefill.group import PrefillGroup
 from mlxkv.runner.prompt_cache.pool import PrefixHit
@@ -44,6 +45,7 @@ def fill_prompt(
     *,
     plan: PrefillPlan,
     together: PrefillGroup | None = None,
+    scorer: PromptScorer | None = None,
 ) -> Generator[Pause, None, mx.array]:
     """Feeds `hit.remaining` into `hit.entry.cache` and returns the last position's logits;
     yields `PAUSE` between chunks, or while prompts to prefill together come (`yield from` it
@@ -54,6 +56,7 @@ def fill_prompt(
         together: the group a short prompt (on a cache whose layers it admits) is fed with,
             its checkpoints and disk snapshots taken as alone, when other requests reach
             their prefill at the same moment (None: alone).
+        scorer: scores every position fed (the prompt's own log-probabilities).
 
     Calls `request.matched` once the match is final (`_match_reporter`).
 
@@ -83,14 +86,14 @@ def fill_prompt(
     # token) come in the same turn, or a short prompt would wait a round for them.
     last_pause = total - 1
     for split in sorted({*hit.checkpoints, *hit.disk_snapshots}):
-        steps = fill_steps(model, cache, remaining[: split - offset], plan)
+        steps = fill_steps(model, cache, remaining[: split - offset], plan, scorer)
         yield from _paced(steps, fed, offset, min(split, last_pause))
         if split in hit.checkpoints:  # a disk snapshot the cache took here is shared
             cache.checkpoint()
         if split < last_pause:  # the chunk's pause, after its checkpoint: a request waiting
             yield PAUSE  # for this prefix (`_await_shared_prefix`) may copy it from there
         offset, remaining = split, remaining[split - offset :]
-    steps = prefill_steps(model, cache, remaining, plan)
+    steps = prefill_steps(model, cache, remaining, plan, scorer)
     logits = yield from _paced(steps, fed, offset, last_pause)
     fed(total)
     return logits

@@ -210,12 +210,6 @@ class CompletionRequest(GenerationFields):
         texts or of token id lists, as lm-evaluation-harness batches them)."""
         if self.suffix:
             raise ApiError(400, "suffix is not supported; leave it out", param="suffix")
-        if self.echo and self.logprobs is not None:
-            message = (
-                "echo with logprobs (the prompt's log-probabilities) is not supported; leave "
-                "out one of them"
-            )
-            raise ApiError(400, message, param="echo")
         if self.best_of not in (None, self.n):
             message = (
                 f"best_of={self.best_of} is not supported; send best_of={self.n} (n) or leave it "

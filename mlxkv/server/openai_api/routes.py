@@ -31,6 +31,7 @@ from mlxkv.server.reply.turn import (
     Event,
     ReasoningDelta,
     TextDelta,
+    Turn,
     collect_each,
 )
 from mlxkv.server.state import Context, ServerContext, event_stream, interleaved, sse
@@ -116,13 +117,15 @@ def _chat_choice(
 async def completions(body: CompletionRequest, request: Request, ctx: Context):
     """Text completions of one prompt or several, `n` choices each, indexed by prompt then
     choice (OpenAI's and vLLM's order); with `echo`, each choice's text begins with its
-    prompt's."""
+    prompt's, and with `logprobs` too, its log-probabilities with the prompt's own (how
+    lm-evaluation-harness scores a continuation)."""
     prompts = body.prompts()
     _check_choices(ctx, len(prompts) * body.n)
     settings = {
         "tools": None,
         "sampling": body.sampling(body.max_tokens, ctx.default_max_tokens),
         "top_logprobs": body.logprobs,
+        "prompt_logprobs": body.logprobs if body.echo else None,
         "max_tokens_asked": "max_tokens" in body.model_fields_set,
         "cache_salt": body.cache_salt,
         "split_thinking": False,  # a text completion is the text as generated
@@ -139,10 +142,12 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context):
         {
             "index": index,
             "text": echoes[index] + _text(events),
-            "logprobs": _legacy_logprobs(events) if body.logprobs is not None else None,
+            "logprobs": None if body.logprobs is None else _legacy_logprobs(events, turn),
             "finish_reason": _finish_reason(completion, []),
         }
-        for index, (events, completion) in enumerate(collected)
+        for index, ((events, completion), turn) in enumerate(
+            zip(collected, choices.turns, strict=True)
+        )
     ]
     usage = combined([completion for _, completion in collected], body.n)
     return reply.body(bodies, usage=_usage(usage))
@@ -217,23 +222,29 @@ async def _completion_events(
     body: CompletionRequest,
     scope: dict[str, Any],
 ) -> AsyncIterator[str]:
-    """Each choice's echoed prompt at once, then its text chunks as they come; a long wait
+    """Each choice's echoed prompt (at once; with its log-probabilities, once they are
+    known: with the choice's first event), then its text chunks as they come; a long wait
     (`early_events`) sends one of empty text."""
 
     def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return sse(reply.body([choice]))
 
+    scored = body.logprobs is not None
     for index, echo in enumerate(echoes):
-        if echo:
+        if echo and not scored:
             yield chunk(index, echo)
+    echoing = {index for index, echo in enumerate(echoes) if echo and scored}
     ended: dict[int, Completion] = {}
     turns = [marking_waits(turn, scope) for turn in choices.turns]
     async for index, event in interleaved(turns):
+        if event is not WAITING and index in echoing:
+            echoing.discard(index)
+            yield chunk(index, echoes[index], _legacy_logprobs([], choices.turns[index]))
         if event is WAITING:
             yield chunk(index, "")
         elif isinstance(event, TextDelta) and (event.text or event.logprobs):
-            logprobs = _legacy_logprobs([event]) if body.logprobs is not None else None
+            logprobs = _legacy_logprobs([event]) if scored else None
             yield chunk(index, event.text, logprobs)
         elif isinstance(event, Completion):
             yield chunk(index, "", finish=_finish_reason(event, []))
@@ -291,9 +302,12 @@ def _chat_logprobs(events: list[Event]) -> list[dict[str, Any]]:
     return openai_logprobs(t for e in deltas for t in e.logprobs)
 
 
-def _legacy_logprobs(events: list[Event]) -> dict[str, Any]:
-    """The completions endpoint's older shape: parallel lists per token."""
+def _legacy_logprobs(events: list[Event], echoed: Turn | None = None) -> dict[str, Any]:
+    """The completions endpoint's older shape: parallel lists per token; first the prompt's
+    own where the turn of an `echoed` prompt scored it (its first token's null)."""
     tokens = [t for e in events if isinstance(e, TextDelta) for t in e.logprobs]
+    if echoed is not None and echoed.prompt_logprobs is not None:
+        tokens = echoed.prompt_logprobs + tokens
     offsets, at = [], 0
     for token in tokens:
         offsets.append(at)
@@ -301,7 +315,7 @@ def _legacy_logprobs(events: list[Event]) -> dict[str, Any]:
     return {
         "tokens": [t.text for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [dict(t.top) for t in tokens],
+        "top_logprobs": [None if t.logprob is None else dict(t.top) for t in tokens],
         "text_offset": offsets,
     }
 

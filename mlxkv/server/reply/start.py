@@ -90,6 +90,7 @@ async def prepare_turn(
     tools: list[dict[str, Any]] | None,
     sampling: dict[str, Any],
     top_logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     cache_key: str | None = None,
     max_tokens_asked: bool = True,
     cache_salt: str | None = None,
@@ -129,6 +130,8 @@ async def prepare_turn(
     options = {"tools": tools or None, "logprobs": top_logprobs, "truncate": False}
     options |= {"overflow": "refuse" if max_tokens_asked else "stop", "switches": switches}
     options |= {"cache_key": cache_key, "cache_salt": cache_salt}
+    if prompt_logprobs is not None:  # the prompt's own, alternatives per token
+        options["prompt_logprobs"] = prompt_logprobs
     with_logprobs = top_logprobs is not None
     return PreparedTurn(
         request, worker, context.model_name, prompt, sampling, options, with_logprobs,

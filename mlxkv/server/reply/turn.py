@@ -22,6 +22,7 @@ from typing import Any
 from starlette.requests import Request
 
 from mlxkv.decoding.picker import TokenLogprob
+from mlxkv.decoding.prefill.scoring import PromptLogprobs
 from mlxkv.runner.results import Completion, PromptUsage
 from mlxkv.runner.text.replies import ReplyKey, call_reply_key
 from mlxkv.server.errors import ApiError
@@ -40,7 +41,7 @@ class TokenInfo:
     """A generated token's text and log-probability, with the most likely alternatives."""
 
     text: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it)
     top: list[tuple[str, float]]
 
 
@@ -87,6 +88,8 @@ class Turn:
         self._tokenizer = tokenizer
         self._with_logprobs = with_logprobs
         self.prompt: PromptUsage | None = None  # known from the first event on
+        # the prompt's own log-probabilities where asked for (`prompt_logprobs`), as `prompt`
+        self.prompt_logprobs: list[TokenInfo] | None = None
         # Tokens of the model's thinking (OpenAI's `reasoning_tokens`): those with a thought
         # open before or after them, its tags included.
         self.reasoning_tokens = 0
@@ -127,6 +130,8 @@ class Turn:
         yielded_s = time.monotonic()
         async for chunk in self._stream:
             self.prompt = self.prompt or chunk.prompt
+            if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
+                self.prompt_logprobs = self._prompt_infos(chunk.prompt_logprobs)
             self.generated_tokens += chunk.token is not None
             if self._with_logprobs and chunk.logprob is not None:
                 pending.append(self._token_info(chunk.token, chunk.logprob))
@@ -160,6 +165,13 @@ class Turn:
 
     def _pieces(self, text: str, ended: bool) -> list[Piece | Thought]:
         return _split(text, ended, self._splitter, self._thinking)
+
+    def _prompt_infos(self, scored: PromptLogprobs) -> list[TokenInfo]:
+        """Each prompt token's `TokenInfo`, the first's without log-probabilities (None, no
+        alternatives: nothing comes before it)."""
+        first = TokenInfo(self._tokenizer.decode(scored.tokens[:1]), None, [])
+        pairs = zip(scored.tokens[1:], scored.logprobs, strict=True)
+        return [first, *(self._token_info(token, logprob) for token, logprob in pairs)]
 
     def _token_info(self, token: int, logprob: TokenLogprob) -> TokenInfo:
         decode = self._tokenizer.decode
