@@ -128,6 +128,11 @@ class RequestBuilder:
         every prompt takes from its options; a grammar is checked against the tokenizer."""
         if options.grammar is not None:
             check_grammar(options.grammar, self._prompts.tokenizer)
+        if options.prompt_logprobs is not None and prompt.get("images"):
+            raise ValueError(
+                "prompt_logprobs is not supported for a prompt with images (an image's "
+                "positions are not vocabulary tokens); leave out the images or prompt_logprobs"
+            )
         return Request(
             progress=options.progress,
             matched=options.matched,

@@ -225,3 +225,11 @@ def test_a_model_without_a_chat_template_refuses_images_in_one_line(runner, monk
     with pytest.raises(ValueError, match="has no chat template, which images need"):
         runner.generate(_ask(noise_image(1)), max_tokens=2)
     assert runner.cache_tokens == held
+
+
+def test_prompt_logprobs_with_images_are_refused(runner):
+    """An image's positions hold placeholder ids outside the vocabulary: no log-probability
+    to report (gathered at them, they read past the logits)."""
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported for a prompt with"):
+        runner.generate(_ask(_png(56, 56)), max_tokens=2, prompt_logprobs=1)
+    assert runner.cache_tokens == []
