@@ -190,7 +190,8 @@ def _generate(
     except PrefillCancelled:
         yield stats.final_chunk("", "cancelled")
         return
-    if len(hit.remaining) >= plan.step_tokens:  # long enough to measure; weighs disk loads
+    # long enough to measure, and a plain prefill (not one that scores): weighs disk loads
+    if len(hit.remaining) >= plan.step_tokens and scorer is None:
         pool.prefill_tokens_per_s = len(hit.remaining) / (time.perf_counter() - start)
     window = _window(request, context, hit.entry)
     draft_cache = _draft_cache_for(hit.entry, request, context.draft, max_context)

@@ -126,3 +126,14 @@ def test_a_cancel_while_the_cached_prefix_is_scored_ends_the_request(loaded_tiny
     last = list(chunks)[-1]
     assert last.finish_reason == "cancelled" and last.prompt_logprobs is None
     assert runner.cache_tokens[: len(tokens)] == tokens
+
+
+def test_a_scored_prefill_is_not_measured_as_the_prefill_rate(loaded_tiny):
+    """The rate that weighs disk loads against prefilling is a plain prefill's: a scored one
+    also computes every position's logits (and feeds a cached prefix again)."""
+    loaded = loaded_tiny("llama")
+    runner = Runner(loaded, max_context=512, prefill_step_size=8)
+    _scored(runner, _prompt(loaded, 40))
+    assert runner._pool.prefill_tokens_per_s is None
+    runner.generate(_prompt(loaded, 41)[::-1], max_tokens=1)
+    assert runner._pool.prefill_tokens_per_s is not None
