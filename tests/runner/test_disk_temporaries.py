@@ -3,7 +3,7 @@ at the next start when that process was of this pid space (`files.pid_space`), e
 later at the earliest (`bad_files.ORPHAN_AGE_S`: a live writer in another container looks
 gone from here): the budget counts it meanwhile, so the directory keeps to `cache_dir_bytes`,
 and never removes it. A file with a temporary's name that this tier did not write counts for
-nothing and stays."""
+nothing and stays, whatever its pid space."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_killed_writes_of_this_pid_space_go_at_the_next_start(load_tiny, tmp_pat
     _, writer, block = _written(load_tiny, tmp_path)
     blocks_bytes = _disk_bytes(writer.directory)
     killed = [_temporary(writer.directory, name, block, pid_space()) for name in ("ab", "cd")]
-    truncated = _temporary(writer.directory, "ef", block[:5], pid_space())  # mid-header
+    empty = _temporary(writer.directory, "ef", b"", pid_space())  # killed before its header
     store = store_module.DiskStore(
         tmp_path,
         fingerprint=writer.fingerprint,
@@ -83,7 +83,7 @@ def test_killed_writes_of_this_pid_space_go_at_the_next_start(load_tiny, tmp_pat
         max_bytes=blocks_bytes,
         trimmable=True,
     )
-    assert not any(path.exists() for path in [*killed, truncated])
+    assert not any(path.exists() for path in [*killed, empty])
     assert store.best(np.asarray(FIRST, dtype=np.uint32), len(FIRST))[1] == len(FIRST)  # warm
     store.close()
 
@@ -104,3 +104,15 @@ def test_other_pid_spaces_wait_an_hour_and_foreign_files_stay(load_tiny, tmp_pat
     _store(model, tmp_path).close()  # opening scans the directory
     assert young.exists() and not old.exists() and not restarted.exists()
     assert foreign.exists() and foreign_here.exists()  # named like ours, not ours: left
+
+
+def test_a_stranger_named_like_this_spaces_temporary_stays(load_tiny, tmp_path):
+    """A user's file named as this pid space's temporary of a process gone was removed at
+    the next start (its header was never read); a write killed within its header stays too
+    (its few bytes prove nothing)."""
+    model, writer, block = _written(load_tiny, tmp_path)
+    stranger = _temporary(writer.directory, "ab", b"my notes, not the server's", pid_space())
+    truncated = _temporary(writer.directory, "cd", block[:5], pid_space())
+    _store(model, tmp_path).close()  # opening scans the directory
+    assert stranger.read_bytes() == b"my notes, not the server's"
+    assert truncated.exists()

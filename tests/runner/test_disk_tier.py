@@ -147,9 +147,12 @@ def test_keyboard_interrupt_during_a_write_leaves_no_file_that_loads(
     messages, _ = _chat(runner, 1)
     runner._pool.store.flush()
 
+    halves = []  # what the interrupted write left
+
     def interrupted(path, arrays, metadata):
         real_save(path, arrays, metadata)
-        Path(path).write_bytes(Path(path).read_bytes()[: os.path.getsize(path) // 2])
+        halves.append(Path(path).read_bytes()[: os.path.getsize(path) // 2])
+        Path(path).write_bytes(halves[-1])
         raise KeyboardInterrupt
 
     monkeypatch.setattr(mx, "save_safetensors", interrupted)
@@ -164,7 +167,7 @@ def test_keyboard_interrupt_during_a_write_leaves_no_file_that_loads(
     directory = runner._pool.store.directory
     here, elsewhere = store_files.pid_space(), "0" * 8
     leftover = directory / f".tmp-{int(dead.stdout)}-{here}-{'ab' * 16}{store_module.SUFFIX}"
-    leftover.write_bytes(b"half a file")
+    leftover.write_bytes(halves[0])  # its header says whose it is
     young = directory / f".tmp-{int(dead.stdout)}-{elsewhere}-{'cd' * 16}{store_module.SUFFIX}"
     young.write_bytes(b"being written, maybe by another container whose pids differ")
     restarted = make_runner("llama", cache_entries=2, cache_dir=tmp_path)

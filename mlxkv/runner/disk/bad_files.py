@@ -99,9 +99,10 @@ def remove_if_orphaned(path: Path) -> None:
     (`files.pid_space`) by a process id not running (a server killed mid-write: its next start
     frees the disk it took, which the budget counts). One named in another space (another
     container's, whose ids mean nothing here) waits `ORPHAN_AGE_S` after its last write, and
-    one named before spaces were, that and its id not running here; either stays when its
-    header does not prove it this tier's (a stranger named like one, or a write killed within
-    its first bytes: a few bytes, never counted in the budget)."""
+    one named before spaces were, that and its id not running here. Any stays when its header
+    does not prove it this tier's (a stranger named like one, even this space's: a user's file
+    went; or a write killed within its first bytes: a few bytes, never counted in the
+    budget), but for an empty one (nothing in it to lose)."""
     match = TEMPORARY_NAME.fullmatch(path.name)
     try:
         info = path.lstat()
@@ -112,8 +113,9 @@ def remove_if_orphaned(path: Path) -> None:
             return
     except (ValueError, OSError):
         return
-    elsewhere = space != pid_space()
-    if elsewhere and (time.time() - info.st_mtime < ORPHAN_AGE_S or _foreign(path)):
+    if space != pid_space() and time.time() - info.st_mtime < ORPHAN_AGE_S:
+        return
+    if info.st_size and _foreign(path):
         return
     with contextlib.suppress(OSError):
         path.unlink()
