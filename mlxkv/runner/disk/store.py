@@ -13,8 +13,7 @@ Invariants:
   - a file is never loaded unless its header parses, its fingerprint and signature match, its
     size is what the header says, its arrays are those its layout names in the shapes its
     token ids say (`blocks.check_block`) and its CRCs match; else it is removed, with one
-    warning (an error that proves nothing about the file, such as out of memory, keeps it: a
-    prefill);
+    warning (an error that proves nothing about the file, out of memory, keeps it: a prefill);
   - a file appears under its final name only complete (temporary name, CRCs patched in,
     fsync, atomic rename, directory fsync): an interrupted write leaves at most a temporary
     file, which indexing ignores, the budget counts, and a scan removes once its writer is gone;
@@ -352,7 +351,8 @@ class DiskStore:
         parent = job.metadata.get("parent")
         if parent is not None and not self._written_or_queued(parent + SUFFIX):
             record = None  # removed here since the job was put
-        else:
+        else:  # room first: evicted for after it was written, it took the directory over
+            self.enforce_budget(incoming_bytes=job.file_bytes)  # (and a kill kept it so)
             record = write_file(self.directory, job, self._directory_lock, self._indexed)
         if record is None:
             logger.debug("disk cache: %s not saved: the block before it is gone", job.name)
@@ -396,15 +396,15 @@ class DiskStore:
 
     # -- budget ---------------------------------------------------------------------------
 
-    def enforce_budget(self, keep: Path | None = None) -> None:
-        """Removes this tier's files (of any model under `root`) until they, this model's
-        reply records and the temporary files (`temporary_bytes`: never removed here) fit in
-        `max_bytes`: files another file supersedes first, then the least recently used (the
-        records of the chains removed go with them)."""
+    def enforce_budget(self, keep: Path | None = None, incoming_bytes: int = 0) -> None:
+        """Removes this tier's files (of any model under `root`) until they, this model's reply
+        records, the temporary files (`temporary_bytes`: never removed here) and a file of
+        `incoming_bytes` to be written fit in `max_bytes`: files another file supersedes first,
+        then the least recently used (the records of the chains removed go with them)."""
         with self._lock:
             records = dict(self._records)
         files = tier_files(self.root, self.directory, set(records), self._theirs)
-        total = sum(size for _, size, _ in files) + self.replies.nbytes
+        total = sum(size for _, size, _ in files) + self.replies.nbytes + incoming_bytes
         total += temporary_bytes(model_directories(self.root), self._theirs)
         if total <= self.max_bytes:
             return  # the order below costs more than this sum

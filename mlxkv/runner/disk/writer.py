@@ -45,6 +45,11 @@ class WriteJob:
     name: str
     held_bytes: int
 
+    @property
+    def file_bytes(self) -> int:
+        """About the bytes of its file: its arrays and its header."""
+        return sum(a.nbytes for a in self.arrays.values()) + len(json.dumps(self.metadata))
+
 
 @dataclass(frozen=True)
 class PendingWrites:
@@ -205,8 +210,7 @@ def write_file(
             with contextlib.suppress(OSError):
                 temporary.unlink(missing_ok=True)
     except RuntimeError as error:  # MLX says "Unable to write N bytes" and not why
-        needed_bytes = sum(a.nbytes for a in job.arrays.values()) + len(json.dumps(job.metadata))
-        raise OSError(why_unwritten(directory, needed_bytes, error)) from error
+        raise OSError(why_unwritten(directory, job.file_bytes, error)) from error
     return indexed
 
 
