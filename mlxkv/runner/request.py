@@ -65,6 +65,8 @@ class Request:
         reply_start: where the prompt continues a last message (Anthropic's prefill), its text
             and the ids `tokens` end with for it: the reply is known by that text and its own
             together, as the client sends them back (`text.replies`); None: not continued.
+        continues_text: a raw prompt (text or token ids, not chat messages): the reply goes
+            on with its text, its first token's space kept ("France is" + " Paris").
     """
 
     tokens: list[int]
@@ -87,6 +89,7 @@ class Request:
     reply_cuts: ImageChat | None = None
     reply_key: ReplyKey | None = None
     reply_start: ReplyStart | None = None
+    continues_text: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -75,6 +75,9 @@ class GenerationChunk:
             cached tokens (known before any text, e.g. for a response header).
         prompt_logprobs: where the request asked for them, on the chunks with `prompt`: the
             prompt's own log-probabilities.
+        end_token: on the final chunk of a reply that EOS ended: that token (sampled and
+            counted in `generation_tokens`, never streamed as text).
+        end_logprob: with `end_token`, its log-probabilities when the request asked for them.
     """
 
     text: str
@@ -84,6 +87,8 @@ class GenerationChunk:
     logprob: TokenLogprob | None = None
     prompt: PromptUsage | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    end_token: int | None = None
+    end_logprob: TokenLogprob | None = None
 
 
 class CompletionStats:
@@ -127,9 +132,15 @@ class CompletionStats:
         )
 
     def final_chunk(
-        self, text: str, finish_reason: str, stop_string: str | None = None
+        self,
+        text: str,
+        finish_reason: str,
+        stop_string: str | None = None,
+        end: tuple[int, TokenLogprob | None] | None = None,
     ) -> GenerationChunk:
-        """The last chunk of a stream: its text, the reason it ended and the Completion."""
+        """The last chunk of a stream: its text, the reason it ended and the Completion; `end`:
+        the EOS token that ended it, and its log-probabilities."""
+        end_token, end_logprob = end or (None, None)
         return GenerationChunk(
             text=text,
             token=None,
@@ -137,6 +148,8 @@ class CompletionStats:
             completion=self.completion(finish_reason, stop_string),
             prompt=self.usage(),
             prompt_logprobs=self.prompt_logprobs,
+            end_token=end_token,
+            end_logprob=end_logprob,
         )
 
     def usage(self) -> PromptUsage:

@@ -95,3 +95,14 @@ def test_messages_name_the_gguf_file_not_its_converted_folder(smollm2):
     assert smollm2.name.endswith(".gguf") and smollm2.name != smollm2.path.name
     with pytest.raises(ValueError, match=rf"model '{smollm2.name}'"):
         Runner(smollm2).embed(["hi"], dimensions=10**6)
+
+
+def test_a_raw_prompts_reply_keeps_its_first_space(smollm2):
+    """A raw prompt's reply goes on with its text: "France is" + " Paris" (mlx-lm's streaming
+    detokenizer drops a reply's first space, as at a message's start: echoed by the text
+    completions, "isParis"); a chat reply starts its message as before."""
+    runner = Runner(smollm2)
+    raw = runner.generate("The capital of France is", max_tokens=3)
+    assert raw.text.startswith(" Paris"), raw.text
+    chat = runner.generate([{"role": "user", "content": "Capital of France?"}], max_tokens=3)
+    assert not chat.text.startswith(" "), chat.text

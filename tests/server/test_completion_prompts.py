@@ -19,7 +19,7 @@ import pytest
 from mlxkv import Runner
 from mlxkv.runner.results import Completion
 from mlxkv.server.reply.choices import choice_seed, combined
-from tests.server.conftest import serve
+from tests.server.conftest import SCRIPT, serve
 from tests.tolerances import LOGPROB_ABS
 
 PROMPTS = ["Once upon a time there was a cat who", "The recipe for bread begins with"]
@@ -183,3 +183,32 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(loaded_tiny, s
     assert plain.usage.prompt_tokens_details.cached_tokens >= len(context) - 1
     if stream:
         assert parts[0].choices[0].text == loaded.tokenizer.decode(tokens)  # the echo first
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("echo", [False, True], ids=["generated", "echoed"])
+def test_an_eos_that_ends_the_reply_has_its_logprob(scripted_dir, stream, echo):
+    """The scripted model writes EOS right after its script's last piece: that token is
+    generated (one in the usage) and has its log-probability, last (lm-evaluation-harness
+    reads `token_logprobs[ctxlen:-1]`: without it, the continuation's own went, and the
+    choice scored 0.0, greedy, over the others)."""
+    runner = Runner.load(scripted_dir)
+    tokenizer = runner.tokenizer
+    prompt = tokenizer.encode("Let") + [tokenizer.convert_tokens_to_ids(SCRIPT[-1])]
+    eos = tokenizer.eos_token_ids
+    chunks = list(runner.stream(prompt, max_tokens=1, logprobs=1))
+    assert chunks[-1].end_token in eos and chunks[-1].completion.generation_tokens == 1
+    want = chunks[-1].end_logprob.logprob
+    with serve(runner) as served:
+        reply = served.openai(timeout=120).completions.create(
+            model="m", prompt=[prompt], echo=echo, logprobs=1, max_tokens=1, temperature=0,
+            stream=stream, stream_options={"include_usage": True} if stream else None,
+        )  # fmt: skip
+        parts = list(reply) if stream else [reply]
+    logprobs = [
+        v for p in parts for c in p.choices if c.logprobs for v in c.logprobs.token_logprobs
+    ]
+    finishes = [c.finish_reason for p in parts for c in p.choices if c.finish_reason]
+    assert finishes == ["stop"] and parts[-1].usage.completion_tokens == 1
+    assert len(logprobs) == (len(prompt) if echo else 0) + 1
+    assert logprobs[-1] == pytest.approx(want, abs=LOGPROB_ABS) and want > -1.0

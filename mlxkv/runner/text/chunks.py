@@ -30,8 +30,9 @@ def emit_chunks(
     string, and the request's cancel flag end it (the generator `decoded` is then left, which
     stops the model)."""
     stops = StopStrings(request.params.stop)
-    detokenizer = _detokenizer(tokenizer, continues=request.reply_start is not None)
-    finish, cut_by_stop_string = "length", False
+    continues = request.reply_start is not None or request.continues_text
+    detokenizer = _detokenizer(tokenizer, continues=continues)
+    finish, cut_by_stop_string, end = "length", False, None
     for token in decoded:
         if token is PAUSE:  # batched decoding lets other work run first
             yield PAUSE
@@ -39,7 +40,7 @@ def emit_chunks(
         stats.sampled()
         logprob = pick.pop_logprob()
         if token in tokenizer.eos_token_ids:
-            finish = "stop"
+            finish, end = "stop", (token, logprob)
             break
         detokenizer.add_token(token)
         text, stopped = stops.push(detokenizer.last_segment)
@@ -59,14 +60,14 @@ def emit_chunks(
         if stopped and finish == "length":
             finish = "stop"
         stats.text.append(tail)
-    yield stats.final_chunk(tail, finish, stops.matched)
+    yield stats.final_chunk(tail, finish, stops.matched, end)
 
 
 def _detokenizer(tokenizer: Any, *, continues: bool) -> Any:
     """mlx-lm's streaming detokenizer, which drops the space a reply's first token holds (a
-    reply begins a message); for a reply that continues one (Anthropic's prefill, where the
-    request knows its start: `Request.reply_start`) it is primed with a letter first, so the
-    space stays: "France is" + " Paris", not "isParis"."""
+    reply begins a message); for a reply that continues text (Anthropic's prefill, where the
+    request knows its start: `Request.reply_start`; a raw prompt's: `continues_text`) it is
+    primed with a letter first, so the space stays: "France is" + " Paris", not "isParis"."""
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     if continues:

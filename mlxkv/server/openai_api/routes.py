@@ -31,6 +31,7 @@ from mlxkv.server.reply.turn import (
     Event,
     ReasoningDelta,
     TextDelta,
+    TokenInfo,
     Turn,
     collect_each,
 )
@@ -142,7 +143,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context):
         {
             "index": index,
             "text": echoes[index] + _text(events),
-            "logprobs": None if body.logprobs is None else _legacy_logprobs(events, turn),
+            "logprobs": None
+            if body.logprobs is None
+            else _legacy_logprobs(events, turn, tail=turn.end_logprob),
             "finish_reason": _finish_reason(completion, []),
         }
         for index, ((events, completion), turn) in enumerate(
@@ -247,7 +250,9 @@ async def _completion_events(
             logprobs = _legacy_logprobs([event]) if scored else None
             yield chunk(index, event.text, logprobs)
         elif isinstance(event, Completion):
-            yield chunk(index, "", finish=_finish_reason(event, []))
+            end = choices.turns[index].end_logprob if scored else None
+            logprobs = _legacy_logprobs([], tail=end) if end else None
+            yield chunk(index, "", logprobs, finish=_finish_reason(event, []))
             ended[index] = event
     for event in _stream_end(reply, ended, choices, body.include_usage):
         yield event
@@ -302,12 +307,18 @@ def _chat_logprobs(events: list[Event]) -> list[dict[str, Any]]:
     return openai_logprobs(t for e in deltas for t in e.logprobs)
 
 
-def _legacy_logprobs(events: list[Event], echoed: Turn | None = None) -> dict[str, Any]:
+def _legacy_logprobs(
+    events: list[Event], echoed: Turn | None = None, tail: TokenInfo | None = None
+) -> dict[str, Any]:
     """The completions endpoint's older shape: parallel lists per token; first the prompt's
-    own where the turn of an `echoed` prompt scored it (its first token's null)."""
+    own where the turn of an `echoed` prompt scored it (its first token's null), last the
+    EOS that ended the reply (`tail`: a generated token, counted in the usage; without it,
+    lm-evaluation-harness's `token_logprobs[ctxlen:-1]` dropped the continuation's last)."""
     tokens = [t for e in events if isinstance(e, TextDelta) for t in e.logprobs]
     if echoed is not None and echoed.prompt_logprobs is not None:
         tokens = echoed.prompt_logprobs + tokens
+    if tail is not None:
+        tokens = [*tokens, tail]
     offsets, at = [], 0
     for token in tokens:
         offsets.append(at)

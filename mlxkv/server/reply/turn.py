@@ -23,7 +23,7 @@ from starlette.requests import Request
 
 from mlxkv.decoding.picker import TokenLogprob
 from mlxkv.decoding.prefill.scoring import PromptLogprobs
-from mlxkv.runner.results import Completion, PromptUsage
+from mlxkv.runner.results import Completion, GenerationChunk, PromptUsage
 from mlxkv.runner.text.replies import ReplyKey, call_reply_key
 from mlxkv.server.errors import ApiError
 from mlxkv.server.reply.thinking_split import (
@@ -90,6 +90,8 @@ class Turn:
         self.prompt: PromptUsage | None = None  # known from the first event on
         # the prompt's own log-probabilities where asked for (`prompt_logprobs`), as `prompt`
         self.prompt_logprobs: list[TokenInfo] | None = None
+        # the EOS that ended the reply, with logprobs: never text, yet a generated token
+        self.end_logprob: TokenInfo | None = None
         # Tokens of the model's thinking (OpenAI's `reasoning_tokens`): those with a thought
         # open before or after them, its tags included.
         self.reasoning_tokens = 0
@@ -130,8 +132,7 @@ class Turn:
         yielded_s = time.monotonic()
         async for chunk in self._stream:
             self.prompt = self.prompt or chunk.prompt
-            if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
-                self.prompt_logprobs = self._prompt_infos(chunk.prompt_logprobs)
+            self._note_ends(chunk)
             self.generated_tokens += chunk.token is not None
             if self._with_logprobs and chunk.logprob is not None:
                 pending.append(self._token_info(chunk.token, chunk.logprob))
@@ -165,6 +166,13 @@ class Turn:
 
     def _pieces(self, text: str, ended: bool) -> list[Piece | Thought]:
         return _split(text, ended, self._splitter, self._thinking)
+
+    def _note_ends(self, chunk: GenerationChunk) -> None:
+        """Keeps the prompt's own log-probabilities and the ending EOS's, where they come."""
+        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = self._prompt_infos(chunk.prompt_logprobs)
+        if self._with_logprobs and chunk.end_logprob is not None:
+            self.end_logprob = self._token_info(chunk.end_token, chunk.end_logprob)
 
     def _prompt_infos(self, scored: PromptLogprobs) -> list[TokenInfo]:
         """Each prompt token's `TokenInfo`, the first's without log-probabilities (None, no
