@@ -41,6 +41,17 @@ def _written(load_tiny, tmp_path):
     return model, writer, block
 
 
+def _reopened(store, root, max_bytes: int) -> store_module.DiskStore:
+    """`store`'s directory opened again (its scan done) under a budget of `max_bytes`."""
+    return store_module.DiskStore(
+        root,
+        fingerprint=store.fingerprint,
+        signature=store.signature,
+        max_bytes=max_bytes,
+        trimmable=True,
+    )
+
+
 def _disk_bytes(directory) -> int:
     return sum(path.stat().st_size for path in directory.iterdir())
 
@@ -55,13 +66,7 @@ def test_a_temporary_file_a_killed_write_left_counts_in_the_budget(load_tiny, tm
     counted = _store(model, tmp_path)
     assert counted.nbytes == held_bytes
     counted.close()
-    store = store_module.DiskStore(  # opened under a budget one byte short of them all
-        tmp_path,
-        fingerprint=counted.fingerprint,
-        signature=counted.signature,
-        max_bytes=held_bytes - 1,
-        trimmable=True,
-    )
+    store = _reopened(counted, tmp_path, held_bytes - 1)  # a byte short of them all
     assert half.exists() and stranger.exists()  # young: their writers may live
     assert _disk_bytes(store.directory) - strangers_bytes <= store.max_bytes
     assert store.nbytes <= store.max_bytes
@@ -77,13 +82,7 @@ def test_killed_writes_of_this_pid_space_go_at_the_next_start(load_tiny, tmp_pat
     blocks_bytes = _disk_bytes(writer.directory)
     killed = [_temporary(writer.directory, name, block, pid_space()) for name in ("ab", "cd")]
     empty = _temporary(writer.directory, "ef", b"", pid_space())  # killed before its header
-    store = store_module.DiskStore(
-        tmp_path,
-        fingerprint=writer.fingerprint,
-        signature=writer.signature,
-        max_bytes=blocks_bytes,
-        trimmable=True,
-    )
+    store = _reopened(writer, tmp_path, blocks_bytes)
     assert not any(path.exists() for path in [*killed, empty])
     assert store.best(np.asarray(FIRST, dtype=np.uint32), len(FIRST))[1] == len(FIRST)  # warm
     store.close()
@@ -128,13 +127,7 @@ def test_the_directory_keeps_to_its_budget_while_a_block_is_written(
     it went over, and a kill then kept it over until the next start)."""
     model, writer, _ = _written(load_tiny, tmp_path)
     budget_bytes = _disk_bytes(writer.directory)
-    store = store_module.DiskStore(
-        tmp_path,
-        fingerprint=writer.fingerprint,
-        signature=writer.signature,
-        max_bytes=budget_bytes,
-        trimmable=True,
-    )
+    store = _reopened(writer, tmp_path, budget_bytes)
     store.block_tokens = writer.block_tokens
     held: list[int] = []  # the directory's bytes with each temporary file whole
     save = mx.save_safetensors
