@@ -351,8 +351,7 @@ class DiskStore:
         parent = job.metadata.get("parent")
         if parent is not None and not self._written_or_queued(parent + SUFFIX):
             record = None  # removed here since the job was put
-        else:  # room first: evicted for after it was written, it took the directory over
-            self.enforce_budget(incoming_bytes=job.file_bytes)  # (and a kill kept it so)
+        else:
             record = write_file(self.directory, job, self._directory_lock, self._indexed)
         if record is None:
             logger.debug("disk cache: %s not saved: the block before it is gone", job.name)
@@ -396,15 +395,15 @@ class DiskStore:
 
     # -- budget ---------------------------------------------------------------------------
 
-    def enforce_budget(self, keep: Path | None = None, incoming_bytes: int = 0) -> None:
-        """Removes this tier's files (of any model under `root`) until they, this model's reply
-        records, the temporary files (`temporary_bytes`: never removed here) and a file of
-        `incoming_bytes` to be written fit in `max_bytes`: files another file supersedes first,
-        then the least recently used (the records of the chains removed go with them)."""
+    def enforce_budget(self, keep: Path | None = None) -> None:
+        """Removes this tier's files (of any model under `root`) until they, this model's
+        reply records and the temporary files (`temporary_bytes`: never removed here) fit in
+        `max_bytes`: files another file supersedes first, then the least recently used (the
+        records of the chains removed go with them). Run after each write (docs/disk.md)."""
         with self._lock:
             records = dict(self._records)
         files = tier_files(self.root, self.directory, set(records), self._theirs)
-        total = sum(size for _, size, _ in files) + self.replies.nbytes + incoming_bytes
+        total = sum(size for _, size, _ in files) + self.replies.nbytes
         total += temporary_bytes(model_directories(self.root), self._theirs)
         if total <= self.max_bytes:
             return  # the order below costs more than this sum
