@@ -33,6 +33,7 @@ def main(model_dir: str, out_dir: str) -> None:
                 "logprobs": logprobs,
                 "layers": len(runner.loaded.model.layers),  # this rank's: pipeline splits them
                 "tokens": None if completion is None else completion.tokens,
+                "text": None if completion is None else completion.text,
                 "cached": None if completion is None else completion.cached_tokens,
                 "finish": None if completion is None else completion.finish_reason,
                 "held": runner.cache_tokens,

@@ -146,6 +146,8 @@ def test_both_ranks_hold_the_same_tokens_and_half_the_bytes_after_every_request(
     assert len(rank0) == len(rank1) == len(single) == CHAT_TURNS + 9
     for i, (one, zero, other) in enumerate(zip(single, rank0, rank1, strict=True)):
         assert zero["held"] == other["held"], f"request {i}"
+        if zero["text"] is not None:  # the same text, a raw prompt's first space too (stop
+            assert zero["text"] == other["text"], f"request {i}"  # strings are matched on it)
         if i != CHAT_TURNS + 4:  # the sampled one draws a seed of its own
             assert zero["held"] == one["held"], f"request {i}"
         assert zero["allocated_bytes"] == other["allocated_bytes"], f"request {i}"

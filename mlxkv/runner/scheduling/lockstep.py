@@ -45,6 +45,7 @@ from mlxkv.runner.prompt_cache.report import MemoryReport
 from mlxkv.runner.request import Request
 from mlxkv.runner.results import Completion, GenerationChunk
 from mlxkv.runner.scheduling.engine import EngineThread
+from mlxkv.runner.text.replies import ReplyStart
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +239,7 @@ class Lockstep:
 
     def announce_request(self, request: Request) -> None:
         """Leader: sends the request (`prepare`d) to the followers."""
+        start = request.reply_start
         self.broadcast(
             {
                 "op": "request",
@@ -253,6 +255,10 @@ class Lockstep:
                 "speculative": request.speculative,
                 "grammar": request.grammar,
                 "cache_salt": request.cache_salt,
+                # how its text begins: a stop string matched on one rank's text alone ends
+                # that rank's request, and the others wait for it in their next collective
+                "continues_text": request.continues_text,
+                "reply_start": start and dataclasses.asdict(start),
             }
         )
 
@@ -300,6 +306,8 @@ class Lockstep:
             speculative=message["speculative"],
             grammar=message["grammar"],
             cache_salt=message["cache_salt"],
+            continues_text=message["continues_text"],
+            reply_start=message["reply_start"] and ReplyStart(**message["reply_start"]),
         )
         return "request", request
 
