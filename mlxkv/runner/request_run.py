@@ -27,8 +27,8 @@ from mlxkv.decoding.drafts import DraftModel, NgramDrafter
 from mlxkv.decoding.grammar import grammar_processor
 from mlxkv.decoding.pause import PAUSE, Pause
 from mlxkv.decoding.picker import TokenPicker
-from mlxkv.decoding.prefill.chunks import fill, fill_steps
-from mlxkv.decoding.prefill.scoring import PromptScorer
+from mlxkv.decoding.prefill.chunks import PrefillPlan, fill, fill_steps
+from mlxkv.decoding.prefill.scoring import SCORED_STEP_TOKENS, PromptScorer
 from mlxkv.decoding.speculative import DraftLength, Speculation
 from mlxkv.errors import RestoreBroken
 from mlxkv.models.vision import ImagePrompt
@@ -172,20 +172,20 @@ def _generate(
     max_context = context.config.max_context
     model = loaded.model
     start = time.perf_counter()
-    scorer = _prompt_scorer(request)
+    scorer, fill_plan = _scoring(request, plan)
     try:
-        fill = functools.partial(
-            fill_prompt, model, request, stats=stats, plan=plan, scorer=scorer,
+        feed = functools.partial(
+            fill_prompt, model, request, stats=stats, plan=fill_plan, scorer=scorer,
             together=_prefilled_with(request, batching),
         )  # fmt: skip
         try:
-            logits = yield from fill(hit)
+            logits = yield from feed(hit)
         except RestoreBroken:  # before any chunk was fed: the first forward uses every layer
             hit = restore_again(pool.store, hit, request.tokens)
             stats.cached = hit.num_cached
-            logits = yield from fill(hit)
+            logits = yield from feed(hit)
         if scorer is not None:
-            yield from _score_cached(request, context, hit.num_cached, scorer)
+            yield from _score_cached(request, context, hit.num_cached, scorer, fill_plan)
             stats.prompt_logprobs = scorer.result()
     except PrefillCancelled:
         yield stats.final_chunk("", "cancelled")
@@ -250,18 +250,26 @@ def _held_prompt(request: Request, context: RunContext) -> tuple[list[int], tupl
     return list(request.tokens), request.images
 
 
-def _prompt_scorer(request: Request) -> PromptScorer | None:
+def _scoring(request: Request, plan: PrefillPlan) -> tuple[PromptScorer | None, PrefillPlan]:
+    """The scorer of a request that asks for its prompt's log-probabilities, and the plan its
+    prefill runs with: chunks of at most `SCORED_STEP_TOKENS`."""
     if request.prompt_logprobs is None:
-        return None
-    return PromptScorer(request.tokens, request.prompt_logprobs)
+        return None, plan
+    step_tokens = min(plan.step_tokens, SCORED_STEP_TOKENS)
+    scorer = PromptScorer(request.tokens, request.prompt_logprobs)
+    return scorer, dataclasses.replace(plan, step_tokens=step_tokens)
 
 
 def _score_cached(
-    request: Request, context: RunContext, num_cached: int, scorer: PromptScorer
+    request: Request,
+    context: RunContext,
+    num_cached: int,
+    scorer: PromptScorer,
+    plan: PrefillPlan,
 ) -> Iterator[Pause]:
     """Scores the prompt's first `num_cached` positions, which the cache supplied (its K/V
-    hold no logits): fed again on a cache of their own, dropped after; pauses (yields
-    `PAUSE`) after each chunk, where other requests run.
+    hold no logits): fed again on a cache of their own, outside the pool's budget, dropped
+    after; pauses (yields `PAUSE`) between chunks, where other requests run.
 
     Raises:
         PrefillCancelled: the request was cancelled.
@@ -270,10 +278,11 @@ def _score_cached(
         return
     config, model = context.config, context.loaded.model
     cache = make_cache(model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
-    for _ in fill_steps(model, cache, request.tokens[:num_cached], context.plan, scorer):
+    for done in fill_steps(model, cache, request.tokens[:num_cached], plan, scorer):
         if request.cancelled.is_set():
             raise PrefillCancelled
-        yield PAUSE
+        if done < num_cached:
+            yield PAUSE
 
 
 def _prefilled_with(request: Request, batching: Batching | None) -> PrefillGroup | None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from mlxkv import Runner
+from mlxkv.decoding.prefill import scoring
 from tests.tolerances import LOGPROB_ABS
 
 TEXT = "the cat sat on a mat and then it ran far away to the sea"
@@ -137,3 +138,23 @@ def test_a_scored_prefill_is_not_measured_as_the_prefill_rate(loaded_tiny):
     assert runner._pool.prefill_tokens_per_s is None
     runner.generate(_prompt(loaded, 41)[::-1], max_tokens=1)
     assert runner._pool.prefill_tokens_per_s is not None
+
+
+def test_a_scored_prefill_feeds_chunks_of_at_most_the_scored_step(loaded_tiny, monkeypatch):
+    """Each chunk's logits over the vocabulary are kept in float32: a 2,048-token step (a
+    GPU's) of a 152k vocabulary held 1.2 GB a copy; a scored prefill feeds at most
+    `SCORED_STEP_TOKENS` a call, its cached prefix too."""
+    loaded = loaded_tiny("llama")
+    runner = Runner(loaded, max_context=2048, prefill_step_size=1024)
+    tokens = _prompt(loaded, 700)
+    runner.generate(tokens[:400], max_tokens=1)
+    rows: list[int] = []
+    score = scoring.PromptScorer.score
+    monkeypatch.setattr(
+        scoring.PromptScorer, "score", lambda self, logits, at: rows.append(logits.shape[1])
+        or score(self, logits, at),
+    )  # fmt: skip
+    scored, completion = _scored(runner, tokens)
+    assert completion.cached_tokens >= 399 and max(rows) == scoring.SCORED_STEP_TOKENS
+    assert sum(rows) == len(tokens) - 1
+    _check(loaded, scored, tokens, 3)

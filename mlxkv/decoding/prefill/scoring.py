@@ -18,6 +18,11 @@ import mlx.core as mx
 
 from mlxkv.decoding.picker import TokenLogprob
 
+# Most prompt tokens per model call of a prefill that scores: each chunk's logits over the
+# whole vocabulary are kept and copied in float32 (2,048 positions of a 152k vocabulary are
+# 1.2 GB a copy; 256 are 156 MB).
+SCORED_STEP_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class PromptLogprobs:
