@@ -167,7 +167,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(loaded_tiny, s
         reply = client.completions.create(prompt=[tokens], stream=stream, **body)
         parts = list(reply) if stream else [reply]
         plain = client.completions.create(prompt=[tokens], **body)
-    logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for part in parts:
         for choice in part.choices:
             for field in logprobs:
@@ -183,6 +183,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(loaded_tiny, s
         assert value == pytest.approx(want[position].max(), abs=LOGPROB_ABS, rel=1e-4)
     assert logprobs["tokens"][1:-1] == [loaded.tokenizer.decode([t]) for t in tokens[1:]]
     assert plain.usage.prompt_tokens_details.cached_tokens >= len(context) - 1
+    assert logprobs["text_offset"] == plain.choices[0].logprobs.text_offset  # streamed too
     if stream:
         assert parts[0].choices[0].text == loaded.tokenizer.decode(tokens)  # the echo first
 

@@ -227,9 +227,14 @@ async def _completion_events(
 ) -> AsyncIterator[str]:
     """Each choice's echoed prompt (at once; with its log-probabilities, once they are
     known: with the choice's first event), then its text chunks as they come; a long wait
-    (`early_events`) sends one of empty text."""
+    (`early_events`) sends one of empty text. A token's `text_offset` runs on through its
+    choice, as in one response (each chunk's began at 0)."""
+    at = [0] * len(choices.turns)  # characters of each choice's tokens so far
 
     def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> str:
+        if logprobs is not None:
+            logprobs["text_offset"] = [at[index] + offset for offset in logprobs["text_offset"]]
+            at[index] += sum(len(token) for token in logprobs["tokens"])
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return sse(reply.body([choice]))
 
