@@ -28,7 +28,7 @@ from mlxkv.errors import ContextLengthError
 from mlxkv.runner.context import chat_cut, fit_prompt
 from mlxkv.runner.request import Request, RequestOptions
 from mlxkv.runner.text.landmarks import Landmarks
-from mlxkv.runner.text.messages import Message, Tools, is_messages, leading_system_messages
+from mlxkv.runner.text.messages import Message, Tools, leading_system_messages
 from mlxkv.runner.text.prompt import Prompt, PromptEncoder
 from mlxkv.runner.text.replies import ReplyStart, StoredReplyIds, replies_for
 from mlxkv.runner.text.tokenizer_facts import TokenFloor
@@ -121,7 +121,7 @@ class RequestBuilder:
             params=params,
             cut_start=cut_start,
             reply_start=_held_start(marks.reply_start, fitted.tokens),
-            continues_text=not is_messages(prompt),
+            continues_text=not marks.chat,
         )
 
     def _request(self, options: RequestOptions, salt: str | None, **prompt: Any) -> Request:
